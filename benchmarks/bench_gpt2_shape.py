@@ -1,0 +1,164 @@
+"""Performance of a converted GPT-2-small-shaped model against its source, as ratios measured in one process.
+
+Shape: 12 layers, d_model 768, 12 heads, d_mlp 3072, vocab 50257, n_ctx 1024, gelu_new, random weights; default
+conversion options. Source: a HookedTransformer (TransformerLens 3.x) or a TransformerBridge over Hugging Face's
+GPT2LMHeadModel (3.9 / 4.x), built offline. Prints a markdown table (the README's performance section).
+
+    python benchmarks/bench_gpt2_shape.py [--source hooked|bridge] [--repeats 5] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import lens_aot
+from lens_aot.read import run_source
+
+SHAPE = dict(n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=1024)
+
+
+def build_source(kind: str, device: str) -> Any:
+    """A random-weight GPT-2-small-shaped source model."""
+    torch.manual_seed(0)
+    if kind == "hooked":
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        cfg = HookedTransformerConfig(**SHAPE, act_fn="gelu_new", normalization_type="LN", device=device, seed=0)
+        return HookedTransformer(cfg).eval()
+    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_cfg = GPT2Config(
+        vocab_size=SHAPE["d_vocab"], n_positions=SHAPE["n_ctx"], n_embd=SHAPE["d_model"], n_layer=SHAPE["n_layers"],
+        n_head=SHAPE["n_heads"], n_inner=SHAPE["d_mlp"], activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(hf_cfg).eval().to(device)
+    return build_bridge_from_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
+
+
+def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by a cache's tensors (shared storage counted once)."""
+    items = cache.cache_dict.items() if hasattr(cache, "cache_dict") else cache.items()
+    seen: dict[int, int] = {}
+    for _, t in items:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    kind = args.source
+    if kind == "auto":
+        try:
+            from transformer_lens import HookedTransformer  # noqa: F401
+
+            kind = "hooked"
+        except ImportError:
+            kind = "bridge"
+    device = args.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    source = build_source(kind, device)
+
+    start = time.perf_counter()
+    aot = lens_aot.convert(source, check=False)
+    convert_s = time.perf_counter() - start
+    aot.eval()
+
+    rows: list[tuple[str, float, float, float, str]] = []
+    gen = torch.Generator().manual_seed(0)
+
+    def toks(n: int) -> torch.Tensor:
+        return torch.randint(0, SHAPE["d_vocab"], (1, n), generator=gen).to(device)
+
+    with torch.no_grad():
+        for n in (128, 1024):
+            t = toks(n)
+            src_s = timed(lambda t=t: run_source(source, t), args.repeats, sync)
+            aot_s = timed(lambda t=t: aot(t), args.repeats, sync)
+            rows.append((f"forward, {n} tokens", src_s, aot_s, aot_s / src_s, "≤ 1.25"))
+        t = toks(256)
+        src_s = timed(lambda: source.run_with_cache(t), args.repeats, sync)
+        aot_s = timed(lambda: aot.run_with_cache(t), args.repeats, sync)
+        rows.append(("run_with_cache, 256 tokens", src_s, aot_s, aot_s / src_s, "≤ 2"))
+        _, src_cache = source.run_with_cache(t)
+        src_b = cache_bytes(src_cache)
+        del src_cache
+        gc.collect()
+        _, aot_cache = aot.run_with_cache(t)
+        aot_b = cache_bytes(aot_cache)
+        del aot_cache
+        gc.collect()
+        # pattern access in the standard shape still works
+        _, aot_cache = aot.run_with_cache(t, names_filter=lambda name: name == "blocks.1.attn.hook_pattern")
+        assert aot_cache["blocks.1.attn.hook_pattern"].shape == (1, aot.cfg.n_heads_per_block[1], 256, 256)
+        del aot_cache
+        gc.collect()
+
+    def backward(model: Any, t: torch.Tensor) -> float:
+        model.zero_grad(set_to_none=True)
+        logits = run_source(model, t) if model is source else model(t)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], t[0, 1:])
+        start = time.perf_counter()
+        loss.backward()
+        sync()
+        return time.perf_counter() - start
+
+    t = toks(128)
+    backward(source, t), backward(aot, t)  # warm-up
+    src_bw = statistics.median(backward(source, t) for _ in range(args.repeats))
+    aot_bw = statistics.median(backward(aot, t) for _ in range(args.repeats))
+    rows.append(("backward, 128 tokens", src_bw, aot_bw, aot_bw / src_bw, "≤ 1.5"))
+
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if device.startswith("cuda"):
+        machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    print(f"GPT-2-small shape, gelu_new, source {type(source).__name__}, {device} ({machine})")
+    print(f"conversion: {aot.report.heads_per_neuron} heads per neuron, bound {aot.report.max_neuron_error:.0e}\n")
+    print("| measure | source | converted | ratio | target |")
+    print("|---|---|---|---|---|")
+    for name, a, b, ratio, target in rows:
+        print(f"| {name} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {ratio:.2f}× | {target} |")
+    print(f"| run_with_cache bytes, 256 tokens | {src_b / 2**20:.0f} MiB | {aot_b / 2**20:.0f} MiB | "
+          f"{aot_b / src_b:.2f}× | ≤ 3 |")  # fmt: skip
+    sb, ab = param_bytes(source), param_bytes(aot)
+    print(f"| parameter bytes | {sb / 2**20:.0f} MiB | {ab / 2**20:.0f} MiB | {ab / sb:.2f}× | ≤ 1.5 |")
+    print(f"| conversion time | | {convert_s:.2f} s | | < 10 s |")
+
+
+if __name__ == "__main__":
+    main()

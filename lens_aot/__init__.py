@@ -1,0 +1,39 @@
+"""lens_aot: turn a TransformerLens model's MLP neurons into attention heads (Huben & Morris 2023).
+
+>>> import lens_aot
+>>> aot = lens_aot.convert(model)          # HookedTransformer (TL 3.x) or TransformerBridge (TL 3.9 / 4.x)
+>>> logits, cache = aot.run_with_cache(tokens)
+>>> ref = aot.neuron_heads(layer, neuron)[0]
+>>> cache[f"{ref.name}.hook_pattern"][:, ref.head]   # that neuron's attention pattern
+"""
+
+from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.convert import ConversionReport, convert
+from lens_aot.errors import (
+    AlreadyConvertedError,
+    InputError,
+    InvalidWeightsError,
+    LensAOTError,
+    UnsupportedActivationError,
+    UnsupportedArchitectureError,
+)
+from lens_aot.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AOTConfig",
+    "ActivationFit",
+    "AlreadyConvertedError",
+    "AttentionOnlyTransformer",
+    "ConversionReport",
+    "HeadOrigin",
+    "HeadRef",
+    "InputError",
+    "InvalidWeightsError",
+    "LensAOTError",
+    "UnsupportedActivationError",
+    "UnsupportedArchitectureError",
+    "activation_fit",
+    "convert",
+]

@@ -1,0 +1,8 @@
+"""Modules of the attention-only model, one per file, hook points declared beside the computation they expose."""
+
+from lens_aot.components.attention import Attention
+from lens_aot.components.embed import Embed, PosEmbed, Unembed
+from lens_aot.components.neuron_attention import NeuronAttention
+from lens_aot.components.norm import Norm
+
+__all__ = ["Attention", "Embed", "NeuronAttention", "Norm", "PosEmbed", "Unembed"]

@@ -1,0 +1,42 @@
+"""Token embedding, learned absolute positions, and unembedding (TransformerLens names: W_E, W_pos, W_U, b_U)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+
+class Embed(nn.Module):
+    """``W_E[tokens]``."""
+
+    def __init__(self, W_E: Float[Tensor, "d_vocab d_model"]) -> None:
+        super().__init__()
+        self.W_E = nn.Parameter(W_E.detach().clone())
+
+    def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        return self.W_E[tokens]
+
+
+class PosEmbed(nn.Module):
+    """Learned absolute positions ``W_pos[:pos]``, broadcast over the batch."""
+
+    def __init__(self, W_pos: Float[Tensor, "n_ctx d_model"]) -> None:
+        super().__init__()
+        self.W_pos = nn.Parameter(W_pos.detach().clone())
+
+    def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        batch, pos = tokens.shape
+        return self.W_pos[:pos].unsqueeze(0).expand(batch, pos, -1)
+
+
+class Unembed(nn.Module):
+    """``resid @ W_U + b_U``."""
+
+    def __init__(self, W_U: Float[Tensor, "d_model d_vocab_out"], b_U: Float[Tensor, " d_vocab_out"]) -> None:
+        super().__init__()
+        self.W_U = nn.Parameter(W_U.detach().clone())
+        self.b_U = nn.Parameter(b_U.detach().clone())
+
+    def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab_out"]:
+        return F.linear(resid, self.W_U.T, self.b_U)

@@ -1,0 +1,168 @@
+"""A whole MLP layer as a layer of *neuron heads* (Huben & Morris 2023, Theorem 3, with a memory-slot bias key).
+
+Neuron ``n`` of the MLP, with pre-activation ``z_n = LN(x)·W_in[:, n] + b_in[n]``, is written by K heads (one per
+term of its activation's shifted-logistic form, see :mod:`lens_aot.activations`). Head ``h = n·K + k`` has
+internal dimension 1 and attends to two keys: **itself** and a persistent **bias slot** (a memory key/value pair in
+the style of Sukhbaatar et al. 2019, so positions and residual width are unchanged):
+
+* query ``q = b_k·z_n + d_k`` (``W_Q = b_k·W_in[:, n]``), key of every real position ``k = 0`` (``W_K = 0``),
+  key of the bias slot ``-1``: score(self) = 0, score(bias) = −q, so softmax puts ``σ(q)`` on itself;
+* value ``v = α_k·z_n + β_k`` on itself and ``0`` on the bias slot;
+* mask: each query sees only its own position (and the bias slot);
+* output ``W_O = W_out[n, :]``, shared by the neuron's heads.
+
+So the head writes ``(α_k·z_n + β_k)·σ(b_k·z_n + d_k)·W_out[n]``; summed over k this is ``act(z_n)·W_out[n]``, the
+neuron's contribution. Storage is shared: ``W_in``, ``W_out`` are stored once and the per-head matrices
+(``W_Q``, ``W_V``, ``W_O``, …) are views computed on demand.
+
+Hooks carry TransformerLens's shapes: ``hook_q``, ``hook_k``, ``hook_v`` [batch, pos, head, 1],
+``hook_attn_scores`` / ``hook_pattern`` [batch, head, query, key] over the real positions (the bias slot's weight is
+``1 − pattern.sum(-1)``; its value is 0, so ``z = pattern @ v`` exactly), ``hook_z`` [batch, pos, head, 1],
+``hook_result`` [batch, pos, head, d_model] when ``use_attn_result``. The dense [query, key] tensors are built
+only while a hook is attached to them; otherwise the two-key softmax is computed in closed form, at the cost of
+the MLP it replaces.
+"""
+
+from __future__ import annotations
+
+import einops
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.activations import ActivationFit
+from lens_aot.components.hooks import hooked as _hooked
+from lens_aot.spec import MLPSpec
+
+
+class NeuronAttention(nn.Module):
+    """A layer of ``d_mlp · K`` neuron heads of internal dimension 1 replacing one MLP (Theorem 3)."""
+
+    d_head = 1
+    attn_scale = 1.0
+
+    def __init__(self, mlp: MLPSpec, fit: ActivationFit) -> None:
+        super().__init__()
+        self.W_in = nn.Parameter(mlp.W_in.detach().clone())
+        self.b_in = nn.Parameter(mlp.b_in.detach().clone())
+        self.W_out = nn.Parameter(mlp.W_out.detach().clone())
+        self.b_O = nn.Parameter(mlp.b_out.detach().clone())
+        self.fit = fit
+        dtype, device = mlp.W_in.dtype, mlp.W_in.device
+        for name, values in (("alpha", fit.alpha), ("beta", fit.beta), ("b", fit.b), ("d", fit.d)):
+            self.register_buffer(f"term_{name}", torch.tensor(values, dtype=dtype, device=device))
+        self.d_model, self.d_mlp = mlp.W_in.shape
+        self.heads_per_neuron = fit.n_terms
+        self.n_heads = self.d_mlp * self.heads_per_neuron
+        self.use_attn_result = False
+
+        self.hook_q = HookPoint()  # [batch, pos, head, 1]
+        self.hook_k = HookPoint()  # [batch, pos, head, 1]
+        self.hook_v = HookPoint()  # [batch, pos, head, 1]
+        self.hook_attn_scores = HookPoint()  # [batch, head, query, key]
+        self.hook_pattern = HookPoint()  # [batch, head, query, key]
+        self.hook_z = HookPoint()  # [batch, pos, head, 1]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_model]
+
+    # ---- per-head weights, TransformerLens layout (computed from the shared storage) ----
+    def _per_head(self, per_neuron: Tensor, coeff: Tensor) -> Tensor:
+        """``per_neuron[..., n] * coeff[k]`` laid out as head ``n·K + k``."""
+        return (per_neuron[..., :, None] * coeff).flatten(-2)
+
+    @property
+    def W_Q(self) -> Float[Tensor, "n_heads d_model 1"]:
+        return self._per_head(self.W_in, self.term_b).T[..., None]
+
+    @property
+    def b_Q(self) -> Float[Tensor, "n_heads 1"]:
+        return (self._per_head(self.b_in, self.term_b) + self.term_d.repeat(self.d_mlp))[:, None]
+
+    @property
+    def W_K(self) -> Float[Tensor, "n_heads d_model 1"]:
+        return self.W_in.new_zeros(self.n_heads, self.d_model, 1)
+
+    @property
+    def b_K(self) -> Float[Tensor, "n_heads 1"]:
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    @property
+    def W_V(self) -> Float[Tensor, "n_heads d_model 1"]:
+        return self._per_head(self.W_in, self.term_alpha).T[..., None]
+
+    @property
+    def b_V(self) -> Float[Tensor, "n_heads 1"]:
+        return (self._per_head(self.b_in, self.term_alpha) + self.term_beta.repeat(self.d_mlp))[:, None]
+
+    @property
+    def W_O(self) -> Float[Tensor, "n_heads 1 d_model"]:
+        return self.W_out.repeat_interleave(self.heads_per_neuron, dim=0)[:, None, :]
+
+    @property
+    def k_bias(self) -> Float[Tensor, "n_heads 1"]:
+        """Key of the bias slot (the persistent memory key every neuron head also attends to)."""
+        return self.W_in.new_full((self.n_heads, 1), -1.0)
+
+    @property
+    def v_bias(self) -> Float[Tensor, "n_heads 1"]:
+        """Value of the bias slot."""
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    # ---- forward ----
+    def pre_activation(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_mlp"]:
+        """``z = x·W_in + b_in``: what the original MLP's ``hook_pre`` held."""
+        return x @ self.W_in + self.b_in
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        pre = self.pre_activation(x)
+        internal = (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
+        if not self.use_attn_result and not _hooked(*internal):
+            return self._fused(pre) @ self.W_out + self.b_O
+
+        q = self.hook_q(self._per_head(pre, self.term_b).add(self.term_d.repeat(self.d_mlp))[..., None])
+        k = self.hook_k(torch.zeros_like(q))
+        v = self.hook_v(self._per_head(pre, self.term_alpha).add(self.term_beta.repeat(self.d_mlp))[..., None])
+        self_score = (q * k).squeeze(-1) / self.attn_scale  # [batch, pos, head]
+        bias_score = -q.squeeze(-1) / self.attn_scale  # q · k_bias with k_bias = -1
+        if _hooked(self.hook_attn_scores, self.hook_pattern):
+            z = self._dense_z(self_score, bias_score, v)
+        else:
+            z = torch.sigmoid(self_score - bias_score)[..., None] * v
+        z = self.hook_z(z)
+        if self.use_attn_result:
+            result = self.hook_result(z * self.W_O.squeeze(1))
+            return result.sum(dim=2) + self.b_O
+        per_neuron = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron)).sum(-1)
+        return per_neuron @ self.W_out + self.b_O
+
+    def _fused(self, pre: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos d_mlp"]:
+        """Sum of a neuron's head outputs, ``Σ_k (α_k z + β_k)·σ(b_k z + d_k)``, without per-head tensors."""
+        post = torch.zeros_like(pre)
+        for alpha, beta, b, d in zip(self.fit.alpha, self.fit.beta, self.fit.b, self.fit.d):
+            post += (pre * alpha + beta) * torch.sigmoid(pre * b + d)
+        return post
+
+    def _dense_z(
+        self,
+        self_score: Float[Tensor, "batch pos head"],
+        bias_score: Float[Tensor, "batch pos head"],
+        v: Float[Tensor, "batch pos head 1"],
+    ) -> Float[Tensor, "batch pos head 1"]:
+        """Materialise scores and pattern as [batch, head, query, key] for the hooks, then ``z = pattern @ v``."""
+        pos = self_score.shape[1]
+        eye = torch.eye(pos, dtype=torch.bool, device=self_score.device)
+        scores = torch.diag_embed(einops.rearrange(self_score, "b p h -> b h p")).masked_fill(~eye, float("-inf"))
+        scores = self.hook_attn_scores(scores)
+        full = torch.cat((scores, einops.rearrange(bias_score, "b p h -> b h p 1")), dim=-1)
+        pattern = self.hook_pattern(torch.softmax(full, dim=-1)[..., :pos])
+        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+
+    def spec(self) -> MLPSpec:
+        """The MLP this layer implements (used by ``revert``)."""
+        return MLPSpec(
+            self.W_in.detach().clone(),
+            self.b_in.detach().clone(),
+            self.W_out.detach().clone(),
+            self.b_O.detach().clone(),
+            self.fit.act_fn,
+        )

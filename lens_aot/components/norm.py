@@ -1,0 +1,68 @@
+"""LayerNorm / RMSNorm in the four TransformerLens variants, plus "none"."""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.components.hooks import hooked
+from lens_aot.spec import NormKind, NormSpec
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Norm(nn.Module):
+    """Normalization with TransformerLens's hooks (``hook_scale``, ``hook_normalized``).
+
+    ``LN``: centre, divide by ``sqrt(mean(x²) + eps)``, then ``·w + b``. ``LNPre``: the same without ``w``, ``b``
+    (weights folded downstream). ``RMS`` / ``RMSPre``: no centring. ``None``: identity. Statistics are computed in
+    ``compute_dtype`` when the source did so (HF norms upcast to float32), else in float32 for half inputs; ``rsqrt``
+    reproduces sources that multiply by ``rsqrt(mean(x²) + eps)`` (same value, different rounding).
+    """
+
+    def __init__(self, spec: NormSpec) -> None:
+        super().__init__()
+        self.kind: NormKind | None = spec.kind
+        self.eps = float(spec.eps)
+        self.compute_dtype = spec.compute_dtype
+        self.rsqrt = spec.rsqrt
+        self.w = nn.Parameter(spec.w.detach().clone()) if spec.w is not None else None
+        self.b = nn.Parameter(spec.b.detach().clone()) if spec.b is not None else None
+        if self.kind is not None:
+            self.hook_scale = HookPoint()  # [batch, pos, 1]
+            self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if self.kind is None:
+            return x
+        dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        elif dtype in _HALF:
+            x = x.float()
+        if self.kind in ("LN", "LNPre"):
+            x = x - x.mean(-1, keepdim=True)
+        mean_square = x.pow(2).mean(-1, keepdim=True) + self.eps
+        if self.rsqrt and not hooked(self.hook_scale):  # the source's rounding: x · rsqrt(·)
+            x = x * torch.rsqrt(mean_square)
+        else:
+            x = x / self.hook_scale(mean_square.sqrt())
+        x = self.hook_normalized(x).to(dtype)
+        if self.w is not None:
+            x = x * self.w
+        if self.b is not None:
+            x = x + self.b
+        return x
+
+    def spec(self) -> NormSpec:
+        """The :class:`NormSpec` this module implements (used by ``revert``)."""
+        return NormSpec(
+            self.kind,
+            self.eps,
+            None if self.w is None else self.w.detach().clone(),
+            None if self.b is None else self.b.detach().clone(),
+            self.compute_dtype,
+            self.rsqrt,
+        )

@@ -1,0 +1,138 @@
+"""``lens_aot.convert``: a TransformerLens model in, a faithful attention-only model out, with a report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.model import AttentionOnlyTransformer
+from lens_aot.read import read_model, run_source, sample_tokens
+from lens_aot.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What ``convert`` built and how closely it agrees with the source (measured, not assumed)."""
+
+    model_name: str
+    source_kind: str
+    dtype: str
+    n_source_layers: int
+    n_blocks: int
+    activation: str | None
+    heads_per_neuron: int
+    max_neuron_error: float  # bound on |fit(z) − act(z)| used for every neuron (0 = exact)
+    attention_heads: int  # the source's own heads, all layers
+    neuron_heads: int  # heads replacing MLP neurons, all layers
+    source_parameters: int
+    converted_parameters: int
+    source_bytes: int
+    converted_bytes: int
+    sample_shape: tuple[int, ...]
+    max_abs_logit_error: float | None  # max |Δlogit| on the sample (None when the check was skipped)
+    argmax_agreement: float | None
+
+    def __str__(self) -> str:
+        exact = "exact (SiLU)" if self.max_neuron_error == 0 else f"≤ {self.max_neuron_error:.1e} per neuron"
+        lines = [
+            f"lens_aot conversion of {self.model_name} ({self.source_kind}, {self.dtype})",
+            f"  blocks          {self.n_source_layers} source layers -> {self.n_blocks} attention-only blocks",
+            f"  heads           {self.attention_heads} attention + {self.neuron_heads} neuron heads",
+            f"  activation      {self.activation or 'none (attention-only source)'}: "
+            f"{self.heads_per_neuron} head(s) per neuron, {exact}",
+            f"  parameters      {self.source_parameters:,} -> {self.converted_parameters:,} "
+            f"({self.converted_bytes / max(self.source_bytes, 1):.2f}x bytes)",
+        ]
+        if self.max_abs_logit_error is None:
+            lines.append("  agreement       not measured (check=False)")
+        else:
+            lines.append(
+                f"  agreement       max |Δlogit| {self.max_abs_logit_error:.2e}, argmax agreement "
+                f"{100 * (self.argmax_agreement or 0):.1f}% on tokens of shape {list(self.sample_shape)}"
+            )
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def _fits(spec: ModelSpec, max_neuron_error: float | None, heads_per_neuron: int | None) -> dict[int, ActivationFit]:
+    return {
+        i: activation_fit(layer.mlp.act_fn, max_neuron_error, heads_per_neuron)
+        for i, layer in enumerate(spec.layers)
+        if layer.mlp is not None
+    }
+
+
+def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
+    seen: set[int] = set()
+    count = size = 0
+    for p in module.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        count += p.numel()
+        size += p.numel() * p.element_size()
+    return count, size
+
+
+def convert(
+    model: Any,
+    *,
+    max_neuron_error: float | None = None,
+    heads_per_neuron: int | None = None,
+    check: bool = True,
+    check_tokens: torch.Tensor | None = None,
+) -> AttentionOnlyTransformer:
+    """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
+
+    Args:
+        model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified.
+        max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
+            (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
+            (default 1e-6). GELU variants use the fewest shifted-logistic heads per neuron meeting it (default 1e-4).
+        heads_per_neuron: GELU variants: exactly this many heads per neuron (1 = the best single-head fit).
+        check: run source and converted model on a sample and record the logit error in ``aot.report``.
+        check_tokens: tokens for that check (default: 2 random sequences of up to 64 tokens, fixed seed).
+
+    Returns:
+        An :class:`AttentionOnlyTransformer` with the source's dtype and device; ``.report`` describes it.
+    """
+    spec = read_model(model)
+    fits = _fits(spec, max_neuron_error, heads_per_neuron)
+    aot = AttentionOnlyTransformer(spec, fits)
+    aot.train(False)
+    max_err = argmax = None
+    tokens = check_tokens if check_tokens is not None else sample_tokens(spec)
+    if check:
+        with torch.no_grad():
+            expected = run_source(model, tokens.to(spec.device))
+            got = aot(tokens)
+        max_err = float((got - expected).abs().max())
+        argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+    source_count, source_bytes = _param_stats(model)
+    count, size = _param_stats(aot)
+    first_fit = next(iter(fits.values()), None)
+    aot.report = ConversionReport(
+        model_name=spec.model_name,
+        source_kind=spec.source_kind,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        n_source_layers=len(spec.layers),
+        n_blocks=len(aot.blocks),
+        activation=None if first_fit is None else first_fit.act_fn,
+        heads_per_neuron=0 if first_fit is None else first_fit.n_terms,
+        max_neuron_error=0.0 if first_fit is None else max(f.max_error for f in fits.values()),
+        attention_heads=sum(int(layer.attn.W_Q.shape[0]) for layer in spec.layers),
+        neuron_heads=sum(aot.blocks[aot.neuron_block(i)].attn.n_heads for i in fits),
+        source_parameters=source_count,
+        converted_parameters=count,
+        source_bytes=source_bytes,
+        converted_bytes=size,
+        sample_shape=tuple(tokens.shape),
+        max_abs_logit_error=max_err,
+        argmax_agreement=argmax,
+    )
+    return aot

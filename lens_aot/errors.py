@@ -1,0 +1,27 @@
+"""Errors raised by lens_aot. Each message names the problem and what to do about it."""
+
+from __future__ import annotations
+
+
+class LensAOTError(Exception):
+    """Base class of every error lens_aot raises on purpose."""
+
+
+class UnsupportedArchitectureError(LensAOTError, ValueError):
+    """The source model uses a feature the conversion cannot reproduce faithfully."""
+
+
+class UnsupportedActivationError(LensAOTError, ValueError):
+    """The MLP activation function has no neuron-head construction."""
+
+
+class InvalidWeightsError(LensAOTError, ValueError):
+    """The source model has weights that cannot be converted (NaN or infinite values)."""
+
+
+class AlreadyConvertedError(LensAOTError, TypeError):
+    """``convert`` was given a model that lens_aot already converted."""
+
+
+class InputError(LensAOTError, ValueError):
+    """The input to a converted model is malformed (shape, dtype, or length)."""

@@ -1,0 +1,90 @@
+"""The reading layer: the one place that knows which TransformerLens version and model class a source is.
+
+``read_model`` turns a HookedTransformer (3.x) or a TransformerBridge (3.9 / 4.x) into a :class:`ModelSpec`;
+``run_source`` runs the source on tokens and returns its logits. Everything else in lens_aot works on specs.
+Version-specific names are imported lazily inside the per-class readers, never at module import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
+from lens_aot.spec import ModelSpec
+
+
+def _is_bridge(model: object) -> bool:
+    return any(c.__name__ == "TransformerBridge" for c in type(model).__mro__)
+
+
+def _spec_tensors(spec: ModelSpec) -> list[tuple[str, Tensor | None]]:
+    named: list[tuple[str, Tensor | None]] = [("W_E", spec.W_E), ("W_pos", spec.W_pos), ("W_U", spec.W_U)]
+    named += [("b_U", spec.b_U), ("ln_final.w", spec.ln_final.w), ("ln_final.b", spec.ln_final.b)]
+    for i, layer in enumerate(spec.layers):
+        for part in ("ln1", "attn", "ln2", "mlp"):
+            obj = getattr(layer, part)
+            if obj is None:
+                continue
+            for field, value in vars(obj).items():
+                if isinstance(value, Tensor):
+                    named.append((f"blocks.{i}.{part}.{field}", value))
+    return named
+
+
+def check_finite(spec: ModelSpec) -> None:
+    """Refuse weights with NaN or infinite entries, naming the first offending parameter."""
+    for name, value in _spec_tensors(spec):
+        if value is not None and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise InvalidWeightsError(
+                f"parameter {name} has {bad} NaN or infinite entries; the converted model would be silently wrong. "
+                f"Fix or reload the source model's weights (e.g. check a failed training step or a bad cast) first."
+            )
+
+
+def read_model(model: Any) -> ModelSpec:
+    """Read any supported source model into a :class:`ModelSpec`, refusing what cannot be converted faithfully."""
+    from lens_aot.model import AttentionOnlyTransformer
+
+    if isinstance(model, AttentionOnlyTransformer):
+        raise AlreadyConvertedError(
+            "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "
+            "would have nothing to replace. Pass the original HookedTransformer or TransformerBridge to convert()."
+        )
+    from lens_aot._read_hooked import is_hooked_transformer, read_hooked_transformer
+
+    if is_hooked_transformer(model):
+        spec = read_hooked_transformer(model)
+    elif _is_bridge(model):
+        from lens_aot._read_bridge import read_bridge
+
+        spec = read_bridge(model)
+    else:
+        raise UnsupportedArchitectureError(
+            f"convert() takes a TransformerLens HookedTransformer (3.x) or TransformerBridge (3.9 / 4.x); got "
+            f"{type(model).__module__}.{type(model).__name__}. Wrap a Hugging Face model with "
+            f"TransformerBridge.boot_transformers(name) first."
+        )
+    check_finite(spec)
+    return spec
+
+
+def run_source(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab_out"]:
+    """The source model's logits on ``tokens`` (HookedTransformer and TransformerBridge alike)."""
+    out = model(tokens, return_type="logits")
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"could not read logits from the source model's output of type {type(out).__name__}")
+    return logits
+
+
+def sample_tokens(spec: ModelSpec, batch: int = 2, pos: int = 64, seed: int = 0) -> Int[Tensor, "batch pos"]:
+    """Deterministic random tokens for measuring agreement (``pos`` capped at the model's context)."""
+    generator = torch.Generator().manual_seed(seed)
+    pos = max(1, min(pos, spec.n_ctx))
+    return torch.randint(0, spec.d_vocab, (batch, pos), generator=generator).to(spec.device)
+

@@ -1,0 +1,119 @@
+"""A neutral description of a source transformer: the reading layer's output.
+
+Every input (HookedTransformer from TransformerLens 3.x, TransformerBridge from 3.9 or 4.x) is read into a
+:class:`ModelSpec` holding weights in TransformerLens's layout and the few facts about the forward pass that the
+conversion needs. Nothing downstream of this file knows which TransformerLens version or model class it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
+PositionKind = Literal["standard", "rotary", "none"]
+
+
+@dataclass
+class NormSpec:
+    """A LayerNorm or RMSNorm. ``kind`` None means no normalization (identity)."""
+
+    kind: NormKind | None
+    eps: float = 1e-5
+    w: Float[Tensor, " d_model"] | None = None  # LN / RMS scale
+    b: Float[Tensor, " d_model"] | None = None  # LN bias
+    compute_dtype: torch.dtype | None = None  # HF-style norms compute statistics in this dtype, then cast back
+    # Normalize as ``x * rsqrt(mean + eps)`` (HF LlamaRMSNorm, TransformerLens-native RMSNorm) rather than
+    # ``x / sqrt(mean + eps)``. Mathematically identical; it only changes rounding, which matters when the
+    # statistics are computed in float32 (``compute_dtype``) for a float64 model.
+    rsqrt: bool = False
+
+
+@dataclass
+class AttentionSpec:
+    """One attention layer in TransformerLens layout (``n_kv`` < ``n_heads`` for grouped-query attention)."""
+
+    W_Q: Float[Tensor, "n_heads d_model d_head"]
+    W_K: Float[Tensor, "n_kv d_model d_head"]
+    W_V: Float[Tensor, "n_kv d_model d_head"]
+    W_O: Float[Tensor, "n_heads d_head d_model"]
+    b_Q: Float[Tensor, "n_heads d_head"]
+    b_K: Float[Tensor, "n_kv d_head"]
+    b_V: Float[Tensor, "n_kv d_head"]
+    b_O: Float[Tensor, " d_model"]
+    attn_scale: float  # scores are q·k / attn_scale
+    # If set, the softmax over scores is computed in this dtype and the pattern cast back to the activation dtype
+    # (HF-style eager attention, and TransformerBridge's PositionEmbeddingsAttentionBridge, use float32 even for
+    # float64 activations). None: softmax in the activation dtype.
+    softmax_dtype: torch.dtype | None = None
+
+
+@dataclass
+class MLPSpec:
+    """One (non-gated) MLP: ``act(x @ W_in + b_in) @ W_out + b_out``."""
+
+    W_in: Float[Tensor, "d_model d_mlp"]
+    b_in: Float[Tensor, " d_mlp"]
+    W_out: Float[Tensor, "d_mlp d_model"]
+    b_out: Float[Tensor, " d_model"]
+    act_fn: str  # "silu", "relu", "gelu", "gelu_new", "gelu_fast"
+
+
+@dataclass
+class LayerSpec:
+    """One transformer block: ``resid += attn(ln1(resid))``, then ``resid += mlp(ln2(resid))`` if it has an MLP."""
+
+    ln1: NormSpec
+    attn: AttentionSpec
+    ln2: NormSpec | None = None
+    mlp: MLPSpec | None = None
+
+
+@dataclass
+class RotarySpec:
+    """Rotary position embedding applied to the first ``rotary_dim`` channels of q and k.
+
+    ``cos``/``sin`` are the source's own tables (so rounding matches it exactly); ``adjacent_pairs`` selects the
+    GPT-J layout (rotate channel pairs (0,1), (2,3), …) rather than the GPT-NeoX / Llama halves layout.
+    """
+
+    rotary_dim: int
+    cos: Float[Tensor, "n_ctx rotary_dim"]
+    sin: Float[Tensor, "n_ctx rotary_dim"]
+    adjacent_pairs: bool = False
+
+
+@dataclass
+class ModelSpec:
+    """A whole source model, read into TransformerLens layout."""
+
+    d_model: int
+    n_ctx: int
+    d_vocab: int
+    d_vocab_out: int
+    causal: bool
+    W_E: Float[Tensor, "d_vocab d_model"]
+    layers: list[LayerSpec]
+    ln_final: NormSpec
+    W_U: Float[Tensor, "d_model d_vocab_out"]
+    b_U: Float[Tensor, " d_vocab_out"]
+    positions: PositionKind = "standard"
+    W_pos: Float[Tensor, "n_ctx d_model"] | None = None
+    rotary: RotarySpec | None = None
+    tokenizer: Any = None
+    default_prepend_bos: bool = True
+    model_name: str = "unnamed"
+    source_kind: str = "HookedTransformer"  # or "TransformerBridge"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_E.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.W_E.device

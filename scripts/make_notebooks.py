@@ -1,0 +1,101 @@
+"""Write the notebooks in notebooks/ from the cell sources below (run: python scripts/make_notebooks.py).
+
+Notebooks are kept as code here so that they stay reviewable and ruff-checked; the .ipynb files are committed
+without outputs and executed by tests/test_notebooks.py in `make test`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
+    "quickstart.ipynb": [
+        (
+            "md",
+            "# lens_aot quickstart\n\n"
+            "`lens_aot.convert(model)` turns every MLP neuron of a TransformerLens model into an attention head of "
+            "internal dimension 1 that attends to itself and to a bias slot (Huben & Morris 2023, Theorem 3). The "
+            "result is an attention-only model whose **neuron heads** have ordinary hook points.\n\n"
+            "We use the small model shipped with lens_aot: one layer trained on `(a + b) mod 113`, as in "
+            "Nanda et al. 2023.",
+        ),
+        (
+            "code",
+            "import matplotlib.pyplot as plt\nimport torch\n\nimport lens_aot\n"
+            "from lens_aot.demo_models import load_modular_addition, modular_addition_dataset\n\n"
+            "model = load_modular_addition()\naot = lens_aot.convert(model)\nprint(aot.report)",
+        ),
+        ("md", "## Agreement with the original\nThe converted model's logits on all 113² inputs against the source's."),
+        (
+            "code",
+            "tokens, labels = modular_addition_dataset()\nwith torch.no_grad():\n"
+            "    ref = lens_aot.read.run_source(model, tokens)[:, -1]\n    got = aot(tokens)[:, -1]\n"
+            "print(f'max |Δlogit| = {(got - ref).abs().max():.2e}')\n"
+            "print(f'accuracy: source {(ref.argmax(-1) == labels).float().mean():.2%}, '\n"
+            "      f'converted {(got.argmax(-1) == labels).float().mean():.2%}')\n"
+            "fig, ax = plt.subplots(figsize=(4, 4))\n"
+            "ax.scatter(ref[:500].flatten(), got[:500].flatten(), s=1)\n"
+            "ax.set(xlabel='source logit', ylabel='converted logit', title='500 inputs × 113 logits')\nplt.show()",
+        ),
+        (
+            "md",
+            "## One neuron, as a head\n`aot.neuron_heads(layer, neuron)` gives the heads that compute a neuron. "
+            "Its pattern has TransformerLens's `[batch, head, query, key]` shape: each position attends only to "
+            "itself, with weight σ(a·z) (for this ReLU model a is large, so the weight is the ReLU gate), and the rest "
+            "goes to the bias slot.",
+        ),
+        (
+            "code",
+            "logits, cache = aot.run_with_cache(tokens[:1])\n"
+            "post = aot.neuron_activations(cache, 0)[0, -1]\nneuron = int(post.argmax())\n"
+            "ref_head = aot.neuron_heads(0, neuron)[0]\nprint(ref_head, aot.head_origin(*ref_head))\n"
+            "pattern = cache[f'{ref_head.name}.hook_pattern'][0, ref_head.head]\nprint(pattern)\n"
+            "print('its activation (hook_z) =', cache[f'{ref_head.name}.hook_z'][0, :, ref_head.head, 0])",
+        ),
+        (
+            "md",
+            "## The neuron's activation over every input\nThe head's output `hook_z` at the `=` position, over the "
+            "whole (a, b) grid: the periodic structure Nanda et al. found in MLP neurons, read off an attention head.",
+        ),
+        (
+            "code",
+            "_, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith('hook_z'))\n"
+            "z = cache[f'{ref_head.name}.hook_z'][:, -1, ref_head.head, 0].reshape(113, 113)\n"
+            "fig, axes = plt.subplots(1, 2, figsize=(9, 4))\n"
+            "axes[0].imshow(pattern.detach(), cmap='Blues', vmin=0, vmax=1)\n"
+            "axes[0].set(title=f'pattern of head {ref_head.head}', xlabel='key', ylabel='query')\n"
+            "im = axes[1].imshow(z.detach(), cmap='RdBu_r')\n"
+            "axes[1].set(title=f'neuron {neuron}: hook_z at \"=\"', xlabel='b', ylabel='a')\n"
+            "fig.colorbar(im)\nplt.show()",
+        ),
+        (
+            "md",
+            "## circuitsvis\nNeuron-head patterns are ordinary `[head, query, key]` tensors, so circuitsvis renders "
+            "them as they are (the weight missing from each row went to the bias slot).",
+        ),
+        (
+            "code",
+            "import circuitsvis as cv\n\nheads = [aot.neuron_heads(0, n)[0].head for n in range(8)]\n"
+            "_, cache = aot.run_with_cache(tokens[1234:1235])\n"
+            "cv.attention.attention_patterns(tokens=['a', 'b', '='], attention=cache[f'{ref_head.name}.hook_pattern'][0, heads])",
+        ),
+    ],
+}
+
+
+def build(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, cells in NOTEBOOKS.items():
+        nb = new_notebook(
+            cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in cells],
+            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        )
+        nbformat.write(nb, out_dir / name)
+        print(f"wrote {out_dir / name}")
+
+
+if __name__ == "__main__":
+    build(Path(__file__).resolve().parent.parent / "notebooks")

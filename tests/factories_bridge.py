@@ -1,0 +1,356 @@
+"""Offline, random-weight TransformerBridge factories for tests (TransformerLens 3.9 and 4.x alike).
+
+Nothing here touches a model hub: Hugging Face models are built from ``transformers`` config classes and wrapped
+with ``build_bridge_from_module`` (eager attention, as ``boot_transformers`` forces); TransformerLens-native models
+are built with ``TransformerBridge.boot_native``. Every model is tiny (d_model 32, 4 heads, 2 layers, d_mlp 64,
+vocab 97, n_ctx 32) and its weights are a deterministic function of ``seed`` alone (whatever the dtype): weights
+~ N(0, 1/fan_in), embeddings ~ N(0, 0.0625), biases ~ 0.1·N(0, 1), norm scales 1 + 0.1·N(0, 1), so activations stay
+O(1) and LayerNorm folding / centring have something to do.
+
+Readable families (sequential pre-norm, non-gated MLP):
+
+- ``gpt2`` / ``gpt2-relu`` / ``gpt2-silu`` / ``gpt2-gelu``: GPT-2 (LN, learned absolute positions), activation
+  ``gelu_new`` / ``relu`` / ``silu`` / ``gelu``.
+- ``neox-seq``: GPT-NeoX with ``use_parallel_residual=False`` (LN, rotary halves layout, partial rotary: 4 of 8).
+- ``starcoder2``: Starcoder2 (LN, rotary halves, grouped-query attention 4→2, non-gated gelu_pytorch_tanh MLP).
+- ``native-ln``: TransformerLens-native (LN, absolute positions, gelu).
+- ``native-lnpre``: TransformerLens-native (parameter-free LNPre norms, absolute positions, gelu_new).
+- ``native-rms-gqa``: TransformerLens-native (RMSNorm, full rotary, GQA 4→2, silu MLP).
+- ``native-rms-pre``: TransformerLens-native (parameter-free RMSPre, partial rotary 4 of 8, GQA 4→2, relu).
+- ``native-rotary``: TransformerLens-native LN + partial rotary (the native rotary is the GPT-J adjacent-pairs
+  layout — the only sequential adjacent-pairs family the bridge can build).
+- ``native-bidir``: TransformerLens-native bidirectional (non-causal) pre-LN encoder.
+- ``native-attn-only``: TransformerLens-native attention-only (RMS, rotary).
+- ``native-none``: TransformerLens-native without any normalization (relu MLP).
+
+Families for refusal tests: ``llama`` (gated SwiGLU), ``native-gated`` (gated), ``gptj`` (parallel),
+``neox`` (parallel), ``native-softcap`` (attention soft-capping), ``starcoder2-window`` (sliding window 8 < 32),
+``neox-rope-linear`` (linear rope scaling), ``bert`` (post-LN), ``gpt2-tanh`` and ``native-solu`` (activations;
+``native-solu`` only exists in TransformerLens 4.x).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+D_MODEL = 32
+N_LAYERS = 2
+N_HEADS = 4
+D_HEAD = D_MODEL // N_HEADS
+D_MLP = 64
+D_VOCAB = 97
+N_CTX = 32
+
+Source = tuple[str, Any, str]  # ("hf", model, architecture) or ("native", TransformerBridgeConfig, "")
+
+
+def _randomize_(model: nn.Module, seed: int) -> None:
+    """Overwrite every parameter of ``model`` in place with seeded O(1)-activation random values.
+
+    Values come from a private float32 CPU generator (the global RNG is untouched) and are copied in, so a seed gives
+    the same values whatever the model's dtype. Tied parameters are visited once.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    owners: dict[str, nn.Module] = dict(model.named_modules())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            module = owners[module_name]
+            kind = type(module).__name__
+            shape = tuple(param.shape)
+            if param.ndim == 1:
+                centre = 1.0 if ("Norm" in kind and leaf == "weight") else 0.0
+                values = centre + 0.1 * torch.randn(shape, generator=gen)
+            elif param.ndim == 2:
+                if isinstance(module, nn.Embedding):
+                    std = 0.25
+                elif kind == "Conv1D":  # HF GPT-2's transposed linear: weight is [in, out]
+                    std = 1.0 / math.sqrt(shape[0])
+                else:  # nn.Linear: weight is [out, in]
+                    std = 1.0 / math.sqrt(shape[1])
+                values = std * torch.randn(shape, generator=gen)
+            else:
+                raise ValueError(f"unexpected parameter {name} of shape {shape}")
+            param.copy_(values.to(param.dtype))
+
+
+def tiny_tokenizer() -> Any:
+    """An offline word-level tokenizer over the 97-token vocabulary (``<bos>`` = 0, ``<unk>`` = 1, ``w0``…``w94``)
+    that prepends ``<bos>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(D_VOCAB - 2)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<bos>", unk_token="<unk>", pad_token="<bos>"
+    )
+    # TransformerLens re-loads a tokenizer by name unless it already adds BOS; say that it does.
+    tok.init_kwargs["name_or_path"] = "tiny-word-level"
+    tok.init_kwargs["add_bos_token"] = True
+    return tok
+
+
+# --- Hugging Face sources -----------------------------------------------------------------------------------------
+
+
+def _gpt2(activation: str) -> Callable[[], Source]:
+    def build() -> Source:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=D_VOCAB,
+            n_positions=N_CTX,
+            n_embd=D_MODEL,
+            n_layer=N_LAYERS,
+            n_head=N_HEADS,
+            n_inner=D_MLP,
+            activation_function=activation,
+            layer_norm_epsilon=1e-5,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return "hf", GPT2LMHeadModel(cfg), "GPT2LMHeadModel"
+
+    return build
+
+
+def _neox(parallel: bool, rope: dict[str, Any] | None = None) -> Callable[[], Source]:
+    def build() -> Source:
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        cfg = GPTNeoXConfig(
+            vocab_size=D_VOCAB,
+            hidden_size=D_MODEL,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            intermediate_size=D_MLP,
+            hidden_act="gelu",
+            rotary_pct=0.5,
+            max_position_embeddings=N_CTX,
+            use_parallel_residual=parallel,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        if rope is not None:
+            cfg.rope_parameters = {**(cfg.rope_parameters or {}), **rope}
+        return "hf", GPTNeoXForCausalLM(cfg), "GPTNeoXForCausalLM"
+
+    return build
+
+
+def _starcoder2(sliding_window: int | None) -> Callable[[], Source]:
+    def build() -> Source:
+        from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+        cfg = Starcoder2Config(
+            vocab_size=D_VOCAB,
+            hidden_size=D_MODEL,
+            intermediate_size=D_MLP,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            num_key_value_heads=2,
+            hidden_act="gelu_pytorch_tanh",
+            max_position_embeddings=N_CTX,
+            sliding_window=sliding_window,
+            use_bias=True,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            residual_dropout=0.0,
+            embedding_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return "hf", Starcoder2ForCausalLM(cfg), "Starcoder2ForCausalLM"
+
+    return build
+
+
+def _llama() -> Source:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=D_VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=D_MLP,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=N_CTX,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return "hf", LlamaForCausalLM(cfg), "LlamaForCausalLM"
+
+
+def _gptj() -> Source:
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    cfg = GPTJConfig(
+        vocab_size=D_VOCAB,
+        n_positions=N_CTX,
+        n_embd=D_MODEL,
+        n_layer=N_LAYERS,
+        n_head=N_HEADS,
+        rotary_dim=4,
+        n_inner=D_MLP,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return "hf", GPTJForCausalLM(cfg), "GPTJForCausalLM"
+
+
+def _bert() -> Source:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=D_VOCAB,
+        hidden_size=D_MODEL,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        intermediate_size=D_MLP,
+        max_position_embeddings=N_CTX,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return "hf", BertForMaskedLM(cfg), "BertForMaskedLM"
+
+
+# --- TransformerLens-native sources -------------------------------------------------------------------------------
+
+
+def _native(**overrides: Any) -> Callable[[], Source]:
+    def build() -> Source:
+        from transformer_lens.config import TransformerBridgeConfig
+
+        fields: dict[str, Any] = dict(
+            d_model=D_MODEL,
+            d_head=D_HEAD,
+            n_layers=N_LAYERS,
+            n_ctx=N_CTX,
+            n_heads=N_HEADS,
+            d_vocab=D_VOCAB,
+            d_mlp=D_MLP,
+            act_fn="gelu",
+            normalization_type="LN",
+            positional_embedding_type="standard",
+            seed=0,
+            init_weights=True,
+        )
+        fields.update(overrides)
+        return "native", TransformerBridgeConfig(**fields), ""
+
+    return build
+
+
+FAMILIES: dict[str, Callable[[], Source]] = {
+    "gpt2": _gpt2("gelu_new"),
+    "gpt2-relu": _gpt2("relu"),
+    "gpt2-silu": _gpt2("silu"),
+    "gpt2-gelu": _gpt2("gelu"),
+    "gpt2-tanh": _gpt2("tanh"),
+    "neox-seq": _neox(parallel=False),
+    "neox": _neox(parallel=True),
+    "neox-rope-linear": _neox(parallel=False, rope={"rope_type": "linear", "factor": 2.0}),
+    "starcoder2": _starcoder2(sliding_window=None),
+    "starcoder2-window": _starcoder2(sliding_window=8),
+    "llama": _llama,
+    "gptj": _gptj,
+    "bert": _bert,
+    "native-ln": _native(),
+    "native-lnpre": _native(normalization_type="LNPre", act_fn="gelu_new"),
+    "native-rms-gqa": _native(
+        normalization_type="RMS", positional_embedding_type="rotary", n_key_value_heads=2, act_fn="silu", final_rms=True
+    ),
+    "native-rms-pre": _native(
+        normalization_type="RMSPre",
+        positional_embedding_type="rotary",
+        n_key_value_heads=2,
+        rotary_dim=4,
+        act_fn="relu",
+        final_rms=True,
+    ),
+    "native-rotary": _native(positional_embedding_type="rotary", rotary_dim=4),
+    "native-bidir": _native(attention_dir="bidirectional"),
+    "native-attn-only": _native(attn_only=True, normalization_type="RMS", positional_embedding_type="rotary"),
+    "native-none": _native(normalization_type=None, act_fn="relu"),
+    "native-gated": _native(
+        normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True, act_fn="silu"
+    ),
+    "native-softcap": _native(attn_scores_soft_cap=30.0),
+    "native-solu": _native(act_fn="solu"),
+}
+
+
+# Families lens_aot converts (the others in FAMILIES exist to test refusals).
+CONVERTIBLE = [
+    "gpt2",
+    "gpt2-relu",
+    "gpt2-silu",
+    "gpt2-gelu",
+    "neox-seq",
+    "starcoder2",
+    "native-ln",
+    "native-lnpre",
+    "native-rms-gqa",
+    "native-rms-pre",
+    "native-rotary",
+    "native-bidir",
+    "native-attn-only",
+    "native-none",
+]
+
+
+def make_bridge(
+    family: str, dtype: torch.dtype = torch.float32, compat: bool = False, seed: int = 0, tokenizer: bool = False
+) -> Any:
+    """Build an offline random-weight TransformerBridge of ``family`` (a key of :data:`FAMILIES`), in eval mode.
+
+    ``compat`` calls ``enable_compatibility_mode()`` (LayerNorm folding, weight centring, value-bias folding);
+    ``tokenizer`` attaches :func:`tiny_tokenizer`. Raises ``KeyError`` for an unknown family; whatever the installed
+    TransformerLens raises when it cannot build a family (e.g. ``native-solu`` in 3.9) propagates unchanged.
+    """
+    if family not in FAMILIES:
+        raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    kind, source, architecture = FAMILIES[family]()
+    tok = tiny_tokenizer() if tokenizer else None
+    if kind == "hf":
+        from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+
+        model: nn.Module = source.eval()
+        _randomize_(model, seed)
+        model.to(dtype)
+        model.set_attn_implementation("eager")
+        bridge = build_bridge_from_module(
+            model, architecture, hf_config=model.config, tokenizer=tok, dtype=dtype, model_name=f"random-{family}"
+        )
+    else:
+        from transformer_lens.model_bridge import TransformerBridge
+
+        bridge = TransformerBridge.boot_native(source, tokenizer=tok, dtype=dtype, model_name=f"random-{family}")
+        _randomize_(bridge.original_model, seed)
+    bridge.eval()
+    if compat:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bridge.enable_compatibility_mode(disable_warnings=True)
+    return bridge

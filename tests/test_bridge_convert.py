@@ -1,0 +1,109 @@
+"""Converting TransformerBridges (TransformerLens 3.9 and 4.x): faithfulness per family, hooks, patching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from factories_bridge import CONVERTIBLE, make_bridge
+
+import lens_aot
+
+
+def _tokens(vocab: int, pos: int = 24) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, pos), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(bridge, tokens: torch.Tensor) -> torch.Tensor:
+    return lens_aot.read.run_source(bridge, tokens)
+
+
+@pytest.mark.parametrize("compat", [False, True], ids=["plain", "compat"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("family", CONVERTIBLE)
+def test_logits_match_bridge(family: str, dtype: torch.dtype, compat: bool) -> None:
+    bridge = make_bridge(family, dtype, compat=compat)
+    aot = lens_aot.convert(bridge)
+    tokens = _tokens(aot.cfg.d_vocab)
+    with torch.no_grad():
+        err = float((aot(tokens) - _logits(bridge, tokens)).abs().max())
+    tol = TOLERANCES[(aot.cfg.act_fn, dtype)]
+    assert err <= tol, f"{family}/{dtype}/compat={compat}: max |Δlogit| {err:.3g} > {tol:g}"
+    assert aot.cfg.dtype == dtype and aot.report.source_kind == "TransformerBridge"
+
+
+def test_neuron_head_equals_bridge_mlp_post() -> None:
+    """A SiLU neuron head's hook_z is the bridge's MLP activation for that neuron, exactly."""
+    bridge = make_bridge("gpt2-silu", torch.float64)
+    aot = lens_aot.convert(bridge)
+    tokens = _tokens(aot.cfg.d_vocab)
+    _, src = bridge.run_with_cache(tokens)
+    _, cache = aot.run_with_cache(tokens)
+    post_name = next(k for k in src.keys() if k.startswith("blocks.1.mlp") and k.endswith("hook_post"))
+    (ref,) = aot.neuron_heads(1, 9)
+    torch.testing.assert_close(cache[f"{ref.name}.hook_z"][..., ref.head, 0], src[post_name][..., 9], rtol=0, atol=1e-12)
+    torch.testing.assert_close(aot.neuron_activations(cache, 1), src[post_name], rtol=0, atol=1e-12)
+
+
+def test_patching_matches_bridge() -> None:
+    bridge = make_bridge("neox-seq", torch.float32)
+    aot = lens_aot.convert(bridge)
+    tokens, corrupted = _tokens(aot.cfg.d_vocab), _tokens(aot.cfg.d_vocab).roll(1, dims=1)
+    _, src_cache = bridge.run_with_cache(corrupted)
+    _, aot_cache = aot.run_with_cache(corrupted)
+    post_name = next(k for k in src_cache.keys() if k.startswith("blocks.0.mlp") and k.endswith("hook_post"))
+    neurons = [1, 5, 30]
+
+    def patch_post(act, hook):
+        act[..., neurons] = src_cache[post_name][..., neurons].to(act.dtype)
+        return act
+
+    heads = [h for n in neurons for h in aot.neuron_heads(0, n)]
+
+    def patch_z(act, hook):
+        for ref in heads:
+            act[:, :, ref.head] = aot_cache[f"{ref.name}.hook_z"][:, :, ref.head]
+        return act
+
+    expected = bridge.run_with_hooks(tokens, fwd_hooks=[(post_name, patch_post)])
+    expected = getattr(expected, "logits", expected)
+    got = aot.run_with_hooks(tokens, fwd_hooks=[(heads[0].name + ".hook_z", patch_z)])
+    assert float((expected - _logits(bridge, tokens)).abs().max()) > 1e-4, "the patch should change the output"
+    assert float((got - expected).abs().max()) <= 1e-3  # gelu fit: within the fit's error
+
+
+def test_bridge_tokenizer_round_trip() -> None:
+    bridge = make_bridge("gpt2-silu", torch.float32, tokenizer=True)
+    aot = lens_aot.convert(bridge)
+    text = "the cat sat on the mat"
+    tokens = aot.to_tokens(text)
+    torch.testing.assert_close(tokens, bridge.to_tokens(text), rtol=0, atol=0)
+    assert aot.to_string(aot.to_tokens(text, prepend_bos=False)[0]) == text
+    torch.testing.assert_close(aot(text), _logits(bridge, tokens), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("family", "error", "message"),
+    [
+        ("llama", lens_aot.UnsupportedArchitectureError, r"gated MLP \(SwiGLU/GeGLU\)"),
+        ("gptj", lens_aot.UnsupportedArchitectureError, r"parallel"),
+        ("neox", lens_aot.UnsupportedArchitectureError, r"parallel"),
+        ("gpt2-tanh", lens_aot.UnsupportedActivationError, r"'tanh'.*(S|s)upported"),
+    ],
+)
+def test_bridge_refusals(family: str, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        lens_aot.convert(make_bridge(family))
+
+
+def test_protocol() -> None:
+    """The converted model offers TransformerLens 4's TransformerLensModel surface (checked by isinstance on 4.x)."""
+    aot = lens_aot.convert(make_bridge("native-ln"))
+    for name in ("cfg", "run_with_cache", "run_with_hooks", "to_tokens", "hooks", "blocks", "ln_final"):
+        assert hasattr(aot, name), name
+    try:
+        from transformer_lens.model_protocol import TransformerLensModel, TransformerLensModelWithWeights
+    except ImportError:  # TransformerLens 3.9 has no model_protocol module
+        return
+    assert isinstance(aot, TransformerLensModel)
+    assert isinstance(aot, TransformerLensModelWithWeights)
