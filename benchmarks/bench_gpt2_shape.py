@@ -144,7 +144,9 @@ def main() -> None:
     aot_bw = statistics.median(backward(aot, t) for _ in range(args.repeats))
     rows.append(("backward, 128 tokens", src_bw, aot_bw, aot_bw / src_bw, "≤ 1.5"))
 
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     if device.startswith("cuda"):
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(f"GPT-2-small shape, gelu_new, source {type(source).__name__}, {device} ({machine})")

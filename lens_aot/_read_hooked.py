@@ -58,7 +58,10 @@ def _check_config(cfg: Any) -> None:
     for attr, (off, what) in _MUST_BE_OFF.items():
         if getattr(cfg, attr, off) != off:
             raise _refuse(what)
-    for attr, what in (("attn_scores_soft_cap", "attention-score soft-capping"), ("output_logits_soft_cap", "logit soft-capping")):
+    for attr, what in (
+        ("attn_scores_soft_cap", "attention-score soft-capping"),
+        ("output_logits_soft_cap", "logit soft-capping"),
+    ):
         if (getattr(cfg, attr, -1.0) or -1.0) > 0:
             raise _refuse(what)
     if getattr(cfg, "attn_types", None) and any(t != "global" for t in cfg.attn_types):
@@ -95,8 +98,11 @@ def _norm(module: nn.Module | None, eps: float) -> NormSpec:
 
 
 def _attention(attn: nn.Module) -> AttentionSpec:
-    get = lambda name: getattr(attn, f"_{name}", None) if getattr(attn, f"_{name}", None) is not None else getattr(attn, name)  # noqa: E731
-    # Grouped-query attention stores the kv heads as _W_K/_W_V (W_K/W_V are expanded views).
+    def get(name: str) -> torch.Tensor:
+        # Grouped-query attention stores the kv heads as _W_K/_W_V (W_K/W_V are expanded views).
+        grouped = getattr(attn, f"_{name}", None)
+        return grouped if grouped is not None else getattr(attn, name)
+
     return AttentionSpec(
         W_Q=attn.W_Q.detach().clone(),
         W_K=get("W_K").detach().clone(),

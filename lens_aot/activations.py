@@ -53,7 +53,7 @@ class ActivationFit:
     def __call__(self, z: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
         """Evaluate the fit (as the neuron heads compute it, summed over a neuron's heads)."""
         out = torch.zeros_like(z)
-        for alpha, beta, b, d in zip(self.alpha, self.beta, self.b, self.d):
+        for alpha, beta, b, d in zip(self.alpha, self.beta, self.b, self.d, strict=True):
             out = out + (alpha * z + beta) * torch.sigmoid(b * z + d)
         return out
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -84,9 +84,11 @@ def convert(
     *,
     max_neuron_error: float | None = None,
     heads_per_neuron: int | None = None,
+    masks: Literal["explicit", "weights"] = "explicit",
+    omega: float = 1e6,
     check: bool = True,
     check_tokens: torch.Tensor | None = None,
-) -> AttentionOnlyTransformer:
+) -> Any:
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
 
     Args:
@@ -95,15 +97,30 @@ def convert(
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
             (default 1e-6). GELU variants use the fewest shifted-logistic heads per neuron meeting it (default 1e-4).
         heads_per_neuron: GELU variants: exactly this many heads per neuron (1 = the best single-head fit).
+        masks: "explicit" (default): neuron heads attend to themselves and a memory-slot bias key through an explicit
+            self-only mask; the fast, hookable :class:`AttentionOnlyTransformer`. "weights": the paper's standard-mask
+            mode (Theorem 9), a :class:`~lens_aot.standard_mask.StandardMaskTransformer` in which every head uses only
+            the model's own causal/bidirectional mask and the bias token, one-hot positions and all special masks
+            live in the weights (small models: its neuron blocks are dense).
+        omega: the Ω of Theorem 9 for ``masks="weights"``.
         check: run source and converted model on a sample and record the logit error in ``aot.report``.
         check_tokens: tokens for that check (default: 2 random sequences of up to 64 tokens, fixed seed).
 
     Returns:
-        An :class:`AttentionOnlyTransformer` with the source's dtype and device; ``.report`` describes it.
+        An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
+        ``.report`` describes it.
     """
     spec = read_model(model)
-    fits = _fits(spec, max_neuron_error, heads_per_neuron)
-    aot = AttentionOnlyTransformer(spec, fits)
+    if masks == "weights":
+        from lens_aot.standard_mask import to_standard_mask_model
+
+        aot = to_standard_mask_model(spec, omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
+        fits = _fits(spec, max_neuron_error, heads_per_neuron)
+    elif masks == "explicit":
+        fits = _fits(spec, max_neuron_error, heads_per_neuron)
+        aot = AttentionOnlyTransformer(spec, fits)
+    else:
+        raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)
     max_err = argmax = None
     tokens = check_tokens if check_tokens is not None else sample_tokens(spec)
@@ -126,7 +143,7 @@ def convert(
         heads_per_neuron=0 if first_fit is None else first_fit.n_terms,
         max_neuron_error=0.0 if first_fit is None else max(f.max_error for f in fits.values()),
         attention_heads=sum(int(layer.attn.W_Q.shape[0]) for layer in spec.layers),
-        neuron_heads=sum(aot.blocks[aot.neuron_block(i)].attn.n_heads for i in fits),
+        neuron_heads=sum(int(spec.layers[i].mlp.W_in.shape[1]) * f.n_terms for i, f in fits.items()),  # type: ignore[union-attr]
         source_parameters=source_count,
         converted_parameters=count,
         source_bytes=source_bytes,

@@ -43,10 +43,12 @@ def main() -> None:
     with torch.no_grad():
         ref = lens_aot.read.run_source(model, tokens)[:, -1]
         got = aot(tokens)[:, -1]
-    print(f"all {len(tokens):,} inputs: max |Δlogit| {float((got - ref).abs().max()):.2e}, "
-          f"accuracy source {float((ref.argmax(-1) == labels).float().mean()):.2%}, "
-          f"converted {float((got.argmax(-1) == labels).float().mean()):.2%}, "
-          f"argmax agreement {float((got.argmax(-1) == ref.argmax(-1)).float().mean()):.2%}\n")
+    print(
+        f"all {len(tokens):,} inputs: max |Δlogit| {float((got - ref).abs().max()):.2e}, "
+        f"accuracy source {float((ref.argmax(-1) == labels).float().mean()):.2%}, "
+        f"converted {float((got.argmax(-1) == labels).float().mean()):.2%}, "
+        f"argmax agreement {float((got.argmax(-1) == ref.argmax(-1)).float().mean()):.2%}\n"
+    )
 
     example = tokens[1234:1235]
     neuron = interesting_neuron(aot, example)
@@ -56,7 +58,9 @@ def main() -> None:
     a, b = int(example[0, 0]), int(example[0, 1])
     print(f"neuron {neuron} of layer 0 is head {ref_head.head} of {ref_head.name}; its pattern on {a} + {b} =")
     print(format_pattern(pattern, [str(a), str(b), "="]))
-    print("\nEach position attends only to itself, with weight σ(a·z): for this ReLU model a is large, so the weight is")
+    print(
+        "\nEach position attends only to itself, with weight σ(a·z): for this ReLU model a is large, so the weight is"
+    )
     print("the neuron's gate (1 where z > 0); the rest goes to the bias slot, whose value is 0.")
 
 

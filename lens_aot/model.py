@@ -9,6 +9,7 @@ neuron_attention`); a source layer without an MLP becomes one block. Every block
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, overload
 
@@ -20,7 +21,9 @@ from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.activations import ActivationFit
+from lens_aot.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, Unembed
+from lens_aot.components.hooks import hooked
 from lens_aot.errors import InputError
 from lens_aot.spec import LayerSpec, ModelSpec, NormSpec
 
@@ -226,13 +229,50 @@ class AttentionOnlyTransformer(HookedRootModule):
 
     # ------------------------------------------------------------------ caching
     def run_with_cache(  # type: ignore[override]
-        self, *model_args: Any, return_cache_object: bool = True, remove_batch_dim: bool = False, **kwargs: Any
+        self,
+        *model_args: Any,
+        names_filter: str | list[str] | Callable[[str], bool] | None = None,
+        incl_bwd: bool = False,
+        pos_slice: Any = None,
+        return_cache_object: bool = True,
+        remove_batch_dim: bool = False,
+        compact: bool = True,
+        **kwargs: Any,
     ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
-        """Run and cache activations, returning an ``ActivationCache`` like HookedTransformer does."""
-        out, cache_dict = super().run_with_cache(*model_args, remove_batch_dim=remove_batch_dim, **kwargs)
-        if return_cache_object:
-            return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
-        return out, cache_dict
+        """Run and cache activations, returning an ``ActivationCache`` like HookedTransformer does.
+
+        With ``compact`` (the default), neuron-head entries (``hook_q/k/v/attn_scores/pattern/z`` of neuron blocks)
+        are not stored: each neuron block's ``hook_pre`` is, and those entries are derived from it when read
+        (:mod:`lens_aot.cache`), with the standard shapes. The cache then costs about what the source's does.
+        Entries are stored eagerly instead when that would not be exact or possible: ``compact=False``,
+        ``incl_bwd``, ``pos_slice``, ``use_attn_result``, ``return_cache_object=False``, or hooks already
+        attached to neuron-head internals.
+        """
+        wanted = _names_predicate(names_filter)
+        neuron_blocks = [i for i, block in enumerate(self.blocks) if isinstance(block.attn, NeuronAttention)]
+        eager = not compact or incl_bwd or pos_slice is not None or not return_cache_object or self.cfg.use_attn_result
+        eager = eager or any(hooked(*_internal_hooks(self.blocks[i].attn)) for i in neuron_blocks)
+        derived: dict[str, tuple[str, Callable[[Tensor], Tensor]]] = {}
+        if not eager:
+            for i in neuron_blocks:
+                for hook, fn in _derivations(self.blocks[i].attn).items():
+                    if wanted(f"blocks.{i}.attn.{hook}"):
+                        derived[f"blocks.{i}.attn.{hook}"] = (f"blocks.{i}.attn.hook_pre", fn)
+        sources = {src for src, _ in derived.values()}
+        out, cache_dict = super().run_with_cache(
+            *model_args,
+            names_filter=lambda name: (wanted(name) and name not in derived) or name in sources,
+            incl_bwd=incl_bwd,
+            pos_slice=pos_slice,
+            remove_batch_dim=remove_batch_dim,
+            **kwargs,
+        )
+        if not return_cache_object:
+            return out, cache_dict
+        lazy = LazyCacheDict(cache_dict)
+        for name, (source, fn) in derived.items():
+            lazy.derive(name, source, fn)
+        return out, NeuronHeadCache(lazy, self, has_batch_dim=not remove_batch_dim)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """Compute per-head outputs (``hook_result``) in every block, as in TransformerLens."""
@@ -380,13 +420,48 @@ class AttentionOnlyTransformer(HookedRootModule):
             n = None if neuron_block is None else self.blocks[neuron_block]
             layers.append(
                 LayerSpec(
-                    a.ln1.spec(), a.attn.spec(), None if n is None else n.ln1.spec(), None if n is None else n.attn.spec()
+                    a.ln1.spec(),
+                    a.attn.spec(),
+                    None if n is None else n.ln1.spec(),
+                    None if n is None else n.attn.spec(),
                 )
             )
         return layers
 
     def final_norm_spec(self) -> NormSpec:
         return self.ln_final.spec()
+
+
+def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | None) -> Callable[[str], bool]:
+    """TransformerLens's ``names_filter`` forms (None, a name, a list of names, a predicate) as a predicate."""
+    if names_filter is None:
+        return lambda name: True
+    if isinstance(names_filter, str):
+        return lambda name: name == names_filter
+    if isinstance(names_filter, (list, tuple, set)):
+        allowed = set(names_filter)
+        return lambda name: name in allowed
+    return names_filter
+
+
+def _internal_hooks(attn: NeuronAttention) -> tuple[HookPoint, ...]:
+    return (attn.hook_q, attn.hook_k, attn.hook_v, attn.hook_attn_scores, attn.hook_pattern, attn.hook_z)
+
+
+def _derivations(attn: NeuronAttention) -> dict[str, Callable[[Tensor], Tensor]]:
+    """How each neuron-head hook's value follows from ``hook_pre`` when nothing intervenes (any leading dims)."""
+
+    def scores(pre: Tensor) -> Tensor:
+        return attn.dense_scores(pre.new_zeros(()).expand(*pre.shape[:-1], attn.n_heads))
+
+    return {
+        "hook_q": attn.queries,
+        "hook_k": attn.keys,
+        "hook_v": attn.values,
+        "hook_attn_scores": scores,
+        "hook_pattern": lambda pre: attn.dense_pattern(scores(pre), -attn.queries(pre).squeeze(-1)),
+        "hook_z": lambda pre: attn.self_weight(attn.queries(pre), attn.keys(pre)) * attn.values(pre),
+    }
 
 
 def lm_cross_entropy_loss(

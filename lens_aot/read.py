@@ -87,4 +87,3 @@ def sample_tokens(spec: ModelSpec, batch: int = 2, pos: int = 64, seed: int = 0)
     generator = torch.Generator().manual_seed(seed)
     pos = max(1, min(pos, spec.n_ctx))
     return torch.randint(0, spec.d_vocab, (batch, pos), generator=generator).to(spec.device)
-

@@ -6,6 +6,7 @@ without outputs and executed by tests/test_notebooks.py in `make test`.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import nbformat
@@ -67,6 +68,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
             "fig, axes = plt.subplots(1, 2, figsize=(9, 4))\n"
             "axes[0].imshow(pattern.detach(), cmap='Blues', vmin=0, vmax=1)\n"
             "axes[0].set(title=f'pattern of head {ref_head.head}', xlabel='key', ylabel='query')\n"
+            "axes[0].set_xticks(range(3), ['a', 'b', '=']), axes[0].set_yticks(range(3), ['a', 'b', '='])\n"
             "im = axes[1].imshow(z.detach(), cmap='RdBu_r')\n"
             "axes[1].set(title=f'neuron {neuron}: hook_z at \"=\"', xlabel='b', ylabel='a')\n"
             "fig.colorbar(im)\nplt.show()",
@@ -80,10 +82,23 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
             "code",
             "import circuitsvis as cv\n\nheads = [aot.neuron_heads(0, n)[0].head for n in range(8)]\n"
             "_, cache = aot.run_with_cache(tokens[1234:1235])\n"
-            "cv.attention.attention_patterns(tokens=['a', 'b', '='], attention=cache[f'{ref_head.name}.hook_pattern'][0, heads])",
+            "patterns = cache[f'{ref_head.name}.hook_pattern'][0, heads]  # [head, query, key]\n"
+            "cv.attention.attention_patterns(tokens=['a', 'b', '='], attention=patterns)",
         ),
     ],
 }
+
+
+def _load_cells(module_file: str) -> list[tuple[str, str]]:
+    """``CELLS`` of a sibling script that holds one long notebook's cells."""
+    spec = importlib.util.spec_from_file_location(module_file, Path(__file__).resolve().parent / module_file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CELLS
+
+
+NOTEBOOKS["theorems.ipynb"] = _load_cells("notebook_theorems.py")
 
 
 def build(out_dir: Path) -> None:

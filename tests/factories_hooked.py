@@ -17,18 +17,31 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "rms-rotary-gqa": dict(
         normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8, n_key_value_heads=2
     ),
-    "ln-bidirectional": dict(normalization_type="LN", positional_embedding_type="standard", attention_dir="bidirectional"),
+    "ln-bidirectional": dict(
+        normalization_type="LN", positional_embedding_type="standard", attention_dir="bidirectional"
+    ),
     "ln-attn-only": dict(normalization_type="LN", positional_embedding_type="standard", attn_only=True),
 }
 ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_fast")
 
 
-def make_config(family: str = "ln-standard", act_fn: str = "silu", dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+def make_config(
+    family: str = "ln-standard", act_fn: str = "silu", dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Any:
     from transformer_lens import HookedTransformerConfig
 
     kwargs: dict[str, Any] = dict(
-        n_layers=2, d_model=32, d_head=8, n_heads=4, d_mlp=64, d_vocab=50, n_ctx=24, act_fn=act_fn, dtype=dtype,
-        seed=0, device="cpu",
+        n_layers=2,
+        d_model=32,
+        d_head=8,
+        n_heads=4,
+        d_mlp=64,
+        d_vocab=50,
+        n_ctx=24,
+        act_fn=act_fn,
+        dtype=dtype,
+        seed=0,
+        device="cpu",
     )
     kwargs.update(FAMILIES[family])
     kwargs.update(overrides)
@@ -51,7 +64,13 @@ def randomize(model: Any, seed: int = 0, scale: float = 0.3) -> Any:
     return model
 
 
-def make_hooked(family: str = "ln-standard", act_fn: str = "silu", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> Any:
+def make_hooked(
+    family: str = "ln-standard",
+    act_fn: str = "silu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides: Any,
+) -> Any:
     """A HookedTransformer of ``family`` with random weights in ``dtype``."""
     from transformer_lens import HookedTransformer
 

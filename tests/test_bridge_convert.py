@@ -41,7 +41,9 @@ def test_neuron_head_equals_bridge_mlp_post() -> None:
     _, cache = aot.run_with_cache(tokens)
     post_name = next(k for k in src.keys() if k.startswith("blocks.1.mlp") and k.endswith("hook_post"))
     (ref,) = aot.neuron_heads(1, 9)
-    torch.testing.assert_close(cache[f"{ref.name}.hook_z"][..., ref.head, 0], src[post_name][..., 9], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        cache[f"{ref.name}.hook_z"][..., ref.head, 0], src[post_name][..., 9], rtol=0, atol=1e-12
+    )
     torch.testing.assert_close(aot.neuron_activations(cache, 1), src[post_name], rtol=0, atol=1e-12)
 
 
@@ -75,7 +77,7 @@ def test_patching_matches_bridge() -> None:
 def test_bridge_tokenizer_round_trip() -> None:
     bridge = make_bridge("gpt2-silu", torch.float32, tokenizer=True)
     aot = lens_aot.convert(bridge)
-    text = "the cat sat on the mat"
+    text = "w3 w17 w5 w3"
     tokens = aot.to_tokens(text)
     torch.testing.assert_close(tokens, bridge.to_tokens(text), rtol=0, atol=0)
     assert aot.to_string(aot.to_tokens(text, prepend_bos=False)[0]) == text
@@ -107,3 +109,17 @@ def test_protocol() -> None:
         return
     assert isinstance(aot, TransformerLensModel)
     assert isinstance(aot, TransformerLensModelWithWeights)
+
+
+@pytest.mark.parametrize("family", ["gpt2-silu", "gpt2-relu"])
+def test_standard_mask_mode_through_convert(family: str) -> None:
+    """convert(masks="weights"): only the model's own mask in every head (Theorem 9), logits within 1e-8 in fp64."""
+    bridge = make_bridge(family, torch.float64)
+    smt = lens_aot.convert(bridge, masks="weights")
+    tokens = _tokens(smt.cfg.d_vocab)
+    with torch.no_grad():
+        err = float((smt(tokens) - _logits(bridge, tokens)).abs().max())
+    assert err <= 1e-8
+    assert smt.report.max_abs_logit_error is not None and smt.report.max_abs_logit_error <= 1e-8
+    with pytest.raises(ValueError, match="masks must be 'explicit' or 'weights'"):
+        lens_aot.convert(bridge, masks="diagonal")

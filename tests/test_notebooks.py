@@ -38,9 +38,10 @@ def test_notebook_executes(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env_path) if p)
-    os.environ.setdefault("MPLBACKEND", "Agg")
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
     finally:
         os.environ["PYTHONPATH"] = env_path
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]

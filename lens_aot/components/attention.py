@@ -89,7 +89,11 @@ class Attention(nn.Module):
             z = self._dense_z(q, k, v)
         else:  # same computation, fused: the [query, key] tensors never exist
             z = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal, scale=1 / self.attn_scale
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=self.causal,
+                scale=1 / self.attn_scale,
             ).transpose(1, 2)
         z = self.hook_z(z)
         if self.use_attn_result:

@@ -25,6 +25,8 @@ the MLP it replaces.
 
 from __future__ import annotations
 
+from typing import Any
+
 import einops
 import torch
 from jaxtyping import Float
@@ -57,6 +59,7 @@ class NeuronAttention(nn.Module):
         self.n_heads = self.d_mlp * self.heads_per_neuron
         self.use_attn_result = False
 
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]: the neurons' pre-activations z (the MLP's hook_pre)
         self.hook_q = HookPoint()  # [batch, pos, head, 1]
         self.hook_k = HookPoint()  # [batch, pos, head, 1]
         self.hook_v = HookPoint()  # [batch, pos, head, 1]
@@ -108,26 +111,57 @@ class NeuronAttention(nn.Module):
         """Value of the bias slot."""
         return self.W_in.new_zeros(self.n_heads, 1)
 
-    # ---- forward ----
-    def pre_activation(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_mlp"]:
-        """``z = x·W_in + b_in``: what the original MLP's ``hook_pre`` held."""
-        return x @ self.W_in + self.b_in
+    # ---- the head computation, piece by piece (shape-generic: any leading dims before [pos, ...]) ----
+    def queries(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """``q = b_k·z + d_k`` for every head (``hook_q``)."""
+        return self._per_head(pre, self.term_b).add(self.term_d.repeat(self.d_mlp))[..., None]
 
+    def values(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """``v = α_k·z + β_k`` for every head (``hook_v``)."""
+        return self._per_head(pre, self.term_alpha).add(self.term_beta.repeat(self.d_mlp))[..., None]
+
+    def keys(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """Keys of the real positions: all zero (``hook_k``; an expanded view, no memory)."""
+        return pre.new_zeros(()).expand(*pre.shape[:-1], self.n_heads, 1)
+
+    @staticmethod
+    def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
+        """Scores over the real keys as [..., head, query, key]: each query sees only itself (``hook_attn_scores``)."""
+        pos = self_score.shape[-2]
+        eye = torch.eye(pos, dtype=torch.bool, device=self_score.device)
+        return torch.diag_embed(self_score.transpose(-1, -2)).masked_fill(~eye, float("-inf"))
+
+    @staticmethod
+    def dense_pattern(
+        scores: Float[Tensor, "... n_heads pos pos"], bias_score: Float[Tensor, "... pos n_heads"]
+    ) -> Float[Tensor, "... n_heads pos pos"]:
+        """Softmax over the real keys and the bias slot, returning the real keys' part (``hook_pattern``)."""
+        full = torch.cat((scores, bias_score.transpose(-1, -2)[..., None]), dim=-1)
+        return torch.softmax(full, dim=-1)[..., :-1]
+
+    @staticmethod
+    def self_weight(
+        q: Float[Tensor, "... pos n_heads 1"], k: Float[Tensor, "... pos n_heads 1"]
+    ) -> Float[Tensor, "... pos n_heads 1"]:
+        """Closed form of the two-key softmax: weight on self ``σ(q·k − q·k_bias) = σ(q·k + q)``."""
+        return torch.sigmoid(q * k + q)
+
+    # ---- forward ----
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        pre = self.pre_activation(x)
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
         internal = (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
         if not self.use_attn_result and not _hooked(*internal):
-            return self._fused(pre) @ self.W_out + self.b_O
+            return self.activation(pre) @ self.W_out + self.b_O
 
-        q = self.hook_q(self._per_head(pre, self.term_b).add(self.term_d.repeat(self.d_mlp))[..., None])
-        k = self.hook_k(torch.zeros_like(q))
-        v = self.hook_v(self._per_head(pre, self.term_alpha).add(self.term_beta.repeat(self.d_mlp))[..., None])
-        self_score = (q * k).squeeze(-1) / self.attn_scale  # [batch, pos, head]
-        bias_score = -q.squeeze(-1) / self.attn_scale  # q · k_bias with k_bias = -1
+        q = self.hook_q(self.queries(pre))
+        k = self.hook_k(self.keys(pre))
+        v = self.hook_v(self.values(pre))
         if _hooked(self.hook_attn_scores, self.hook_pattern):
-            z = self._dense_z(self_score, bias_score, v)
+            scores = self.hook_attn_scores(self.dense_scores((q * k).squeeze(-1) / self.attn_scale))
+            pattern = self.hook_pattern(self.dense_pattern(scores, -q.squeeze(-1) / self.attn_scale))
+            z = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
         else:
-            z = torch.sigmoid(self_score - bias_score)[..., None] * v
+            z = self.self_weight(q, k) * v
         z = self.hook_z(z)
         if self.use_attn_result:
             result = self.hook_result(z * self.W_O.squeeze(1))
@@ -135,27 +169,40 @@ class NeuronAttention(nn.Module):
         per_neuron = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron)).sum(-1)
         return per_neuron @ self.W_out + self.b_O
 
-    def _fused(self, pre: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos d_mlp"]:
-        """Sum of a neuron's head outputs, ``Σ_k (α_k z + β_k)·σ(b_k z + d_k)``, without per-head tensors."""
-        post = torch.zeros_like(pre)
-        for alpha, beta, b, d in zip(self.fit.alpha, self.fit.beta, self.fit.b, self.fit.d):
-            post += (pre * alpha + beta) * torch.sigmoid(pre * b + d)
-        return post
+    def activation(self, pre: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
+        """Sum of each neuron's head outputs, ``Σ_k (α_k z + β_k)·σ(b_k z + d_k)``, without per-head tensors."""
+        return SumOfLogistics.apply(pre, self.fit)
 
-    def _dense_z(
-        self,
-        self_score: Float[Tensor, "batch pos head"],
-        bias_score: Float[Tensor, "batch pos head"],
-        v: Float[Tensor, "batch pos head 1"],
-    ) -> Float[Tensor, "batch pos head 1"]:
-        """Materialise scores and pattern as [batch, head, query, key] for the hooks, then ``z = pattern @ v``."""
-        pos = self_score.shape[1]
-        eye = torch.eye(pos, dtype=torch.bool, device=self_score.device)
-        scores = torch.diag_embed(einops.rearrange(self_score, "b p h -> b h p")).masked_fill(~eye, float("-inf"))
-        scores = self.hook_attn_scores(scores)
-        full = torch.cat((scores, einops.rearrange(bias_score, "b p h -> b h p 1")), dim=-1)
-        pattern = self.hook_pattern(torch.softmax(full, dim=-1)[..., :pos])
-        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+
+class SumOfLogistics(torch.autograd.Function):
+    """``Σ_k (α_k z + β_k)·σ(b_k z + d_k)`` elementwise, in row chunks that stay in cache, saving only ``z`` for a
+    closed-form backward ``Σ_k α_k σ_k + (α_k z + β_k)·b_k·σ_k(1 − σ_k)`` (autograd would keep 4K tensors)."""
+
+    CHUNK = 1 << 16  # elements per chunk
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, fit: ActivationFit) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(pre)
+        ctx.fit = fit
+        out = torch.empty_like(pre).reshape(-1)
+        flat = pre.reshape(-1)
+        for start in range(0, flat.numel(), SumOfLogistics.CHUNK):
+            z = flat[start : start + SumOfLogistics.CHUNK]
+            acc = out[start : start + SumOfLogistics.CHUNK]
+            acc.zero_()
+            for alpha, beta, b, d in zip(fit.alpha, fit.beta, fit.b, fit.d, strict=True):
+                acc.add_(torch.sigmoid(z * b + d).mul_(z * alpha + beta))
+        return out.view_as(pre)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (pre,) = ctx.saved_tensors
+        fit: ActivationFit = ctx.fit
+        slope = torch.zeros_like(pre)
+        for alpha, beta, b, d in zip(fit.alpha, fit.beta, fit.b, fit.d, strict=True):
+            sig = torch.sigmoid(pre * b + d)
+            slope += sig * alpha + (pre * alpha + beta) * b * sig * (1 - sig)
+        return grad * slope, None
 
     def spec(self) -> MLPSpec:
         """The MLP this layer implements (used by ``revert``)."""

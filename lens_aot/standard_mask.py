@@ -1,0 +1,644 @@
+"""Whole-model standard-mask mode: an attention-only transformer whose heads use only the model's own mask.
+
+:func:`to_standard_mask_model` applies the paper's Theorems 3, 6 and 9 to a whole :class:`~lens_aot.spec.ModelSpec`:
+every MLP neuron becomes a head (Theorem 3), and every special mask (a neuron head's "itself and the bias token",
+a source head's "not the bias token") is moved into the weights with a large ``Ω`` and one-hot position channels
+(Theorem 9), so **every head uses only the source's causal mask (or none, for a bidirectional source)**. The bias
+token is an ordinary token, prepended internally. Compare :mod:`lens_aot.components.neuron_attention`, where the
+bias key is a memory slot and the masks are explicit.
+
+**Residual** (width ``D' = d_model + n_ctx + 4``), per token ``t`` (``t = 0`` is the bias token)::
+
+    [ x_t (d_model) | P_0 … P_{n_ctx} (one-hot position) | REF | CONST | BALANCE ]
+
+``x_t`` is the source's residual (mean-centred over ``d_model`` for LayerNorm sources, which changes nothing the
+source computes: every reader of the residual centres it); the bias token's ``x`` is 0. A real token's position
+channel holds ``δ``, the bias token's holds ``B = 8·√d_model``; REF, an empty position channel, is 0 for every token;
+BALANCE holds minus the position channel (LayerNorm only), CONST 1 without a norm and 0 with one. The model is an
+ordinary transformer over tokens ``[BIAS, t_1, …, t_n]`` with learned position embeddings: the vocabulary gains
+one token (:attr:`StandardMaskTransformer.bias_token`), the position table one row.
+
+**Norms stay exact.** Each norm is an ordinary LayerNorm (RMSNorm, none) over all ``D'`` channels whose output on
+the ``d_model`` channels equals the source norm's. A real token's extra channels add nothing to its mean (BALANCE)
+and exactly ``Q = 2δ²`` (RMS: ``δ²``) to its sum of squares, so with epsilon ``ε' = (d_model·ε − Q)/D'`` and the
+``d_model`` weights scaled by ``√(d_model/D')`` the norm's scale is the source's ``√(σ² + ε)``, exactly. We take
+``δ = √(d_model·ε/4)``, which keeps ``ε' > 0`` (no cancellation). After the norm, CONST is exactly 1 (weight 0,
+bias 1), BALANCE 0, and a real token's position channel holds ``π_t = 1/√(σ_t² + ε)``, the source norm's own
+factor (1 without a norm), so a position-position entry ``−Ω`` of ``W_QK`` penalises a pair by ``Ω·π_i·π_j``. The
+bias token's large ``B`` gives it a small scale, so rounding that lands in its residual is damped, not amplified
+by ``1/√ε``; its normed residual ``u_0`` and position value ``π_0`` are calibrated once, in the model's dtype.
+LayerNorm shifts every channel by the token's mean, which is 0 only up to rounding, so an empty position channel
+holds ``−mean·scale`` rather than 0; REF holds exactly the same value, and every position is read relative to it
+(``P_k − REF``), which is exact.
+
+**Blocks.** Source layer ``l`` becomes ``blocks.{2l}`` (its heads) and ``blocks.{2l+1}`` (its MLP: ``d_mlp·K``
+neuron heads, ``K`` terms of the activation's shifted-logistic fit, 1 for SiLU, then one head for ``b_out``); a
+layer without an MLP becomes one block. Every block is ``resid + attn(norm(resid))`` under the source's mask.
+
+* source head: ``W_QK = W_Q W_Kᵀ / attn_scale`` (+ biases via CONST), plus ``−Ω`` between a real query and the
+  bias key (CONST × P_0): exactly ``−Ω`` whatever the token's scale. Its value gains one channel (CONST) that
+  carries ``b_O``; the bias token's value is cancelled to 0 through P_0.
+* neuron head (Theorem 3): query ``b_k·z + d_k``, bias key ``−1`` (through P_0), real keys 0, value
+  ``α_k·z + β_k`` (0 on the bias token), output ``W_out[n]``; ``−Ω·max(1, |b_k|)`` on every position pair except a
+  token with itself, i.e. an effective ``Ω·max(1, |b_k|)·π_i·π_j``.
+* the ``b_out`` head: value 1 on every real token (CONST) and 0 on the bias token, ``−Ω`` on the bias key.
+* bidirectional sources: the bias token's query also scores ``−Ω`` on every real key.
+
+The penalties are ``n_ctx + 2`` extra query/key dimensions per head, shared by the heads of a block: key features
+``f = u Tᵀ`` (positions relative to REF, then CONST), query features ``f A`` with ``A`` one of three small
+**penalty forms**; in the paper's notation ``W_QK = W_Q W_Kᵀ + Tᵀ A T`` (:attr:`StandardMaskAttention.W_QK`).
+
+**Choosing Ω.** Ω never touches an allowed score (the penalty form of :func:`lens_aot.constructions.pseudo_mask`),
+so a large Ω costs nothing: the measured error is the same for Ω from 1e3 to 1e8, in float64 and float32. A
+forbidden key keeps weight ``≤ e^{−(Ω·π_i·π_j − spread)}``, so Ω must exceed ``(ln(1/tol) + spread)·σ̃_max²``,
+``σ̃ = √(σ² + ε)`` the largest norm denominator met (≈ the residual's RMS) and ``spread`` the range of neuron
+pre-activations and head scores; the default 1e6 covers ``σ̃`` up to ~30 in float64.
+:meth:`StandardMaskTransformer.mask_leak` measures the largest weight any head puts on a key it should not see.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import einops
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.components.norm import Norm
+from lens_aot.errors import InputError, UnsupportedArchitectureError
+from lens_aot.spec import AttentionSpec, MLPSpec, ModelSpec, NormSpec
+
+DEFAULT_OMEGA = 1e6
+NormClass = Literal["LN", "RMS"] | None
+PenaltyForm = Literal["hide_bias", "self_only", "bias_alone"]
+PENALTY_FORMS: tuple[PenaltyForm, ...] = ("hide_bias", "self_only", "bias_alone")
+
+__all__ = [
+    "DEFAULT_OMEGA",
+    "ResidualLayout",
+    "StandardMaskAttention",
+    "StandardMaskBlock",
+    "StandardMaskConfig",
+    "StandardMaskTransformer",
+    "to_standard_mask_model",
+]
+
+
+# ---- layout -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResidualLayout:
+    """Where each channel of the standard-mask residual lives (see the module docstring)."""
+
+    d_model: int  # the source's width
+    n_positions: int  # n_ctx + 1: the bias token is position 0
+    norm: NormClass  # "LN" (LN / LNPre), "RMS" (RMS / RMSPre) or None
+    delta: float  # value of a real token's one-hot position channel before the norm
+    bias_mass: float  # value of the bias token's position channel (P_0) before the norm
+
+    @property
+    def pos0(self) -> int:
+        """Channel of position 0 (the bias token's position); position ``t`` is ``pos0 + t``."""
+        return self.d_model
+
+    @property
+    def ref(self) -> int:
+        """A position channel no token occupies: after the norm it holds exactly the shift every empty one gets."""
+        return self.d_model + self.n_positions
+
+    @property
+    def const(self) -> int:
+        """Channel that every norm maps to exactly 1 (biases ride on it)."""
+        return self.ref + 1
+
+    @property
+    def balance(self) -> int:
+        """Channel holding minus the position channels' sum (LayerNorm sources), so they add nothing to the mean."""
+        return self.const + 1
+
+    @property
+    def width(self) -> int:
+        return self.balance + 1
+
+    @property
+    def extra_sum_of_squares(self) -> float:
+        """``Q``: what a real token's extra channels add to its sum of squares before the norm."""
+        if self.norm == "LN":
+            return 2 * self.delta**2
+        if self.norm == "RMS":
+            return self.delta**2
+        return 0.0
+
+    def relative_positions(self, like: Tensor) -> Float[Tensor, "n_features width"]:
+        """``T`` with ``T u = (u[P_0] − u[REF], …, u[P_n] − u[REF], u[CONST])``: positions read relative to REF.
+
+        A LayerNorm shifts every channel by the token's mean, which is 0 only up to rounding, so an empty position
+        channel holds a tiny ``−mean·scale`` instead of 0; REF holds exactly the same value, so differences are exact.
+        """
+        T = like.new_zeros(self.n_positions + 1, self.width)
+        idx = torch.arange(self.n_positions, device=like.device)
+        T[idx, self.pos0 + idx] = 1.0
+        T[idx, self.ref] = -1.0
+        T[-1, self.const] = 1.0
+        return T
+
+
+def _norm_class(spec: NormSpec | None) -> NormClass:
+    if spec is None or spec.kind is None:
+        return None
+    return "LN" if spec.kind in ("LN", "LNPre") else "RMS"
+
+
+def _norms(spec: ModelSpec) -> list[NormSpec]:
+    norms = [spec.ln_final] + [layer.ln1 for layer in spec.layers]
+    return norms + [layer.ln2 for layer in spec.layers if layer.mlp is not None and layer.ln2 is not None]
+
+
+def _wide_norm(spec: NormSpec, layout: ResidualLayout, dtype: torch.dtype, device: torch.device) -> Norm:
+    """A norm over the whole residual whose ``d_model`` outputs equal ``spec``'s on the source residual.
+
+    Scale: ``(d·σ² + Q)/D' + ε' = d·(σ² + ε)/D'`` for ``ε' = (d·ε − Q)/D'``, so weights ``√(d/D')·w`` give the
+    source's ``w/√(σ² + ε)``. Position channels get weight ``√(d/D')/δ`` (→ ``1/√(σ² + ε)``), CONST weight 0 and
+    bias 1 (→ exactly 1), BALANCE weight 0.
+    """
+    if layout.norm is None:
+        return Norm(NormSpec(None))
+    d, width = layout.d_model, layout.width
+    ratio = math.sqrt(d / width)
+    w = torch.zeros(width, dtype=dtype, device=device)
+    b = torch.zeros(width, dtype=dtype, device=device)
+    w[:d] = ratio * (spec.w.to(dtype) if spec.w is not None else 1.0)
+    if spec.b is not None:
+        b[:d] = spec.b.to(dtype)
+    w[layout.pos0 : layout.ref + 1] = ratio / layout.delta  # positions and REF alike
+    b[layout.const] = 1.0
+    eps = (d * spec.eps - layout.extra_sum_of_squares) / width
+    kind = "LN" if layout.norm == "LN" else "RMS"
+    return Norm(NormSpec(kind, eps, w, b, spec.compute_dtype, spec.rsqrt))
+
+
+# ---- the attention module -----------------------------------------------------------------------------------------
+
+
+class StandardMaskAttention(nn.Module):
+    """A layer of heads under the model's own mask, with every other mask in ``W_QK`` (Theorem 9).
+
+    Stored TransformerLens-style (``W_Q``, ``W_K`` ``[head, D', d_qk]``, ``W_V`` ``[head, D', d_v]``, ``W_O``
+    ``[head, d_v, D']``, no biases: they ride on the CONST channel) plus the penalties: shared features
+    ``T`` ``[n_features, D']`` (positions relative to REF, then CONST), **penalty forms** ``A``
+    ``[form, n_features, n_features]`` (multiples of Ω) and per-head weights ``penalty_coeff`` ``[head, form]``.
+    :attr:`W_QK` and :attr:`W_OV` give each head's full matrices in the paper's notation: ``scores = u W_QK uᵀ``
+    (+ the model's mask), ``output = softmax(scores) · u W_OV``.
+    Hooks: ``hook_q``, ``hook_k``, ``hook_v``, ``hook_z`` ``[batch, pos, head, d]``; ``hook_attn_scores``,
+    ``hook_pattern`` ``[batch, head, query, key]``; positions include the bias token (position 0).
+    """
+
+    def __init__(
+        self,
+        W_Q: Float[Tensor, "n_heads width d_qk"],
+        W_K: Float[Tensor, "n_heads width d_qk"],
+        W_V: Float[Tensor, "n_heads width d_v"],
+        W_O: Float[Tensor, "n_heads d_v width"],
+        penalty_features: Float[Tensor, "n_features width"],
+        penalty_forms: Float[Tensor, "n_forms n_features n_features"],
+        penalty_coeff: Float[Tensor, "n_heads n_forms"],
+        causal: bool,
+        softmax_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.W_Q = nn.Parameter(W_Q)
+        self.W_K = nn.Parameter(W_K)
+        self.W_V = nn.Parameter(W_V)
+        self.W_O = nn.Parameter(W_O)
+        self.register_buffer("penalty_features", penalty_features)
+        self.register_buffer("penalty_forms", penalty_forms)
+        self.register_buffer("penalty_coeff", penalty_coeff)
+        self.causal = causal
+        self.softmax_dtype = softmax_dtype
+        self.n_heads = W_Q.shape[0]
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+
+    @property
+    def W_QK(self) -> Float[Tensor, "n_heads width width"]:
+        """Each head's full query-key matrix: ``W_Q W_Kᵀ + Σ_form coeff·Tᵀ A_form T``."""
+        forms = self.penalty_features.T @ self.penalty_forms @ self.penalty_features
+        penalty = einops.einsum(self.penalty_coeff, forms, "h f, f a b -> h a b")
+        return self.W_Q @ self.W_K.transpose(-1, -2) + penalty
+
+    @property
+    def W_OV(self) -> Float[Tensor, "n_heads width width"]:
+        """Each head's full output-value matrix ``W_V W_O``."""
+        return self.W_V @ self.W_O
+
+    def forward(self, u: Float[Tensor, "batch pos width"]) -> Float[Tensor, "batch pos width"]:
+        q = self.hook_q(einops.einsum(u, self.W_Q, "b p d, h d e -> b p h e"))
+        k = self.hook_k(einops.einsum(u, self.W_K, "b p d, h d e -> b p h e"))
+        v = self.hook_v(einops.einsum(u, self.W_V, "b p d, h d e -> b p h e"))
+        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k")
+        # The penalties u Tᵀ A T uᵀ, evaluated as f A fᵀ with f = u Tᵀ: the position differences are taken first
+        # (exactly), so no Ω-sized partial sum ever meets the rounding left in empty position channels.
+        f = u @ self.penalty_features.T
+        used = [m for m in range(self.penalty_forms.shape[0]) if bool(self.penalty_coeff[:, m].any())]
+        for m in used:
+            penalty = f @ self.penalty_forms[m] @ f.transpose(-1, -2)  # [b, q, k], shared by the heads using it
+            scores = scores + self.penalty_coeff[:, m, None, None] * penalty[:, None]
+        if self.causal:
+            n = u.shape[1]
+            future = torch.ones(n, n, dtype=torch.bool, device=u.device).triu(1)
+            scores = scores.masked_fill(future, -math.inf)
+        scores = self.hook_attn_scores(scores)
+        dtype = self.softmax_dtype or scores.dtype
+        pattern = self.hook_pattern(torch.softmax(scores.to(dtype), dim=-1).to(u.dtype))
+        z = self.hook_z(einops.einsum(pattern, v, "b h q k, b k h e -> b q h e"))
+        return einops.einsum(z, self.W_O, "b q h e, h e d -> b q d")
+
+
+class StandardMaskBlock(nn.Module):
+    """``resid_post = resid_pre + attn(ln1(resid_pre))``."""
+
+    def __init__(self, ln1: Norm, attn: StandardMaskAttention) -> None:
+        super().__init__()
+        self.ln1 = ln1
+        self.attn = attn
+        self.hook_resid_pre = HookPoint()  # [batch, pos, width]
+        self.hook_attn_out = HookPoint()  # [batch, pos, width]
+        self.hook_resid_post = HookPoint()  # [batch, pos, width]
+
+    def forward(self, resid: Float[Tensor, "batch pos width"]) -> Float[Tensor, "batch pos width"]:
+        resid = self.hook_resid_pre(resid)
+        return self.hook_resid_post(resid + self.hook_attn_out(self.attn(self.ln1(resid))))
+
+
+# ---- building the blocks --------------------------------------------------------------------------------------------
+
+
+class _Builder:
+    """Turns source layers into standard-mask attention modules (shared layout, Ω, calibration)."""
+
+    def __init__(self, spec: ModelSpec, layout: ResidualLayout, omega: float, bias_row: Tensor) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.omega = omega
+        self.bias_row = bias_row  # the bias token's residual [width]
+        self.dtype, self.device = spec.dtype, spec.device
+        self.centre = layout.norm == "LN"
+        self.features = layout.relative_positions(bias_row)
+
+    def zeros(self, *shape: int) -> Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def writes(self, W: Tensor) -> Tensor:
+        """Pad a write into the source residual ``[..., d_model]`` to ``[..., width]``, centred for LayerNorm."""
+        W = W.to(self.dtype)
+        if self.centre:
+            W = W - W.mean(-1, keepdim=True)
+        out = self.zeros(*W.shape[:-1], self.layout.width)
+        out[..., : self.layout.d_model] = W
+        return out
+
+    def calibrate(self, norm: Norm) -> tuple[Tensor, float]:
+        """The bias token's normed residual ``u_0`` and its position value ``π_0 = u_0[P_0] − u_0[REF]``."""
+        with torch.no_grad():
+            u0 = norm(self.bias_row[None, None])[0, 0]
+        return u0, float(u0[self.layout.pos0] - u0[self.layout.ref])
+
+    def read_bias_position(self, W: Tensor, value: Tensor | float) -> None:
+        """Make ``W`` ``[head, width, d]`` read ``value·(u[P_0] − u[REF])`` (``value`` per head and column)."""
+        W[:, self.layout.pos0] = value
+        W[:, self.layout.ref] = -value
+
+    def cancel_bias_value(self, W_V: Tensor, u0: Tensor, pi0: float) -> None:
+        """Set the P_0 / REF rows of ``W_V`` ``[head, width, d_v]`` so that the bias token's value ``u_0 W_V`` is 0."""
+        self.read_bias_position(W_V, 0.0)
+        self.read_bias_position(W_V, -einops.einsum(u0, W_V, "d, h d e -> h e") / pi0)
+
+    def penalty_forms(self, pi0: float) -> Tensor:
+        """The shared penalty forms ``A`` ``[3, n_positions + 1, n_positions + 1]`` (order: :data:`PENALTY_FORMS`).
+
+        Each is written over the features ``f = T u`` of :meth:`ResidualLayout.relative_positions` (positions
+        relative to REF, then CONST); as a matrix over the residual it is ``Tᵀ A T`` (``u Tᵀ A T uᵀ = f A fᵀ``).
+        """
+        L, omega = self.layout, self.omega
+        n, one = L.n_positions, L.n_positions  # feature index n is CONST
+        A = self.zeros(len(PENALTY_FORMS), n + 1, n + 1)
+        # hide_bias: a real query (CONST = 1, P_0 = 0) scores −Ω on the bias key (P_0 = π_0); the bias query's own
+        # score is −Ω + Ω = 0 (its P_0 term cancels its CONST term).
+        A[0, one, 0] = -omega / pi0
+        A[0, 0, 0] = omega / pi0**2
+        # self_only: a query at position i ≥ 1 scores −Ω·π_i·π_j on a key at j ≥ 1, j ≠ i (j < i if causal).
+        real = torch.arange(1, n, device=self.device)
+        forbid = real[:, None] != real[None, :]
+        if self.spec.causal:
+            forbid &= real[None, :] < real[:, None]
+        A[1, 1:n, 1:n] = forbid.to(self.dtype) * -omega
+        # bias_alone: the bias query (P_0 = π_0) scores −Ω on every real key (CONST = 1) and 0 on itself.
+        A[2, 0, one] = -omega / pi0
+        A[2, 0, 0] = omega / pi0**2
+        return A
+
+    def coeff(self, n_heads: int, *pairs: tuple[int, Tensor | float]) -> Tensor:
+        out = self.zeros(n_heads, len(PENALTY_FORMS))
+        for form, value in pairs:
+            out[:, form] = value
+        if not self.spec.causal:
+            out[:, 2] = 1.0
+        return out
+
+    def attention(self, attn: AttentionSpec, norm: Norm) -> StandardMaskAttention:
+        """A source attention layer: its heads, plus ``−Ω`` on the bias key; ``b_O`` rides on an extra value."""
+        L = self.layout
+        d, const = L.d_model, L.const
+        n_heads, _, d_head = attn.W_Q.shape
+        group = n_heads // attn.W_K.shape[0]
+        kv = torch.arange(n_heads, device=self.device) // group
+        scale = attn.attn_scale
+        W_Q, W_K = self.zeros(n_heads, L.width, d_head), self.zeros(n_heads, L.width, d_head)
+        W_Q[:, :d] = attn.W_Q.to(self.dtype) / scale
+        W_Q[:, const] = attn.b_Q.to(self.dtype) / scale
+        W_K[:, :d] = attn.W_K.to(self.dtype)[kv]
+        W_K[:, const] = attn.b_K.to(self.dtype)[kv]
+        W_V = self.zeros(n_heads, L.width, d_head + 1)
+        W_V[:, :d, :d_head] = attn.W_V.to(self.dtype)[kv]
+        W_V[:, const, :d_head] = attn.b_V.to(self.dtype)[kv]
+        W_V[:, const, d_head] = 1.0
+        W_O = self.zeros(n_heads, d_head + 1, L.width)
+        W_O[:, :d_head] = self.writes(attn.W_O)
+        W_O[:, d_head] = self.writes(attn.b_O / n_heads)
+        u0, pi0 = self.calibrate(norm)
+        self.cancel_bias_value(W_V, u0, pi0)
+        coeff = self.coeff(n_heads, (0, 1.0))
+        return StandardMaskAttention(
+            W_Q, W_K, W_V, W_O, self.features, self.penalty_forms(pi0), coeff, self.spec.causal, attn.softmax_dtype
+        )
+
+    def neurons(self, mlp: MLPSpec, fit: ActivationFit, norm: Norm) -> StandardMaskAttention:
+        """An MLP layer: ``d_mlp·K`` neuron heads (head ``n·K + k``: term ``k`` of neuron ``n``), then a b_out head."""
+        L = self.layout
+        d, const = L.d_model, L.const
+        d_mlp, K = mlp.W_in.shape[1], fit.n_terms
+        n_heads = d_mlp * K + 1
+        W_in, b_in = mlp.W_in.to(self.dtype), mlp.b_in.to(self.dtype)
+        alpha, beta, b, dd = (
+            torch.tensor(t, dtype=self.dtype, device=self.device) for t in (fit.alpha, fit.beta, fit.b, fit.d)
+        )
+        u0, pi0 = self.calibrate(norm)
+
+        def per_head(per_neuron: Tensor, per_term: Tensor) -> Tensor:  # [..., d_mlp] × [K] → [..., d_mlp·K]
+            return (per_neuron[..., :, None] * per_term).flatten(-2)
+
+        W_Q, W_K, W_V = (self.zeros(n_heads, L.width, 1) for _ in range(3))
+        W_Q[:-1, :d, 0] = per_head(W_in, b).T
+        W_Q[:-1, const, 0] = per_head(b_in, b) + dd.repeat(d_mlp)
+        self.read_bias_position(W_K[:-1], -1.0 / pi0)
+        W_V[:-1, :d, 0] = per_head(W_in, alpha).T
+        W_V[:-1, const, 0] = per_head(b_in, alpha) + beta.repeat(d_mlp)
+        W_V[-1, const, 0] = 1.0
+        self.cancel_bias_value(W_V, u0, pi0)
+        W_O = self.zeros(n_heads, 1, L.width)
+        W_O[:-1, 0] = self.writes(mlp.W_out).repeat_interleave(K, dim=0)
+        W_O[-1, 0] = self.writes(mlp.b_out)
+        sharpness = b.abs().clamp(min=1.0).repeat(d_mlp)
+        coeff = self.coeff(n_heads)
+        coeff[:-1, 1] = sharpness
+        coeff[-1, 0] = 1.0
+        return StandardMaskAttention(
+            W_Q, W_K, W_V, W_O, self.features, self.penalty_forms(pi0), coeff, self.spec.causal
+        )
+
+
+# ---- the model ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StandardMaskConfig:
+    """What the standard-mask model is (TransformerLens-style field names where they apply)."""
+
+    n_layers: int  # blocks
+    d_model: int  # residual width D' = source d_model + n_ctx + 3
+    d_source: int  # the source's d_model (channels 0 … d_source − 1 hold its residual)
+    n_ctx: int  # the source's context; the model itself runs on n_ctx + 1 positions
+    d_vocab: int  # the source's vocabulary; the bias token is token d_vocab
+    d_vocab_out: int
+    n_heads_per_block: list[int]
+    normalization_type: str | None  # "LN", "RMS" or None (over the whole residual)
+    attention_dir: str  # "causal" or "bidirectional": the only mask any head uses
+    omega: float
+    dtype: torch.dtype
+    device: torch.device
+    act_fn: str | None = None
+    model_name: str = "unnamed"
+    attn_only: bool = True
+
+
+class StandardMaskTransformer(HookedRootModule):
+    """An attention-only transformer equal to its source, every head under the source's own mask (Theorem 9).
+
+    ``model(tokens)`` takes the source's tokens ``[batch, pos]`` and returns logits ``[batch, pos, d_vocab_out]``
+    like the source; internally the bias token is prepended (position 0), so hooks see ``pos + 1`` positions and
+    ``cfg.d_model`` channels (see :class:`ResidualLayout`). ``run_with_cache`` and ``run_with_hooks`` work as in
+    TransformerLens. Build with :func:`to_standard_mask_model`.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        omega: float,
+        fits: dict[int, ActivationFit],
+        delta: float | None = None,
+        bias_mass: float | None = None,
+    ) -> None:
+        super().__init__()
+        norm = _norm_class(spec.ln_final)
+        if delta is None:
+            eps = min((n.eps for n in _norms(spec) if n.kind is not None), default=0.0)
+            delta = math.sqrt(spec.d_model * eps / 4) if eps > 0 else 1.0
+        if bias_mass is None:
+            bias_mass = 8.0 * math.sqrt(spec.d_model)
+        layout = ResidualLayout(spec.d_model, spec.n_ctx + 1, norm, delta, bias_mass)
+        self.layout = layout
+        self.omega = float(omega)
+        self.fits = fits
+        dtype, device = spec.dtype, spec.device
+        d = spec.d_model
+
+        builder = _Builder(spec, layout, omega, torch.zeros(layout.width, dtype=dtype, device=device))
+        # Embeddings: token d_vocab is the bias token (x = 0); position t ≥ 1 is the source's position t − 1.
+        W_E = builder.writes(torch.cat((spec.W_E, spec.W_E.new_zeros(1, d))))
+        W_pos = builder.zeros(layout.n_positions, layout.width)
+        if spec.positions == "standard":
+            assert spec.W_pos is not None
+            W_pos[1:] = builder.writes(spec.W_pos)
+        W_pos[:, layout.pos0 : layout.ref] += layout.delta * torch.eye(layout.n_positions, dtype=dtype, device=device)
+        W_pos[0, layout.pos0] = layout.bias_mass
+        if norm == "LN":
+            W_pos[:, layout.balance] = -W_pos[:, layout.pos0 : layout.ref].sum(-1)
+        if norm is None:
+            W_pos[:, layout.const] = 1.0
+        self.W_E = nn.Parameter(W_E)
+        self.W_pos = nn.Parameter(W_pos)
+        builder.bias_row = (W_E[-1] + W_pos[0]).detach()
+        self.hook_embed = HookPoint()  # [batch, pos + 1, width]
+        self.hook_pos_embed = HookPoint()  # [batch, pos + 1, width]
+
+        blocks: list[StandardMaskBlock] = []
+        self.block_origin: list[tuple[Literal["attention", "mlp"], int]] = []
+        for i, layer in enumerate(spec.layers):
+            ln1 = _wide_norm(layer.ln1, layout, dtype, device)
+            blocks.append(StandardMaskBlock(ln1, builder.attention(layer.attn, ln1)))
+            self.block_origin.append(("attention", i))
+            if layer.mlp is not None:
+                assert layer.ln2 is not None
+                ln2 = _wide_norm(layer.ln2, layout, dtype, device)
+                blocks.append(StandardMaskBlock(ln2, builder.neurons(layer.mlp, fits[i], ln2)))
+                self.block_origin.append(("mlp", i))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_final = _wide_norm(spec.ln_final, layout, dtype, device)
+        W_U = builder.zeros(layout.width, spec.d_vocab_out)
+        W_U[:d] = spec.W_U.to(dtype)
+        self.W_U = nn.Parameter(W_U)
+        self.b_U = nn.Parameter(spec.b_U.detach().clone().to(dtype))
+
+        act = next((layer.mlp.act_fn for layer in spec.layers if layer.mlp is not None), None)
+        self.cfg = StandardMaskConfig(
+            n_layers=len(blocks),
+            d_model=layout.width,
+            d_source=d,
+            n_ctx=spec.n_ctx,
+            d_vocab=spec.d_vocab,
+            d_vocab_out=spec.d_vocab_out,
+            n_heads_per_block=[b.attn.n_heads for b in blocks],
+            normalization_type=norm,
+            attention_dir="causal" if spec.causal else "bidirectional",
+            omega=self.omega,
+            dtype=dtype,
+            device=device,
+            act_fn=act,
+            model_name=f"{spec.model_name} (standard masks)",
+        )
+        self.setup()
+
+    @property
+    def bias_token(self) -> int:
+        """The id of the bias token (prepended internally at position 0)."""
+        return self.cfg.d_vocab
+
+    def _check_tokens(self, tokens: Tensor) -> Int[Tensor, "batch pos"]:
+        if not isinstance(tokens, Tensor) or tokens.is_floating_point() or tokens.is_complex():
+            raise InputError(f"tokens must be an integer tensor [batch, pos]; got {type(tokens).__name__}")
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2:
+            raise InputError(f"tokens must be [batch, pos]; got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.cfg.n_ctx:
+            raise InputError(f"{tokens.shape[1]} tokens is more than the source's n_ctx = {self.cfg.n_ctx}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.d_vocab):
+            raise InputError(f"token ids must be in [0, {self.cfg.d_vocab}); the bias token is added internally")
+        return tokens
+
+    def residual(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos+1 width"]:
+        """The initial residual: bias token first, then ``tokens``."""
+        tokens = self._check_tokens(tokens).to(self.W_E.device)
+        bias = torch.full_like(tokens[:, :1], self.bias_token)
+        full = torch.cat((bias, tokens), dim=1)
+        embed = self.hook_embed(self.W_E[full])
+        pos = self.hook_pos_embed(self.W_pos[: full.shape[1]].expand_as(embed))
+        return embed + pos
+
+    def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab_out"]:
+        """The source's logits for ``tokens`` (the bias token's position is dropped)."""
+        resid = self.residual(tokens)
+        for block in self.blocks:
+            resid = block(resid)
+        return self.ln_final(resid)[:, 1:] @ self.W_U + self.b_U
+
+    def mask_leak(self, tokens: Int[Tensor, "batch pos"]) -> float:
+        """The largest attention weight any head puts on keys its intended mask forbids, on ``tokens``.
+
+        Intended masks: a source head (or ``b_out`` head) must not see the bias key from a real query; a neuron
+        head only sees itself and the bias key; in a bidirectional model the bias token sees only itself. Keys the
+        model's own mask hides are not counted. The output error is at most about this times the largest value.
+        """
+        with torch.no_grad():
+            _, cache = self.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_pattern"))
+        leak = 0.0
+        for i, block in enumerate(self.blocks):
+            pattern = cache[f"blocks.{i}.attn.hook_pattern"]
+            n = pattern.shape[-1]
+            coeff = block.attn.penalty_coeff
+            allowed = torch.ones(coeff.shape[0], n, n, dtype=torch.bool, device=pattern.device)
+            eye = torch.eye(n, dtype=torch.bool, device=pattern.device)
+            hide_bias, self_only = coeff[:, 0] != 0, coeff[:, 1] != 0
+            allowed[hide_bias, 1:, 0] = False
+            allowed[self_only] &= eye | (torch.arange(n, device=pattern.device) == 0)
+            if self.cfg.attention_dir == "bidirectional":
+                allowed[:, 0, 1:] = False
+            leak = max(leak, float((pattern * ~allowed).sum(-1).max()))
+        return leak
+
+
+def to_standard_mask_model(
+    spec: ModelSpec,
+    omega: float = DEFAULT_OMEGA,
+    *,
+    max_neuron_error: float | None = None,
+    heads_per_neuron: int | None = None,
+) -> StandardMaskTransformer:
+    """Convert a :class:`~lens_aot.spec.ModelSpec` into a :class:`StandardMaskTransformer` (masks in the weights).
+
+    Args:
+        spec: the source, e.g. ``lens_aot.read.read_model(model)``.
+        omega: the penalty Ω for a key a head's intended mask forbids (for token pairs with LayerNorm scale
+            ``π_i·π_j = 1``; see the module docstring for how to choose it). Default 1e6.
+        max_neuron_error, heads_per_neuron: choose the activation's neuron-head fit, as in
+            :func:`lens_aot.activations.activation_fit` (SiLU is exact and ignores them).
+
+    Supported: causal or bidirectional attention (incl. grouped-query), learned absolute positions or none,
+    LayerNorm / LNPre / RMSNorm / RMSPre / no norm (the same kind throughout), non-gated MLPs with any activation
+    :func:`~lens_aot.activations.activation_fit` supports, float32 / float64. Raises
+    :class:`~lens_aot.errors.UnsupportedArchitectureError` for rotary positions, mixed norm kinds, half precision and
+    a non-positive Ω;
+    :class:`~lens_aot.errors.UnsupportedActivationError` for activations without a neuron-head construction.
+    """
+    supported = (
+        "supported: causal or bidirectional attention, learned absolute positions or none, LN / LNPre / RMS / RMSPre "
+        "or no normalization (one kind throughout), float32 or float64"
+    )
+    if not (math.isfinite(omega) and omega > 0):
+        raise UnsupportedArchitectureError(f"omega must be a positive finite number, got {omega!r}")
+    if spec.positions == "rotary":
+        raise UnsupportedArchitectureError(
+            "standard-mask mode cannot express rotary position embeddings: a rotary score depends on both positions "
+            "jointly with both residuals, which no fixed W_QK over a residual with one-hot position channels can "
+            f"write as a bilinear form. Use the default conversion (explicit masks) instead; {supported}."
+        )
+    if spec.positions not in ("standard", "none"):
+        raise UnsupportedArchitectureError(f"position embedding {spec.positions!r} is not supported; {supported}.")
+    if spec.dtype not in (torch.float32, torch.float64):
+        raise UnsupportedArchitectureError(
+            f"standard-mask mode needs float32 or float64 weights (got {spec.dtype}): scores of size Ω and the norms' "
+            f"compensating epsilon lose too much in half precision. Cast the model first; {supported}."
+        )
+    norms = _norms(spec)
+    classes = {_norm_class(n) for n in norms}
+    if len(classes) > 1:
+        raise UnsupportedArchitectureError(
+            f"standard-mask mode needs one normalization kind throughout (got {sorted(map(str, classes))}): the "
+            f"extra channels are balanced for one kind of norm statistics; {supported}."
+        )
+    fits: dict[int, ActivationFit] = {}
+    for i, layer in enumerate(spec.layers):
+        if layer.mlp is not None:
+            fits[i] = activation_fit(layer.mlp.act_fn, max_neuron_error, heads_per_neuron)
+    return StandardMaskTransformer(spec, omega, fits).eval()
