@@ -4,7 +4,7 @@ Shape: 12 layers, d_model 768, 12 heads, d_mlp 3072, vocab 50257, n_ctx 1024, ge
 conversion options. Source: a HookedTransformer (TransformerLens 3.x) or a TransformerBridge over Hugging Face's
 GPT2LMHeadModel (3.9 / 4.x), built offline. Prints a markdown table (the README's performance section).
 
-    python benchmarks/bench_gpt2_shape.py [--source hooked|bridge] [--repeats 5] [--device cpu]
+    python benchmarks/bench_gpt2_shape.py [--source hooked|bridge] [--repeats 5] [--threads N] [--device cpu]
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> floa
 
 def cache_bytes(cache: Any) -> int:
     """Bytes held by a cache's tensors (shared storage counted once)."""
-    items = cache.cache_dict.items() if hasattr(cache, "cache_dict") else cache.items()
+    # A compact cache derives neuron-head entries on access: count what it holds, not what reading would build.
+    items = cache.cache_dict.stored() if hasattr(cache.cache_dict, "stored") else cache.cache_dict.items()
     seen: dict[int, int] = {}
     for _, t in items:
         if isinstance(t, torch.Tensor):
@@ -81,7 +82,10 @@ def main() -> None:
     parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kind = args.source
     if kind == "auto":
         try:

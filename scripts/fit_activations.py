@@ -9,18 +9,23 @@ The constraints hold by construction (``alpha_K = 1 - sum(others)``, ``beta_K = 
 so ``f_K(z) - z -> 0`` as ``z -> +inf`` and ``f_K(z) -> 0`` as ``z -> -inf``, exactly like GELU. The objective is the
 sup norm of ``f_K - act`` over all of R.
 
-Search (float64, CPU, fixed seeds; each activation and K separately):
+Search (float64, CPU, fixed seeds; each activation and K separately; the same code path every run):
 
 1. Symmetric starts. Every target satisfies ``act(-z) = act(z) - z``; a fit is consistent with that exactly when its
    heads come in mirror pairs ``(alpha, +-beta, b, +-d)`` (plus one head with ``beta = d = 0`` when K is odd), and its
    error is then even, so the half line suffices. Structured starts (equal slopes ``b0``, evenly spaced shifts) and
    seeded random starts are fitted by least squares with ``alpha, beta`` eliminated (variable projection, L-BFGS over
-   ``b, d``); the best are refined on the L^p surrogate ``log ||e||_p`` with p = 8, 64, 256 (L-BFGS), then by damped
-   Newton on the same surrogate with p up to 65536 (exact Hessian, |eigenvalue| regularisation, line search).
-2. Continuation: the best (K-1)-head fit plus a zero head inserted at several (b, d), refined on L^p without symmetry.
-3. All surviving candidates are polished without the symmetry constraint (Newton, p = 8192, 65536) and the one with the
-   smallest sup error on the training grid is kept. "gelu_fast" differs from "gelu_new" by < 1e-12, so it is polished
-   from the "gelu_new" fits.
+   ``b, d``), then every start gets a short L-BFGS run on the smooth sup-norm surrogate ``log ||e||_p`` (p = 8, 64,
+   256); the best few are refined further (p up to 1024).
+2. Continuation: the best (K-1)-head fit plus a zero head inserted at several (b, d), refined on L^p without symmetry,
+   and the plain (K-1)-head fit with a zero head (so the error cannot increase with K).
+3. Hints: a few extra starts (slopes and shifts only, ``HINTS``) from longer searches; see ``--search-hints``.
+4. Selection on the exact objective: all candidates are refined by sequential linear programming (SLP: minimise
+   ``max_i |e(z_i)|`` on a grid of step 1e-3 on [-12, 12] plus a sinh grid to +-30, linearised at the local maxima of
+   ``|e|``, box trust region, each LP solved by a small log-barrier method), by successive halving (``SCHEDULE``).
+   The L^p surrogate stalls in curved valleys around these nearly degenerate optima (they do not show the full
+   4K - 1 alternations); SLP keeps descending there, and values before it predict values after it poorly.
+   "gelu_fast" differs from "gelu_new" by < 1e-12, so it is refined (SLP) from the "gelu_new" fits.
 
 Certification of the stored coefficients (exactly the floats written, evaluated in float64): the error ``e`` and its
 analytic second derivative ``e''`` are evaluated on uniform grids: step 2e-5 on [-16, 16], 1e-3 on 16 <= |z| <= 40 and
@@ -33,11 +38,14 @@ interpolation error), with the sampled ``max|e''|`` of the two ends doubled as a
 and the tail bound, i.e. an upper bound on ``sup_R |f_K - act|`` (it exceeds the grid maximum by < 1e-9 relative).
 
 The fits are the best local optima found by this deterministic multistart search, not proven global minimax fits.
+The final table also reports the error when the heads are evaluated in float32 and the largest |alpha|, |beta|.
 
 Usage::
 
-    .venv-tl4/bin/python scripts/fit_activations.py              # writes lens_aot/fits_table.py (~5 min, 2 cores)
+    .venv-tl4/bin/python scripts/fit_activations.py              # writes lens_aot/fits_table.py (2 processes)
     .venv-tl4/bin/python scripts/fit_activations.py --out /tmp/fits_table.py --kmax 4
+    .venv-tl4/bin/python scripts/fit_activations.py --no-hints   # pure multistart, without HINTS
+    .venv-tl4/bin/python scripts/fit_activations.py --search-hints   # slow (~15 min): print new HINTS for K >= 5
 """
 
 from __future__ import annotations
@@ -188,31 +196,6 @@ def lp_loss(err: torch.Tensor, p: float) -> torch.Tensor:
     return torch.logsumexp(p * torch.log(err.abs() + 1e-300), 0) / p
 
 
-def newton(x: torch.Tensor, loss_fn, iters: int = 40) -> torch.Tensor:
-    """Damped Newton with |eigenvalue| regularisation (Levenberg style) and monotone acceptance."""
-    x = x.detach().clone()
-    cur = loss_fn(x).item()
-    lam = 1e-6
-    for _ in range(iters):
-        grad = torch.func.grad(loss_fn)(x)
-        w, vecs = torch.linalg.eigh(torch.func.hessian(loss_fn)(x))
-        w = w.abs()
-        scale = w.max().item()
-        if not math.isfinite(scale) or scale == 0.0:
-            break
-        proj = vecs.T @ grad
-        for _ in range(25):
-            cand = x - vecs @ (proj / (w + lam * scale))
-            val = loss_fn(cand).item()
-            if val < cur:
-                x, cur, lam = cand, val, max(lam / 3.0, 1e-13)
-                break
-            lam *= 4.0
-        else:
-            break
-    return x
-
-
 def model_jac(theta: torch.Tensor, k: int, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Model values and analytic Jacobian d f(z_i) / d theta (N x (4K-2))."""
     alpha, beta, b, d = unpack(theta, k)
@@ -250,11 +233,17 @@ def lp_barrier(a: torch.Tensor, rhs: torch.Tensor, c: torch.Tensor, x0: torch.Te
     return x
 
 
+# Some optima drift towards a confluent limit (two mirrored heads with d -> 0 and beta -> infinity emulate a
+# sigmoid-derivative head) with vanishing gains; the SLP refuses steps that make any |alpha| or |beta| exceed this, so
+# that evaluating the heads in float32 stays meaningful.
+COEF_MAX = 10.0
+
+
 def slp_minimax(theta: torch.Tensor, k: int, name: str, iters: int, z: torch.Tensor | None = None) -> torch.Tensor:
     """Sequential linear programming with a box trust region on max_i |e(z_i)| (the exact sup-norm objective on the
     training grid). Only the local maxima of |e| above 0.3 max|e| and their three neighbours on either side enter each
     linear program; every step is accepted or rejected on the whole grid."""
-    z = train_grid(4000) if z is None else z
+    z = slp_grid() if z is None else z
     g = target(name, z)
     m = theta.numel()
     f, jac = model_jac(theta, k, z)
@@ -291,6 +280,9 @@ def slp_minimax(theta: torch.Tensor, k: int, name: str, iters: int, z: torch.Ten
         new = (fn - g).abs().max().item()
         pred = 1.0 - x[-1].item()
         ratio = (1.0 - new / cur) / pred if pred > 0 else -1.0
+        alpha, beta, _, _ = unpack(cand, k)
+        if max(alpha.abs().max().item(), beta.abs().max().item()) > COEF_MAX:
+            ratio = -1.0  # keep the heads well conditioned (see COEF_MAX)
         if ratio > 0 and new < cur:
             theta, e, jac, cur = cand, fn - g, jn, new
         if ratio < 0.1:
@@ -300,6 +292,12 @@ def slp_minimax(theta: torch.Tensor, k: int, name: str, iters: int, z: torch.Ten
         if delta < 1e-9:
             break
     return theta
+
+
+def slp_grid() -> torch.Tensor:
+    """Grid for the minimax refinement: step 1e-3 on [-12, 12] (where the extrema are) plus a sinh grid to +-30."""
+    z = torch.cat([torch.linspace(-12.0, 12.0, 24001, dtype=DTYPE), train_grid(2000)])
+    return torch.sort(z[(z < -12.0) | (z > 12.0) | (torch.arange(z.numel()) < 24001)]).values
 
 
 def sup_err(theta: torch.Tensor, k: int, z: torch.Tensor, g: torch.Tensor) -> float:
@@ -317,7 +315,7 @@ def train_grid(n: int, zmax: float = 30.0, c: float = 2.0) -> torch.Tensor:
 # Search for one activation and one K
 
 
-def sym_search(name: str, k: int, n_random: int, n_lp: int, n_newton: int, log, seed: int = 0) -> list[torch.Tensor]:
+def sym_search(name: str, k: int, n_random: int, n_lp: int, n_out: int, log, seed: int = 0) -> list[torch.Tensor]:
     """Multistart over mirror-symmetric fits: least squares, cheap L^p screen of every start, then refine the best."""
     p, odd = k // 2, k % 2
     na = p if odd else p - 1
@@ -371,13 +369,8 @@ def sym_search(name: str, k: int, n_random: int, n_lp: int, n_newton: int, log, 
             v = lbfgs(v, lambda t, pp=pp: lp_loss(sym_model(t, k, zh) - g, pp), 300)
         refined.append((sup_sym(v), i, v))
     refined.sort(key=lambda t: (t[0], t[1]))
-    out = []
-    for _, _, v in refined[:n_newton]:
-        for pp in (1024.0, 8192.0):
-            v = newton(v, lambda t, pp=pp: lp_loss(sym_model(t, k, zh) - g, pp), 25)
-        out.append(sym_to_full(v, k))
     log(f"    [{name}] K={k} sym: refined {refined[0][0]:.3e}")
-    return out
+    return [sym_to_full(v, k) for _, _, v in refined[:n_out]]
 
 
 def insertion_search(name: str, prev: torch.Tensor, k: int, n_keep: int) -> list[torch.Tensor]:
@@ -409,6 +402,11 @@ def insertion_search(name: str, prev: torch.Tensor, k: int, n_keep: int) -> list
     return [c[2] for c in cands[:n_keep]] + [copy]
 
 
+# Extra starts (slopes b_k and shifts d_k, rounded) from longer offline runs of this same search with other seeds; they
+# go through the same least-squares + L^p + SLP pipeline as every other start.
+HINTS: dict[tuple[str, int], tuple[tuple[tuple[float, float], ...], ...]] = {}
+
+
 def hint_search(name: str, k: int, hints: tuple[tuple[tuple[float, float], ...], ...]) -> list[torch.Tensor]:
     """Starts given as slopes and shifts (b_k, d_k) only; alpha, beta come from least squares, then L^p refinement."""
     z = train_grid(3000)
@@ -428,47 +426,66 @@ def hint_search(name: str, k: int, hints: tuple[tuple[tuple[float, float], ...],
     return out
 
 
-def polish(name: str, thetas: list[torch.Tensor], k: int, ps=(8192.0, 65536.0)) -> tuple[float, torch.Tensor]:
-    z = train_grid(4000)
+def select(name: str, thetas: list[torch.Tensor], k: int, schedule: tuple[tuple[int, int], ...], z, log):
+    """Successive halving on the exact objective: refine every candidate by SLP, keep the best few, refine more.
+
+    ``schedule`` = ((iterations, survivors), ...). Values after a few L^p iterations or a short SLP predict the refined
+    minimax value poorly on these nearly degenerate problems, hence the staged refinement."""
     g = target(name, z)
-    best = (math.inf, thetas[0])
-    for th0 in thetas:
-        th = th0
-        for pp in ps:
-            th = newton(th, lambda t, pp=pp: lp_loss(model(t, k, z) - g, pp), 40)
-        for s, cand in ((sup_err(th, k, z, g), th), (sup_err(th0, k, z, g), th0)):
-            if s < best[0]:
-                best = (s, cand)
-    return best
+    pool = list(thetas)
+    for iters, keep in schedule:
+        pool = [slp_minimax(th, k, name, iters, z) for th in pool]
+        scored = sorted(((sup_err(th, k, z, g), i, th) for i, th in enumerate(pool)), key=lambda t: (t[0], t[1]))
+        pool = [th for _, _, th in scored[:keep]]
+        log(f"    [{name}] K={k} SLP x{iters}: " + " ".join(f"{s:.3e}" for s, _, _ in scored[: max(keep, 3)]))
+    return pool[0]
 
 
-def fit_k1(name: str) -> torch.Tensor:
-    z = train_grid(4000)
-    g = target(name, z)
-    th = torch.tensor([math.log(1.702), 0.0], dtype=DTYPE)
-    for pp in (8.0, 64.0, 256.0):
-        th = lbfgs(th, lambda t, pp=pp: lp_loss(model(t, 1, z) - g, pp), 300)
-    for pp in (1024.0, 8192.0, 65536.0):
-        th = newton(th, lambda t, pp=pp: lp_loss(model(t, 1, z) - g, pp), 40)
-    return th
+# (SLP iterations, survivors) per stage of the final selection, and random symmetric starts, per K
+SCHEDULE = {
+    1: ((100, 1),),
+    2: ((40, 2), (100, 1)),
+    3: ((40, 2), (100, 1)),
+    4: ((40, 2), (200, 1)),
+}
+SCHEDULE_DEFAULT = ((40, 4), (120, 2), (300, 1))
+N_RANDOM = {2: 16, 3: 16, 4: 24}
+N_RANDOM_DEFAULT = 32
 
 
-def fit_activation(name: str, kmax: int, log) -> list[torch.Tensor]:
+def fit_activation(name: str, kmax: int, log, use_hints: bool = True) -> list[torch.Tensor]:
     fits: list[torch.Tensor] = []
+    z = slp_grid()
+    g = target(name, z)
     for k in range(1, kmax + 1):
         t0 = time.time()
-        if k == 1:
-            th = fit_k1(name)
-            fits.append(th)
-            log(f"[{name}] K=1 done in {time.time() - t0:.1f}s")
-            continue
-        n_random = 16 if k <= 3 else 40 if k == 4 else 64
-        cands = sym_search(name, k, n_random, n_lp=8, n_newton=3, log=log)
-        cands += insertion_search(name, fits[-1], k, n_keep=2)
-        s, th = polish(name, cands, k)
+        if k == 1:  # f = z * sigmoid(b z + d): two parameters, one start suffices
+            th = torch.tensor([math.log(1.702), 0.0], dtype=DTYPE)
+            for pp in (8.0, 64.0, 256.0):
+                th = lbfgs(th, lambda t, pp=pp: lp_loss(model(t, 1, z) - g, pp), 300)
+            cands = [th]
+        else:
+            cands = sym_search(name, k, N_RANDOM.get(k, N_RANDOM_DEFAULT), n_lp=8, n_out=3, log=log)
+            cands += insertion_search(name, fits[-1], k, n_keep=2)
+            if use_hints:
+                cands += hint_search(name, k, HINTS.get((name, k), ()))
+        th = select(name, cands, k, SCHEDULE.get(k, SCHEDULE_DEFAULT), z, log)
         fits.append(th)
-        log(f"[{name}] K={k} train sup {s:.4e} ({time.time() - t0:.1f}s)")
+        log(f"[{name}] K={k} train sup {sup_err(th, k, z, g):.4e} ({time.time() - t0:.1f}s)")
     return fits
+
+
+def search_hints(name: str, kmin: int, kmax: int, log) -> None:
+    """Slow mode (--search-hints): larger multistart with another seed and long SLP for every survivor; prints the
+    (b, d) of the best fit per K in the format of HINTS."""
+    z = slp_grid()
+    g = target(name, z)
+    for k in range(kmin, kmax + 1):
+        cands = sym_search(name, k, 100, n_lp=12, n_out=4, log=log, seed=1)
+        th = select(name, cands, k, ((100, 4), (300, 1)), z, log)
+        _, _, b, d = unpack(th, k)
+        hint = tuple((round(float(b[i]), 2), round(float(d[i]), 2)) for i in range(k))
+        log(f"HINT ({name!r}, {k}): {hint},  # sup {sup_err(th, k, z, g):.4e}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -526,18 +543,31 @@ def certify(terms: tuple[Term, ...], name: str, chunk: int = 400_000) -> dict[st
 
 
 def _worker(args):
-    name, kmax = args
+    name, kmax, mode = args
     torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
 
     def log(msg):
         print(msg, flush=True)
 
-    return name, [th.tolist() for th in fit_activation(name, kmax, log)]
+    if mode == "search-hints":
+        search_hints(name, 5, kmax, log)
+        return name, []
+    return name, [th.tolist() for th in fit_activation(name, kmax, log, use_hints=mode == "default")]
+
+
+def float32_error(terms: tuple[Term, ...], name: str) -> float:
+    """max |fit - act| on [-16, 16] (step 1e-3) when the heads are evaluated in float32 (target in float64)."""
+    z = torch.linspace(-16.0, 16.0, 32001, dtype=DTYPE)
+    z32 = z.to(torch.float32)
+    f = torch.zeros_like(z32)
+    for a, be, b, d in terms:
+        f = f + (a * z32 + be) * torch.sigmoid(b * z32 + d)
+    return (f.to(DTYPE) - target(name, z32.to(DTYPE))).abs().max().item()
 
 
 def polish_from(name: str, fits: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [polish(name, [th], k + 1)[1] for k, th in enumerate(fits)]
+    return [slp_minimax(th, k, name, 100) for k, th in enumerate(fits, start=1)]
 
 
 def render(results: dict[str, list[tuple[float, tuple[Term, ...]]]], runtime: float) -> str:
@@ -583,16 +613,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "lens_aot" / "fits_table.py")
     parser.add_argument("--kmax", type=int, default=K_MAX)
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (gelu and gelu_new run in parallel)")
+    parser.add_argument("--no-hints", action="store_true", help="ignore HINTS (pure multistart search)")
+    parser.add_argument("--search-hints", action="store_true", help="slow: search for new HINTS (K >= 5) and exit")
     args = parser.parse_args()
     torch.set_default_dtype(DTYPE)
     t_start = time.time()
 
-    jobs = [("gelu", args.kmax), ("gelu_new", args.kmax)]
+    mode = "search-hints" if args.search_hints else "no-hints" if args.no_hints else "default"
+    jobs = [("gelu", args.kmax, mode), ("gelu_new", args.kmax, mode)]
     if args.jobs > 1:
         with mp.get_context("spawn").Pool(min(args.jobs, 2)) as pool:
             raw = dict(pool.map(_worker, jobs))
     else:
         raw = dict(_worker(j) for j in jobs)
+    if args.search_hints:
+        return
     torch.set_num_threads(max(1, args.jobs))
     fits = {name: [torch.tensor(th, dtype=DTYPE) for th in raw[name]] for name in raw}
     t0 = time.time()
@@ -607,15 +642,23 @@ def main() -> None:
         for k, th in enumerate(fits[name], start=1):
             terms = terms_of(th, k)
             cert = certify(terms, name)
+            cert["f32"] = float32_error(terms, name)
+            cert["coef"] = max(max(abs(t[0]), abs(t[1])) for t in terms)
             results[name].append((cert["bound"], terms))
             report.append((name, k, cert))
     print(f"certified in {time.time() - t0:.1f}s", flush=True)
     runtime = time.time() - t_start
     args.out.write_text(render(results, runtime))
 
-    print(f"\n{'activation':<10} {'K':>2} {'sup error (bound)':>18} {'grid max':>11} {'at z':>9} {'tail(|z|>200)':>13}")
+    print(
+        f"\n{'activation':<10} {'K':>2} {'sup error (bound)':>18} {'grid max':>11} {'at z':>8} {'tail |z|>200':>12}"
+        f" {'float32 eval':>12} {'max|alpha|,|beta|':>17}"
+    )
     for name, k, c in report:
-        print(f"{name:<10} {k:>2} {c['bound']:>18.6e} {c['grid_max']:>11.4e} {c['argmax']:>9.4f} {c['tail']:>13.1e}")
+        print(
+            f"{name:<10} {k:>2} {c['bound']:>18.6e} {c['grid_max']:>11.4e} {c['argmax']:>8.3f} {c['tail']:>12.1e}"
+            f" {c['f32']:>12.2e} {c['coef']:>17.3f}"
+        )
     for tol in (1e-4, 1e-5, 1e-6):
         best = {n: next((k for n2, k, c in report if n2 == n and c["bound"] <= tol), None) for n in ACTIVATIONS}
         print(f"smallest K with sup error <= {tol:g}: {best}")
