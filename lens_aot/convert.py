@@ -36,7 +36,12 @@ class ConversionReport:
     argmax_agreement: float | None
 
     def __str__(self) -> str:
-        exact = "exact (SiLU)" if self.max_neuron_error == 0 else f"≤ {self.max_neuron_error:.1e} per neuron"
+        if self.activation is None:
+            exact = "nothing to replace"
+        elif self.max_neuron_error == 0:
+            exact = "exact"
+        else:
+            exact = f"≤ {self.max_neuron_error:.1e} per neuron"
         lines = [
             f"lens_aot conversion of {self.model_name} ({self.source_kind}, {self.dtype})",
             f"  blocks          {self.n_source_layers} source layers -> {self.n_blocks} attention-only blocks",
