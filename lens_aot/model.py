@@ -87,7 +87,7 @@ class AOTConfig:
 class AttentionBlock(nn.Module):
     """An attention-only block: ``resid_post = resid_pre + attn(ln1(resid_pre))``."""
 
-    def __init__(self, ln1: Norm, attn: Attention | NeuronAttention) -> None:
+    def __init__(self, ln1: nn.Module, attn: nn.Module) -> None:
         super().__init__()
         self.ln1 = ln1
         self.attn = attn

@@ -72,6 +72,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.activations import ActivationFit, activation_fit
 from lens_aot.components.norm import Norm
 from lens_aot.errors import InputError, UnsupportedArchitectureError
+from lens_aot.model import AttentionBlock
 from lens_aot.spec import AttentionSpec, MLPSpec, ModelSpec, NormSpec
 
 DEFAULT_OMEGA = 1e6
@@ -83,7 +84,6 @@ __all__ = [
     "DEFAULT_OMEGA",
     "ResidualLayout",
     "StandardMaskAttention",
-    "StandardMaskBlock",
     "StandardMaskConfig",
     "StandardMaskTransformer",
     "to_standard_mask_model",
@@ -263,22 +263,6 @@ class StandardMaskAttention(nn.Module):
         pattern = self.hook_pattern(torch.softmax(scores.to(dtype), dim=-1).to(u.dtype))
         z = self.hook_z(einops.einsum(pattern, v, "b h q k, b k h e -> b q h e"))
         return einops.einsum(z, self.W_O, "b q h e, h e d -> b q d")
-
-
-class StandardMaskBlock(nn.Module):
-    """``resid_post = resid_pre + attn(ln1(resid_pre))``."""
-
-    def __init__(self, ln1: Norm, attn: StandardMaskAttention) -> None:
-        super().__init__()
-        self.ln1 = ln1
-        self.attn = attn
-        self.hook_resid_pre = HookPoint()  # [batch, pos, width]
-        self.hook_attn_out = HookPoint()  # [batch, pos, width]
-        self.hook_resid_post = HookPoint()  # [batch, pos, width]
-
-    def forward(self, resid: Float[Tensor, "batch pos width"]) -> Float[Tensor, "batch pos width"]:
-        resid = self.hook_resid_pre(resid)
-        return self.hook_resid_post(resid + self.hook_attn_out(self.attn(self.ln1(resid))))
 
 
 # ---- building the blocks --------------------------------------------------------------------------------------------
@@ -492,16 +476,16 @@ class StandardMaskTransformer(HookedRootModule):
         self.hook_embed = HookPoint()  # [batch, pos + 1, width]
         self.hook_pos_embed = HookPoint()  # [batch, pos + 1, width]
 
-        blocks: list[StandardMaskBlock] = []
+        blocks: list[AttentionBlock] = []
         self.block_origin: list[tuple[Literal["attention", "mlp"], int]] = []
         for i, layer in enumerate(spec.layers):
             ln1 = _wide_norm(layer.ln1, layout, dtype, device)
-            blocks.append(StandardMaskBlock(ln1, builder.attention(layer.attn, ln1)))
+            blocks.append(AttentionBlock(ln1, builder.attention(layer.attn, ln1)))
             self.block_origin.append(("attention", i))
             if layer.mlp is not None:
                 assert layer.ln2 is not None
                 ln2 = _wide_norm(layer.ln2, layout, dtype, device)
-                blocks.append(StandardMaskBlock(ln2, builder.neurons(layer.mlp, fits[i], ln2)))
+                blocks.append(AttentionBlock(ln2, builder.neurons(layer.mlp, fits[i], ln2)))
                 self.block_origin.append(("mlp", i))
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = _wide_norm(spec.ln_final, layout, dtype, device)

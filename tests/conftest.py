@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
@@ -42,3 +43,12 @@ def pytest_report_header() -> str:
 @pytest.fixture
 def tokens() -> torch.Tensor:
     return torch.randint(0, 50, (3, 20), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Many tiny matrix products: thread hand-offs would cost more than the work on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

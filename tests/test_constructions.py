@@ -10,7 +10,6 @@ fail.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,13 +39,7 @@ OMEGA = 1000.0  # Ω that reaches TOL in float64 for standard-normal scores (the
 SEEDS = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """These are many tiny matrix products: thread hand-offs would cost more than the work on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def randn(seed: int, *shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
