@@ -139,6 +139,11 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
     """Read a HookedTransformer (with or without ``fold_ln`` / centring) into a :class:`ModelSpec`."""
     cfg = model.cfg
     _check_config(cfg)
+    if model.embed.W_E.dtype not in (torch.float32, torch.float64):
+        raise UnsupportedArchitectureError(
+            f"this HookedTransformer is in {model.embed.W_E.dtype}; lens_aot converts float32 or float64 models, "
+            f"whose faithfulness it measures. Cast first: model.to(torch.float32)."
+        )
     if cfg.positional_embedding_type == "rotary":
         attn = model.blocks[0].attn
         if any(abs(float(getattr(cfg, a, 1.0) or 1.0) - 1.0) > 0 for a in ("rotary_scaling_factor",)):

@@ -99,3 +99,8 @@ def test_fit_options_are_validated() -> None:
         lens_aot.convert(model, heads_per_neuron=99)
     with pytest.raises(ValueError, match=r"SiLU is exact with one head"):
         lens_aot.convert(make_hooked("ln-standard", "silu"), heads_per_neuron=3)
+
+
+def test_half_precision_is_refused() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match=r"torch.bfloat16.*float32 or float64.*model.to"):
+        lens_aot.convert(make_hooked("ln-standard", "silu", torch.bfloat16))
