@@ -98,14 +98,19 @@ def _load_cells(module_file: str) -> list[tuple[str, str]]:
     return module.CELLS
 
 
-NOTEBOOKS["theorems.ipynb"] = _load_cells("notebook_theorems.py")
+# Longer notebooks live in their own scripts: scripts/notebook_<name>.py defines CELLS for notebooks/<name>.ipynb.
+for _path in sorted(Path(__file__).resolve().parent.glob("notebook_*.py")):
+    NOTEBOOKS[_path.stem.removeprefix("notebook_") + ".ipynb"] = _load_cells(_path.name)
 
 
 def build(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, cells in NOTEBOOKS.items():
         nb = new_notebook(
-            cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in cells],
+            cells=[
+                (new_markdown_cell if kind == "md" else new_code_cell)(src, id=f"cell-{i}")  # stable ids: clean diffs
+                for i, (kind, src) in enumerate(cells)
+            ],
             metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
         )
         nbformat.write(nb, out_dir / name)
