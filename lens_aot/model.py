@@ -25,7 +25,7 @@ from lens_aot.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, Unembed
 from lens_aot.components.hooks import hooked
 from lens_aot.errors import InputError
-from lens_aot.spec import LayerSpec, ModelSpec, NormSpec
+from lens_aot.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -122,6 +122,8 @@ class AttentionOnlyTransformer(HookedRootModule):
         self._block_of: list[tuple[int, int | None]] = []
         self._origin: list[tuple[Literal["attention", "neuron"], int]] = []
         for layer, layer_spec in enumerate(spec.layers):
+            if layer_spec.parallel or (layer_spec.mlp is not None and layer_spec.mlp.gated):
+                raise NotImplementedError("gated and parallel layers are being added")
             attn_block = len(blocks)
             blocks.append(AttentionBlock(Norm(layer_spec.ln1), Attention(layer_spec.attn, spec.causal, spec.rotary)))
             self._origin.append(("attention", layer))
@@ -430,6 +432,43 @@ class AttentionOnlyTransformer(HookedRootModule):
 
     def final_norm_spec(self) -> NormSpec:
         return self.ln_final.spec()
+
+    def to_spec(self) -> ModelSpec:
+        """The source model this one implements, as a :class:`ModelSpec` (tensors copied; MLPs with their original
+        activation, not its fit). ``AttentionOnlyTransformer(aot.to_spec(), aot.cfg.activation_fits)`` rebuilds
+        ``aot``; :class:`lens_aot.reference.MLPTransformer` (``aot.to_spec()``) runs the original computation."""
+        first = self.blocks[self.attention_block(0)].attn if self._block_of else None
+        rotary = None
+        if first is not None and first.rotary_dim:
+            rotary = RotarySpec(
+                first.rotary_dim,
+                first.rotary_cos.detach().clone(),
+                first.rotary_sin.detach().clone(),
+                first.rotary_adjacent_pairs,
+            )
+        extra: dict[str, Any] = {}
+        if self.cfg.tokenizer_prepends_bos is not None:
+            extra["tokenizer_prepends_bos"] = self.cfg.tokenizer_prepends_bos
+        return ModelSpec(
+            d_model=self.cfg.d_model,
+            n_ctx=self.cfg.n_ctx,
+            d_vocab=self.cfg.d_vocab,
+            d_vocab_out=self.cfg.d_vocab_out,
+            causal=self.cfg.attention_dir == "causal",
+            W_E=self.W_E.detach().clone(),
+            layers=self.layer_specs(),
+            ln_final=self.final_norm_spec(),
+            W_U=self.W_U.detach().clone(),
+            b_U=self.unembed.b_U.detach().clone(),
+            positions=self.cfg.positional_embedding_type,  # type: ignore[arg-type]
+            W_pos=None if self.W_pos is None else self.W_pos.detach().clone(),
+            rotary=rotary,
+            tokenizer=self.tokenizer,
+            default_prepend_bos=self.cfg.default_prepend_bos,
+            model_name=self.cfg.model_name.removesuffix(" (attention-only)"),
+            source_kind=self.cfg.source_kind,
+            extra=extra,
+        )
 
 
 def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | None) -> Callable[[str], bool]:

@@ -54,23 +54,41 @@ class AttentionSpec:
 
 @dataclass
 class MLPSpec:
-    """One (non-gated) MLP: ``act(x @ W_in + b_in) @ W_out + b_out``."""
+    """One MLP, plain or gated.
+
+    Plain: ``post = act(x @ W_in + b_in)``. Gated (``W_gate`` set; SwiGLU / GeGLU, Shazeer 2020):
+    ``post = act(x @ W_gate + b_gate) * (x @ W_in + b_in) + b_post``. Either way the output is ``post @ W_out + b_out``
+    and ``post`` is the MLP's ``hook_post``. (``b_post`` is where TransformerLens's ``GatedMLP`` adds its ``b_in``:
+    after the product. Hugging Face gated MLPs with ``mlp_bias`` have ``b_gate`` and ``b_in`` instead.)
+    """
 
     W_in: Float[Tensor, "d_model d_mlp"]
     b_in: Float[Tensor, " d_mlp"]
     W_out: Float[Tensor, "d_mlp d_model"]
     b_out: Float[Tensor, " d_model"]
     act_fn: str  # "silu", "relu", "gelu", "gelu_new", "gelu_fast"
+    W_gate: Float[Tensor, "d_model d_mlp"] | None = None
+    b_gate: Float[Tensor, " d_mlp"] | None = None
+    b_post: Float[Tensor, " d_mlp"] | None = None
+
+    @property
+    def gated(self) -> bool:
+        return self.W_gate is not None
 
 
 @dataclass
 class LayerSpec:
-    """One transformer block: ``resid += attn(ln1(resid))``, then ``resid += mlp(ln2(resid))`` if it has an MLP."""
+    """One transformer block: ``resid += attn(ln1(resid))``, then ``resid += mlp(ln2(resid))`` if it has an MLP.
+
+    ``parallel`` (GPT-J, GPT-NeoX / Pythia): attention and MLP both read the block's input,
+    ``resid += attn(ln1(resid)) + mlp(ln2(resid))`` (GPT-J ties ``ln2`` to ``ln1``).
+    """
 
     ln1: NormSpec
     attn: AttentionSpec
     ln2: NormSpec | None = None
     mlp: MLPSpec | None = None
+    parallel: bool = False
 
 
 @dataclass

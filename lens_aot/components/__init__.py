@@ -2,7 +2,8 @@
 
 from lens_aot.components.attention import Attention
 from lens_aot.components.embed import Embed, PosEmbed, Unembed
+from lens_aot.components.mlp import MLP
 from lens_aot.components.neuron_attention import NeuronAttention
 from lens_aot.components.norm import Norm
 
-__all__ = ["Attention", "Embed", "NeuronAttention", "Norm", "PosEmbed", "Unembed"]
+__all__ = ["MLP", "Attention", "Embed", "NeuronAttention", "Norm", "PosEmbed", "Unembed"]

@@ -169,6 +169,16 @@ class NeuronAttention(nn.Module):
         per_neuron = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron)).sum(-1)
         return per_neuron @ self.W_out + self.b_O
 
+    def spec(self) -> MLPSpec:
+        """The MLP this layer implements (used by ``revert``)."""
+        return MLPSpec(
+            self.W_in.detach().clone(),
+            self.b_in.detach().clone(),
+            self.W_out.detach().clone(),
+            self.b_O.detach().clone(),
+            self.fit.act_fn,
+        )
+
     def activation(self, pre: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
         """Sum of each neuron's head outputs, ``Σ_k (α_k z + β_k)·σ(b_k z + d_k)``, without per-head tensors."""
         return SumOfLogistics.apply(pre, self.fit)
@@ -203,13 +213,3 @@ class SumOfLogistics(torch.autograd.Function):
             sig = torch.sigmoid(pre * b + d)
             slope += sig * alpha + (pre * alpha + beta) * b * sig * (1 - sig)
         return grad * slope, None
-
-    def spec(self) -> MLPSpec:
-        """The MLP this layer implements (used by ``revert``)."""
-        return MLPSpec(
-            self.W_in.detach().clone(),
-            self.b_in.detach().clone(),
-            self.W_out.detach().clone(),
-            self.b_O.detach().clone(),
-            self.fit.act_fn,
-        )

@@ -1,0 +1,61 @@
+"""A standard MLP, plain or gated, with TransformerLens's hooks: what neuron heads replace (used by ``revert``)."""
+
+from __future__ import annotations
+
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.activations import reference_activation
+from lens_aot.spec import MLPSpec
+
+
+class MLP(nn.Module):
+    """``post = act(x·W_in + b_in)``, or gated ``act(x·W_gate + b_gate) ⊙ (x·W_in + b_in) + b_post``;
+    output ``post·W_out + b_out``.
+
+    Hooks: ``hook_pre`` [batch, pos, d_mlp] (the activation's input: ``x·W_gate + b_gate`` when gated),
+    ``hook_pre_linear`` [batch, pos, d_mlp] (gated only: ``x·W_in + b_in``), ``hook_post`` [batch, pos, d_mlp].
+    """
+
+    def __init__(self, spec: MLPSpec) -> None:
+        super().__init__()
+        self.act_fn = spec.act_fn
+        self.W_in = nn.Parameter(spec.W_in.detach().clone())
+        self.b_in = nn.Parameter(spec.b_in.detach().clone())
+        self.W_out = nn.Parameter(spec.W_out.detach().clone())
+        self.b_out = nn.Parameter(spec.b_out.detach().clone())
+        self.gated = spec.gated
+        self.W_gate = self.b_gate = self.b_post = None
+        if spec.W_gate is not None:
+            self.W_gate = nn.Parameter(spec.W_gate.detach().clone())
+            gate_bias = spec.b_gate if spec.b_gate is not None else spec.W_gate.new_zeros(spec.W_gate.shape[1])
+            self.b_gate = nn.Parameter(gate_bias.detach().clone())
+            if spec.b_post is not None:
+                self.b_post = nn.Parameter(spec.b_post.detach().clone())
+            self.hook_pre_linear = HookPoint()
+        self.hook_pre = HookPoint()
+        self.hook_post = HookPoint()
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if self.W_gate is None:
+            post = self.hook_post(reference_activation(self.act_fn, self.hook_pre(x @ self.W_in + self.b_in)))
+        else:
+            gate = reference_activation(self.act_fn, self.hook_pre(x @ self.W_gate + self.b_gate))
+            post = gate * self.hook_pre_linear(x @ self.W_in + self.b_in)
+            post = self.hook_post(post if self.b_post is None else post + self.b_post)
+        return post @ self.W_out + self.b_out
+
+    def spec(self) -> MLPSpec:
+        """The :class:`MLPSpec` this module implements."""
+
+        def copy(p: Tensor | None) -> Tensor | None:
+            return None if p is None else p.detach().clone()
+
+        return MLPSpec(
+            *(p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)),
+            self.act_fn,
+            W_gate=copy(self.W_gate),
+            b_gate=copy(self.b_gate),
+            b_post=copy(self.b_post),
+        )

@@ -1,0 +1,170 @@
+"""A plain transformer with MLPs, built from a :class:`~lens_aot.spec.ModelSpec`: the model a conversion replaces.
+
+:class:`MLPTransformer` is the ground truth the attention-only model is measured against when no TransformerLens
+model class can hold a spec (``lens_aot.revert`` of a TransformerBridge source, or any source on TransformerLens 4.x,
+which has no HookedTransformer). It runs the standard forward pass with TransformerLens's hook names
+(``blocks.{i}.hook_resid_pre``, ``blocks.{i}.attn.hook_pattern``, ``blocks.{i}.mlp.hook_post``, …) and reuses the
+attention and norm modules of :mod:`lens_aot.components`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.components import MLP, Attention, Embed, Norm, PosEmbed, Unembed
+from lens_aot.spec import LayerSpec, ModelSpec, RotarySpec
+
+
+@dataclass
+class MLPTransformerConfig:
+    """The TransformerLens-style fields of an :class:`MLPTransformer`."""
+
+    n_layers: int
+    d_model: int
+    n_ctx: int
+    d_vocab: int
+    d_vocab_out: int
+    d_mlp: int | None
+    act_fn: str | None
+    normalization_type: str | None
+    positional_embedding_type: str
+    attention_dir: str
+    parallel_attn_mlp: bool
+    gated_mlp: bool
+    dtype: torch.dtype
+    device: torch.device
+    model_name: str = "unnamed"
+    attn_only: bool = False
+
+
+class TransformerBlock(nn.Module):
+    """``resid += attn(ln1(resid))`` then ``resid += mlp(ln2(resid))``; in parallel blocks both read ``resid``."""
+
+    def __init__(self, layer: LayerSpec, causal: bool, rotary: RotarySpec | None) -> None:
+        super().__init__()
+        self.parallel = layer.parallel
+        self.ln1 = Norm(layer.ln1)
+        self.attn = Attention(layer.attn, causal, rotary)
+        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
+        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
+        self.mlp: MLP | None = None
+        if layer.mlp is not None:
+            assert layer.ln2 is not None
+            self.ln2 = Norm(layer.ln2)
+            self.mlp = MLP(layer.mlp)
+            self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
+            if not layer.parallel:
+                self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        resid = self.hook_resid_pre(resid)
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid)))
+        if self.mlp is None:
+            return self.hook_resid_post(resid + attn_out)
+        if self.parallel:
+            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
+            return self.hook_resid_post(resid + attn_out + mlp_out)
+        resid = self.hook_resid_mid(resid + attn_out)
+        return self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.ln2(resid))))
+
+    def layer_spec(self) -> LayerSpec:
+        return LayerSpec(
+            self.ln1.spec(),
+            self.attn.spec(),
+            None if self.mlp is None else self.ln2.spec(),
+            None if self.mlp is None else self.mlp.spec(),
+            self.parallel,
+        )
+
+
+class MLPTransformer(HookedRootModule):
+    """The standard transformer a :class:`~lens_aot.spec.ModelSpec` describes, with TransformerLens hook names."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed = Embed(spec.W_E)
+        self.hook_embed = HookPoint()  # [batch, pos, d_model]
+        if spec.positions == "standard":
+            assert spec.W_pos is not None
+            self.pos_embed = PosEmbed(spec.W_pos)
+            self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
+        self.blocks = nn.ModuleList(TransformerBlock(layer, spec.causal, spec.rotary) for layer in spec.layers)
+        self.ln_final = Norm(spec.ln_final)
+        self.unembed = Unembed(spec.W_U, spec.b_U)
+        self.tokenizer = spec.tokenizer
+        self._spec_info = {
+            "causal": spec.causal,
+            "positions": spec.positions,
+            "rotary": spec.rotary,
+            "default_prepend_bos": spec.default_prepend_bos,
+            "model_name": spec.model_name,
+            "source_kind": spec.source_kind,
+            "extra": dict(spec.extra),
+        }
+        mlp0 = next((layer.mlp for layer in spec.layers if layer.mlp is not None), None)
+        self.cfg = MLPTransformerConfig(
+            n_layers=len(spec.layers),
+            d_model=spec.d_model,
+            n_ctx=spec.n_ctx,
+            d_vocab=spec.d_vocab,
+            d_vocab_out=spec.d_vocab_out,
+            d_mlp=None if mlp0 is None else int(mlp0.W_in.shape[1]),
+            act_fn=None if mlp0 is None else mlp0.act_fn,
+            normalization_type=spec.ln_final.kind,
+            positional_embedding_type=spec.positions,
+            attention_dir="causal" if spec.causal else "bidirectional",
+            parallel_attn_mlp=any(layer.parallel for layer in spec.layers),
+            gated_mlp=mlp0 is not None and mlp0.gated,
+            dtype=spec.dtype,
+            device=spec.device,
+            model_name=spec.model_name,
+            attn_only=mlp0 is None,
+        )
+        self.setup()
+
+    def forward(
+        self, tokens: Int[Tensor, "batch pos"], return_type: str | None = "logits"
+    ) -> Float[Tensor, "batch pos d_vocab_out"] | None:
+        """Logits for integer ``tokens`` (``return_type`` "logits" or None)."""
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        resid = self.hook_embed(self.embed(tokens))
+        if hasattr(self, "pos_embed"):
+            resid = resid + self.hook_pos_embed(self.pos_embed(tokens))
+        for block in self.blocks:
+            resid = block(resid)
+        if return_type is None:
+            return None
+        return self.unembed(self.ln_final(resid))
+
+    def to_spec(self) -> ModelSpec:
+        """The :class:`ModelSpec` this model implements (tensors copied)."""
+        info: dict[str, Any] = self._spec_info
+        return ModelSpec(
+            d_model=self.cfg.d_model,
+            n_ctx=self.cfg.n_ctx,
+            d_vocab=self.cfg.d_vocab,
+            d_vocab_out=self.cfg.d_vocab_out,
+            causal=info["causal"],
+            W_E=self.embed.W_E.detach().clone(),
+            layers=[block.layer_spec() for block in self.blocks],
+            ln_final=self.ln_final.spec(),
+            W_U=self.unembed.W_U.detach().clone(),
+            b_U=self.unembed.b_U.detach().clone(),
+            positions=info["positions"],
+            W_pos=self.pos_embed.W_pos.detach().clone() if hasattr(self, "pos_embed") else None,
+            rotary=info["rotary"],
+            tokenizer=self.tokenizer,
+            default_prepend_bos=info["default_prepend_bos"],
+            model_name=info["model_name"],
+            source_kind=info["source_kind"],
+            extra=dict(info["extra"]),
+        )
