@@ -1,8 +1,9 @@
 """A compact activation cache: neuron-head activations are derived on access from the neurons' pre-activations.
 
 Every neuron-head hook of a block (``hook_q``, ``hook_k``, ``hook_v``, ``hook_attn_scores``, ``hook_pattern``,
-``hook_z``) is a fixed function of that block's ``hook_pre`` [batch, pos, d_mlp] when no hook changes the
-computation. So ``run_with_cache`` stores ``hook_pre`` once per neuron block and the cache returns the standard
+``hook_z``) is a fixed function of that block's ``hook_pre`` [batch, pos, d_mlp] (product heads of gated MLPs:
+``hook_pre_linear`` and ``hook_gate``) when no hook changes the computation. So ``run_with_cache`` stores those
+once per neuron block and the cache returns the standard
 TransformerLens tensors (``[batch, head, query, key]`` patterns included) when they are read. Dense patterns are
 built per access and not kept: read the heads you need, e.g. ``cache[name][:, heads]``.
 """
@@ -12,19 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable, ItemsView, Iterator, ValuesView
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformer_lens import ActivationCache
 
-Derive = Callable[[Tensor], Tensor]
+Derive = Callable[..., Tensor]
 
 
 class _Derived:
-    """A cache entry computed from another (stored) entry."""
+    """A cache entry computed from other (stored) entries."""
 
-    __slots__ = ("source", "derive")
+    __slots__ = ("sources", "derive")
 
-    def __init__(self, source: str, derive: Derive) -> None:
-        self.source = source
+    def __init__(self, sources: tuple[str, ...], derive: Derive) -> None:
+        self.sources = sources
         self.derive = derive
 
 
@@ -34,7 +36,8 @@ class LazyCacheDict(dict):
     def __getitem__(self, key: str) -> Tensor:
         value = super().__getitem__(key)
         if isinstance(value, _Derived):
-            return value.derive(super().__getitem__(value.source))
+            with torch.no_grad():  # like the stored entries, which TransformerLens caches detached
+                return value.derive(*(super(LazyCacheDict, self).__getitem__(src) for src in value.sources))
         return value
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -46,9 +49,9 @@ class LazyCacheDict(dict):
     def values(self) -> ValuesView[Tensor]:  # type: ignore[override]
         return ValuesView(self)
 
-    def derive(self, key: str, source: str, fn: Derive) -> None:
-        """Make ``key`` read as ``fn(self[source])``."""
-        super().__setitem__(key, _Derived(source, fn))
+    def derive(self, key: str, sources: str | tuple[str, ...], fn: Derive) -> None:
+        """Make ``key`` read as ``fn(*(self[s] for s in sources))``."""
+        super().__setitem__(key, _Derived((sources,) if isinstance(sources, str) else tuple(sources), fn))
 
     def stored(self) -> Iterator[tuple[str, Tensor]]:
         """The entries that hold tensors (not the derived ones)."""

@@ -8,8 +8,9 @@ from typing import Any, Literal
 import torch
 
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.gating import GatedFit, gated_fit
 from lens_aot.model import AttentionOnlyTransformer
-from lens_aot.read import read_model, run_source, sample_tokens
+from lens_aot.read import check_finite, read_model, run_source, sample_tokens
 from lens_aot.spec import ModelSpec
 
 
@@ -34,6 +35,9 @@ class ConversionReport:
     sample_shape: tuple[int, ...]
     max_abs_logit_error: float | None  # max |Δlogit| on the sample (None when the check was skipped)
     argmax_agreement: float | None
+    gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
+    parallel: bool = False  # parallel attention + MLP layers
+    product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
 
     def __str__(self) -> str:
         if self.activation is None:
@@ -42,12 +46,21 @@ class ConversionReport:
             exact = "exact"
         else:
             exact = f"≤ {self.max_neuron_error:.1e} per neuron"
+        layout = " (parallel attention + MLP)" if self.parallel else ""
+        if self.gated:
+            lo, hi = self.product_scales or (0.0, 0.0)
+            heads = (
+                f"gated {self.activation}: {self.heads_per_neuron - 2} gate + 2 product heads per neuron "
+                f"(ε {lo:.1e}..{hi:.1e}), {exact}"
+            )
+        else:
+            act = self.activation or "none (attention-only source)"
+            heads = f"{act}: {self.heads_per_neuron} head(s) per neuron, {exact}"
         lines = [
             f"lens_aot conversion of {self.model_name} ({self.source_kind}, {self.dtype})",
-            f"  blocks          {self.n_source_layers} source layers -> {self.n_blocks} attention-only blocks",
+            f"  blocks          {self.n_source_layers} source layers -> {self.n_blocks} attention-only blocks{layout}",
             f"  heads           {self.attention_heads} attention + {self.neuron_heads} neuron heads",
-            f"  activation      {self.activation or 'none (attention-only source)'}: "
-            f"{self.heads_per_neuron} head(s) per neuron, {exact}",
+            f"  activation      {heads}",
             f"  parameters      {self.source_parameters:,} -> {self.converted_parameters:,} "
             f"({self.converted_bytes / max(self.source_bytes, 1):.2f}x bytes)",
         ]
@@ -64,12 +77,21 @@ class ConversionReport:
         printer.text(str(self))
 
 
-def _fits(spec: ModelSpec, max_neuron_error: float | None, heads_per_neuron: int | None) -> dict[int, ActivationFit]:
-    return {
-        i: activation_fit(layer.mlp.act_fn, max_neuron_error, heads_per_neuron)
-        for i, layer in enumerate(spec.layers)
-        if layer.mlp is not None
-    }
+def _fits(
+    spec: ModelSpec, max_neuron_error: float | None, heads_per_neuron: int | None
+) -> dict[int, ActivationFit | GatedFit]:
+    """How each MLP layer's neurons become heads: an activation fit (plain MLPs, Theorem 3) or a gated construction
+    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.gating`)."""
+    fits: dict[int, ActivationFit | GatedFit] = {}
+    for i, layer in enumerate(spec.layers):
+        if layer.mlp is None:
+            continue
+        if layer.mlp.gated:
+            assert layer.ln2 is not None
+            fits[i] = gated_fit(layer.mlp, layer.ln2, max_neuron_error, heads_per_neuron)
+        else:
+            fits[i] = activation_fit(layer.mlp.act_fn, max_neuron_error, heads_per_neuron)
+    return fits
 
 
 def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
@@ -98,10 +120,15 @@ def convert(
 
     Args:
         model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified.
+            A :class:`~lens_aot.spec.ModelSpec` is accepted too (checked against
+            :class:`~lens_aot.reference.MLPTransformer`).
         max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
             (default 1e-6). GELU variants use the fewest shifted-logistic heads per neuron meeting it (default 1e-4).
-        heads_per_neuron: GELU variants: exactly this many heads per neuron (1 = the best single-head fit).
+            Gated MLPs: bound on each neuron's ``|post − post_source|`` over all normalized inputs (default 1e-4),
+            met by the gate fit and the product heads' scales (:mod:`lens_aot.gating`).
+        heads_per_neuron: GELU variants (gated: the gate's GELU): exactly this many heads per neuron (1 = the best
+            single-head fit).
         masks: "explicit" (default): neuron heads attend to themselves and a memory-slot bias key through an explicit
             self-only mask; the fast, hookable :class:`AttentionOnlyTransformer`. "weights": the paper's standard-mask
             mode (Theorem 9), a :class:`~lens_aot.standard_mask.StandardMaskTransformer` in which every head uses only
@@ -115,7 +142,13 @@ def convert(
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
-    spec = read_model(model)
+    if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
+        from lens_aot.reference import MLPTransformer
+
+        check_finite(model)
+        spec, model = model, MLPTransformer(model)
+    else:
+        spec = read_model(model)
     if masks == "weights":
         from lens_aot.standard_mask import to_standard_mask_model
 
@@ -138,6 +171,7 @@ def convert(
     source_count, source_bytes = _param_stats(model)
     count, size = _param_stats(aot)
     first_fit = next(iter(fits.values()), None)
+    gated_scales = [e for f in fits.values() if isinstance(f, GatedFit) for e in f.scales]
     aot.report = ConversionReport(
         model_name=spec.model_name,
         source_kind=spec.source_kind,
@@ -156,5 +190,8 @@ def convert(
         sample_shape=tuple(tokens.shape),
         max_abs_logit_error=max_err,
         argmax_agreement=argmax,
+        gated=isinstance(first_fit, GatedFit),
+        parallel=any(layer.parallel for layer in spec.layers),
+        product_scales=None if not gated_scales else (min(gated_scales), max(gated_scales)),
     )
     return aot

@@ -1,10 +1,19 @@
 """The attention-only transformer that ``lens_aot.convert`` returns.
 
-Layer ``l`` of the source becomes two attention-only blocks: ``blocks.{2l}`` holds the source's own heads and
-``blocks.{2l+1}`` holds the **neuron heads** that replace its MLP (Theorem 3, :mod:`lens_aot.components.
-neuron_attention`); a source layer without an MLP becomes one block. Every block is
+Each source layer becomes attention-only blocks, in order: one holding the source's own heads, then the **neuron
+heads** that replace its MLP (Theorem 3, :mod:`lens_aot.components.neuron_attention`). A plain MLP is one block of
+neuron heads (so layer ``l`` is ``blocks.{2l}``, ``blocks.{2l+1}`` when every layer has one); a gated MLP is two, gate
+heads then product heads (:mod:`lens_aot.gating`); a layer without an MLP is one block. Every block is
 ``resid_post = resid_pre + attn(ln1(resid_pre))``, with TransformerLens's hook names, so ``cfg.attn_only`` is True and
-``ActivationCache.decompose_resid`` sums to the last ``hook_resid_post``.
+``ActivationCache.decompose_resid`` sums to the last ``hook_resid_post``. Use :meth:`attention_block`,
+:meth:`neuron_blocks` and :meth:`neuron_heads` rather than index arithmetic.
+
+Parallel layers (GPT-J, GPT-NeoX): the source's attention and MLP both read the layer's input, so the neuron blocks of
+such a layer read the residual as it was *before* the layer's attention block (``blocks.{i}.hook_resid_pre`` of the
+attention block), i.e. the layer is one attention layer holding both kinds of heads, laid out as consecutive blocks.
+Gated models carry ``cfg.d_scratch`` extra residual channels after the source's ``d_model`` (the gate heads' outputs,
+cleared by the product heads within the layer): ``hook_resid_*`` are ``[batch, pos, d_model + d_scratch]``, norms read
+only the first ``d_model`` channels, and ``resid[..., :d_model]`` is the source's residual.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.activations import ActivationFit
 from lens_aot.cache import LazyCacheDict, NeuronHeadCache
-from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, Unembed
+from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, ProductAttention, Unembed
 from lens_aot.components.hooks import hooked
 from lens_aot.errors import InputError
-from lens_aot.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.gating import GatedFit
+from lens_aot.spec import LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -75,30 +85,60 @@ class AOTConfig:
     attn_only: bool = True
     d_mlp: int | None = None
     act_fn: str | None = None
+    gated_mlp: bool = False
+    parallel_attn_mlp: bool = False
+    d_scratch: int = 0  # gated models: residual channels after d_model holding gate activations within a layer
     use_attn_result: bool = False
     use_split_qkv_input: bool = False
     use_hook_mlp_in: bool = False
     use_attn_in: bool = False
     original_architecture: str = "lens_aot.AttentionOnlyTransformer"
     source_kind: str = "HookedTransformer"
-    activation_fits: dict[int, ActivationFit] = field(default_factory=dict)
+    activation_fits: dict[int, ActivationFit | GatedFit] = field(default_factory=dict)
+
+    @property
+    def d_resid(self) -> int:
+        """Width of the residual stream: ``d_model`` plus the scratch channels of gated models."""
+        return self.d_model + self.d_scratch
 
 
 class AttentionBlock(nn.Module):
-    """An attention-only block: ``resid_post = resid_pre + attn(ln1(resid_pre))``."""
+    """An attention-only block: ``resid_post = resid_pre + attn(ln1(resid_pre))``.
 
-    def __init__(self, ln1: nn.Module, attn: nn.Module) -> None:
+    ``parallel``: ``attn`` reads ``layer_input`` (the residual before this source layer's first block) instead of
+    ``resid_pre``. ``d_model < d_resid`` (gated models): ``ln1`` reads the first ``d_model`` channels; a module with
+    ``reads_scratch`` also gets the raw scratch channels; outputs narrower than the residual are placed at their
+    channels (gate heads at their scratch offset, everything else at the start).
+    """
+
+    def __init__(
+        self, ln1: nn.Module, attn: nn.Module, *, parallel: bool = False, d_model: int = 0, d_resid: int = 0
+    ) -> None:
         super().__init__()
         self.ln1 = ln1
         self.attn = attn
-        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
-        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
-        self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
+        self.parallel = parallel
+        self.d_model, self.d_resid = d_model, d_resid
+        self.hook_resid_pre = HookPoint()  # [batch, pos, d_resid]
+        self.hook_attn_out = HookPoint()  # [batch, pos, d_resid]
+        self.hook_resid_post = HookPoint()  # [batch, pos, d_resid]
 
-    def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(
+        self, resid: Float[Tensor, "batch pos d_resid"], layer_input: Float[Tensor, "batch pos d_resid"] | None = None
+    ) -> Float[Tensor, "batch pos d_resid"]:
         resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid)))
-        return self.hook_resid_post(resid + attn_out)
+        read = layer_input if self.parallel and layer_input is not None else resid
+        if self.d_resid <= self.d_model:
+            out = self.attn(self.ln1(read))
+        else:
+            x = self.ln1(read[..., : self.d_model])
+            if getattr(self.attn, "reads_scratch", False):
+                out = self.attn(x, resid[..., self.d_model :])
+            else:
+                out = self.attn(x)
+                start = self.attn.scratch[0] if getattr(self.attn, "scratch", None) is not None else 0
+                out = F.pad(out, (start, self.d_resid - start - out.shape[-1]))
+        return self.hook_resid_post(resid + self.hook_attn_out(out))
 
 
 class AttentionOnlyTransformer(HookedRootModule):
@@ -109,9 +149,16 @@ class AttentionOnlyTransformer(HookedRootModule):
     :meth:`head_origin` to move between source neurons and heads.
     """
 
-    def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit]) -> None:
+    def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
+        """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
+        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.gating.GatedFit` for gated ones)."""
         super().__init__()
         attn0 = spec.layers[0].attn if spec.layers else None
+        d_model = spec.d_model
+        d_scratch = max(
+            (int(ls.mlp.W_in.shape[1]) for ls in spec.layers if ls.mlp is not None and ls.mlp.gated), default=0
+        )
+        d_resid = d_model + d_scratch
         self.embed = Embed(spec.W_E)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
@@ -119,21 +166,42 @@ class AttentionOnlyTransformer(HookedRootModule):
             self.pos_embed = PosEmbed(spec.W_pos)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         blocks: list[AttentionBlock] = []
-        self._block_of: list[tuple[int, int | None]] = []
-        self._origin: list[tuple[Literal["attention", "neuron"], int]] = []
-        for layer, layer_spec in enumerate(spec.layers):
-            if layer_spec.parallel or (layer_spec.mlp is not None and layer_spec.mlp.gated):
-                raise NotImplementedError("gated and parallel layers are being added")
+        self._block_of: list[tuple[int, tuple[int, ...]]] = []
+        self._origin: list[tuple[Literal["attention", "neuron", "gate", "product"], int]] = []
+        widths = {"d_model": d_model, "d_resid": d_resid}
+        for layer, ls in enumerate(spec.layers):
             attn_block = len(blocks)
-            blocks.append(AttentionBlock(Norm(layer_spec.ln1), Attention(layer_spec.attn, spec.causal, spec.rotary)))
+            blocks.append(AttentionBlock(Norm(ls.ln1), Attention(ls.attn, spec.causal, spec.rotary), **widths))
             self._origin.append(("attention", layer))
-            neuron_block = None
-            if layer_spec.mlp is not None:
-                assert layer_spec.ln2 is not None
-                neuron_block = len(blocks)
-                blocks.append(AttentionBlock(Norm(layer_spec.ln2), NeuronAttention(layer_spec.mlp, fits[layer])))
-                self._origin.append(("neuron", layer))
-            self._block_of.append((attn_block, neuron_block))
+            neuron_blocks: list[int] = []
+            if ls.mlp is not None:
+                assert ls.ln2 is not None
+                fit = fits[layer]
+                parallel = ls.parallel
+                if isinstance(fit, GatedFit) != ls.mlp.gated:
+                    raise ValueError(f"layer {layer}: a gated MLP needs a GatedFit and a plain one an ActivationFit")
+                if isinstance(fit, GatedFit):
+                    assert ls.mlp.W_gate is not None
+                    gate_bias = ls.mlp.b_gate if ls.mlp.b_gate is not None else ls.mlp.W_gate.new_zeros(d_scratch)
+                    gate = MLPSpec(ls.mlp.W_gate, gate_bias[: ls.mlp.W_gate.shape[1]], ls.mlp.W_out, ls.mlp.b_out, "")
+                    heads = NeuronAttention(gate, fit.gate, scratch=(d_model, d_resid))
+                    neuron_blocks.append(len(blocks))
+                    blocks.append(AttentionBlock(Norm(ls.ln2), heads, parallel=parallel, **widths))
+                    self._origin.append(("gate", layer))
+                    scales = torch.tensor(fit.scales, dtype=spec.dtype, device=spec.device)
+                    product = ProductAttention(
+                        ls.mlp.W_in, ls.mlp.b_in, ls.mlp.W_out, ls.mlp.b_out, ls.mlp.b_post, scales, d_scratch
+                    )
+                    neuron_blocks.append(len(blocks))
+                    blocks.append(AttentionBlock(Norm(ls.ln2), product, parallel=parallel, **widths))
+                    self._origin.append(("product", layer))
+                else:
+                    neuron_blocks.append(len(blocks))
+                    blocks.append(
+                        AttentionBlock(Norm(ls.ln2), NeuronAttention(ls.mlp, fit), parallel=parallel, **widths)
+                    )
+                    self._origin.append(("neuron", layer))
+            self._block_of.append((attn_block, tuple(neuron_blocks)))
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = Norm(spec.ln_final)
         self.unembed = Unembed(spec.W_U, spec.b_U)
@@ -160,6 +228,9 @@ class AttentionOnlyTransformer(HookedRootModule):
             tokenizer_prepends_bos=spec.extra.get("tokenizer_prepends_bos"),
             d_mlp=None if mlp0 is None else int(mlp0.W_in.shape[1]),
             act_fn=None if mlp0 is None else mlp0.act_fn,
+            gated_mlp=mlp0 is not None and mlp0.gated,
+            parallel_attn_mlp=any(ls.parallel for ls in spec.layers),
+            d_scratch=d_scratch,
             source_kind=spec.source_kind,
             activation_fits=dict(fits),
         )
@@ -188,11 +259,16 @@ class AttentionOnlyTransformer(HookedRootModule):
         resid = self.hook_embed(self.embed(tokens))
         if hasattr(self, "pos_embed"):
             resid = resid + self.hook_pos_embed(self.pos_embed(tokens))
+        if self.cfg.d_scratch:
+            resid = F.pad(resid, (0, self.cfg.d_scratch))
+        layer_input = resid
         for block in self.blocks[:stop_at_layer]:
-            resid = block(resid)
+            if not block.parallel:
+                layer_input = resid
+            resid = block(resid, layer_input)
         if stop_at_layer is not None:
             return resid
-        logits = self.unembed(self.ln_final(resid))
+        logits = self.unembed(self.ln_final(resid[..., : self.cfg.d_model]))
         if return_type is None:
             return None
         if return_type == "logits":
@@ -251,16 +327,16 @@ class AttentionOnlyTransformer(HookedRootModule):
         attached to neuron-head internals.
         """
         wanted = _names_predicate(names_filter)
-        neuron_blocks = [i for i, block in enumerate(self.blocks) if isinstance(block.attn, NeuronAttention)]
+        neuron_blocks = [i for i, block in enumerate(self.blocks) if hasattr(block.attn, "derivations")]
         eager = not compact or incl_bwd or pos_slice is not None or not return_cache_object or self.cfg.use_attn_result
-        eager = eager or any(hooked(*_internal_hooks(self.blocks[i].attn)) for i in neuron_blocks)
-        derived: dict[str, tuple[str, Callable[[Tensor], Tensor]]] = {}
+        eager = eager or any(hooked(*self.blocks[i].attn.internal_hooks()) for i in neuron_blocks)
+        derived: dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]] = {}
         if not eager:
             for i in neuron_blocks:
-                for hook, fn in _derivations(self.blocks[i].attn).items():
+                for hook, (inputs, fn) in self.blocks[i].attn.derivations().items():
                     if wanted(f"blocks.{i}.attn.{hook}"):
-                        derived[f"blocks.{i}.attn.{hook}"] = (f"blocks.{i}.attn.hook_pre", fn)
-        sources = {src for src, _ in derived.values()}
+                        derived[f"blocks.{i}.attn.{hook}"] = (tuple(f"blocks.{i}.attn.{x}" for x in inputs), fn)
+        sources = {src for srcs, _ in derived.values() for src in srcs}
         out, cache_dict = super().run_with_cache(
             *model_args,
             names_filter=lambda name: (wanted(name) and name not in derived) or name in sources,
@@ -272,8 +348,8 @@ class AttentionOnlyTransformer(HookedRootModule):
         if not return_cache_object:
             return out, cache_dict
         lazy = LazyCacheDict(cache_dict)
-        for name, (source, fn) in derived.items():
-            lazy.derive(name, source, fn)
+        for name, (inputs, fn) in derived.items():
+            lazy.derive(name, inputs, fn)
         return out, NeuronHeadCache(lazy, self, has_batch_dim=not remove_batch_dim)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
@@ -287,25 +363,44 @@ class AttentionOnlyTransformer(HookedRootModule):
         """Index of the block holding source layer ``layer``'s attention heads."""
         return self._block_of[self._layer(layer)][0]
 
+    def neuron_blocks(self, layer: int) -> list[int]:
+        """Indices of the blocks holding the neuron heads of source layer ``layer``'s MLP, in order: one block for a
+        plain MLP; gate heads then product heads for a gated one; none for a layer without an MLP."""
+        return list(self._block_of[self._layer(layer)][1])
+
     def neuron_block(self, layer: int) -> int:
-        """Index of the block holding the neuron heads of source layer ``layer``'s MLP."""
-        block = self._block_of[self._layer(layer)][1]
-        if block is None:
+        """Index of the block whose heads write source layer ``layer``'s MLP output (gated MLPs: the product heads)."""
+        blocks = self.neuron_blocks(layer)
+        if not blocks:
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
-        return block
+        return blocks[-1]
 
     def neuron_heads(self, layer: int, neuron: int) -> list[HeadRef]:
-        """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP (one per fit term)."""
-        block = self.neuron_block(layer)
-        attn = self.blocks[block].attn
-        if not 0 <= neuron < attn.d_mlp:
-            raise IndexError(f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={attn.d_mlp}")
-        k = attn.heads_per_neuron
-        return [HeadRef(f"blocks.{block}.attn", neuron * k + j) for j in range(k)]
+        """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP.
+
+        Plain MLPs: one head per term of the activation's fit. Gated MLPs: the gate heads (one per term of the gate
+        activation's fit, in the gate block), then the neuron's two product heads (``+``, ``−``).
+        """
+        blocks = self.neuron_blocks(layer)
+        if not blocks:
+            raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
+        d_mlp = self.blocks[blocks[0]].attn.d_mlp
+        if not 0 <= neuron < d_mlp:
+            raise IndexError(f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={d_mlp}")
+        refs = []
+        for block in blocks:
+            k = self.blocks[block].attn.heads_per_neuron
+            refs += [HeadRef(f"blocks.{block}.attn", neuron * k + j) for j in range(k)]
+        return refs
 
     def head_origin(self, name: str | int, head: int) -> HeadOrigin:
-        """Inverse of :meth:`neuron_heads`: what head ``head`` of block ``name`` (e.g. "blocks.3.attn" or 3) was."""
+        """Inverse of :meth:`neuron_heads`: what head ``head`` of block ``name`` (e.g. "blocks.3.attn" or 3) was.
+
+        For a neuron head, ``component`` is its position in ``neuron_heads(layer, index)``.
+        """
         block = name if isinstance(name, int) else _block_index(name)
+        if not 0 <= block < len(self.blocks):
+            raise IndexError(f"block {block} out of range: the model has {len(self.blocks)} blocks")
         kind, layer = self._origin[block]
         n_heads = self.cfg.n_heads_per_block[block]
         if not 0 <= head < n_heads:
@@ -313,13 +408,14 @@ class AttentionOnlyTransformer(HookedRootModule):
         if kind == "attention":
             return HeadOrigin("attention", layer, head, 0)
         k = self.blocks[block].attn.heads_per_neuron
-        return HeadOrigin("neuron", layer, head // k, head % k)
+        offset = self.blocks[self.neuron_blocks(layer)[0]].attn.heads_per_neuron if kind == "product" else 0
+        return HeadOrigin("neuron", layer, head // k, offset + head % k)
 
     def neuron_activations(self, cache: ActivationCache | dict[str, Tensor], layer: int) -> Float[Tensor, "... d_mlp"]:
-        """A source layer's MLP activations (``mlp.hook_post``), as the sum of each neuron's heads' ``hook_z``."""
+        """A source layer's MLP activations (``mlp.hook_post``) from its neuron heads' ``hook_z``: the sum over a
+        neuron's heads (plain MLPs), or ``(2/ε)(z₊ − z₋) + b_post`` over its product heads (gated MLPs)."""
         block = self.neuron_block(layer)
-        z = cache[f"blocks.{block}.attn.hook_z"].squeeze(-1)
-        return z.unflatten(-1, (-1, self.blocks[block].attn.heads_per_neuron)).sum(-1)
+        return self.blocks[block].attn.neuron_output(cache[f"blocks.{block}.attn.hook_z"])
 
     def _layer(self, layer: int) -> int:
         n = len(self._block_of)
@@ -404,7 +500,7 @@ class AttentionOnlyTransformer(HookedRootModule):
         total = self.W_E.new_zeros(self.cfg.d_model)
         for block in self.blocks[: layer + int(mlp_input)]:
             if include_mlp_biases or isinstance(block.attn, Attention):
-                total = total + block.attn.b_O
+                total = total + block.attn.b_O[: self.cfg.d_model]
         return total
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> AttentionOnlyTransformer:
@@ -417,17 +513,19 @@ class AttentionOnlyTransformer(HookedRootModule):
     def layer_specs(self) -> list[LayerSpec]:
         """The source layers this model implements (attention weights, norms, and MLP weights with activation)."""
         layers = []
-        for attn_block, neuron_block in self._block_of:
+        for attn_block, neuron_blocks in self._block_of:
             a = self.blocks[attn_block]
-            n = None if neuron_block is None else self.blocks[neuron_block]
-            layers.append(
-                LayerSpec(
-                    a.ln1.spec(),
-                    a.attn.spec(),
-                    None if n is None else n.ln1.spec(),
-                    None if n is None else n.attn.spec(),
-                )
-            )
+            ln2 = mlp = None
+            parallel = False
+            if neuron_blocks:
+                last = self.blocks[neuron_blocks[-1]]
+                ln2, parallel = last.ln1.spec(), last.parallel
+                if isinstance(last.attn, ProductAttention):
+                    gate = self.blocks[neuron_blocks[0]].attn
+                    mlp = last.attn.spec(gate.W_in, gate.b_in, gate.fit.act_fn)
+                else:
+                    mlp = last.attn.spec()
+            layers.append(LayerSpec(a.ln1.spec(), a.attn.spec(), ln2, mlp, parallel))
         return layers
 
     def final_norm_spec(self) -> NormSpec:
@@ -481,26 +579,6 @@ def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | Non
         allowed = set(names_filter)
         return lambda name: name in allowed
     return names_filter
-
-
-def _internal_hooks(attn: NeuronAttention) -> tuple[HookPoint, ...]:
-    return (attn.hook_q, attn.hook_k, attn.hook_v, attn.hook_attn_scores, attn.hook_pattern, attn.hook_z)
-
-
-def _derivations(attn: NeuronAttention) -> dict[str, Callable[[Tensor], Tensor]]:
-    """How each neuron-head hook's value follows from ``hook_pre`` when nothing intervenes (any leading dims)."""
-
-    def scores(pre: Tensor) -> Tensor:
-        return attn.dense_scores(pre.new_zeros(()).expand(*pre.shape[:-1], attn.n_heads))
-
-    return {
-        "hook_q": attn.queries,
-        "hook_k": attn.keys,
-        "hook_v": attn.values,
-        "hook_attn_scores": scores,
-        "hook_pattern": lambda pre: attn.dense_pattern(scores(pre), -attn.queries(pre).squeeze(-1)),
-        "hook_z": lambda pre: attn.self_weight(attn.queries(pre), attn.keys(pre)) * attn.values(pre),
-    }
 
 
 def lm_cross_entropy_loss(

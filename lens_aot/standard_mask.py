@@ -614,6 +614,11 @@ def to_standard_mask_model(
             f"standard-mask mode needs float32 or float64 weights (got {spec.dtype}): scores of size Ω and the norms' "
             f"compensating epsilon lose too much in half precision. Cast the model first; {supported}."
         )
+    if any(layer.parallel or (layer.mlp is not None and layer.mlp.gated) for layer in spec.layers):
+        raise UnsupportedArchitectureError(
+            "standard-mask mode covers sequential layers with plain MLPs (the paper's setting); this model has gated "
+            f"MLPs or parallel attention + MLP layers. Use the default conversion (explicit masks); {supported}."
+        )
     norms = _norms(spec)
     classes = {_norm_class(n) for n in norms}
     if len(classes) > 1:

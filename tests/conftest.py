@@ -31,6 +31,8 @@ TOLERANCES = {  # max |Δlogit| per activation and dtype (the README's support m
     ("gelu_new", torch.float64): 1e-3,
     ("gelu_fast", torch.float32): 1e-3,
     ("gelu_fast", torch.float64): 1e-3,
+    ("gated", torch.float32): 1e-4,  # gated MLPs, any gate activation (per-neuron bound 1e-4 by default)
+    ("gated", torch.float64): 1e-4,
     (None, torch.float32): 1e-5,
     (None, torch.float64): 1e-10,
 }

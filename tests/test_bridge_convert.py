@@ -87,9 +87,6 @@ def test_bridge_tokenizer_round_trip() -> None:
 @pytest.mark.parametrize(
     ("family", "error", "message"),
     [
-        ("llama", lens_aot.UnsupportedArchitectureError, r"gated MLP \(SwiGLU/GeGLU\)"),
-        ("gptj", lens_aot.UnsupportedArchitectureError, r"parallel"),
-        ("neox", lens_aot.UnsupportedArchitectureError, r"parallel"),
         ("gpt2-tanh", lens_aot.UnsupportedActivationError, r"'tanh'.*(S|s)upported"),
     ],
 )

@@ -44,12 +44,24 @@ class NeuronAttention(nn.Module):
     d_head = 1
     attn_scale = 1.0
 
-    def __init__(self, mlp: MLPSpec, fit: ActivationFit) -> None:
+    def __init__(self, mlp: MLPSpec, fit: ActivationFit, scratch: tuple[int, int] | None = None) -> None:
+        """Neuron heads for ``mlp`` (``W_in``, ``b_in``, ``W_out``, ``b_out``; plain MLPs).
+
+        ``scratch=(offset, d_resid)`` builds the *gate heads* of a gated MLP instead (pass the gate's weights as
+        ``W_in``/``b_in``): neuron ``n`` writes its activation to residual channel ``offset + n`` of a residual of
+        width ``d_resid`` (a scratch channel outside the source's ``d_model``, see
+        :mod:`lens_aot.components.product_attention`), and ``mlp.W_out``/``b_out`` are ignored.
+        """
         super().__init__()
         self.W_in = nn.Parameter(mlp.W_in.detach().clone())
         self.b_in = nn.Parameter(mlp.b_in.detach().clone())
-        self.W_out = nn.Parameter(mlp.W_out.detach().clone())
-        self.b_O = nn.Parameter(mlp.b_out.detach().clone())
+        self.scratch = scratch
+        if scratch is None:
+            self.W_out: nn.Parameter | None = nn.Parameter(mlp.W_out.detach().clone())
+            self.b_O = nn.Parameter(mlp.b_out.detach().clone())
+        else:
+            self.W_out = None
+            self.register_buffer("b_O", mlp.W_in.new_zeros(scratch[1]))
         self.fit = fit
         dtype, device = mlp.W_in.dtype, mlp.W_in.device
         for name, values in (("alpha", fit.alpha), ("beta", fit.beta), ("b", fit.b), ("d", fit.d)):
@@ -98,7 +110,14 @@ class NeuronAttention(nn.Module):
         return (self._per_head(self.b_in, self.term_alpha) + self.term_beta.repeat(self.d_mlp))[:, None]
 
     @property
-    def W_O(self) -> Float[Tensor, "n_heads 1 d_model"]:
+    def W_O(self) -> Float[Tensor, "n_heads 1 d_out"]:
+        """Each head's output row: its neuron's ``W_out`` row, or (gate heads) the one-hot of its scratch channel."""
+        if self.W_out is None:
+            assert self.scratch is not None
+            offset, d_resid = self.scratch
+            rows = self.W_in.new_zeros(self.d_mlp, d_resid)
+            rows[:, offset : offset + self.d_mlp] = torch.eye(self.d_mlp, dtype=rows.dtype, device=rows.device)
+            return rows.repeat_interleave(self.heads_per_neuron, dim=0)[:, None, :]
         return self.W_out.repeat_interleave(self.heads_per_neuron, dim=0)[:, None, :]
 
     @property
@@ -147,11 +166,13 @@ class NeuronAttention(nn.Module):
         return torch.sigmoid(q * k + q)
 
     # ---- forward ----
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_out"]:
+        """The heads' summed output: ``act(z) @ W_out + b_out``, or (gate heads) ``act(z)`` for the scratch channels
+        (``[batch, pos, d_mlp]``; the block places it at the scratch offset)."""
         pre = self.hook_pre(x @ self.W_in + self.b_in)
-        internal = (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
-        if not self.use_attn_result and not _hooked(*internal):
-            return self.activation(pre) @ self.W_out + self.b_O
+        if not self.use_attn_result and not _hooked(*self.internal_hooks()):
+            act = self.activation(pre)
+            return act if self.W_out is None else act @ self.W_out + self.b_O
 
         q = self.hook_q(self.queries(pre))
         k = self.hook_k(self.keys(pre))
@@ -165,12 +186,38 @@ class NeuronAttention(nn.Module):
         z = self.hook_z(z)
         if self.use_attn_result:
             result = self.hook_result(z * self.W_O.squeeze(1))
-            return result.sum(dim=2) + self.b_O
+            out = result.sum(dim=2) + self.b_O
+            return out if self.scratch is None else out[..., self.scratch[0] : self.scratch[0] + self.d_mlp]
         per_neuron = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron)).sum(-1)
-        return per_neuron @ self.W_out + self.b_O
+        return per_neuron if self.W_out is None else per_neuron @ self.W_out + self.b_O
+
+    def internal_hooks(self) -> tuple[HookPoint, ...]:
+        """The per-head hooks, which need the per-head computation when attached."""
+        return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
+
+    def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
+        """How each per-head hook follows from ``hook_pre`` when nothing intervenes (for the compact cache)."""
+
+        def scores(pre: Tensor) -> Tensor:
+            return self.dense_scores(pre.new_zeros(()).expand(*pre.shape[:-1], self.n_heads))
+
+        src = ("hook_pre",)
+        return {
+            "hook_q": (src, self.queries),
+            "hook_k": (src, self.keys),
+            "hook_v": (src, self.values),
+            "hook_attn_scores": (src, scores),
+            "hook_pattern": (src, lambda pre: self.dense_pattern(scores(pre), -self.queries(pre).squeeze(-1))),
+            "hook_z": (src, lambda pre: self.self_weight(self.queries(pre), self.keys(pre)) * self.values(pre)),
+        }
+
+    def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"]) -> Float[Tensor, "... pos d_mlp"]:
+        """Each neuron's activation from its heads' ``hook_z`` (the sum over its terms)."""
+        return z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron)).sum(-1)
 
     def spec(self) -> MLPSpec:
-        """The MLP this layer implements (used by ``revert``)."""
+        """The MLP this layer implements (used by ``revert``; gate heads: see ``ProductAttention.spec``)."""
+        assert self.W_out is not None, "gate heads are half of a gated MLP: ask the product heads for its spec"
         return MLPSpec(
             self.W_in.detach().clone(),
             self.b_in.detach().clone(),

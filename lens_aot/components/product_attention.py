@@ -1,0 +1,233 @@
+"""The product half of a gated MLP as a layer of *product heads* (beyond the paper; see :mod:`lens_aot.gating`).
+
+A gated neuron computes ``post_n = act(g_n)·u_n``. Its gate heads (:class:`NeuronAttention` in scratch mode) have
+already written ``h_n ≈ act(g_n)`` to scratch residual channel ``n`` (outside the source's ``d_model``; no norm
+reads it). Here two heads per neuron, ``s = ±1`` (head ``2n`` is ``+``, ``2n + 1`` is ``−``), each of internal
+dimension 1, attend to themselves and the bias slot exactly as Theorem 3's neuron heads do:
+
+* query ``q = s·ε_n·u_n`` (``u = LN(x)·W_in + b_in``), key 0 on every real position, −1 on the bias slot: weight
+  ``σ(s·ε_n·u_n)`` on itself;
+* value ``h_n``, read from the scratch channel (0 on the bias slot), so ``z_s = h_n·σ(s·ε_n·u_n)``;
+* output ``W_O = s·(2/ε_n)·W_out[n] − e_n``: the pair writes ``(2/ε_n)(z_+ − z_−)·W_out[n] =
+  (2/ε_n)·h_n·tanh(ε_n u_n/2)·W_out[n] ≈ u_n·h_n·W_out[n]`` to the residual and ``−(z_+ + z_−) = −h_n`` to the
+  scratch channel, which clears it (σ(a) + σ(−a) = 1).
+
+The block feeds this module the normalized source residual ``LN(x)`` and the raw scratch channels; TransformerLens-
+layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over that input, ``[LN(x) (d_model), scratch (d_scratch)]``,
+which is the residual basis. Without hooks on the per-head internals the pair is computed in closed form,
+``(2/ε)·h·tanh(εu/2)`` (no cancellation), and the scratch write is exactly ``−h``.
+
+Hooks: ``hook_pre_linear`` [batch, pos, d_mlp] (``u``, TransformerLens's GatedMLP name), ``hook_gate``
+[batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/``hook_k``/``hook_v``/``hook_z`` [batch, pos, head, 1],
+``hook_attn_scores``/``hook_pattern`` [batch, head, query, key], ``hook_result`` [batch, pos, head, d_resid].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import einops
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.components.hooks import hooked as _hooked
+from lens_aot.components.neuron_attention import NeuronAttention
+from lens_aot.spec import MLPSpec
+
+
+class ProductAttention(nn.Module):
+    """``2·d_mlp`` product heads: the gated MLP's ``act(g) ⊙ u`` and its output projection, plus the scratch clear."""
+
+    d_head = 1
+    attn_scale = 1.0
+    heads_per_neuron = 2
+    reads_scratch = True
+
+    def __init__(
+        self,
+        W_in: Float[Tensor, "d_model d_mlp"],
+        b_in: Float[Tensor, " d_mlp"],
+        W_out: Float[Tensor, "d_mlp d_model"],
+        b_out: Float[Tensor, " d_model"],
+        b_post: Float[Tensor, " d_mlp"] | None,
+        scales: Float[Tensor, " d_mlp"],
+        d_scratch: int,
+    ) -> None:
+        super().__init__()
+        self.W_in = nn.Parameter(W_in.detach().clone())
+        self.b_in = nn.Parameter(b_in.detach().clone())
+        self.W_out = nn.Parameter(W_out.detach().clone())
+        self.b_out = nn.Parameter(b_out.detach().clone())
+        self.b_post = None if b_post is None else nn.Parameter(b_post.detach().clone())
+        self.register_buffer("scales", scales.detach().clone().to(W_in.dtype))
+        self.d_model, self.d_mlp = W_in.shape
+        self.d_scratch = d_scratch
+        self.n_heads = 2 * self.d_mlp
+        self.use_attn_result = False
+
+        self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]: u, the linear branch
+        self.hook_gate = HookPoint()  # [batch, pos, d_mlp]: h ≈ act(g), read from the scratch channels
+        self.hook_q = HookPoint()  # [batch, pos, head, 1]
+        self.hook_k = HookPoint()  # [batch, pos, head, 1]
+        self.hook_v = HookPoint()  # [batch, pos, head, 1]
+        self.hook_attn_scores = HookPoint()  # [batch, head, query, key]
+        self.hook_pattern = HookPoint()  # [batch, head, query, key]
+        self.hook_z = HookPoint()  # [batch, pos, head, 1]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_resid]
+
+    @property
+    def d_resid(self) -> int:
+        return self.d_model + self.d_scratch
+
+    @property
+    def signs(self) -> Float[Tensor, " n_heads"]:
+        """``s`` per head: +1, −1, +1, −1, …"""
+        return torch.tensor([1.0, -1.0], dtype=self.W_in.dtype, device=self.W_in.device).repeat(self.d_mlp)
+
+    # ---- per-head weights, TransformerLens layout over [LN(x), scratch] (computed from the shared storage) ----
+    @property
+    def W_Q(self) -> Float[Tensor, "n_heads d_resid 1"]:
+        rows = self.W_in.new_zeros(self.n_heads, self.d_resid)
+        rows[:, : self.d_model] = (self.W_in * self.scales).T.repeat_interleave(2, dim=0) * self.signs[:, None]
+        return rows[..., None]
+
+    @property
+    def b_Q(self) -> Float[Tensor, "n_heads 1"]:
+        return ((self.b_in * self.scales).repeat_interleave(2) * self.signs)[:, None]
+
+    @property
+    def W_K(self) -> Float[Tensor, "n_heads d_resid 1"]:
+        return self.W_in.new_zeros(self.n_heads, self.d_resid, 1)
+
+    @property
+    def b_K(self) -> Float[Tensor, "n_heads 1"]:
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    @property
+    def W_V(self) -> Float[Tensor, "n_heads d_resid 1"]:
+        rows = self.W_in.new_zeros(self.n_heads, self.d_resid)
+        neuron = torch.arange(self.n_heads, device=rows.device) // 2
+        rows[torch.arange(self.n_heads, device=rows.device), self.d_model + neuron] = 1.0
+        return rows[..., None]
+
+    @property
+    def b_V(self) -> Float[Tensor, "n_heads 1"]:
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    @property
+    def W_O(self) -> Float[Tensor, "n_heads 1 d_resid"]:
+        rows = self.W_in.new_zeros(self.n_heads, self.d_resid)
+        rows[:, : self.d_model] = (self.W_out * (2 / self.scales)[:, None]).repeat_interleave(2, 0) * self.signs[
+            :, None
+        ]
+        neuron = torch.arange(self.n_heads, device=rows.device) // 2
+        rows[torch.arange(self.n_heads, device=rows.device), self.d_model + neuron] = -1.0
+        return rows[:, None, :]
+
+    @property
+    def b_O(self) -> Float[Tensor, " d_resid"]:
+        main = self.b_out if self.b_post is None else self.b_out + self.b_post @ self.W_out
+        return F.pad(main, (0, self.d_scratch))
+
+    @property
+    def k_bias(self) -> Float[Tensor, "n_heads 1"]:
+        """Key of the bias slot."""
+        return self.W_in.new_full((self.n_heads, 1), -1.0)
+
+    @property
+    def v_bias(self) -> Float[Tensor, "n_heads 1"]:
+        """Value of the bias slot."""
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    # ---- the head computation, piece by piece (any leading dims before [pos, ...]) ----
+    def queries(self, u: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """``q = ±ε·u`` (``hook_q``)."""
+        scaled = u * self.scales
+        return torch.stack((scaled, -scaled), dim=-1).flatten(-2)[..., None]
+
+    def keys(self, u: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """Keys of the real positions: all zero (``hook_k``)."""
+        return u.new_zeros(()).expand(*u.shape[:-1], self.n_heads, 1)
+
+    def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """``v = h`` for both heads of a neuron (``hook_v``)."""
+        return h.repeat_interleave(2, dim=-1)[..., None]
+
+    def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"]) -> Float[Tensor, "... pos d_mlp"]:
+        """Each neuron's ``post`` (the source's ``mlp.hook_post``) from its two heads' ``hook_z``."""
+        pair = z.squeeze(-1).unflatten(-1, (self.d_mlp, 2))
+        post = (pair[..., 0] - pair[..., 1]) * (2 / self.scales)
+        return post if self.b_post is None else post + self.b_post
+
+    def product(
+        self, u: Float[Tensor, "... pos d_mlp"], h: Float[Tensor, "... pos d_mlp"]
+    ) -> Float[Tensor, "... pos d_mlp"]:
+        """The pair's output in closed form, ``(2/ε)·h·tanh(ε·u/2) ≈ u·h``."""
+        return h * torch.tanh(u * (self.scales / 2)) * (2 / self.scales)
+
+    # ---- forward ----
+    def forward(
+        self, x: Float[Tensor, "batch pos d_model"], scratch: Float[Tensor, "batch pos d_scratch"]
+    ) -> Float[Tensor, "batch pos d_resid"]:
+        u = self.hook_pre_linear(x @ self.W_in + self.b_in)
+        h = self.hook_gate(scratch[..., : self.d_mlp])
+        if not self.use_attn_result and not _hooked(*self.internal_hooks()):
+            post = self.product(u, h)
+            post = post if self.b_post is None else post + self.b_post
+            return self._write(post @ self.W_out + self.b_out, -h)
+
+        q = self.hook_q(self.queries(u))
+        k = self.hook_k(self.keys(u))
+        v = self.hook_v(self.values(h))
+        if _hooked(self.hook_attn_scores, self.hook_pattern):
+            scores = self.hook_attn_scores(NeuronAttention.dense_scores((q * k).squeeze(-1)))
+            pattern = self.hook_pattern(NeuronAttention.dense_pattern(scores, -q.squeeze(-1)))
+            z = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+        else:
+            z = NeuronAttention.self_weight(q, k) * v
+        z = self.hook_z(z)
+        if self.use_attn_result:
+            result = self.hook_result(z * self.W_O.squeeze(1))
+            return result.sum(dim=2) + self.b_O
+        pair = z.squeeze(-1).unflatten(-1, (self.d_mlp, 2))
+        post = (pair[..., 0] - pair[..., 1]) * (2 / self.scales)
+        post = post if self.b_post is None else post + self.b_post
+        return self._write(post @ self.W_out + self.b_out, -(pair[..., 0] + pair[..., 1]))
+
+    def _write(
+        self, main: Float[Tensor, "batch pos d_model"], clear: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos d_resid"]:
+        return torch.cat((main, F.pad(clear, (0, self.d_scratch - self.d_mlp))), dim=-1)
+
+    def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
+        """The gated MLP this layer implements with its gate heads' weights (used by ``to_spec`` / ``revert``)."""
+        return MLPSpec(
+            *(p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)),
+            act_fn,
+            W_gate=W_gate.detach().clone(),
+            b_gate=b_gate.detach().clone(),
+            b_post=None if self.b_post is None else self.b_post.detach().clone(),
+        )
+
+    def internal_hooks(self) -> tuple[HookPoint, ...]:
+        """The per-head hooks, which need the per-head computation when attached."""
+        return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
+
+    def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
+        """How each per-head hook follows from ``hook_pre_linear`` and ``hook_gate`` (for the compact cache)."""
+
+        def scores(u: Tensor) -> Tensor:
+            return NeuronAttention.dense_scores(u.new_zeros(()).expand(*u.shape[:-1], self.n_heads))
+
+        u_src, both = ("hook_pre_linear",), ("hook_pre_linear", "hook_gate")
+        return {
+            "hook_q": (u_src, self.queries),
+            "hook_k": (u_src, self.keys),
+            "hook_v": (("hook_gate",), self.values),
+            "hook_attn_scores": (u_src, scores),
+            "hook_pattern": (u_src, lambda u: NeuronAttention.dense_pattern(scores(u), -self.queries(u).squeeze(-1))),
+            "hook_z": (both, lambda u, h: torch.sigmoid(self.queries(u)) * self.values(h)),
+        }

@@ -1,0 +1,121 @@
+"""Gated MLPs (SwiGLU, GeGLU, ReGLU) with attention heads only: the choice of construction and its error bound.
+
+A gated neuron computes ``post = act(g)·u (+ b_post)`` with ``g = LN(x)·W_gate + b_gate`` and ``u = LN(x)·W_in + b_in``.
+lens_aot builds it from two layers of heads (beyond the paper, which covers plain MLPs only):
+
+* **gate heads** (Theorem 3, :class:`~lens_aot.components.NeuronAttention` in scratch mode) write
+  ``h = fit(g) ≈ act(g)`` to a scratch residual channel that no normalization reads;
+* **product heads** (:class:`~lens_aot.components.ProductAttention`), two per neuron, turn ``h`` and ``u`` into
+  ``(2/ε)·h·tanh(ε·u/2)`` and clear the scratch channel.
+
+Error bound, for every input (``|(2/ε)·tanh(εu/2) − u| ≤ ε²|u|³/12`` and ``|act(g)| ≤ |g|`` for SiLU, GELU, ReLU):
+
+    |post − post_source| ≤ |u|·δ + (|g| + δ)·ε²·|u|³/12
+
+with ``δ`` the gate fit's error (0 for SiLU). After LayerNorm or RMSNorm the normalized input has norm at most
+``sqrt(d_model)``, so ``|u| ≤ U_n`` and ``|g| ≤ G_n`` with per-neuron constants read off the weights
+(:func:`normalized_input_bound`). :func:`gated_fit` picks the gate fit and a per-neuron ``ε_n`` so the bound is at most
+``max_neuron_error`` over *all* inputs: half the budget for the fit (none for SiLU), the rest for the product.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.activations import ActivationFit, activation_fit, canonical_activation
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.spec import MLPSpec, NormSpec
+
+DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
+
+
+@dataclass(frozen=True)
+class GatedFit:
+    """How one gated MLP layer is built: the gate's activation fit and each neuron's product scale ``ε_n``.
+
+    ``max_error`` bounds ``|post − post_source|`` per neuron over all inputs (module docstring). A neuron has
+    ``gate.n_terms`` gate heads and 2 product heads.
+    """
+
+    act_fn: str
+    gate: ActivationFit
+    scales: tuple[float, ...]
+    max_error: float
+
+    @property
+    def n_terms(self) -> int:
+        return self.gate.n_terms + 2
+
+
+def normalized_input_bound(
+    norm: NormSpec, W: Float[Tensor, "d_model d_mlp"], b: Float[Tensor, " d_mlp"] | None
+) -> Float[Tensor, " d_mlp"]:
+    """``max |norm(x)·W[:, n] + b[n]|`` over all residuals ``x``, per neuron (float64).
+
+    ``norm(x) = x̂·w + b_norm`` where ``x̂`` (centred for LayerNorm) has ``‖x̂‖ ≤ sqrt(d_model)``; by Cauchy–Schwarz
+    the bound is ``sqrt(d_model)·‖w ⊙ W[:, n]‖ + |b_norm·W[:, n] + b[n]|`` (for LayerNorm ``x̂ ⊥ 1``, so the mean of
+    ``w ⊙ W[:, n]`` is removed first).
+    """
+    if norm.kind is None:
+        raise UnsupportedArchitectureError(
+            "a gated MLP without a normalization layer before it has unbounded inputs, so its product heads have no "
+            "error bound; lens_aot converts gated MLPs after LayerNorm or RMSNorm only."
+        )
+    W64 = W.detach().to(torch.float64)
+    scaled = W64 * norm.w.detach().to(torch.float64)[:, None] if norm.w is not None else W64
+    if norm.kind in ("LN", "LNPre"):
+        scaled = scaled - scaled.mean(0, keepdim=True)
+    offset = torch.zeros(W64.shape[1], dtype=torch.float64, device=W64.device)
+    if norm.b is not None:
+        offset = offset + norm.b.detach().to(torch.float64) @ W64
+    if b is not None:
+        offset = offset + b.detach().to(torch.float64)
+    return math.sqrt(W64.shape[0]) * scaled.norm(dim=0) + offset.abs()
+
+
+def gated_fit(
+    mlp: MLPSpec, norm: NormSpec, max_neuron_error: float | None = None, heads_per_neuron: int | None = None
+) -> GatedFit:
+    """Choose the gate fit and product scales for a gated MLP so each neuron's error is ≤ ``max_neuron_error``.
+
+    Args:
+        mlp: the gated MLP (``mlp.W_gate`` set).
+        norm: the normalization before it (bounds its inputs).
+        max_neuron_error: bound on ``|post − post_source|`` per neuron, over all inputs (default 1e-4).
+        heads_per_neuron: GELU gates: use exactly this many gate heads per neuron.
+    """
+    assert mlp.W_gate is not None
+    tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
+    if not tol > 0:
+        raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
+    act = canonical_activation(mlp.act_fn)
+    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
+    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
+    u_max = float(u_bound.max()) if u_bound.numel() else 0.0
+    if act == "silu":
+        gate = activation_fit("silu", heads_per_neuron=heads_per_neuron)
+    else:
+        target = tol / (2 * max(u_max, 1e-30))
+        try:
+            gate = activation_fit(act, max_neuron_error=target, heads_per_neuron=heads_per_neuron)
+        except ValueError as err:
+            raise ValueError(
+                f"gated {act}: the gate's fit error δ is multiplied by |u| ≤ {u_max:.3g} (this layer's linear-branch "
+                f"bound), so max_neuron_error={tol:g} needs δ ≤ {target:.2g}: {err}"
+            ) from None
+        if gate.max_error * u_max > tol / 2 * (1 + 1e-12):
+            raise ValueError(
+                f"gated {act}: heads_per_neuron={heads_per_neuron} gives gate error {gate.max_error:.2g}, times "
+                f"|u| ≤ {u_max:.3g} that exceeds max_neuron_error={tol:g}; use more heads or a larger bound."
+            )
+    delta = gate.max_error
+    budget = (tol - u_bound * delta).clamp_min(tol / 2)
+    h_bound = g_bound + delta
+    denominator = (h_bound * u_bound.pow(3)).clamp_min(1e-300)
+    scales = torch.sqrt(12.0 * budget / denominator).clamp(max=1.0)
+    return GatedFit(act, gate, tuple(float(s) for s in scales), tol)

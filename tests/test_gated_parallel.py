@@ -1,0 +1,264 @@
+"""Gated MLPs (gate heads + product heads, lens_aot.gating) and parallel layers, on hand-built specs (both TL majors).
+
+The reference is :class:`lens_aot.reference.MLPTransformer` on the same spec; readers are tested against real
+TransformerLens models elsewhere (test_*read_gated_parallel.py), and whole-model conversions in test_*_llama_like.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from factories_spec import random_spec
+
+import lens_aot
+from lens_aot.activations import reference_activation
+from lens_aot.components import NeuronAttention, ProductAttention
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.gating import GatedFit, gated_fit, normalized_input_bound
+from lens_aot.model import AttentionOnlyTransformer
+from lens_aot.reference import MLPTransformer
+
+FP32_ROUNDING = 2.0**-24
+
+CASES = [
+    dict(norm="RMS", positions="rotary", act_fn="silu", gated=True, parallel=False),  # Llama / Mistral (SwiGLU)
+    dict(norm="RMS", positions="rotary", act_fn="gelu_new", gated=True, parallel=False),  # Gemma-style GeGLU
+    dict(norm="LN", positions="standard", act_fn="relu", gated=True, parallel=False),  # ReGLU
+    dict(norm="LNPre", positions="standard", act_fn="gelu", gated=True, parallel=True),
+    dict(norm="LN", positions="rotary", act_fn="gelu_new", gated=False, parallel=True),  # GPT-J
+    dict(norm="LN", positions="rotary", act_fn="gelu", gated=False, parallel=True),  # GPT-NeoX / Pythia
+    dict(norm="RMS", positions="rotary", act_fn="silu", gated=True, parallel=True),
+]
+IDS = [f"{c['norm']}-{c['act_fn']}{'-gated' * c['gated']}{'-parallel' * c['parallel']}" for c in CASES]
+
+
+def _tokens(spec, batch: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, spec.d_vocab, (batch, spec.n_ctx), generator=torch.Generator().manual_seed(seed))
+
+
+def _post_tolerance(aot: AttentionOnlyTransformer, dtype: torch.dtype) -> float:
+    """Stated per-neuron bound, plus (float32, per-head path) the rounding the product heads' ±2/ε outputs amplify."""
+    fits = aot.cfg.activation_fits.values()
+    bound = max(f.max_error for f in fits)
+    if dtype == torch.float64:
+        return bound
+    smallest = min((min(f.scales) for f in fits if isinstance(f, GatedFit)), default=1.0)
+    return bound + 64 * FP32_ROUNDING / smallest  # |h| ≲ 4 in these models, 8 roundings of ~|h|/2 each, times 2/ε
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_converted_logits_and_neurons_match_the_reference(case, dtype, one_thread) -> None:
+    spec = random_spec(dtype=dtype, **case)
+    aot = lens_aot.convert(spec)
+    ref = MLPTransformer(spec)
+    tokens = _tokens(spec)
+    with torch.no_grad():
+        expected, ref_cache = ref.run_with_cache(tokens)
+        got, cache = aot.run_with_cache(tokens)
+    logit_tol = TOLERANCES[("gated" if case["gated"] else case["act_fn"], dtype)]
+    assert float((got - expected).abs().max()) <= logit_tol
+    assert aot.report.max_abs_logit_error <= logit_tol
+    assert float((aot.neuron_activations(cache, 0) - ref_cache["blocks.0.mlp.hook_post"]).abs().max()) <= (
+        _post_tolerance(aot, dtype)
+    )
+    for layer in range(len(spec.layers)):  # each layer's construction on its own inputs (no propagated error)
+        post = aot.neuron_activations(cache, layer)
+        blocks = [f"blocks.{i}.attn" for i in aot.neuron_blocks(layer)]
+        exact = reference_activation(case["act_fn"], cache[f"{blocks[0]}.hook_pre"])
+        if case["gated"]:
+            exact = exact * cache[f"{blocks[1]}.hook_pre_linear"] + spec.layers[layer].mlp.b_post
+        err = float((post - exact).abs().max())
+        assert err <= _post_tolerance(aot, dtype), (layer, err)
+
+
+@pytest.mark.parametrize("act_fn", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("norm", ["RMS", "LN"])
+def test_gated_error_bound_holds_at_the_worst_input(act_fn, norm) -> None:
+    """Steer the normalized input to the direction that maximises |u_n| (where the product error peaks), in float64:
+    the neuron's error stays within the stated bound, and the bound is not vacuous there."""
+    spec = random_spec(norm=norm, act_fn=act_fn, dtype=torch.float64, n_layers=1, biases=False)
+    mlp, ln = spec.layers[0].mlp, spec.layers[0].ln2
+    fit = gated_fit(mlp, ln, 1e-4)
+    aot = AttentionOnlyTransformer(spec, {0: fit})
+    gate_block, product_block = (aot.blocks[i] for i in aot.neuron_blocks(0))
+    u_bound = normalized_input_bound(ln, mlp.W_in, mlp.b_in)
+    worst = 0.0
+    for n in range(mlp.W_in.shape[1]):
+        direction = mlp.W_in[:, n] * ln.w
+        if norm == "LN":
+            direction = direction - direction.mean()
+        x = 1e3 * direction / direction.norm()  # large residual: normalization eps negligible
+        x = x if norm == "RMS" else x - x.mean()
+        reached = 0.0
+        for sign in (1.0, -1.0):
+            resid = (sign * x)[None, None]
+            normalized = gate_block.ln1(resid)
+            h = gate_block.attn.activation(normalized @ gate_block.attn.W_in + gate_block.attn.b_in)
+            u = normalized @ product_block.attn.W_in + product_block.attn.b_in
+            got = product_block.attn.product(u, h)[..., n]
+            gate = normalized @ mlp.W_gate
+            exact = reference_activation(act_fn, gate)[..., n] * u[..., n]
+            reached = max(reached, abs(float(u[..., n])))
+            err = abs(float(got - exact))
+            assert err <= fit.max_error
+            worst = max(worst, err)
+        assert reached == pytest.approx(float(u_bound[n]), rel=1e-6)  # |u_n| reaches its bound on one side
+    assert worst > fit.max_error / 100  # the bound is tight to within two orders of magnitude at its worst case
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[IDS[0], IDS[3]])
+def test_compact_cache_equals_eager_cache(case, one_thread) -> None:
+    spec = random_spec(dtype=torch.float64, **case)
+    aot = lens_aot.convert(spec)
+    tokens = _tokens(spec, batch=2)
+    _, compact = aot.run_with_cache(tokens)
+    _, eager = aot.run_with_cache(tokens, compact=False)
+    assert set(compact.keys()) == set(eager.keys())
+    for name in eager.keys():
+        torch.testing.assert_close(compact[name], eager[name], rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_per_head_results_sum_to_the_block_output() -> None:
+    spec = random_spec(dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    tokens = _tokens(spec, batch=2)
+    _, fused = aot.run_with_cache(tokens)
+    aot.set_use_attn_result(True)
+    logits, cache = aot.run_with_cache(tokens)
+    aot.set_use_attn_result(False)
+    for block in aot.neuron_blocks(0):
+        attn = aot.blocks[block].attn
+        summed = cache[f"blocks.{block}.attn.hook_result"].sum(2) + attn.b_O
+        torch.testing.assert_close(summed, cache[f"blocks.{block}.hook_attn_out"])
+        torch.testing.assert_close(cache[f"blocks.{block}.hook_attn_out"], fused[f"blocks.{block}.hook_attn_out"])
+
+
+def test_scratch_channels_hold_gates_within_a_layer_only() -> None:
+    spec = random_spec(dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    _, cache = aot.run_with_cache(_tokens(spec))
+    d = aot.cfg.d_model
+    assert aot.cfg.d_scratch == spec.layers[0].mlp.W_in.shape[1]
+    assert cache["blocks.0.hook_resid_pre"].shape[-1] == aot.cfg.d_resid
+    for layer in range(len(spec.layers)):
+        gate_block, product_block = aot.neuron_blocks(layer)
+        h = cache[f"blocks.{gate_block}.hook_resid_post"][..., d:]
+        torch.testing.assert_close(h, cache[f"blocks.{product_block}.attn.hook_gate"])
+        assert float(h.abs().max()) > 0.1
+        assert float(cache[f"blocks.{product_block}.hook_resid_post"][..., d:].abs().max()) == 0.0
+
+
+def test_neuron_heads_and_origins_of_a_gated_neuron() -> None:
+    spec = random_spec(act_fn="gelu", dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    gate_block, product_block = aot.neuron_blocks(1)
+    k = aot.blocks[gate_block].attn.heads_per_neuron
+    heads = aot.neuron_heads(1, 5)
+    assert len(heads) == k + 2 == aot.cfg.activation_fits[1].n_terms
+    assert [h.name for h in heads] == [f"blocks.{gate_block}.attn"] * k + [f"blocks.{product_block}.attn"] * 2
+    for component, ref in enumerate(heads):
+        assert aot.head_origin(*ref) == lens_aot.HeadOrigin("neuron", 1, 5, component)
+    assert aot.neuron_block(1) == product_block
+    assert isinstance(aot.blocks[gate_block].attn, NeuronAttention)
+    assert isinstance(aot.blocks[product_block].attn, ProductAttention)
+
+
+# max |Δlogit| of the patched runs: float64 within the gated tolerance; float32 also carries the per-head path's
+# rounding (the product heads' outputs are ±(2/ε)·h/2 and cancel; measured ≤ 3.2e-4 here).
+PATCH_TOLERANCE = {torch.float32: 1e-3, torch.float64: TOLERANCES[("gated", torch.float64)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
+@pytest.mark.parametrize(("layer", "neuron"), [(0, 7), (1, 3)])
+def test_patching_a_gated_neurons_heads_equals_patching_its_hook_post(dtype, act_fn, layer, neuron, one_thread) -> None:
+    """Issue 6 (4): all of a neuron's heads patched from a corrupted run = the source's hook_post[n] patched."""
+    spec = random_spec(act_fn=act_fn, dtype=dtype)
+    aot, ref = lens_aot.convert(spec), MLPTransformer(spec)
+    clean, corrupted = _tokens(spec, seed=1), _tokens(spec, seed=2)
+    heads = aot.neuron_heads(layer, neuron)
+    _, aot_corrupt = aot.run_with_cache(corrupted, names_filter=lambda name: name.endswith("hook_z"))
+    _, ref_corrupt = ref.run_with_cache(corrupted, names_filter=lambda name: name.endswith("hook_post"))
+
+    def patch_heads(z, hook):
+        for h in heads:
+            if h.name == hook.name.removesuffix(".hook_z"):
+                z[:, :, h.head] = aot_corrupt[hook.name][:, :, h.head]
+        return z
+
+    def patch_post(post, hook):
+        post[..., neuron] = ref_corrupt[hook.name][..., neuron]
+        return post
+
+    with torch.no_grad():
+        names = sorted({f"{h.name}.hook_z" for h in heads})
+        got = aot.run_with_hooks(clean, fwd_hooks=[(name, patch_heads) for name in names])
+        expected = ref.run_with_hooks(clean, fwd_hooks=[(f"blocks.{layer}.mlp.hook_post", patch_post)])
+        unpatched = ref(clean)
+    assert float((got - expected).abs().max()) <= PATCH_TOLERANCE[dtype]
+    assert float((expected - unpatched).abs().max()) > 0.1  # the patch matters
+
+
+def test_parallel_layers_read_the_layer_input() -> None:
+    spec = random_spec(norm="LN", positions="rotary", act_fn="gelu_new", gated=False, parallel=True)
+    aot = lens_aot.convert(spec)
+    assert aot.cfg.parallel_attn_mlp and not aot.cfg.gated_mlp and aot.cfg.d_scratch == 0
+    for layer in range(2):
+        assert not aot.blocks[aot.attention_block(layer)].parallel
+        assert all(aot.blocks[i].parallel for i in aot.neuron_blocks(layer))
+    seq = random_spec(norm="LN", positions="rotary", act_fn="gelu_new", gated=False, parallel=False)
+    tokens = _tokens(spec)
+    # the same weights laid out sequentially compute something else: parallelism is not a no-op
+    assert float((lens_aot.convert(seq)(tokens) - aot(tokens)).abs().max()) > 1e-2
+
+
+def test_to_spec_round_trips_gated_and_parallel_models() -> None:
+    spec = random_spec(act_fn="gelu", gated=True, parallel=True, dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    back = aot.to_spec()
+    assert back.layers[0].parallel and back.layers[0].mlp.gated
+    for layer, original in zip(back.layers, spec.layers, strict=True):
+        for name in ("W_gate", "b_gate", "W_in", "b_in", "W_out", "b_out", "b_post"):
+            assert torch.equal(getattr(layer.mlp, name), getattr(original.mlp, name)), name
+    again = AttentionOnlyTransformer(back, aot.cfg.activation_fits)
+    tokens = _tokens(spec)
+    assert torch.equal(again(tokens), aot(tokens))
+
+
+def test_gradients_match_the_reference() -> None:
+    spec = random_spec(dtype=torch.float64)
+    aot, ref = lens_aot.convert(spec), MLPTransformer(spec)
+    tokens = _tokens(spec, batch=2)
+    aot(tokens).pow(2).mean().backward()
+    ref(tokens).pow(2).mean().backward()
+    got = aot.blocks[aot.neuron_block(0)].attn.W_in.grad
+    torch.testing.assert_close(got, ref.blocks[0].mlp.W_in.grad, rtol=1e-3, atol=1e-6)
+
+
+def test_gated_mlp_without_a_norm_is_refused() -> None:
+    spec = random_spec(norm=None)
+    with pytest.raises(UnsupportedArchitectureError, match="without a normalization layer"):
+        lens_aot.convert(spec)
+
+
+def test_too_tight_a_bound_for_a_gelu_gate_names_the_fix() -> None:
+    spec = random_spec(act_fn="gelu")
+    with pytest.raises(ValueError, match="larger max_neuron_error"):
+        lens_aot.convert(spec, max_neuron_error=1e-9)
+
+
+def test_standard_mask_mode_refuses_gated_models() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match="explicit masks"):
+        lens_aot.convert(random_spec(positions="standard"), masks="weights")
+
+
+def test_report_describes_gated_conversion() -> None:
+    aot = lens_aot.convert(random_spec(act_fn="gelu"))
+    text = str(aot.report)
+    assert aot.report.gated and "gate + 2 product heads" in text
+    lo, hi = aot.report.product_scales
+    assert 0 < lo <= hi <= 1 and math.isfinite(hi)
