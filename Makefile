@@ -33,7 +33,8 @@ test-tl4: .venv-tl4/.ready
 test: lint test-tl3 test-tl4
 
 bench: .venv-tl4/.ready
-	.venv-tl4/bin/python benchmarks/bench_gpt2_shape.py
+	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape gpt2
+	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape llama
 
 clean:
 	rm -rf .venv-tl3 .venv-tl4 .pytest_cache .ruff_cache

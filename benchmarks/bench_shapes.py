@@ -1,10 +1,15 @@
-"""Performance of a converted GPT-2-small-shaped model against its source, as ratios measured in one process.
+"""Performance of a converted model against its source, as ratios measured in one process.
 
-Shape: 12 layers, d_model 768, 12 heads, d_mlp 3072, vocab 50257, n_ctx 1024, gelu_new, random weights; default
-conversion options. Source: a HookedTransformer (TransformerLens 3.x) or a TransformerBridge over Hugging Face's
-GPT2LMHeadModel (3.9 / 4.x), built offline. Prints a markdown table (the README's performance section).
+Shapes (random weights, default conversion options):
 
-    python benchmarks/bench_gpt2_shape.py [--source hooked|bridge] [--repeats 5] [--threads N] [--device cpu]
+* ``gpt2``: GPT-2 small, 12 layers, d_model 768, 12 heads, d_mlp 3072, vocab 50257, n_ctx 1024, gelu_new.
+* ``llama``: Llama-shaped, 8 layers, d_model 768, 12 heads (4 key/value heads), d_mlp 2048, vocab 32000, n_ctx 1024,
+  RMSNorm, rotary, SwiGLU (gated: gate heads write to d_mlp scratch channels, product heads clear them).
+
+Source: a HookedTransformer (TransformerLens 3.x) or a TransformerBridge over the Hugging Face model (3.9 / 4.x),
+built offline. Prints a markdown table (the README's performance section).
+
+    python benchmarks/bench_shapes.py [--shape gpt2|llama] [--source hooked|bridge] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -22,27 +27,50 @@ import torch
 import lens_aot
 from lens_aot.read import run_source
 
-SHAPE = dict(n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=1024)
+SHAPES: dict[str, dict[str, Any]] = {
+    "gpt2": dict(n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=1024),
+    "llama": dict(n_layers=8, d_model=768, n_heads=12, d_head=64, d_mlp=2048, d_vocab=32000, n_ctx=1024),
+}
+N_KV_LLAMA = 4
 
 
-def build_source(kind: str, device: str) -> Any:
-    """A random-weight GPT-2-small-shaped source model."""
+def build_source(shape: str, kind: str, device: str) -> Any:
+    """A random-weight source model of ``shape``."""
     torch.manual_seed(0)
+    dims = SHAPES[shape]
     if kind == "hooked":
         from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-        cfg = HookedTransformerConfig(**SHAPE, act_fn="gelu_new", normalization_type="LN", device=device, seed=0)
+        if shape == "gpt2":
+            cfg = HookedTransformerConfig(**dims, act_fn="gelu_new", normalization_type="LN", device=device, seed=0)
+        else:
+            cfg = HookedTransformerConfig(
+                **dims, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
+                rotary_dim=dims["d_head"], n_key_value_heads=N_KV_LLAMA, gated_mlp=True, final_rms=True,
+                device=device, seed=0,
+            )  # fmt: skip
         return HookedTransformer(cfg).eval()
     from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf_cfg = GPT2Config(
-        vocab_size=SHAPE["d_vocab"], n_positions=SHAPE["n_ctx"], n_embd=SHAPE["d_model"], n_layer=SHAPE["n_layers"],
-        n_head=SHAPE["n_heads"], n_inner=SHAPE["d_mlp"], activation_function="gelu_new",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    if shape == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf_cfg = GPT2Config(
+            vocab_size=dims["d_vocab"], n_positions=dims["n_ctx"], n_embd=dims["d_model"], n_layer=dims["n_layers"],
+            n_head=dims["n_heads"], n_inner=dims["d_mlp"], activation_function="gelu_new",
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = GPT2LMHeadModel(hf_cfg).eval().to(device)
+        return build_bridge_from_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(
+        vocab_size=dims["d_vocab"], hidden_size=dims["d_model"], intermediate_size=dims["d_mlp"],
+        num_hidden_layers=dims["n_layers"], num_attention_heads=dims["n_heads"], num_key_value_heads=N_KV_LLAMA,
+        max_position_embeddings=dims["n_ctx"], tie_word_embeddings=False,
     )  # fmt: skip
-    model = GPT2LMHeadModel(hf_cfg).eval().to(device)
-    return build_bridge_from_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
+    model = LlamaForCausalLM(hf_cfg).eval().to(device)
+    return build_bridge_from_module(model, "LlamaForCausalLM", hf_config=hf_cfg, model_name="llama-shape").eval()
 
 
 def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
@@ -79,6 +107,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")
     parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
@@ -96,7 +125,7 @@ def main() -> None:
             kind = "bridge"
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    source = build_source(kind, device)
+    source = build_source(args.shape, kind, device)
 
     start = time.perf_counter()
     aot = lens_aot.convert(source, check=False)
@@ -107,7 +136,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
 
     def toks(n: int) -> torch.Tensor:
-        return torch.randint(0, SHAPE["d_vocab"], (1, n), generator=gen).to(device)
+        return torch.randint(0, SHAPES[args.shape]["d_vocab"], (1, n), generator=gen).to(device)
 
     with torch.no_grad():
         for n in (128, 1024):
@@ -153,7 +182,7 @@ def main() -> None:
     )
     if device.startswith("cuda"):
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    print(f"GPT-2-small shape, gelu_new, source {type(source).__name__}, {device} ({machine})")
+    print(f"{args.shape} shape, {aot.cfg.act_fn}, source {type(source).__name__}, {device} ({machine})")
     print(f"conversion: {aot.report.heads_per_neuron} heads per neuron, bound {aot.report.max_neuron_error:.0e}\n")
     print("| measure | source | converted | ratio | target |")
     print("|---|---|---|---|---|")
