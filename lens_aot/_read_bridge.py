@@ -10,9 +10,13 @@ attention). This reader follows that mix exactly:
   written into those same modules, so one code path reads both modes;
 * how each normalization computes (native module forward or the bridge's own python formula, which eps, which
   precision) is decided from the bridge component's class and flags, exactly as its ``forward`` decides;
-* the architecture is checked against a whitelist of adapters whose block structure is known to be
-  ``resid += attn(ln1(resid)); resid += mlp(ln2(resid))`` and whose config features are all expressible; anything
-  else raises :class:`UnsupportedArchitectureError` naming the problem and what is supported.
+* the architecture is checked against a whitelist of adapters whose block structure is known — sequential
+  ``resid += attn(ln1(resid)); resid += mlp(ln2(resid))`` or parallel ``resid += attn(ln1(resid)) + mlp(ln2(resid))``
+  (GPT-J, GPT-NeoX / Pythia) — and whose config features are all expressible; anything else raises
+  :class:`UnsupportedArchitectureError` naming the problem and what is supported;
+* gated MLPs (Llama, Mistral, Gemma, native ``gated_mlp``) are read from the ``gate`` / ``in`` / ``out`` projections,
+  with the activation the forward that runs actually applies (the wrapped module's own in plain mode; in
+  compatibility mode ``GatedMLPBridge`` computes the MLP itself, with an activation chosen from the bridge config).
 
 Every TransformerLens-version difference is confined to the small helpers at the top of this file; nothing
 version-specific is imported at module import time.
@@ -21,6 +25,7 @@ version-specific is imported at module import time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,12 +37,15 @@ from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 
 SUPPORTED = (
-    "TransformerBridge architectures GPT2LMHeadModel, GPTNeoXForCausalLM with use_parallel_residual=False, "
-    "Starcoder2ForCausalLM without a binding sliding window, and TransformerLensNative (boot_native) — i.e. "
-    "sequential pre-norm blocks (resid += attn(ln1(resid)); resid += mlp(ln2(resid))) with a non-gated MLP "
-    "(silu, relu, gelu, gelu_new, gelu_fast), LayerNorm / RMSNorm or their parameter-free variants, learned "
-    "absolute or unscaled rotary positions, multi-head or grouped-query attention (causal, or bidirectional in "
-    "native models) without soft-capping, QK-norm or local windows, in float32 or float64"
+    "TransformerBridge architectures GPT2LMHeadModel, GPTNeoXForCausalLM (sequential or parallel residual), "
+    "GPTJForCausalLM, LlamaForCausalLM, MistralForCausalLM and Starcoder2ForCausalLM without a binding sliding "
+    "window, GemmaForCausalLM (causal), and TransformerLensNative (boot_native) — i.e. pre-norm blocks, sequential "
+    "(resid += attn(ln1(resid)); resid += mlp(ln2(resid))) or parallel (resid += attn(ln1(resid)) + "
+    "mlp(ln2(resid))), with a plain MLP act(x·W_in + b_in) or a gated one act(x·W_gate + b_gate)·(x·W_in + b_in) "
+    "(silu, relu, gelu, gelu_new / gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or "
+    "their parameter-free variants, learned absolute or unscaled rotary positions, multi-head or grouped-query "
+    "attention (causal, or bidirectional in native models) without soft-capping, QK-norm or local windows, in "
+    "float32 or float64"
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -111,6 +119,31 @@ def _norm_uses_weight_offset(norm_bridge: Any) -> bool:
     return bool(getattr(getattr(norm_bridge, "config", None), "rmsnorm_uses_offset", False))
 
 
+def _gated_uses_processed_path(mlp_bridge: Any) -> bool:
+    """Whether ``GatedMLPBridge.forward`` computes the MLP itself (compatibility mode) instead of calling the wrapped
+    module (same flag in 3.9 and 4.x)."""
+    return bool(getattr(mlp_bridge, "_use_processed_weights", False))
+
+
+def _gated_projection(mlp_bridge: Any, name: str) -> nn.Module | tuple[Tensor, Tensor | None]:
+    """The ``gate`` / ``in`` / ``out`` projection the gated MLP's forward uses.
+
+    On the processed path TransformerLens 3.9 calls ``F.linear`` with tensors it stored on the bridge
+    (``_processed_W_gate`` …, weight [out, in]); 4.x reads the projection components' own weight and bias. In plain
+    mode the wrapped module's own projections run. Returns the module, or ``(weight [out, in], bias)`` for 3.9's
+    stored tensors.
+    """
+    if _gated_uses_processed_path(mlp_bridge):
+        weight = getattr(mlp_bridge, f"_processed_W_{name}", None)
+        if isinstance(weight, Tensor):
+            bias = getattr(mlp_bridge, f"_processed_b_{name}", None)
+            return weight, bias if isinstance(bias, Tensor) else None
+    component = _component(mlp_bridge, name)
+    if component is None:
+        raise _refuse(f"a gated MLP bridge without a '{name}' projection")
+    return _original(component)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Small readers.
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,6 +210,23 @@ def _native_norm_module(module: nn.Module) -> NormSpec:
         return NormSpec("RMSPre", float(module.eps), compute_dtype=torch.float32, rsqrt=True)
     if name == "NativeLayerNormPre":
         return NormSpec("LNPre", float(module.eps), compute_dtype=torch.float32)
+    # HF LlamaRMSNorm / MistralRMSNorm: x.to(float32) · rsqrt(mean(x²) + eps), cast back, then weight · (that).
+    if name in ("LlamaRMSNorm", "MistralRMSNorm"):
+        eps = float(module.variance_epsilon)
+        return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
+    # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
+    # back. For a float32 model that is exactly RMS with w = 1 + weight; for float64 the product is rounded to
+    # float32 before the cast, which the spec cannot express unless the scale is exactly 1 (folded weights).
+    if name == "GemmaRMSNorm":
+        scale = 1.0 + module.weight.detach().float()
+        if module.weight.dtype == torch.float64 and not _all_equal(scale, 1.0):
+            raise _refuse(
+                "Gemma's RMSNorm in float64: it multiplies by (1 + weight) in float32 before casting back, which the "
+                "spec (norm scale applied in the model dtype) reproduces only to float32 rounding",
+                "Read the bridge in float32 (bridge.to(torch.float32)), or call enable_compatibility_mode() first "
+                "(folding the norm weights leaves 1 + weight = 1, which is exact).",
+            )
+        return NormSpec("RMS", float(module.eps), scale.to(module.weight.dtype), None, torch.float32, rsqrt=True)
     raise _refuse(f"a normalization module of type {name} called through its own forward")
 
 
@@ -253,27 +303,114 @@ def _attention(
     )
 
 
+_GATED_MLP_MODULES = ("LlamaMLP", "MistralMLP", "GemmaMLP", "NativeGatedMLP")
+_PLAIN_MLP_MODULES = ("GPT2MLP", "GPTNeoXMLP", "GPTJMLP", "Starcoder2MLP", "NativeMLP")
+
+
 def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
+    """A plain ``MLPBridge`` or a ``GatedMLPBridge`` (``act_fn``: the wrapped module's activation, canonical name)."""
     cls = type(mlp_bridge).__name__
+    if cls == "GatedMLPBridge":
+        return _gated_mlp(mlp_bridge, dtype, act_fn)
     if cls != "MLPBridge" or _component(mlp_bridge, "gate") is not None:
-        raise _gated_refusal(f"an MLP bridge of type {cls}")
+        raise _refuse(
+            f"an MLP bridge of type {cls}",
+            "Only MLPBridge (act(x·W_in + b_in)) and GatedMLPBridge (act(x·W_gate)·(x·W_in)) MLPs are read.",
+        )
     if _subcomponents(mlp_bridge) != {"in", "out"}:
         raise _refuse(
             f"an MLP with components {sorted(_subcomponents(mlp_bridge))} (only the in/out projections of "
             f"act(x·W_in + b_in)·W_out + b_out are supported; e.g. SoLU's mid-MLP LayerNorm is not)"
         )
+    module_cls = type(_original(mlp_bridge)).__name__
+    if module_cls not in _PLAIN_MLP_MODULES:
+        raise _refuse(f"an MLP module of type {module_cls} (expected {' / '.join(_PLAIN_MLP_MODULES)})")
     W_in, b_in = _linear(_original(_component(mlp_bridge, "in")), dtype)
     W_out, b_out = _linear(_original(_component(mlp_bridge, "out")), dtype)
     return MLPSpec(W_in, b_in, W_out, b_out, act_fn)
 
 
-def _gated_refusal(where: str = "") -> UnsupportedArchitectureError:
-    detail = f" ({where})" if where else ""
-    return _refuse(
-        f"a gated MLP (SwiGLU/GeGLU){detail}, whose act(x·W_gate)·(x·W_in) multiplies two pre-activations (no "
-        f"neuron-head construction)",
-        "Only non-gated MLPs act(x·W_in + b_in)·W_out + b_out are supported.",
-    )
+def _gated_mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
+    """``out(act(gate(x)) * in(x))``: HF ``LlamaMLP`` / ``MistralMLP`` / ``GemmaMLP`` and native ``NativeGatedMLP``
+    in plain mode, and ``GatedMLPBridge``'s own ``F.linear`` computation in compatibility mode (same formula, with
+    the activation :func:`_compat_gated_activation` picks). Projection biases (HF ``mlp_bias``) go to ``b_gate`` /
+    ``b_in`` / ``b_out``; nothing is added after the product (``b_post`` is None)."""
+    if _subcomponents(mlp_bridge) != {"gate", "in", "out"}:
+        raise _refuse(
+            f"a gated MLP with components {sorted(_subcomponents(mlp_bridge))} (only gate/in/out projections of "
+            f"act(x·W_gate + b_gate)·(x·W_in + b_in)·W_out + b_out are supported)"
+        )
+    module_cls = type(_original(mlp_bridge)).__name__
+    if module_cls not in _GATED_MLP_MODULES:
+        raise _refuse(f"a gated MLP module of type {module_cls} (expected {' / '.join(_GATED_MLP_MODULES)})")
+    if _gated_uses_processed_path(mlp_bridge):
+        act_fn = _compat_gated_activation(mlp_bridge)
+    parts = {}
+    for name in ("gate", "in", "out"):
+        projection = _gated_projection(mlp_bridge, name)
+        if isinstance(projection, nn.Module):
+            parts[name] = _linear(projection, dtype)
+        else:  # TransformerLens 3.9's stored processed tensors, for F.linear (weight [out, in])
+            weight, bias = projection
+            if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+                raise _refuse(
+                    f"processed gated-MLP weights in {weight.dtype} in a {dtype} model (mixed dtypes)",
+                    "Boot the bridge in the dtype you want before enable_compatibility_mode().",
+                )
+            b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if bias is None else bias.detach()
+            parts[name] = (weight.detach().T.clone(memory_format=torch.contiguous_format), b.clone())
+    (W_gate, b_gate), (W_in, b_in), (W_out, b_out) = parts["gate"], parts["in"], parts["out"]
+    if W_gate.shape != W_in.shape or W_out.shape != (W_in.shape[1], W_in.shape[0]):
+        raise _refuse(
+            f"gated MLP projections of shapes gate {tuple(W_gate.shape)}, in {tuple(W_in.shape)}, "
+            f"out {tuple(W_out.shape)}"
+        )
+    return MLPSpec(W_in, b_in, W_out, b_out, act_fn, W_gate=W_gate, b_gate=b_gate)
+
+
+def _compat_gated_activation(mlp_bridge: Any) -> str:
+    """The activation ``GatedMLPBridge.forward`` applies on its processed-weights path.
+
+    ``resolve_activation_fn`` (3.9 and 4.x alike) takes the first of ``activation_function``, ``hidden_activation``,
+    ``hidden_act``, ``act_fn`` set on the bridge component's config and maps silu / swish / None → SiLU, gelu → erf
+    GELU, gelu_new / gelu_pytorch_tanh → tanh GELU, relu → ReLU, relu2 → squared ReLU, and anything else silently
+    to SiLU: unknown names are refused rather than read as SiLU.
+    """
+    config = getattr(mlp_bridge, "config", None)
+    name = None
+    for attr in ("activation_function", "hidden_activation", "hidden_act", "act_fn"):
+        name = getattr(config, attr, None) if config is not None else None
+        if name is not None:
+            break
+    known = {None: "silu", "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new"}
+    known |= {"gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
+    if name in ("relu2", "relu_2", "relu_squared"):
+        canonical_activation(str(name))  # raises UnsupportedActivationError (squared ReLU) with the fix
+    if name not in known:
+        raise _refuse(
+            f"a gated MLP whose compatibility-mode forward does not implement the activation {name!r} (the bridge "
+            f"substitutes a different function for it)",
+            "Read the bridge without enable_compatibility_mode(), or use silu, gelu, gelu_new or relu.",
+        )
+    return known[name]
+
+
+def _embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
+    """The token embedding table as the wrapped module's forward produces it (``EmbeddingBridge`` calls it).
+
+    ``nn.Embedding``: its weight. Gemma's ``GemmaTextScaledWordEmbedding`` multiplies each looked-up row by its
+    ``embed_scale`` buffer (√d_model) cast to the weight dtype: the same elementwise product, so ``weight · scale``
+    is exact.
+    """
+    if embed_bridge is None:
+        raise _refuse("no 'embed' component")
+    module = _original(embed_bridge)
+    name = type(module).__name__
+    if name == "GemmaTextScaledWordEmbedding":
+        return _copy(module.weight * module.embed_scale.to(module.weight.dtype))
+    if type(module) is not nn.Embedding:
+        raise _refuse(f"a token embedding of type {name} (expected nn.Embedding or GemmaTextScaledWordEmbedding)")
+    return _copy(module.weight)
 
 
 def _rotary_from_tables(cos: Tensor, sin: Tensor, n_ctx: int, dtype: torch.dtype, adjacent: bool) -> RotarySpec:
@@ -324,19 +461,18 @@ def _check_rope_unscaled(hf_config: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Both delegate to the wrapped block's own forward (the block bridge class only decides which hooks exist); whether a
+# block is parallel is read from the wrapped block by each architecture's reader.
+_BLOCK_BRIDGES = ("BlockBridge", "ParallelBlockBridge")
+
+
 def _check_common(cfg: Any, blocks: list[Any]) -> None:
     """Refuse, with a specific message, every feature the spec cannot express (before the architecture whitelist)."""
-    if bool(getattr(cfg, "gated_mlp", False)) or any(
-        _component(b, "mlp") is not None and _component(_component(b, "mlp"), "gate") is not None for b in blocks
-    ):
-        raise _gated_refusal()
-    if bool(getattr(cfg, "parallel_attn_mlp", False)) or any(type(b).__name__ != "BlockBridge" for b in blocks):
-        kind = {type(b).__name__ for b in blocks} - {"BlockBridge"}
-        detail = f" (block type {', '.join(sorted(kind))})" if kind else ""
+    kinds = {type(b).__name__ for b in blocks} - set(_BLOCK_BRIDGES)
+    if kinds:
         raise _refuse(
-            f"parallel attention+MLP blocks{detail} (resid += attn(ln(resid)) + mlp(ln(resid)), as in GPT-J or "
-            f"GPT-NeoX with use_parallel_residual=True)",
-            "Only sequential blocks (attention, then the MLP on the updated residual) are supported.",
+            f"blocks of type {', '.join(sorted(kinds))} (not a plain sequential or parallel pre-norm block)",
+            f"Only {' / '.join(_BLOCK_BRIDGES)} blocks are read.",
         )
     if bool(getattr(cfg, "use_normalization_before_and_after", False)):
         raise _refuse("normalization before and after each sublayer")
@@ -422,16 +558,17 @@ def _read_gpt2(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dt
 def _read_neox(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     config = _hf_config(model)
     _expect("source model", model, ("GPTNeoXForCausalLM",))
-    if bool(getattr(config, "use_parallel_residual", True)):
-        raise _refuse(
-            "parallel attention+MLP blocks (GPT-NeoX with use_parallel_residual=True)",
-            "Only sequential blocks are supported (use_parallel_residual=False).",
-        )
     _check_rope_unscaled(config)
     act = canonical_activation(getattr(config, "hidden_act", None))
+    parallel_flags = set()
     for block in blocks:
-        _expect("block", _original(block), ("GPTNeoXLayer",))
+        layer = _original(block)
+        _expect("block", layer, ("GPTNeoXLayer",))
         _expect("attention bridge", _component(block, "attn"), ("JointQKVPositionEmbeddingsAttentionBridge",))
+        # GPTNeoXLayer.forward: parallel → resid + attn(ln1(resid)) + mlp(ln2(resid)); else the sequential block.
+        parallel_flags.add(bool(getattr(layer, "use_parallel_residual", config.use_parallel_residual)))
+    if len(parallel_flags) != 1:
+        raise _refuse("a mix of parallel and sequential GPT-NeoX layers")
     n_ctx = int(bridge.cfg.n_ctx)
     device = next(model.parameters()).device
     # JointQKVPositionEmbeddingsAttentionBridge: rotate_half layout on the first cos.shape[-1] channels,
@@ -442,45 +579,163 @@ def _read_neox(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dt
         "positions": "rotary",
         "causal": True,
         "rotary": _hf_rotary(bridge, n_ctx, dtype, device),
+        "parallel": parallel_flags.pop(),
     }
 
 
-def _read_starcoder2(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+def _rope_attention_layers(
+    bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype, attention_modules: tuple[str, ...]
+) -> tuple[list[tuple[float, torch.dtype]], RotarySpec]:
+    """Per-layer (attn_scale, softmax dtype) and the rotary tables of ``PositionEmbeddingsAttentionBridge`` layers.
+
+    That bridge recomputes attention itself (3.9 and 4.x): q/k/v from its projections, RoPE with the cos/sin the
+    model's ``rotary_emb`` returns (rotate-half layout, partial when the tables are narrower than the head), scores
+    = q·kᵀ · ``hf_attn.scaling``, the model's own 4D mask, and the softmax in float32 whatever the activation dtype
+    (``softmax(..., dtype=torch.float32).to(q.dtype)``). Features that change this (key multipliers, attention
+    sinks, soft-capping, QKV clipping, adjacent-pair or interleaved rotary variants, Llama-4 query scaling) are
+    refused.
+    """
     config = _hf_config(model)
-    _expect("source model", model, ("Starcoder2ForCausalLM",))
-    n_ctx = int(bridge.cfg.n_ctx)
+    _check_rope_unscaled(config)
+    cfg = bridge.cfg
+    if bool(getattr(cfg, "rotary_adjacent_pairs", False)) or bool(getattr(cfg, "rotary_interleaved_cos_sin", False)):
+        raise _refuse("an adjacent-pairs rotary variant computed in float32 by the bridge")
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
+        raise _refuse("Llama-4 position-dependent query scaling (llama_4_scaling_beta)")
+    per_layer = []
+    for block in blocks:
+        attn = _component(block, "attn")
+        _expect("attention bridge", attn, ("PositionEmbeddingsAttentionBridge",))
+        hf_attn = _original(attn)
+        _expect("attention module", hf_attn, attention_modules)
+        for attr in ("key_multiplier", "sinks", "attn_logit_softcapping"):
+            if getattr(hf_attn, attr, None) is not None:
+                raise _refuse(f"attention with {attr}")
+        if getattr(getattr(hf_attn, "config", None), "clip_qkv", None) is not None:
+            raise _refuse("QKV clipping (clip_qkv)")
+        if not bool(getattr(hf_attn, "is_causal", True)):
+            raise _refuse("non-causal attention in a causal language model", "Use causal attention.")
+        scaling = float(getattr(hf_attn, "scaling", hf_attn.head_dim**-0.5))
+        per_layer.append((1.0 / scaling, torch.float32))
+    device = next(model.parameters()).device
+    rotary = _hf_rotary(bridge, int(cfg.n_ctx), dtype, device)
+    head_dim = int(_original(_component(blocks[0], "attn")).head_dim)
+    if rotary.rotary_dim > head_dim or rotary.rotary_dim * 2 == head_dim:
+        raise _refuse(f"rotary tables of width {rotary.rotary_dim} for head_dim {head_dim}")
+    return per_layer, rotary
+
+
+def _check_sliding_window(config: Any, n_ctx: int) -> None:
     window = getattr(config, "sliding_window", None)
     if window is not None and int(window) < n_ctx:
         raise _refuse(
             f"sliding-window attention (sliding_window={window} < n_ctx={n_ctx})",
             "Only full causal attention is supported (sliding_window=None or at least the context length).",
         )
-    _check_rope_unscaled(config)
-    cfg = bridge.cfg
-    if bool(getattr(cfg, "rotary_adjacent_pairs", False)) or bool(getattr(cfg, "rotary_interleaved_cos_sin", False)):
-        raise _refuse("an adjacent-pairs rotary variant computed in float32 by the bridge")
+
+
+def _read_starcoder2(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+    config = _hf_config(model)
+    _expect("source model", model, ("Starcoder2ForCausalLM",))
+    _check_sliding_window(config, int(bridge.cfg.n_ctx))
     act = canonical_activation(getattr(config, "hidden_act", None))
-    per_layer = []
     for block in blocks:
         _expect("block", _original(block), ("Starcoder2DecoderLayer",))
-        attn = _component(block, "attn")
-        _expect("attention bridge", attn, ("PositionEmbeddingsAttentionBridge",))
-        hf_attn = _original(attn)
-        for attr in ("key_multiplier", "sinks", "attn_logit_softcapping"):
-            if getattr(hf_attn, attr, None) is not None:
-                raise _refuse(f"attention with {attr}")
-        if getattr(getattr(hf_attn, "config", None), "clip_qkv", None) is not None:
-            raise _refuse("QKV clipping (clip_qkv)")
-        # PositionEmbeddingsAttentionBridge.forward: scores = q·kᵀ · hf_attn.scaling, and the softmax is computed in
-        # float32 (softmax(..., dtype=torch.float32).to(q.dtype)) whatever the activation dtype.
-        scaling = float(getattr(hf_attn, "scaling", hf_attn.head_dim**-0.5))
-        per_layer.append((1.0 / scaling, torch.float32))
-    device = next(model.parameters()).device
-    rotary = _hf_rotary(bridge, n_ctx, dtype, device)
-    head_dim = int(_original(_component(blocks[0], "attn")).head_dim)
-    if rotary.rotary_dim > head_dim or rotary.rotary_dim * 2 == head_dim:
-        raise _refuse(f"rotary tables of width {rotary.rotary_dim} for head_dim {head_dim}")
+    per_layer, rotary = _rope_attention_layers(bridge, model, blocks, dtype, ("Starcoder2Attention",))
     return {"act_fn": act, "attn": per_layer, "positions": "rotary", "causal": True, "rotary": rotary}
+
+
+def _llama_family(
+    family: tuple[str, str, str, str],
+) -> Callable[[Any, nn.Module, list[Any], torch.dtype], dict[str, Any]]:
+    """Reader for a Llama-shaped architecture (RMSNorm, rotary, GQA, gated MLP, sequential blocks): Llama, Mistral,
+    Gemma. ``family`` names the (model, decoder layer, attention, MLP) classes expected."""
+    model_cls, layer_cls, attn_cls, mlp_cls = family
+
+    def read(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+        config = _hf_config(model)
+        _expect("source model", model, (model_cls,))
+        _check_sliding_window(config, int(bridge.cfg.n_ctx))
+        if bool(getattr(config, "use_bidirectional_attention", False)):
+            raise _refuse("bidirectional attention (use_bidirectional_attention=True)", "Use causal attention.")
+        if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
+            raise _refuse(f"tensor-parallel slicing (pretraining_tp={config.pretraining_tp})")
+        act = canonical_activation(getattr(config, "hidden_act", None))
+        for block in blocks:
+            _expect("block", _original(block), (layer_cls,))
+            mlp = _component(block, "mlp")
+            _expect("MLP bridge", mlp, ("GatedMLPBridge",))
+            _expect("MLP module", _original(mlp), (mlp_cls,))
+        per_layer, rotary = _rope_attention_layers(bridge, model, blocks, dtype, (attn_cls,))
+        return {"act_fn": act, "attn": per_layer, "positions": "rotary", "causal": True, "rotary": rotary}
+
+    return read
+
+
+def _read_gptj(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+    """GPT-J: parallel blocks with one LayerNorm, ``resid + attn(ln_1(resid)) + mlp(ln_1(resid))``.
+
+    The bridge calls HF's ``GPTJAttention`` itself: rotary on the first ``rotary_dim`` channels in adjacent pairs
+    with the sin/cos of its ``embed_positions`` buffer (each frequency repeated for its pair), scores
+    ``(q·kᵀ) / scale_attn`` and the softmax. HF computes ``q·kᵀ`` in float32 even for a float64 model (it casts q and
+    k first); the spec has no field for that, so only float32 GPT-J is read (exactly).
+    """
+    config = _hf_config(model)
+    _expect("source model", model, ("GPTJForCausalLM",))
+    if dtype != torch.float32:
+        raise _refuse(
+            f"GPT-J in {dtype}: GPTJAttention casts q and k to float32 before q·kᵀ whatever the model dtype, which the "
+            f"spec (scores in the model dtype) cannot express",
+            "Read GPT-J in float32 (bridge.to(torch.float32)); its attention scores are float32-accurate either way.",
+        )
+    act = canonical_activation(getattr(config, "activation_function", None))
+    n_ctx = int(bridge.cfg.n_ctx)
+    per_layer = []
+    tables: list[Tensor] = []
+    rotary_dim = None
+    for block in blocks:
+        _expect("block", _original(block), ("GPTJBlock",))
+        if _component(block, "ln2") is not None:
+            raise _refuse("a GPT-J block with a second normalization component")
+        attn = _component(block, "attn")
+        _expect("attention bridge", attn, ("AttentionBridge",))
+        hf_attn = _original(attn)
+        _expect("attention module", hf_attn, ("GPTJAttention",))
+        rotary_dim = getattr(hf_attn, "rotary_dim", None)
+        head_dim = int(hf_attn.head_dim)
+        if rotary_dim is None or int(rotary_dim) > head_dim or int(rotary_dim) % 2:
+            raise _refuse(
+                f"GPT-J rotary_dim={rotary_dim} for head_dim {head_dim}", "Use an even rotary_dim ≤ head_dim."
+            )
+        tables.append(hf_attn.embed_positions)
+        per_layer.append((float(hf_attn.scale_attn), None))
+    if any(not torch.equal(t, tables[0]) for t in tables):
+        raise _refuse("different rotary tables in different layers")
+    table = tables[0]
+    if table.shape[0] < n_ctx:
+        raise _refuse(f"rotary tables covering {table.shape[0]} positions, fewer than n_ctx={n_ctx}")
+    # GPTJAttention.forward: sincos = embed_positions[pos].to(k.dtype); sin, cos = split in halves; each frequency is
+    # repeat_interleave'd over its adjacent pair (apply_rotary_pos_emb) and x·cos + rotate_every_two(x)·sin.
+    sincos = table[:n_ctx].to(dtype)
+    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    if 2 * sin.shape[-1] != int(rotary_dim):
+        raise _refuse(f"GPT-J rotary tables of width {sincos.shape[-1]} for rotary_dim {rotary_dim}")
+    rotary = RotarySpec(
+        int(rotary_dim),
+        _copy(cos.repeat_interleave(2, dim=-1)),
+        _copy(sin.repeat_interleave(2, dim=-1)),
+        adjacent_pairs=True,
+    )
+    return {
+        "act_fn": act,
+        "attn": per_layer,
+        "positions": "rotary",
+        "causal": True,
+        "rotary": rotary,
+        "parallel": True,
+        "shared_ln": True,
+    }
 
 
 def _read_native(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -492,7 +747,9 @@ def _read_native(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
         if kind not in ("", "default") and float(rope_scaling.get("factor", 1.0)) > 1.0:
             raise _refuse(f"rope scaling of type {kind!r}", "Only unscaled rotary embeddings are supported.")
     attn_only = bool(getattr(cfg, "attn_only", False))
-    act = None if attn_only else canonical_activation((getattr(cfg, "act_fn", None) or "gelu").lower())
+    # NativeMLP defaults to gelu, NativeGatedMLP to silu (sources/native/model.py).
+    default_act = "silu" if bool(getattr(cfg, "gated_mlp", False)) else "gelu"
+    act = None if attn_only else canonical_activation((getattr(cfg, "act_fn", None) or default_act).lower())
     per_layer = []
     causal_flags: set[bool] = set()
     rotary_modules: set[int | None] = set()
@@ -539,7 +796,13 @@ def _read_native(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
 _ARCHITECTURES = {
     "GPT2ArchitectureAdapter": _read_gpt2,
     "NeoxArchitectureAdapter": _read_neox,
+    "GptjArchitectureAdapter": _read_gptj,
     "Starcoder2ArchitectureAdapter": _read_starcoder2,
+    "LlamaArchitectureAdapter": _llama_family(("LlamaForCausalLM", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")),
+    "MistralArchitectureAdapter": _llama_family(
+        ("MistralForCausalLM", "MistralDecoderLayer", "MistralAttention", "MistralMLP")
+    ),
+    "Gemma1ArchitectureAdapter": _llama_family(("GemmaForCausalLM", "GemmaDecoderLayer", "GemmaAttention", "GemmaMLP")),
     "NativeArchitectureAdapter": _read_native,
 }
 
@@ -592,16 +855,20 @@ def read_bridge(bridge: Any) -> ModelSpec:
             continue
         if mlp_bridge is None:
             raise _refuse("a block without an MLP in a model that is not attention-only")
+        ln1 = _norm(_component(block, "ln1"))
+        # GPT-J: one LayerNorm feeds both sublayers (the spec's ln2 is the same NormSpec object).
+        ln2 = ln1 if info.get("shared_ln") else _norm(_component(block, "ln2"))
         layers.append(
             LayerSpec(
-                ln1=_norm(_component(block, "ln1")),
+                ln1=ln1,
                 attn=attn,
-                ln2=_norm(_component(block, "ln2")),
+                ln2=ln2,
                 mlp=_mlp(mlp_bridge, dtype, info["act_fn"]),
+                parallel=bool(info.get("parallel", False)),
             )
         )
 
-    W_E = _copy(_original(_component(bridge, "embed")).weight)
+    W_E = _embedding(_component(bridge, "embed"))
     n_ctx = int(cfg.n_ctx)
     W_pos = None
     if info["positions"] == "standard":

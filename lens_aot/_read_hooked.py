@@ -18,14 +18,13 @@ from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none; positions standard or rotary (either pair layout); "
-    "multi-head or grouped-query attention, causal or bidirectional; sequential attention-then-MLP blocks; "
-    "MLP activations silu, relu, gelu, gelu_new, gelu_fast; attention-only models"
+    "multi-head or grouped-query attention, causal or bidirectional, global or with a local window at least the "
+    "context length; sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) "
+    "MLPs with activations silu, relu, gelu, gelu_new, gelu_fast; attention-only models"
 )
 
 # cfg attribute -> (value meaning "off", what it is); any other value is refused.
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
-    "gated_mlp": (False, "gated MLP (SwiGLU/GeGLU)"),
-    "parallel_attn_mlp": (False, "parallel attention+MLP blocks (GPT-J / GPT-NeoX style)"),
     "num_experts": (None, "mixture-of-experts MLP"),
     "use_qk_norm": (False, "QK-norm"),
     "clip_qkv": (None, "QKV clipping"),
@@ -33,7 +32,6 @@ _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
     "use_dynamic_ntk_rope": (False, "dynamic NTK rotary scaling"),
     "use_NTK_by_parts_rope": (False, "NTK-by-parts rotary scaling (Llama 3.1)"),
     "use_yarn_rope": (False, "YaRN rotary scaling"),
-    "use_local_attn": (False, "local (sliding-window) attention"),
     "use_attention_sinks": (False, "attention sinks"),
     "post_embedding_ln": (False, "LayerNorm after the embedding"),
     "use_normalization_before_and_after": (False, "normalization before and after each sublayer"),
@@ -64,8 +62,7 @@ def _check_config(cfg: Any) -> None:
     ):
         if (getattr(cfg, attr, -1.0) or -1.0) > 0:
             raise _refuse(what)
-    if getattr(cfg, "attn_types", None) and any(t != "global" for t in cfg.attn_types):
-        raise _refuse("local attention layers")
+    _check_local_attention(cfg)
     pos = cfg.positional_embedding_type
     if pos == "shortformer":
         raise UnsupportedArchitectureError(
@@ -79,6 +76,31 @@ def _check_config(cfg: Any) -> None:
         raise _refuse("OLMo QK-norm")
     if not cfg.attn_only:
         canonical_activation(cfg.act_fn)  # raises UnsupportedActivationError (SoLU, unknown) with the fix
+
+
+def _check_local_attention(cfg: Any) -> None:
+    """Local layers mask keys more than ``window_size - 1`` positions back; refuse unless that never happens.
+
+    A local layer of a HookedTransformer keeps key ``k`` for query ``q`` iff ``k <= q`` and ``k > q - window_size``.
+    With ``window_size >= n_ctx`` the second condition always holds, so the layer is exactly causal (TransformerLens's
+    Mistral configs: a 4096 window in a 2048 context).
+    """
+    local = bool(getattr(cfg, "use_local_attn", False))
+    types = list(getattr(cfg, "attn_types", None) or [])
+    if not local:
+        if any(t != "global" for t in types):
+            raise _refuse("local attention layers")
+        return
+    window = getattr(cfg, "window_size", None)
+    if any(t == "local" for t in types) and (window is None or int(window) < int(cfg.n_ctx)):
+        raise UnsupportedArchitectureError(
+            f"this HookedTransformer uses local (sliding-window) attention with window_size={window} < "
+            f"n_ctx={cfg.n_ctx}, so a query cannot see keys {window} or more positions back; lens_aot cannot "
+            f"convert that faithfully yet. Use full attention, or a window of at least the context length. "
+            f"Supported: {SUPPORTED}."
+        )
+    if any(t not in ("local", "global") for t in types):
+        raise _refuse(f"attention layer types {sorted(set(types))}")
 
 
 def _norm(module: nn.Module | None, eps: float) -> NormSpec:
@@ -116,9 +138,45 @@ def _attention(attn: nn.Module) -> AttentionSpec:
     )
 
 
+def _mlp(m: nn.Module, gated: bool, act_fn: str) -> MLPSpec:
+    """A TransformerLens ``MLP`` (``act(x @ W_in + b_in)``) or ``GatedMLP``.
+
+    ``GatedMLP.forward``: ``pre = x @ W_gate``, ``pre_linear = x @ W_in`` (no biases, both via ``F.linear``),
+    ``post = act(pre) * pre_linear + b_in``: its ``b_in`` is added after the product, so it is the spec's ``b_post``
+    (with ``b_in`` zero and no gate bias).
+    """
+    name = type(m).__name__
+    expected = "GatedMLP" if gated else "MLP"
+    if name != expected:
+        raise _refuse(f"an MLP of type {name} (expected {expected} for gated_mlp={gated})")
+
+    def copy(p: torch.Tensor) -> torch.Tensor:
+        return p.detach().clone()
+
+    if not gated:
+        return MLPSpec(copy(m.W_in), copy(m.b_in), copy(m.W_out), copy(m.b_out), act_fn)
+    return MLPSpec(
+        copy(m.W_in),
+        torch.zeros_like(m.b_in.detach()),
+        copy(m.W_out),
+        copy(m.b_out),
+        act_fn,
+        W_gate=copy(m.W_gate),
+        b_post=copy(m.b_in),
+    )
+
+
 def _rotary(model: Any) -> RotarySpec:
     cfg = model.cfg
     attn = model.blocks[0].attn
+    for block in model.blocks:  # e.g. a different rotary base in local layers (rotary_base_local)
+        other = block.attn
+        rows = min(other.rotary_sin.shape[0], attn.rotary_sin.shape[0])
+        if other._rotary_base() != attn._rotary_base() or not (
+            torch.equal(other.rotary_sin[:rows], attn.rotary_sin[:rows])
+            and torch.equal(other.rotary_cos[:rows], attn.rotary_cos[:rows])
+        ):
+            raise _refuse("different rotary tables in different layers")
     dtype = attn.rotary_sin.dtype
     device = attn.rotary_sin.device
     sin, cos = attn.calculate_sin_cos_rotary(cfg.rotary_dim, cfg.n_ctx, base=attn._rotary_base(), dtype=dtype)
@@ -153,24 +211,15 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
     act_fn = None if cfg.attn_only else canonical_activation(cfg.act_fn)
     layers = []
     for block in model.blocks:
-        mlp = None
-        if not cfg.attn_only:
-            m = block.mlp
-            if type(m).__name__ not in ("MLP",):
-                raise _refuse(f"an MLP of type {type(m).__name__}")
-            mlp = MLPSpec(
-                m.W_in.detach().clone(),
-                m.b_in.detach().clone(),
-                m.W_out.detach().clone(),
-                m.b_out.detach().clone(),
-                act_fn or "",
-            )
+        mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
         layers.append(
             LayerSpec(
                 ln1=_norm(getattr(block, "ln1", None), cfg.eps),
                 attn=_attention(block.attn),
                 ln2=None if cfg.attn_only else _norm(getattr(block, "ln2", None), cfg.eps),
                 mlp=mlp,
+                # TransformerBlock: parallel → resid_pre + attn(ln1(resid_pre)) + mlp(ln2(resid_pre)), no resid_mid.
+                parallel=bool(cfg.parallel_attn_mlp) and not cfg.attn_only,
             )
         )
     positions = cfg.positional_embedding_type

@@ -64,7 +64,8 @@ def normalized_input_bound(
     if norm.kind is None:
         raise UnsupportedArchitectureError(
             "a gated MLP without a normalization layer before it has unbounded inputs, so its product heads have no "
-            "error bound; lens_aot converts gated MLPs after LayerNorm or RMSNorm only."
+            "error bound. Supported: gated MLPs after LayerNorm or RMSNorm (LN, LNPre, RMS, RMSPre); plain MLPs "
+            "with any normalization or none."
         )
     W64 = W.detach().to(torch.float64)
     scaled = W64 * norm.w.detach().to(torch.float64)[:, None] if norm.w is not None else W64

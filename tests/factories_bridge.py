@@ -23,10 +23,24 @@ Readable families (sequential pre-norm, non-gated MLP):
 - ``native-attn-only``: TransformerLens-native attention-only (RMS, rotary).
 - ``native-none``: TransformerLens-native without any normalization (relu MLP).
 
-Families for refusal tests: ``llama`` (gated SwiGLU), ``native-gated`` (gated), ``gptj`` (parallel),
-``neox`` (parallel), ``native-softcap`` (attention soft-capping), ``starcoder2-window`` (sliding window 8 < 32),
-``neox-rope-linear`` (linear rope scaling), ``bert`` (post-LN), ``gpt2-tanh`` and ``native-solu`` (activations;
-``native-solu`` only exists in TransformerLens 4.x).
+Gated-MLP and parallel-block families (read exactly; listed in :data:`GATED_PARALLEL`, not in :data:`CONVERTIBLE`
+while their conversion is being built):
+
+- ``llama``: Llama (RMSNorm, rotary halves, GQA 4→2, SwiGLU, no biases).
+- ``llama-bias``: Llama with ``attention_bias=True`` and ``mlp_bias=True`` (gate/up/down biases).
+- ``mistral``: Mistral (as Llama) with ``sliding_window=32``, the context length (not binding).
+- ``gemma``: Gemma 1 (GeGLU with gelu_pytorch_tanh, embedding × √d_model, RMSNorm scale 1 + w, GQA 4→2, tied
+  embeddings); float32, or float64 after ``enable_compatibility_mode()``.
+- ``gptj``: GPT-J (parallel blocks with one shared ``ln_1``, partial rotary 4 of 8 in adjacent pairs, gelu_new);
+  float32 only.
+- ``neox``: GPT-NeoX / Pythia with ``use_parallel_residual=True`` (parallel, separate norms, partial rotary, gelu).
+- ``native-gated``: TransformerLens-native gated SwiGLU (RMS, rotary).
+- ``native-gated-gelu``: TransformerLens-native gated GeGLU (gelu_new) with RMS norms and learned absolute positions.
+
+Families for refusal tests: ``mistral-window`` (sliding window 8 < 32), ``llama-tanh`` (gated MLP with tanh),
+``native-softcap`` (attention soft-capping), ``starcoder2-window`` (sliding window 8 < 32), ``neox-rope-linear``
+(linear rope scaling), ``bert`` (post-LN), ``gpt2-tanh`` and ``native-solu`` (activations; ``native-solu`` only
+exists in TransformerLens 4.x).
 """
 
 from __future__ import annotations
@@ -65,7 +79,8 @@ def _randomize_(model: nn.Module, seed: int) -> None:
             kind = type(module).__name__
             shape = tuple(param.shape)
             if param.ndim == 1:
-                centre = 1.0 if ("Norm" in kind and leaf == "weight") else 0.0
+                # Norm scales near 1; Gemma's RMSNorm stores its scale as an offset (it multiplies by 1 + weight).
+                centre = 1.0 if ("Norm" in kind and leaf == "weight" and kind != "GemmaRMSNorm") else 0.0
                 values = centre + 0.1 * torch.randn(shape, generator=gen)
             elif param.ndim == 2:
                 if isinstance(module, nn.Embedding):
@@ -180,22 +195,71 @@ def _starcoder2(sliding_window: int | None) -> Callable[[], Source]:
     return build
 
 
-def _llama() -> Source:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(bias: bool = False, activation: str = "silu") -> Callable[[], Source]:
+    def build() -> Source:
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
+        cfg = LlamaConfig(
+            vocab_size=D_VOCAB,
+            hidden_size=D_MODEL,
+            intermediate_size=D_MLP,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            num_key_value_heads=2,
+            hidden_act=activation,
+            max_position_embeddings=N_CTX,
+            attention_bias=bias,
+            mlp_bias=bias,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return "hf", LlamaForCausalLM(cfg), "LlamaForCausalLM"
+
+    return build
+
+
+def _mistral(sliding_window: int | None) -> Callable[[], Source]:
+    def build() -> Source:
+        from transformers import MistralConfig, MistralForCausalLM
+
+        cfg = MistralConfig(
+            vocab_size=D_VOCAB,
+            hidden_size=D_MODEL,
+            intermediate_size=D_MLP,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            num_key_value_heads=2,
+            max_position_embeddings=N_CTX,
+            sliding_window=sliding_window,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return "hf", MistralForCausalLM(cfg), "MistralForCausalLM"
+
+    return build
+
+
+def _gemma() -> Source:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(
         vocab_size=D_VOCAB,
         hidden_size=D_MODEL,
         intermediate_size=D_MLP,
         num_hidden_layers=N_LAYERS,
         num_attention_heads=N_HEADS,
         num_key_value_heads=2,
+        head_dim=D_HEAD,
+        hidden_act="gelu_pytorch_tanh",
         max_position_embeddings=N_CTX,
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,
+        pad_token_id=0,
         bos_token_id=0,
         eos_token_id=0,
     )
-    return "hf", LlamaForCausalLM(cfg), "LlamaForCausalLM"
+    return "hf", GemmaForCausalLM(cfg), "GemmaForCausalLM"
 
 
 def _gptj() -> Source:
@@ -273,7 +337,12 @@ FAMILIES: dict[str, Callable[[], Source]] = {
     "neox-rope-linear": _neox(parallel=False, rope={"rope_type": "linear", "factor": 2.0}),
     "starcoder2": _starcoder2(sliding_window=None),
     "starcoder2-window": _starcoder2(sliding_window=8),
-    "llama": _llama,
+    "llama": _llama(),
+    "llama-bias": _llama(bias=True),
+    "llama-tanh": _llama(activation="tanh"),
+    "mistral": _mistral(sliding_window=N_CTX),
+    "mistral-window": _mistral(sliding_window=8),
+    "gemma": _gemma,
     "gptj": _gptj,
     "bert": _bert,
     "native-ln": _native(),
@@ -296,6 +365,7 @@ FAMILIES: dict[str, Callable[[], Source]] = {
     "native-gated": _native(
         normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True, act_fn="silu"
     ),
+    "native-gated-gelu": _native(normalization_type="RMS", gated_mlp=True, act_fn="gelu_new", final_rms=True),
     "native-softcap": _native(attn_scores_soft_cap=30.0),
     "native-solu": _native(act_fn="solu"),
 }
@@ -317,6 +387,20 @@ CONVERTIBLE = [
     "native-bidir",
     "native-attn-only",
     "native-none",
+]
+
+
+# Gated-MLP and parallel-block families the reader reads exactly (in float64 except gptj and gemma, whose float64 forms
+# are refused — gemma reads in float64 once compatibility mode has folded its norms).
+GATED_PARALLEL = [
+    "llama",
+    "llama-bias",
+    "mistral",
+    "gemma",
+    "gptj",
+    "neox",
+    "native-gated",
+    "native-gated-gelu",
 ]
 
 

@@ -259,3 +259,61 @@ def test_gradients_flow_to_neuron_head_activations(tokens: torch.Tensor) -> None
     torch.testing.assert_close(
         grads["blocks.1.attn.hook_z"].grad[..., 0], src_store["blocks.0.mlp.hook_post"].grad, rtol=0, atol=1e-10
     )
+
+
+GATED_PARALLEL_CASES = [
+    ("llama", "silu"),
+    ("llama", "relu"),
+    ("gemma-like", "gelu_new"),
+    ("mistral-like", "silu"),
+    ("gated-ln", "gelu"),
+    ("gptj", "gelu_new"),
+    ("neox-parallel", "gelu"),
+    ("parallel-gated", "silu"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize(("family", "act_fn"), GATED_PARALLEL_CASES, ids=[f"{f}-{a}" for f, a in GATED_PARALLEL_CASES])
+def test_gated_and_parallel_logits_match_source(family: str, act_fn: str, dtype: torch.dtype, one_thread) -> None:
+    """Issue 6: Llama-, Gemma-, Mistral-, GPT-J-, NeoX-shaped HookedTransformers (random weights)."""
+    model = make_hooked(family, act_fn, dtype)
+    aot = lens_aot.convert(model)
+    tokens = torch.randint(0, model.cfg.d_vocab, (8, model.cfg.n_ctx), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, expected = aot(tokens), model(tokens)
+    tol = TOLERANCES[("gated" if model.cfg.gated_mlp else act_fn, dtype)]
+    assert float((got - expected).abs().max()) <= tol
+    assert float((got.argmax(-1) == expected.argmax(-1)).float().mean()) >= 0.99
+    assert aot.cfg.gated_mlp == model.cfg.gated_mlp and aot.cfg.parallel_attn_mlp == model.cfg.parallel_attn_mlp
+
+
+@pytest.mark.parametrize("family", ["llama", "parallel-gated"])
+def test_patching_gated_neuron_heads_equals_patching_hook_post(family: str, one_thread) -> None:
+    """Issue 6 (4), against the HookedTransformer itself (float64: within the gated tolerance)."""
+    model = make_hooked(family, "silu", torch.float64)
+    aot = lens_aot.convert(model)
+    gen = torch.Generator().manual_seed(5)
+    clean, corrupted = (torch.randint(0, model.cfg.d_vocab, (2, 16), generator=gen) for _ in range(2))
+    layer, neuron = 1, 11
+    heads = aot.neuron_heads(layer, neuron)
+    _, aot_corrupt = aot.run_with_cache(corrupted)
+    _, src_corrupt = model.run_with_cache(corrupted)
+
+    def patch_heads(z: torch.Tensor, hook) -> torch.Tensor:
+        for ref in heads:
+            if f"{ref.name}.hook_z" == hook.name:
+                z[:, :, ref.head] = aot_corrupt[hook.name][:, :, ref.head]
+        return z
+
+    def patch_post(post: torch.Tensor, hook) -> torch.Tensor:
+        post[..., neuron] = src_corrupt[hook.name][..., neuron]
+        return post
+
+    with torch.no_grad():
+        names = sorted({f"{ref.name}.hook_z" for ref in heads})
+        got = aot.run_with_hooks(clean, fwd_hooks=[(name, patch_heads) for name in names])
+        expected = model.run_with_hooks(clean, fwd_hooks=[(f"blocks.{layer}.mlp.hook_post", patch_post)])
+        effect = float((expected - model(clean)).abs().max())
+    assert float((got - expected).abs().max()) <= TOLERANCES[("gated", torch.float64)]
+    assert effect > 1e-2

@@ -30,18 +30,19 @@ def test_unknown_activation_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("family", "overrides", "message"),
     [
-        (dict(gated_mlp=True), r"gated MLP \(SwiGLU/GeGLU\).*Supported:"),
-        (dict(parallel_attn_mlp=True), r"parallel attention\+MLP.*Supported:"),
-        (dict(positional_embedding_type="shortformer"), r"shortformer.*Use a model with standard or rotary"),
-        (dict(attn_scores_soft_cap=30.0), r"soft-capping.*Supported:"),
+        ("llama", dict(num_experts=4, experts_per_token=2), r"mixture-of-experts MLP.*Supported:"),
+        ("llama", dict(use_normalization_before_and_after=True), r"normalization before and after.*Supported:"),
+        ("mistral-like", dict(window_size=8), r"sliding-window\) attention with window_size=8 < n_ctx=24"),
+        ("ln-standard", dict(positional_embedding_type="shortformer"), r"shortformer.*Use a model with standard"),
+        ("ln-standard", dict(attn_scores_soft_cap=30.0), r"soft-capping.*Supported:"),
     ],
-    ids=["gated", "parallel", "shortformer", "softcap"],
+    ids=["gated-moe", "sandwich-norms", "sliding-window", "shortformer", "softcap"],
 )
-def test_unsupported_architectures_are_refused(overrides: dict, message: str) -> None:
+def test_unsupported_architectures_are_refused(family: str, overrides: dict, message: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=message):
-        lens_aot.convert(make_hooked("ln-standard", "silu", **overrides))
+        lens_aot.convert(make_hooked(family, "silu", **overrides))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -278,12 +278,9 @@ def test_spec_is_independent_of_later_bridge_edits() -> None:
 @pytest.mark.parametrize(
     ("family", "match"),
     [
-        ("llama", r"gated MLP \(SwiGLU/GeGLU\).*Supported"),
-        ("native-gated", r"gated MLP \(SwiGLU/GeGLU\).*Supported"),
-        ("gptj", r"parallel attention\+MLP"),
-        ("neox", r"parallel attention\+MLP"),
         ("native-softcap", r"soft-capping"),
         ("starcoder2-window", r"sliding-window attention"),
+        ("mistral-window", r"sliding-window attention \(sliding_window=8 < n_ctx=32\)"),
         ("neox-rope-linear", r"rope scaling of type 'linear'"),
         ("bert", r"post-LN"),
     ],
@@ -294,7 +291,10 @@ def test_refuses_unsupported_architectures(family: str, match: str) -> None:
         read_bridge(bridge)
 
 
-@pytest.mark.parametrize(("family", "match"), [("gpt2-tanh", r"'tanh'.*silu, relu, gelu"), ("native-solu", r"SoLU")])
+@pytest.mark.parametrize(
+    ("family", "match"),
+    [("gpt2-tanh", r"'tanh'.*silu, relu, gelu"), ("llama-tanh", r"'tanh'.*silu, relu, gelu"), ("native-solu", r"SoLU")],
+)
 def test_refuses_unsupported_activations(family: str, match: str) -> None:
     if family == "native-solu" and TL_MAJOR < 4:  # TransformerLens 3.9's native model has no SoLU at all
         with pytest.raises(ValueError, match="solu"):
