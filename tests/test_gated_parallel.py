@@ -262,3 +262,30 @@ def test_report_describes_gated_conversion() -> None:
     assert aot.report.gated and "gate + 2 product heads" in text
     lo, hi = aot.report.product_scales
     assert 0 < lo <= hi <= 1 and math.isfinite(hi)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+def test_patching_module_on_gated_neurons_matches_the_source(parallel: bool, one_thread) -> None:
+    """lens_aot.patching.patch_neurons on gated (and parallel) layers = patching mlp.hook_post[n] in the source."""
+    from lens_aot.patching import patch_neurons
+
+    spec = random_spec(act_fn="silu", parallel=parallel, dtype=torch.float64)
+    aot, ref = lens_aot.convert(spec), MLPTransformer(spec)
+    clean, corrupted = _tokens(spec, batch=2, seed=1), _tokens(spec, batch=2, seed=2)
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 3].mean()
+
+    neurons = [(0, 1), (0, 9), (1, 4)]
+    result = patch_neurons(aot, clean, corrupted, metric, neurons=neurons)
+    _, ref_clean = ref.run_with_cache(clean)
+    for (layer, neuron), value in zip(neurons, result.values, strict=True):
+
+        def patch(post: torch.Tensor, hook, layer: int = layer, neuron: int = neuron) -> torch.Tensor:
+            post[..., neuron] = ref_clean[hook.name][..., neuron]
+            return post
+
+        with torch.no_grad():  # default direction "denoise": clean values into the corrupted run
+            expected = metric(ref.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.{layer}.mlp.hook_post", patch)]))
+        assert float(value) == pytest.approx(float(expected), abs=TOLERANCES[("gated", torch.float64)])
+    assert float((result.values - result.corrupted_metric).abs().max()) > 1e-2  # the patches matter
