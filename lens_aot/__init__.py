@@ -7,6 +7,7 @@
 >>> cache[f"{ref.name}.hook_pattern"][:, ref.head]   # that neuron's attention pattern
 """
 
+from lens_aot import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.activations import ActivationFit, activation_fit
 from lens_aot.convert import ConversionReport, convert
 from lens_aot.errors import (
@@ -14,10 +15,13 @@ from lens_aot.errors import (
     InputError,
     InvalidWeightsError,
     LensAOTError,
+    LoadError,
     UnsupportedActivationError,
     UnsupportedArchitectureError,
 )
+from lens_aot.io import load, save
 from lens_aot.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
+from lens_aot.revert import revert
 
 __version__ = "0.1.0"
 
@@ -32,8 +36,15 @@ __all__ = [
     "InputError",
     "InvalidWeightsError",
     "LensAOTError",
+    "LoadError",
     "UnsupportedActivationError",
     "UnsupportedArchitectureError",
     "activation_fit",
+    "circuits",
     "convert",
+    "load",
+    "patching",
+    "revert",
+    "save",
+    "viz",
 ]

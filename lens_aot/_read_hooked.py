@@ -208,7 +208,9 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
             raise _refuse("scaled rotary positions")
         if not hasattr(attn, "calculate_sin_cos_rotary"):
             raise _refuse("a rotary implementation lens_aot does not recognise")
-    act_fn = None if cfg.attn_only else canonical_activation(cfg.act_fn)
+    if not cfg.attn_only:
+        canonical_activation(cfg.act_fn)  # supported (else a clear error); the spec keeps the source's own name
+    act_fn = None if cfg.attn_only else str(cfg.act_fn)
     layers = []
     for block in model.blocks:
         mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")

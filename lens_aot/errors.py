@@ -25,3 +25,8 @@ class AlreadyConvertedError(LensAOTError, TypeError):
 
 class InputError(LensAOTError, ValueError):
     """The input to a converted model is malformed (shape, dtype, or length)."""
+
+
+class LoadError(LensAOTError, ValueError):
+    """A model could not be loaded: a saved converted model that is missing, corrupt, from a newer lens_aot or
+    inconsistent, or a source model (command line) that is neither a local checkpoint nor reachable by name."""

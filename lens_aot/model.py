@@ -183,7 +183,9 @@ class AttentionOnlyTransformer(HookedRootModule):
                 if isinstance(fit, GatedFit):
                     assert ls.mlp.W_gate is not None
                     gate_bias = ls.mlp.b_gate if ls.mlp.b_gate is not None else ls.mlp.W_gate.new_zeros(d_scratch)
-                    gate = MLPSpec(ls.mlp.W_gate, gate_bias[: ls.mlp.W_gate.shape[1]], ls.mlp.W_out, ls.mlp.b_out, "")
+                    gate = MLPSpec(
+                        ls.mlp.W_gate, gate_bias[: ls.mlp.W_gate.shape[1]], ls.mlp.W_out, ls.mlp.b_out, ls.mlp.act_fn
+                    )
                     heads = NeuronAttention(gate, fit.gate, scratch=(d_model, d_resid))
                     neuron_blocks.append(len(blocks))
                     blocks.append(AttentionBlock(Norm(ls.ln2), heads, parallel=parallel, **widths))
@@ -522,7 +524,7 @@ class AttentionOnlyTransformer(HookedRootModule):
                 ln2, parallel = last.ln1.spec(), last.parallel
                 if isinstance(last.attn, ProductAttention):
                     gate = self.blocks[neuron_blocks[0]].attn
-                    mlp = last.attn.spec(gate.W_in, gate.b_in, gate.fit.act_fn)
+                    mlp = last.attn.spec(gate.W_in, gate.b_in, gate.act_fn)
                 else:
                     mlp = last.attn.spec()
             layers.append(LayerSpec(a.ln1.spec(), a.attn.spec(), ln2, mlp, parallel))

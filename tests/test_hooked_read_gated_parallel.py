@@ -68,7 +68,7 @@ def test_gated_mlp_layout() -> None:
     assert spec.rotary is not None and not spec.rotary.adjacent_pairs
 
     spec = read_model(make_hooked("gemma-like", "gelu_pytorch_tanh"))
-    assert spec.layers[0].mlp is not None and spec.layers[0].mlp.act_fn == "gelu_new"
+    assert spec.layers[0].mlp is not None and spec.layers[0].mlp.act_fn == "gelu_pytorch_tanh"  # the source's name
     assert spec.layers[0].attn.W_K.shape[0] == 1  # multi-query
 
 

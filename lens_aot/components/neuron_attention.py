@@ -55,6 +55,7 @@ class NeuronAttention(nn.Module):
         super().__init__()
         self.W_in = nn.Parameter(mlp.W_in.detach().clone())
         self.b_in = nn.Parameter(mlp.b_in.detach().clone())
+        self.act_fn = mlp.act_fn  # the source's name for it (the fit's name is canonical, e.g. gelu_new)
         self.scratch = scratch
         if scratch is None:
             self.W_out: nn.Parameter | None = nn.Parameter(mlp.W_out.detach().clone())
@@ -223,7 +224,7 @@ class NeuronAttention(nn.Module):
             self.b_in.detach().clone(),
             self.W_out.detach().clone(),
             self.b_O.detach().clone(),
-            self.fit.act_fn,
+            self.act_fn,
         )
 
     def activation(self, pre: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
