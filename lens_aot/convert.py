@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,6 +96,38 @@ def _fits(
     return fits
 
 
+def _check_options(max_neuron_error: Any, heads_per_neuron: Any) -> None:
+    """Refuse option values that would silently give a wrong or meaningless model."""
+    if max_neuron_error is not None:
+        ok = isinstance(max_neuron_error, (int, float)) and not isinstance(max_neuron_error, bool)
+        if not ok or not math.isfinite(max_neuron_error) or max_neuron_error <= 0:
+            raise ValueError(
+                f"max_neuron_error must be a positive finite number (a bound on each neuron's error, e.g. 1e-4); "
+                f"got {max_neuron_error!r}. Leave it unset for the defaults."
+            )
+    if heads_per_neuron is not None and (
+        not isinstance(heads_per_neuron, int) or isinstance(heads_per_neuron, bool) or heads_per_neuron < 1
+    ):
+        raise ValueError(
+            f"heads_per_neuron must be a positive integer (e.g. 4); got {heads_per_neuron!r}. Leave it unset to "
+            f"choose by max_neuron_error."
+        )
+
+
+def _warn_about_source_hooks(model: Any) -> None:
+    """Hooks attached to the source are not part of the converted model, and would distort the check."""
+    hook_dict = getattr(model, "hook_dict", None)
+    if not isinstance(hook_dict, dict):
+        return
+    attached = [name for name, point in hook_dict.items() if getattr(point, "_forward_hooks", None)]
+    if attached:
+        warnings.warn(
+            f"the source model has hooks attached at {attached[:3]}{' …' if len(attached) > 3 else ''}; they are not "
+            f"converted, and the agreement check runs with them. Remove them (model.reset_hooks()) before convert().",
+            stacklevel=3,
+        )
+
+
 def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
     seen: set[int] = set()
     count = size = 0
@@ -142,6 +176,7 @@ def convert(
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
+    _check_options(max_neuron_error, heads_per_neuron)
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
         from lens_aot.reference import MLPTransformer
 
@@ -161,11 +196,18 @@ def convert(
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)
     max_err = argmax = None
-    tokens = check_tokens if check_tokens is not None else sample_tokens(spec)
+    tokens = sample_tokens(spec) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
     if check:
-        with torch.no_grad():
-            expected = run_source(model, tokens.to(spec.device))
-            got = aot(tokens)
+        _warn_about_source_hooks(model)
+        modes = {module: module.training for module in model.modules()}
+        try:
+            model.train(False)  # no dropout in the check (the source's modes are restored below)
+            with torch.no_grad():
+                expected = run_source(model, tokens.to(spec.device))
+                got = aot(tokens)
+        finally:
+            for module, training in modes.items():
+                module.training = training
         max_err = float((got - expected).abs().max())
         argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
     source_count, source_bytes = _param_stats(model)

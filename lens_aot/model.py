@@ -292,6 +292,8 @@ class AttentionOnlyTransformer(HookedRootModule):
                 f"tokens must be an integer tensor of token ids, got dtype {input.dtype}; "
                 f"use model.to_tokens(text) or tokens.long()."
             )
+        if input.dtype != torch.long:
+            input = input.long()  # uint8 would index as a mask, int8/int16 not at all
         if input.ndim == 1:
             input = input[None]
         if input.ndim != 2:
@@ -303,7 +305,8 @@ class AttentionOnlyTransformer(HookedRootModule):
             )
         if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.cfg.d_vocab):
             raise InputError(
-                f"token ids must lie in [0, {self.cfg.d_vocab}); got range [{int(input.min())}, {int(input.max())}]"
+                f"token ids must lie in [0, {self.cfg.d_vocab}); got range [{int(input.min())}, {int(input.max())}]. "
+                f"Tokenize with this model's tokenizer (model.to_tokens(text)) or map the ids into its vocabulary."
             )
         return input.to(self.cfg.device)
 
@@ -594,6 +597,7 @@ def lm_cross_entropy_loss(
 
 def _block_index(name: str) -> int:
     parts = name.split(".")
-    if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
-        raise ValueError(f"expected a block name like 'blocks.3.attn'; got {name!r}")
+    valid = len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] == "attn"
+    if not valid or (len(parts[1]) > 1 and parts[1].startswith("0")):
+        raise ValueError(f"expected a head module name like 'blocks.3.attn' (or the block index 3); got {name!r}")
     return int(parts[1])

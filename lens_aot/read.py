@@ -50,7 +50,7 @@ def read_model(model: Any) -> ModelSpec:
     """Read any supported source model into a :class:`ModelSpec`, refusing what cannot be converted faithfully."""
     from lens_aot.model import AttentionOnlyTransformer
 
-    if isinstance(model, AttentionOnlyTransformer):
+    if isinstance(model, AttentionOnlyTransformer) or type(model).__name__ == "StandardMaskTransformer":
         raise AlreadyConvertedError(
             "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "
             "would have nothing to replace. Pass the original HookedTransformer or TransformerBridge to convert()."

@@ -1,0 +1,179 @@
+"""HookedTransformer refusals beyond ``test_hooked_errors.py`` (TransformerLens 3.x): one test per bad input.
+
+``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, mixture-of-experts, sandwich norms, a sliding window,
+shortformer positions, attention soft-capping, a NaN/inf in ``W_in``, converting twice, a non-model, bfloat16, fit
+options and malformed tokens. This file covers every other feature the HookedTransformer reader refuses, the other
+kinds of unsupported activation and of non-finite weights, float16, unrecognised modules, and wrong objects passed
+to ``convert``. Each test asserts the exact error type and key phrases naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from factories_hooked import make_hooked
+
+import lens_aot
+from lens_aot import InvalidWeightsError, UnsupportedActivationError, UnsupportedArchitectureError
+
+SUPPORTED = r"Supported: normalization LN / LNPre / RMS / RMSPre / none; positions standard or rotary"
+
+
+def _raises(kind: type[BaseException], *phrases: str) -> Any:
+    return pytest.raises(kind, match=r"(?s)" + r".*".join(phrases))
+
+
+def _with_cfg(family: str = "ln-standard", **cfg: Any) -> Any:
+    """A model whose config carries ``cfg`` (set after construction: the reader must refuse from the config alone)."""
+    model = make_hooked(family, "silu")
+    for key, value in cfg.items():
+        setattr(model.cfg, key, value)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("cfg", "problem"),
+    [
+        (dict(use_qk_norm=True), r"uses QK-norm"),
+        (dict(clip_qkv=8.0), r"uses QKV clipping"),
+        (dict(use_logn_attn=True), r"uses log-n attention scaling"),
+        (dict(use_attention_sinks=True), r"uses attention sinks"),
+        (dict(post_embedding_ln=True), r"uses LayerNorm after the embedding"),
+        (dict(load_in_4bit=True), r"uses 4-bit quantised weights"),
+        (dict(n_devices=2), r"uses a model split across several devices"),
+        (dict(output_logits_soft_cap=30.0), r"uses logit soft-capping"),
+        (dict(attn_types=["global", "local"]), r"uses local attention layers"),
+        (dict(positional_embedding_type="alibi"), r"uses 'alibi' positional embeddings"),
+        (dict(original_architecture="OlmoeForCausalLM"), r"uses OLMo QK-norm"),
+        (dict(original_architecture="Olmo2ForCausalLM"), r"uses OLMo QK-norm"),
+        (dict(original_architecture="Olmo3ForCausalLM"), r"uses OLMo QK-norm"),
+    ],
+    ids=lambda v: "-".join(f"{k}={v}" for k, v in v.items()) if isinstance(v, dict) else None,
+)
+def test_refused_config_features(cfg: dict[str, Any], problem: str) -> None:
+    with _raises(UnsupportedArchitectureError, problem, r"cannot convert faithfully yet", SUPPORTED):
+        lens_aot.convert(_with_cfg(**cfg))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [dict(use_dynamic_ntk_rope=True), dict(use_NTK_by_parts_rope=True), dict(use_yarn_rope=True)],
+    ids=["dynamic-ntk", "ntk-by-parts", "yarn"],
+)
+def test_refused_rotary_scalings(cfg: dict[str, Any]) -> None:
+    with _raises(UnsupportedArchitectureError, r"rotary scaling", SUPPORTED):
+        lens_aot.convert(_with_cfg("rms-rotary", **cfg))
+
+
+def test_scaled_rotary_positions_are_refused() -> None:
+    with _raises(UnsupportedArchitectureError, r"uses scaled rotary positions", SUPPORTED):
+        lens_aot.convert(_with_cfg("rms-rotary", rotary_scaling_factor=2.0))
+
+
+def test_real_qk_norm_model_is_refused() -> None:
+    """Built with QK-norm (not only flagged): refused before its q/k norms could be ignored."""
+    with _raises(UnsupportedArchitectureError, r"uses QK-norm", SUPPORTED):
+        lens_aot.convert(make_hooked("rms-rotary", "silu", use_qk_norm=True))
+
+
+def test_real_alibi_model_is_refused() -> None:
+    with _raises(UnsupportedArchitectureError, r"'alibi' positional embeddings", SUPPORTED):
+        lens_aot.convert(make_hooked("ln-standard", "gelu", positional_embedding_type="alibi"))
+
+
+def test_different_rotary_tables_per_layer_are_refused() -> None:
+    model = make_hooked("rms-rotary", "silu")
+    model.blocks[1].attn.rotary_sin.mul_(1.001)
+    with _raises(UnsupportedArchitectureError, r"different rotary tables in different layers", SUPPORTED):
+        lens_aot.convert(model)
+
+
+@pytest.mark.parametrize(
+    ("act_fn", "shown"),
+    [("tanh", "'tanh'"), ("GELU", "'GELU'"), ("relu2", "'relu2'"), (None, "None")],
+    ids=["tanh", "uppercase", "squared-relu", "missing"],
+)
+def test_unknown_activations(act_fn: str | None, shown: str) -> None:
+    with _raises(UnsupportedActivationError, rf"activation {shown}", r"Supported activations: silu, relu, gelu"):
+        lens_aot.convert(_with_cfg(act_fn=act_fn))
+
+
+def test_float16_is_refused() -> None:
+    with _raises(
+        UnsupportedArchitectureError, r"torch\.float16", r"float32 or float64", r"model\.to\(torch\.float32\)"
+    ):
+        lens_aot.convert(make_hooked("ln-standard", "silu", torch.float16))
+
+
+def test_cast_to_half_after_building_is_refused() -> None:
+    model = make_hooked("rms-rotary", "gelu").to(torch.float16)
+    with _raises(UnsupportedArchitectureError, r"torch\.float16", r"model\.to\(torch\.float32\)"):
+        lens_aot.convert(model)
+
+
+NON_FINITE = {  # (family, parameter) -> name in the message
+    ("ln-standard", "embed.W_E"): r"W_E",
+    ("ln-standard", "pos_embed.W_pos"): r"W_pos",
+    ("ln-standard", "unembed.W_U"): r"W_U",
+    ("ln-standard", "unembed.b_U"): r"b_U",
+    ("ln-standard", "ln_final.w"): r"ln_final\.w",
+    ("ln-standard", "blocks.0.ln1.b"): r"blocks\.0\.ln1\.b",
+    ("ln-standard", "blocks.1.attn.W_Q"): r"blocks\.1\.attn\.W_Q",
+    ("ln-standard", "blocks.0.attn.b_O"): r"blocks\.0\.attn\.b_O",
+    ("ln-standard", "blocks.1.mlp.b_out"): r"blocks\.1\.mlp\.b_out",
+    ("rms-rotary-gqa", "blocks.0.attn._W_K"): r"blocks\.0\.attn\.W_K",
+    ("rms-rotary-gqa", "blocks.1.attn._b_V"): r"blocks\.1\.attn\.b_V",
+    ("rms-rotary", "blocks.1.ln2.w"): r"blocks\.1\.ln2\.w",
+}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("family", "name"), sorted(NON_FINITE), ids=lambda v: str(v))
+def test_non_finite_weights_anywhere_are_refused(family: str, name: str, bad: float) -> None:
+    model = make_hooked(family, "gelu")
+    with torch.no_grad():
+        dict(model.named_parameters())[name].view(-1)[0] = bad
+    with _raises(
+        InvalidWeightsError, rf"parameter {NON_FINITE[(family, name)]} has 1 NaN or infinite", r"Fix or reload"
+    ):
+        lens_aot.convert(model)
+
+
+def test_unrecognised_normalization_module_is_refused() -> None:
+    model = make_hooked("ln-standard", "silu")
+    model.blocks[0].ln2 = torch.nn.GroupNorm(1, model.cfg.d_model)
+    with _raises(UnsupportedArchitectureError, r"a normalization module of type GroupNorm", SUPPORTED):
+        lens_aot.convert(model)
+
+
+class _CustomMLP(torch.nn.Module):
+    """Some MLP replacement a user might patch in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_unrecognised_mlp_module_is_refused() -> None:
+    model = make_hooked("ln-standard", "silu")
+    model.blocks[1].mlp = _CustomMLP()
+    with _raises(UnsupportedArchitectureError, r"an MLP of type _CustomMLP", SUPPORTED):
+        lens_aot.convert(model)
+
+
+@pytest.mark.parametrize(
+    ("part", "got"),
+    [
+        (lambda m: m.blocks[0], r"TransformerBlock"),
+        (lambda m: m.cfg, r"HookedTransformerConfig"),
+        (lambda m: m.state_dict(), r"OrderedDict"),
+        (lambda m: type(m), r"builtins\.type"),
+    ],
+    ids=["block", "config", "state-dict", "class"],
+)
+def test_parts_of_a_model_are_not_a_model(part: Any, got: str) -> None:
+    with _raises(
+        UnsupportedArchitectureError, r"convert\(\) takes a TransformerLens HookedTransformer", rf"got \S*{got}\."
+    ):
+        lens_aot.convert(part(make_hooked("ln-standard", "silu")))
