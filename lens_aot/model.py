@@ -182,10 +182,9 @@ class AttentionOnlyTransformer(HookedRootModule):
                     raise ValueError(f"layer {layer}: a gated MLP needs a GatedFit and a plain one an ActivationFit")
                 if isinstance(fit, GatedFit):
                     assert ls.mlp.W_gate is not None
-                    gate_bias = ls.mlp.b_gate if ls.mlp.b_gate is not None else ls.mlp.W_gate.new_zeros(d_scratch)
-                    gate = MLPSpec(
-                        ls.mlp.W_gate, gate_bias[: ls.mlp.W_gate.shape[1]], ls.mlp.W_out, ls.mlp.b_out, ls.mlp.act_fn
-                    )
+                    W_gate, b_gate = ls.mlp.W_gate, ls.mlp.b_gate
+                    b_gate = W_gate.new_zeros(W_gate.shape[1]) if b_gate is None else b_gate
+                    gate = MLPSpec(W_gate, b_gate, ls.mlp.W_out, ls.mlp.b_out, ls.mlp.act_fn)
                     heads = NeuronAttention(gate, fit.gate, scratch=(d_model, d_resid))
                     neuron_blocks.append(len(blocks))
                     blocks.append(AttentionBlock(Norm(ls.ln2), heads, parallel=parallel, **widths))

@@ -177,19 +177,12 @@ class NeuronAttention(nn.Module):
 
         q = self.hook_q(self.queries(pre))
         k = self.hook_k(self.keys(pre))
-        v = self.hook_v(self.values(pre))
-        if _hooked(self.hook_attn_scores, self.hook_pattern):
-            scores = self.hook_attn_scores(self.dense_scores((q * k).squeeze(-1) / self.attn_scale))
-            pattern = self.hook_pattern(self.dense_pattern(scores, -q.squeeze(-1) / self.attn_scale))
-            z = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
-        else:
-            z = self.self_weight(q, k) * v
-        z = self.hook_z(z)
+        z = attend_self_and_slot(self, q, k, self.hook_v(self.values(pre)))
         if self.use_attn_result:
             result = self.hook_result(z * self.W_O.squeeze(1))
             out = result.sum(dim=2) + self.b_O
             return out if self.scratch is None else out[..., self.scratch[0] : self.scratch[0] + self.d_mlp]
-        per_neuron = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron)).sum(-1)
+        per_neuron = self.neuron_output(z)
         return per_neuron if self.W_out is None else per_neuron @ self.W_out + self.b_O
 
     def internal_hooks(self) -> tuple[HookPoint, ...]:
@@ -230,6 +223,24 @@ class NeuronAttention(nn.Module):
     def activation(self, pre: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
         """Sum of each neuron's head outputs, ``Σ_k (α_k z + β_k)·σ(b_k z + d_k)``, without per-head tensors."""
         return SumOfLogistics.apply(pre, self.fit)
+
+
+def attend_self_and_slot(
+    heads: nn.Module,
+    q: Float[Tensor, "batch pos n_heads 1"],
+    k: Float[Tensor, "batch pos n_heads 1"],
+    v: Float[Tensor, "batch pos n_heads 1"],
+) -> Float[Tensor, "batch pos n_heads 1"]:
+    """The per-head computation of heads that attend to themselves (score ``q·k``) and a bias slot (score ``−q``,
+    value 0): ``hook_z``, through ``heads``'s ``hook_attn_scores`` / ``hook_pattern`` as dense [batch, head, query,
+    key] tensors while they are hooked, else in closed form. Shared by neuron, gate and product heads."""
+    if _hooked(heads.hook_attn_scores, heads.hook_pattern):
+        scores = heads.hook_attn_scores(NeuronAttention.dense_scores((q * k).squeeze(-1) / heads.attn_scale))
+        pattern = heads.hook_pattern(NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / heads.attn_scale))
+        z = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+    else:
+        z = NeuronAttention.self_weight(q, k) * v
+    return heads.hook_z(z)
 
 
 class SumOfLogistics(torch.autograd.Function):

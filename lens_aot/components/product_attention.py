@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import einops
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
@@ -34,7 +33,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked as _hooked
-from lens_aot.components.neuron_attention import NeuronAttention
+from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
 from lens_aot.spec import MLPSpec
 
 
@@ -181,21 +180,12 @@ class ProductAttention(nn.Module):
 
         q = self.hook_q(self.queries(u))
         k = self.hook_k(self.keys(u))
-        v = self.hook_v(self.values(h))
-        if _hooked(self.hook_attn_scores, self.hook_pattern):
-            scores = self.hook_attn_scores(NeuronAttention.dense_scores((q * k).squeeze(-1)))
-            pattern = self.hook_pattern(NeuronAttention.dense_pattern(scores, -q.squeeze(-1)))
-            z = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
-        else:
-            z = NeuronAttention.self_weight(q, k) * v
-        z = self.hook_z(z)
+        z = attend_self_and_slot(self, q, k, self.hook_v(self.values(h)))
         if self.use_attn_result:
             result = self.hook_result(z * self.W_O.squeeze(1))
             return result.sum(dim=2) + self.b_O
-        pair = z.squeeze(-1).unflatten(-1, (self.d_mlp, 2))
-        post = (pair[..., 0] - pair[..., 1]) * (2 / self.scales)
-        post = post if self.b_post is None else post + self.b_post
-        return self._write(post @ self.W_out + self.b_out, -(pair[..., 0] + pair[..., 1]))
+        clear = -z.squeeze(-1).unflatten(-1, (self.d_mlp, 2)).sum(-1)
+        return self._write(self.neuron_output(z) @ self.W_out + self.b_out, clear)
 
     def _write(
         self, main: Float[Tensor, "batch pos d_model"], clear: Float[Tensor, "batch pos d_mlp"]
