@@ -16,12 +16,18 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
+from hypothesis import HealthCheck
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 import lens_aot
 from lens_aot.activations import reference_activation
 from lens_aot.components import Attention, NeuronAttention
+
+# Hypothesis settings of every property test: fixed examples (CI-reproducible), no time limit per example.
+PROPERTY_SETTINGS: dict[str, Any] = dict(
+    deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Faithfulness.

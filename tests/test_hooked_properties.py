@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from factories_hooked import make_hooked
-from hypothesis import HealthCheck, event, given, settings
+from factories_hooked import ACTIVATIONS, make_hooked
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from robustness_helpers import (
+    PROPERTY_SETTINGS,
     assert_clear_error,
     assert_faithful,
     assert_neurons_within_bound,
@@ -32,8 +33,6 @@ from robustness_helpers import (
 import lens_aot
 from lens_aot import LensAOTError, UnsupportedActivationError, UnsupportedArchitectureError
 
-SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
-ACTIVATIONS = ["silu", "relu", "gelu", "gelu_new", "gelu_fast"]
 NORMS = ["LN", "LNPre", "RMS", "RMSPre", None]
 
 # Features whose support is recent or in progress. A drawn model with one of these must convert within the tolerance,
@@ -151,7 +150,7 @@ def _check(cfg: dict[str, Any], seed: int, tokens: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("activation", [*ACTIVATIONS, "attn-only"])
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=12, **PROPERTY_SETTINGS)
 @given(cfg=hooked_configs(), draw_inputs=inputs(), data=st.data())
 def test_random_hooked_transformers_convert_within_tolerance(
     activation: str, dtype: torch.dtype, cfg: dict[str, Any], draw_inputs: tuple[int, int, int], data: st.DataObject
@@ -166,7 +165,7 @@ def test_random_hooked_transformers_convert_within_tolerance(
     _check(cfg, seed, _tokens(cfg, batch, token_seed, length))
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=40, **PROPERTY_SETTINGS)
 @given(cfg=hooked_configs(), feature=st.sampled_from(sorted(MAYBE_SUPPORTED)), draw_inputs=inputs())
 def test_maybe_supported_features_convert_faithfully_or_are_refused_clearly(
     cfg: dict[str, Any], feature: str, draw_inputs: tuple[int, int, int]
@@ -184,7 +183,7 @@ def test_maybe_supported_features_convert_faithfully_or_are_refused_clearly(
         event(f"{feature}: converted")
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=40, **PROPERTY_SETTINGS)
 @given(cfg=hooked_configs(), feature=st.sampled_from(sorted(REFUSED)), seed=st.integers(0, 2**16))
 def test_refused_features_raise_the_documented_error(cfg: dict[str, Any], feature: str, seed: int) -> None:
     """A refused feature on top of any configuration raises the documented error type naming problem and fix."""

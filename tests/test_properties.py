@@ -30,9 +30,10 @@ import pytest
 import torch
 from conftest import TL_MAJOR
 from factories_bridge import CONVERTIBLE, FAMILIES, make_bridge
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from robustness_helpers import (
+    PROPERTY_SETTINGS,
     assert_clear_error,
     assert_faithful,
     assert_neurons_within_bound,
@@ -43,8 +44,6 @@ from robustness_helpers import (
 
 import lens_aot
 from lens_aot import LensAOTError, UnsupportedActivationError, UnsupportedArchitectureError
-
-SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Families whose support is recent: a drawn model must convert within the tolerance or be refused clearly.
 RECENT_FAMILIES = ["llama", "llama-bias", "mistral", "gemma", "gptj", "neox", "native-gated", "native-gated-gelu"]
@@ -131,7 +130,7 @@ def family_draws(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("family", FAMILIES_UNDER_TEST)
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=4, **PROPERTY_SETTINGS)
 @given(d=family_draws())
 def test_factory_families_with_random_sizes_convert_within_tolerance(family: str, d: dict[str, Any]) -> None:
     """Every family, at random sizes, in fp32/fp64, with and without compatibility mode."""
@@ -236,7 +235,7 @@ def _check_native(cfg: dict[str, Any], run: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_new", "relu", "silu", "attn-only"])
-@settings(max_examples=7, **SETTINGS)
+@settings(max_examples=7, **PROPERTY_SETTINGS)
 @given(cfg=native_configs(), run=native_runs())
 def test_random_native_bridges_convert_within_tolerance(
     activation: str, dtype: torch.dtype, cfg: dict[str, Any], run: dict[str, Any]
@@ -249,7 +248,7 @@ def test_random_native_bridges_convert_within_tolerance(
 
 
 @pytest.mark.parametrize("feature", sorted(NATIVE_MAYBE_SUPPORTED))
-@settings(max_examples=16, **SETTINGS)
+@settings(max_examples=16, **PROPERTY_SETTINGS)
 @given(cfg=native_configs(), run=native_runs())
 def test_recent_native_features_convert_within_tolerance_or_are_refused_clearly(
     feature: str, cfg: dict[str, Any], run: dict[str, Any]
@@ -307,7 +306,7 @@ if TL_MAJOR >= 4:  # TransformerLens 3.9's native MLP has no SoLU to build
     )
 
 
-@settings(max_examples=24, **SETTINGS)
+@settings(max_examples=24, **PROPERTY_SETTINGS)
 @given(cfg=native_configs(), feature=st.sampled_from(sorted(NATIVE_REFUSED)), seed=st.integers(0, 2**16))
 def test_refused_native_features_raise_the_documented_error(cfg: dict[str, Any], feature: str, seed: int) -> None:
     """A refused feature on top of any native configuration raises the documented error naming problem and fix."""
