@@ -302,12 +302,27 @@ class AttentionOnlyTransformer(HookedRootModule):
                 f"{input.shape[1]} tokens exceed the model's context n_ctx={self.cfg.n_ctx}; "
                 f"truncate the input (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows."
             )
-        if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.cfg.d_vocab):
-            raise InputError(
-                f"token ids must lie in [0, {self.cfg.d_vocab}); got range [{int(input.min())}, {int(input.max())}]. "
-                f"Tokenize with this model's tokenizer (model.to_tokens(text)) or map the ids into its vocabulary."
-            )
+        self._check_token_range(input)
         return input.to(self.cfg.device)
+
+    def _check_token_range(self, tokens: Int[Tensor, "batch pos"]) -> None:
+        """Raise if a token id lies outside ``[0, d_vocab)`` (``W_E[tokens]`` would wrap a negative id silently).
+
+        Without a host-device sync: tokens in host memory are read on the host (through NumPy, no device op); tokens
+        already on a device are checked there with ``torch._assert_async``, which fails the forward with a device-side
+        assertion instead of the named error (pass CPU tokens to get the message)."""
+        if not tokens.numel():
+            return
+        if tokens.device.type == "cpu":
+            ids = tokens.detach().numpy()
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.cfg.d_vocab:
+                raise InputError(
+                    f"token ids must lie in [0, {self.cfg.d_vocab}); got range [{low}, {high}]. Tokenize with this "
+                    f"model's tokenizer (model.to_tokens(text)) or map the ids into its vocabulary."
+                )
+        else:
+            torch._assert_async(((tokens >= 0) & (tokens < self.cfg.d_vocab)).all())
 
     # ------------------------------------------------------------------ caching
     def run_with_cache(  # type: ignore[override]

@@ -64,6 +64,7 @@ class NeuronAttention(nn.Module):
             self.W_out = None
             self.register_buffer("b_O", mlp.W_in.new_zeros(scratch[1]))
         self.fit = fit
+        self._coeffs: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # fit_coefficients per device and dtype
         dtype, device = mlp.W_in.dtype, mlp.W_in.device
         for name, values in (("alpha", fit.alpha), ("beta", fit.beta), ("b", fit.b), ("d", fit.d)):
             self.register_buffer(f"term_{name}", torch.tensor(values, dtype=dtype, device=device))
@@ -222,7 +223,11 @@ class NeuronAttention(nn.Module):
 
     def activation(self, pre: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
         """Sum of each neuron's head outputs, ``Σ_k (α_k z + β_k)·σ(b_k z + d_k)``, without per-head tensors."""
-        return SumOfLogistics.apply(pre, self.fit)
+        key = (pre.device, compute_dtype(pre.dtype))
+        coeffs = self._coeffs.get(key)
+        if coeffs is None:
+            coeffs = self._coeffs[key] = fit_coefficients(self.fit, *key)
+        return SumOfLogistics.apply(pre, coeffs)
 
 
 def attend_self_and_slot(
@@ -243,32 +248,65 @@ def attend_self_and_slot(
     return heads.hook_z(z)
 
 
-class SumOfLogistics(torch.autograd.Function):
-    """``Σ_k (α_k z + β_k)·σ(b_k z + d_k)`` elementwise, in row chunks that stay in cache, saving only ``z`` for a
-    closed-form backward ``Σ_k α_k σ_k + (α_k z + β_k)·b_k·σ_k(1 − σ_k)`` (autograd would keep 4K tensors)."""
+def fit_coefficients(fit: ActivationFit, device: torch.device, dtype: torch.dtype) -> Float[Tensor, "4 K 1"]:
+    """The fit's terms as one tensor ``[α; β; b; d]`` of shape [4, K, 1] (K first, so a term broadcasts over a flat
+    chunk of pre-activations)."""
+    values = (fit.alpha, fit.beta, fit.b, fit.d)
+    return torch.tensor(values, dtype=torch.float64).to(device=device, dtype=dtype)[..., None]
 
-    CHUNK = 1 << 16  # elements per chunk
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the neuron heads' logistic sum is evaluated in: float32 for half-precision inputs (the fit's
+    coefficients, e.g. a ReLU sharpness of 2.8e5, and the sum of K terms would lose the fit in 8–11 mantissa bits),
+    else the input's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class SumOfLogistics(torch.autograd.Function):
+    """``Σ_k (α_k z + β_k)·σ(b_k z + d_k)`` elementwise as one vectorised expression over the K terms (a [K, chunk]
+    broadcast: five operations however large the input), saving only ``z`` for a closed-form backward
+    ``Σ_k α_k σ_k + (α_k z + β_k)·b_k·σ_k(1 − σ_k)`` (autograd would keep 4K tensors).
+
+    ``coeffs`` is :func:`fit_coefficients` in :func:`compute_dtype` of ``pre``; half inputs are evaluated in float32
+    and the result cast back. On CPU the input is split into at most :attr:`MAX_CHUNKS` chunks of at least
+    :attr:`CHUNK_FLOATS` / K elements, so the [K, chunk] temporaries stay in a reused workspace; on other devices it is
+    one chunk (one kernel per operation).
+    """
+
+    CHUNK_FLOATS = 1 << 20  # CPU: elements of the [K, chunk] temporaries below which one chunk is used
+    MAX_CHUNKS = 4  # CPU: bounds the operations per call (each chunk dispatches the same few operations)
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, fit: ActivationFit) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(pre)
-        ctx.fit = fit
-        out = torch.empty_like(pre).reshape(-1)
-        flat = pre.reshape(-1)
-        for start in range(0, flat.numel(), SumOfLogistics.CHUNK):
-            z = flat[start : start + SumOfLogistics.CHUNK]
-            acc = out[start : start + SumOfLogistics.CHUNK]
-            acc.zero_()
-            for alpha, beta, b, d in zip(fit.alpha, fit.beta, fit.b, fit.d, strict=True):
-                acc.add_(torch.sigmoid(z * b + d).mul_(z * alpha + beta))
-        return out.view_as(pre)
+    def chunks(pre: Tensor, n_terms: int) -> int:
+        """Number of chunks ``pre`` is evaluated in (see the class docstring)."""
+        if pre.device.type != "cpu":
+            return 1
+        return max(1, min(SumOfLogistics.MAX_CHUNKS, -(-pre.numel() * n_terms // SumOfLogistics.CHUNK_FLOATS)))
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, coeffs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(pre, coeffs)
+        alpha, beta, b, d = coeffs
+        flat = pre.reshape(1, -1)
+        out = torch.empty(flat.shape, dtype=coeffs.dtype, device=pre.device)
+        n_chunks = SumOfLogistics.chunks(pre, coeffs.shape[1])
+        step = -(-flat.shape[1] // n_chunks)
+        sig = flat.new_empty((coeffs.shape[1], step), dtype=coeffs.dtype)
+        val = torch.empty_like(sig)
+        for start in range(0, flat.shape[1], step):
+            z = flat[:, start : start + step]
+            s, v = sig[:, : z.shape[1]], val[:, : z.shape[1]]
+            torch.addcmul(d, z, b, out=s).sigmoid_()
+            torch.addcmul(beta, z, alpha, out=v)
+            torch.sum(s.mul_(v), 0, keepdim=True, out=out[:, start : start + step])
+        return out.view(pre.shape).to(pre.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        (pre,) = ctx.saved_tensors
-        fit: ActivationFit = ctx.fit
-        slope = torch.zeros_like(pre)
-        for alpha, beta, b, d in zip(fit.alpha, fit.beta, fit.b, fit.d, strict=True):
-            sig = torch.sigmoid(pre * b + d)
-            slope += sig * alpha + (pre * alpha + beta) * b * sig * (1 - sig)
-        return grad * slope, None
+        pre, coeffs = ctx.saved_tensors
+        alpha, beta, b, d = coeffs
+        z = pre.reshape(1, -1).to(coeffs.dtype)
+        s = torch.addcmul(d, z, b).sigmoid_()
+        # α σ + (α z + β)·b·σ(1 − σ), summed over the terms
+        slope = torch.addcmul(alpha * s, torch.addcmul(beta, z, alpha).mul_(b), s * (1 - s)).sum(0)
+        return (grad.reshape(-1) * slope).view(pre.shape).to(grad.dtype), None

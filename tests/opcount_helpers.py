@@ -1,0 +1,31 @@
+"""Shared checks for the operation-count and sync tests (HookedTransformer and TransformerBridge sources)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import lens_aot
+from lens_aot.components.neuron_attention import SumOfLogistics
+from lens_aot.opcount import count_ops
+from lens_aot.read import run_source
+
+# (batch, pos) per size; the larger one also runs with the neuron heads' CPU chunking at its maximum (the worst case
+# for operations per forward: every layer evaluated in SumOfLogistics.MAX_CHUNKS chunks).
+SIZES = ((1, 4), (2, 24))
+
+
+def assert_ops_and_syncs(source: Any, d_vocab: int, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Operations per forward of the converted model ≤ 2× the source's; its host-device syncs ≤ the source's."""
+    aot = lens_aot.convert(source)
+    tokens = torch.randint(0, d_vocab, size, generator=torch.Generator().manual_seed(0))
+    if size == SIZES[-1]:
+        monkeypatch.setattr(SumOfLogistics, "CHUNK_FLOATS", 1)
+    with torch.no_grad():
+        src = count_ops(lambda: run_source(source, tokens))
+        conv = count_ops(lambda: aot(tokens))
+    assert src.total > 50  # the counter sees the forward
+    assert conv.total <= 2 * src.total, (conv.total, src.total, conv.counts.most_common(10))
+    assert conv.syncs <= src.syncs, (conv.syncs, src.syncs)
