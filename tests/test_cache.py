@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from factories_bridge import make_bridge
@@ -10,6 +13,7 @@ import lens_aot
 from lens_aot.cache import NeuronHeadCache
 
 NEURON_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+DENSE = ("hook_attn_scores", "hook_pattern")
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +75,70 @@ def test_intervening_hooks_make_the_cache_eager(aot, tokens) -> None:
     pattern = cache["blocks.1.attn.hook_pattern"]
     assert "blocks.1.attn.hook_pattern" in dict(cache.cache_dict.stored())
     torch.testing.assert_close(torch.diagonal(pattern, dim1=-2, dim2=-1), torch.full_like(pattern[..., 0], 0.5))
+
+
+# ------------------------------------------------------------------ the cache is data: moves, casts, pickling
+@pytest.fixture(scope="module", params=["gpt2", "native-gated"])
+def fp32_aot(request) -> lens_aot.AttentionOnlyTransformer:
+    """A float32 conversion: plain GELU neuron heads (gpt2), or gate + product heads (native-gated)."""
+    return lens_aot.convert(make_bridge(request.param, torch.float32))
+
+
+def _neuron_entries(aot, cache) -> list[str]:
+    names = [n for n in cache.keys() if n.endswith(NEURON_HOOKS) and n not in dict(cache.cache_dict.stored())]
+    assert names and any(n.endswith("hook_pattern") for n in names)
+    return names
+
+
+def test_cache_survives_model_cast_and_edits(fp32_aot, tokens) -> None:
+    """Derived entries hold their own coefficients: casting or editing the model after caching changes nothing."""
+    aot = copy.deepcopy(fp32_aot)
+    _, cache = aot.run_with_cache(tokens)
+    before = {name: cache[name].clone() for name in _neuron_entries(aot, cache)}
+    aot.to(torch.float64)
+    for block in aot.blocks:
+        for buffer in ("term_b", "scales"):
+            if hasattr(block.attn, buffer):
+                getattr(block.attn, buffer).mul_(2)
+    for name in _neuron_entries(aot, cache):
+        assert cache[name].dtype == torch.float32, name
+        torch.testing.assert_close(cache[name], before[name], rtol=0, atol=0, msg=name)
+
+
+def test_cache_pickles(fp32_aot, tokens) -> None:
+    _, cache = fp32_aot.run_with_cache(tokens)
+    before = {name: cache[name].clone() for name in _neuron_entries(fp32_aot, cache)}
+    blob = pickle.dumps(cache)
+    stored = sum(t.numel() * t.element_size() for _, t in cache.cache_dict.stored())
+    assert len(blob) < stored + (64 << 20), "pickled derived entries instead of their sources"
+    loaded = pickle.loads(blob)
+    assert isinstance(loaded, NeuronHeadCache) and set(loaded.keys()) == set(cache.keys())
+    for name in _neuron_entries(fp32_aot, loaded):
+        torch.testing.assert_close(loaded[name], before[name], rtol=0, atol=0, msg=name)
+
+
+def test_cache_to_float64_casts_derived_entries(fp32_aot, tokens) -> None:
+    """After ``cache.to(float64)`` derived entries are what the float64-cast model computes from the stored sources
+    cast to float64 (those sources are set by hooks, and its per-head entries stored eagerly)."""
+    _, cache = fp32_aot.run_with_cache(tokens)
+    cache.to(torch.float64)
+    sources = {name: t for name, t in cache.cache_dict.stored() if name.endswith(("hook_pre", "_linear", "hook_gate"))}
+    model64 = copy.deepcopy(fp32_aot).to(torch.float64)
+    hooks = [(name, lambda act, hook: sources[hook.name]) for name in sources]
+    with model64.hooks(fwd_hooks=hooks):
+        _, expected = model64.run_with_cache(tokens, compact=False)
+    assert all(t.dtype == torch.float64 for _, t in cache.cache_dict.stored() if t.is_floating_point())
+    for name in _neuron_entries(fp32_aot, cache):
+        assert cache[name].dtype == torch.float64, name
+        torch.testing.assert_close(cache[name], expected[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_cache_to_another_device_moves_coefficients(fp32_aot, tokens) -> None:
+    """``meta`` stands in for a GPU: every derived entry follows the stored tensors, coefficients included."""
+    _, cache = fp32_aot.run_with_cache(tokens)
+    eager = {name: cache[name].clone() for name in _neuron_entries(fp32_aot, cache)}
+    cache.to("meta")
+    for name in _neuron_entries(fp32_aot, cache):
+        value = cache[name] if not name.endswith(DENSE) else cache[name][:, :3]
+        assert value.device.type == "meta", name
+        assert value.shape == (eager[name] if not name.endswith(DENSE) else eager[name][:, :3]).shape, name
