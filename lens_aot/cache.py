@@ -221,7 +221,10 @@ class LazyHeadTensor(Tensor):
             ids = ids.long().cpu()
             if ids.numel() and not bool(((ids >= -n_heads) & (ids < n_heads)).all()):
                 raise IndexError(f"head index out of bounds for dimension {head_dim} with size {n_heads}")
-            chosen, items[head_dim] = ids.flatten() % n_heads, torch.arange(ids.numel()).reshape(ids.shape)
+            chosen = ids.flatten() % n_heads
+            others = [i for j, i in enumerate(items) if j != head_dim and not isinstance(i, (int, slice))]
+            # the only advanced index, over heads: the block built for exactly those heads is the answer (no copy)
+            items[head_dim] = slice(None) if ids.ndim == 1 and not others else torch.arange(ids.numel()).view(ids.shape)
         with torch.no_grad():
             block = self._derivation.dense_entry(self._first, chosen)
         return block[tuple(items)]
@@ -377,11 +380,12 @@ def pattern_hook(
         raise ValueError(f"block {index} holds the source's own attention heads; hook its hook_pattern directly")
     if hook not in DENSE_HOOKS:
         raise ValueError(f"hook must be one of {DENSE_HOOKS}; got {hook!r}")
-    (source,), derivation = attn.derivations()[hook]
+    entry = hook
+    (source,), derivation = attn.derivations()[entry]
     chosen = torch.arange(attn.n_heads)[heads] if isinstance(heads, slice) else torch.as_tensor(heads).reshape(-1)
 
-    def observe(act: Tensor, hook_point: Any) -> None:
-        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook_point) is not None:
-            raise ValueError(f"pattern_hook observes {hook}; to change it, hook blocks.{index}.attn.{hook} itself")
+    def observe(act: Tensor, hook: Any) -> None:
+        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook) is not None:
+            raise ValueError(f"pattern_hook observes {entry}; to change it, hook blocks.{index}.attn.{entry} itself")
 
     return f"blocks.{index}.attn.{source}", observe

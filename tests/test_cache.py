@@ -10,7 +10,8 @@ import torch
 from factories_bridge import make_bridge
 
 import lens_aot
-from lens_aot.cache import NeuronHeadCache
+from lens_aot.cache import LazyHeadTensor, NeuronHeadCache, pattern_hook
+from lens_aot.memory import AllocationMeter
 
 NEURON_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
 DENSE = ("hook_attn_scores", "hook_pattern")
@@ -142,3 +143,89 @@ def test_cache_to_another_device_moves_coefficients(fp32_aot, tokens) -> None:
         value = cache[name] if not name.endswith(DENSE) else cache[name][:, :3]
         assert value.device.type == "meta", name
         assert value.shape == (eager[name] if not name.endswith(DENSE) else eager[name][:, :3]).shape, name
+
+
+# ------------------------------------------------------------------ sparse neuron-head patterns
+INDEXES = [
+    (slice(None), [1, 3]),
+    (slice(None), 2),
+    (0, 5),
+    (1, -1),
+    (slice(None), slice(2, 7)),
+    (slice(None), slice(None, None, 9)),
+    (Ellipsis, 3, slice(None), slice(None)),
+    (slice(None), torch.tensor([4, 0, 4])),
+    ([0, 1], [2, 3]),
+    (0, [6], 3),
+    (slice(None), [[1, 2], [3, 4]], slice(1, 5)),
+]
+
+
+def _neuron_blocks(aot) -> list[int]:
+    return [i for i, block in enumerate(aot.blocks) if hasattr(block.attn, "derivations")]
+
+
+@pytest.mark.parametrize("hook", ["hook_pattern", "hook_attn_scores"])
+@pytest.mark.parametrize("which", [0, -1])
+def test_indexing_heads_equals_the_dense_block(fp32_aot, tokens, which, hook) -> None:
+    """Every index form over heads gives the dense block's entries (gated models: gate, then product heads)."""
+    name = f"blocks.{_neuron_blocks(fp32_aot)[which]}.attn.{hook}"
+    _, cache = fp32_aot.run_with_cache(tokens, names_filter=name)
+    dense = cache[name].materialise()
+    for index in INDEXES:
+        got = cache[name][index]
+        assert type(got) is torch.Tensor, index
+        torch.testing.assert_close(got, dense[index], rtol=0, atol=0, msg=str(index))
+    first = cache[name][1]  # batch only: still lazy
+    assert isinstance(first, LazyHeadTensor)
+    torch.testing.assert_close(first[[2, 5]], dense[1, [2, 5]], rtol=0, atol=0)
+    torch.testing.assert_close(cache[name].heads([7, 1]), dense[:, [7, 1]], rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        cache[name][:, dense.shape[1]]
+    # full reads behave like the stored tensor
+    assert torch.equal(cache[name].sum(-1), dense.sum(-1)) and torch.equal(cache[name] * 2, dense * 2)
+    assert cache[name].shape == dense.shape and len(cache[name]) == len(dense)
+
+
+def test_selected_heads_cost_only_their_patterns(aot) -> None:
+    """``cache[name][:, heads]`` allocates O(batch·k·N²), never the [batch, n_heads, N, N] block (measured as the
+    bytes of every tensor the indexing creates)."""
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    name = "blocks.1.attn.hook_pattern"
+    _, cache = aot.run_with_cache(tokens, names_filter=name)
+    batch, n_heads, pos, _ = cache[name].shape
+    heads = [0, 17, 40]
+    item = torch.finfo(aot.cfg.dtype).bits // 8
+    selected = batch * len(heads) * pos * (pos + 1) * item  # the k heads' scores with the bias slot's column
+    full = batch * n_heads * pos * pos * item
+    assert full > 20 * selected
+    with AllocationMeter() as meter:
+        got = cache[name][:, heads]
+    assert meter.total <= 6 * selected + 64 * n_heads, (meter.total, selected, full)
+    with AllocationMeter() as meter:
+        cache[name][:, heads[0]]
+    assert meter.total <= 6 * selected // len(heads) + 64 * n_heads
+    _, eager = aot.run_with_cache(tokens, names_filter=name, compact=False)
+    torch.testing.assert_close(got, eager[name][:, heads], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_pattern_hook_on_chosen_heads(fp32_aot, tokens, which) -> None:
+    """``pattern_hook`` hands over the chosen heads' patterns during a forward, without building the block."""
+    block = _neuron_blocks(fp32_aot)[which]
+    name = f"blocks.{block}.attn.hook_pattern"
+    _, eager = fp32_aot.run_with_cache(tokens, names_filter=name, compact=False)
+    heads = [3, 0, 11]
+    seen: list[torch.Tensor] = []
+    hook = pattern_hook(fp32_aot, f"blocks.{block}.attn", heads, lambda pattern, hook: seen.append(pattern))
+    n_heads, pos = fp32_aot.cfg.n_heads_per_block[block], tokens.shape[1]
+    with AllocationMeter() as meter:
+        logits = fp32_aot.run_with_hooks(tokens, fwd_hooks=[hook])
+    torch.testing.assert_close(logits, fp32_aot(tokens), rtol=0, atol=0)
+    assert len(seen) == 1 and seen[0].shape == (tokens.shape[0], len(heads), pos, pos)
+    torch.testing.assert_close(seen[0], eager[name][:, heads], rtol=0, atol=0)
+    assert meter.largest < tokens.shape[0] * n_heads * pos * pos * 4 / 4  # nothing near the whole block
+    with pytest.raises(ValueError, match="observes"):
+        fp32_aot.run_with_hooks(tokens, fwd_hooks=[pattern_hook(fp32_aot, block, 0, lambda p, h: p * 2)])
+    with pytest.raises(ValueError, match="own attention"):
+        pattern_hook(fp32_aot, 0, [0], lambda p, h: None)
