@@ -2,22 +2,131 @@
 
 Every neuron-head hook of a block (``hook_q``, ``hook_k``, ``hook_v``, ``hook_attn_scores``, ``hook_pattern``,
 ``hook_z``) is a fixed function of that block's ``hook_pre`` [batch, pos, d_mlp] (product heads of gated MLPs:
-``hook_pre_linear`` and ``hook_gate``) when no hook changes the computation. So ``run_with_cache`` stores those
-once per neuron block and the cache returns the standard
-TransformerLens tensors (``[batch, head, query, key]`` patterns included) when they are read. Dense patterns are
-built per access and not kept: read the heads you need, e.g. ``cache[name][:, heads]``.
+``hook_pre_linear`` and ``hook_gate``) when no hook changes the computation (Theorem 3's construction, see
+:mod:`lens_aot.components.neuron_attention`). So ``run_with_cache`` stores those once per neuron block and the cache
+returns the standard TransformerLens tensors (``[batch, head, query, key]`` patterns included) when they are read.
+
+**Self-contained.** Each derived entry is a :class:`HeadDerivation`: plain data (which hook, which kind of heads,
+and the few coefficient tensors it needs, copied from the model at caching time), not a closure over the live
+module. ``cache.to(device)``, ``cache.to(torch.float64)`` move or cast those coefficients with the stored tensors;
+the cache pickles; and later changes to the model (``aot.to(...)``, edited weights) do not change it.
+
+**Sparse patterns.** ``hook_attn_scores`` and ``hook_pattern`` read as a :class:`LazyHeadTensor`: a ``torch.Tensor``
+that stores nothing dense. Indexing it over heads (``cache[name][:, heads]``, ``[:, [h1, h2]]``, ``[0, h]``,
+slices, tensors of head ids) builds ``[batch, k, query, key]`` for those ``k`` heads only; any other use (a torch
+function, a method, printing) materialises the whole ``[batch, head, query, key]`` block once, like a stored entry.
+:func:`pattern_hook` observes chosen heads' patterns during a forward pass at the same cost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, ItemsView, Iterator, ValuesView
-from typing import Any
+from collections.abc import Callable, ItemsView, Iterator, Sequence, ValuesView
+from typing import Any, Literal
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
+from torch.utils._pytree import tree_map
 from transformer_lens import ActivationCache
 
-Derive = Callable[..., Tensor]
+from lens_aot.components.neuron_attention import NeuronAttention
+
+Family = Literal["neuron", "product"]
+HeadIndex = int | slice | Sequence[int] | Tensor
+# Hooks whose derived value is [batch, head, query, key]: read lazily (LazyHeadTensor), per head on indexing.
+DENSE_HOOKS = ("hook_attn_scores", "hook_pattern")
+
+
+class HeadDerivation:
+    """How one per-head hook of a neuron block follows from the block's stored entries, as picklable data.
+
+    ``family`` "neuron" (Theorem 3 neuron heads, and gate heads; source ``hook_pre``): head ``h = n·K + t`` has
+    ``q = b_t·z_n + d_t``, ``v = α_t·z_n + β_t``; ``coeffs`` holds ``alpha``, ``beta``, ``b``, ``d`` [K].
+    "product" (product heads; sources ``hook_pre_linear`` = u, and ``hook_gate`` = h for values and z): head
+    ``2n + s`` has ``q = ±ε_n·u_n``, ``v = h_n``; ``coeffs`` holds ``scales`` [d_mlp]. Every head's key on real
+    positions is 0 and on the bias slot −1, so its pattern is ``σ(q)`` on the diagonal (the bias slot takes the rest).
+    """
+
+    def __init__(self, family: Family, hook: str, coeffs: dict[str, Tensor], heads_per_neuron: int) -> None:
+        self.family = family
+        self.hook = hook
+        self.coeffs = {k: v.detach().clone() for k, v in coeffs.items()}
+        self.heads_per_neuron = heads_per_neuron
+
+    def __repr__(self) -> str:
+        return f"HeadDerivation({self.family!r}, {self.hook!r}, heads_per_neuron={self.heads_per_neuron})"
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> HeadDerivation:
+        """A copy with ``fn`` applied to every coefficient tensor (device moves, dtype casts)."""
+        return HeadDerivation(self.family, self.hook, {k: fn(v) for k, v in self.coeffs.items()}, self.heads_per_neuron)
+
+    @property
+    def dense(self) -> bool:
+        """Whether the entry is a [batch, head, query, key] block (read lazily, per head)."""
+        return self.hook in DENSE_HOOKS
+
+    def n_heads(self, first: Tensor) -> int:
+        return first.shape[-1] * self.heads_per_neuron
+
+    def _neuron_term(self, first: Tensor, heads: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Each selected head's neuron and term index (all heads when ``heads`` is None)."""
+        if heads is None:
+            heads = torch.arange(self.n_heads(first), device=first.device)
+        heads = heads.to(first.device)
+        return heads // self.heads_per_neuron, heads % self.heads_per_neuron
+
+    def queries(self, first: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... pos k"]:
+        """The selected heads' queries (``hook_q`` without its trailing 1)."""
+        neuron, term = self._neuron_term(first, heads)
+        z = first.index_select(-1, neuron)
+        if self.family == "neuron":
+            b, d = (self.coeffs[k].to(first.device) for k in ("b", "d"))
+            return z * b[term] + d[term]
+        scaled = z * self.coeffs["scales"].to(first.device)[neuron]
+        return torch.where(term == 1, -scaled, scaled)
+
+    def values(self, source: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... pos k"]:
+        """The selected heads' values (``hook_v`` without its trailing 1); ``source`` is ``hook_pre`` or
+        (product heads) ``hook_gate``."""
+        neuron, term = self._neuron_term(source, heads)
+        z = source.index_select(-1, neuron)
+        if self.family == "product":
+            return z
+        alpha, beta = (self.coeffs[k].to(source.device) for k in ("alpha", "beta"))
+        return z * alpha[term] + beta[term]
+
+    def dense_entry(self, first: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... k query key"]:
+        """``hook_attn_scores`` / ``hook_pattern`` of the selected heads: ``[..., k, query, key]``."""
+        k = self.n_heads(first) if heads is None else heads.numel()
+        scores = NeuronAttention.dense_scores(first.new_zeros(()).expand(*first.shape[:-1], k))
+        if self.hook == "hook_attn_scores":
+            return scores
+        return NeuronAttention.dense_pattern(scores, -self.queries(first, heads))
+
+    def __call__(self, *sources: Tensor) -> Tensor:
+        first = sources[0]
+        if self.hook == "hook_q":
+            return self.queries(first)[..., None]
+        if self.hook == "hook_k":
+            return first.new_zeros(()).expand(*first.shape[:-1], self.n_heads(first), 1)
+        if self.hook == "hook_v":
+            return self.values(sources[-1])[..., None]
+        if self.hook == "hook_z":
+            return (torch.sigmoid(self.queries(first)) * self.values(sources[-1]))[..., None]
+        if self.dense:
+            return self.dense_entry(first)
+        raise KeyError(f"no derivation for {self.hook!r}")
+
+
+def neuron_head_derivations(
+    family: Family, coeffs: dict[str, Tensor], heads_per_neuron: int
+) -> dict[str, tuple[tuple[str, ...], HeadDerivation]]:
+    """The ``derivations()`` of a neuron / gate (``family`` "neuron") or product block: hook -> (sources, how)."""
+    pre = ("hook_pre",) if family == "neuron" else ("hook_pre_linear",)
+    value_src = pre if family == "neuron" else ("hook_gate",)
+    sources = {"hook_v": value_src, "hook_z": pre + value_src if family == "product" else pre}
+    hooks = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+    return {h: (sources.get(h, pre), HeadDerivation(family, h, coeffs, heads_per_neuron)) for h in hooks}
 
 
 class _Derived:
@@ -25,19 +134,136 @@ class _Derived:
 
     __slots__ = ("sources", "derive")
 
-    def __init__(self, sources: tuple[str, ...], derive: Derive) -> None:
+    def __init__(self, sources: tuple[str, ...], derive: Callable[..., Tensor]) -> None:
         self.sources = sources
         self.derive = derive
 
 
+# ---------------------------------------------------------------------------------------------- lazy dense blocks
+_METADATA = {
+    Tensor.shape.__get__,  # type: ignore[attr-defined]
+    Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    Tensor.device.__get__,  # type: ignore[attr-defined]
+    Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    Tensor.size,
+    Tensor.dim,
+    Tensor.numel,
+    Tensor.element_size,
+    Tensor.is_floating_point,
+    Tensor.__len__,
+}
+
+
+def _materialise(x: Any) -> Any:
+    return x.materialise() if isinstance(x, LazyHeadTensor) else x
+
+
+class LazyHeadTensor(Tensor):
+    """A derived ``[batch, head, query, key]`` entry (``hook_attn_scores`` / ``hook_pattern`` of neuron heads) that
+    computes only what is read: indexing over heads costs ``O(batch·k·N²)`` for ``k`` heads; anything else
+    materialises the whole block once (kept on this object, like a stored tensor). A ``torch.Tensor`` for every use.
+    """
+
+    _derivation: HeadDerivation
+    _first: Tensor
+    _dense: Tensor | None
+
+    @staticmethod
+    def __new__(cls, derivation: HeadDerivation, first: Tensor) -> LazyHeadTensor:
+        n, pos = derivation.n_heads(first), first.shape[-2]
+        shape = (*first.shape[:-2], n, pos, pos)
+        out = Tensor._make_wrapper_subclass(cls, shape, dtype=first.dtype, device=first.device)  # type: ignore[attr-defined]
+        out._derivation, out._first, out._dense = derivation, first, None
+        return out
+
+    def __init__(self, derivation: HeadDerivation, first: Tensor) -> None:
+        super().__init__()
+
+    def materialise(self) -> Tensor:
+        """The whole dense block, as a plain tensor."""
+        if self._dense is None:
+            with torch.no_grad():
+                self._dense = self._derivation.dense_entry(self._first)
+        return self._dense
+
+    def heads(self, heads: HeadIndex) -> Tensor:
+        """The entry for the selected heads only: ``[batch, k, query, key]`` (an int: ``[batch, query, key]``)."""
+        return self[(slice(None),) * (self._first.ndim - 2) + (heads,)]
+
+    def _index(self, index: Any) -> Tensor | None:
+        """``self[index]`` built for the indexed heads only; None where the index form is not one handled here."""
+        items = list(index) if isinstance(index, tuple) else [index]
+        if any(i is None or isinstance(i, bool) or (isinstance(i, Tensor) and i.dtype == torch.bool) for i in items):
+            return None
+        if sum(i is Ellipsis for i in items) > 1:
+            return None
+        if Ellipsis in [i if i is Ellipsis else None for i in items]:
+            at = next(j for j, i in enumerate(items) if i is Ellipsis)
+            items[at : at + 1] = [slice(None)] * (self.ndim - len(items) + 1)
+        head_dim = self._first.ndim - 2
+        if len(items) <= head_dim:  # batch index only: stay lazy over the indexed batch
+            if not all(isinstance(i, (int, slice)) for i in items):
+                return None
+            return LazyHeadTensor(self._derivation, self._first[tuple(items)])
+        n_heads = self.shape[head_dim]
+        head = items[head_dim]
+        if isinstance(head, int):
+            if not -n_heads <= head < n_heads:
+                raise IndexError(f"index {head} is out of bounds for dimension {head_dim} with size {n_heads}")
+            chosen, items[head_dim] = torch.tensor([head % n_heads]), 0
+        elif isinstance(head, slice):
+            chosen, items[head_dim] = torch.arange(n_heads)[head], slice(None)
+        else:
+            ids = torch.as_tensor(head)
+            if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                return None
+            ids = ids.long().cpu()
+            if ids.numel() and not bool(((ids >= -n_heads) & (ids < n_heads)).all()):
+                raise IndexError(f"head index out of bounds for dimension {head_dim} with size {n_heads}")
+            chosen = ids.flatten() % n_heads
+            others = [i for j, i in enumerate(items) if j != head_dim and not isinstance(i, (int, slice))]
+            # the only advanced index, over heads: the block built for exactly those heads is the answer (no copy)
+            items[head_dim] = slice(None) if ids.ndim == 1 and not others else torch.arange(ids.numel()).view(ids.shape)
+        with torch.no_grad():
+            block = self._derivation.dense_entry(self._first, chosen)
+        return block[tuple(items)]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is Tensor.__getitem__ and isinstance(args[0], LazyHeadTensor) and args[0]._dense is None:
+            out = args[0]._index(args[1])
+            if out is not None:
+                return out
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map(_materialise, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Fallback for code paths that reach the dispatcher directly: compute on the materialised block."""
+        args, kwargs = tree_map(_materialise, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.materialise().__reduce_ex__(protocol)
+
+
+# ---------------------------------------------------------------------------------------------- the cache
 class LazyCacheDict(dict):
     """A dict of cached activations in which some values are derived from others when read."""
 
     def __getitem__(self, key: str) -> Tensor:
         value = super().__getitem__(key)
         if isinstance(value, _Derived):
+            sources = [super(LazyCacheDict, self).__getitem__(src) for src in value.sources]
+            if isinstance(value.derive, HeadDerivation) and value.derive.dense:
+                return LazyHeadTensor(value.derive, sources[0])
             with torch.no_grad():  # like the stored entries, which TransformerLens caches detached
-                return value.derive(*(super(LazyCacheDict, self).__getitem__(src) for src in value.sources))
+                return value.derive(*sources)
         return value
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -49,28 +275,46 @@ class LazyCacheDict(dict):
     def values(self) -> ValuesView[Tensor]:  # type: ignore[override]
         return ValuesView(self)
 
-    def derive(self, key: str, sources: str | tuple[str, ...], fn: Derive) -> None:
+    def derive(self, key: str, sources: str | tuple[str, ...], fn: Callable[..., Tensor]) -> None:
         """Make ``key`` read as ``fn(*(self[s] for s in sources))``."""
         super().__setitem__(key, _Derived((sources,) if isinstance(sources, str) else tuple(sources), fn))
 
+    def raw(self) -> dict[str, Any]:
+        """Stored tensors and derivation records as they are held (nothing derived)."""
+        return {key: super(LazyCacheDict, self).__getitem__(key) for key in self}
+
     def stored(self) -> Iterator[tuple[str, Tensor]]:
         """The entries that hold tensors (not the derived ones)."""
-        for key in self:
-            value = super().__getitem__(key)
-            if not isinstance(value, _Derived):
-                yield key, value
+        return ((k, v) for k, v in self.raw().items() if not isinstance(v, _Derived))
 
-    def map_stored(self, fn: Callable[[Tensor], Tensor]) -> LazyCacheDict:
-        """A copy with ``fn`` applied to every stored tensor; derived entries follow their sources."""
+    def map_stored(
+        self, fn: Callable[[Tensor], Tensor], coeffs: Callable[[Tensor], Tensor] | None = None
+    ) -> LazyCacheDict:
+        """A copy with ``fn`` applied to every stored tensor; derived entries follow their sources, and ``coeffs``
+        (if given) is applied to their :class:`HeadDerivation` coefficients."""
         out = LazyCacheDict()
-        for key in self:
-            value = super().__getitem__(key)
-            dict.__setitem__(out, key, value if isinstance(value, _Derived) else fn(value))
+        for key, value in self.raw().items():
+            if not isinstance(value, _Derived):
+                value = fn(value)
+            elif coeffs is not None and isinstance(value.derive, HeadDerivation):
+                value = _Derived(value.sources, value.derive.map(coeffs))
+            dict.__setitem__(out, key, value)
         return out
+
+    def __reduce__(self) -> Any:  # pickle what is held, not derived values
+        return (_rebuild_lazy, (self.raw(),))
+
+
+def _rebuild_lazy(raw: dict[str, Any]) -> LazyCacheDict:
+    out = LazyCacheDict()
+    for key, value in raw.items():
+        dict.__setitem__(out, key, value)
+    return out
 
 
 class NeuronHeadCache(ActivationCache):
-    """``ActivationCache`` over a :class:`LazyCacheDict`: device moves and batch slicing keep entries compact."""
+    """``ActivationCache`` over a :class:`LazyCacheDict`: device moves, dtype casts, batch slicing and pickling keep
+    entries compact and derived entries correct."""
 
     cache_dict: LazyCacheDict
 
@@ -78,8 +322,18 @@ class NeuronHeadCache(ActivationCache):
         sizes = [v.size(0) for _, v in self.cache_dict.stored() if v.ndim > 0]
         return max(set(sizes), key=sizes.count) if sizes else 1
 
-    def to(self, device: Any) -> NeuronHeadCache:
-        self.cache_dict = self.cache_dict.map_stored(lambda t: t.to(device))
+    def to(self, device: Any, move_model: bool = False) -> NeuronHeadCache:
+        """Move (a device) or cast (a floating dtype) every stored tensor and derivation coefficient.
+        ``move_model`` moves/casts the model too, as in TransformerLens."""
+        if isinstance(device, torch.dtype) and not device.is_floating_point:
+            raise ValueError(f"cache.to takes a device or a floating dtype; got {device}")
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(device) if not isinstance(device, torch.dtype) or t.is_floating_point() else t
+
+        self.cache_dict = self.cache_dict.map_stored(move, move)
+        if move_model:
+            self.model.to(device)
         return self
 
     def remove_batch_dim(self, batch_size: int | None = None) -> NeuronHeadCache:
@@ -103,3 +357,35 @@ class NeuronHeadCache(ActivationCache):
             lambda t: batch_slice.apply(t, dim=0) if t.ndim > 0 and t.size(0) == size else t
         )
         return NeuronHeadCache(sliced, self.model, has_batch_dim=self.has_batch_dim and batch_slice.mode != "int")
+
+
+def pattern_hook(
+    aot: Any,
+    block: int | str,
+    heads: HeadIndex,
+    fn: Callable[[Tensor, Any], None],
+    *,
+    hook: Literal["hook_pattern", "hook_attn_scores"] = "hook_pattern",
+) -> tuple[str, Callable[[Tensor, Any], None]]:
+    """A forward hook that hands ``fn(entry, hook)`` the ``hook_pattern`` (or ``hook_attn_scores``) of the chosen
+    neuron / gate / product heads of ``block`` only, ``[batch, k, query, key]``, at ``O(batch·k·N²)``.
+
+    Use it as ``aot.run_with_hooks(tokens, fwd_hooks=[pattern_hook(aot, 3, heads, fn)])``. It hooks the block's
+    ``hook_pre`` (product heads: ``hook_pre_linear``), so the model keeps its closed-form path and never builds the
+    whole block. It observes: to change patterns, hook ``hook_pattern`` itself (which builds every head).
+    """
+    index = block if isinstance(block, int) else int(str(block).split(".")[1])
+    attn = aot.blocks[index].attn
+    if not hasattr(attn, "derivations"):
+        raise ValueError(f"block {index} holds the source's own attention heads; hook its hook_pattern directly")
+    if hook not in DENSE_HOOKS:
+        raise ValueError(f"hook must be one of {DENSE_HOOKS}; got {hook!r}")
+    entry = hook
+    (source,), derivation = attn.derivations()[entry]
+    chosen = torch.arange(attn.n_heads)[heads] if isinstance(heads, slice) else torch.as_tensor(heads).reshape(-1)
+
+    def observe(act: Tensor, hook: Any) -> None:
+        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook) is not None:
+            raise ValueError(f"pattern_hook observes {entry}; to change it, hook blocks.{index}.attn.{entry} itself")
+
+    return f"blocks.{index}.attn.{source}", observe

@@ -191,20 +191,12 @@ class NeuronAttention(nn.Module):
         return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
-        """How each per-head hook follows from ``hook_pre`` when nothing intervenes (for the compact cache)."""
+        """How each per-head hook follows from ``hook_pre`` when nothing intervenes (for the compact cache): hook ->
+        (sources, :class:`~lens_aot.cache.HeadDerivation`), self-contained data holding copies of the fit terms."""
+        from lens_aot.cache import neuron_head_derivations
 
-        def scores(pre: Tensor) -> Tensor:
-            return self.dense_scores(pre.new_zeros(()).expand(*pre.shape[:-1], self.n_heads))
-
-        src = ("hook_pre",)
-        return {
-            "hook_q": (src, self.queries),
-            "hook_k": (src, self.keys),
-            "hook_v": (src, self.values),
-            "hook_attn_scores": (src, scores),
-            "hook_pattern": (src, lambda pre: self.dense_pattern(scores(pre), -self.queries(pre).squeeze(-1))),
-            "hook_z": (src, lambda pre: self.self_weight(self.queries(pre), self.keys(pre)) * self.values(pre)),
-        }
+        coeffs = {k: getattr(self, f"term_{k}") for k in ("alpha", "beta", "b", "d")}
+        return neuron_head_derivations("neuron", coeffs, self.heads_per_neuron)
 
     def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"]) -> Float[Tensor, "... pos d_mlp"]:
         """Each neuron's activation from its heads' ``hook_z`` (the sum over its terms)."""

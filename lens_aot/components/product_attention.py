@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked as _hooked
-from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
+from lens_aot.components.neuron_attention import attend_self_and_slot
 from lens_aot.spec import MLPSpec
 
 
@@ -207,17 +207,8 @@ class ProductAttention(nn.Module):
         return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
-        """How each per-head hook follows from ``hook_pre_linear`` and ``hook_gate`` (for the compact cache)."""
+        """How each per-head hook follows from ``hook_pre_linear`` and ``hook_gate`` (for the compact cache): hook ->
+        (sources, :class:`~lens_aot.cache.HeadDerivation`), self-contained data holding a copy of the scales."""
+        from lens_aot.cache import neuron_head_derivations
 
-        def scores(u: Tensor) -> Tensor:
-            return NeuronAttention.dense_scores(u.new_zeros(()).expand(*u.shape[:-1], self.n_heads))
-
-        u_src, both = ("hook_pre_linear",), ("hook_pre_linear", "hook_gate")
-        return {
-            "hook_q": (u_src, self.queries),
-            "hook_k": (u_src, self.keys),
-            "hook_v": (("hook_gate",), self.values),
-            "hook_attn_scores": (u_src, scores),
-            "hook_pattern": (u_src, lambda u: NeuronAttention.dense_pattern(scores(u), -self.queries(u).squeeze(-1))),
-            "hook_z": (both, lambda u, h: torch.sigmoid(self.queries(u)) * self.values(h)),
-        }
+        return neuron_head_derivations("product", {"scales": self.scales}, self.heads_per_neuron)

@@ -1,0 +1,88 @@
+"""Memory benchmarks: sparse neuron-head patterns and conversion peak.
+
+* ``patterns``: GPT-2-small shape (random weights, gelu_new, 4 heads per neuron: 12,288 neuron heads per block),
+  1×1024 tokens. Times ``cache[name][:, heads]`` for 10 neuron heads of one block and ``pattern_hook`` on them, and
+  counts the bytes of every tensor created (``lens_aot.memory.AllocationMeter``, an upper bound on the extra peak),
+  beside the size the whole ``[batch, 12288, N, N]`` block would have. Targets: ≤ 200 MB and ≤ 2 s.
+
+    python benchmarks/bench_memory.py [--source hooked|bridge|auto] [--threads N] [--tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from bench_shapes import build_source
+
+import lens_aot
+from lens_aot.cache import pattern_hook
+from lens_aot.memory import AllocationMeter
+
+MB = 1e6
+
+
+def sparse_patterns(aot: lens_aot.AttentionOnlyTransformer, n_tokens: int, k: int = 10) -> list[str]:
+    block = aot.neuron_block(5)
+    name = f"blocks.{block}.attn.hook_pattern"
+    n_heads = aot.cfg.n_heads_per_block[block]
+    heads = torch.linspace(0, n_heads - 1, k).long().tolist()
+    tokens = torch.randint(0, aot.cfg.d_vocab, (1, n_tokens), generator=torch.Generator().manual_seed(0))
+    item = torch.finfo(aot.cfg.dtype).bits // 8
+    whole = n_tokens * n_tokens * n_heads * item
+    with torch.no_grad():
+        _, cache = aot.run_with_cache(tokens, names_filter=name)
+        start = time.perf_counter()
+        with AllocationMeter() as meter:
+            got = cache[name][:, heads]
+        index_s = time.perf_counter() - start
+        seen: list[torch.Tensor] = []
+        hook_name, observe = pattern_hook(aot, block, heads, lambda pattern, hook: seen.append(pattern))
+        hook_meter = AllocationMeter()
+
+        def metered(act: torch.Tensor, hook: object) -> None:
+            with hook_meter:
+                observe(act, hook=hook)
+
+        start = time.perf_counter()
+        aot(tokens, return_type=None)
+        plain_s = time.perf_counter() - start
+        start = time.perf_counter()
+        aot.run_with_hooks(tokens, return_type=None, fwd_hooks=[(hook_name, metered)])
+        hook_s = time.perf_counter() - start
+    assert got.shape == (1, k, n_tokens, n_tokens) and seen[0].shape == got.shape
+    return [
+        f"| `cache[name][:, heads]`, {k} of {n_heads} neuron heads, 1×{n_tokens} tokens | {index_s:.2f} s | "
+        f"{meter.total / MB:.0f} MB allocated (largest {meter.largest / MB:.0f} MB; the whole block: "
+        f"{whole / MB:,.0f} MB) | ≤ 2 s, ≤ 200 MB |",
+        f"| `pattern_hook` on those heads, in a forward | {hook_s:.2f} s (plain forward {plain_s:.2f} s) | "
+        f"{hook_meter.total / MB:.0f} MB allocated by the hook | ≤ 2 s extra, ≤ 200 MB extra |",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=1024)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kind = args.source
+    if kind == "auto":
+        try:
+            from transformer_lens import HookedTransformer  # noqa: F401
+
+            kind = "hooked"
+        except ImportError:
+            kind = "bridge"
+    aot = lens_aot.convert(build_source("gpt2", kind, "cpu"), check=False)
+    print(f"GPT-2-small shape, {kind} source, float32, CPU, {torch.get_num_threads()} thread(s)\n")
+    print("| measure | time | memory | target |\n|---|---|---|---|")
+    for line in sparse_patterns(aot, args.tokens):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Measuring memory: bytes of new tensor storage allocated by torch operations (any device, CPU included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Within ``with AllocationMeter() as meter:``, ``meter.total`` is the bytes of every new storage that torch
+    operations returned (an upper bound on the extra peak memory of the block), ``meter.largest`` the biggest one.
+    Views and in-place results share an existing storage and count nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.largest = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not _has_storage(t):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in inputs or ptr in self._seen:
+                continue
+            self._seen.add(ptr)
+            self.total += storage.nbytes()
+            self.largest = max(self.largest, storage.nbytes())
+        return out
+
+
+def _has_storage(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.device.type != "meta" and type(t) is Tensor
