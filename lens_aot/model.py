@@ -432,9 +432,15 @@ class AttentionOnlyTransformer(HookedRootModule):
 
     def neuron_activations(self, cache: ActivationCache | dict[str, Tensor], layer: int) -> Float[Tensor, "... d_mlp"]:
         """A source layer's MLP activations (``mlp.hook_post``) from its neuron heads' ``hook_z``: the sum over a
-        neuron's heads (plain MLPs), or ``(2/ε)(z₊ − z₋) + b_post`` over its product heads (gated MLPs)."""
+        neuron's heads (plain MLPs), or ``(2/ε)(z₊ − z₋) + b_post`` over its product heads (gated MLPs; computed
+        without cancellation from the cached ``hook_pre_linear`` / ``hook_gate`` when present, see
+        :meth:`ProductAttention.neuron_output`)."""
         block = self.neuron_block(layer)
-        return self.blocks[block].attn.neuron_output(cache[f"blocks.{block}.attn.hook_z"])
+        heads, name = self.blocks[block].attn, f"blocks.{block}.attn"
+        z = cache[f"{name}.hook_z"]
+        if isinstance(heads, ProductAttention) and f"{name}.hook_pre_linear" in cache and f"{name}.hook_gate" in cache:
+            return heads.neuron_output(z, cache[f"{name}.hook_pre_linear"], cache[f"{name}.hook_gate"], dense=None)
+        return heads.neuron_output(z)
 
     def _layer(self, layer: int) -> int:
         n = len(self._block_of)

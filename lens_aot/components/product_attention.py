@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import einops
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
@@ -155,11 +156,48 @@ class ProductAttention(nn.Module):
         """``v = h`` for both heads of a neuron (``hook_v``)."""
         return h.repeat_interleave(2, dim=-1)[..., None]
 
-    def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"]) -> Float[Tensor, "... pos d_mlp"]:
-        """Each neuron's ``post`` (the source's ``mlp.hook_post``) from its two heads' ``hook_z``."""
+    def neuron_output(
+        self,
+        z: Float[Tensor, "... pos n_heads 1"],
+        u: Float[Tensor, "... pos d_mlp"] | None = None,
+        h: Float[Tensor, "... pos d_mlp"] | None = None,
+        dense: bool | None = False,
+    ) -> Float[Tensor, "... pos d_mlp"]:
+        """Each neuron's ``post`` (the source's ``mlp.hook_post``) from its two heads' ``hook_z``.
+
+        ``(2/ε)(z₊ − z₋)`` cancels: ``z₊ ≈ z₋ ≈ h/2`` and their difference is ``≈ ε·u·h/2``, so rounding of ``z``
+        (``ulp(h)``) is amplified by ``2/ε`` (``ε_n`` ~ 1e-5 on trained weights: errors of 1e-3 in float32). Given the
+        inputs ``u`` (``hook_pre_linear``) and ``h`` (``hook_gate``), the pair is instead the closed form
+        ``(2/ε)·h·tanh(εu/2)`` plus ``(2/ε)`` times the change of ``z₊ − z₋`` from its standard value
+        ``standard_z`` (computed by the same operations, so exactly 0 unless a hook changed ``z``; ``dense``: ``z``
+        came through the dense pattern): linear in ``z``, so patched heads act exactly as they would on the cancelling
+        form, without its rounding. ``dense=None`` (a cached ``z`` from either route): changes within 8 ulps of
+        ``max |z|`` are taken as the routes' rounding difference (the dense route differs by that much), not an
+        intervention.
+        """
         pair = z.squeeze(-1).unflatten(-1, (self.d_mlp, 2))
-        post = (pair[..., 0] - pair[..., 1]) * (2 / self.scales)
+        if u is None or h is None:
+            post = (pair[..., 0] - pair[..., 1]) * (2 / self.scales)
+        else:
+            standard = self.standard_z(u, h, bool(dense)).squeeze(-1).unflatten(-1, (self.d_mlp, 2))
+            delta = pair - standard
+            if dense is None:
+                rounding = 8 * torch.finfo(z.dtype).eps * standard.abs().amax()
+                delta = delta.masked_fill(delta.abs() <= rounding, 0.0)
+            post = self.product(u, h) + (delta[..., 0] - delta[..., 1]) * (2 / self.scales)
         return post if self.b_post is None else post + self.b_post
+
+    def standard_z(
+        self, u: Float[Tensor, "... pos d_mlp"], h: Float[Tensor, "... pos d_mlp"], dense: bool = False
+    ) -> Float[Tensor, "... pos n_heads 1"]:
+        """The heads' ``hook_z`` when no hook intervenes, ``h·σ(±ε·u)``, by the same operations as the per-head path
+        (:func:`attend_self_and_slot`): the closed-form softmax weight, or (``dense``) the dense pattern."""
+        q, k, v = self.queries(u), self.keys(u), self.values(h)
+        if dense:
+            scores = NeuronAttention.dense_scores((q * k).squeeze(-1) / self.attn_scale)
+            pattern = NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / self.attn_scale)
+            return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+        return NeuronAttention.self_weight(q, k) * v
 
     def product(
         self, u: Float[Tensor, "... pos d_mlp"], h: Float[Tensor, "... pos d_mlp"]
@@ -185,7 +223,8 @@ class ProductAttention(nn.Module):
             result = self.hook_result(z * self.W_O.squeeze(1))
             return result.sum(dim=2) + self.b_O
         clear = -z.squeeze(-1).unflatten(-1, (self.d_mlp, 2)).sum(-1)
-        return self._write(self.neuron_output(z) @ self.W_out + self.b_out, clear)
+        post = self.neuron_output(z, u, h, dense=_hooked(self.hook_attn_scores, self.hook_pattern))
+        return self._write(post @ self.W_out + self.b_out, clear)
 
     def _write(
         self, main: Float[Tensor, "batch pos d_model"], clear: Float[Tensor, "batch pos d_mlp"]
