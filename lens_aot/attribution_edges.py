@@ -251,7 +251,12 @@ def _forward_edges(
             if _block_of(ref.name) == block:
                 member[where[ref.head], j] = 1
     z0 = _head_z(attn, state)[..., head_t, 0]
-    gz = _head_grads(attn, runs.grads[f"blocks.{block}.hook_attn_out"])[..., head_t, 0].to(z0.dtype)
+    grad_out = runs.grads[f"blocks.{block}.hook_attn_out"]
+    if "v" in inputs and _gates_patched_products(aot, block, [receivers[c] for c in cols]):  # type: ignore[misc]
+        # gate heads whose neuron's product heads are receivers too: their values are patched, so a gate head reaches
+        # the metric only past the product block (the scratch channel's residual path)
+        grad_out = runs.grads[f"blocks.{block + 1}.hook_attn_out"]
+    gz = _head_grads(attn, grad_out)[..., head_t, 0].to(z0.dtype)
     q0, v0 = _qv(attn, state, head_t)
     W_O = {b: aot.blocks[b].attn.W_O.detach() for b in dz if b < start}
     out = torch.zeros(len(senders), len(receivers), dtype=torch.float64)
@@ -297,3 +302,13 @@ def _qv(
     n, term = heads // k, heads % k
     z = pre[..., n]
     return z * attn.term_b[term] + attn.term_d[term], z * attn.term_alpha[term] + attn.term_beta[term]
+
+
+def _gates_patched_products(aot: AttentionOnlyTransformer, block: int, units: Sequence[PatchUnit]) -> bool:
+    """Whether ``block`` holds gate heads and the receiver units include product heads of the next block."""
+    attn = aot.blocks[block].attn
+    if getattr(attn, "scratch", None) is None or block + 1 >= len(aot.blocks):
+        return False
+    if not isinstance(aot.blocks[block + 1].attn, ProductAttention):
+        return False
+    return any(_block_of(ref.name) == block + 1 for unit in units for ref in unit.heads)
