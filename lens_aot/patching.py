@@ -1289,3 +1289,21 @@ def _insert_hook(
         return torch.where(mask[:, None, None, :, None], source.to(act.dtype), stacked).reshape(act.shape)
 
     return hook
+
+
+# ==================================================================================================== attribution
+_ATTRIBUTION = ("attribute_edges", "attribute_heads", "attribute_neurons", "attribute_units")
+
+
+def __getattr__(name: str) -> Any:
+    """Gradient attribution (:mod:`lens_aot.attribution`) and its check (:mod:`lens_aot.attribution_check`), reachable
+    as ``patching.attribute_heads`` etc. (imported on first use: those modules import this one)."""
+    if name in _ATTRIBUTION:
+        from lens_aot import attribution
+
+        return getattr(attribution, name)
+    if name in ("verify_attribution", "Verification"):
+        from lens_aot import attribution_check
+
+        return getattr(attribution_check, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
