@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked as _hooked
-from lens_aot.components.neuron_attention import attend_self_and_slot
+from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
 from lens_aot.spec import MLPSpec
 
 
