@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.gating import GatedFit, gated_fit
 from lens_aot.model import AttentionOnlyTransformer
-from lens_aot.read import check_finite, read_model, run_source, sample_tokens
+from lens_aot.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.spec import ModelSpec
 
 
@@ -37,6 +38,8 @@ class ConversionReport:
     sample_shape: tuple[int, ...]
     max_abs_logit_error: float | None  # max |Δlogit| on the sample (None when the check was skipped)
     argmax_agreement: float | None
+    half_logit_error: float | None = None  # half sources: max |Δlogit| of the converted half model vs float32 source
+    half_source_logit_error: float | None = None  # half sources: the same for the half source itself (its rounding)
     gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
     parallel: bool = False  # parallel attention + MLP layers
     product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
@@ -140,6 +143,59 @@ def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
     return count, size
 
 
+def half_precision_tolerance(source_half_error: float) -> float:
+    """The largest logit error (against the float32 source) a converted half-precision model may have: twice the
+    half source's own error against float32, measured on the same tokens. Half rounding (2^-8 bfloat16, 2^-11
+    float16 per operation) dwarfs the conversion's certified float32 error, so the source's own rounding is the floor
+    the converted model is judged against."""
+    return 2.0 * source_half_error
+
+
+def _eval_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The source's logits in eval mode and without gradients (its training flags are restored)."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.train(False)  # no dropout in the check
+        with torch.no_grad():
+            return run_source(model, tokens)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+def _convert_half(model: Any, half: torch.dtype, check: bool, check_tokens: torch.Tensor | None, **options: Any) -> Any:
+    """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
+    cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
+    (:func:`lens_aot.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
+    error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own."""
+    if options.get("masks") == "weights":
+        raise UnsupportedArchitectureError(
+            f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
+            f"norms' compensating epsilon lose too much in half precision. Use the default masks='explicit', or cast "
+            f"the model first: model.to(torch.float32)."
+        )
+    with upcast_half(model, half):
+        aot = convert(model, check=check, check_tokens=check_tokens, **options)
+        tokens = sample_tokens(aot.cfg) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
+        expected = _eval_logits(model, tokens.to(aot.cfg.device)).float() if check else None
+    aot.to(half)
+    report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=_param_stats(model)[1])
+    report = replace(report, converted_bytes=_param_stats(aot)[1])
+    if expected is not None:
+        source_error = float((_eval_logits(model, tokens.to(aot.cfg.device)).float() - expected).abs().max())
+        with torch.no_grad():
+            error = float((aot(tokens).float() - expected).abs().max())
+        if not error <= half_precision_tolerance(source_error):
+            raise ValueError(
+                f"the converted {half} model's logit error against the float32 source, {error:.3g}, exceeds "
+                f"{half_precision_tolerance(source_error):.3g} (twice the {half} source's own, {source_error:.3g}). "
+                f"Convert the float32 model and keep it in float32: model.to(torch.float32)."
+            )
+        report = replace(report, half_logit_error=error, half_source_logit_error=source_error)
+    aot.report = report
+    return aot
+
+
 def convert(
     model: Any,
     *,
@@ -153,8 +209,9 @@ def convert(
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
 
     Args:
-        model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified.
-            A :class:`~lens_aot.spec.ModelSpec` is accepted too (checked against
+        model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified
+            (a float16 / bfloat16 source is cast to float32 in place while it is read and checked, then cast back bit
+            for bit). A :class:`~lens_aot.spec.ModelSpec` is accepted too (checked against
             :class:`~lens_aot.reference.MLPTransformer`).
         max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
@@ -177,6 +234,10 @@ def convert(
         ``.report`` describes it.
     """
     _check_options(max_neuron_error, heads_per_neuron)
+    half = half_dtype(model)
+    if half is not None:
+        options = dict(max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron, masks=masks, omega=omega)
+        return _convert_half(model, half, check, check_tokens, **options)
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
         from lens_aot.reference import MLPTransformer
 

@@ -7,6 +7,8 @@ Version-specific names are imported lazily inside the per-class readers, never a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -80,6 +82,55 @@ def run_source(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "b
     if not isinstance(logits, Tensor):
         raise TypeError(f"could not read logits from the source model's output of type {type(out).__name__}")
     return logits
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def half_dtype(model: Any) -> torch.dtype | None:
+    """The source's half dtype (float16 / bfloat16) when all its floating parameters are in it, else None."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= set(HALF_DTYPES) else None
+
+
+@contextmanager
+def upcast_half(model: Any, half: torch.dtype) -> Iterator[None]:
+    """Run the body with the half-precision source's floating parameters and buffers cast to float32 in place, then
+    give each back its own dtype (half → float32 → half is exact, so the source is returned bit for bit; buffers the
+    source keeps in float32, e.g. masks or rotary tables, stay as they were). Reading, fitting and the certified
+    agreement check then happen in float32, at the cost of the source's parameters in float32 meanwhile."""
+    cfg = getattr(model, "cfg", None)
+    cfg_dtype = getattr(cfg, "dtype", None)
+    originals: list[tuple[Any, str, str, torch.dtype]] = []  # (module, "_parameters" / "_buffers", name, dtype)
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                if tensor is not None and tensor.is_floating_point():
+                    originals.append((module, kind, name, tensor.dtype))
+    upcast = [(module, kind, name, torch.float32) for module, kind, name, _ in originals]
+    try:
+        _set_dtypes(upcast)
+        if cfg_dtype is not None:
+            cfg.dtype = torch.float32
+        yield
+    finally:
+        _set_dtypes(originals)
+        if cfg_dtype is not None:
+            cfg.dtype = cfg_dtype
+
+
+def _set_dtypes(entries: list[tuple[Any, str, str, torch.dtype]]) -> None:
+    """Cast each listed parameter (in place, keeping the ``Parameter``) or buffer to its dtype."""
+    for module, kind, name, dtype in entries:
+        tensor = getattr(module, kind)[name]
+        if tensor.dtype == dtype:
+            continue
+        if kind == "_parameters":
+            tensor.data = tensor.data.to(dtype)
+        else:
+            module._buffers[name] = tensor.to(dtype)
 
 
 def sample_tokens(spec: ModelSpec, batch: int = 2, pos: int = 64, seed: int = 0) -> Int[Tensor, "batch pos"]:

@@ -100,17 +100,20 @@ def test_unknown_activations(act_fn: str | None, shown: str) -> None:
         lens_aot.convert(_with_cfg(act_fn=act_fn))
 
 
-def test_float16_is_refused() -> None:
+def test_float16_standard_masks_are_refused() -> None:
     with _raises(
         UnsupportedArchitectureError, r"torch\.float16", r"float32 or float64", r"model\.to\(torch\.float32\)"
     ):
-        lens_aot.convert(make_hooked("ln-standard", "silu", torch.float16))
+        lens_aot.convert(make_hooked("ln-standard", "silu", torch.float16), masks="weights")
 
 
-def test_cast_to_half_after_building_is_refused() -> None:
+def test_cast_to_half_after_building_converts() -> None:
+    """A model cast to float16 after building converts, and the source comes back unchanged, in float16."""
     model = make_hooked("rms-rotary", "gelu").to(torch.float16)
-    with _raises(UnsupportedArchitectureError, r"torch\.float16", r"model\.to\(torch\.float32\)"):
-        lens_aot.convert(model)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    aot = lens_aot.convert(model)
+    assert aot.cfg.dtype == model.cfg.dtype == torch.float16
+    assert all(torch.equal(before[name], p) and before[name].dtype == p.dtype for name, p in model.state_dict().items())
 
 
 NON_FINITE = {  # (family, parameter) -> name in the message

@@ -102,6 +102,6 @@ def test_fit_options_are_validated() -> None:
         lens_aot.convert(make_hooked("ln-standard", "silu"), heads_per_neuron=3)
 
 
-def test_half_precision_is_refused() -> None:
+def test_half_precision_standard_masks_are_refused() -> None:
     with pytest.raises(UnsupportedArchitectureError, match=r"torch.bfloat16.*float32 or float64.*model.to"):
-        lens_aot.convert(make_hooked("ln-standard", "silu", torch.bfloat16))
+        lens_aot.convert(make_hooked("ln-standard", "silu", torch.bfloat16), masks="weights")

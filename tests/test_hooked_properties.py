@@ -77,8 +77,6 @@ REFUSED: dict[str, tuple[dict[str, Any], type[LensAOTError], tuple[str, ...]]] =
         UnsupportedArchitectureError,
         (r"local", r"window", r"Supported:"),
     ),
-    "float16": (dict(dtype=torch.float16), UnsupportedArchitectureError, (r"float16", r"model\.to\(torch\.float32\)")),
-    "bfloat16": (dict(dtype=torch.bfloat16), UnsupportedArchitectureError, (r"bfloat16", r"model\.to\(torch\.float32")),
 }
 
 
