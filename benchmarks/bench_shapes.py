@@ -6,10 +6,17 @@ Shapes (random weights, default conversion options):
 * ``llama``: Llama-shaped, 8 layers, d_model 768, 12 heads (4 key/value heads), d_mlp 2048, vocab 32000, n_ctx 1024,
   RMSNorm, rotary, SwiGLU (gated: gate heads write to d_mlp scratch channels, product heads clear them).
 
-Source: a HookedTransformer (TransformerLens 3.x) or a TransformerBridge over the Hugging Face model (3.9 / 4.x),
-built offline. Prints a markdown table (the README's performance section).
+Two source columns, measured in the same run: **dense** attention (a HookedTransformer on TransformerLens 3.x, which
+always computes the full score matrix, or with ``--source bridge`` a TransformerBridge over the Hugging Face model
+with ``attn_implementation="eager"``) and **SDPA** (a TransformerBridge over the Hugging Face model with
+``attn_implementation="sdpa"``, torch's fused ``scaled_dot_product_attention``). Each ratio is converted time (or
+bytes) over that source's: the converted model's own attention heads use SDPA when unhooked, so "vs SDPA" is the
+like-for-like ratio and "vs dense" includes the gain of fused attention. Conversion is timed with default options
+(``check=True``: one source forward, one converted forward and one perturbed source forward on 2x64 tokens).
+Use ``--threads 1`` for per-core figures. Prints a markdown table (the README's performance section).
 
     python benchmarks/bench_shapes.py [--shape gpt2|llama] [--source hooked|bridge] [--repeats 5] [--threads N]
+        [--scale 1.0]
 """
 
 from __future__ import annotations
@@ -34,10 +41,21 @@ SHAPES: dict[str, dict[str, Any]] = {
 N_KV_LLAMA = 4
 
 
-def build_source(shape: str, kind: str, device: str) -> Any:
-    """A random-weight source model of ``shape``."""
+def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale: float = 1.0) -> Any:
+    """A random-weight source model of ``shape`` (``kind`` "hooked": a HookedTransformer, dense attention; "bridge":
+    a TransformerBridge over the HF model with ``attn_implementation=attn``); ``scale`` < 1 shrinks the widths, the
+    depth and the vocabulary (for checking the script quickly)."""
     torch.manual_seed(0)
-    dims = SHAPES[shape]
+    dims = dict(SHAPES[shape])
+    if scale != 1.0:
+        heads = max(2, round(dims["n_heads"] * scale) // N_KV_LLAMA * N_KV_LLAMA or N_KV_LLAMA)
+        dims.update(
+            n_layers=max(1, round(dims["n_layers"] * scale)),
+            n_heads=heads,
+            d_model=heads * dims["d_head"],
+            d_mlp=max(8, round(dims["d_mlp"] * scale)),
+            d_vocab=max(64, round(dims["d_vocab"] * scale)),
+        )
     if kind == "hooked":
         from transformer_lens import HookedTransformer, HookedTransformerConfig
 
@@ -58,7 +76,7 @@ def build_source(shape: str, kind: str, device: str) -> Any:
         hf_cfg = GPT2Config(
             vocab_size=dims["d_vocab"], n_positions=dims["n_ctx"], n_embd=dims["d_model"], n_layer=dims["n_layers"],
             n_head=dims["n_heads"], n_inner=dims["d_mlp"], activation_function="gelu_new",
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
         )  # fmt: skip
         model = GPT2LMHeadModel(hf_cfg).eval().to(device)
         return build_bridge_from_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
@@ -67,7 +85,7 @@ def build_source(shape: str, kind: str, device: str) -> Any:
     hf_cfg = LlamaConfig(
         vocab_size=dims["d_vocab"], hidden_size=dims["d_model"], intermediate_size=dims["d_mlp"],
         num_hidden_layers=dims["n_layers"], num_attention_heads=dims["n_heads"], num_key_value_heads=N_KV_LLAMA,
-        max_position_embeddings=dims["n_ctx"], tie_word_embeddings=False,
+        max_position_embeddings=dims["n_ctx"], tie_word_embeddings=False, attn_implementation=attn,
     )  # fmt: skip
     model = LlamaForCausalLM(hf_cfg).eval().to(device)
     return build_bridge_from_module(model, "LlamaForCausalLM", hf_config=hf_cfg, model_name="llama-shape").eval()
@@ -112,6 +130,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink the shape (< 1: a quick check of the script)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,29 +144,34 @@ def main() -> None:
             kind = "bridge"
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    source = build_source(args.shape, kind, device)
+    sources = {
+        "dense": build_source(args.shape, kind, device, attn="eager", scale=args.scale),
+        "SDPA": build_source(args.shape, "bridge", device, attn="sdpa", scale=args.scale),
+    }
+    source = sources["dense"]
+    d_vocab = source.cfg.d_vocab
 
     start = time.perf_counter()
-    aot = lens_aot.convert(source, check=False)
+    aot = lens_aot.convert(source)  # default options: the agreement check included
     convert_s = time.perf_counter() - start
     aot.eval()
 
-    rows: list[tuple[str, float, float, float, str]] = []
+    rows: list[tuple[str, dict[str, float], float, str]] = []  # name, source time per column, converted, target
     gen = torch.Generator().manual_seed(0)
 
     def toks(n: int) -> torch.Tensor:
-        return torch.randint(0, SHAPES[args.shape]["d_vocab"], (1, n), generator=gen).to(device)
+        return torch.randint(0, d_vocab, (1, n), generator=gen).to(device)
 
     with torch.no_grad():
         for n in (128, 1024):
             t = toks(n)
-            src_s = timed(lambda t=t: run_source(source, t), args.repeats, sync)
-            aot_s = timed(lambda t=t: aot(t), args.repeats, sync)
-            rows.append((f"forward, {n} tokens", src_s, aot_s, aot_s / src_s, "≤ 1.25"))
+            src = {k: timed(lambda s=s, t=t: run_source(s, t), args.repeats, sync) for k, s in sources.items()}
+            rows.append((f"forward, {n} tokens", src, timed(lambda t=t: aot(t), args.repeats, sync), "≤ 1.25"))
         t = toks(256)
-        src_s = timed(lambda: source.run_with_cache(t), args.repeats, sync)
-        aot_s = timed(lambda: aot.run_with_cache(t), args.repeats, sync)
-        rows.append(("run_with_cache, 256 tokens", src_s, aot_s, aot_s / src_s, "≤ 2"))
+        src = {k: timed(lambda s=s: s.run_with_cache(t), args.repeats, sync) for k, s in sources.items()}
+        rows.append(
+            ("run_with_cache, 256 tokens", src, timed(lambda: aot.run_with_cache(t), args.repeats, sync), "≤ 2")
+        )
         _, src_cache = source.run_with_cache(t)
         src_b = cache_bytes(src_cache)
         del src_cache
@@ -164,7 +188,7 @@ def main() -> None:
 
     def backward(model: Any, t: torch.Tensor) -> float:
         model.zero_grad(set_to_none=True)
-        logits = run_source(model, t) if model is source else model(t)
+        logits = model(t) if model is aot else run_source(model, t)
         loss = torch.nn.functional.cross_entropy(logits[0, :-1], t[0, 1:])
         start = time.perf_counter()
         loss.backward()
@@ -172,27 +196,33 @@ def main() -> None:
         return time.perf_counter() - start
 
     t = toks(128)
-    backward(source, t), backward(aot, t)  # warm-up
-    src_bw = statistics.median(backward(source, t) for _ in range(args.repeats))
-    aot_bw = statistics.median(backward(aot, t) for _ in range(args.repeats))
-    rows.append(("backward, 128 tokens", src_bw, aot_bw, aot_bw / src_bw, "≤ 1.5"))
+    for model in (*sources.values(), aot):
+        backward(model, t)  # warm-up
+    src = {k: statistics.median(backward(s, t) for _ in range(args.repeats)) for k, s in sources.items()}
+    rows.append(
+        ("backward, 128 tokens", src, statistics.median(backward(aot, t) for _ in range(args.repeats)), "≤ 1.5")
+    )
 
     machine = (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     if device.startswith("cuda"):
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    print(f"{args.shape} shape, {aot.cfg.act_fn}, source {type(source).__name__}, {device} ({machine})")
+    dense_kind = type(source).__name__ + ("" if kind == "hooked" else ", HF eager attention")
+    print(f"{args.shape} shape (scale {args.scale:g}), {aot.cfg.act_fn}, {device} ({machine})")
+    print(f"sources: dense = {dense_kind}; SDPA = TransformerBridge, HF sdpa attention. Ratios: converted / source.")
     print(f"conversion: {aot.report.heads_per_neuron} heads per neuron, bound {aot.report.max_neuron_error:.0e}\n")
-    print("| measure | source | converted | ratio | target |")
-    print("|---|---|---|---|---|")
-    for name, a, b, ratio, target in rows:
-        print(f"| {name} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {ratio:.2f}× | {target} |")
-    print(f"| run_with_cache bytes, 256 tokens | {src_b / 2**20:.0f} MiB | {aot_b / 2**20:.0f} MiB | "
-          f"{aot_b / src_b:.2f}× | ≤ 3 |")  # fmt: skip
+    print("| measure | source dense | source SDPA | converted | ratio vs dense | ratio vs SDPA | target |")
+    print("|---|---|---|---|---|---|---|")
+    for name, src, b, target in rows:
+        d, f = src["dense"], src["SDPA"]
+        times = " | ".join(f"{x * 1e3:.1f} ms" for x in (d, f, b))
+        print(f"| {name} | {times} | {b / d:.2f}× | {b / f:.2f}× | {target} |")
+    print(f"| run_with_cache bytes, 256 tokens (dense source) | {src_b / 2**20:.0f} MiB | | {aot_b / 2**20:.0f} MiB | "
+          f"{aot_b / src_b:.2f}× | | ≤ 3 |")  # fmt: skip
     sb, ab = param_bytes(source), param_bytes(aot)
-    print(f"| parameter bytes | {sb / 2**20:.0f} MiB | {ab / 2**20:.0f} MiB | {ab / sb:.2f}× | ≤ 1.5 |")
-    print(f"| conversion time | | {convert_s:.2f} s | | < 10 s |")
+    print(f"| parameter bytes | {sb / 2**20:.0f} MiB | | {ab / 2**20:.0f} MiB | {ab / sb:.2f}× | | ≤ 1.5 |")
+    print(f"| conversion time, default options (check on) | | | {convert_s:.2f} s | | | < 10 s |")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from lens_aot.activations import ActivationFit, activation_fit
 from lens_aot.convert import ConversionReport, convert
 from lens_aot.errors import (
     AlreadyConvertedError,
+    FaithfulnessError,
     InputError,
     InvalidWeightsError,
     LensAOTError,
@@ -31,6 +32,7 @@ __all__ = [
     "AlreadyConvertedError",
     "AttentionOnlyTransformer",
     "ConversionReport",
+    "FaithfulnessError",
     "HeadOrigin",
     "HeadRef",
     "InputError",

@@ -38,17 +38,6 @@ Backend = Literal["auto", "hooked", "bridge"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
-# max |Δlogit| the support matrix states per activation and dtype (README, tests): verify's default bound.
-DEFAULT_TOLERANCES: dict[tuple[str | None, torch.dtype], float] = {
-    ("silu", torch.float32): 1e-5,
-    ("silu", torch.float64): 1e-10,
-    ("relu", torch.float32): 1e-4,
-    ("relu", torch.float64): 1e-5,
-    (None, torch.float32): 1e-5,
-    (None, torch.float64): 1e-10,
-}
-GELU_TOLERANCE = 1e-3  # gelu, gelu_new, gelu_fast, either dtype (dominated by the fit)
-
 _HF_NAME_HINT = (
     "Loading a model by name downloads it from the Hugging Face Hub, which needs an internet connection (or the model "
     "in the local Hub cache). Offline, pass a local checkpoint instead: a directory written by save_pretrained "
@@ -356,13 +345,6 @@ def load_source(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def default_tolerance(act_fn: str | None, dtype: torch.dtype) -> float:
-    """The support matrix's max |Δlogit| bound for an activation and dtype."""
-    if act_fn in ("gelu", "gelu_new", "gelu_fast"):
-        return GELU_TOLERANCE
-    return DEFAULT_TOLERANCES.get((act_fn, dtype), GELU_TOLERANCE)
-
-
 def _convert(args: argparse.Namespace) -> int:
     import lens_aot
 
@@ -410,6 +392,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     import lens_aot
+    from lens_aot.faithfulness import conversion_bound
     from lens_aot.io import read_config
     from lens_aot.read import read_model, run_source
 
@@ -444,6 +427,9 @@ def _verify(args: argparse.Namespace) -> int:
             tokens = torch.randint(0, aot.cfg.d_vocab, (args.batch, seq), generator=generator).to(aot.cfg.device)
             expected = run_source(model, tokens)
             got = aot(tokens)
+            stated_bound, sensitivity, rounding = conversion_bound(
+                model.eval(), tokens, expected, aot.cfg.activation_fits, len(spec.layers)
+            )
             diff = (got - expected).abs()
             err, mean = float(diff.max()), float(diff.mean())
             agreement = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
@@ -457,11 +443,13 @@ def _verify(args: argparse.Namespace) -> int:
     elif metadata.get("tolerance") is not None:
         bound, why = float(metadata["tolerance"]), "the --tolerance given to convert"
     else:
-        table = default_tolerance(aot.cfg.act_fn, aot.cfg.dtype)
-        act = aot.cfg.act_fn or "attention-only"
-        bound, why = table, f"the support matrix's bound for {act}/{str(aot.cfg.dtype).removeprefix('torch.')}"
-        if recorded_err is not None and 2 * recorded_err > table:
-            bound, why = 2 * recorded_err, "twice the error measured at conversion"
+        recorded_bound = getattr(report, "logit_bound", None)
+        at_conversion = "" if recorded_bound is None else f"; {recorded_bound:.1e} on convert's check tokens"
+        bound = stated_bound
+        why = (
+            f"the bound stated for this conversion: max(stated, 8·S + 4·R) on these tokens, S {sensitivity:.1e}, "
+            f"R {rounding:.1e}{at_conversion}"
+        )
     ok = err <= bound
     dtype_name = str(aot.cfg.dtype).removeprefix("torch.")
     lines = [

@@ -10,7 +10,8 @@ from typing import Any, Literal
 import torch
 
 from lens_aot.activations import ActivationFit, activation_fit
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
+from lens_aot.faithfulness import conversion_bound, stated_logit_error
 from lens_aot.gating import GatedFit, gated_fit
 from lens_aot.model import AttentionOnlyTransformer
 from lens_aot.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
@@ -43,6 +44,10 @@ class ConversionReport:
     gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
     parallel: bool = False  # parallel attention + MLP layers
     product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
+    logit_bound: float | None = None  # the bound the check judged against (lens_aot.faithfulness; None: no check)
+    neuron_sensitivity: float | None = None  # S: the source's max |Δlogit| under ±ε per neuron
+    rounding: float | None = None  # R: the rounding floor of the source's dtype at its logits' scale
+    neuron_rounding: float = 0.0  # per-neuron rounding of the fit's evaluation in this dtype, per unit (1 + |z|)
 
     def __str__(self) -> str:
         if self.activation is None:
@@ -51,6 +56,11 @@ class ConversionReport:
             exact = "exact"
         else:
             exact = f"≤ {self.max_neuron_error:.1e} per neuron"
+        if self.activation is not None and self.neuron_rounding > self.max_neuron_error:
+            exact += (
+                f" (fit; {self.dtype} rounding limits it: ≤ {self.max_neuron_error:.1e} + "
+                f"{self.neuron_rounding:.1e}·(1 + |z|) holds)"
+            )
         layout = " (parallel attention + MLP)" if self.parallel else ""
         if self.gated:
             lo, hi = self.product_scales or (0.0, 0.0)
@@ -75,6 +85,12 @@ class ConversionReport:
             lines.append(
                 f"  agreement       max |Δlogit| {self.max_abs_logit_error:.2e}, argmax agreement "
                 f"{100 * (self.argmax_agreement or 0):.1f}% on tokens of shape {list(self.sample_shape)}"
+            )
+        if self.logit_bound is not None:
+            ok = self.max_abs_logit_error is not None and self.max_abs_logit_error <= self.logit_bound
+            lines.append(
+                f"  bound           max |Δlogit| ≤ {self.logit_bound:.2e} ({'within' if ok else 'EXCEEDED'}; "
+                f"max(stated, 8·S + 4·R), S {self.neuron_sensitivity:.1e}, R {self.rounding:.1e})"
             )
         return "\n".join(lines)
 
@@ -117,18 +133,70 @@ def _check_options(max_neuron_error: Any, heads_per_neuron: Any) -> None:
         )
 
 
-def _warn_about_source_hooks(model: Any) -> None:
-    """Hooks attached to the source are not part of the converted model, and would distort the check."""
+def _refuse_what_cannot_be_carried_over(model: Any, check: bool | str) -> None:
+    """Hooks attached to the source (they change its output and are not converted) and active dropout (the converted
+    model has none): refused, or (``check="warn"``) warned about; the check then compares against the eval-mode,
+    hooked source."""
+    problems = []
     hook_dict = getattr(model, "hook_dict", None)
-    if not isinstance(hook_dict, dict):
-        return
-    attached = [name for name, point in hook_dict.items() if getattr(point, "_forward_hooks", None)]
+    attached = []
+    if isinstance(hook_dict, dict):
+        attached = [name for name, point in hook_dict.items() if getattr(point, "_forward_hooks", None)]
     if attached:
-        warnings.warn(
-            f"the source model has hooks attached at {attached[:3]}{' …' if len(attached) > 3 else ''}; they are not "
-            f"converted, and the agreement check runs with them. Remove them (model.reset_hooks()) before convert().",
-            stacklevel=3,
+        problems.append(
+            f"the source model has hooks attached at {attached[:3]}{' …' if len(attached) > 3 else ''}; they may "
+            f"change its output and are not converted. Remove them (model.reset_hooks(including_permanent=True)) "
+            f"before convert()"
         )
+    dropout = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    if dropout:
+        problems.append(
+            f"the source model is in training mode with active dropout (at {dropout[:2]}); the converted model has "
+            f"no dropout and reproduces the source in eval mode. Call model.eval() before convert()"
+        )
+    if not problems:
+        return
+    message = "; and ".join(problems) + ", or pass check='warn' to convert anyway."
+    if check == "warn":
+        warnings.warn(message, stacklevel=3)
+    else:
+        raise FaithfulnessError(message)
+
+
+def _neuron_rounding(fits: dict[int, ActivationFit | GatedFit], dtype: torch.dtype) -> float:
+    """Per-neuron rounding of a plain layer's fit evaluated in ``dtype``, per unit ``(1 + |z|)``: 64 ulps (the
+    slack ``tests/robustness_helpers.assert_neurons_within_bound`` allows); 0 when no layer has a fit."""
+    if not dtype.is_floating_point or not any(isinstance(f, ActivationFit) for f in fits.values()):
+        return 0.0
+    return 64 * torch.finfo(dtype).eps
+
+
+def _check_agreement(
+    model: Any, aot: Any, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit], tokens: torch.Tensor
+) -> tuple[float, float, float, float, float]:
+    """Run source and converted model on ``tokens`` (source in eval mode; modes restored even on error) and measure
+    the source's sensitivity to its neurons' error: (max |Δlogit|, argmax agreement, bound, S, R), see
+    :mod:`lens_aot.faithfulness`."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.train(False)  # no dropout in the check (the source's modes are restored below)
+        with torch.no_grad():
+            expected = run_source(model, tokens.to(spec.device))
+            got = aot(tokens)
+            bound, sensitivity, rounding = conversion_bound(
+                model, tokens.to(spec.device), expected, fits, len(spec.layers)
+            )
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    max_err = float((got - expected).abs().max()) if got.numel() else 0.0
+    argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+
+    return max_err, argmax, bound, sensitivity, rounding
 
 
 def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
@@ -203,7 +271,7 @@ def convert(
     heads_per_neuron: int | None = None,
     masks: Literal["explicit", "weights"] = "explicit",
     omega: float = 1e6,
-    check: bool = True,
+    check: bool | Literal["warn"] = True,
     check_tokens: torch.Tensor | None = None,
 ) -> Any:
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
@@ -226,7 +294,11 @@ def convert(
             the model's own causal/bidirectional mask and the bias token, one-hot positions and all special masks
             live in the weights (small models: its neuron blocks are dense).
         omega: the Ω of Theorem 9 for ``masks="weights"``.
-        check: run source and converted model on a sample and record the logit error in ``aot.report``.
+        check: True (default): run source and converted model on a sample, record the logit error in ``aot.report``,
+            and raise :class:`~lens_aot.errors.FaithfulnessError` (with the numbers and the fix) when it exceeds the
+            bound stated for this conversion (``aot.report.logit_bound``, :mod:`lens_aot.faithfulness`); also refuse
+            a source with hooks attached or active dropout (not carried over). ``"warn"``: warn instead of raising
+            (for experts). False: skip the check (nothing measured, nothing refused).
         check_tokens: tokens for that check (default: 2 random sequences of up to 64 tokens, fixed seed).
 
     Returns:
@@ -256,21 +328,13 @@ def convert(
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)
-    max_err = argmax = None
+    max_err = argmax = bound = sensitivity = rounding = None
     tokens = sample_tokens(spec) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
+    if check not in (True, False, "warn"):
+        raise ValueError(f"check must be True, False or 'warn'; got {check!r}")
     if check:
-        _warn_about_source_hooks(model)
-        modes = {module: module.training for module in model.modules()}
-        try:
-            model.train(False)  # no dropout in the check (the source's modes are restored below)
-            with torch.no_grad():
-                expected = run_source(model, tokens.to(spec.device))
-                got = aot(tokens)
-        finally:
-            for module, training in modes.items():
-                module.training = training
-        max_err = float((got - expected).abs().max())
-        argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+        _refuse_what_cannot_be_carried_over(model, check)
+        max_err, argmax, bound, sensitivity, rounding = _check_agreement(model, aot, spec, fits, tokens)
     source_count, source_bytes = _param_stats(model)
     count, size = _param_stats(aot)
     first_fit = next(iter(fits.values()), None)
@@ -296,5 +360,22 @@ def convert(
         gated=isinstance(first_fit, GatedFit),
         parallel=any(layer.parallel for layer in spec.layers),
         product_scales=None if not gated_scales else (min(gated_scales), max(gated_scales)),
+        logit_bound=bound,
+        neuron_sensitivity=sensitivity,
+        rounding=rounding,
+        neuron_rounding=_neuron_rounding(fits, spec.dtype),
     )
+    if max_err is not None and bound is not None and not max_err <= bound:
+        message = (
+            f"the converted model disagrees with its source: max |Δlogit| {max_err:.3g} on tokens of shape "
+            f"{list(tokens.shape)} exceeds the bound {bound:.3g} stated for this conversion (max(stated "
+            f"{stated_logit_error(aot.report.activation, spec.dtype, aot.report.gated):.1e}, 8·S + 4·R) with the "
+            f"source's sensitivity to its neurons' error S = {sensitivity:.2g} and rounding floor R = "
+            f"{rounding:.2g}). The source computes something the conversion does not reproduce (e.g. a patched "
+            f"forward or module); or tighten the fit (max_neuron_error), or use float64. Pass check='warn' to get "
+            f"the model anyway."
+        )
+        if check != "warn":
+            raise FaithfulnessError(message)
+        warnings.warn(message, stacklevel=2)
     return aot

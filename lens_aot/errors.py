@@ -30,3 +30,8 @@ class InputError(LensAOTError, ValueError):
 class LoadError(LensAOTError, ValueError):
     """A model could not be loaded: a saved converted model that is missing, corrupt, from a newer lens_aot or
     inconsistent, or a source model (command line) that is neither a local checkpoint nor reachable by name."""
+
+
+class FaithfulnessError(LensAOTError, ValueError):
+    """``convert`` measured a converted model that disagrees with its source beyond the bound it states, or was given
+    a source whose behaviour cannot be carried over (hooks attached, active dropout)."""

@@ -4,7 +4,9 @@
 model class can hold a spec (``lens_aot.revert`` of a TransformerBridge source, or any source on TransformerLens 4.x,
 which has no HookedTransformer). It runs the standard forward pass with TransformerLens's hook names
 (``blocks.{i}.hook_resid_pre``, ``blocks.{i}.attn.hook_pattern``, ``blocks.{i}.mlp.hook_post``, …) and reuses the
-attention and norm modules of :mod:`lens_aot.components`.
+attention and norm modules of :mod:`lens_aot.components`. Because of that reuse it is itself checked against
+:func:`independent_logits`, a plain-torch forward pass that shares no code with lens_aot's components
+(``tests/test_reference.py``); tests against real sources use the source model's own forward.
 """
 
 from __future__ import annotations
@@ -168,3 +170,97 @@ class MLPTransformer(HookedRootModule):
             source_kind=info["source_kind"],
             extra=dict(info["extra"]),
         )
+
+
+def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab_out"]:
+    """The forward pass a :class:`~lens_aot.spec.ModelSpec` describes, in plain torch, sharing no code with
+    :mod:`lens_aot.components` (nor with :class:`MLPTransformer`, which reuses them): its own embedding, LayerNorm /
+    RMSNorm, attention (causal or bidirectional mask, rotary in halves or adjacent pairs, grouped-query key/value
+    heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks.
+
+    A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it."""
+
+    def norm(x: Tensor, n: Any) -> Tensor:
+        if n.kind is None:
+            return x
+        dtype = x.dtype
+        h = x.to(n.compute_dtype) if n.compute_dtype is not None else x
+        if n.kind in ("LN", "LNPre"):
+            h = h - h.mean(-1, keepdim=True)
+        h = h / torch.sqrt((h * h).mean(-1, keepdim=True) + n.eps)
+        h = h.to(dtype)
+        if n.kind in ("LN", "RMS") and n.w is not None:
+            h = h * n.w
+        if n.kind == "LN" and n.b is not None:
+            h = h + n.b
+        return h
+
+    def act(name: str, x: Tensor) -> Tensor:
+        if name in ("silu", "swish"):
+            return x / (1 + torch.exp(-x))
+        if name == "relu":
+            return torch.clamp(x, min=0)
+        if name == "gelu":
+            return 0.5 * x * (1 + torch.erf(x / 2**0.5))
+        if name in ("gelu_new", "gelu_pytorch_tanh"):
+            return 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)))
+        if name == "gelu_fast":
+            return 0.5 * x * (1 + torch.tanh(x * 0.7978845608 * (1 + 0.044715 * x * x)))
+        raise ValueError(f"independent_logits: unknown activation {name!r}")
+
+    def rotary(x: Tensor, pos: int) -> Tensor:  # x [batch, pos, head, d_head]
+        r = spec.rotary
+        assert r is not None
+        d = r.rotary_dim
+        head, tail = x[..., :d], x[..., d:]
+        cos, sin = r.cos[:pos, None, :], r.sin[:pos, None, :]
+        if r.adjacent_pairs:
+            partner = torch.empty_like(head)
+            partner[..., 0::2], partner[..., 1::2] = -head[..., 1::2], head[..., 0::2]
+        else:
+            partner = torch.cat((-head[..., d // 2 :], head[..., : d // 2]), -1)
+        return torch.cat((head * cos + partner * sin, tail), -1)
+
+    def attention(x: Tensor, a: Any) -> Tensor:
+        pos = x.shape[1]
+        q = torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q
+        k = torch.einsum("bpm,hmd->bphd", x, a.W_K) + a.b_K
+        v = torch.einsum("bpm,hmd->bphd", x, a.W_V) + a.b_V
+        if spec.positions == "rotary":
+            q, k = rotary(q, pos), rotary(k, pos)
+        group = a.W_Q.shape[0] // a.W_K.shape[0]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / a.attn_scale
+        if spec.causal:
+            future = torch.ones(pos, pos, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        dtype = a.softmax_dtype or scores.dtype
+        pattern = torch.softmax(scores.to(dtype), -1).to(scores.dtype)
+        z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        return torch.einsum("bqhd,hdm->bqm", z, a.W_O) + a.b_O
+
+    def mlp(x: Tensor, m: Any) -> Tensor:
+        lin = x @ m.W_in + m.b_in
+        if m.W_gate is None:
+            post = act(m.act_fn, lin)
+        else:
+            gate = x @ m.W_gate + (0 if m.b_gate is None else m.b_gate)
+            post = act(m.act_fn, gate) * lin + (0 if m.b_post is None else m.b_post)
+        return post @ m.W_out + m.b_out
+
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    resid = spec.W_E[tokens]
+    if spec.positions == "standard":
+        assert spec.W_pos is not None
+        resid = resid + spec.W_pos[: tokens.shape[1]]
+    for layer in spec.layers:
+        attn_out = attention(norm(resid, layer.ln1), layer.attn)
+        if layer.mlp is None:
+            resid = resid + attn_out
+        elif layer.parallel:
+            resid = resid + attn_out + mlp(norm(resid, layer.ln2), layer.mlp)
+        else:
+            resid = resid + attn_out
+            resid = resid + mlp(norm(resid, layer.ln2), layer.mlp)
+    return norm(resid, spec.ln_final) @ spec.W_U + spec.b_U

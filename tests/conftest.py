@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lens_aot.faithfulness import STATED_LOGIT_ERROR
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 TL_VERSION = version("transformer-lens")
@@ -20,22 +22,9 @@ HAS_HOOKED_TRANSFORMER = TL_MAJOR < 4
 # apply). `make test` runs the suite under both 3.9 and 4.3, so every file is exercised.
 collect_ignore_glob = [] if HAS_HOOKED_TRANSFORMER else ["test_hooked_*.py"]
 
-TOLERANCES = {  # max |Δlogit| per activation and dtype (the README's support matrix)
-    ("silu", torch.float32): 1e-5,
-    ("silu", torch.float64): 1e-10,
-    ("relu", torch.float32): 1e-4,
-    ("relu", torch.float64): 1e-5,
-    ("gelu", torch.float32): 1e-3,
-    ("gelu", torch.float64): 1e-3,
-    ("gelu_new", torch.float32): 1e-3,
-    ("gelu_new", torch.float64): 1e-3,
-    ("gelu_fast", torch.float32): 1e-3,
-    ("gelu_fast", torch.float64): 1e-3,
-    ("gated", torch.float32): 1e-4,  # gated MLPs, any gate activation (per-neuron bound 1e-4 by default)
-    ("gated", torch.float64): 1e-4,
-    (None, torch.float32): 1e-5,
-    (None, torch.float64): 1e-10,
-}
+# max |Δlogit| per activation and dtype (the README's support matrix): ONE table, lens_aot's own, used by convert's
+# check, `lens-aot verify` and every test.
+TOLERANCES = STATED_LOGIT_ERROR
 
 
 def pytest_report_header() -> str:

@@ -23,6 +23,7 @@ from transformer_lens.hook_points import HookPoint
 import lens_aot
 from lens_aot.activations import reference_activation
 from lens_aot.components import Attention, NeuronAttention
+from lens_aot.faithfulness import logit_bound, neuron_sensitivity
 
 # Hypothesis settings of every property test: fixed examples (CI-reproducible), no time limit per example.
 PROPERTY_SETTINGS: dict[str, Any] = dict(
@@ -33,24 +34,14 @@ PROPERTY_SETTINGS: dict[str, Any] = dict(
 # Faithfulness.
 # ---------------------------------------------------------------------------------------------------------------
 
-# Derived tolerance (random tiny models). The stated tolerances (conftest.TOLERANCES) are measured on the README's
-# shape (d_model 32, d_mlp 64, 2 layers). A converted model's logit error is (a) the per-neuron fit error ε (0 for
-# SiLU) propagated through the rest of the network, plus (b) floating-point rounding; both scale with the source's
-# conditioning, which for random tiny widths varies by orders of magnitude (e.g. LayerNorm over d_model ≤ 3 is nearly a
-# sign function, gain up to 1/(2·sqrt(eps)) ≈ 160 per norm; without normalization the logits grow to O(50)). So the
-# property uses
-#
-#     tol = max(stated tolerance, SENSITIVITY_FACTOR · S_ε + ROUNDING_FACTOR · R)
-#
-# where S_ε is the float64 source's measured response to adding random ±ε (ε = each layer's per-neuron bound) to every
-# MLP output (``blocks.{l}.mlp.hook_post``; max over 4 sign patterns) and R is the float32 source's own rounding error
-# against its float64 copy (0 for float64 models). Both are properties of the source, measured, never of the converted
-# model. Over 1000 random HookedTransformers (d_model 1-24, 1-3 layers, every family, 16 sequences each) the converted
-# models' errors stayed below 0.6 of this tolerance, while the stated tolerance alone was exceeded (up to 8x) only by
-# ill-conditioned draws (d_model <= 3 under a norm, or no norm with logits of O(50)); 300 random native bridges, 100
-# each with gated MLPs / the parallel flag and 15 per factory family at random sizes also stayed within it.
-SENSITIVITY_FACTOR = 8.0
-ROUNDING_FACTOR = 4.0
+# Derived tolerance (random tiny models): lens_aot.faithfulness's definition, the one convert and `lens-aot verify`
+# state, ``max(stated, SENSITIVITY_FACTOR · S_ε + ROUNDING_FACTOR · R)``, with the rounding R *measured* here (the
+# float32 source against its float64 copy; 0 for float64) rather than convert's derived floor. S_ε is the float64
+# source's response to random ±ε per neuron (max over 4 sign patterns). Over 1000 random HookedTransformers (d_model
+# 1-24, 1-3 layers, every family, 16 sequences each) the converted models' errors stayed below 0.6 of this tolerance,
+# while the stated tolerance alone was exceeded (up to 8x) only by ill-conditioned draws (d_model <= 3 under a norm,
+# or no norm with logits of O(50)); 300 random native bridges, 100 each with gated MLPs / the parallel flag and 15
+# per factory family at random sizes also stayed within it.
 
 
 def tolerance(act_fn: str | None, dtype: torch.dtype) -> float:
@@ -66,31 +57,14 @@ def source_logits(model: Any, tokens: Tensor) -> Tensor:
 
 def perturbation_response(model: Any, tokens: Tensor, eps: dict[int, float], trials: int = 4) -> float:
     """Max |Δlogit| of ``model`` when layer ``l``'s MLP output (``blocks.{l}.mlp.hook_post``) gets random ±``eps[l]``
-    at every neuron and position (the worst of ``trials`` sign patterns)."""
-    eps = {layer: e for layer, e in eps.items() if e > 0}
-    if not eps:
-        return 0.0
-    base = source_logits(model, tokens)
-    worst = 0.0
-    for trial in range(trials):
-        generator = torch.Generator().manual_seed(trial)
-
-        def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
-            layer = int(hook.name.split(".")[1])
-            signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype) * 2 - 1
-            return act + eps[layer] * signs.to(act.device)
-
-        hooks = [(f"blocks.{layer}.mlp.hook_post", perturb) for layer in sorted(eps)]
-        with torch.no_grad():
-            out = model.run_with_hooks(tokens, fwd_hooks=hooks)
-        worst = max(worst, float((getattr(out, "logits", out) - base).abs().max()))
-    return worst
+    at every neuron and position (the worst of ``trials`` sign patterns): ``lens_aot.faithfulness``'s S."""
+    return neuron_sensitivity(model.run_with_hooks, tokens, eps, source_logits(model, tokens), trials=trials)
 
 
 def derived_tolerance(
     stated: float, source: Any, source64: Any, tokens: Tensor, eps: dict[int, float], expected: Tensor
 ) -> float:
-    """``max(stated, SENSITIVITY_FACTOR·S_ε + ROUNDING_FACTOR·R)`` (see the comment above ``SENSITIVITY_FACTOR``).
+    """``lens_aot.faithfulness.logit_bound(stated, S_ε, R)`` with R measured (see the comment above ``tolerance``).
 
     ``source64`` is a float64 copy of ``source`` with the same weights; ``expected`` the source's logits on ``tokens``.
     """
@@ -98,7 +72,7 @@ def derived_tolerance(
     rounding = 0.0
     if expected.dtype != torch.float64:
         rounding = float((source_logits(source64, tokens) - expected.to(torch.float64)).abs().max())
-    return max(stated, SENSITIVITY_FACTOR * sensitivity + ROUNDING_FACTOR * rounding)
+    return logit_bound(stated, sensitivity, rounding)
 
 
 def assert_faithful(expected: Tensor, got: Tensor, tol: float, label: str) -> float:

@@ -119,7 +119,54 @@ def test_verify_passes(converted: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "3 x 32 random" in out  # seq capped at n_ctx
     assert "identical to the converted model's" in out and "PASS" in out
-    assert "support matrix's bound for gelu_new/float32" in out
+    assert "the bound stated for this conversion: max(stated, 8·S + 4·R) on these tokens" in out
+    stated = float(out.split("  bound           ")[1].split()[0])
+    assert stated >= 1e-3  # never below the support matrix's gelu_new bound (lens_aot.faithfulness)
+
+
+def save_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A random Llama (RMSNorm, rotary, GQA, SwiGLU; 2 layers, d_model 32) as save_pretrained writes it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=D_VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=D_MLP,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=N_CTX,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg)
+    _randomize_(model, seed)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_verify_judges_a_gated_model_against_its_stated_bound(
+    tmp_path: Path, dtype: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Gated models are verified against the bound stated for their conversion (gated row of the support matrix,
+    raised only by the source's measured sensitivity and rounding), and a corrupted saved model fails it."""
+    source = save_tiny_llama(tmp_path / "llama")
+    assert main(["convert", str(source), str(tmp_path / "out"), "--dtype", dtype, "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "out"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "the bound stated for this conversion" in out
+    bound = float(out.split("  bound           ")[1].split()[0])
+    err = float(out.split("  max |Δlogit|    ")[1].split()[0])
+    assert err <= bound and bound >= 1e-4  # the gated row of lens_aot.faithfulness.STATED_LOGIT_ERROR
+    aot = lens_aot.load(tmp_path / "out")
+    with torch.no_grad():
+        aot.blocks[-1].attn.W_out.mul_(1.01)  # a product layer 1% off
+    lens_aot.save(aot, tmp_path / "bad", metadata=read_config(tmp_path / "out")["metadata"])
+    out, _ = run_fails(["verify", str(tmp_path / "bad"), "--quiet"], 1, capsys)
+    assert "FAIL" in out
 
 
 def test_verify_fails_above_tolerance(converted: Path, capsys: pytest.CaptureFixture[str]) -> None:

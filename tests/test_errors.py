@@ -8,6 +8,8 @@ neuron arguments, options) do not depend on the source class. HookedTransformer-
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -505,22 +507,66 @@ def test_check_tokens_are_validated_like_model_inputs(bridge: Any) -> None:
         lens_aot.convert(bridge, check_tokens=torch.zeros(1, 10_000, dtype=torch.long))
 
 
-def test_hooks_on_the_source_are_reported(bridge: Any) -> None:
+def test_hooks_on_the_source_are_refused_or_warned_about(bridge: Any) -> None:
     name = next(iter(bridge.hook_dict))
     bridge.add_hook(name, lambda act, hook: act)
     try:
-        with pytest.warns(UserWarning, match=r"hooks attached .*reset_hooks\(\)"):
+        with _raises(lens_aot.FaithfulnessError, r"hooks attached", r"reset_hooks\(including_permanent=True\)"):
             lens_aot.convert(bridge)
+        with pytest.warns(UserWarning, match=r"hooks attached .*reset_hooks\(including_permanent=True\)"):
+            lens_aot.convert(bridge, check="warn")
+        lens_aot.convert(bridge, check=False)  # nothing measured, nothing refused
     finally:
         bridge.reset_hooks()
 
 
-def test_the_check_runs_without_dropout_and_restores_training_modes() -> None:
+def test_a_permanent_hook_that_changes_the_source_is_refused_with_the_numbers() -> None:
+    """Issue 13: an RMSNorm source with a permanent hook adding 0.5 to the residual gave |Δlogit| 3.2 and was
+    returned. It is refused; with check="warn" the measured error and the bound are in the warning and the report."""
+    bridge = make_bridge("native-rms-gqa")
+    bridge.add_hook("blocks.0.hook_resid_mid", lambda act, hook: act + 0.5, is_permanent=True)
+    try:
+        with _raises(
+            lens_aot.FaithfulnessError, r"hooks attached at \[.*'blocks\.0\.hook_resid_mid'\]", r"reset_hooks"
+        ):
+            lens_aot.convert(bridge)
+        with pytest.warns(UserWarning) as record:
+            aot = lens_aot.convert(bridge, check="warn")
+    finally:
+        bridge.reset_hooks(including_permanent=True)
+    messages = " ".join(str(w.message) for w in record)
+    assert re.search(r"max \|Δlogit\| \S+ .*exceeds the bound", messages), messages
+    assert aot.report.max_abs_logit_error > aot.report.logit_bound
+    assert "EXCEEDED" in str(aot.report)
+
+
+def test_a_conversion_beyond_its_bound_raises_with_the_numbers_and_the_fix() -> None:
+    """A source whose forward the conversion does not reproduce (its unembedding is patched after reading) raises."""
+    bridge = make_bridge("gpt2-silu")
+    aot = lens_aot.convert(bridge)
+    assert aot.report.max_abs_logit_error <= aot.report.logit_bound
+    from lens_aot import read
+
+    real = read.read_model
+
+    def tampered(model: Any) -> Any:
+        spec = real(model)
+        return dataclasses.replace(spec, W_U=spec.W_U + 0.01)
+
+    with mock.patch("lens_aot.convert.read_model", tampered):
+        with _raises(lens_aot.FaithfulnessError, r"max \|Δlogit\| \S+ .* exceeds the bound", r"check='warn'"):
+            lens_aot.convert(bridge)
+
+
+def test_active_dropout_is_refused_and_the_check_runs_without_it() -> None:
     model = make_bridge("gpt2-silu")
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.5
     model.train()
-    aot = lens_aot.convert(model)
+    with _raises(lens_aot.FaithfulnessError, r"training mode with active dropout", r"model\.eval\(\)"):
+        lens_aot.convert(model)
+    with pytest.warns(UserWarning, match=r"active dropout"):
+        aot = lens_aot.convert(model, check="warn")
     assert aot.report.max_abs_logit_error <= 1e-5
     assert all(module.training for module in model.modules())

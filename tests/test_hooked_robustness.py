@@ -63,12 +63,15 @@ def test_convert_leaves_gated_and_parallel_models_unchanged(overrides: dict[str,
 
 
 def test_convert_leaves_a_processed_model_with_hooks_unchanged() -> None:
-    """Folded/centred weights, a permanent hook the user attached, options for other modes."""
+    """Folded/centred weights, a permanent hook the user attached (refused by default, converted with
+    check="warn" or check=False), options for other modes."""
     model = make_hooked("ln-standard", "relu", torch.float64)
     model.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
     model.add_hook("blocks.0.hook_resid_pre", lambda act, hook: None, is_permanent=True)
-    check_source_unchanged(model, lambda: lens_aot.convert(model, max_neuron_error=1e-8))
-    check_source_unchanged(model, lambda: lens_aot.convert(model, masks="weights"))
+    check_source_unchanged(model, lambda: lens_aot.convert(model), raises=lens_aot.FaithfulnessError)
+    with pytest.warns(UserWarning, match="hooks attached"):
+        check_source_unchanged(model, lambda: lens_aot.convert(model, max_neuron_error=1e-8, check="warn"))
+    check_source_unchanged(model, lambda: lens_aot.convert(model, masks="weights", check=False))
 
 
 def _nan_weight(model: Any) -> Any:
@@ -107,8 +110,13 @@ FAILURES: dict[str, tuple[Callable[[], Any], dict[str, Any], Any]] = {
     ),
     "source forward raises in the check (its own permanent hook)": (
         lambda: _raising_forward(make_hooked("rms-rotary-gqa", "relu")),
-        {},
+        {"check": "warn"},  # hooks are refused by default (below); warned about here
         Boom,
+    ),
+    "hooks attached to the source (refused before the source runs)": (
+        lambda: _raising_forward(make_hooked("rms-rotary-gqa", "relu")),
+        {},
+        lens_aot.FaithfulnessError,
     ),
 }
 
