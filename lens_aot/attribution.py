@@ -361,17 +361,7 @@ def attribute_units(
                 g = runs.grads[f"blocks.{b}.hook_attn_out"][..., : attn.d_model] @ attn.W_out.T
                 dpost = _gated_post(attn, other) - _gated_post(attn, state)
                 per_post[b] = torch.einsum("bpn,bpn,pk->nk", dpost, g, weights.to(dpost.dtype))
-    rows = []
-    for unit in resolved:
-        if (
-            unit.kind == "neuron"
-            and len(unit.blocks) > 1
-            and isinstance(aot.blocks[unit.blocks[-1]].attn, ProductAttention)
-        ):
-            rows.append(per_post[unit.blocks[-1]][unit.index])
-        else:
-            rows.append(sum(per_head[_block_of(ref.name)][ref.head] for ref in unit.heads))
-    effect = torch.stack(rows).to(torch.float64)
+    effect = _unit_sums(aot, resolved, per_head, per_post)
     effect = effect if per_position else effect[:, 0]
     d_mlp, heads_per_neuron = index.annotate(resolved)
     return PatchingResult(
@@ -385,6 +375,31 @@ def attribute_units(
         d_mlp=d_mlp,
         heads_per_neuron=heads_per_neuron,
     )
+
+
+def _unit_sums(
+    aot: AttentionOnlyTransformer,
+    units: Sequence[PatchUnit],
+    per_head: dict[int, Tensor],
+    per_post: dict[int, Tensor],
+) -> Float[Tensor, "unit n_out"]:
+    """Each unit's attribution from its heads' (a whole gated neuron: from its ``post``), gathered per block."""
+    n_out = next(iter(per_head.values())).shape[-1]
+    out = torch.zeros(len(units), n_out, dtype=torch.float64)
+    flat: dict[int, tuple[list[int], list[int]]] = {}
+    for i, unit in enumerate(units):
+        last = max(_block_of(ref.name) for ref in unit.heads)
+        gated = unit.kind == "neuron" and isinstance(aot.blocks[last].attn, ProductAttention)
+        if gated and any(_block_of(ref.name) != last for ref in unit.heads):
+            out[i] = per_post[last][unit.index].to(torch.float64)
+            continue
+        for ref in unit.heads:
+            rows, heads = flat.setdefault(_block_of(ref.name), ([], []))
+            rows.append(i)
+            heads.append(ref.head)
+    for b, (rows, heads) in flat.items():
+        out.index_add_(0, torch.tensor(rows), per_head[b][torch.tensor(heads)].to(torch.float64).cpu())
+    return out
 
 
 def attribute_heads(
