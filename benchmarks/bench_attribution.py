@@ -102,6 +102,7 @@ def main() -> None:
 
     source_fwd_bwd()  # warm-up
     src = statistics.median(peak_extra(source_fwd_bwd)[0] for _ in range(args.repeats))
+    source.zero_grad(set_to_none=True)  # measure the gradients' memory too
     src_mem = peak_extra(source_fwd_bwd)[1]
     source.zero_grad(set_to_none=True)
     units = P.head_units(aot)
