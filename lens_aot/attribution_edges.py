@@ -244,12 +244,14 @@ def _forward_edges(
     cols = [c for c, u in enumerate(receivers) if not isinstance(u, str) and block in u.blocks]
     heads = sorted({ref.head for c in cols for ref in receivers[c].heads if _block_of(ref.name) == block})  # type: ignore[union-attr]
     head_t = torch.tensor(heads, dtype=torch.long, device=resid.device)
-    member = resid.new_zeros(len(heads), len(cols), dtype=torch.float64)
+    pair_head: list[int] = []  # (receiver head, result column) pairs: a column sums its heads
+    pair_col: list[int] = []
     where = {h: i for i, h in enumerate(heads)}
-    for j, c in enumerate(cols):
+    for c in cols:
         for ref in receivers[c].heads:  # type: ignore[union-attr]
             if _block_of(ref.name) == block:
-                member[where[ref.head], j] = 1
+                pair_head.append(where[ref.head])
+                pair_col.append(c)
     z0 = _head_z(attn, state)[..., head_t, 0]
     grad_out = runs.grads[f"blocks.{block}.hook_attn_out"]
     if "v" in inputs and _gates_patched_products(aot, block, [receivers[c] for c in cols]):  # type: ignore[misc]
@@ -276,7 +278,7 @@ def _forward_edges(
         q1, v1 = _qv(attn, _state_of(attn, aot.blocks[block].ln1, moved), head_t)
         z1 = torch.sigmoid(q1 if "q" in inputs else q0) * (v1 if "v" in inputs else v0)
         per_head = torch.einsum("cbph,bph->ch", z1 - z0, gz).to(torch.float64)
-        out[torch.tensor(list(chunk)).unsqueeze(1), torch.tensor(cols).unsqueeze(0)] += per_head @ member
+        out[list(chunk)] = out[list(chunk)].index_add_(1, torch.tensor(pair_col), per_head[:, pair_head].cpu())
     return out
 
 

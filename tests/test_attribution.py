@@ -135,9 +135,10 @@ def test_families_heads_and_neurons(family: str, method: str) -> None:
     assert any(u.kind == "attention" for u in truth.units) and any(u.kind == "neuron_head" for u in truth.units)
     keep = ~product
     assert pearson(est.effect()[keep], truth.effect()[keep]) >= 0.9
-    if not product.any():
-        assert overlap(est, truth) >= 7
-    else:
+    top_truth = set(truth.effect()[keep].abs().argsort(descending=True)[:10].tolist())
+    top_est = set(est.effect()[keep].abs().argsort(descending=True)[:10].tolist())
+    assert len(top_truth & top_est) >= 7  # = overlap(est, truth) when there are no product heads
+    if product.any():
         # one product head alone: the linear estimate overshoots the (norm-saturated) truth many times over
         ratio = est.effect()[product].abs().max() / truth.effect()[product].abs().max()
         assert ratio > 5
