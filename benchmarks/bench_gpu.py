@@ -36,8 +36,11 @@ from lens_aot.patching import patch_heads
 from lens_aot.read import run_source
 
 
-def timed_ms(fn: Callable[[], Any], repeats: int, device: str) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after two warm-ups (CUDA events on a GPU)."""
+def timed_ms(fn: Callable[[], Any], repeats: int, device: str) -> float | None:
+    """Median milliseconds of ``fn`` over ``repeats`` runs after two warm-ups (CUDA events on a GPU); None when
+    ``repeats`` is 0 (counts only)."""
+    if repeats <= 0:
+        return None
     for _ in range(2):
         fn()
     times = []
@@ -126,7 +129,7 @@ def bench_source(shape: str, kind: str, sizes: list[str], device: str, repeats: 
         if rate is None and patch_heads_n > 0:
             rate = patching_rate(aot, tokens, patch_heads_n)
         print(
-            f"| {shape} | {kind} | {size} | {t_src:.1f} → {t_aot:.1f} | {ratio(t_src, t_aot)} "
+            f"| {shape} | {kind} | {size} | {fmt(t_src, 1)} → {fmt(t_aot, 1)} | {ratio(t_src, t_aot)} "
             f"| {ops_src.total} → {ops_aot.total} | {ratio(ops_src.total, ops_aot.total)} "
             f"| {fmt(k_src)} → {fmt(k_aot)} | {ratio(k_src, k_aot)} | {ops_src.syncs} → {ops_aot.syncs} "
             f"| {fmt(m_src)} → {fmt(m_aot)} | {ratio(m_src, m_aot)} | {fmt(rate, 1)} |",
@@ -140,7 +143,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=None, help="BATCHxPOS (default 1x128 8x1024; CPU: 1x32 2x64)")
     parser.add_argument("--sources", nargs="+", choices=["hooked", "bridge"], default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="timed forwards per measurement (0: counts only)")
     parser.add_argument("--patch-heads", type=int, default=4, help="heads per block patched (blocks 0 and 1)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
