@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.components.ownership import adopting
 from lens_aot.gating import GatedFit, gated_fit
 from lens_aot.model import AttentionOnlyTransformer
 from lens_aot.read import check_finite, read_model, run_source, sample_tokens
@@ -128,6 +130,11 @@ def _warn_about_source_hooks(model: Any) -> None:
         )
 
 
+def _tensors(module: Any) -> list[torch.Tensor]:
+    """The parameters and buffers of a source model (the converted model must not take their storage)."""
+    return [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+
+
 def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
     seen: set[int] = set()
     count = size = 0
@@ -177,6 +184,7 @@ def convert(
         ``.report`` describes it.
     """
     _check_options(max_neuron_error, heads_per_neuron)
+    model_spec = model if isinstance(model, ModelSpec) else None
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
         from lens_aot.reference import MLPTransformer
 
@@ -191,7 +199,10 @@ def convert(
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
     elif masks == "explicit":
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
-        aot = AttentionOnlyTransformer(spec, fits)
+        # The spec read from a source holds fresh tensors: the model takes them over rather than copying them (one
+        # copy of the weights during conversion). A spec passed in by the caller is copied.
+        with adopting(_tensors(model)) if spec is not model_spec else nullcontext():
+            aot = AttentionOnlyTransformer(spec, fits)
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)

@@ -33,6 +33,7 @@ from lens_aot.activations import ActivationFit
 from lens_aot.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, ProductAttention, Unembed
 from lens_aot.components.hooks import hooked
+from lens_aot.components.ownership import exported
 from lens_aot.errors import InputError
 from lens_aot.gating import GatedFit
 from lens_aot.spec import LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
@@ -544,8 +545,8 @@ class AttentionOnlyTransformer(HookedRootModule):
         if first is not None and first.rotary_dim:
             rotary = RotarySpec(
                 first.rotary_dim,
-                first.rotary_cos.detach().clone(),
-                first.rotary_sin.detach().clone(),
+                exported(first.rotary_cos),
+                exported(first.rotary_sin),
                 first.rotary_adjacent_pairs,
             )
         extra: dict[str, Any] = {}
@@ -557,13 +558,13 @@ class AttentionOnlyTransformer(HookedRootModule):
             d_vocab=self.cfg.d_vocab,
             d_vocab_out=self.cfg.d_vocab_out,
             causal=self.cfg.attention_dir == "causal",
-            W_E=self.W_E.detach().clone(),
+            W_E=exported(self.W_E),
             layers=self.layer_specs(),
             ln_final=self.final_norm_spec(),
-            W_U=self.W_U.detach().clone(),
-            b_U=self.unembed.b_U.detach().clone(),
+            W_U=exported(self.W_U),
+            b_U=exported(self.unembed.b_U),
             positions=self.cfg.positional_embedding_type,  # type: ignore[arg-type]
-            W_pos=None if self.W_pos is None else self.W_pos.detach().clone(),
+            W_pos=None if self.W_pos is None else exported(self.W_pos),
             rotary=rotary,
             tokenizer=self.tokenizer,
             default_prepend_bos=self.cfg.default_prepend_bos,
