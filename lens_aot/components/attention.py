@@ -58,8 +58,9 @@ class Attention(nn.Module):
         if rotary is not None:
             self.rotary_dim = rotary.rotary_dim
             self.rotary_adjacent_pairs = rotary.adjacent_pairs
-            self.register_buffer("rotary_cos", rotary.cos.detach().clone())
-            self.register_buffer("rotary_sin", rotary.sin.detach().clone())
+            # on this layer's device (a sharded source's layers are on several)
+            self.register_buffer("rotary_cos", rotary.cos.detach().to(spec.W_Q.device, copy=True))
+            self.register_buffer("rotary_sin", rotary.sin.detach().to(spec.W_Q.device, copy=True))
             self.hook_rot_q = HookPoint()
             self.hook_rot_k = HookPoint()
         self.hook_attn_scores = HookPoint()
