@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -115,14 +116,8 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    kind = args.source
-    if kind == "auto":
-        try:
-            from transformer_lens import HookedTransformer  # noqa: F401
-
-            kind = "hooked"
-        except ImportError:
-            kind = "bridge"
+    major = int(importlib.metadata.version("transformer-lens").split(".")[0])
+    kind = args.source if args.source != "auto" else ("hooked" if major < 4 else "bridge")  # 4.x: no HookedTransformer
     aot = lens_aot.convert(build_source("gpt2", kind, "cpu"), check=False)
     print(f"GPT-2-small shape, {kind} source, float32, CPU, {torch.get_num_threads()} thread(s)\n")
     print("| measure | time | memory | target |\n|---|---|---|---|")
