@@ -5,12 +5,21 @@
   counts the bytes of every tensor created (``lens_aot.memory.AllocationMeter``, an upper bound on the extra peak),
   beside the size the whole ``[batch, 12288, N, N]`` block would have. Targets: ≤ 200 MB and ≤ 2 s.
 
+* ``convert``: extra peak resident memory of ``lens_aot.convert`` (agreement check included) in a fresh process, over
+  what it held with the GPT-2-shaped source loaded and run once (Linux VmHWM, reset through /proc/self/clear_refs),
+  as a multiple of the source's parameter bytes. Target ≤ 1.5x.
+
     python benchmarks/bench_memory.py [--source hooked|bridge|auto] [--threads N] [--tokens 1024]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.metadata
+import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -41,24 +50,58 @@ def sparse_patterns(aot: lens_aot.AttentionOnlyTransformer, n_tokens: int, k: in
         hook_name, observe = pattern_hook(aot, block, heads, lambda pattern, hook: seen.append(pattern))
         hook_meter = AllocationMeter()
 
+        hook_s = 0.0
+
         def metered(act: torch.Tensor, hook: object) -> None:
+            nonlocal hook_s
+            start = time.perf_counter()
             with hook_meter:
                 observe(act, hook=hook)
+            hook_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        aot(tokens, return_type=None)
-        plain_s = time.perf_counter() - start
-        start = time.perf_counter()
         aot.run_with_hooks(tokens, return_type=None, fwd_hooks=[(hook_name, metered)])
-        hook_s = time.perf_counter() - start
+        forward_s = time.perf_counter() - start
     assert got.shape == (1, k, n_tokens, n_tokens) and seen[0].shape == got.shape
     return [
         f"| `cache[name][:, heads]`, {k} of {n_heads} neuron heads, 1×{n_tokens} tokens | {index_s:.2f} s | "
         f"{meter.total / MB:.0f} MB allocated (largest {meter.largest / MB:.0f} MB; the whole block: "
         f"{whole / MB:,.0f} MB) | ≤ 2 s, ≤ 200 MB |",
-        f"| `pattern_hook` on those heads, in a forward | {hook_s:.2f} s (plain forward {plain_s:.2f} s) | "
+        f"| `pattern_hook` on those heads, in a forward | {hook_s:.2f} s in it (forward {forward_s:.2f} s) | "
         f"{hook_meter.total / MB:.0f} MB allocated by the hook | ≤ 2 s extra, ≤ 200 MB extra |",
     ]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def conversion_peak_child(kind: str) -> None:
+    """Run in a fresh process: print the conversion's extra peak RSS and the source's parameter bytes as JSON."""
+    source = build_source("gpt2", kind, "cpu")
+    params = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in source.parameters()}.values())
+    with torch.no_grad():
+        source(torch.zeros(2, 64, dtype=torch.long))
+    gc.collect()
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    aot = lens_aot.convert(source)
+    extra = _status("VmHWM") - base
+    converted = sum(p.numel() * p.element_size() for p in aot.parameters())
+    print(json.dumps({"params": params, "extra": extra, "converted": converted}))
+
+
+def conversion_peak(kind: str) -> str:
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak-child", kind], capture_output=True, text=True, check=True
+    ).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    return (
+        f"| `convert`, extra peak RSS | | {r['extra'] / MB:.0f} MB = {r['extra'] / r['params']:.2f}x the source's "
+        f"{r['params'] / MB:.0f} MB of parameters (the converted model's own: {r['converted'] / MB:.0f} MB) | ≤ 1.5x |"
+    )
 
 
 def main() -> None:
@@ -66,22 +109,22 @@ def main() -> None:
     parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--peak-child", choices=["hooked", "bridge"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peak_child:
+        conversion_peak_child(args.peak_child)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
-    kind = args.source
-    if kind == "auto":
-        try:
-            from transformer_lens import HookedTransformer  # noqa: F401
-
-            kind = "hooked"
-        except ImportError:
-            kind = "bridge"
+    major = int(importlib.metadata.version("transformer-lens").split(".")[0])
+    kind = args.source if args.source != "auto" else ("hooked" if major < 4 else "bridge")  # 4.x: no HookedTransformer
     aot = lens_aot.convert(build_source("gpt2", kind, "cpu"), check=False)
     print(f"GPT-2-small shape, {kind} source, float32, CPU, {torch.get_num_threads()} thread(s)\n")
     print("| measure | time | memory | target |\n|---|---|---|---|")
     for line in sparse_patterns(aot, args.tokens):
         print(line)
+    del aot
+    print(conversion_peak(kind))
 
 
 if __name__ == "__main__":

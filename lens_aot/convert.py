@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.components.ownership import adopting
 from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
 from lens_aot.faithfulness import conversion_bound, stated_logit_error
 from lens_aot.gating import GatedFit, gated_fit
@@ -199,6 +201,11 @@ def _check_agreement(
     return max_err, argmax, bound, sensitivity, rounding
 
 
+def _tensors(module: Any) -> list[torch.Tensor]:
+    """The parameters and buffers of a source model (the converted model must not take their storage)."""
+    return [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+
+
 def _param_stats(module: torch.nn.Module) -> tuple[int, int]:
     seen: set[int] = set()
     count = size = 0
@@ -310,6 +317,7 @@ def convert(
     if half is not None:
         options = dict(max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron, masks=masks, omega=omega)
         return _convert_half(model, half, check, check_tokens, **options)
+    model_spec = model if isinstance(model, ModelSpec) else None
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
         from lens_aot.reference import MLPTransformer
 
@@ -324,7 +332,10 @@ def convert(
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
     elif masks == "explicit":
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
-        aot = AttentionOnlyTransformer(spec, fits)
+        # The spec read from a source holds fresh tensors: the model takes them over rather than copying them (one
+        # copy of the weights during conversion). A spec passed in by the caller is copied.
+        with adopting(_tensors(model)) if spec is not model_spec else nullcontext():
+            aot = AttentionOnlyTransformer(spec, fits)
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)

@@ -16,13 +16,14 @@ torch dtypes ``{"__dtype__": "float32"}``, tuples ``{"__tuple__": [...]}``. A fi
 therefore saved and loaded with no change here; a file naming a field this lens_aot does not know is refused with an
 error asking to upgrade. ``aot.cfg`` (with ``activation_fits``) and ``aot.report`` are written the same way.
 
-**Exactness.** :func:`load` rebuilds ``AttentionOnlyTransformer(spec, cfg.activation_fits)``. At save time the same
-rebuild is done in memory and its ``state_dict`` compared bitwise with the model's: entries that differ are stored
-too (keys ``state.<name>``) and written over the rebuilt model on load. (After ``aot.to(torch.float64)`` the
-activation-fit buffers hold float32-rounded coefficients that a fresh float64 build would not have.) So a loaded
-model's parameters and buffers equal the saved model's bit for bit, and so do its outputs on the same device and
-dtype; ``load(path, dtype=d)`` equals ``aot.to(d)``. Configuration flags set on the model (``use_attn_result``, …)
-are restored too.
+**Exactness.** :func:`load` rebuilds ``AttentionOnlyTransformer(spec, cfg.activation_fits)``. :func:`save` writes the
+model's own tensors (the spec is read off the model without copies) and builds the same modules around those very
+tensors (no weight is copied; only buffers are new) to compare its ``state_dict`` bitwise with the model's: entries
+that differ are stored too (keys ``state.<name>``) and written over the rebuilt model on load. (After
+``aot.to(torch.float64)`` the activation-fit buffers hold float32-rounded coefficients that a fresh float64 build
+would not have.) So a loaded model's parameters and buffers equal the saved model's bit for bit, and so do its
+outputs on the same device and dtype; ``load(path, dtype=d)`` equals ``aot.to(d)``. Configuration flags set on the
+model (``use_attn_result``, …) are restored too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.components.ownership import adopting, sharing
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 
 FORMAT = "lens_aot.AttentionOnlyTransformer"
@@ -437,7 +439,8 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     except (TypeError, ValueError) as e:
         raise TypeError(f"metadata must be JSON-serialisable: {e}") from e
 
-    spec = aot.to_spec()
+    with sharing():  # the model's own tensors, not copies
+        spec = aot.to_spec()
     encoder = _Encoder()
     config: dict[str, Any] = {
         "format": FORMAT,
@@ -456,8 +459,10 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
         report = None
     config["report"] = encoder.encode(report, "report")
 
-    # Rebuild from what is stored, as load() will, and store the state entries the rebuild does not reproduce.
-    rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits))
+    # Rebuild from what is stored, as load() will, and store the state entries the rebuild does not reproduce. The
+    # rebuilt modules take the model's own parameters over (no weight is copied): only their buffers are new.
+    with adopting():
+        rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits))
     ours, theirs = aot.state_dict(), rebuilt.state_dict()
     if set(ours) != set(theirs):
         raise UnsupportedArchitectureError(

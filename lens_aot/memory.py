@@ -37,4 +37,10 @@ class AllocationMeter(TorchDispatchMode):
 
 
 def _has_storage(t: Any) -> bool:
-    return isinstance(t, Tensor) and t.device.type != "meta" and type(t) is Tensor
+    if not isinstance(t, Tensor) or t.device.type == "meta":
+        return False
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper tensors (lazy cache entries) hold no storage
+        return False
+    return True

@@ -33,8 +33,10 @@ from lens_aot.activations import ActivationFit
 from lens_aot.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, ProductAttention, Unembed
 from lens_aot.components.hooks import hooked
+from lens_aot.components.ownership import exported
 from lens_aot.errors import InputError
 from lens_aot.gating import GatedFit
+from lens_aot.placement import Placement
 from lens_aot.spec import LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -189,7 +191,7 @@ class AttentionOnlyTransformer(HookedRootModule):
                     neuron_blocks.append(len(blocks))
                     blocks.append(AttentionBlock(Norm(ls.ln2), heads, parallel=parallel, **widths))
                     self._origin.append(("gate", layer))
-                    scales = torch.tensor(fit.scales, dtype=spec.dtype, device=spec.device)
+                    scales = torch.tensor(fit.scales, dtype=spec.dtype, device=ls.mlp.W_in.device)
                     product = ProductAttention(
                         ls.mlp.W_in, ls.mlp.b_in, ls.mlp.W_out, ls.mlp.b_out, ls.mlp.b_post, scales, d_scratch
                     )
@@ -236,6 +238,7 @@ class AttentionOnlyTransformer(HookedRootModule):
             activation_fits=dict(fits),
         )
         self.report: Any = None  # set by lens_aot.convert
+        self._block_devices = self._devices_of_blocks()
         self.setup()
 
     # ------------------------------------------------------------------ forward
@@ -263,12 +266,16 @@ class AttentionOnlyTransformer(HookedRootModule):
         if self.cfg.d_scratch:
             resid = F.pad(resid, (0, self.cfg.d_scratch))
         layer_input = resid
-        for block in self.blocks[:stop_at_layer]:
+        for block, device in zip(self.blocks[:stop_at_layer], self._block_devices, strict=False):
+            if resid.device != device:  # a model over several devices: the residual follows the blocks
+                resid, layer_input = resid.to(device), layer_input.to(device)
             if not block.parallel:
                 layer_input = resid
             resid = block(resid, layer_input)
         if stop_at_layer is not None:
             return resid
+        if resid.device != self.unembed.W_U.device:
+            resid = resid.to(self.unembed.W_U.device)
         logits = self.unembed(self.ln_final(resid[..., : self.cfg.d_model]))
         if return_type is None:
             return None
@@ -532,7 +539,41 @@ class AttentionOnlyTransformer(HookedRootModule):
         out = super()._apply(fn, *args, **kwargs)
         if hasattr(self, "cfg"):
             self.cfg.dtype, self.cfg.device = self.W_E.dtype, self.W_E.device
+            self._block_devices = self._devices_of_blocks()
         return out
+
+    # ------------------------------------------------------------------ placement over devices
+    def _devices_of_blocks(self) -> list[torch.device]:
+        return [next(iter(block.parameters())).device for block in self.blocks]
+
+    def block_layers(self) -> list[int]:
+        """The source layer of each block."""
+        return [layer for _, layer in self._origin]
+
+    @property
+    def placement(self) -> Placement:
+        """Where the model's parts are (:mod:`lens_aot.placement`): a converted model has its source's."""
+        devices = self._block_devices
+        layers = tuple(devices[attn] for attn, _ in self._block_of)
+        return Placement(self.W_E.device, layers, self.unembed.W_U.device)
+
+    def place(self, placement: Placement) -> AttentionOnlyTransformer:
+        """Move each source layer's blocks, the embeddings and the unembedding to ``placement``'s devices (e.g.
+        ``lens_aot.placement.split_evenly(aot.cfg.n_source_layers, ["cuda:0", "cuda:1"])`` for a loaded model)."""
+        if len(placement.layers) != len(self._block_of):
+            raise ValueError(
+                f"the placement has {len(placement.layers)} layers but the model {len(self._block_of)} source layers"
+            )
+        for block, layer in zip(self.blocks, self.block_layers(), strict=True):
+            block.to(placement.layers[layer])
+        self.embed.to(placement.embed)
+        if hasattr(self, "pos_embed"):
+            self.pos_embed.to(placement.embed)
+        self.ln_final.to(placement.unembed)
+        self.unembed.to(placement.unembed)
+        self.cfg.device = self.W_E.device
+        self._block_devices = self._devices_of_blocks()
+        return self
 
     # ------------------------------------------------------------------ back to a spec
     def layer_specs(self) -> list[LayerSpec]:
@@ -565,8 +606,8 @@ class AttentionOnlyTransformer(HookedRootModule):
         if first is not None and first.rotary_dim:
             rotary = RotarySpec(
                 first.rotary_dim,
-                first.rotary_cos.detach().clone(),
-                first.rotary_sin.detach().clone(),
+                exported(first.rotary_cos),
+                exported(first.rotary_sin),
                 first.rotary_adjacent_pairs,
             )
         extra: dict[str, Any] = {}
@@ -578,13 +619,13 @@ class AttentionOnlyTransformer(HookedRootModule):
             d_vocab=self.cfg.d_vocab,
             d_vocab_out=self.cfg.d_vocab_out,
             causal=self.cfg.attention_dir == "causal",
-            W_E=self.W_E.detach().clone(),
+            W_E=exported(self.W_E),
             layers=self.layer_specs(),
             ln_final=self.final_norm_spec(),
-            W_U=self.W_U.detach().clone(),
-            b_U=self.unembed.b_U.detach().clone(),
+            W_U=exported(self.W_U),
+            b_U=exported(self.unembed.b_U),
             positions=self.cfg.positional_embedding_type,  # type: ignore[arg-type]
-            W_pos=None if self.W_pos is None else self.W_pos.detach().clone(),
+            W_pos=None if self.W_pos is None else exported(self.W_pos),
             rotary=rotary,
             tokenizer=self.tokenizer,
             default_prepend_bos=self.cfg.default_prepend_bos,

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked as _hooked
+from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import AttentionSpec, RotarySpec
 
 
@@ -32,14 +33,14 @@ class Attention(nn.Module):
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
         super().__init__()
-        self.W_Q = nn.Parameter(spec.W_Q.detach().clone())
-        self.W_K = nn.Parameter(spec.W_K.detach().clone())
-        self.W_V = nn.Parameter(spec.W_V.detach().clone())
-        self.W_O = nn.Parameter(spec.W_O.detach().clone())
-        self.b_Q = nn.Parameter(spec.b_Q.detach().clone())
-        self.b_K = nn.Parameter(spec.b_K.detach().clone())
-        self.b_V = nn.Parameter(spec.b_V.detach().clone())
-        self.b_O = nn.Parameter(spec.b_O.detach().clone())
+        self.W_Q = parameter(spec.W_Q)
+        self.W_K = parameter(spec.W_K)
+        self.W_V = parameter(spec.W_V)
+        self.W_O = parameter(spec.W_O)
+        self.b_Q = parameter(spec.b_Q)
+        self.b_K = parameter(spec.b_K)
+        self.b_V = parameter(spec.b_V)
+        self.b_O = parameter(spec.b_O)
         self.attn_scale = float(spec.attn_scale)
         self.softmax_dtype = spec.softmax_dtype
         self.causal = causal
@@ -57,8 +58,9 @@ class Attention(nn.Module):
         if rotary is not None:
             self.rotary_dim = rotary.rotary_dim
             self.rotary_adjacent_pairs = rotary.adjacent_pairs
-            self.register_buffer("rotary_cos", rotary.cos.detach().clone())
-            self.register_buffer("rotary_sin", rotary.sin.detach().clone())
+            # on this layer's device (a sharded source's layers are on several)
+            self.register_buffer("rotary_cos", rotary.cos.detach().to(spec.W_Q.device, copy=True))
+            self.register_buffer("rotary_sin", rotary.sin.detach().to(spec.W_Q.device, copy=True))
             self.hook_rot_q = HookPoint()
             self.hook_rot_k = HookPoint()
         self.hook_attn_scores = HookPoint()
@@ -120,8 +122,8 @@ class Attention(nn.Module):
     def spec(self) -> AttentionSpec:
         """The :class:`AttentionSpec` this module implements (used by ``revert``)."""
         return AttentionSpec(
-            *(p.detach().clone() for p in (self.W_Q, self.W_K, self.W_V, self.W_O)),
-            *(p.detach().clone() for p in (self.b_Q, self.b_K, self.b_V, self.b_O)),
+            *(exported(p) for p in (self.W_Q, self.W_K, self.W_V, self.W_O)),
+            *(exported(p) for p in (self.b_Q, self.b_K, self.b_V, self.b_O)),
             attn_scale=self.attn_scale,
             softmax_dtype=self.softmax_dtype,
         )

@@ -6,13 +6,15 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from lens_aot.components.ownership import parameter
+
 
 class Embed(nn.Module):
     """``W_E[tokens]``."""
 
     def __init__(self, W_E: Float[Tensor, "d_vocab d_model"]) -> None:
         super().__init__()
-        self.W_E = nn.Parameter(W_E.detach().clone())
+        self.W_E = parameter(W_E)
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
         return self.W_E[tokens]
@@ -23,7 +25,7 @@ class PosEmbed(nn.Module):
 
     def __init__(self, W_pos: Float[Tensor, "n_ctx d_model"]) -> None:
         super().__init__()
-        self.W_pos = nn.Parameter(W_pos.detach().clone())
+        self.W_pos = parameter(W_pos)
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos = tokens.shape
@@ -35,8 +37,8 @@ class Unembed(nn.Module):
 
     def __init__(self, W_U: Float[Tensor, "d_model d_vocab_out"], b_U: Float[Tensor, " d_vocab_out"]) -> None:
         super().__init__()
-        self.W_U = nn.Parameter(W_U.detach().clone())
-        self.b_U = nn.Parameter(b_U.detach().clone())
+        self.W_U = parameter(W_U)
+        self.b_U = parameter(b_U)
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab_out"]:
         return F.linear(resid, self.W_U.T, self.b_U)

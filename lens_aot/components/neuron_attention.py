@@ -35,6 +35,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.activations import ActivationFit
 from lens_aot.components.hooks import hooked as _hooked
+from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import MLPSpec
 
 
@@ -53,13 +54,13 @@ class NeuronAttention(nn.Module):
         :mod:`lens_aot.components.product_attention`), and ``mlp.W_out``/``b_out`` are ignored.
         """
         super().__init__()
-        self.W_in = nn.Parameter(mlp.W_in.detach().clone())
-        self.b_in = nn.Parameter(mlp.b_in.detach().clone())
+        self.W_in = parameter(mlp.W_in)
+        self.b_in = parameter(mlp.b_in)
         self.act_fn = mlp.act_fn  # the source's name for it (the fit's name is canonical, e.g. gelu_new)
         self.scratch = scratch
         if scratch is None:
-            self.W_out: nn.Parameter | None = nn.Parameter(mlp.W_out.detach().clone())
-            self.b_O = nn.Parameter(mlp.b_out.detach().clone())
+            self.W_out: nn.Parameter | None = parameter(mlp.W_out)
+            self.b_O = parameter(mlp.b_out)
         else:
             self.W_out = None
             self.register_buffer("b_O", mlp.W_in.new_zeros(scratch[1]))
@@ -206,10 +207,10 @@ class NeuronAttention(nn.Module):
         """The MLP this layer implements (used by ``revert``; gate heads: see ``ProductAttention.spec``)."""
         assert self.W_out is not None, "gate heads are half of a gated MLP: ask the product heads for its spec"
         return MLPSpec(
-            self.W_in.detach().clone(),
-            self.b_in.detach().clone(),
-            self.W_out.detach().clone(),
-            self.b_O.detach().clone(),
+            exported(self.W_in),
+            exported(self.b_in),
+            exported(self.W_out),
+            exported(self.b_O),
             self.act_fn,
         )
 

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked
+from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import NormKind, NormSpec
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -28,8 +29,8 @@ class Norm(nn.Module):
         self.eps = float(spec.eps)
         self.compute_dtype = spec.compute_dtype
         self.rsqrt = spec.rsqrt
-        self.w = nn.Parameter(spec.w.detach().clone()) if spec.w is not None else None
-        self.b = nn.Parameter(spec.b.detach().clone()) if spec.b is not None else None
+        self.w = parameter(spec.w) if spec.w is not None else None
+        self.b = parameter(spec.b) if spec.b is not None else None
         if self.kind is not None:
             self.hook_scale = HookPoint()  # [batch, pos, 1]
             self.hook_normalized = HookPoint()  # [batch, pos, d_model]
@@ -61,8 +62,8 @@ class Norm(nn.Module):
         return NormSpec(
             self.kind,
             self.eps,
-            None if self.w is None else self.w.detach().clone(),
-            None if self.b is None else self.b.detach().clone(),
+            None if self.w is None else exported(self.w),
+            None if self.b is None else exported(self.b),
             self.compute_dtype,
             self.rsqrt,
         )

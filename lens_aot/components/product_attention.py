@@ -35,6 +35,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked as _hooked
 from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
+from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import MLPSpec
 
 
@@ -57,11 +58,11 @@ class ProductAttention(nn.Module):
         d_scratch: int,
     ) -> None:
         super().__init__()
-        self.W_in = nn.Parameter(W_in.detach().clone())
-        self.b_in = nn.Parameter(b_in.detach().clone())
-        self.W_out = nn.Parameter(W_out.detach().clone())
-        self.b_out = nn.Parameter(b_out.detach().clone())
-        self.b_post = None if b_post is None else nn.Parameter(b_post.detach().clone())
+        self.W_in = parameter(W_in)
+        self.b_in = parameter(b_in)
+        self.W_out = parameter(W_out)
+        self.b_out = parameter(b_out)
+        self.b_post = None if b_post is None else parameter(b_post)
         self.register_buffer("scales", scales.detach().clone().to(W_in.dtype))
         self.d_model, self.d_mlp = W_in.shape
         self.d_scratch = d_scratch
@@ -234,11 +235,11 @@ class ProductAttention(nn.Module):
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
         """The gated MLP this layer implements with its gate heads' weights (used by ``to_spec`` / ``revert``)."""
         return MLPSpec(
-            *(p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)),
+            *(exported(p) for p in (self.W_in, self.b_in, self.W_out, self.b_out)),
             act_fn,
-            W_gate=W_gate.detach().clone(),
-            b_gate=b_gate.detach().clone(),
-            b_post=None if self.b_post is None else self.b_post.detach().clone(),
+            W_gate=exported(W_gate),
+            b_gate=exported(b_gate),
+            b_post=None if self.b_post is None else exported(self.b_post),
         )
 
     def internal_hooks(self) -> tuple[HookPoint, ...]:
