@@ -300,7 +300,10 @@ def test_the_mechanism_notebooks_claims_hold() -> None:
     assert all(int(f) in key_freqs for f in best_freq[single])
     source_best = viz.frequency_shares_2d(post.reshape(P, P, -1)).argmax(dim=1)
     assert bool((best_freq == source_best).all()), "clustered exactly as the source's neurons"
-    logit_weights = torch.stack([circuits.ov_circuit(aot, (block, h), unembed=True).B[0] for h in range(n_heads)])
+    heads = aot.blocks[block].attn
+    logit_weights = (heads.W_O[:, 0, : aot.cfg.d_model] @ aot.W_U).detach()  # [head, c]: one unit of hook_z's logits
+    for h in (0, n_heads // 2, n_heads - 1):  # what the notebook reads through circuits.ov_circuit
+        torch.testing.assert_close(circuits.ov_circuit(aot, (block, h), unembed=True).B[0], logit_weights[h])
     c = torch.arange(P)
     for w in key_freqs:
         cluster = (best_freq == w) & single
