@@ -7,7 +7,7 @@ conversion's per-neuron bound, ``report.max_neuron_error``, in the last column).
 the argmax agreement (in parentheses).
 Run under TransformerLens 3.x for HookedTransformer rows, under either major for TransformerBridge rows:
 
-    python benchmarks/faithfulness.py
+    python benchmarks/faithfulness.py [--gated-parallel]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's lens_aot (not an installed copy) and its factories
 
 import lens_aot  # noqa: E402
 
@@ -61,12 +62,14 @@ def row(source: str, family: str, act: str, cells: list[tuple[float, float, floa
 def main() -> None:
     from factories_bridge import CONVERTIBLE, GATED_PARALLEL, make_bridge
 
+    only_gated = "--gated-parallel" in sys.argv  # only the gated / parallel rows
+
     rows: list[str] = []
     tokens = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
     try:
         from factories_hooked import ACTIVATIONS, FAMILIES, make_hooked
 
-        for family in sorted(FAMILIES):
+        for family in [] if only_gated else sorted(FAMILIES):
             for act in ACTIVATIONS:
                 cells = [measure(make_hooked(family, act, dtype, d_vocab=97, n_ctx=32), tokens) for dtype in DTYPES]
                 rows.append(row("HookedTransformer", family, act, cells, agree=False))
@@ -90,7 +93,7 @@ def main() -> None:
             label = f"{family}{' (compat)' if compat else ''}"
             act = f"{aot.cfg.act_fn}{' gated' * aot.cfg.gated_mlp}"
             rows.append(row("TransformerBridge", label, act, cells, agree=True))
-    for family in CONVERTIBLE:
+    for family in [] if only_gated else CONVERTIBLE:
         for compat in (False, True):
             cells = [measure(make_bridge(family, dtype, compat=compat), tokens) for dtype in DTYPES]
             aot = lens_aot.convert(make_bridge(family, torch.float32, compat=compat))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import factories_bridge
 import pytest
 import torch
 from conftest import HAS_HOOKED_TRANSFORMER
@@ -125,21 +126,8 @@ def test_verify_passes(converted: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def save_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A random Llama (RMSNorm, rotary, GQA, SwiGLU; 2 layers, d_model 32) as save_pretrained writes it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=D_VOCAB,
-        hidden_size=D_MODEL,
-        intermediate_size=D_MLP,
-        num_hidden_layers=N_LAYERS,
-        num_attention_heads=N_HEADS,
-        num_key_value_heads=2,
-        max_position_embeddings=N_CTX,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg)
+    """The factories' random Llama (RMSNorm, rotary, GQA, SwiGLU) as save_pretrained writes it."""
+    _, model, _ = factories_bridge.FAMILIES["llama"]()
     _randomize_(model, seed)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)

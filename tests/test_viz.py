@@ -15,6 +15,7 @@ from lens_aot.circuits import as_head_ref
 from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
 from lens_aot.errors import InputError
 from lens_aot.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.reference import MLPTransformer
 
 P = MODULAR_ADDITION_P
 
@@ -58,6 +59,21 @@ def test_head_patterns_equal_the_cached_patterns(aot, tokens, compact: bool) -> 
     torch.testing.assert_close(slot.sum(-1), torch.ones(4, 8, dtype=slot.dtype), rtol=0, atol=1e-12)
     torch.testing.assert_close(slot[:, 1:, 1:], viz.head_patterns(aot, cache, heads), rtol=0, atol=0)
     assert float(slot[0, 1:, 0].min()) > 0 and torch.equal(slot[1, 1:, 0], torch.zeros(7, dtype=slot.dtype))
+
+
+def test_neuron_head_patterns_are_theorem_3s_gate_of_the_source_pre_activation(aot, tokens) -> None:
+    """Against the source, not the cache: neuron head k of neuron n attends to itself with weight σ(b_k·z + d_k),
+    z the source's ``mlp.hook_pre`` (Theorem 3), and to no other real position. Layer 0: no fit error upstream."""
+    spec = random_spec(norm="LN", positions="standard", act_fn="gelu", gated=False, dtype=torch.float64, d_mlp=16)
+    _, src = MLPTransformer(spec).run_with_cache(tokens)
+    _, cache = aot.run_with_cache(tokens)
+    for layer, neuron in ((0, 3), (0, 11)):
+        fit = aot.cfg.activation_fits[layer]
+        z = src[f"blocks.{layer}.mlp.hook_pre"][1, :, neuron]
+        for k, ref in enumerate(aot.neuron_heads(layer, neuron)):
+            got = viz.head_patterns(aot, cache, [ref], batch=1)[0]
+            torch.testing.assert_close(torch.diagonal(got), torch.sigmoid(fit.b[k] * z + fit.d[k]), rtol=0, atol=1e-12)
+            assert float((got - torch.diag_embed(torch.diagonal(got))).abs().max()) == 0.0
 
 
 def test_head_patterns_of_gate_and_product_heads() -> None:
