@@ -257,12 +257,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class SumOfLogistics(torch.autograd.Function):
     """``Σ_k (α_k z + β_k)·σ(b_k z + d_k)`` elementwise as one vectorised expression over the K terms (a [K, chunk]
-    broadcast: five operations however large the input), saving only ``z`` for a closed-form backward
-    ``Σ_k α_k σ_k + (α_k z + β_k)·b_k·σ_k(1 − σ_k)`` (autograd would keep 4K tensors).
+    broadcast and a [2, K] @ [K, chunk] product: a few operations however large the input), saving only ``z`` for a
+    closed-form backward ``Σ_k α_k σ_k + (α_k z + β_k)·b_k·σ_k(1 − σ_k)`` (autograd would keep 4K tensors).
 
     ``coeffs`` is :func:`fit_coefficients` in :func:`compute_dtype` of ``pre``; half inputs are evaluated in float32
     and the result cast back. On CPU the input is split into at most :attr:`MAX_CHUNKS` chunks of at least
-    :attr:`CHUNK_FLOATS` / K elements, so the [K, chunk] temporaries stay in a reused workspace; on other devices it is
+    :attr:`CHUNK_FLOATS` / K elements, so the [K, chunk] logistics reuse one workspace; on other devices it is
     one chunk (one kernel per operation).
     """
 
@@ -280,18 +280,19 @@ class SumOfLogistics(torch.autograd.Function):
     def forward(ctx: Any, pre: Tensor, coeffs: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(pre, coeffs)
         alpha, beta, b, d = coeffs
+        # Σ_k (α_k z + β_k)·σ_k = z·(αᵀσ) + βᵀσ: one [2, K] @ [K, chunk] product reads the logistics once.
+        weights = torch.cat((alpha, beta), dim=1).T
         flat = pre.reshape(1, -1)
         out = torch.empty(flat.shape, dtype=coeffs.dtype, device=pre.device)
         n_chunks = SumOfLogistics.chunks(pre, coeffs.shape[1])
         step = -(-flat.shape[1] // n_chunks)
         sig = flat.new_empty((coeffs.shape[1], step), dtype=coeffs.dtype)
-        val = torch.empty_like(sig)
         for start in range(0, flat.shape[1], step):
             z = flat[:, start : start + step]
-            s, v = sig[:, : z.shape[1]], val[:, : z.shape[1]]
+            s = sig[:, : z.shape[1]] if z.shape[1] < step else sig
             torch.addcmul(d, z, b, out=s).sigmoid_()
-            torch.addcmul(beta, z, alpha, out=v)
-            torch.sum(s.mul_(v), 0, keepdim=True, out=out[:, start : start + step])
+            sums = weights @ s  # [αᵀσ; βᵀσ]
+            torch.addcmul(sums[1:], z, sums[:1], out=out[:, start : start + step])
         return out.view(pre.shape).to(pre.dtype)
 
     @staticmethod
