@@ -570,3 +570,8 @@ def test_active_dropout_is_refused_and_the_check_runs_without_it() -> None:
         aot = lens_aot.convert(model, check="warn")
     assert aot.report.max_abs_logit_error <= 1e-5
     assert all(module.training for module in model.modules())
+
+
+def test_check_accepts_only_true_false_or_warn(bridge: Any) -> None:
+    with pytest.raises(ValueError, match=r"check must be True, False or 'warn'"):
+        lens_aot.convert(bridge, check="strict")  # type: ignore[arg-type]
