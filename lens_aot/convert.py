@@ -238,7 +238,9 @@ def _eval_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
             module.training = training
 
 
-def _convert_half(model: Any, half: torch.dtype, check: bool, check_tokens: torch.Tensor | None, **options: Any) -> Any:
+def _convert_half(
+    model: Any, half: torch.dtype, check: bool | Literal["warn"], check_tokens: torch.Tensor | None, **options: Any
+) -> Any:
     """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
     cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
     (:func:`lens_aot.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
@@ -261,11 +263,15 @@ def _convert_half(model: Any, half: torch.dtype, check: bool, check_tokens: torc
         with torch.no_grad():
             error = float((aot(tokens).float() - expected).abs().max())
         if not error <= half_precision_tolerance(source_error):
-            raise ValueError(
+            message = (
                 f"the converted {half} model's logit error against the float32 source, {error:.3g}, exceeds "
                 f"{half_precision_tolerance(source_error):.3g} (twice the {half} source's own, {source_error:.3g}). "
-                f"Convert the float32 model and keep it in float32: model.to(torch.float32)."
+                f"Convert the float32 model and keep it in float32: model.to(torch.float32); or pass check='warn' "
+                f"to get the model anyway."
             )
+            if check != "warn":
+                raise FaithfulnessError(message)
+            warnings.warn(message, stacklevel=3)
         report = replace(report, half_logit_error=error, half_source_logit_error=source_error)
     aot.report = report
     return aot
