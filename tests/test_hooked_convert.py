@@ -126,6 +126,8 @@ def test_dense_and_closed_form_paths_agree(tokens: torch.Tensor) -> None:
     )
     assert len(seen) == 4
     torch.testing.assert_close(hooked, plain, rtol=0, atol=1e-12)
+    # and both are the source's computation, within the stated bound
+    torch.testing.assert_close(hooked, model(tokens), rtol=0, atol=TOLERANCES[("gelu_new", torch.float64)])
 
 
 def test_patching_neuron_head_equals_patching_neuron(tokens: torch.Tensor) -> None:
@@ -161,6 +163,10 @@ def test_decompose_resid_sums_to_final_residual(tokens: torch.Tensor) -> None:
     assert len(labels) == 2 + aot.cfg.n_layers
     last = f"blocks.{aot.cfg.n_layers - 1}.hook_resid_post"
     torch.testing.assert_close(parts.sum(0), cache[last], rtol=0, atol=1e-10)
+    # the decomposition is of the source's residual stream (within the GELU fit's bound), not only of the cache's own
+    _, src = model.run_with_cache(tokens)
+    source_last = src[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+    torch.testing.assert_close(parts.sum(0), source_last, rtol=0, atol=TOLERANCES[("gelu", torch.float64)])
 
 
 def test_attn_result_hooks_sum_to_attn_out(tokens: torch.Tensor) -> None:
