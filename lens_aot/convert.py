@@ -135,6 +135,14 @@ def _check_options(max_neuron_error: Any, heads_per_neuron: Any) -> None:
         )
 
 
+def _refuse(message: str, check: bool | str, stacklevel: int) -> None:
+    """Raise :class:`FaithfulnessError` with ``message``, or (``check="warn"``) warn with it (``stacklevel``: frames
+    from this function to convert's caller)."""
+    if check != "warn":
+        raise FaithfulnessError(message)
+    warnings.warn(message, stacklevel=stacklevel)
+
+
 def _refuse_what_cannot_be_carried_over(model: Any, check: bool | str) -> None:
     """Hooks attached to the source (they change its output and are not converted) and active dropout (the converted
     model has none): refused, or (``check="warn"``) warned about; the check then compares against the eval-mode,
@@ -163,10 +171,7 @@ def _refuse_what_cannot_be_carried_over(model: Any, check: bool | str) -> None:
     if not problems:
         return
     message = "; and ".join(problems) + ", or pass check='warn' to convert anyway."
-    if check == "warn":
-        warnings.warn(message, stacklevel=3)
-    else:
-        raise FaithfulnessError(message)
+    _refuse(message, check, stacklevel=4)
 
 
 def _neuron_rounding(fits: dict[int, ActivationFit | GatedFit], dtype: torch.dtype) -> float:
@@ -269,9 +274,7 @@ def _convert_half(
                 f"Convert the float32 model and keep it in float32: model.to(torch.float32); or pass check='warn' "
                 f"to get the model anyway."
             )
-            if check != "warn":
-                raise FaithfulnessError(message)
-            warnings.warn(message, stacklevel=3)
+            _refuse(message, check, stacklevel=4)
         report = replace(report, half_logit_error=error, half_source_logit_error=source_error)
     aot.report = report
     return aot
@@ -392,7 +395,5 @@ def convert(
             f"forward or module); or tighten the fit (max_neuron_error), or use float64. Pass check='warn' to get "
             f"the model anyway."
         )
-        if check != "warn":
-            raise FaithfulnessError(message)
-        warnings.warn(message, stacklevel=2)
+        _refuse(message, check, stacklevel=3)
     return aot
