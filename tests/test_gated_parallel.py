@@ -19,7 +19,7 @@ from lens_aot.components import NeuronAttention, ProductAttention
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.gating import gated_fit, normalized_input_bound
 from lens_aot.model import AttentionOnlyTransformer
-from lens_aot.reference import MLPTransformer
+from lens_aot.reference import MLPTransformer, independent_logits
 
 FP32_ROUNDING = 2.0**-24
 
@@ -88,6 +88,8 @@ def test_converted_logits_and_neurons_match_the_reference(case, dtype, one_threa
         got, cache = aot.run_with_cache(tokens)
     logit_tol = TOLERANCES[("gated" if case["gated"] else case["act_fn"], dtype)]
     assert float((got - expected).abs().max()) <= logit_tol
+    # and against the plain-torch forward that shares no code with lens_aot's components
+    assert float((got - independent_logits(spec, tokens)).abs().max()) <= logit_tol
     assert aot.report.max_abs_logit_error <= logit_tol
     assert float((aot.neuron_activations(cache, 0) - ref_cache["blocks.0.mlp.hook_post"]).abs().max()) <= (
         _post_tolerance(aot, dtype)
