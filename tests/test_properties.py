@@ -301,18 +301,6 @@ NATIVE_REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], type[LensAOTErro
         UnsupportedArchitectureError,
         (r"rope scaling of type 'linear'", r"Only unscaled rotary embeddings"),
     ),
-    "float16": (
-        dict(dtype=torch.float16),
-        {},
-        UnsupportedArchitectureError,
-        (r"torch\.float16", r"bridge\.to\(torch\.float32\)"),
-    ),
-    "bfloat16": (
-        dict(dtype=torch.bfloat16),
-        {},
-        UnsupportedArchitectureError,
-        (r"torch\.bfloat16", r"bridge\.to\(torch\.float32\)"),
-    ),
 }
 if TL_MAJOR >= 4:  # TransformerLens 3.9's native MLP has no SoLU to build
     NATIVE_REFUSED["solu"] = (
