@@ -41,7 +41,7 @@ so all of a block's attributions come from its ``hook_pre`` on both inputs and o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -68,6 +68,7 @@ from lens_aot.patching import (
     _neuron_units,
     _pair,
     _positions,
+    _progress,
 )
 
 __all__ = ["Method", "attribute_edges", "attribute_heads", "attribute_neurons", "attribute_units"]
@@ -105,24 +106,6 @@ def _differentiable(value: Any, where: str) -> Tensor:
             f"numpy, or from argmax / comparisons). Use activation patching (lens_aot.patching) for such metrics."
         )
     return value.reshape(())
-
-
-def _progress(items: list[Any], enabled: bool, desc: str) -> Iterable[Any]:
-    if not enabled:
-        return items
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency of TransformerLens
-        return _plain_progress(items, desc)
-    return tqdm(items, desc=desc)
-
-
-def _plain_progress(items: list[Any], desc: str) -> Iterator[Any]:  # pragma: no cover - used without tqdm only
-    import sys
-
-    for i, item in enumerate(items):
-        print(f"{desc}: {i + 1}/{len(items)}", file=sys.stderr)
-        yield item
 
 
 # ==================================================================================================== runs

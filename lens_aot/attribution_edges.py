@@ -23,11 +23,10 @@ from lens_aot.attribution import (
 )
 from lens_aot.components import Attention, ProductAttention
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.model import AttentionOnlyTransformer
 from lens_aot.patching import (
     Direction,
     Metric,
-    NeuronRef,
     PatchUnit,
     PathPatchingResult,
     TokensLike,
@@ -35,8 +34,8 @@ from lens_aot.patching import (
     _block_of,
     _direction,
     _Index,
-    _is_head_tuple,
     _pair,
+    _path_units,
     _receiver_inputs,
 )
 
@@ -108,18 +107,7 @@ def attribute_edges(
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
     index = _Index(aot)
     inputs = _receiver_inputs(receiver_input)
-    if isinstance(senders, (PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(senders):
-        senders = [senders]  # type: ignore[list-item]
-    sender_units = [index.unit(s) for s in senders]  # type: ignore[union-attr]
-    if isinstance(receivers, (str, PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(receivers):
-        receivers = [receivers]  # type: ignore[list-item]
-    receiver_units: list[PatchUnit | Literal["logits"]] = []
-    for r in receivers:  # type: ignore[union-attr]
-        if isinstance(r, str) and r != "logits":
-            raise InputError(f"a receiver is a head, a NeuronRef, a PatchUnit or 'logits'; got {r!r}")
-        receiver_units.append("logits" if isinstance(r, str) else index.unit(r))
-    if not sender_units or not receiver_units:
-        raise InputError("senders and receivers must each name at least one unit (receivers may be 'logits')")
+    sender_units, receiver_units = _path_units(index, senders, receivers)
     for unit in receiver_units:
         for ref in [] if isinstance(unit, str) else unit.heads:
             for x in inputs:

@@ -769,6 +769,26 @@ def _progress(items: list[Any], enabled: bool, desc: str) -> Iterable[Any]:
     return tqdm(items, desc=desc)
 
 
+def _path_units(
+    index: _Index, senders: Any, receivers: Any
+) -> tuple[list[PatchUnit], list[PatchUnit | Literal["logits"]]]:
+    """Path patching's senders and receivers (one or a list of heads, NeuronRefs or PatchUnits; receivers may also be
+    "logits") as units, refusing empty lists and other strings."""
+    if isinstance(senders, (PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(senders):
+        senders = [senders]  # type: ignore[list-item]
+    sender_units = [index.unit(s) for s in senders]  # type: ignore[union-attr]
+    if isinstance(receivers, (str, PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(receivers):
+        receivers = [receivers]  # type: ignore[list-item]
+    receiver_units: list[PatchUnit | Literal["logits"]] = []
+    for r in receivers:  # type: ignore[union-attr]
+        if isinstance(r, str) and r != "logits":
+            raise InputError(f"a receiver is a head, a NeuronRef, a PatchUnit or 'logits'; got {r!r}")
+        receiver_units.append("logits" if isinstance(r, str) else index.unit(r))
+    if not sender_units or not receiver_units:
+        raise InputError("senders and receivers must each name at least one unit (receivers may be 'logits')")
+    return sender_units, receiver_units
+
+
 def _capture(hook_names: Iterable[str], store: dict[str, Tensor]) -> list[tuple[str, Callable[..., None]]]:
     """Hooks storing each named hook's activation in ``store[hook name]``."""
 
@@ -1132,18 +1152,7 @@ def path_patch(
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
     index = _Index(aot)
     inputs = _receiver_inputs(receiver_input)
-    if isinstance(senders, (PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(senders):
-        senders = [senders]  # type: ignore[list-item]
-    sender_units = [index.unit(s) for s in senders]  # type: ignore[union-attr]
-    if isinstance(receivers, (str, PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(receivers):
-        receivers = [receivers]  # type: ignore[list-item]
-    receiver_units: list[PatchUnit | Literal["logits"]] = []
-    for r in receivers:  # type: ignore[union-attr]
-        if isinstance(r, str) and r != "logits":
-            raise InputError(f"a receiver is a head, a NeuronRef, a PatchUnit or 'logits'; got {r!r}")
-        receiver_units.append("logits" if isinstance(r, str) else index.unit(r))
-    if not sender_units or not receiver_units:
-        raise InputError("senders and receivers must each name at least one unit (receivers may be 'logits')")
+    sender_units, receiver_units = _path_units(index, senders, receivers)
     head_receivers = [r for r in receiver_units if isinstance(r, PatchUnit)]
     hook_names: list[str] = []  # receiver inputs recorded in step 1 and patched in step 2
     for unit in head_receivers:
