@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import SHAPES, build_source  # noqa: E402
+from bench_shapes import SHAPES, build_source, default_source_kind  # noqa: E402
 
 import lens_aot  # noqa: E402
 from lens_aot import patching as P  # noqa: E402
@@ -74,14 +74,7 @@ def main() -> None:
     parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kind = args.source
-    if kind == "auto":
-        try:
-            from transformer_lens import HookedTransformer  # noqa: F401
-
-            kind = "hooked"
-        except ImportError:
-            kind = "bridge"
+    kind = default_source_kind() if args.source == "auto" else args.source
     SHAPES["gpt2"]["n_layers"] = args.layers
     source = build_source("gpt2", kind, "cpu")
     aot = lens_aot.convert(source, check=False).eval()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_shapes import SHAPES, build_source
+from bench_shapes import SHAPES, build_source, default_source_kind
 
 import lens_aot
 from lens_aot.opcount import count_ops
@@ -153,12 +153,7 @@ def main() -> None:
     sizes = args.sizes or (["1x128", "8x1024"] if device.startswith("cuda") else ["1x32", "2x64"])
     sources = args.sources
     if sources is None:
-        try:
-            from transformer_lens import HookedTransformer  # noqa: F401
-
-            sources = ["hooked", "bridge"]
-        except ImportError:
-            sources = ["bridge"]
+        sources = ["hooked", "bridge"] if default_source_kind() == "hooked" else ["bridge"]
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"device {device} ({name}), torch {torch.__version__}, float32; ratio = converted / source, same run\n")
     print(

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
 import subprocess
 import sys
 import time
 
 import torch
-from bench_shapes import build_source
+from bench_shapes import build_source, default_source_kind
 
 import lens_aot
 from lens_aot.cache import pattern_hook
@@ -116,8 +115,7 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    major = int(importlib.metadata.version("transformer-lens").split(".")[0])
-    kind = args.source if args.source != "auto" else ("hooked" if major < 4 else "bridge")  # 4.x: no HookedTransformer
+    kind = default_source_kind() if args.source == "auto" else args.source
     aot = lens_aot.convert(build_source("gpt2", kind, "cpu"), check=False)
     print(f"GPT-2-small shape, {kind} source, float32, CPU, {torch.get_num_threads()} thread(s)\n")
     print("| measure | time | memory | target |\n|---|---|---|---|")

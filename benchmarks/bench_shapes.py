@@ -127,6 +127,14 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def default_source_kind() -> str:
+    """The source the benchmarks build by default: a HookedTransformer where TransformerLens has one (3.x), else a
+    TransformerBridge (4.x)."""
+    from lens_aot.revert import has_hooked_transformer
+
+    return "hooked" if has_hooked_transformer() else "bridge"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")
@@ -138,14 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    kind = args.source
-    if kind == "auto":
-        try:
-            from transformer_lens import HookedTransformer  # noqa: F401
-
-            kind = "hooked"
-        except ImportError:
-            kind = "bridge"
+    kind = default_source_kind() if args.source == "auto" else args.source
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sources = {
