@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -182,24 +183,29 @@ def _neuron_rounding(fits: dict[int, ActivationFit | GatedFit], dtype: torch.dty
     return 64 * torch.finfo(dtype).eps
 
 
+@contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """The source in eval mode (no dropout in the check); every module's training flag restored on exit, even on
+    error."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.train(False)
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
 def _check_agreement(
     model: Any, aot: Any, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit], tokens: torch.Tensor
 ) -> tuple[float, float, float, float, float]:
     """Run source and converted model on ``tokens`` (source in eval mode; modes restored even on error) and measure
     the source's sensitivity to its neurons' error: (max |Δlogit|, argmax agreement, bound, S, R), see
     :mod:`lens_aot.faithfulness`."""
-    modes = {module: module.training for module in model.modules()}
-    try:
-        model.train(False)  # no dropout in the check (the source's modes are restored below)
-        with torch.no_grad():
-            expected = run_source(model, tokens.to(spec.device))
-            got = aot(tokens)
-            bound, sensitivity, rounding = conversion_bound(
-                model, tokens.to(spec.device), expected, fits, len(spec.layers)
-            )
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with _eval_mode(model), torch.no_grad():
+        expected = run_source(model, tokens.to(spec.device))
+        got = aot(tokens)
+        bound, sensitivity, rounding = conversion_bound(model, tokens.to(spec.device), expected, fits, len(spec.layers))
     max_err = float((got - expected).abs().max()) if got.numel() else 0.0
     argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
 
@@ -233,14 +239,8 @@ def half_precision_tolerance(source_half_error: float) -> float:
 
 def _eval_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     """The source's logits in eval mode and without gradients (its training flags are restored)."""
-    modes = {module: module.training for module in model.modules()}
-    try:
-        model.train(False)  # no dropout in the check
-        with torch.no_grad():
-            return run_source(model, tokens)
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with _eval_mode(model), torch.no_grad():
+        return run_source(model, tokens)
 
 
 def _convert_half(
