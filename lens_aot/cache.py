@@ -108,7 +108,7 @@ class HeadDerivation:
         if self.hook == "hook_q":
             return self.queries(first)[..., None]
         if self.hook == "hook_k":
-            return first.new_zeros(()).expand(*first.shape[:-1], self.n_heads(first), 1)
+            return first.new_zeros(*first.shape[:-1], self.n_heads(first), 1)
         if self.hook == "hook_v":
             return self.values(sources[-1])[..., None]
         if self.hook == "hook_z":
@@ -121,9 +121,11 @@ class HeadDerivation:
 def neuron_head_derivations(
     family: Family, coeffs: dict[str, Tensor], heads_per_neuron: int
 ) -> dict[str, tuple[tuple[str, ...], HeadDerivation]]:
-    """The ``derivations()`` of a neuron / gate (``family`` "neuron") or product block: hook -> (sources, how)."""
+    """The ``derivations()`` of neuron / gate (``family`` "neuron") or product heads: hook -> (sources, how), the
+    sources named relative to the MLP holding the heads (``hook_pre``, ``hook_pre_linear``,
+    ``product_heads.hook_gate``)."""
     pre = ("hook_pre",) if family == "neuron" else ("hook_pre_linear",)
-    value_src = pre if family == "neuron" else ("hook_gate",)
+    value_src = pre if family == "neuron" else ("product_heads.hook_gate",)
     sources = {"hook_v": value_src, "hook_z": pre + value_src if family == "product" else pre}
     hooks = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
     return {h: (sources.get(h, pre), HeadDerivation(family, h, coeffs, heads_per_neuron)) for h in hooks}
@@ -318,6 +320,20 @@ class NeuronHeadCache(ActivationCache):
 
     cache_dict: LazyCacheDict
 
+    def __getitem__(self, key: Any) -> Tensor:
+        try:
+            return super().__getitem__(key)
+        except KeyError as error:
+            from lens_aot.core.names import flat_layout_hint
+
+            name = key if isinstance(key, str) else None
+            hint = None if name is None else flat_layout_hint(name, self.model.cfg.n_layers)
+            if hint is None:
+                raise
+            from lens_aot.errors import HookNameError
+
+            raise HookNameError(hint) from error
+
     def _batch_size(self) -> int:
         sizes = [v.size(0) for _, v in self.cache_dict.stored() if v.ndim > 0]
         return max(set(sizes), key=sizes.count) if sizes else 1
@@ -361,31 +377,33 @@ class NeuronHeadCache(ActivationCache):
 
 def pattern_hook(
     aot: Any,
-    block: int | str,
+    module: str,
     heads: HeadIndex,
     fn: Callable[[Tensor, Any], None],
     *,
     hook: Literal["hook_pattern", "hook_attn_scores"] = "hook_pattern",
 ) -> tuple[str, Callable[[Tensor, Any], None]]:
     """A forward hook that hands ``fn(entry, hook)`` the ``hook_pattern`` (or ``hook_attn_scores``) of the chosen
-    neuron / gate / product heads of ``block`` only, ``[batch, k, query, key]``, at ``O(batch·k·N²)``.
+    neuron / gate / product heads of ``module`` (e.g. ``"blocks.3.mlp.heads"``, a :class:`HeadRef`'s ``name``) only,
+    ``[batch, k, query, key]``, at ``O(batch·k·N²)``.
 
-    Use it as ``aot.run_with_hooks(tokens, fwd_hooks=[pattern_hook(aot, 3, heads, fn)])``. It hooks the block's
-    ``hook_pre`` (product heads: ``hook_pre_linear``), so the model keeps its closed-form path and never builds the
-    whole block. It observes: to change patterns, hook ``hook_pattern`` itself (which builds every head).
+    Use it as ``aot.run_with_hooks(tokens, fwd_hooks=[pattern_hook(aot, "blocks.3.mlp.heads", heads, fn)])``. It
+    hooks the MLP's ``hook_pre`` (product heads: ``hook_pre_linear``), so the model never builds the whole block. It
+    observes: to change patterns, hook ``hook_pattern`` itself (which builds every head).
     """
-    index = block if isinstance(block, int) else int(str(block).split(".")[1])
-    attn = aot.blocks[index].attn
-    if not hasattr(attn, "derivations"):
-        raise ValueError(f"block {index} holds the source's own attention heads; hook its hook_pattern directly")
+    from lens_aot.core.names import parse_module
+
+    parsed = parse_module(module)
+    if parsed.kind == "attention":
+        raise ValueError(f"{module} holds the source's own attention heads; hook its hook_pattern directly")
     if hook not in DENSE_HOOKS:
         raise ValueError(f"hook must be one of {DENSE_HOOKS}; got {hook!r}")
-    entry = hook
-    (source,), derivation = attn.derivations()[entry]
+    attn = aot.head_module(module)
+    (source,), derivation = attn.derivations()[hook]
     chosen = torch.arange(attn.n_heads)[heads] if isinstance(heads, slice) else torch.as_tensor(heads).reshape(-1)
 
-    def observe(act: Tensor, hook: Any) -> None:
-        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook) is not None:
-            raise ValueError(f"pattern_hook observes {entry}; to change it, hook blocks.{index}.attn.{entry} itself")
+    def observe(act: Tensor, hook_point: Any) -> None:
+        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook_point) is not None:
+            raise ValueError(f"pattern_hook observes {hook}; to change it, hook {module}.{hook} itself")
 
-    return f"blocks.{index}.attn.{source}", observe
+    return f"blocks.{parsed.layer}.mlp.{source}", observe

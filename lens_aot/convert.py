@@ -28,8 +28,7 @@ class ConversionReport:
     model_name: str
     source_kind: str
     dtype: str
-    n_source_layers: int
-    n_blocks: int
+    n_layers: int  # source layers = blocks of the converted model
     activation: str | None
     heads_per_neuron: int
     max_neuron_error: float  # bound on |fit(z) − act(z)| used for every neuron (0 = exact)
@@ -76,7 +75,8 @@ class ConversionReport:
             heads = f"{act}: {self.heads_per_neuron} head(s) per neuron, {exact}"
         lines = [
             f"lens_aot conversion of {self.model_name} ({self.source_kind}, {self.dtype})",
-            f"  blocks          {self.n_source_layers} source layers -> {self.n_blocks} attention-only blocks{layout}",
+            f"  layers          {self.n_layers}, numbered as in the source: blocks.{{l}}.attn, then the MLP as neuron "
+            f"heads in blocks.{{l}}.mlp{layout}",
             f"  heads           {self.attention_heads} attention + {self.neuron_heads} neuron heads",
             f"  activation      {heads}",
             f"  parameters      {self.source_parameters:,} -> {self.converted_parameters:,} "
@@ -363,8 +363,7 @@ def convert(
         model_name=spec.model_name,
         source_kind=spec.source_kind,
         dtype=str(spec.dtype).removeprefix("torch."),
-        n_source_layers=len(spec.layers),
-        n_blocks=len(aot.blocks),
+        n_layers=len(spec.layers),
         activation=None if first_fit is None else first_fit.act_fn,
         heads_per_neuron=0 if first_fit is None else first_fit.n_terms,
         max_neuron_error=0.0 if first_fit is None else max(f.max_error for f in fits.values()),

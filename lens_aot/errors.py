@@ -35,3 +35,10 @@ class LoadError(LensAOTError, ValueError):
 class FaithfulnessError(LensAOTError, ValueError):
     """``convert`` measured a converted model that disagrees with its source beyond the bound it states, or was given
     a source whose behaviour cannot be carried over (hooks attached, active dropout)."""
+
+
+class HookNameError(LensAOTError, KeyError):
+    """A hook name the converted model does not have, e.g. one of lens_aot 0.1's flat layout (``blocks.{2l+1}``)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""

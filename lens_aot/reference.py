@@ -21,6 +21,7 @@ from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components import MLP, Attention, Embed, Norm, PosEmbed, Unembed
+from lens_aot.components.block import TransformerBlock
 from lens_aot.spec import LayerSpec, ModelSpec, RotarySpec
 
 
@@ -46,47 +47,6 @@ class MLPTransformerConfig:
     attn_only: bool = False
 
 
-class TransformerBlock(nn.Module):
-    """``resid += attn(ln1(resid))`` then ``resid += mlp(ln2(resid))``; in parallel blocks both read ``resid``."""
-
-    def __init__(self, layer: LayerSpec, causal: bool, rotary: RotarySpec | None) -> None:
-        super().__init__()
-        self.parallel = layer.parallel
-        self.ln1 = Norm(layer.ln1)
-        self.attn = Attention(layer.attn, causal, rotary)
-        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
-        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
-        self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
-        self.mlp: MLP | None = None
-        if layer.mlp is not None:
-            assert layer.ln2 is not None
-            self.ln2 = Norm(layer.ln2)
-            self.mlp = MLP(layer.mlp)
-            self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
-            if not layer.parallel:
-                self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]
-
-    def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid)))
-        if self.mlp is None:
-            return self.hook_resid_post(resid + attn_out)
-        if self.parallel:
-            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
-            return self.hook_resid_post(resid + attn_out + mlp_out)
-        resid = self.hook_resid_mid(resid + attn_out)
-        return self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.ln2(resid))))
-
-    def layer_spec(self) -> LayerSpec:
-        return LayerSpec(
-            self.ln1.spec(),
-            self.attn.spec(),
-            None if self.mlp is None else self.ln2.spec(),
-            None if self.mlp is None else self.mlp.spec(),
-            self.parallel,
-        )
-
-
 class MLPTransformer(HookedRootModule):
     """The standard transformer a :class:`~lens_aot.spec.ModelSpec` describes, with TransformerLens hook names."""
 
@@ -98,7 +58,7 @@ class MLPTransformer(HookedRootModule):
             assert spec.W_pos is not None
             self.pos_embed = PosEmbed(spec.W_pos)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
-        self.blocks = nn.ModuleList(TransformerBlock(layer, spec.causal, spec.rotary) for layer in spec.layers)
+        self.blocks = nn.ModuleList(_block(layer, spec.causal, spec.rotary) for layer in spec.layers)
         self.ln_final = Norm(spec.ln_final)
         self.unembed = Unembed(spec.W_U, spec.b_U)
         self.tokenizer = spec.tokenizer
@@ -170,6 +130,13 @@ class MLPTransformer(HookedRootModule):
             source_kind=info["source_kind"],
             extra=dict(info["extra"]),
         )
+
+
+def _block(layer: LayerSpec, causal: bool, rotary: RotarySpec | None) -> TransformerBlock:
+    """A source layer with a plain (or gated) MLP."""
+    mlp = None if layer.mlp is None else MLP(layer.mlp)
+    ln2 = None if mlp is None or layer.ln2 is None else Norm(layer.ln2)
+    return TransformerBlock(Norm(layer.ln1), Attention(layer.attn, causal, rotary), ln2, mlp, parallel=layer.parallel)
 
 
 def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab_out"]:

@@ -4,7 +4,18 @@ from lens_aot.components.attention import Attention
 from lens_aot.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.components.mlp import MLP
 from lens_aot.components.neuron_attention import NeuronAttention
+from lens_aot.components.neuron_mlp import NeuronMLP
 from lens_aot.components.norm import Norm
 from lens_aot.components.product_attention import ProductAttention
 
-__all__ = ["MLP", "Attention", "Embed", "NeuronAttention", "Norm", "PosEmbed", "ProductAttention", "Unembed"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "Embed",
+    "NeuronAttention",
+    "NeuronMLP",
+    "Norm",
+    "PosEmbed",
+    "ProductAttention",
+    "Unembed",
+]

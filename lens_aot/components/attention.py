@@ -22,6 +22,14 @@ def rotate(x: Float[Tensor, "... rotary_dim"], adjacent_pairs: bool) -> Float[Te
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _project(
+    x: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos head d_model"], W: Float[Tensor, "head d_model e"]
+) -> Float[Tensor, "batch pos head e"]:
+    if x.ndim == 4:
+        return einops.einsum(x, W, "b p h d, h d e -> b p h e")
+    return einops.einsum(x, W, "b p d, h d e -> b p h e")
+
+
 class Attention(nn.Module):
     """Multi-head (or grouped-query) attention with TransformerLens's hook points.
 
@@ -77,10 +85,18 @@ class Attention(nn.Module):
         x_rot = x_rot * cos + rotate(x_rot, self.rotary_adjacent_pairs) * sin
         return torch.cat((x_rot, x_pass), dim=-1)
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        q = self.hook_q(einops.einsum(x, self.W_Q, "b p d, h d e -> b p h e") + self.b_Q)
-        k = self.hook_k(einops.einsum(x, self.W_K, "b p d, h d e -> b p h e") + self.b_K)
-        v = self.hook_v(einops.einsum(x, self.W_V, "b p d, h d e -> b p h e") + self.b_V)
+    def forward(
+        self,
+        query_input: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos head d_model"],
+        key_input: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos kv_head d_model"] | None = None,
+        value_input: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos kv_head d_model"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """Inputs per position, or per head (``use_split_qkv_input`` / ``use_attn_in``: [batch, pos, head, d_model])."""
+        key_input = query_input if key_input is None else key_input
+        value_input = query_input if value_input is None else value_input
+        q = self.hook_q(_project(query_input, self.W_Q) + self.b_Q)
+        k = self.hook_k(_project(key_input, self.W_K) + self.b_K)
+        v = self.hook_v(_project(value_input, self.W_V) + self.b_V)
         if self.rotary_dim:
             q = self.hook_rot_q(self.apply_rotary(q))
             k = self.hook_rot_k(self.apply_rotary(k))

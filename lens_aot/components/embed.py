@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.ownership import parameter
 
@@ -33,12 +34,14 @@ class PosEmbed(nn.Module):
 
 
 class Unembed(nn.Module):
-    """``resid @ W_U + b_U``."""
+    """``resid @ W_U + b_U``, with TransformerLens 3.9's ``hook_in`` / ``hook_out``."""
 
     def __init__(self, W_U: Float[Tensor, "d_model d_vocab_out"], b_U: Float[Tensor, " d_vocab_out"]) -> None:
         super().__init__()
         self.W_U = parameter(W_U)
         self.b_U = parameter(b_U)
+        self.hook_in = HookPoint()  # [batch, pos, d_model]
+        self.hook_out = HookPoint()  # [batch, pos, d_vocab_out]
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab_out"]:
-        return F.linear(resid, self.W_U.T, self.b_U)
+        return self.hook_out(F.linear(self.hook_in(resid), self.W_U.T, self.b_U))

@@ -48,9 +48,9 @@ class NeuronAttention(nn.Module):
     def __init__(self, mlp: MLPSpec, fit: ActivationFit, scratch: tuple[int, int] | None = None) -> None:
         """Neuron heads for ``mlp`` (``W_in``, ``b_in``, ``W_out``, ``b_out``; plain MLPs).
 
-        ``scratch=(offset, d_resid)`` builds the *gate heads* of a gated MLP instead (pass the gate's weights as
-        ``W_in``/``b_in``): neuron ``n`` writes its activation to residual channel ``offset + n`` of a residual of
-        width ``d_resid`` (a scratch channel outside the source's ``d_model``, see
+        ``scratch=(offset, width)`` builds the *gate heads* of a gated MLP instead (pass the gate's weights as
+        ``W_in``/``b_in``): neuron ``n`` writes its activation to channel ``offset + n`` of a scratch space of width
+        ``width`` that the product heads read (in a converted model, the MLP's own scratch: ``(0, d_mlp)``; see
         :mod:`lens_aot.components.product_attention`), and ``mlp.W_out``/``b_out`` are ignored.
         """
         super().__init__()
@@ -74,7 +74,6 @@ class NeuronAttention(nn.Module):
         self.n_heads = self.d_mlp * self.heads_per_neuron
         self.use_attn_result = False
 
-        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]: the neurons' pre-activations z (the MLP's hook_pre)
         self.hook_q = HookPoint()  # [batch, pos, head, 1]
         self.hook_k = HookPoint()  # [batch, pos, head, 1]
         self.hook_v = HookPoint()  # [batch, pos, head, 1]
@@ -143,8 +142,8 @@ class NeuronAttention(nn.Module):
         return self._per_head(pre, self.term_alpha).add(self.term_beta.repeat(self.d_mlp))[..., None]
 
     def keys(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
-        """Keys of the real positions: all zero (``hook_k``; an expanded view, no memory)."""
-        return pre.new_zeros(()).expand(*pre.shape[:-1], self.n_heads, 1)
+        """Keys of the real positions: all zero (``hook_k``; a real tensor, so in-place patches work)."""
+        return pre.new_zeros(*pre.shape[:-1], self.n_heads, 1)
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
@@ -169,17 +168,23 @@ class NeuronAttention(nn.Module):
         return torch.sigmoid(q * k + q)
 
     # ---- forward ----
+    def attend(self, pre: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos n_heads 1"]:
+        """Every head's ``hook_z`` from the neurons' pre-activations, through ``hook_q``, ``hook_k``, ``hook_v``
+        (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
+        q = self.hook_q(self.queries(pre))
+        k = self.hook_k(self.keys(pre))
+        return attend_self_and_slot(self, q, k, self.hook_v(self.values(pre)))
+
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_out"]:
-        """The heads' summed output: ``act(z) @ W_out + b_out``, or (gate heads) ``act(z)`` for the scratch channels
-        (``[batch, pos, d_mlp]``; the block places it at the scratch offset)."""
-        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        """The heads on their own (the paper's attention-only sub-layer, as the standard-mask construction uses it):
+        ``act(z) @ W_out + b_out``, or (gate heads) ``act(z)`` for the scratch channels. In a converted model the
+        layer is driven by :class:`~lens_aot.components.neuron_mlp.NeuronMLP`, which adds the MLP's hooks."""
+        pre = x @ self.W_in + self.b_in
         if not self.use_attn_result and not _hooked(*self.internal_hooks()):
             act = self.activation(pre)
             return act if self.W_out is None else act @ self.W_out + self.b_O
 
-        q = self.hook_q(self.queries(pre))
-        k = self.hook_k(self.keys(pre))
-        z = attend_self_and_slot(self, q, k, self.hook_v(self.values(pre)))
+        z = self.attend(pre)
         if self.use_attn_result:
             result = self.hook_result(z * self.W_O.squeeze(1))
             out = result.sum(dim=2) + self.b_O

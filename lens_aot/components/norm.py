@@ -7,7 +7,6 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.hooks import hooked
 from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import NormKind, NormSpec
 
@@ -46,10 +45,13 @@ class Norm(nn.Module):
         if self.kind in ("LN", "LNPre"):
             x = x - x.mean(-1, keepdim=True)
         mean_square = x.pow(2).mean(-1, keepdim=True) + self.eps
-        if self.rsqrt and not hooked(self.hook_scale):  # the source's rounding: x · rsqrt(·)
+        scale = mean_square.sqrt()
+        version = scale._version
+        hooked_scale = self.hook_scale(scale)  # runs on every forward, so every observer sees it
+        if self.rsqrt and hooked_scale is scale and scale._version == version:  # unchanged: the source's rounding
             x = x * torch.rsqrt(mean_square)
         else:
-            x = x / self.hook_scale(mean_square.sqrt())
+            x = x / hooked_scale
         x = self.hook_normalized(x).to(dtype)
         if self.w is not None:
             x = x * self.w

@@ -1,9 +1,9 @@
 """The product half of a gated MLP as a layer of *product heads* (beyond the paper; see :mod:`lens_aot.gating`).
 
 A gated neuron computes ``post_n = act(g_n)·u_n``. Its gate heads (:class:`NeuronAttention` in scratch mode) have
-already written ``h_n ≈ act(g_n)`` to scratch residual channel ``n`` (outside the source's ``d_model``; no norm
-reads it). Here two heads per neuron, ``s = ±1`` (head ``2n`` is ``+``, ``2n + 1`` is ``−``), each of internal
-dimension 1, attend to themselves and the bias slot exactly as Theorem 3's neuron heads do:
+already written ``h_n ≈ act(g_n)`` to channel ``n`` of the MLP's scratch space (``d_mlp`` channels beside the
+residual, read by nothing but these heads). Here two heads per neuron, ``s = ±1`` (head ``2n`` is ``+``, ``2n + 1``
+is ``−``), each of internal dimension 1, attend to themselves and the bias slot exactly as Theorem 3's neuron heads do:
 
 * query ``q = s·ε_n·u_n`` (``u = LN(x)·W_in + b_in``), key 0 on every real position, −1 on the bias slot: weight
   ``σ(s·ε_n·u_n)`` on itself;
@@ -12,14 +12,14 @@ dimension 1, attend to themselves and the bias slot exactly as Theorem 3's neuro
   (2/ε_n)·h_n·tanh(ε_n u_n/2)·W_out[n] ≈ u_n·h_n·W_out[n]`` to the residual and ``−(z_+ + z_−) = −h_n`` to the
   scratch channel, which clears it (σ(a) + σ(−a) = 1).
 
-The block feeds this module the normalized source residual ``LN(x)`` and the raw scratch channels; TransformerLens-
-layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over that input, ``[LN(x) (d_model), scratch (d_scratch)]``,
-which is the residual basis. Without hooks on the per-head internals the pair is computed in closed form,
-``(2/ε)·h·tanh(εu/2)`` (no cancellation), and the scratch write is exactly ``−h``.
+TransformerLens-layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over the input ``[LN(x) (d_model), scratch
+(d_scratch = d_mlp)]``. :class:`~lens_aot.components.neuron_mlp.NeuronMLP` drives these heads: it computes ``u``
+(its ``hook_pre_linear``, TransformerLens's GatedMLP name), and each neuron's ``post`` from the heads' ``hook_z``
+(:meth:`ProductAttention.neuron_output`, without cancellation).
 
-Hooks: ``hook_pre_linear`` [batch, pos, d_mlp] (``u``, TransformerLens's GatedMLP name), ``hook_gate``
-[batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/``hook_k``/``hook_v``/``hook_z`` [batch, pos, head, 1],
-``hook_attn_scores``/``hook_pattern`` [batch, head, query, key], ``hook_result`` [batch, pos, head, d_resid].
+Hooks: ``hook_gate`` [batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/``hook_k``/``hook_v``/``hook_z``
+[batch, pos, head, 1], ``hook_attn_scores``/``hook_pattern`` [batch, head, query, key], ``hook_result``
+[batch, pos, head, d_model + d_scratch].
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.hooks import hooked as _hooked
 from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
 from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import MLPSpec
@@ -69,7 +68,6 @@ class ProductAttention(nn.Module):
         self.n_heads = 2 * self.d_mlp
         self.use_attn_result = False
 
-        self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]: u, the linear branch
         self.hook_gate = HookPoint()  # [batch, pos, d_mlp]: h ≈ act(g), read from the scratch channels
         self.hook_q = HookPoint()  # [batch, pos, head, 1]
         self.hook_k = HookPoint()  # [batch, pos, head, 1]
@@ -150,8 +148,8 @@ class ProductAttention(nn.Module):
         return torch.stack((scaled, -scaled), dim=-1).flatten(-2)[..., None]
 
     def keys(self, u: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
-        """Keys of the real positions: all zero (``hook_k``)."""
-        return u.new_zeros(()).expand(*u.shape[:-1], self.n_heads, 1)
+        """Keys of the real positions: all zero (``hook_k``; a real tensor, so in-place patches work)."""
+        return u.new_zeros(*u.shape[:-1], self.n_heads, 1)
 
     def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = h`` for both heads of a neuron (``hook_v``)."""
@@ -207,30 +205,14 @@ class ProductAttention(nn.Module):
         return h * torch.tanh(u * (self.scales / 2)) * (2 / self.scales)
 
     # ---- forward ----
-    def forward(
-        self, x: Float[Tensor, "batch pos d_model"], scratch: Float[Tensor, "batch pos d_scratch"]
-    ) -> Float[Tensor, "batch pos d_resid"]:
-        u = self.hook_pre_linear(x @ self.W_in + self.b_in)
-        h = self.hook_gate(scratch[..., : self.d_mlp])
-        if not self.use_attn_result and not _hooked(*self.internal_hooks()):
-            post = self.product(u, h)
-            post = post if self.b_post is None else post + self.b_post
-            return self._write(post @ self.W_out + self.b_out, -h)
-
+    def attend(
+        self, u: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos n_heads 1"]:
+        """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
+        ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
         q = self.hook_q(self.queries(u))
         k = self.hook_k(self.keys(u))
-        z = attend_self_and_slot(self, q, k, self.hook_v(self.values(h)))
-        if self.use_attn_result:
-            result = self.hook_result(z * self.W_O.squeeze(1))
-            return result.sum(dim=2) + self.b_O
-        clear = -z.squeeze(-1).unflatten(-1, (self.d_mlp, 2)).sum(-1)
-        post = self.neuron_output(z, u, h, dense=_hooked(self.hook_attn_scores, self.hook_pattern))
-        return self._write(post @ self.W_out + self.b_out, clear)
-
-    def _write(
-        self, main: Float[Tensor, "batch pos d_model"], clear: Float[Tensor, "batch pos d_mlp"]
-    ) -> Float[Tensor, "batch pos d_resid"]:
-        return torch.cat((main, F.pad(clear, (0, self.d_scratch - self.d_mlp))), dim=-1)
+        return attend_self_and_slot(self, q, k, self.hook_v(self.values(h)))
 
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
         """The gated MLP this layer implements with its gate heads' weights (used by ``to_spec`` / ``revert``)."""

@@ -1,0 +1,98 @@
+"""One source layer: attention, then the MLP (or both reading the layer's input, in parallel layers), with
+TransformerLens's block hook points. Shared by the converted model (``mlp`` is a
+:class:`~lens_aot.components.neuron_mlp.NeuronMLP` of neuron heads) and the reference model (``mlp`` is a plain
+:class:`~lens_aot.components.mlp.MLP`), so both are numbered and hooked exactly like their source.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import einops
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.components.attention import Attention
+from lens_aot.components.norm import Norm
+from lens_aot.spec import LayerSpec
+
+
+class TransformerBlock(nn.Module):
+    """``resid_mid = resid_pre + attn(ln1(resid_pre))``, ``resid_post = resid_mid + mlp(ln2(resid_mid))``; parallel
+    layers: ``resid_post = resid_pre + attn(ln1(resid_pre)) + mlp(ln2(resid_pre))``; no MLP: ``resid_pre + attn``.
+
+    Hooks (all [batch, pos, d_model] unless noted): ``hook_resid_pre``, ``hook_attn_out``, ``hook_resid_mid``
+    (sequential layers with an MLP), ``hook_mlp_out``, ``hook_resid_post``; with the model's switches on,
+    ``hook_attn_in`` / ``hook_q_input`` / ``hook_k_input`` / ``hook_v_input`` [batch, pos, head, d_model]
+    (``use_attn_in`` / ``use_split_qkv_input``) and ``hook_mlp_in`` (``use_hook_mlp_in``).
+    """
+
+    def __init__(
+        self, ln1: Norm, attn: Attention, ln2: Norm | None = None, mlp: nn.Module | None = None, parallel: bool = False
+    ) -> None:
+        super().__init__()
+        self.ln1 = ln1
+        self.attn = attn
+        self.parallel = parallel
+        self.use_attn_in = self.use_split_qkv_input = self.use_hook_mlp_in = False
+        self.hook_resid_pre = HookPoint()
+        self.hook_attn_in = HookPoint()
+        self.hook_q_input = HookPoint()
+        self.hook_k_input = HookPoint()
+        self.hook_v_input = HookPoint()
+        self.hook_attn_out = HookPoint()
+        if mlp is not None:
+            assert ln2 is not None
+            self.ln2 = ln2
+            self.mlp = mlp
+            self.hook_mlp_in = HookPoint()
+            self.hook_mlp_out = HookPoint()
+            if not parallel:
+                self.hook_resid_mid = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    @property
+    def has_mlp(self) -> bool:
+        return hasattr(self, "mlp")
+
+    def forward(
+        self, resid_pre: Float[Tensor, "batch pos d_model"], **attn_kwargs: Any
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """``attn_kwargs`` (attention mask, KV-cache entry, positions) go to the attention."""
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(*self._attention_inputs(resid_pre), **attn_kwargs))
+        if not self.has_mlp:
+            return self.hook_resid_post(resid_pre + attn_out)
+        if self.parallel:
+            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self._mlp_input(resid_pre))))
+            return self.hook_resid_post(resid_pre + attn_out + mlp_out)
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self._mlp_input(resid_mid))))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+    def _attention_inputs(self, resid: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
+        """The normalized query, key and value inputs, per head when ``use_attn_in`` / ``use_split_qkv_input``."""
+        if not (self.use_attn_in or self.use_split_qkv_input):
+            x = self.ln1(resid)
+            return x, x, x
+
+        def per_head(n_heads: int) -> Tensor:
+            return einops.repeat(resid.clone(), "b p d -> b p h d", h=n_heads)
+
+        if self.use_attn_in:
+            x = self.ln1(self.hook_attn_in(per_head(self.attn.n_heads)))
+            return x, x, x
+        q = self.hook_q_input(per_head(self.attn.n_heads))
+        k = self.hook_k_input(per_head(self.attn.n_kv))
+        v = self.hook_v_input(per_head(self.attn.n_kv))
+        return self.ln1(q), self.ln1(k), self.ln1(v)
+
+    def _mlp_input(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        return self.hook_mlp_in(resid.clone()) if self.use_hook_mlp_in else resid
+
+    def layer_spec(self) -> LayerSpec:
+        """The source layer this block implements (MLPs with their original activation)."""
+        if not self.has_mlp:
+            return LayerSpec(self.ln1.spec(), self.attn.spec(), None, None, self.parallel)
+        return LayerSpec(self.ln1.spec(), self.attn.spec(), self.ln2.spec(), self.mlp.spec(), self.parallel)

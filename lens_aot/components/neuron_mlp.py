@@ -1,0 +1,173 @@
+"""A source layer's MLP as neuron heads, behind TransformerLens's MLP hooks (Theorem 3; gated MLPs: product heads).
+
+``blocks.{l}.mlp`` of a converted model. It keeps the MLP's hook points, ``hook_pre`` [batch, pos, d_mlp] (gated:
+the gate's pre-activation, and ``hook_pre_linear``, the linear branch) and ``hook_post`` [batch, pos, d_mlp], and its
+weights' names (``W_in``, ``b_in``, ``W_out``, ``b_out``; gated: ``W_gate``, ``b_gate``), so code written for the
+source's MLP reads the same tensors. The computation between them is attention heads:
+
+* plain MLPs: ``heads`` (:class:`NeuronAttention`), K heads per neuron; ``post`` is the sum of a neuron's ``hook_z``;
+* gated MLPs: ``gate_heads`` (:class:`NeuronAttention` writing ``h ≈ act(gate)`` to the MLP's scratch), then
+  ``product_heads`` (:class:`ProductAttention`, two per neuron) turning ``h`` and ``u`` into ``post``.
+
+Every cheap hook point runs on every forward pass: ``hook_pre``, each head module's ``hook_q`` / ``hook_k`` /
+``hook_v`` / ``hook_z``, ``hook_post`` (so torch forward hooks and tools that wrap modules, such as nnsight, see
+them). The dense ``[batch, head, query, key]`` ``hook_attn_scores`` / ``hook_pattern`` are built only while hooked;
+``hook_result`` only with ``use_attn_result``. ``use_fused`` (``aot.set_use_fused_neurons``) skips the per-head
+tensors while none of them is hooked, computing the activation in closed form (the fast path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.activations import ActivationFit
+from lens_aot.components.hooks import hooked
+from lens_aot.components.neuron_attention import NeuronAttention
+from lens_aot.components.product_attention import ProductAttention
+from lens_aot.core.names import NEURON_MODULES
+from lens_aot.gating import GatedFit
+from lens_aot.spec import MLPSpec
+
+
+class NeuronMLP(nn.Module):
+    """An MLP layer computed by neuron heads, with the MLP's hook points and weight names."""
+
+    def __init__(self, mlp: MLPSpec, fit: ActivationFit | GatedFit) -> None:
+        super().__init__()
+        if isinstance(fit, GatedFit) != mlp.gated:
+            raise ValueError("a gated MLP needs a GatedFit and a plain one an ActivationFit")
+        self.act_fn = mlp.act_fn
+        self.d_mlp = int(mlp.W_in.shape[1])
+        self.use_fused = False
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
+        if isinstance(fit, GatedFit):
+            assert mlp.W_gate is not None
+            b_gate = mlp.W_gate.new_zeros(self.d_mlp) if mlp.b_gate is None else mlp.b_gate
+            gate = MLPSpec(mlp.W_gate, b_gate, mlp.W_out, mlp.b_out, mlp.act_fn)
+            self.gate_heads = NeuronAttention(gate, fit.gate, scratch=(0, self.d_mlp))
+            self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
+            scales = torch.tensor(fit.scales, dtype=mlp.W_in.dtype, device=mlp.W_in.device)
+            self.product_heads = ProductAttention(
+                mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.b_post, scales, self.d_mlp
+            )
+        else:
+            self.heads = NeuronAttention(mlp, fit)
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    # ---- the source MLP's names ----
+    @property
+    def gated(self) -> bool:
+        return hasattr(self, "product_heads")
+
+    def head_modules(self) -> list[tuple[str, NeuronAttention | ProductAttention]]:
+        """``(attribute, module)`` of the neuron-head modules, in forward order."""
+        return [(attr, getattr(self, attr)) for attr in NEURON_MODULES if hasattr(self, attr)]
+
+    @property
+    def _out_heads(self) -> NeuronAttention | ProductAttention:
+        return self.product_heads if self.gated else self.heads
+
+    @property
+    def W_in(self) -> Float[Tensor, "d_model d_mlp"]:
+        return self._out_heads.W_in
+
+    @property
+    def b_in(self) -> Float[Tensor, " d_mlp"]:
+        return self._out_heads.b_in
+
+    @property
+    def W_out(self) -> Float[Tensor, "d_mlp d_model"]:
+        W_out = self._out_heads.W_out
+        assert W_out is not None
+        return W_out
+
+    @property
+    def b_out(self) -> Float[Tensor, " d_model"]:
+        return self.product_heads.b_out if self.gated else self.heads.b_O
+
+    @property
+    def W_gate(self) -> Float[Tensor, "d_model d_mlp"] | None:
+        return self.gate_heads.W_in if self.gated else None
+
+    @property
+    def b_gate(self) -> Float[Tensor, " d_mlp"] | None:
+        return self.gate_heads.b_in if self.gated else None
+
+    # ---- forward ----
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        post, z = self._gated_post(x) if self.gated else self._plain_post(x)
+        out = self.hook_post(post) @ self.W_out + self.b_out
+        return out + self._result_change(self._out_heads, z, self.W_out.shape[1])
+
+    def _plain_post(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor | None]:
+        """``post`` and the heads' ``hook_z`` (None on the fused path)."""
+        heads = self.heads
+        pre = self.hook_pre(x @ heads.W_in + heads.b_in)
+        if self._fused(heads):
+            return heads.activation(pre), None
+        z = heads.attend(pre)
+        return heads.neuron_output(z), z
+
+    def _gated_post(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor | None]:
+        """``post`` and the product heads' ``hook_z`` (None on the fused path)."""
+        gate, product = self.gate_heads, self.product_heads
+        pre = self.hook_pre(x @ gate.W_in + gate.b_in)
+        u = self.hook_pre_linear(x @ product.W_in + product.b_in)
+        if self._fused(gate):
+            h = gate.activation(pre)
+        else:
+            z_gate = gate.attend(pre)
+            h = gate.neuron_output(z_gate) + self._result_change(gate, z_gate, self.d_mlp)
+        h = product.hook_gate(h)
+        if self._fused(product):
+            post = product.product(u, h)
+            return (post if product.b_post is None else post + product.b_post), None
+        z = product.attend(u, h)
+        return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
+
+    def _fused(self, heads: NeuronAttention | ProductAttention) -> bool:
+        return self.use_fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())
+
+    @staticmethod
+    def _result_change(heads: NeuronAttention | ProductAttention, z: Tensor | None, width: int) -> Tensor | float:
+        """With ``use_attn_result``: run ``hook_result`` (each head's output ``z·W_O``, its first ``width`` channels)
+        and return what a hook changed in its sum over heads (0 when unhooked), so patches of ``hook_result`` reach the
+        output as patches of ``hook_z`` and ``hook_post`` do, while the output is read through ``post`` (no
+        cancellation)."""
+        if not heads.use_attn_result or z is None:
+            return 0.0
+        W_O = heads.W_O.squeeze(1)[:, :width]
+        result = heads.hook_result(z * W_O)
+        if not hooked(heads.hook_result):
+            return 0.0
+        return (result - z * W_O).sum(dim=2)
+
+    # ---- what the heads compute, for the cache and revert ----
+    def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
+        """For the compact cache: ``"<heads>.<hook>"`` -> (sources, derivation), names relative to this MLP."""
+        return {
+            f"{attr}.{hook}": how for attr, heads in self.head_modules() for hook, how in heads.derivations().items()
+        }
+
+    def internal_hooks(self) -> tuple[HookPoint, ...]:
+        """The per-head hooks of every head module."""
+        return tuple(h for _, heads in self.head_modules() for h in heads.internal_hooks())
+
+    def spec(self) -> MLPSpec:
+        """The MLP these heads implement, with its original activation (used by ``to_spec`` / ``revert``)."""
+        if self.gated:
+            return self.product_heads.spec(self.gate_heads.W_in, self.gate_heads.b_in, self.gate_heads.act_fn)
+        return self.heads.spec()
+
+    def neuron_heads(self, neuron: int) -> list[tuple[str, int]]:
+        """``(attribute, head index)`` of the heads computing ``neuron``: gate heads then product heads if gated."""
+        return [
+            (attr, neuron * heads.heads_per_neuron + k)
+            for attr, heads in self.head_modules()
+            for k in range(heads.heads_per_neuron)
+        ]

@@ -1,0 +1,1 @@
+"""The core conversion: specs, activation fits, the attention-only model and its components."""

@@ -1,0 +1,102 @@
+"""Names of the converted model's parts: hook-module names, head and neuron labels, and the old flat layout.
+
+The converted model is numbered like its source (``blocks.{l}`` is source layer ``l``). Its head modules are
+``blocks.{l}.attn`` (the source's heads) and, replacing the MLP, ``blocks.{l}.mlp.heads`` (plain MLPs) or
+``blocks.{l}.mlp.gate_heads`` and ``blocks.{l}.mlp.product_heads`` (gated MLPs). Labels: ``L3H2`` (attention head),
+``L3N17`` (neuron), ``L3N17.2`` (the neuron's head at position 2 of ``aot.neuron_heads(3, 17)``). This module is the
+one parser of both.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, NamedTuple
+
+from lens_aot.errors import InputError
+
+HeadKind = Literal["attention", "neuron", "gate", "product"]
+# the attribute of a block's ``mlp`` holding each kind of neuron head, in forward order
+NEURON_MODULES: dict[str, HeadKind] = {"heads": "neuron", "gate_heads": "gate", "product_heads": "product"}
+
+_MODULE = re.compile(r"^blocks\.(0|[1-9]\d*)\.(attn|mlp\.heads|mlp\.gate_heads|mlp\.product_heads)$")
+_LABEL = re.compile(r"^L(0|[1-9]\d*)(?:H(0|[1-9]\d*)|N(0|[1-9]\d*)(?:\.(0|[1-9]\d*))?)$")
+
+
+class ModuleName(NamedTuple):
+    """A parsed head-module name: its source layer and the kind of heads it holds."""
+
+    layer: int
+    kind: HeadKind
+
+
+class Label(NamedTuple):
+    """A parsed label: ``L3H2`` -> (3, "head", 2, None); ``L3N17`` -> (3, "neuron", 17, None); ``L3N17.2`` -> (3,
+    "neuron", 17, 2)."""
+
+    layer: int
+    kind: Literal["head", "neuron"]
+    index: int
+    component: int | None
+
+
+def module_name(layer: int, kind: HeadKind) -> str:
+    """The hook prefix of layer ``layer``'s heads of ``kind``."""
+    if kind == "attention":
+        return f"blocks.{layer}.attn"
+    attr = next(a for a, k in NEURON_MODULES.items() if k == kind)
+    return f"blocks.{layer}.mlp.{attr}"
+
+
+def parse_module(name: str) -> ModuleName:
+    """``"blocks.3.mlp.heads"`` -> ``ModuleName(3, "neuron")``; raises :class:`InputError` naming the valid forms."""
+    match = _MODULE.match(name) if isinstance(name, str) else None
+    if match is None:
+        raise InputError(
+            f"expected a head module name like 'blocks.3.attn', 'blocks.3.mlp.heads', 'blocks.3.mlp.gate_heads' or "
+            f"'blocks.3.mlp.product_heads'; got {name!r}"
+        )
+    layer, part = int(match.group(1)), match.group(2)
+    return ModuleName(layer, "attention" if part == "attn" else NEURON_MODULES[part.removeprefix("mlp.")])
+
+
+def head_label(layer: int, head: int) -> str:
+    return f"L{layer}H{head}"
+
+
+def neuron_label(layer: int, neuron: int, component: int | None = None) -> str:
+    return f"L{layer}N{neuron}" if component is None else f"L{layer}N{neuron}.{component}"
+
+
+def parse_label(label: str) -> Label:
+    """Parse ``L3H2``, ``L3N17`` or ``L3N17.2``; raises :class:`InputError` naming the forms."""
+    match = _LABEL.match(label) if isinstance(label, str) else None
+    if match is None:
+        raise InputError(
+            f"expected a label like 'L3H2' (head), 'L3N17' (neuron) or 'L3N17.2' (a neuron's head); got {label!r}"
+        )
+    layer, head, neuron, component = match.groups()
+    if head is not None:
+        return Label(int(layer), "head", int(head), None)
+    return Label(int(layer), "neuron", int(neuron), None if component is None else int(component))
+
+
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def flat_layout_hint(name: str, n_layers: int) -> str | None:
+    """Why ``name`` is not a hook of a converted model, when it looks like lens_aot 0.1's flat layout (a neuron block
+    ``blocks.{2l+1}.attn``, a block index past ``n_layers``, a neuron block's ``attn.hook_pre``); else None."""
+    match = _BLOCK.match(name)
+    if match is None:
+        return None
+    block, rest = int(match.group(1)), match.group(2)
+    old = block >= n_layers or rest in ("attn.hook_pre", "attn.hook_pre_linear", "attn.hook_gate")
+    if not old:
+        return None
+    return (
+        f"{name!r} is not a hook of this model. The converted model is numbered like its source (n_layers="
+        f"{n_layers}): source layer l is blocks.{{l}}, its heads blocks.{{l}}.attn, its MLP's neuron heads "
+        f"blocks.{{l}}.mlp.heads (gated MLPs: blocks.{{l}}.mlp.gate_heads / product_heads), its MLP activations "
+        f"blocks.{{l}}.mlp.hook_pre / hook_post. lens_aot 0.1's flat numbering (blocks.{{2l}} / blocks.{{2l+1}}) is "
+        f"gone; aot.sublayers() lists the attention-only sub-layers in the paper's order."
+    )
