@@ -172,8 +172,11 @@ class NeuronAttention(nn.Module):
         """Every head's ``hook_z`` from the neurons' pre-activations, through ``hook_q``, ``hook_k``, ``hook_v``
         (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
         q = self.hook_q(self.queries(pre))
-        k = self.hook_k(self.keys(pre))
-        return attend_self_and_slot(self, q, k, self.hook_v(self.values(pre)))
+        zeros = self.keys(pre)
+        version = zeros._version
+        k = self.hook_k(zeros)
+        keys_zero = k is zeros and k._version == version
+        return attend_self_and_slot(self, q, k, self.hook_v(self.values(pre)), keys_zero)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_out"]:
         """The heads on their own (the paper's attention-only sub-layer, as the standard-mask construction uses it):
@@ -233,16 +236,19 @@ def attend_self_and_slot(
     q: Float[Tensor, "batch pos n_heads 1"],
     k: Float[Tensor, "batch pos n_heads 1"],
     v: Float[Tensor, "batch pos n_heads 1"],
+    keys_zero: bool = False,
 ) -> Float[Tensor, "batch pos n_heads 1"]:
     """The per-head computation of heads that attend to themselves (score ``q·k``) and a bias slot (score ``−q``,
     value 0): ``hook_z``, through ``heads``'s ``hook_attn_scores`` / ``hook_pattern`` as dense [batch, head, query,
-    key] tensors while they are hooked, else in closed form. Shared by neuron, gate and product heads."""
+    key] tensors while they are hooked, else in closed form (``keys_zero``: the keys are the construction's zeros,
+    untouched by hooks, so the weight is ``σ(q)``, the same value without two passes). Shared by neuron, gate and
+    product heads."""
     if _hooked(heads.hook_attn_scores, heads.hook_pattern):
         scores = heads.hook_attn_scores(NeuronAttention.dense_scores((q * k).squeeze(-1) / heads.attn_scale))
         pattern = heads.hook_pattern(NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / heads.attn_scale))
         z = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
     else:
-        z = NeuronAttention.self_weight(q, k) * v
+        z = (torch.sigmoid(q) if keys_zero else NeuronAttention.self_weight(q, k)) * v
     return heads.hook_z(z)
 
 

@@ -211,8 +211,11 @@ class ProductAttention(nn.Module):
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
         q = self.hook_q(self.queries(u))
-        k = self.hook_k(self.keys(u))
-        return attend_self_and_slot(self, q, k, self.hook_v(self.values(h)))
+        zeros = self.keys(u)
+        version = zeros._version
+        k = self.hook_k(zeros)
+        keys_zero = k is zeros and k._version == version
+        return attend_self_and_slot(self, q, k, self.hook_v(self.values(h)), keys_zero)
 
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
         """The gated MLP this layer implements with its gate heads' weights (used by ``to_spec`` / ``revert``)."""
