@@ -102,7 +102,7 @@ class NeuronMLP(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         post, z = self._gated_post(x) if self.gated else self._plain_post(x)
         out = self.hook_post(post) @ self.W_out + self.b_out
-        return out + self._result_change(self._out_heads, z, self.W_out.shape[1])
+        return out + self._result_change(self._out_heads, z)
 
     def _plain_post(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor | None]:
         """``post`` and the heads' ``hook_z`` (None on the fused path)."""
@@ -122,7 +122,7 @@ class NeuronMLP(nn.Module):
             h = gate.activation(pre)
         else:
             z_gate = gate.attend(pre)
-            h = gate.neuron_output(z_gate) + self._result_change(gate, z_gate, self.d_mlp)
+            h = gate.neuron_output(z_gate) + self._result_change(gate, z_gate)
         h = product.hook_gate(h)
         if self._fused(product):
             post = product.product(u, h)
@@ -134,14 +134,15 @@ class NeuronMLP(nn.Module):
         return self.use_fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())
 
     @staticmethod
-    def _result_change(heads: NeuronAttention | ProductAttention, z: Tensor | None, width: int) -> Tensor | float:
-        """With ``use_attn_result``: run ``hook_result`` (each head's output ``z·W_O``, its first ``width`` channels)
+    def _result_change(heads: NeuronAttention | ProductAttention, z: Tensor | None) -> Tensor | float:
+        """With ``use_attn_result``: run ``hook_result`` (each head's output ``z·W_O``: to the residual, or for gate
+        heads to the MLP's scratch)
         and return what a hook changed in its sum over heads (0 when unhooked), so patches of ``hook_result`` reach the
         output as patches of ``hook_z`` and ``hook_post`` do, while the output is read through ``post`` (no
         cancellation)."""
         if not heads.use_attn_result or z is None:
             return 0.0
-        W_O = heads.W_O.squeeze(1)[:, :width]
+        W_O = heads.W_O.squeeze(1)
         result = heads.hook_result(z * W_O)
         if not hooked(heads.hook_result):
             return 0.0

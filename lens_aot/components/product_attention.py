@@ -8,9 +8,9 @@ is ``−``), each of internal dimension 1, attend to themselves and the bias slo
 * query ``q = s·ε_n·u_n`` (``u = LN(x)·W_in + b_in``), key 0 on every real position, −1 on the bias slot: weight
   ``σ(s·ε_n·u_n)`` on itself;
 * value ``h_n``, read from the scratch channel (0 on the bias slot), so ``z_s = h_n·σ(s·ε_n·u_n)``;
-* output ``W_O = s·(2/ε_n)·W_out[n] − e_n``: the pair writes ``(2/ε_n)(z_+ − z_−)·W_out[n] =
-  (2/ε_n)·h_n·tanh(ε_n u_n/2)·W_out[n] ≈ u_n·h_n·W_out[n]`` to the residual and ``−(z_+ + z_−) = −h_n`` to the
-  scratch channel, which clears it (σ(a) + σ(−a) = 1).
+* output ``W_O = s·(2/ε_n)·W_out[n]``: the pair writes ``(2/ε_n)(z_+ − z_−)·W_out[n] =
+  (2/ε_n)·h_n·tanh(ε_n u_n/2)·W_out[n] ≈ u_n·h_n·W_out[n]`` to the residual. (The scratch belongs to the MLP, so
+  nothing needs to clear it; in a single flat residual, ``−e_n`` in ``W_O`` would, as σ(a) + σ(−a) = 1.)
 
 TransformerLens-layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over the input ``[LN(x) (d_model), scratch
 (d_scratch = d_mlp)]``. :class:`~lens_aot.components.neuron_mlp.NeuronMLP` drives these heads: it computes ``u``
@@ -19,7 +19,7 @@ TransformerLens-layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over the inp
 
 Hooks: ``hook_gate`` [batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/``hook_k``/``hook_v``/``hook_z``
 [batch, pos, head, 1], ``hook_attn_scores``/``hook_pattern`` [batch, head, query, key], ``hook_result``
-[batch, pos, head, d_model + d_scratch].
+[batch, pos, head, d_model].
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 
 import einops
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
@@ -75,7 +74,7 @@ class ProductAttention(nn.Module):
         self.hook_attn_scores = HookPoint()  # [batch, head, query, key]
         self.hook_pattern = HookPoint()  # [batch, head, query, key]
         self.hook_z = HookPoint()  # [batch, pos, head, 1]
-        self.hook_result = HookPoint()  # [batch, pos, head, d_resid]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_model]
 
     @property
     def d_resid(self) -> int:
@@ -117,19 +116,13 @@ class ProductAttention(nn.Module):
         return self.W_in.new_zeros(self.n_heads, 1)
 
     @property
-    def W_O(self) -> Float[Tensor, "n_heads 1 d_resid"]:
-        rows = self.W_in.new_zeros(self.n_heads, self.d_resid)
-        rows[:, : self.d_model] = (self.W_out * (2 / self.scales)[:, None]).repeat_interleave(2, 0) * self.signs[
-            :, None
-        ]
-        neuron = torch.arange(self.n_heads, device=rows.device) // 2
-        rows[torch.arange(self.n_heads, device=rows.device), self.d_model + neuron] = -1.0
-        return rows[:, None, :]
+    def W_O(self) -> Float[Tensor, "n_heads 1 d_model"]:
+        """``±(2/ε_n)·W_out[n]``: the pair's output to the residual (the MLP's own scratch needs no clear)."""
+        return ((self.W_out * (2 / self.scales)[:, None]).repeat_interleave(2, 0) * self.signs[:, None])[:, None, :]
 
     @property
-    def b_O(self) -> Float[Tensor, " d_resid"]:
-        main = self.b_out if self.b_post is None else self.b_out + self.b_post @ self.W_out
-        return F.pad(main, (0, self.d_scratch))
+    def b_O(self) -> Float[Tensor, " d_model"]:
+        return self.b_out if self.b_post is None else self.b_out + self.b_post @ self.W_out
 
     @property
     def k_bias(self) -> Float[Tensor, "n_heads 1"]:
