@@ -19,31 +19,42 @@ from lens_aot.kv_cache import KeyValueCache
 from lens_aot.spec import RotarySpec
 
 
-def pair(dtype: torch.dtype, positions: str, n_kv: int, split: bool = False) -> tuple[Attention, torch.nn.Module]:
-    """lens_aot's Attention and TransformerLens's, holding the same weights (and TransformerLens's rotary tables)."""
-    cfg = HookedTransformerConfig(
-        n_layers=1,
-        d_model=D_MODEL,
-        n_ctx=N_CTX,
-        d_head=D_HEAD,
-        n_heads=N_HEADS,
-        attn_only=True,
-        act_fn="relu",
-        dtype=dtype,
-        positional_embedding_type="rotary" if positions.startswith("rotary") else "standard",
-        rotary_dim=ROTARY_DIM,
-        rotary_adjacent_pairs=positions == "rotary-adjacent",
-        n_key_value_heads=None if n_kv == N_HEADS else n_kv,
-        use_split_qkv_input=split,
-    )
-    tl = TLAttention(cfg) if n_kv == N_HEADS else TLGroupedQueryAttention(cfg)
-    spec = random_spec(dtype, n_kv)
-    suffix = "" if n_kv == N_HEADS else "_"
+def hooked_config(dtype: torch.dtype, positions: str, n_kv: int, **extra: object) -> HookedTransformerConfig:
+    """An attention-only TransformerLens config of the helpers' sizes (``extra`` overrides or adds fields)."""
+    fields: dict[str, object] = {
+        "n_layers": 1,
+        "d_model": D_MODEL,
+        "n_ctx": N_CTX,
+        "d_head": D_HEAD,
+        "n_heads": N_HEADS,
+        "attn_only": True,
+        "act_fn": "relu",
+        "dtype": dtype,
+        "positional_embedding_type": "rotary" if positions.startswith("rotary") else "standard",
+        "rotary_dim": ROTARY_DIM,
+        "rotary_adjacent_pairs": positions == "rotary-adjacent",
+        "n_key_value_heads": None if n_kv == N_HEADS else n_kv,
+    }
+    return HookedTransformerConfig(**(fields | extra))
+
+
+def copy_attention_weights(tl: torch.nn.Module, source: object) -> None:
+    """Copy W_Q…b_O from ``source`` (an AttentionSpec or lens_aot Attention) into TransformerLens's attention
+    (its GroupedQueryAttention keeps the unrepeated key/value weights as ``_W_K`` etc.)."""
+    kv = "_" if isinstance(tl, TLGroupedQueryAttention) else ""
     with torch.no_grad():
         for name in ("W_Q", "W_O", "b_Q", "b_O"):
-            getattr(tl, name).copy_(getattr(spec, name))
+            getattr(tl, name).copy_(getattr(source, name))
         for name in ("W_K", "W_V", "b_K", "b_V"):
-            getattr(tl, suffix + name).copy_(getattr(spec, name))
+            getattr(tl, kv + name).copy_(getattr(source, name))
+
+
+def pair(dtype: torch.dtype, positions: str, n_kv: int, split: bool = False) -> tuple[Attention, torch.nn.Module]:
+    """lens_aot's Attention and TransformerLens's, holding the same weights (and TransformerLens's rotary tables)."""
+    cfg = hooked_config(dtype, positions, n_kv, use_split_qkv_input=split)
+    tl = TLAttention(cfg) if n_kv == N_HEADS else TLGroupedQueryAttention(cfg)
+    spec = random_spec(dtype, n_kv)
+    copy_attention_weights(tl, spec)
     rotary = None
     if positions.startswith("rotary"):
         rotary = RotarySpec(ROTARY_DIM, tl.rotary_cos, tl.rotary_sin, positions == "rotary-adjacent")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_helpers import D_HEAD, D_MODEL, N_CTX, N_HEADS, ROTARY_DIM, ROUNDING, left_padded_mask
+from attention_helpers import N_HEADS, ROUNDING, left_padded_mask
 from generate_helpers import D_VOCAB, N_LAYERS, FakeTokenizer, TinyLM
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+from test_hooked_attention_mask import copy_attention_weights, hooked_config
+from transformer_lens import HookedTransformer
 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
 from lens_aot.generate import generate
@@ -21,23 +22,8 @@ BATCH = torch.tensor([[0] * (6 - len(p)) + p for p in PROMPTS])
 def pair(dtype: torch.dtype, positions: str, n_kv: int, tokenizer: bool) -> tuple[TinyLM, HookedTransformer]:
     """A TinyLM and an attention-only HookedTransformer with the same weights (and TransformerLens's rotary tables)."""
     ours = TinyLM(dtype, positions, n_kv, tokenizer=FakeTokenizer("left") if tokenizer else None)
-    cfg = HookedTransformerConfig(
-        n_layers=N_LAYERS,
-        d_model=D_MODEL,
-        n_ctx=N_CTX,
-        d_head=D_HEAD,
-        n_heads=N_HEADS,
-        d_vocab=D_VOCAB,
-        attn_only=True,
-        normalization_type=None,
-        act_fn="relu",
-        dtype=dtype,
-        positional_embedding_type=positions,
-        rotary_dim=ROTARY_DIM,
-        n_key_value_heads=None if n_kv == N_HEADS else n_kv,
-    )
+    cfg = hooked_config(dtype, positions, n_kv, n_layers=N_LAYERS, d_vocab=D_VOCAB, normalization_type=None)
     ht = HookedTransformer(cfg)
-    gqa = "" if n_kv == N_HEADS else "_"
     with torch.no_grad():
         ht.embed.W_E.copy_(ours.embed.W_E)
         if positions == "standard":
@@ -45,10 +31,7 @@ def pair(dtype: torch.dtype, positions: str, n_kv: int, tokenizer: bool) -> tupl
         ht.unembed.W_U.copy_(ours.unembed.W_U)
         ht.unembed.b_U.copy_(ours.unembed.b_U)
         for block, attn in zip(ht.blocks, ours.attns, strict=True):
-            for name in ("W_Q", "W_O", "b_Q", "b_O"):
-                getattr(block.attn, name).copy_(getattr(attn, name))
-            for name in ("W_K", "W_V", "b_K", "b_V"):
-                getattr(block.attn, gqa + name).copy_(getattr(attn, name))
+            copy_attention_weights(block.attn, attn)
             if positions == "rotary":
                 attn.rotary_cos.copy_(block.attn.rotary_cos)
                 attn.rotary_sin.copy_(block.attn.rotary_sin)
