@@ -178,10 +178,11 @@ class Attention(nn.Module):
         iff ``j <= past + i`` and ``attention_mask[:, j]`` is 1."""
         if attention_mask is None and (not self.causal or past == 0):
             return None
-        mask = torch.ones(1, 1, n_query, n_key, dtype=torch.bool, device=device)
         if self.causal:
             query_pos = torch.arange(past, past + n_query, device=device)
             mask = (torch.arange(n_key, device=device)[None, :] <= query_pos[:, None])[None, None]
+        else:
+            mask = torch.ones(1, 1, n_query, n_key, dtype=torch.bool, device=device)
         if attention_mask is not None:
             mask = mask & attention_mask.to(device).bool()[:, None, None, :]
         return mask
