@@ -5,12 +5,14 @@ from __future__ import annotations
 import einops
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.hooks import hooked as _hooked
 from lens_aot.components.ownership import exported, parameter
+from lens_aot.errors import InputError
+from lens_aot.kv_cache import KeyValueCacheEntry, offset_position_ids
 from lens_aot.spec import AttentionSpec, RotarySpec
 
 
@@ -23,11 +25,20 @@ def rotate(x: Float[Tensor, "... rotary_dim"], adjacent_pairs: bool) -> Float[Te
 
 
 def _project(
-    x: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos head d_model"], W: Float[Tensor, "head d_model e"]
-) -> Float[Tensor, "batch pos head e"]:
+    x: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos head d_model"],
+    W: Float[Tensor, "head d_model d_head"],
+    b: Float[Tensor, "head d_head"],
+) -> Float[Tensor, "batch pos head d_head"]:
+    """``x @ W + b`` per head; a 4-D ``x`` (split qkv input) holds one input per head, as TransformerLens's
+    ``complex_attn_linear``."""
     if x.ndim == 4:
-        return einops.einsum(x, W, "b p h d, h d e -> b p h e")
-    return einops.einsum(x, W, "b p d, h d e -> b p h e")
+        if x.shape[2] != W.shape[0]:
+            raise InputError(
+                f"split qkv input has {x.shape[2]} head slices but this projection has {W.shape[0]} heads; pass "
+                "[batch, pos, head, d_model] with one slice per head (per key-value head for keys and values)."
+            )
+        return einops.einsum(x, W, "b p h d, h d e -> b p h e") + b
+    return einops.einsum(x, W, "b p d, h d e -> b p h e") + b
 
 
 class Attention(nn.Module):
@@ -76,11 +87,31 @@ class Attention(nn.Module):
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
 
-    def apply_rotary(self, x: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos head d_head"]:
-        """Rotate the first ``rotary_dim`` channels of each head by its position's angles."""
+    def apply_rotary(
+        self,
+        x: Float[Tensor, "batch pos head d_head"],
+        past_kv_pos_offset: int = 0,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        """Rotate the first ``rotary_dim`` channels of each head by its position's angles.
+
+        As TransformerLens's ``AbstractAttention.apply_rotary``: positions ``past_kv_pos_offset + i`` without a
+        mask; with one, each sequence's own positions counted from its first attended token
+        (:func:`offset_position_ids`), so a left-padded prompt is rotated as if it were unpadded.
+        """
         pos = x.shape[1]
-        cos = self.rotary_cos[None, :pos, None, :]
-        sin = self.rotary_sin[None, :pos, None, :]
+        if past_kv_pos_offset + pos > self.rotary_cos.shape[0]:
+            raise InputError(
+                f"{past_kv_pos_offset + pos} positions exceed the rotary table's {self.rotary_cos.shape[0]} (the "
+                "source's n_ctx); pass a shorter input or fewer generated tokens."
+            )
+        if attention_mask is None:
+            cos = self.rotary_cos[None, past_kv_pos_offset : past_kv_pos_offset + pos, None, :]
+            sin = self.rotary_sin[None, past_kv_pos_offset : past_kv_pos_offset + pos, None, :]
+        else:
+            ids = offset_position_ids(past_kv_pos_offset, attention_mask).to(self.rotary_cos.device)
+            cos = self.rotary_cos[ids, None, :]
+            sin = self.rotary_sin[ids, None, :]
         x_rot, x_pass = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         x_rot = x_rot * cos + rotate(x_rot, self.rotary_adjacent_pairs) * sin
         return torch.cat((x_rot, x_pass), dim=-1)
@@ -90,49 +121,112 @@ class Attention(nn.Module):
         query_input: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos head d_model"],
         key_input: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos kv_head d_model"] | None = None,
         value_input: Float[Tensor, "batch pos d_model"] | Float[Tensor, "batch pos kv_head d_model"] | None = None,
+        past_kv_cache_entry: KeyValueCacheEntry | None = None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """Inputs per position, or per head (``use_split_qkv_input`` / ``use_attn_in``: [batch, pos, head, d_model])."""
-        key_input = query_input if key_input is None else key_input
-        value_input = query_input if value_input is None else value_input
-        q = self.hook_q(_project(query_input, self.W_Q) + self.b_Q)
-        k = self.hook_k(_project(key_input, self.W_K) + self.b_K)
-        v = self.hook_v(_project(value_input, self.W_V) + self.b_V)
+        """TransformerLens's ``AbstractAttention.forward``.
+
+        Inputs are ``[batch, pos, d_model]`` (``key_input`` / ``value_input`` default to ``query_input``) or, with
+        split qkv input, ``[batch, pos, head, d_model]``: one input per head (per key-value head for k and v).
+        ``past_kv_cache_entry`` appends this call's keys and values (before rotary, as TransformerLens caches them)
+        and attends over past and current positions. ``attention_mask`` [batch, past + pos] of 1 (token) / 0
+        (padding) covers the cached positions too: padded keys are never attended, and a query that sees no key
+        (a left pad) gets a zero pattern row, as in TransformerLens.
+        """
+        k_in = query_input if key_input is None else key_input
+        v_in = query_input if value_input is None else value_input
+        q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
+        k = self.hook_k(_project(k_in, self.W_K, self.b_K))
+        v = self.hook_v(_project(v_in, self.W_V, self.b_V))
+        past = 0
+        if past_kv_cache_entry is not None:
+            past = past_kv_cache_entry.past_keys.shape[1]
+            k, v = past_kv_cache_entry.append(k, v)
+        if attention_mask is not None and attention_mask.shape != (k.shape[0], k.shape[1]):
+            raise InputError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the keys cover {k.shape[0]} sequences "
+                f"of {k.shape[1]} positions ({past} cached + {q.shape[1]} new); pass one 1/0 entry per token, "
+                "cached tokens included."
+            )
         if self.rotary_dim:
-            q = self.hook_rot_q(self.apply_rotary(q))
-            k = self.hook_rot_k(self.apply_rotary(k))
+            q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
+            k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
         if self.n_kv != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=2)
+        mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
         if _hooked(self.hook_attn_scores, self.hook_pattern) or self.softmax_dtype not in (None, q.dtype):
-            z = self._dense_z(q, k, v)
+            z = self._dense_z(q, k, v, mask)
         else:  # same computation, fused: the [query, key] tensors never exist
-            z = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=self.causal,
-                scale=1 / self.attn_scale,
-            ).transpose(1, 2)
+            z = self._sdpa_z(q, k, v, mask)
         z = self.hook_z(z)
         if self.use_attn_result:
             result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
             return result.sum(dim=2) + self.b_O
         return einops.einsum(z, self.W_O, "b p h e, h e d -> b p d") + self.b_O
 
+    def _mask(
+        self,
+        n_query: int,
+        n_key: int,
+        past: int,
+        attention_mask: Int[Tensor, "batch key"] | None,
+        device: torch.device,
+    ) -> Bool[Tensor, "batch_or_1 1 query key"] | None:
+        """Which keys each query may attend to (True), or None when every key is visible or plain causal masking
+        (no cache, no padding) applies. TransformerLens's ``apply_causal_mask``: key ``j`` is visible to query ``i``
+        iff ``j <= past + i`` and ``attention_mask[:, j]`` is 1."""
+        if attention_mask is None and (not self.causal or past == 0):
+            return None
+        if self.causal:
+            query_pos = torch.arange(past, past + n_query, device=device)
+            mask = (torch.arange(n_key, device=device)[None, :] <= query_pos[:, None])[None, None]
+        else:
+            mask = torch.ones(1, 1, n_query, n_key, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            mask = mask & attention_mask.to(device).bool()[:, None, None, :]
+        return mask
+
+    def _sdpa_z(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch key head d_head"],
+        v: Float[Tensor, "batch key head d_head"],
+        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        """``z`` through ``F.scaled_dot_product_attention``; a query that sees no key gets ``z = 0`` (the dense
+        path's zero pattern row) rather than SDPA's NaN."""
+        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if mask is None:
+            z = F.scaled_dot_product_attention(*args, is_causal=self.causal, scale=1 / self.attn_scale)
+            return z.transpose(1, 2)
+        sees_a_key = mask.any(dim=-1, keepdim=True)  # [batch_or_1, 1, query, 1]
+        z = F.scaled_dot_product_attention(*args, attn_mask=mask | ~sees_a_key, scale=1 / self.attn_scale)
+        return torch.where(sees_a_key, z, 0.0).transpose(1, 2)
+
     def _dense_z(
         self,
         q: Float[Tensor, "batch pos head d_head"],
-        k: Float[Tensor, "batch pos head d_head"],
-        v: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch key head d_head"],
+        v: Float[Tensor, "batch key head d_head"],
+        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
     ) -> Float[Tensor, "batch pos head d_head"]:
-        """Scores and pattern as [batch, head, query, key] tensors, through their hooks, then ``z = pattern @ v``."""
+        """Scores and pattern as [batch, head, query, key] tensors, through their hooks, then ``z = pattern @ v``.
+
+        Masked scores are -inf (as in TransformerLens); a row with every key masked softmaxes to NaN, which is set
+        to 0 as TransformerLens does."""
         scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") / self.attn_scale
-        if self.causal:
+        if mask is None and self.causal:
             pos = scores.shape[-1]
             future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
+        elif mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         scores = self.hook_attn_scores(scores)
-        pattern = self.hook_pattern(torch.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(v.dtype))
+        pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
+        if mask is not None:
+            pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
+        pattern = self.hook_pattern(pattern.to(v.dtype))
         return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
 
     def spec(self) -> AttentionSpec:

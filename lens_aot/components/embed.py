@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.components.ownership import parameter
+from lens_aot.errors import InputError
+from lens_aot.kv_cache import offset_position_ids
 
 
 class Embed(nn.Module):
@@ -22,15 +25,32 @@ class Embed(nn.Module):
 
 
 class PosEmbed(nn.Module):
-    """Learned absolute positions ``W_pos[:pos]``, broadcast over the batch."""
+    """Learned absolute positions, as TransformerLens's ``PosEmbed``: ``W_pos[offset : offset + pos]`` for every
+    sequence, or with an ``attention_mask`` each sequence's own positions counted from its first token (left pads
+    get a zero embedding)."""
 
     def __init__(self, W_pos: Float[Tensor, "n_ctx d_model"]) -> None:
         super().__init__()
         self.W_pos = parameter(W_pos)
 
-    def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(
+        self,
+        tokens: Int[Tensor, "batch pos"],
+        past_kv_pos_offset: int = 0,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """A real [batch, pos, d_model] tensor (not a broadcast view), so in-place hook edits are safe."""
         batch, pos = tokens.shape
-        return self.W_pos[:pos].unsqueeze(0).expand(batch, pos, -1)
+        if past_kv_pos_offset + pos > self.W_pos.shape[0]:
+            raise InputError(
+                f"{past_kv_pos_offset + pos} positions exceed the model's n_ctx={self.W_pos.shape[0]}; pass a "
+                "shorter input or fewer generated tokens."
+            )
+        if attention_mask is None:
+            return self.W_pos[past_kv_pos_offset : past_kv_pos_offset + pos].unsqueeze(0).repeat(batch, 1, 1)
+        pos_embed = self.W_pos[offset_position_ids(past_kv_pos_offset, attention_mask)]
+        padding = ~attention_mask[:, past_kv_pos_offset : past_kv_pos_offset + pos].bool()
+        return torch.where(padding[..., None], 0.0, pos_embed)
 
 
 class Unembed(nn.Module):
