@@ -38,6 +38,8 @@ from lens_aot.core.names import HeadKind, flat_layout_hint, parse_module
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.errors import HookNameError, InputError
 from lens_aot.gating import GatedFit
+from lens_aot.generate import generate
+from lens_aot.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.placement import Placement
 from lens_aot.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 
@@ -194,26 +196,40 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         return_type: ReturnType = "logits",
         loss_per_token: bool = False,
         prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
         start_at_layer: int | None = None,
         tokens: Int[Tensor, "batch pos"] | None = None,
         stop_at_layer: int | None = None,
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        past_kv_cache: KeyValueCache | None = None,
     ) -> Any:
         """Run the model. ``return_type``: "logits" [batch, pos, d_vocab_out], "loss", "both" or None.
 
         TransformerLens semantics: ``stop_at_layer=l`` returns the residual stream before block ``l``;
-        ``start_at_layer=l`` takes ``input`` as the residual stream before block ``l`` (``tokens`` for the loss).
+        ``start_at_layer=l`` takes ``input`` as the residual stream before block ``l`` (``tokens`` for the loss);
+        ``attention_mask`` (1 token, 0 padding) and ``padding_side`` handle padded batches, left padding included
+        (positions count from each sequence's first token); ``past_kv_cache`` (:class:`~lens_aot.kv_cache.
+        KeyValueCache`) continues from cached keys and values. Neuron heads attend only to their own position and
+        the bias slot, so padding and the cache concern the source's attention alone.
         """
+        mask = None
         if start_at_layer is None:
-            tokens = self._as_tokens(input, prepend_bos)
+            tokens = self._as_tokens(input, prepend_bos, padding_side)
+            bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+            offset, mask = positions_and_mask(tokens, attention_mask, past_kv_cache, padding_side, self.tokenizer, bos)
             resid = self.hook_embed(self.embed(tokens))
             if hasattr(self, "pos_embed"):
-                resid = resid + self.hook_pos_embed(self.pos_embed(tokens))
+                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset, mask))
         else:
             resid = input
-        for block, device in list(zip(self.blocks, self._block_devices, strict=True))[start_at_layer:stop_at_layer]:
+            mask = attention_mask
+        blocks = list(zip(self.blocks, self._block_devices, strict=True))
+        first = 0 if start_at_layer is None else start_at_layer % max(len(blocks), 1)
+        for layer, (block, device) in enumerate(blocks[start_at_layer:stop_at_layer], start=first):
             if resid.device != device:  # a model over several devices: the residual follows the blocks
                 resid = resid.to(device)
-            resid = block(resid)
+            entry = None if past_kv_cache is None else past_kv_cache[layer]
+            resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
         if stop_at_layer is not None:
             return resid
         if resid.device != self.unembed.W_U.device:
@@ -225,7 +241,8 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
             return logits
         if tokens is None:
             raise InputError("the loss needs the tokens: pass tokens=... with start_at_layer")
-        loss = lm_cross_entropy_loss(logits, tokens, per_token=loss_per_token)
+        loss_mask = None if mask is None else mask[:, -tokens.shape[1] :]
+        loss = lm_cross_entropy_loss(logits, tokens, loss_mask, per_token=loss_per_token)
         if return_type == "loss":
             return loss
         if return_type == "both":
@@ -233,10 +250,19 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None; got {return_type!r}")
 
     def loss_fn(
-        self, logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], per_token: bool = False
+        self,
+        logits: Float[Tensor, "batch pos d_vocab"],
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        per_token: bool = False,
     ) -> Tensor:
         """Next-token cross-entropy, as ``HookedTransformer.loss_fn``."""
-        return lm_cross_entropy_loss(logits, tokens, per_token=per_token)
+        return lm_cross_entropy_loss(logits, tokens, attention_mask, per_token=per_token)
+
+    def generate(self, input: Any = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
+        """Generate tokens like ``HookedTransformer.generate`` (greedy or sampled, with a key-value cache by
+        default; see :func:`lens_aot.generate.generate`)."""
+        return generate(self, input, max_new_tokens, **kwargs)
 
     # ------------------------------------------------------------------ caching
     def run_with_cache(  # type: ignore[override]
@@ -587,12 +613,20 @@ def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | Non
 
 
 def lm_cross_entropy_loss(
-    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], per_token: bool = False
+    logits: Float[Tensor, "batch pos d_vocab"],
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Int[Tensor, "batch pos"] | None = None,
+    per_token: bool = False,
 ) -> Float[Tensor, ""] | Float[Tensor, "batch pos_minus_1"]:
-    """Next-token cross-entropy, as TransformerLens computes it."""
+    """Next-token cross-entropy, as TransformerLens computes it (padding positions, and those before a padding
+    position, are left out when ``attention_mask`` is given)."""
     log_probs = F.log_softmax(logits, dim=-1)
     predicted = log_probs[:, :-1].gather(dim=-1, index=tokens[:, 1:, None])[..., 0]
-    return -predicted if per_token else -predicted.mean()
+    if attention_mask is None:
+        return -predicted if per_token else -predicted.mean()
+    keep = torch.logical_and(attention_mask[:, :-1], attention_mask[:, 1:])
+    predicted = predicted.masked_fill(~keep, 0.0)
+    return -predicted if per_token else -predicted.sum() / keep.sum()
 
 
 class _HookNames(dict):

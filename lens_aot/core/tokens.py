@@ -69,9 +69,11 @@ class Tokenizing:
             raise InputError(f"{string!r} is {tokens.numel()} tokens, not one")
         return int(tokens[0])
 
-    def _as_tokens(self, input: Any, prepend_bos: bool | None) -> Int[Tensor, "batch pos"]:
+    def _as_tokens(
+        self, input: Any, prepend_bos: bool | None, padding_side: Literal["left", "right"] | None = None
+    ) -> Int[Tensor, "batch pos"]:
         if isinstance(input, (str, list)):
-            return self.to_tokens(input, prepend_bos=prepend_bos)
+            return self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side)
         if not isinstance(input, Tensor):
             raise InputError(f"input must be a string, a list of strings or a tensor of token ids; got {type(input)}")
         if input.is_floating_point() or input.is_complex() or input.dtype == torch.bool:
