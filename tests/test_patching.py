@@ -223,6 +223,9 @@ def test_gelu_neuron_patching_is_within_the_fit_error(one_thread) -> None:
     single_heads = P.patch_heads(aot, clean, corrupted, logit_diff, heads=aot.neuron_heads(0, 5))
     with pytest.raises(InputError, match="patch_neurons"):
         single_heads.by_neuron(0)
+    k = aot.blocks[aot.neuron_block(0)].attn.heads_per_neuron  # labels L{layer}N{neuron}.{index in neuron_heads}
+    assert [u.label for u in single_heads.units] == [f"L0N5.{j}" for j in range(k)]
+    assert float(single_heads["L0N5.1"]) == float(single_heads[aot.neuron_heads(0, 5)[1]])
 
 
 def test_stacked_forwards_equal_one_forward_per_patch(silu, one_thread) -> None:
@@ -556,7 +559,23 @@ def test_units_follow_the_models_public_maps(silu) -> None:
         origin = aot.head_origin(ref.name, ref.head)
         assert (unit.layer, unit.index) == (origin.layer, origin.index)
         assert unit.kind == ("attention" if origin.kind == "attention" else "neuron_head")
-    assert len(P.head_units(aot, blocks=["blocks.1.attn"], heads=[(1, 0), (0, 0)])) == 65
+    mixed = P.head_units(aot, blocks=["blocks.1.attn"], heads=[(1, 0), (0, 0)])
+    assert len(mixed) == 65 and mixed[0].heads == (HeadRef("blocks.1.attn", 0),)  # duplicates dropped, order kept
+    assert mixed[-1] == P.head_units(aot, heads=[(0, 0)])[0] and mixed[-1].heads == (HeadRef("blocks.0.attn", 0),)
+
+
+def test_the_package_is_importable_by_its_old_names() -> None:
+    """lens_aot.patching (and the former lens_aot.attribution / attribution_check) is lens_aot.analysis.patching."""
+    import importlib
+
+    import lens_aot.analysis.patching as package
+
+    for old in ("lens_aot.patching", "lens_aot.attribution", "lens_aot.attribution_check"):
+        module = importlib.import_module(old)
+        assert module is package
+        assert all(getattr(module, name) is getattr(package, name) for name in package.__all__)
+    assert lens_aot.patching is package and {"patch_heads", "path_patch", "attribute_edges"} <= set(package.__all__)
+    assert {"verify_attribution", "NeuronRef", "PatchingResult", "group", "head_units"} <= set(package.__all__)
 
 
 def _bad_calls(
