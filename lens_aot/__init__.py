@@ -7,7 +7,7 @@
 >>> cache[f"{ref.name}.hook_pattern"][:, ref.head]   # that neuron's attention pattern
 """
 
-import sys
+import sys as _sys
 
 from lens_aot import circuits, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.activations import ActivationFit, activation_fit
@@ -31,7 +31,7 @@ from lens_aot.revert import revert
 # analysis package lens_aot.analysis.patching: `import lens_aot.patching` and `from lens_aot.patching import X` work.
 attribution = attribution_check = patching
 for _old in ("patching", "attribution", "attribution_check"):
-    sys.modules[f"{__name__}.{_old}"] = patching
+    _sys.modules[f"{__name__}.{_old}"] = patching
 del _old
 
 __version__ = "0.1.0"
