@@ -36,7 +36,6 @@ from bench_shapes import SHAPES, build_source, default_source_kind  # noqa: E402
 
 import lens_aot  # noqa: E402
 from lens_aot import patching as P  # noqa: E402
-from lens_aot.attribution import attribute_edges, attribute_heads  # noqa: E402
 from lens_aot.read import run_source  # noqa: E402
 
 
@@ -102,7 +101,7 @@ def main() -> None:
     n_neuron = sum(u.kind == "neuron_head" for u in units)
 
     def heads(tokens: int = args.tokens) -> P.PatchingResult:
-        return attribute_heads(aot, clean[:, :tokens], corrupted[:, :tokens], metric, method="atp")
+        return P.attribute_heads(aot, clean[:, :tokens], corrupted[:, :tokens], metric, method="atp")
 
     heads()  # warm-up
     runs = [peak_extra(heads) for _ in range(args.repeats)]
@@ -112,8 +111,9 @@ def main() -> None:
     att, neu, att_next = aot.attention_block(layer), aot.neuron_block(layer), aot.attention_block(layer + 1)
     att_units, neu_units = P.head_units(aot, blocks=[att]), P.head_units(aot, blocks=[neu])
     next_units = P.head_units(aot, blocks=[att_next])
-    e1_s, e1_mem, e1 = peak_extra(lambda: attribute_edges(aot, clean, corrupted, metric, att_units, neu_units, "qv"))
-    e2_s, e2_mem, e2 = peak_extra(lambda: attribute_edges(aot, clean, corrupted, metric, neu_units, next_units, "qkv"))
+    edges = P.attribute_edges
+    e1_s, e1_mem, e1 = peak_extra(lambda: edges(aot, clean, corrupted, metric, att_units, neu_units, "qv"))
+    e2_s, e2_mem, e2 = peak_extra(lambda: edges(aot, clean, corrupted, metric, neu_units, next_units, "qkv"))
 
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s), CPU"
     print(f"GPT-2-small shape, {args.layers} layers, source {type(source).__name__}, 1×{args.tokens} tokens, "

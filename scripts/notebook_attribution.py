@@ -16,12 +16,12 @@ _RAW: list[tuple[str, str]] = [
         """
         # Screen, then verify: the neuron-level circuit by attribution
 
-        Activation patching is exact but costs a forward per unit. `lens_aot.attribution` estimates the same numbers
-        from gradients — `attribute_heads`, `attribute_neurons`, `attribute_edges`, with `method="atp"`
-        (attribution patching: one forward+backward and one forward) or `"ig"` (EAP-IG) — and returns **the same
-        result objects** as `patch_heads`, `patch_neurons` and `path_patch`. `verify_attribution` then patches the
-        top units exactly. Neuron heads are heads, so the screen reaches individual MLP neurons and the edges
-        between heads and neurons.
+        Activation patching is exact but costs a forward per unit. Gradient attribution (in `lens_aot.patching`)
+        estimates the same numbers from gradients — `attribute_heads`, `attribute_neurons`, `attribute_edges`, with
+        `method="atp"` (attribution patching: one forward+backward and one forward) or `"ig"` (EAP-IG) — and returns
+        **the same result objects** as `patch_heads`, `patch_neurons` and `path_patch`. `verify_attribution` then
+        patches the top units exactly. Neuron heads are heads, so the screen reaches individual MLP neurons and the
+        edges between heads and neurons.
 
         The model: lens_aot's one-layer transformer trained on `(a + b) mod 113` (inputs `[a, b, =]`).
         """,
@@ -36,8 +36,7 @@ _RAW: list[tuple[str, str]] = [
 
         import lens_aot
         from lens_aot import patching as P
-        from lens_aot.attribution import attribute_edges, attribute_heads
-        from lens_aot.attribution_check import verify_attribution
+        from lens_aot.patching import attribute_edges, attribute_heads, verify_attribution
         from lens_aot.demo_models import MODULAR_ADDITION_P as p, load_modular_addition
 
         aot = lens_aot.convert(load_modular_addition())

@@ -30,7 +30,7 @@ _RAW: list[tuple[str, str]] = [
           `k` or `v`, or straight to the logits, with every other head frozen.
 
         Results carry labels (`L0H3` is head 3 of layer 0's attention, `L0N17` neuron 17 of layer 0's MLP,
-        `L0N17[2]` the neuron head computing term 2 of its activation fit) and views per block, per neuron, top-k,
+        `L0N17.2` the neuron head computing term 2 of its activation fit) and views per block, per neuron, top-k,
         plain records and DataFrames.
 
         We use the model shipped with lens_aot: one layer (4 attention heads, 512 ReLU neurons) trained on

@@ -1,4 +1,4 @@
-"""Gradient attribution (lens_aot.attribution) against exact activation / path patching (lens_aot.patching).
+"""Gradient attribution (lens_aot.patching.attribute_*) against exact activation / path patching (lens_aot.patching).
 
 Ground truth is ``patch_heads`` / ``patch_neurons`` / ``path_patch`` on the same inputs; the estimates must return the
 same units, labels and order and:
@@ -19,11 +19,10 @@ from factories_spec import random_spec
 
 import lens_aot
 from lens_aot import patching as P
-from lens_aot.attribution import attribute_edges, attribute_heads, attribute_neurons
-from lens_aot.attribution_check import verify_attribution
 from lens_aot.components import ProductAttention
 from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition
 from lens_aot.errors import InputError
+from lens_aot.patching import attribute_edges, attribute_heads, attribute_neurons, verify_attribution
 
 FAMILIES = {
     "LN-gelu_new": dict(norm="LN", positions="standard", act_fn="gelu_new", gated=False),

@@ -223,6 +223,9 @@ def test_gelu_neuron_patching_is_within_the_fit_error(one_thread) -> None:
     single_heads = P.patch_heads(aot, clean, corrupted, logit_diff, heads=aot.neuron_heads(0, 5))
     with pytest.raises(InputError, match="patch_neurons"):
         single_heads.by_neuron(0)
+    k = aot.blocks[aot.neuron_block(0)].attn.heads_per_neuron  # labels L{layer}N{neuron}.{index in neuron_heads}
+    assert [u.label for u in single_heads.units] == [f"L0N5.{j}" for j in range(k)]
+    assert float(single_heads["L0N5.1"]) == float(single_heads[aot.neuron_heads(0, 5)[1]])
 
 
 def test_stacked_forwards_equal_one_forward_per_patch(silu, one_thread) -> None:
@@ -507,8 +510,8 @@ def test_recompute_neurons_lets_the_mlps_respond(wired, one_thread) -> None:
 def test_labels_views_and_plain_exports(silu) -> None:
     _, aot, clean, corrupted = silu
     res = P.patch_heads(aot, clean, corrupted, logit_diff, heads=[(0, 2), (1, 5), ("blocks.3.attn", 60)])
-    assert [u.label for u in res.units] == ["L0H2", "L0N5[0]", "L1N60[0]"]
-    assert repr(res.units[1]) == "PatchUnit('L0N5[0]', kind='neuron_head', heads=[blocks.1.attn[5]])"
+    assert [u.label for u in res.units] == ["L0H2", "L0N5.0", "L1N60.0"]
+    assert repr(res.units[1]) == "PatchUnit('L0N5.0', kind='neuron_head', heads=[blocks.1.attn[5]])"
     as_lists = P.patch_units(aot, clean.tolist(), corrupted.tolist(), logit_diff, res.units, progress=True)
     torch.testing.assert_close(as_lists.values, res.values, rtol=0, atol=0)
     assert [u.kind for u in res.units] == ["attention", "neuron_head", "neuron_head"]
@@ -516,7 +519,7 @@ def test_labels_views_and_plain_exports(silu) -> None:
     blocks = res.by_block()
     assert sorted(blocks) == [0, 1, 3] and blocks[1].shape == (64,) and blocks[0].shape == (4,)
     assert int(torch.isnan(blocks[1]).sum()) == 63 and float(blocks[1][5]) == float(res.values[1])
-    assert float(res.by_neuron(1)[60]) == float(res["L1N60[0]"]) == float(res[P.NeuronRef(1, 60)])
+    assert float(res.by_neuron(1)[60]) == float(res["L1N60.0"]) == float(res[P.NeuronRef(1, 60)])
     assert float(res[(1, 5)]) == float(res[HeadRef("blocks.1.attn", 5)]) == float(res.values[1])
     assert float(res.attention(0)[2]) == float(res.values[0]) and bool(torch.isnan(res.attention(0)[0]))
     top = res.top(2)
@@ -525,10 +528,10 @@ def test_labels_views_and_plain_exports(silu) -> None:
     clean_m, corrupted_m = res.clean_metric, res.corrupted_metric
     torch.testing.assert_close(res.normalized(), (res.values - corrupted_m) / (clean_m - corrupted_m))
     records = res.to_records()
-    assert len(records) == 3 and records[1]["label"] == "L0N5[0]" and records[1]["position"] is None
+    assert len(records) == 3 and records[1]["label"] == "L0N5.0" and records[1]["position"] is None
     json.dumps(records)  # plain data only
     frame = res.to_dataframe()
-    assert list(frame["label"]) == ["L0H2", "L0N5[0]", "L1N60[0]"]
+    assert list(frame["label"]) == ["L0H2", "L0N5.0", "L1N60.0"]
     assert "L0H2" in repr(res) or "L0N5" in repr(res)
     path = P.path_patch(aot, clean, corrupted, logit_diff, [(0, 2), P.NeuronRef(0, 5)], [(2, 1), "logits"], "q")
     assert path.values.shape == (2, 2)
@@ -556,7 +559,23 @@ def test_units_follow_the_models_public_maps(silu) -> None:
         origin = aot.head_origin(ref.name, ref.head)
         assert (unit.layer, unit.index) == (origin.layer, origin.index)
         assert unit.kind == ("attention" if origin.kind == "attention" else "neuron_head")
-    assert len(P.head_units(aot, blocks=["blocks.1.attn"], heads=[(1, 0), (0, 0)])) == 65
+    mixed = P.head_units(aot, blocks=["blocks.1.attn"], heads=[(1, 0), (0, 0)])
+    assert len(mixed) == 65 and mixed[0].heads == (HeadRef("blocks.1.attn", 0),)  # duplicates dropped, order kept
+    assert mixed[-1] == P.head_units(aot, heads=[(0, 0)])[0] and mixed[-1].heads == (HeadRef("blocks.0.attn", 0),)
+
+
+def test_the_package_is_importable_by_its_old_names() -> None:
+    """lens_aot.patching (and the former lens_aot.attribution / attribution_check) is lens_aot.analysis.patching."""
+    import importlib
+
+    import lens_aot.analysis.patching as package
+
+    for old in ("lens_aot.patching", "lens_aot.attribution", "lens_aot.attribution_check"):
+        module = importlib.import_module(old)
+        assert module is package
+        assert all(getattr(module, name) is getattr(package, name) for name in package.__all__)
+    assert lens_aot.patching is package and {"patch_heads", "path_patch", "attribute_edges"} <= set(package.__all__)
+    assert {"verify_attribution", "NeuronRef", "PatchingResult", "group", "head_units"} <= set(package.__all__)
 
 
 def _bad_calls(

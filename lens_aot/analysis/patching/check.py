@@ -1,9 +1,9 @@
 """Screen, then verify: re-run exact activation (or path) patching on the top-k units of an attribution result.
 
-:func:`verify_attribution` takes any result of :mod:`lens_aot.attribution` (``attribute_heads``,
-``attribute_neurons``, ``attribute_units``, ``attribute_edges``), patches its ``k`` largest entries exactly with the
-matching :mod:`lens_aot.patching` call (same units, positions, direction, receiver input), and reports attribution
-against truth as a table and a scatter plot.
+:func:`verify_attribution` takes any result of gradient attribution (``attribute_heads``, ``attribute_neurons``,
+``attribute_units``, ``attribute_edges``), patches its ``k`` largest entries exactly with the matching patching call
+(same units, positions, direction, receiver input), and reports attribution against truth as a table and a scatter
+plot.
 """
 
 from __future__ import annotations
@@ -15,18 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.analysis.patching.activation import patch_units
+from lens_aot.analysis.patching.path import path_patch
+from lens_aot.analysis.patching.results import PatchingResult, PathPatchingResult, Ranking
+from lens_aot.analysis.patching.runs import Metric, TokensLike
+from lens_aot.analysis.patching.units import _receiver_label
 from lens_aot.errors import InputError
 from lens_aot.model import AttentionOnlyTransformer
-from lens_aot.patching import (
-    Metric,
-    PatchingResult,
-    PathPatchingResult,
-    Ranking,
-    TokensLike,
-    _receiver_label,
-    patch_units,
-    path_patch,
-)
 
 __all__ = ["Verification", "verify_attribution"]
 

@@ -1,0 +1,1 @@
+"""Analysis of converted models: activation / path patching and gradient attribution (:mod:`.patching`)."""

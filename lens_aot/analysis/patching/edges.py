@@ -1,0 +1,275 @@
+"""Edge attribution (EAP, EAP-IG, with AtP*'s exact recomputation for neuron-head receivers): the estimate of
+:func:`lens_aot.patching.path_patch`. See :mod:`lens_aot.analysis.patching.attribution` for the methods."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.analysis.patching.attribution import _head_z, _method
+from lens_aot.analysis.patching.results import PathPatchingResult
+from lens_aot.analysis.patching.runs import (
+    _CHUNK_ELEMENTS,
+    Direction,
+    Method,
+    Metric,
+    TokensLike,
+    _both_runs,
+    _direction,
+    _pair,
+    _progress,
+    _receiver_inputs,
+    _Runs,
+)
+from lens_aot.analysis.patching.units import (
+    PatchUnit,
+    Receiver,
+    UnitLike,
+    _final_resid_hook,
+    _head_grads,
+    _head_module,
+    _heads_by_module,
+    _Index,
+    _input_hook,
+    _input_norm,
+    _order,
+    _output_hook,
+    _path_units,
+    _product_module,
+    _reads_output_of,
+    _receiver_hooks,
+    _resid_in_hook,
+    _state_hooks,
+    _state_of,
+    _to_norm,
+    _widen,
+)
+from lens_aot.components import Attention, ProductAttention
+from lens_aot.errors import InputError
+from lens_aot.model import AttentionOnlyTransformer
+
+__all__ = ["attribute_edges"]
+
+
+def attribute_edges(
+    aot: AttentionOnlyTransformer,
+    clean: TokensLike,
+    corrupted: TokensLike,
+    metric: Metric,
+    senders: Sequence[UnitLike] | UnitLike,
+    receivers: Sequence[UnitLike | Literal["logits"]] | UnitLike | Literal["logits"] = "logits",
+    receiver_input: str | Iterable[str] = "v",
+    *,
+    method: Method = "atp",
+    steps: int = 16,
+    direction: Direction = "noise",
+    recompute: Iterable[UnitLike] | Literal["neurons"] | None = None,
+    batch_size: int | None = None,
+    progress: bool = False,
+) -> PathPatchingResult:
+    """Edge attribution (EAP, Syed et al. 2023; EAP-IG, Hanna et al. 2024): the estimate of
+    :func:`~lens_aot.patching.path_patch` with the same arguments and result layout, ``values[s, r]`` =
+    ``baseline +`` the estimated effect of sender ``s``'s switch reaching the model only through receiver ``r``'s
+    ``receiver_input`` (every other head frozen, as in ``path_patch``).
+
+    * Into a source attention head or "logits": ``Σ Δout_s · g_r``, with ``Δout_s`` the sender's change of its block
+      output and ``g_r`` the gradient of the metric at the receiver's ``hook_q`` / ``hook_k`` / ``hook_v`` pulled back
+      through ``W_Q/K/V`` and the receiver's norm (at the final residual for "logits").
+    * Into neuron, gate or product heads (AtP*): for each sender the receiver block's input residual plus ``Δout_s``
+      goes through the norm, ``W_in`` and the two-key softmax exactly, and the change of the receiver's ``z`` is
+      multiplied by ``∂metric/∂z``. "k" is constant for these heads (``W_K = 0``): its edges are 0, as in path_patch.
+
+    Senders are processed in chunks (memory ``O(chunk · batch · pos · width)``, never senders × receivers × pos).
+    ``recompute`` (free heads) is not estimated: pass None, or use ``path_patch``. ``batch_size``: senders per chunk
+    (default: by memory). Other arguments: as :func:`~lens_aot.patching.path_patch`.
+    """
+    method = _method(method, steps)
+    direction = _direction(direction)
+    if recompute is not None:
+        raise InputError(
+            "attribute_edges estimates direct paths only (every other head frozen): recompute must be None; use "
+            "path_patch(..., recompute=...) to let heads respond to the sender"
+        )
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise InputError(f"batch_size must be a positive int (senders per chunk); got {batch_size!r}")
+    clean_t, corrupted_t = _pair(aot, clean, corrupted)
+    index = _Index(aot)
+    inputs = _receiver_inputs(receiver_input)
+    sender_units, receiver_units = _path_units(index, senders, receivers)
+    _receiver_hooks(aot, receiver_units, inputs)  # checks that the receivers' input hooks exist
+
+    sender_names = sorted({ref.name for u in sender_units for ref in u.heads}, key=_order)
+    recv_names = sorted({ref.name for u in receiver_units if not isinstance(u, str) for ref in u.heads}, key=_order)
+    attn_recv = [name for name in recv_names if isinstance(_head_module(aot, name), Attention)]
+    neuron_recv = [name for name in recv_names if name not in attn_recv]
+    final = _final_resid_hook(aot)
+    record = [hook for name in sender_names + neuron_recv for hook in _state_hooks(aot, name)]
+    record += [_resid_in_hook(aot, name) for name in recv_names]
+    grads = [_input_hook(name, x) for name in attn_recv for x in inputs]
+    grads += [_output_hook(name) for name in neuron_recv]
+    grads += [final] if "logits" in receiver_units else []
+    runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, record, grads, method, steps, progress)
+
+    edges = torch.zeros(len(sender_units), len(receiver_units), dtype=torch.float64)
+    with torch.no_grad():
+        dz = {
+            name: _head_z(_head_module(aot, name), [runs.other.acts[n] for n in _state_hooks(aot, name)])
+            - _head_z(_head_module(aot, name), [runs.base.acts[n] for n in _state_hooks(aot, name)])
+            for name in sender_names
+        }
+        # receivers read linearly (source attention heads, logits): pull the gradient back to the residual
+        for col, unit in enumerate(receiver_units):
+            if isinstance(unit, str):
+                edges[:, col] += _backward_edges(aot, sender_units, dz, runs.grads[final], None)
+        for name in attn_recv:
+            cols = [c for c, u in enumerate(receiver_units) if not isinstance(u, str) and _covers(u, name)]
+            g = _pulled_back(aot, name, [receiver_units[c] for c in cols], inputs, runs)  # type: ignore[misc]
+            for i, col in enumerate(cols):
+                edges[:, col] += _backward_edges(aot, sender_units, dz, g[i], name)
+        # receivers with a nonlinearity recomputed exactly (neuron, gate, product heads)
+        for name in neuron_recv:
+            edges += _forward_edges(aot, name, sender_units, receiver_units, inputs, dz, runs, batch_size, progress)
+    return PathPatchingResult(
+        values=runs.base.metric + edges,
+        senders=sender_units,
+        receivers=receiver_units,
+        receiver_input=inputs,
+        clean_metric=runs.clean_metric,
+        corrupted_metric=runs.corrupted_metric,
+        direction=direction,
+    )
+
+
+def _covers(unit: PatchUnit, name: str) -> bool:
+    """Whether ``unit`` has a head in module ``name``."""
+    return any(ref.name == name for ref in unit.heads)
+
+
+def _backward_edges(
+    aot: AttentionOnlyTransformer,
+    senders: Sequence[PatchUnit],
+    dz: dict[str, Tensor],
+    grad: Float[Tensor, "batch pos d_resid"],
+    receiver: str | None,
+) -> Float[Tensor, " sender"]:
+    """``Σ_{h ∈ s} Σ_{batch, pos} Δz_h · (grad · W_O[h])`` for every sender ``s``, over the heads whose output is in
+    the residual ``receiver`` (None: the logits) reads."""
+    per_head = {
+        name: torch.einsum("bphe,bphe->h", d, _head_grads(_head_module(aot, name), grad).to(d.dtype))
+        for name, d in dz.items()
+        if _reads_output_of(aot, receiver, name)
+    }
+    out = torch.zeros(len(senders), dtype=torch.float64)
+    for s, unit in enumerate(senders):
+        for ref in unit.heads:
+            if ref.name in per_head:
+                out[s] += float(per_head[ref.name][ref.head])
+    return out
+
+
+def _pulled_back(
+    aot: AttentionOnlyTransformer,
+    name: str,
+    units: Sequence[PatchUnit],
+    inputs: Sequence[str],
+    runs: _Runs,
+) -> Float[Tensor, "receiver batch pos d_resid"]:
+    """Per receiver unit: the metric's gradient at its heads' ``hook_<x>`` (x in ``inputs``) in module ``name``,
+    pulled back through ``W_<x>`` and the module's norm to the residual it reads (a vector–Jacobian product, exact for
+    the norm's linearisation at the base run)."""
+    attn = _head_module(aot, name)
+    resid = runs.base.acts[_resid_in_hook(aot, name)]
+    d_model = aot.cfg.d_model
+    n_q = attn.W_Q.shape[0]
+    cots = []
+    for unit in units:
+        cot = resid.new_zeros(*resid.shape[:2], d_model)
+        for x in inputs:
+            W = {"q": attn.W_Q, "k": attn.W_K, "v": attn.W_V}[x]
+            group = max(1, n_q // W.shape[0])
+            heads = {ref.head // (1 if x == "q" else group) for ref in unit.heads if ref.name == name}
+            g = runs.grads[_input_hook(name, x)]
+            for h in sorted(heads):
+                cot = cot + g[:, :, h] @ W[h].T
+        cots.append(cot)
+    cot_t = torch.stack(cots)
+    with torch.enable_grad():
+        x = _to_norm(aot, resid).detach()[None].expand(len(units), *resid.shape[:2], d_model).clone()
+        x.requires_grad_(True)
+        (g,) = torch.autograd.grad(_input_norm(aot, name)(x), x, cot_t.to(x.dtype))
+    return _widen(g, resid.shape[-1])
+
+
+def _forward_edges(
+    aot: AttentionOnlyTransformer,
+    name: str,
+    senders: Sequence[PatchUnit],
+    receivers: Sequence[Receiver],
+    inputs: Sequence[str],
+    dz: dict[str, Tensor],
+    runs: _Runs,
+    batch_size: int | None,
+    progress: bool,
+) -> Float[Tensor, "sender receiver"]:
+    """Edges into a neuron/gate/product module's heads, each sender's effect on the receivers' ``z`` recomputed
+    exactly (norm, pre-activation, two-key softmax), times ``∂metric/∂z``."""
+    attn = _head_module(aot, name)
+    resid = runs.base.acts[_resid_in_hook(aot, name)]
+    state = [runs.base.acts[n] for n in _state_hooks(aot, name)]
+    cols = [c for c, u in enumerate(receivers) if not isinstance(u, str) and _covers(u, name)]
+    pairs = _heads_by_module(receivers, cols, keep=name.__eq__)
+    col_of, head_of = pairs.get(name, ([], []))  # (result column index in cols, receiver head) pairs
+    heads = sorted(set(head_of))
+    head_t = torch.tensor(heads, dtype=torch.long, device=resid.device)
+    where = {h: i for i, h in enumerate(heads)}
+    pair_head = [where[h] for h in head_of]  # a column sums its heads
+    pair_col = [cols[i] for i in col_of]
+    z0 = _head_z(attn, state)[..., head_t, 0]
+    grad_out = runs.grads[_output_hook(name)]
+    product = _product_module(aot, name)
+    if "v" in inputs and product is not None and any(_covers(receivers[c], product) for c in cols):  # type: ignore[arg-type]
+        # gate heads whose neuron's product heads are receivers too: their values are patched, so a gate head reaches
+        # the metric only past the product module (the scratch channel's residual path)
+        grad_out = runs.grads[_output_hook(product)]
+    gz = _head_grads(attn, grad_out)[..., head_t, 0].to(z0.dtype)
+    q0, v0 = _qv(attn, state, head_t)
+    upstream = [n for n in dz if _reads_output_of(aot, name, n)]
+    W_O = {n: _head_module(aot, n).W_O.detach() for n in upstream}
+    out = torch.zeros(len(senders), len(receivers), dtype=torch.float64)
+    if "q" not in inputs and "v" not in inputs or not W_O:
+        return out
+    batch, n_pos, width = resid.shape
+    per = batch_size or max(1, _CHUNK_ELEMENTS // (batch * n_pos * max(width, attn.d_mlp, len(heads)) * 4))
+    chunks = [range(s, min(len(senders), s + per)) for s in range(0, len(senders), per)]
+    for chunk in _progress(chunks, progress, f"edges into {name}"):
+        delta = resid.new_zeros(len(chunk), batch, n_pos, width)
+        for n, (rows, hs) in _heads_by_module(senders, chunk, keep=W_O.__contains__).items():
+            h_t = torch.tensor(hs, dtype=torch.long, device=resid.device)
+            contrib = torch.einsum("bpme,med->mbpd", dz[n][:, :, h_t], W_O[n][h_t].to(resid.dtype))
+            contrib = _widen(contrib, width)
+            delta.index_add_(0, torch.tensor(rows, dtype=torch.long, device=resid.device), contrib)
+        moved = resid[None] + delta
+        q1, v1 = _qv(attn, _state_of(aot, name, moved), head_t)
+        z1 = torch.sigmoid(q1 if "q" in inputs else q0) * (v1 if "v" in inputs else v0)
+        per_head = torch.einsum("cbph,bph->ch", z1 - z0, gz).to(torch.float64)
+        out[list(chunk)] = out[list(chunk)].index_add_(1, torch.tensor(pair_col), per_head[:, pair_head].cpu())
+    return out
+
+
+def _qv(
+    attn: torch.nn.Module, state: list[Tensor], heads: Tensor
+) -> tuple[Float[Tensor, "... head"], Float[Tensor, "... head"]]:
+    """The chosen heads' query and value (``[..., batch, pos, head]``) from a block's state, not the other heads'."""
+    if isinstance(attn, ProductAttention):
+        u, h = state
+        n, sign = heads // 2, 1 - 2 * (heads % 2)
+        return u[..., n] * attn.scales[n] * sign.to(u.dtype), h[..., n]
+    (pre,) = state
+    k = attn.heads_per_neuron
+    n, term = heads // k, heads % k
+    z = pre[..., n]
+    return z * attn.term_b[term] + attn.term_d[term], z * attn.term_alpha[term] + attn.term_beta[term]

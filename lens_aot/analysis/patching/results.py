@@ -1,0 +1,344 @@
+"""Result types of activation patching, path patching and attribution: numbers labelled with their units.
+
+:class:`PatchingResult` (one number per unit, or per unit and position) and :class:`PathPatchingResult` (one per
+sender and receiver) are returned by the patching functions and, with the same units, labels and order, by their
+gradient estimates (:mod:`lens_aot.analysis.patching.attribution`), so results compare entry by entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.analysis.patching.runs import Direction, ReceiverInput
+from lens_aot.analysis.patching.units import (
+    NeuronRef,
+    PatchUnit,
+    UnitLike,
+    _block_of,
+    _Index,
+    _matches,
+    _receiver_label,
+)
+from lens_aot.errors import InputError
+from lens_aot.model import HeadRef
+
+__all__ = ["PatchEntry", "PatchingResult", "PathPatchingResult"]
+
+Quantity = Literal["value", "effect", "normalized"]
+Ranking = Literal["abs_effect", "effect", "-effect"]
+
+
+class PatchEntry(NamedTuple):
+    """One number of a result: the unit (the sender, for path patching), the position patched (None: all), the
+    metric, its change from the unpatched run (``effect``), and the receiver (path patching only)."""
+
+    unit: PatchUnit
+    position: int | None
+    value: float
+    effect: float
+    receiver: PatchUnit | Literal["logits"] | None = None
+
+    def __repr__(self) -> str:
+        where = "" if self.position is None else f" @ pos {self.position}"
+        path = "" if self.receiver is None else f" → {_receiver_label(self.receiver)}"
+        return f"PatchEntry({self.unit.label}{path}{where}: effect {self.effect:+.4g}, metric {self.value:.4g})"
+
+
+def _normalized(values: Tensor, clean: float, corrupted: float) -> Tensor:
+    if clean == corrupted:
+        raise InputError(
+            f"the metric is {clean:g} on both the clean and the corrupted input, so there is nothing to normalise by; "
+            f"choose a corrupted input (or a metric) on which it differs, or use .effect()"
+        )
+    return (values - corrupted) / (clean - corrupted)
+
+
+def _ranked(effect: Tensor, by: str, k: int) -> list[int]:
+    keys = {"abs_effect": effect.abs(), "effect": effect, "-effect": -effect}
+    if by not in keys:
+        raise InputError(f"by must be 'abs_effect', 'effect' or '-effect'; got {by!r}")
+    flat = keys[by].reshape(-1).nan_to_num(nan=-math.inf)
+    return flat.argsort(descending=True, stable=True)[: max(0, k)].tolist()
+
+
+def _pandas() -> Any:
+    try:
+        import pandas
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("to_dataframe() needs pandas (pip install pandas); to_records() needs nothing") from err
+    return pandas
+
+
+class _Numbers:
+    """What both result types compute from ``values`` and the two unpatched runs' metrics."""
+
+    values: Tensor
+    clean_metric: float
+    corrupted_metric: float
+    direction: Direction
+
+    @property
+    def baseline(self) -> float:
+        """Metric of the unpatched run that is patched (corrupted for "denoise", clean for "noise")."""
+        return self.corrupted_metric if self.direction == "denoise" else self.clean_metric
+
+    def effect(self) -> Tensor:
+        """``values − baseline``: how much each patch (each path) moved the metric."""
+        return self.values - self.baseline
+
+    def normalized(self) -> Tensor:
+        """``(values − corrupted) / (clean − corrupted)``: 1 = clean behaviour, 0 = corrupted behaviour."""
+        return _normalized(self.values, self.clean_metric, self.corrupted_metric)
+
+    def to_dataframe(self) -> Any:
+        """:meth:`to_records` as a pandas DataFrame (needs pandas)."""
+        return _pandas().DataFrame.from_records(self.to_records())  # type: ignore[attr-defined]
+
+
+@dataclass
+class PatchingResult(_Numbers):
+    """Activation-patching results, one per unit (and per position when ``positions`` is set), with labels.
+
+    ``values[i]`` (``values`` is ``[n_units]``, or ``[n_units, n_positions]``) is ``metric(logits)`` with
+    ``units[i]`` patched (at ``positions[j]``). ``clean_metric`` / ``corrupted_metric``: the unpatched runs;
+    ``baseline``: the run that was patched (corrupted for "denoise", clean for "noise"). Index with a unit, a
+    :class:`~lens_aot.HeadRef`, ``(block, head)``, a :class:`NeuronRef` or a label: ``res["L0N17"]``.
+    """
+
+    values: Float[Tensor, "unit ..."]
+    units: list[PatchUnit]
+    positions: list[int] | None
+    clean_metric: float
+    corrupted_metric: float
+    direction: Direction
+    n_heads_per_block: list[int]
+    d_mlp: dict[int, int] = field(default_factory=dict)  # neurons per source layer (layers with neuron units)
+    heads_per_neuron: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, neuron) -> heads
+
+    # ---- numbers
+    def _data(self, what: Quantity) -> Tensor:
+        if what == "value":
+            return self.values
+        if what == "effect":
+            return self.effect()
+        if what == "normalized":
+            return self.normalized()
+        raise InputError(f"unknown quantity {what!r}; use 'value', 'effect' or 'normalized'")
+
+    def is_whole_neuron(self, unit: PatchUnit) -> bool:
+        """Whether patching ``unit`` patches a whole source neuron (a "neuron" unit, or a neuron's only head)."""
+        return unit.kind == "neuron" or (
+            unit.kind == "neuron_head" and self.heads_per_neuron.get((unit.layer, unit.index)) == 1
+        )
+
+    # ---- lookups
+    def index(self, key: UnitLike | str) -> int:
+        """Row of ``values`` for a unit, head, ``(block, head)``, neuron or label (a clear error if not patched)."""
+        for i, unit in enumerate(self.units):
+            if _matches(unit, key) or (
+                isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
+            ):
+                return i
+        raise InputError(f"{key!r} was not patched in this result; its units are e.g. {_examples(self.units)}")
+
+    def __getitem__(self, key: UnitLike | str) -> Tensor:
+        return self.values[self.index(key)]
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    # ---- views
+    def by_block(self, what: Quantity = "value") -> dict[int, Tensor]:
+        """Single-head units laid out per block: ``{block: [n_heads_in_block(, n_positions)]}``, NaN for heads not
+        patched. Blocks without a patched head are left out; whole-neuron units are in :meth:`by_neuron`."""
+        data = self._data(what)
+        out: dict[int, Tensor] = {}
+        for i, unit in enumerate(self.units):
+            if len(unit.heads) != 1:
+                continue
+            ref = unit.heads[0]
+            block = _block_of(ref.name)
+            if block not in out:
+                out[block] = data.new_full((self.n_heads_per_block[block], *data.shape[1:]), math.nan)
+            out[block][ref.head] = data[i]
+        return out
+
+    def by_neuron(self, layer: int, what: Quantity = "value") -> Tensor:
+        """Source layer ``layer``'s neurons: ``[d_mlp(, n_positions)]``, NaN for neurons not patched.
+
+        From whole-neuron units, and from neuron-head units that are their neuron's only head (SiLU, ReLU,
+        ``heads_per_neuron=1``): patching a neuron's only head is patching the neuron. A neuron with several heads
+        patched one head at a time has no per-neuron value (that is not the neuron's effect): use
+        :func:`patch_neurons`.
+        """
+        data = self._data(what)
+        found = {u.index: data[i] for i, u in enumerate(self.units) if u.layer == layer and self.is_whole_neuron(u)}
+        if not found:
+            single = [u.label for u in self.units if u.layer == layer and u.kind == "neuron_head"]
+            hint = (
+                f": only single heads of multi-head neurons were patched (e.g. {single[:3]}); patch_neurons patches "
+                f"a neuron's heads together"
+                if single
+                else ""
+            )
+            raise InputError(f"no neuron of source layer {layer} was patched as a whole in this result{hint}")
+        out = data.new_full((self.d_mlp.get(layer, max(found) + 1), *data.shape[1:]), math.nan)
+        for index, value in found.items():
+            out[index] = value
+        return out
+
+    def attention(self, layer: int, what: Quantity = "value") -> Tensor:
+        """Source layer ``layer``'s attention heads: ``[n_heads(, n_positions)]``, NaN for heads not patched."""
+        data = self._data(what)
+        rows = [(i, u) for i, u in enumerate(self.units) if u.kind == "attention" and u.layer == layer]
+        if not rows:
+            raise InputError(f"no attention head of source layer {layer} was patched in this result")
+        out = data.new_full((self.n_heads_per_block[rows[0][1].blocks[0]], *data.shape[1:]), math.nan)
+        for i, unit in rows:
+            out[unit.index] = data[i]
+        return out
+
+    def top(self, k: int = 10, by: Ranking = "abs_effect") -> list[PatchEntry]:
+        """The ``k`` largest entries (a unit, or a unit at one position) by ``|effect|``, ``effect`` or ``−effect``."""
+        n_pos = 1 if self.positions is None else len(self.positions)
+        out = []
+        for flat in _ranked(self.effect(), by, k):
+            unit_idx, pos_idx = divmod(flat, n_pos)
+            value = float(self.values.reshape(-1)[flat])
+            pos = None if self.positions is None else self.positions[pos_idx]
+            out.append(PatchEntry(self.units[unit_idx], pos, value, value - self.baseline))
+        return out
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """Plain data: one dict per number (label, kind, layer, index, component, heads, position, value, effect)."""
+        records = []
+        for i, unit in enumerate(self.units):
+            row = self.values[i].reshape(-1).tolist()
+            for pos, value in zip([None] if self.positions is None else self.positions, row, strict=True):
+                records.append(_unit_record(unit) | {"position": pos, "value": value, "effect": value - self.baseline})
+        return records
+
+    def __repr__(self) -> str:
+        shape = f"{len(self.units)} units" + ("" if self.positions is None else f" × {len(self.positions)} positions")
+        top = ", ".join(
+            f"{e.unit.label}{'' if e.position is None else f'@{e.position}'} {e.effect:+.3g}" for e in self.top(3)
+        )
+        return (
+            f"PatchingResult({self.direction}, {shape}; metric clean {self.clean_metric:.4g}, corrupted "
+            f"{self.corrupted_metric:.4g}; largest effects: {top})"
+        )
+
+
+@dataclass
+class PathPatchingResult(_Numbers):
+    """Path-patching results: ``values[s, r]`` is ``metric(logits)`` when sender ``senders[s]``'s switch reaches the
+    model only through receiver ``receivers[r]``'s ``receiver_input`` ("logits": straight through the residual).
+
+    ``baseline``: the unpatched base run's metric (clean for "noise"); :meth:`effect` is ``values − baseline``.
+    Index with ``res[sender, receiver]`` (units, heads, ``(block, head)``, neurons, labels or "logits").
+    """
+
+    values: Float[Tensor, "sender receiver"]
+    senders: list[PatchUnit]
+    receivers: list[PatchUnit | Literal["logits"]]
+    receiver_input: tuple[ReceiverInput, ...]
+    clean_metric: float
+    corrupted_metric: float
+    direction: Direction
+    recomputed: tuple[HeadRef, ...] = ()
+
+    def sender_index(self, key: UnitLike | str) -> int:
+        """Row of a sender (unit, head, ``(block, head)``, neuron or label)."""
+        for i, unit in enumerate(self.senders):
+            if _matches(unit, key):
+                return i
+        raise InputError(f"{key!r} is not a sender of this result; senders are e.g. {_examples(self.senders)}")
+
+    def receiver_index(self, key: UnitLike | str) -> int:
+        """Column of a receiver (unit, head, ``(block, head)``, neuron, label, or "logits")."""
+        for i, unit in enumerate(self.receivers):
+            if (key == "logits") if isinstance(unit, str) else _matches(unit, key):
+                return i
+        labels = [r if isinstance(r, str) else r.label for r in self.receivers[:5]]
+        raise InputError(f"{key!r} is not a receiver of this result; receivers are e.g. {labels}")
+
+    def __getitem__(self, key: tuple[UnitLike | str, UnitLike | str]) -> Tensor:
+        sender, receiver = key
+        return self.values[self.sender_index(sender), self.receiver_index(receiver)]
+
+    def top(self, k: int = 10, by: Ranking = "abs_effect") -> list[PatchEntry]:
+        """The ``k`` largest (sender, receiver) paths by ``|effect|``, ``effect`` or ``−effect``."""
+        out = []
+        for flat in _ranked(self.effect(), by, k):
+            s, r = divmod(flat, len(self.receivers))
+            value = float(self.values[s, r])
+            out.append(PatchEntry(self.senders[s], None, value, value - self.baseline, self.receivers[r]))
+        return out
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """Plain data: one dict per (sender, receiver) pair (``sender_*``, ``receiver_*``, value, effect)."""
+        records = []
+        for s, sender in enumerate(self.senders):
+            for r, receiver in enumerate(self.receivers):
+                value = float(self.values[s, r])
+                rec = {f"sender_{k}": v for k, v in _unit_record(sender).items()}
+                if isinstance(receiver, str):
+                    rec |= {"receiver_label": "logits", "receiver_kind": "logits", "receiver_input": "resid"}
+                else:
+                    rec |= {f"receiver_{k}": v for k, v in _unit_record(receiver).items()}
+                    rec["receiver_input"] = "".join(self.receiver_input)
+                records.append(rec | {"value": value, "effect": value - self.baseline})
+        return records
+
+    def __repr__(self) -> str:
+        top = ", ".join(f"{e.unit.label}→{_receiver_label(e.receiver)} {e.effect:+.3g}" for e in self.top(3))
+        return (
+            f"PathPatchingResult({self.direction}, {len(self.senders)} senders × {len(self.receivers)} receivers via "
+            f"{''.join(self.receiver_input)}; metric clean {self.clean_metric:.4g}, corrupted "
+            f"{self.corrupted_metric:.4g}; largest: {top})"
+        )
+
+
+def _unit_record(unit: PatchUnit) -> dict[str, Any]:
+    return {
+        "label": unit.label,
+        "kind": unit.kind,
+        "layer": unit.layer,
+        "index": unit.index,
+        "component": unit.component,
+        "heads": [(ref.name, ref.head) for ref in unit.heads],
+    }
+
+
+def _examples(units: Sequence[PatchUnit | str]) -> list[str]:
+    return [_receiver_label(u) for u in units[:5]]
+
+
+def _node_result(
+    index: _Index,
+    units: list[PatchUnit],
+    values: Float[Tensor, "unit ..."],
+    positions: list[int] | None,
+    direction: Direction,
+    clean_metric: float,
+    corrupted_metric: float,
+) -> PatchingResult:
+    """A :class:`PatchingResult` of ``units``, annotated with the model's neuron counts (patching and attribution)."""
+    d_mlp, heads_per_neuron = index.annotate(units)
+    return PatchingResult(
+        values=values,
+        units=units,
+        positions=positions,
+        clean_metric=clean_metric,
+        corrupted_metric=corrupted_metric,
+        direction=direction,
+        n_heads_per_block=list(index.n_heads),
+        d_mlp=d_mlp,
+        heads_per_neuron=heads_per_neuron,
+    )
