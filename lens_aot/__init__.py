@@ -7,8 +7,11 @@
 >>> cache[f"{ref.name}.hook_pattern"][:, ref.head]   # that neuron's attention pattern
 """
 
+import sys
+
 from lens_aot import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.constructions import standard_mask
 from lens_aot.convert import ConversionReport, convert
 from lens_aot.errors import (
     AlreadyConvertedError,
@@ -23,6 +26,8 @@ from lens_aot.errors import (
 from lens_aot.io import load, save
 from lens_aot.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
 from lens_aot.revert import revert
+
+sys.modules["lens_aot.standard_mask"] = standard_mask  # its home is lens_aot.constructions.standard_mask
 
 __version__ = "0.1.0"
 

@@ -70,6 +70,7 @@ from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.components.neuron_attention import NeuronAttention
 from lens_aot.components.norm import Norm
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 from lens_aot.model import AttentionBlock
@@ -371,27 +372,25 @@ class _Builder:
         """An MLP layer: ``d_mlp·K`` neuron heads (head ``n·K + k``: term ``k`` of neuron ``n``), then a b_out head."""
         L = self.layout
         d, const = L.d_model, L.const
-        d_mlp, K = mlp.W_in.shape[1], fit.n_terms
-        n_heads = d_mlp * K + 1
-        W_in, b_in = mlp.W_in.to(self.dtype), mlp.b_in.to(self.dtype)
-        alpha, beta, b, dd = (
-            torch.tensor(t, dtype=self.dtype, device=self.device) for t in (fit.alpha, fit.beta, fit.b, fit.d)
-        )
+        # The neuron heads' pieces come from the converted model's own component (Theorem 3, one implementation).
+        cast = MLPSpec(*(t.to(self.dtype) for t in (mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out)), mlp.act_fn)
+        heads = NeuronAttention(cast, fit)
+        d_mlp = heads.d_mlp
+        n_heads = heads.n_heads + 1
+        b = heads.term_b
         u0, pi0 = self.calibrate(norm)
 
-        def per_head(per_neuron: Tensor, per_term: Tensor) -> Tensor:  # [..., d_mlp] × [K] → [..., d_mlp·K]
-            return (per_neuron[..., :, None] * per_term).flatten(-2)
-
         W_Q, W_K, W_V = (self.zeros(n_heads, L.width, 1) for _ in range(3))
-        W_Q[:-1, :d, 0] = per_head(W_in, b).T
-        W_Q[:-1, const, 0] = per_head(b_in, b) + dd.repeat(d_mlp)
-        self.read_bias_position(W_K[:-1], -1.0 / pi0)
-        W_V[:-1, :d, 0] = per_head(W_in, alpha).T
-        W_V[:-1, const, 0] = per_head(b_in, alpha) + beta.repeat(d_mlp)
+        with torch.no_grad():
+            W_Q[:-1, :d], W_Q[:-1, const] = heads.W_Q, heads.b_Q
+            W_K[:-1, :d], W_K[:-1, const] = heads.W_K, heads.b_K
+            self.read_bias_position(W_K[:-1], heads.k_bias.double() / pi0)
+            W_V[:-1, :d], W_V[:-1, const] = heads.W_V, heads.b_V
+            W_O_neurons = heads.W_O[:, 0]
         W_V[-1, const, 0] = 1.0
-        self.cancel_bias_value(W_V, u0, pi0)
+        self.cancel_bias_value(W_V, u0, pi0)  # the bias token's value: 0, the component's v_bias
         W_O = self.zeros(n_heads, 1, L.width)
-        W_O[:-1, 0] = self.writes(mlp.W_out).repeat_interleave(K, dim=0)
+        W_O[:-1, 0] = self.writes(W_O_neurons)
         W_O[-1, 0] = self.writes(mlp.b_out)
         sharpness = b.abs().clamp(min=1.0).repeat(d_mlp)
         coeff = self.coeff(n_heads)
