@@ -9,8 +9,9 @@
 
 import sys
 
-from lens_aot import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
+from lens_aot import patching  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.activations import ActivationFit, activation_fit
+from lens_aot.analysis import circuits, viz
 from lens_aot.constructions import standard_mask
 from lens_aot.convert import ConversionReport, convert
 from lens_aot.errors import (
@@ -28,6 +29,8 @@ from lens_aot.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, Head
 from lens_aot.revert import revert
 
 sys.modules["lens_aot.standard_mask"] = standard_mask  # its home is lens_aot.constructions.standard_mask
+sys.modules["lens_aot.circuits"] = circuits  # lens_aot.analysis.circuits
+sys.modules["lens_aot.viz"] = viz  # lens_aot.analysis.viz
 
 __version__ = "0.1.0"
 
