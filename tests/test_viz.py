@@ -196,3 +196,13 @@ def test_neuron_heads_of_the_demo_model_are_single_frequency(modular) -> None:
     key = set((viz.frequency_norms(converted.W_E[:P]).argsort(descending=True)[:5]).tolist())
     assert float(single.double().mean()) > 0.7
     assert all(int(f) in key for f in best[single])
+
+
+def test_old_module_paths_still_import() -> None:
+    import importlib
+
+    import lens_aot.analysis.circuits
+    import lens_aot.analysis.viz
+
+    assert importlib.import_module("lens_aot.circuits") is lens_aot.analysis.circuits
+    assert importlib.import_module("lens_aot.viz") is lens_aot.analysis.viz is viz
