@@ -11,19 +11,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.analysis.circuits.names import (
-    HeadLike,
-    as_head_ref,
-    block_index,
-    head_index,
-    head_label,
-    head_module,
-    head_norm,
-    head_origin,
-    head_ref,
-    n_heads,
-    read_block,
-)
+from lens_aot.analysis.circuits import names
 from lens_aot.analysis.circuits.weights import (
     _d_resid,
     _fold_norm,
@@ -59,8 +47,8 @@ class _Factors:
 def _block_factors(aot: AttentionOnlyTransformer, block: int, heads: Tensor, fold_ln: bool) -> _Factors:
     """Factors of the selected ``heads`` of ``block`` over the residual stream (reading weights folded with the
     block's norm when ``fold_ln``)."""
-    attn = head_module(aot, block)
-    norm = head_norm(aot, block) if fold_ln else None
+    attn = names.head_module(aot, block)
+    norm = names.head_norm(aot, block) if fold_ln else None
     width = _d_resid(aot)
     with torch.no_grad():
         if _has_neuron_layout(attn):
@@ -112,7 +100,7 @@ def _safe_ratio(num: Tensor, den: Tensor) -> Tensor:
 
 
 def _select_heads(aot: AttentionOnlyTransformer, block: int, heads: Any, role: str) -> list[int]:
-    count = n_heads(aot, block)
+    count = names.n_heads(aot, block)
     if heads is None:
         return list(range(count))
     if isinstance(heads, Tensor):
@@ -120,12 +108,12 @@ def _select_heads(aot: AttentionOnlyTransformer, block: int, heads: Any, role: s
     out = []
     for h in heads:
         if isinstance(h, tuple):
-            ref = as_head_ref(aot, h)
-            if head_index(ref)[0] != block:
+            ref = names.as_head_ref(aot, h)
+            if names.head_index(ref)[0] != block:
                 raise InputError(f"{role} {h!r} is not in block {block}; pass heads of that block (or their indices)")
             out.append(ref.head)
         else:
-            out.append(head_index(as_head_ref(aot, (block, h)))[1])
+            out.append(names.head_index(names.as_head_ref(aot, (block, h)))[1])
     if not out:
         raise InputError(f"no {role} heads selected; pass None for all heads of block {block}")
     return out
@@ -236,8 +224,8 @@ def composition_scores(
     receiver_block: int | str,
     mode: Mode,
     *,
-    senders: Sequence[int | HeadLike] | Tensor | None = None,
-    receivers: Sequence[int | HeadLike] | Tensor | None = None,
+    senders: Sequence[int | names.HeadLike] | Tensor | None = None,
+    receivers: Sequence[int | names.HeadLike] | Tensor | None = None,
     fold_ln: bool = True,
 ) -> CompositionScores:
     """``mode``-composition scores (``"Q"``, ``"K"`` or ``"V"``; Elhage et al. 2021) of every head of
@@ -251,18 +239,18 @@ def composition_scores(
     Parallel layers (GPT-J, GPT-NeoX): a layer's neuron heads read the layer's input, not its attention heads'
     output, so those pairs score 0 (the receiver's matrix still sets the normalization).
     """
-    sb, rb = block_index(aot, sender_block), block_index(aot, receiver_block)
+    sb, rb = names.block_index(aot, sender_block), names.block_index(aot, receiver_block)
     _check_pair(aot, sb, rb, mode)
     send_heads = _select_heads(aot, sb, senders, "sender")
     recv_heads = _select_heads(aot, rb, receivers, "receiver")
     device = aot.W_E.device
     send = _block_factors(aot, sb, torch.tensor(send_heads, device=device), fold_ln)
     recv = _block_factors(aot, rb, torch.tensor(recv_heads, device=device), fold_ln)
-    seen = None if sb < read_block(aot, rb) else _hide_normalized_channels(recv, aot.cfg.d_model)
+    seen = None if sb < names.read_block(aot, rb) else _hide_normalized_channels(recv, aot.cfg.d_model)
     with torch.no_grad():
         scores = _scores(send, recv, mode, seen)
-    send_refs = [head_ref(sb, h) for h in send_heads]
-    recv_refs = [head_ref(rb, h) for h in recv_heads]
+    send_refs = [names.head_ref(sb, h) for h in send_heads]
+    recv_refs = [names.head_ref(rb, h) for h in recv_heads]
     return CompositionScores(
         scores=scores,
         mode=mode,
@@ -270,18 +258,18 @@ def composition_scores(
         receiver_block=rb,
         senders=send_refs,
         receivers=recv_refs,
-        sender_origins=[head_origin(aot, r) for r in send_refs],
-        receiver_origins=[head_origin(aot, r) for r in recv_refs],
-        sender_labels=[head_label(aot, r) for r in send_refs],
-        receiver_labels=[head_label(aot, r) for r in recv_refs],
+        sender_origins=[names.head_origin(aot, r) for r in send_refs],
+        receiver_origins=[names.head_origin(aot, r) for r in recv_refs],
+        sender_labels=[names.head_label(aot, r) for r in send_refs],
+        receiver_labels=[names.head_label(aot, r) for r in recv_refs],
     )
 
 
 def composition_score(
-    aot: AttentionOnlyTransformer, sender: HeadLike, receiver: HeadLike, mode: Mode, *, fold_ln: bool = True
+    aot: AttentionOnlyTransformer, sender: names.HeadLike, receiver: names.HeadLike, mode: Mode, *, fold_ln: bool = True
 ) -> float:
     """The ``mode``-composition score (``"Q"``, ``"K"``, ``"V"``) of one sender head into one receiver head in a later
     block: a number in [0, 1] (definitions in the module docstring)."""
-    s, r = as_head_ref(aot, sender), as_head_ref(aot, receiver)
-    (sb, sh), (rb, rh) = head_index(s), head_index(r)
+    s, r = names.as_head_ref(aot, sender), names.as_head_ref(aot, receiver)
+    (sb, sh), (rb, rh) = names.head_index(s), names.head_index(r)
     return float(composition_scores(aot, sb, rb, mode, senders=[sh], receivers=[rh], fold_ln=fold_ln).scores[0, 0])
