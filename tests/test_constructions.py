@@ -134,6 +134,17 @@ def test_neuron_heads_of_the_component_in_full_matrix_form(act_fn: str) -> None:
     assert float(Y[..., 0, :].abs().max()) == 0.0  # the bias token writes its value, v_bias = 0
 
 
+def test_neuron_heads_in_full_matrix_form_refuse_a_layout_that_cannot_hold_them() -> None:
+    W_in, b_in, W_out, b_out = mlp_weights(0)
+    layer = NeuronAttention(MLPSpec(W_in[:, :2], b_in[:2], W_out[:2], b_out, "silu"), activation_fit("silu"))
+    with pytest.raises(ValueError, match="ONE channel"):
+        bias_token_heads(layer, D_MODEL + 1, one=None, bias=D_MODEL)  # b_in ≠ 0 needs a ONE channel
+    with pytest.raises(ValueError, match="bias channel"):
+        bias_token_heads(layer, D_MODEL + 2, one=D_MODEL)
+    with pytest.raises(ValueError, match="together with width"):
+        bias_token_heads(layer, one=D_MODEL)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
 def test_attention_with_bias_token_ignored(seed: int, causal: bool) -> None:

@@ -309,6 +309,8 @@ class _Builder:
         # The neuron heads' pieces come from the converted model's own component (Theorem 3, one implementation).
         cast = MLPSpec(*(t.to(self.dtype) for t in (mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out)), mlp.act_fn)
         heads = NeuronAttention(cast, fit)
+        if bool(heads.v_bias.any()):
+            raise ValueError("the standard mask carries a neuron head's bias value as 0 (cancel_bias_value)")
         d_mlp = heads.d_mlp
         n_heads = heads.n_heads + 1
         b = heads.term_b

@@ -27,26 +27,29 @@ def silu_fit(a1: float = 1.0, a2: float = 1.0) -> ActivationFit:
 
 
 def bias_token_heads(
-    neurons: NeuronAttention, width: int | None = None, one: int | None = None, bias: int | None = None
+    neurons: NeuronAttention, width: int | None = None, *, one: int | None = None, bias: int | None = None
 ) -> list[Head]:
     """The heads of a :class:`~lens_aot.components.NeuronAttention` layer in full-matrix form (Theorem 3), one
     :class:`~lens_aot.constructions.heads.Head` per neuron head (head ``n·K + k``: term ``k`` of neuron ``n``), under
     the mask ``"self+bias"``.
 
-    The residual has ``width`` channels (default ``d_model + 2``, the layout of
-    :func:`~lens_aot.constructions.heads.with_bias_token`): the first ``d_model`` are what the layer reads, channel
-    ``one`` (default ``d_model``) is 1 on real tokens and carries the biases, channel ``bias`` (default
-    ``d_model + 1``) is 1 on the bias token (row 0) only. With the layer's per-head pieces (TransformerLens layout)
-    stacked over those channels, ``Q̃ = [W_Q; b_Q; 0]``, ``K̃ = [W_K; b_K; k_bias]``, ``Ṽ = [W_V; b_V; v_bias]``, each
-    head is ``W_QK = Q̃ K̃ᵀ / attn_scale``, ``W_OV = Ṽ W_O``: a real token's scores are ``q·0`` on itself and
-    ``q·k_bias = −q`` on the bias token, so softmax puts ``σ(q)`` on itself and the head writes
-    ``(α_k·z + β_k)·σ(b_k·z + d_k)·W_out[n]``; the bias token (zero except ``bias``) has query 0, attends only to
-    itself and writes its value ``v_bias = 0``. ``one=None`` (no ONE channel) needs zero biases.
+    The residual is, by default (``width=None``), the layout of :func:`~lens_aot.constructions.heads.with_bias_token`:
+    the ``d_model`` channels the layer reads, ONE (1 on real tokens; it carries the biases) and BIAS (1 on the bias
+    token, row 0, only). Otherwise give its ``width`` (at least ``d_model``: the first ``d_model`` channels are read),
+    the ``bias`` channel and the ``one`` channel (None: there is none, and the layer's biases must be 0). With the
+    layer's per-head pieces (TransformerLens layout) stacked over those channels, ``Q̃ = [W_Q; b_Q; 0]``,
+    ``K̃ = [W_K; b_K; k_bias]``, ``Ṽ = [W_V; b_V; v_bias]``, each head is ``W_QK = Q̃ K̃ᵀ / attn_scale``,
+    ``W_OV = Ṽ W_O``: a real token's scores are ``q·0`` on itself and ``q·k_bias = −q`` on the bias token, so softmax
+    puts ``σ(q)`` on itself and the head writes ``(α_k·z + β_k)·σ(b_k·z + d_k)·W_out[n]``; the bias token (zero
+    except ``bias``) has query 0, attends only to itself and writes its value ``v_bias = 0``.
     """
     d = neurons.d_model
-    width = d + 2 if width is None else width
-    one = d if one is None and width >= d + 2 else one
-    bias = d + 1 if bias is None else bias
+    if width is None:
+        if one is not None or bias is not None:
+            raise ValueError("give one and bias together with width (the default layout is with_bias_token's)")
+        width, one, bias = d + 2, d, d + 1
+    elif bias is None or width < d:
+        raise ValueError(f"a residual of width {width} needs width >= d_model = {d} and its bias channel")
     W_O_rows = neurons.W_O.detach()[:, 0]
     if W_O_rows.shape[-1] > width:
         raise ValueError(f"the layer writes {W_O_rows.shape[-1]} channels, more than the residual's {width}")

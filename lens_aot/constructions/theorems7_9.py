@@ -86,7 +86,7 @@ def entrywise_activation_heads(
     heads = [
         replace(head, name=f"SiLU of channel {c}")
         for c, head in zip(
-            dims, bias_token_heads(NeuronAttention(layer, silu_fit(a1, -a2)), width, None, bias), strict=True
+            dims, bias_token_heads(NeuronAttention(layer, silu_fit(a1, -a2)), width, one=None, bias=bias), strict=True
         )
     ]
     if a1 * a2 != 1.0:
