@@ -9,9 +9,9 @@
 
 import sys as _sys
 
-from lens_aot import circuits, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.activations import ActivationFit, activation_fit
-from lens_aot.analysis import patching
+from lens_aot.analysis import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
+from lens_aot.constructions import standard_mask
 from lens_aot.convert import ConversionReport, convert
 from lens_aot.errors import (
     AlreadyConvertedError,
@@ -27,12 +27,20 @@ from lens_aot.io import load, save
 from lens_aot.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
 from lens_aot.revert import revert
 
-# lens_aot.patching (and the former lens_aot.attribution / attribution_check, whose names it re-exports) is the
-# analysis package lens_aot.analysis.patching: `import lens_aot.patching` and `from lens_aot.patching import X` work.
+# Modules whose home moved keep their public import paths: `import lens_aot.patching`, `from lens_aot.circuits import
+# X` (lens_aot.analysis.*), `lens_aot.standard_mask` (lens_aot.constructions.standard_mask); lens_aot.attribution and
+# lens_aot.attribution_check are lens_aot.patching, which re-exports their names.
 attribution = attribution_check = patching
-for _old in ("patching", "attribution", "attribution_check"):
-    _sys.modules[f"{__name__}.{_old}"] = patching
-del _old
+for _name, _module in {
+    "patching": patching,
+    "attribution": patching,
+    "attribution_check": patching,
+    "circuits": circuits,
+    "viz": viz,
+    "standard_mask": standard_mask,
+}.items():
+    _sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module
 
 __version__ = "0.1.0"
 

@@ -3,8 +3,8 @@
 ``CELLS`` is a list of ``("md" | "code", source)`` pairs. The notebook reproduces the authors' checks (random
 standard-normal matrices, n_ctx 20, d_model 30, d_mlp 120) for every construction in :mod:`lens_aot.constructions`,
 in float64 and float32, sweeps Ω for Theorem 9, finds the smallest Ω that reaches a tolerance, shows why float32
-needs the penalty form, and runs the whole-model standard-mask mode (:mod:`lens_aot.standard_mask`). It runs in a few
-seconds on a CPU.
+needs the penalty form, and runs the whole-model standard-mask mode (:mod:`lens_aot.constructions.standard_mask`).
+It runs in a few seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ _RAW: list[tuple[str, str]] = [
         """
         ## A whole model with standard masks only
 
-        `lens_aot.standard_mask.to_standard_mask_model(spec)` does all of this to a whole transformer: the bias
-        token is prepended internally, one-hot position channels are appended to the residual, and every head
+        `lens_aot.constructions.standard_mask.to_standard_mask_model(spec)` does all of this to a whole transformer: the
+        bias token is prepended internally, one-hot position channels are appended to the residual, and every head
         (the source's own and one per MLP neuron) runs under the source's causal mask. LayerNorm stays exact: the
         extra channels add a known constant to the norm's statistics, which a compensating epsilon cancels. Here a
         random 2-layer SiLU transformer, written as a `ModelSpec` and computed directly from it for reference.
@@ -259,7 +259,7 @@ _RAW: list[tuple[str, str]] = [
         "code",
         """
         from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
-        from lens_aot.standard_mask import to_standard_mask_model
+        from lens_aot.constructions.standard_mask import to_standard_mask_model
 
 
         def random_spec(norm, d=32, n_heads=4, d_mlp=64, n_layers=2, vocab=50, n_ctx=24):

@@ -15,11 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lens_aot.activations import activation_fit
+from lens_aot.components import NeuronAttention
 from lens_aot.constructions import (
     Head,
     additive_mask,
     apply_heads,
     attention_head,
+    bias_token_heads,
     entrywise_activation_heads,
     head_ignoring_bias_token,
     linear_map_heads,
@@ -32,6 +35,7 @@ from lens_aot.constructions import (
     with_positions,
     without_bias_token,
 )
+from lens_aot.spec import MLPSpec
 
 N_CTX, D_MODEL, D_MLP = 20, 30, 120
 TOL = 1e-10  # the authors' tolerance, max |entry error|
@@ -112,6 +116,33 @@ def test_mlp_as_heads(seed: int) -> None:
     assert float(out[0].abs().max()) == 0.0
     # one neuron missing: the check sees it
     assert max_err(without_bias_token(apply_heads(with_bias_token(X), heads[1:])), direct) > 1e-3
+
+
+@pytest.mark.parametrize("act_fn", ["gelu", "relu"])
+def test_neuron_heads_of_the_component_in_full_matrix_form(act_fn: str) -> None:
+    """Theorem 3 has one implementation: the converted model's NeuronAttention, written out over a bias token by
+    bias_token_heads, computes its fit exactly (K heads per neuron for GELU, a sharp logistic for ReLU)."""
+    W_in, b_in, W_out, b_out = mlp_weights(0)
+    fit = activation_fit(act_fn)
+    layer = NeuronAttention(MLPSpec(W_in[:, :8], b_in[:8], W_out[:8], b_out, act_fn), fit)
+    heads = bias_token_heads(layer)
+    assert len(heads) == 8 * fit.n_terms and all(h.d_head == 1 and h.mask == "self+bias" for h in heads)
+    X = randn(1, 2, N_CTX, D_MODEL)
+    Y = apply_heads(with_bias_token(X), heads)
+    expected = fit(X @ W_in[:, :8] + b_in[:8]) @ W_out[:8]
+    assert max_err(without_bias_token(Y), expected) < TOL
+    assert float(Y[..., 0, :].abs().max()) == 0.0  # the bias token writes its value, v_bias = 0
+
+
+def test_neuron_heads_in_full_matrix_form_refuse_a_layout_that_cannot_hold_them() -> None:
+    W_in, b_in, W_out, b_out = mlp_weights(0)
+    layer = NeuronAttention(MLPSpec(W_in[:, :2], b_in[:2], W_out[:2], b_out, "silu"), activation_fit("silu"))
+    with pytest.raises(ValueError, match="ONE channel"):
+        bias_token_heads(layer, D_MODEL + 1, one=None, bias=D_MODEL)  # b_in ≠ 0 needs a ONE channel
+    with pytest.raises(ValueError, match="bias channel"):
+        bias_token_heads(layer, D_MODEL + 2, one=D_MODEL)
+    with pytest.raises(ValueError, match="together with width"):
+        bias_token_heads(layer, one=D_MODEL)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -18,10 +18,10 @@ from conftest import HAS_HOOKED_TRANSFORMER
 from factories_bridge import _native, _randomize_, make_bridge
 
 from lens_aot.constructions import additive_mask, attention_head, mask_matrix
+from lens_aot.constructions.standard_mask import DEFAULT_OMEGA, StandardMaskTransformer, to_standard_mask_model
 from lens_aot.errors import InputError, UnsupportedActivationError, UnsupportedArchitectureError
 from lens_aot.read import read_model, run_source
 from lens_aot.spec import NormSpec
-from lens_aot.standard_mask import DEFAULT_OMEGA, StandardMaskTransformer, to_standard_mask_model
 
 TOL = {torch.float64: 1e-8, torch.float32: 1e-4}  # max |Δlogit| (measured: ~5e-15 and ~3e-6)
 
@@ -186,3 +186,9 @@ def test_input_errors() -> None:
 def test_default_omega_is_documented() -> None:
     assert DEFAULT_OMEGA == 1e6
     assert to_standard_mask_model(spec_of()).cfg.omega == DEFAULT_OMEGA
+
+
+def test_old_module_path_still_imports() -> None:
+    import importlib
+
+    assert importlib.import_module("lens_aot.standard_mask").to_standard_mask_model is to_standard_mask_model

@@ -11,7 +11,7 @@ from factories_spec import random_spec
 
 import lens_aot
 from lens_aot import viz
-from lens_aot.circuits import as_head_ref
+from lens_aot.analysis.circuits import as_head_ref
 from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
 from lens_aot.errors import InputError
 from lens_aot.model import AttentionOnlyTransformer, HeadRef
@@ -196,3 +196,13 @@ def test_neuron_heads_of_the_demo_model_are_single_frequency(modular) -> None:
     key = set((viz.frequency_norms(converted.W_E[:P]).argsort(descending=True)[:5]).tolist())
     assert float(single.double().mean()) > 0.7
     assert all(int(f) in key for f in best[single])
+
+
+def test_old_module_paths_still_import() -> None:
+    import importlib
+
+    import lens_aot.analysis.circuits
+    import lens_aot.analysis.viz
+
+    assert importlib.import_module("lens_aot.circuits") is lens_aot.analysis.circuits
+    assert importlib.import_module("lens_aot.viz") is lens_aot.analysis.viz is viz

@@ -1,1 +1,2 @@
-"""Analysis of converted models: activation / path patching and gradient attribution (:mod:`.patching`)."""
+"""Analysis of converted models: activation and path patching, gradient attribution (:mod:`.patching`), QK/OV
+circuits and composition (:mod:`.circuits`), visualisation (:mod:`.viz`)."""

@@ -23,8 +23,19 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens import ActivationCache
 
+from lens_aot.analysis.circuits.names import (
+    HeadLike,
+    as_head_ref,
+    block_kind,
+    head_hook,
+    head_index,
+    head_label,
+    head_module,
+    head_origin,
+    head_ref,
+    n_blocks,
+)
 from lens_aot.cache import LazyCacheDict
-from lens_aot.circuits import HeadLike, as_head_ref, head_label
 from lens_aot.components import Attention
 from lens_aot.errors import InputError
 from lens_aot.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
@@ -70,13 +81,12 @@ def _pattern(aot: AttentionOnlyTransformer, cache: Any, ref: HeadRef, batch: int
     """One head's ``hook_pattern`` for one batch element. A compact cache derives every head of a neuron block when
     ``hook_pattern`` is read, so for those the pattern is built for this head alone from ``hook_q``/``hook_k``: each
     query sees itself (score ``q·k/scale``) and the slot (``q·k_bias/scale``)."""
-    block = int(ref.name.split(".")[1])
-    attn = aot.blocks[block].attn
-    key = f"{ref.name}.hook_pattern"
+    attn = head_module(aot, head_index(ref)[0])
+    key = head_hook(ref, "hook_pattern")
     if not (_slot_heads(attn) and _is_derived(cache, key)):
         return cache[key][batch, ref.head]
-    q = cache[f"{ref.name}.hook_q"][batch, :, ref.head]  # [pos, 1]
-    k = cache[f"{ref.name}.hook_k"][batch, :, ref.head]
+    q = cache[head_hook(ref, "hook_q")][batch, :, ref.head]  # [pos, 1]
+    k = cache[head_hook(ref, "hook_k")][batch, :, ref.head]
     scale = float(attn.attn_scale)
     scores = torch.stack([(q * k).sum(-1), q @ attn.k_bias[ref.head].to(q.dtype)], dim=-1) / scale
     return torch.diag_embed(torch.softmax(scores, dim=-1)[..., 0])
@@ -107,7 +117,7 @@ def head_patterns(
     out = patterns.new_zeros(n, pos + 1, pos + 1)
     out[:, 0, 0] = 1.0
     out[:, 1:, 1:] = patterns
-    has_slot = torch.tensor([_slot_heads(aot.blocks[int(r.name.split(".")[1])].attn) for r in refs])
+    has_slot = torch.tensor([_slot_heads(head_module(aot, head_index(r)[0])) for r in refs])
     out[has_slot, 1:, 0] = (1.0 - patterns[has_slot].sum(-1)).clamp_min(0.0)
     return out
 
@@ -174,7 +184,7 @@ class HeadStat(NamedTuple):
 
 def neuron_head_blocks(aot: AttentionOnlyTransformer) -> list[int]:
     """Blocks whose heads are neuron heads (former MLP neurons)."""
-    return [b for b in range(len(aot.blocks)) if aot.head_origin(b, 0).kind == "neuron"]
+    return [b for b in range(n_blocks(aot)) if block_kind(aot, b) == "neuron"]
 
 
 def head_statistic(
@@ -196,7 +206,7 @@ def head_statistic(
         raise InputError(
             f"hook must be 'hook_z', 'hook_q' or 'hook_v' (per-head [batch, pos, head, d] hooks); got {hook!r}"
         )
-    name = f"blocks.{block}.attn.{hook}"
+    name = head_hook(block, hook)
     if name not in cache:
         raise InputError(
             f"{name} is not in the cache; run aot.run_with_cache(tokens) without a names_filter that drops it"
@@ -234,18 +244,18 @@ def top_neuron_heads(
     refs: list[HeadRef] = []
     values = []
     for b in blocks:
-        if aot.head_origin(b, 0).kind != "neuron":
+        if block_kind(aot, b) != "neuron":
             raise InputError(
                 f"block {b} holds attention heads, not neuron heads; neuron blocks: {neuron_head_blocks(aot)}"
             )
         values.append(head_statistic(aot, cache, b, stat, pos=pos, hook=hook))
-        refs += [HeadRef(f"blocks.{b}.attn", h) for h in range(values[-1].shape[0])]
+        refs += [head_ref(b, h) for h in range(values[-1].shape[0])]
     flat = torch.cat(values)
     top = flat.topk(min(k, flat.numel()), largest=largest)
     out = []
     for value, i in zip(top.values.tolist(), top.indices.tolist(), strict=True):
         ref = refs[i]
-        out.append(HeadStat(ref, aot.head_origin(ref.name, ref.head), head_label(aot, ref), value))
+        out.append(HeadStat(ref, head_origin(aot, ref), head_label(aot, ref), value))
     return out
 
 

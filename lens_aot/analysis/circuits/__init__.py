@@ -1,0 +1,82 @@
+"""QK and OV circuits of every head, and composition scores between heads, neuron heads included.
+
+The circuits follow Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits", in TransformerLens's
+conventions (row vectors: a query ``x`` and key ``y`` score ``x W_Q W_Kᵀ yᵀ / attn_scale``; a head moves ``y W_V W_O``)
+and come back as TransformerLens ``FactoredMatrix`` objects, so ``.AB``, ``.svd()``, ``.norm()``, ``.eigenvalues``
+and ``@`` work as on ``HookedTransformer.QK`` / ``.OV``. Any head is addressed the same way: a :class:`HeadRef`
+(``aot.neuron_heads(layer, n)`` returns them), ``(block, head)``, or ``("blocks.3.attn", head)``.
+
+**Neuron heads and the bias slot.** A neuron head (Huben & Morris 2023, Theorem 3; see
+:mod:`lens_aot.components.neuron_attention`) has key 0 at every real position (``W_K = 0``, ``b_K = 0``) and a
+persistent memory key ``k_bias = −1`` (the *bias slot*, value ``v_bias = 0``). Its ``W_Q W_Kᵀ`` is the zero matrix
+although the head is far from inert: what it decides is self-versus-slot, with score difference
+``q·(k_self − k_bias) = q = b_k·z + d_k``. So every QK circuit here is taken over the keys the head really has: the
+key side is the residual stream **augmented with the head's memory slots**, ``W̃_K = [W_K; k_slot]`` and
+``QK = W_Q W̃_Kᵀ`` of shape ``[d_model, d_model + n_slots]`` (last column: the slot; ``n_slots`` is 1 for neuron
+heads, 0 for the source's own heads, whose circuits are exactly TransformerLens's). For a neuron head the residual
+columns are zero and the slot column is ``−W_Q``: the direction the neuron reads (``b_k·W_in[:, n]``). See
+:func:`self_vs_slot_direction` for that decision as a direction and an offset.
+
+**LayerNorm.** ``fold_ln=True`` (the default) does what TransformerLens's ``fold_ln`` does to the weights: each
+head's reading matrices (``W_Q``, ``W_K``, ``W_V``) absorb its block's norm weight, its biases absorb the norm bias
+(``b_Q + b_ln·W_Q``), and for LayerNorm (not RMSNorm) the reading matrices are centred, which is the norm's mean
+subtraction. The circuits then act on the *normalized* residual, ``blocks.{i}.ln1.hook_normalized``
+(``(x − mean)/scale``; the residual itself where there is no norm), see :func:`circuit_input`; the per-position
+division by the norm's scale is the one thing left out, as in TransformerLens. ``fold_ln=False`` uses the stored
+weights, which act on the norm's output. Full circuits (``full=True``) go from the token embedding ``W_E`` through
+the head to the unembedding ``W_U`` (with the final norm folded the same way), ignoring positions and norm scales,
+like TransformerLens's ``W_E @ OV @ W_U``. Rotary position embeddings are not part of any circuit.
+
+**Composition** (:func:`composition_score`, :func:`composition_scores`): for a sender head A in an earlier block and
+a receiver head B, with ``W_OV^A = W_V^A W_O^A``,
+
+* Q: ``‖W_OV^A · QK^B‖_F / (‖W_OV^A‖_F ‖QK^B‖_F)`` (A writes into B's queries),
+* K: ``‖W_OV^A · (QK^B_res)ᵀ‖_F / (‖W_OV^A‖_F ‖QK^B‖_F)`` (into B's keys; ``QK^B_res`` = the residual columns, since
+  nothing in the residual can write into a memory slot),
+* V: ``‖W_OV^A · W_OV^B‖_F / (‖W_OV^A‖_F ‖W_OV^B‖_F)``,
+
+which is TransformerLens's ``all_composition_scores`` for heads without slots. Consequences for neuron heads: their
+K-composition is exactly 0 (their keys do not read the residual), and their Q- and V-composition are equal (query
+and value read the same direction ``W_in[:, n]``, scaled by ``b_k`` and ``α_k``): both are
+``‖W_OV^A·w_n‖ / (‖W_OV^A‖·‖w_n‖)``, the share of what A writes that neuron n reads; from neuron head to neuron head
+it is ``|cos(W_out[m], W_in[:, n])|``. Scores of a head whose matrix is zero are 0. Biases are not part of the
+scores (as in TransformerLens). All pairs are computed from low-rank factors (rank ``d_head`` for source heads, 1 for
+neuron heads, once per neuron rather than per head), never forming a ``d_model × d_model`` matrix per pair.
+
+**Gated and parallel models.** Matrices span the whole residual stream, including gated models' scratch channels
+(``cfg.d_model + cfg.d_scratch``): gate heads write a scratch channel that product heads read, which shows up as
+V-composition. In a parallel layer (GPT-J, GPT-NeoX) the neuron heads read the layer's input, so they do not compose
+with that layer's attention heads (score 0).
+
+Modules: :mod:`~lens_aot.analysis.circuits.names` (every block, module and cache name these tools use: the one place
+to adapt to a change of the model's layout), :mod:`~lens_aot.analysis.circuits.weights` (one head's weights, norm
+folded), :mod:`~lens_aot.analysis.circuits.qk_ov` (QK / OV circuits, scores from a cache) and
+:mod:`~lens_aot.analysis.circuits.composition` (composition scores).
+"""
+
+from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
+from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_label
+from lens_aot.analysis.circuits.qk_ov import (
+    circuit_input,
+    circuit_scores,
+    ov_circuit,
+    qk_circuit,
+    self_vs_slot_direction,
+)
+from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
+
+__all__ = [
+    "CompositionScores",
+    "HeadLike",
+    "HeadWeights",
+    "as_head_ref",
+    "circuit_input",
+    "circuit_scores",
+    "composition_score",
+    "composition_scores",
+    "head_label",
+    "head_weights",
+    "ov_circuit",
+    "qk_circuit",
+    "self_vs_slot_direction",
+]
