@@ -71,6 +71,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.activations import ActivationFit, activation_fit
 from lens_aot.constructions.standard_mask_blocks import (
     PENALTY_FORMS,
+    AttentionBlock,
     NormClass,
     PenaltyForm,
     ResidualLayout,
@@ -81,7 +82,6 @@ from lens_aot.constructions.standard_mask_blocks import (
     _wide_norm,
 )
 from lens_aot.errors import InputError, UnsupportedArchitectureError
-from lens_aot.model import AttentionBlock
 from lens_aot.spec import ModelSpec
 
 DEFAULT_OMEGA = 1e6

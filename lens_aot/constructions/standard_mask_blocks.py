@@ -122,6 +122,23 @@ def _wide_norm(spec: NormSpec, layout: ResidualLayout, dtype: torch.dtype, devic
 # ---- the attention module -----------------------------------------------------------------------------------------
 
 
+class AttentionBlock(nn.Module):
+    """One attention-only sub-layer of the paper's flat layout: ``resid_post = resid_pre + attn(ln(resid_pre))``,
+    with TransformerLens's block hooks (``hook_resid_pre``, ``hook_attn_out``, ``hook_resid_post``)."""
+
+    def __init__(self, ln1: nn.Module, attn: nn.Module) -> None:
+        super().__init__()
+        self.ln1 = ln1
+        self.attn = attn
+        self.hook_resid_pre = HookPoint()  # [batch, pos, width]
+        self.hook_attn_out = HookPoint()  # [batch, pos, width]
+        self.hook_resid_post = HookPoint()  # [batch, pos, width]
+
+    def forward(self, resid: Float[Tensor, "batch pos width"]) -> Float[Tensor, "batch pos width"]:
+        resid = self.hook_resid_pre(resid)
+        return self.hook_resid_post(resid + self.hook_attn_out(self.attn(self.ln1(resid))))
+
+
 class StandardMaskAttention(nn.Module):
     """A layer of heads under the model's own mask, with every other mask in ``W_QK`` (Theorem 9).
 
