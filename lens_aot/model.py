@@ -32,12 +32,12 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.activations import ActivationFit
 from lens_aot.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.components import Attention, Embed, NeuronAttention, Norm, PosEmbed, ProductAttention, Unembed
-from lens_aot.components.hooks import hooked
 from lens_aot.components.ownership import exported
 from lens_aot.errors import InputError
 from lens_aot.gating import GatedFit
 from lens_aot.placement import Placement
 from lens_aot.spec import LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
 

@@ -38,7 +38,7 @@ _RAW: list[tuple[str, str]] = [
         from lens_aot import patching as P
         from lens_aot.attribution import attribute_edges, attribute_heads
         from lens_aot.attribution_check import verify_attribution
-        from lens_aot.demo_models import MODULAR_ADDITION_P as p, load_modular_addition
+        from lens_aot.cli.demo_models import MODULAR_ADDITION_P as p, load_modular_addition
 
         aot = lens_aot.convert(load_modular_addition())
         g = torch.Generator().manual_seed(0)

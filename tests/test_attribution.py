@@ -21,8 +21,8 @@ import lens_aot
 from lens_aot import patching as P
 from lens_aot.attribution import attribute_edges, attribute_heads, attribute_neurons
 from lens_aot.attribution_check import verify_attribution
+from lens_aot.cli.demo_models import MODULAR_ADDITION_P, load_modular_addition
 from lens_aot.components import ProductAttention
-from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition
 from lens_aot.errors import InputError
 
 FAMILIES = {

@@ -7,9 +7,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.hooks import hooked
 from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import NormKind, NormSpec
+from lens_aot.tl.hooks import hooked
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -33,10 +33,10 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.hooks import hooked as _hooked
 from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
 from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import MLPSpec
+from lens_aot.tl.hooks import hooked as _hooked
 
 
 class ProductAttention(nn.Module):
