@@ -145,7 +145,7 @@ def load_source(
     Raises:
         LoadError: with a message naming the problem and the fix (a missing path, an unknown name offline, …).
     """
-    from lens_aot.io import CONFIG_FILE, FORMAT
+    from lens_aot.io import CONFIG_FILE, FORMAT, FORMAT_1
 
     path = Path(source).expanduser()
     if path.exists():
@@ -160,7 +160,7 @@ def load_source(
             written_by = None
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 written_by = json.loads(config_file.read_text(encoding="utf-8")).get("format")
-            if written_by == FORMAT:
+            if written_by in (FORMAT, FORMAT_1):
                 raise LoadError(
                     f"{path} is already a converted lens_aot model; convert its source instead (check it with "
                     f"`lens-aot verify {source}`, load it with lens_aot.load)."
