@@ -289,6 +289,16 @@ _GATED_MLP_MODULES = ("LlamaMLP", "MistralMLP", "GemmaMLP", "NativeGatedMLP")
 _PLAIN_MLP_MODULES = ("GPT2MLP", "GPTNeoXMLP", "GPTJMLP", "Starcoder2MLP", "NativeMLP")
 
 
+def _expect_mlp(mlp_bridge: Any, components: set[str], modules: tuple[str, ...], what: str, supported: str) -> None:
+    """Refuse an MLP bridge whose sub-components are not ``components`` or whose wrapped module is not one of
+    ``modules`` (``what``: "an MLP" / "a gated MLP"; ``supported``: what is, for the message)."""
+    if _subcomponents(mlp_bridge) != components:
+        raise _refuse(f"{what} with components {sorted(_subcomponents(mlp_bridge))} ({supported})")
+    module_cls = type(_original(mlp_bridge)).__name__
+    if module_cls not in modules:
+        raise _refuse(f"{what} module of type {module_cls} (expected {' / '.join(modules)})")
+
+
 def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     """A plain ``MLPBridge`` or a ``GatedMLPBridge`` (``act_fn``: the wrapped module's activation, canonical name)."""
     cls = type(mlp_bridge).__name__
@@ -299,14 +309,14 @@ def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
             f"an MLP bridge of type {cls}",
             "Only MLPBridge (act(x·W_in + b_in)) and GatedMLPBridge (act(x·W_gate)·(x·W_in)) MLPs are read.",
         )
-    if _subcomponents(mlp_bridge) != {"in", "out"}:
-        raise _refuse(
-            f"an MLP with components {sorted(_subcomponents(mlp_bridge))} (only the in/out projections of "
-            f"act(x·W_in + b_in)·W_out + b_out are supported; e.g. SoLU's mid-MLP LayerNorm is not)"
-        )
-    module_cls = type(_original(mlp_bridge)).__name__
-    if module_cls not in _PLAIN_MLP_MODULES:
-        raise _refuse(f"an MLP module of type {module_cls} (expected {' / '.join(_PLAIN_MLP_MODULES)})")
+    _expect_mlp(
+        mlp_bridge,
+        {"in", "out"},
+        _PLAIN_MLP_MODULES,
+        "an MLP",
+        "only the in/out projections of act(x·W_in + b_in)·W_out + b_out are supported; e.g. SoLU's mid-MLP "
+        "LayerNorm is not",
+    )
     W_in, b_in = _linear(_original(_component(mlp_bridge, "in")), dtype)
     W_out, b_out = _linear(_original(_component(mlp_bridge, "out")), dtype)
     return MLPSpec(W_in, b_in, W_out, b_out, act_fn)
@@ -317,14 +327,13 @@ def _gated_mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     in plain mode, and ``GatedMLPBridge``'s own ``F.linear`` computation in compatibility mode (same formula, with
     the activation :func:`_compat_gated_activation` picks). Projection biases (HF ``mlp_bias``) go to ``b_gate`` /
     ``b_in`` / ``b_out``; nothing is added after the product (``b_post`` is None)."""
-    if _subcomponents(mlp_bridge) != {"gate", "in", "out"}:
-        raise _refuse(
-            f"a gated MLP with components {sorted(_subcomponents(mlp_bridge))} (only gate/in/out projections of "
-            f"act(x·W_gate + b_gate)·(x·W_in + b_in)·W_out + b_out are supported)"
-        )
-    module_cls = type(_original(mlp_bridge)).__name__
-    if module_cls not in _GATED_MLP_MODULES:
-        raise _refuse(f"a gated MLP module of type {module_cls} (expected {' / '.join(_GATED_MLP_MODULES)})")
+    _expect_mlp(
+        mlp_bridge,
+        {"gate", "in", "out"},
+        _GATED_MLP_MODULES,
+        "a gated MLP",
+        "only gate/in/out projections of act(x·W_gate + b_gate)·(x·W_in + b_in)·W_out + b_out are supported",
+    )
     if _gated_uses_processed_path(mlp_bridge):
         act_fn = _compat_gated_activation(mlp_bridge)
     parts = {}
