@@ -542,7 +542,9 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         """Move each layer, the embeddings and the unembedding to ``placement``'s devices (e.g.
         ``lens_aot.placement.split_evenly(aot.cfg.n_layers, ["cuda:0", "cuda:1"])`` for a loaded model)."""
         if len(placement.layers) != len(self.blocks):
-            raise ValueError(f"the placement has {len(placement.layers)} layers but the model {len(self.blocks)}")
+            raise ValueError(
+                f"the placement has {len(placement.layers)} layers but the model has {len(self.blocks)} source layers"
+            )
         for block, device in zip(self.blocks, placement.layers, strict=True):
             block.to(device)
         self.embed.to(placement.embed)
