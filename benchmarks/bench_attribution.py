@@ -36,7 +36,7 @@ from bench_shapes import SHAPES, build_source, default_source_kind  # noqa: E402
 
 import lens_aot  # noqa: E402
 from lens_aot import patching as P  # noqa: E402
-from lens_aot.read import run_source  # noqa: E402
+from lens_aot.core.read import run_source  # noqa: E402
 
 
 def _status(field: str) -> int:

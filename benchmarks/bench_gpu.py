@@ -4,7 +4,7 @@ peak memory and activation-patching throughput, as ratios measured in one proces
 Every ratio is *converted / source*, both run on the same device, same dtype (float32), same tokens, no hooks:
 
 * ``fwd ms``: median forward time (CUDA events around each forward, after warm-up; ``time.perf_counter`` on CPU).
-* ``ops``: ATen operations dispatched per forward (``lens_aot.opcount``; device-independent).
+* ``ops``: ATen operations dispatched per forward (``lens_aot.core.opcount``; device-independent).
 * ``kernels``: CUDA kernels launched per forward (``torch.profiler`` kernel events; CUDA only).
 * ``syncs``: host-device synchronisations per forward (``aten::_local_scalar_dense`` / ``is_nonzero`` / ``item``).
 * ``peak MiB``: peak device memory allocated during a forward, above what was allocated before it (CUDA only).
@@ -31,9 +31,9 @@ import torch
 from bench_shapes import SHAPES, build_source, default_source_kind
 
 import lens_aot
-from lens_aot.opcount import count_ops
+from lens_aot.core.opcount import count_ops
+from lens_aot.core.read import run_source
 from lens_aot.patching import patch_heads
-from lens_aot.read import run_source
 
 
 def timed_ms(fn: Callable[[], Any], repeats: int, device: str) -> float | None:

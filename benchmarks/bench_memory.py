@@ -2,7 +2,7 @@
 
 * ``patterns``: GPT-2-small shape (random weights, gelu_new, 4 heads per neuron: 12,288 neuron heads per block),
   1×1024 tokens. Times ``cache[name][:, heads]`` for 10 neuron heads of one block and ``pattern_hook`` on them, and
-  counts the bytes of every tensor created (``lens_aot.memory.AllocationMeter``, an upper bound on the extra peak),
+  counts the bytes of every tensor created (``lens_aot.core.memory.AllocationMeter``, an upper bound on the extra peak),
   beside the size the whole ``[batch, 12288, N, N]`` block would have. Targets: ≤ 200 MB and ≤ 2 s.
 
 * ``convert``: extra peak resident memory of ``lens_aot.convert`` (agreement check included) in a fresh process, over
@@ -25,8 +25,8 @@ import torch
 from bench_shapes import build_source, default_source_kind
 
 import lens_aot
-from lens_aot.cache import pattern_hook
-from lens_aot.memory import AllocationMeter
+from lens_aot.core.cache import pattern_hook
+from lens_aot.core.memory import AllocationMeter
 
 MB = 1e6
 

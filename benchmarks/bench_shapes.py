@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lens_aot, not an installed copy
 
 import lens_aot  # noqa: E402
-from lens_aot.read import run_source  # noqa: E402
+from lens_aot.core.read import run_source  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=1024),

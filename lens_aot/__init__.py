@@ -9,10 +9,12 @@
 
 import sys as _sys
 
-from lens_aot.activations import ActivationFit, activation_fit
 from lens_aot.analysis import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.constructions import standard_mask
-from lens_aot.convert import ConversionReport, convert
+from lens_aot.core.activations import ActivationFit, activation_fit
+from lens_aot.core.convert import ConversionReport, convert
+from lens_aot.core.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
+from lens_aot.core.revert import revert
 from lens_aot.errors import (
     AlreadyConvertedError,
     FaithfulnessError,
@@ -24,8 +26,6 @@ from lens_aot.errors import (
     UnsupportedArchitectureError,
 )
 from lens_aot.io import load, save
-from lens_aot.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
-from lens_aot.revert import revert
 
 # Modules whose home moved keep their public import paths: `import lens_aot.patching`, `from lens_aot.circuits import
 # X` (lens_aot.analysis.*), `lens_aot.standard_mask` (lens_aot.constructions.standard_mask); lens_aot.attribution and

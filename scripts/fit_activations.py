@@ -1,4 +1,4 @@
-"""Fit GELU-family activations as sums of shifted logistic "neuron heads" and write ``lens_aot/fits_table.py``.
+"""Fit GELU-family activations as sums of shifted logistic "neuron heads" and write ``lens_aot/core/fits_table.py``.
 
 A neuron head (an attention head of internal dimension 1; Huben & Morris 2023, Theorem 3) computes
 ``(alpha*z + beta) * sigmoid(b*z + d)`` of a pre-activation ``z``. A GELU neuron is replaced by ``K`` heads::
@@ -42,7 +42,7 @@ The final table also reports the error when the heads are evaluated in float32 a
 
 Usage::
 
-    .venv-tl4/bin/python scripts/fit_activations.py              # writes lens_aot/fits_table.py (2 processes)
+    .venv-tl4/bin/python scripts/fit_activations.py              # writes lens_aot/core/fits_table.py (2 processes)
     .venv-tl4/bin/python scripts/fit_activations.py --out /tmp/fits_table.py --kmax 4
     .venv-tl4/bin/python scripts/fit_activations.py --no-hints   # pure multistart, without HINTS
     .venv-tl4/bin/python scripts/fit_activations.py --search-hints   # slow (~15 min): print new HINTS for K >= 5

@@ -33,7 +33,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         (
             "code",
             "tokens, labels = modular_addition_dataset()\nwith torch.no_grad():\n"
-            "    ref = lens_aot.read.run_source(model, tokens)[:, -1]\n    got = aot(tokens)[:, -1]\n"
+            "    ref = lens_aot.core.read.run_source(model, tokens)[:, -1]\n    got = aot(tokens)[:, -1]\n"
             "print(f'max |Δlogit| = {(got - ref).abs().max():.2e}')\n"
             "print(f'accuracy: source {(ref.argmax(-1) == labels).float().mean():.2%}, '\n"
             "      f'converted {(got.argmax(-1) == labels).float().mean():.2%}')\n"

@@ -1,7 +1,8 @@
 """Random-weight HookedTransformers (TransformerLens 3.x only) for every supported family, built offline.
 
 ``FAMILIES``: sequential blocks with plain MLPs (what the conversion tests iterate). ``GATED_FAMILIES`` and
-``PARALLEL_FAMILIES``: gated MLPs and parallel attention+MLP blocks, read exactly by ``lens_aot.read`` (their conversion
+``PARALLEL_FAMILIES``: gated MLPs and parallel attention+MLP blocks, read exactly by ``lens_aot.core.read`` (their
+conversion
 is built separately). ``make_hooked`` takes any name in ``ALL_FAMILIES``.
 """
 

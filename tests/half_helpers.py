@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import lens_aot
-from lens_aot.convert import half_precision_tolerance
-from lens_aot.read import run_source
+from lens_aot.core.convert import half_precision_tolerance
+from lens_aot.core.read import run_source
 
 
 def assert_half_within_twice_source_rounding(

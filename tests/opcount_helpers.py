@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import lens_aot
-from lens_aot.components.neuron_attention import SumOfLogistics
-from lens_aot.opcount import count_ops
-from lens_aot.read import run_source
+from lens_aot.core.components.neuron_attention import SumOfLogistics
+from lens_aot.core.opcount import count_ops
+from lens_aot.core.read import run_source
 
 # (batch, pos) per size; the larger one also runs with the neuron heads' CPU chunking at its maximum (the worst case
 # for operations per forward: every layer evaluated in SumOfLogistics.MAX_CHUNKS chunks).

@@ -18,9 +18,9 @@ from factories_spec import random_spec
 
 import lens_aot
 from lens_aot import circuits as C
-from lens_aot.components import NeuronAttention
+from lens_aot.core.components import NeuronAttention
+from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadRef
 
 ATOL = 1e-10  # float64 throughout
 

@@ -555,7 +555,7 @@ def test_a_conversion_beyond_its_bound_raises_with_the_numbers_and_the_fix() -> 
     bridge = make_bridge("gpt2-silu")
     aot = lens_aot.convert(bridge)
     assert aot.report.max_abs_logit_error <= aot.report.logit_bound
-    from lens_aot import read
+    from lens_aot.core import read
 
     real = read.read_model
 
@@ -563,7 +563,7 @@ def test_a_conversion_beyond_its_bound_raises_with_the_numbers_and_the_fix() -> 
         spec = real(model)
         return dataclasses.replace(spec, W_U=spec.W_U + 0.01)
 
-    with mock.patch("lens_aot.convert.read_model", tampered):
+    with mock.patch("lens_aot.core.convert.read_model", tampered):
         with _raises(lens_aot.FaithfulnessError, r"max \|Δlogit\| \S+ .* exceeds the bound", r"check='warn'"):
             lens_aot.convert(bridge)
 

@@ -14,9 +14,9 @@ from transformer_lens.components import Attention as TLAttention
 from transformer_lens.components import GroupedQueryAttention as TLGroupedQueryAttention
 from transformer_lens.components import PosEmbed as TLPosEmbed
 
-from lens_aot.components import Attention, PosEmbed
-from lens_aot.kv_cache import KeyValueCache
-from lens_aot.spec import RotarySpec
+from lens_aot.core.components import Attention, PosEmbed
+from lens_aot.core.kv_cache import KeyValueCache
+from lens_aot.core.spec import RotarySpec
 
 
 def hooked_config(dtype: torch.dtype, positions: str, n_kv: int, **extra: object) -> HookedTransformerConfig:

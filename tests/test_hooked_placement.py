@@ -10,7 +10,7 @@ import torch
 from factories_hooked import make_hooked
 
 import lens_aot
-from lens_aot.placement import Placement
+from lens_aot.core.placement import Placement
 
 
 @pytest.mark.parametrize(("n_layers", "n_devices", "device"), [(12, 2, "cuda"), (62, 8, "cuda"), (6, 4, "cuda:1")])

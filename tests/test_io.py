@@ -15,9 +15,9 @@ from factories_spec import random_spec
 from roundtrip_helpers import SPEC_VARIANTS, assert_bitwise, assert_same_model, assert_same_spec, tokens_for
 
 import lens_aot
+from lens_aot.core.reference import MLPTransformer
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import FORMAT, FORMAT_VERSION, decode_spec, encode_spec, read_config
-from lens_aot.reference import MLPTransformer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])

@@ -14,7 +14,7 @@ from factories_bridge import make_bridge
 from factories_spec import random_spec
 
 import lens_aot
-from lens_aot.memory import AllocationMeter
+from lens_aot.core.memory import AllocationMeter
 
 # Peak resident memory of a conversion in a fresh process, over what the process held with the source loaded and run
 # once (Linux: VmHWM after resetting it through /proc/self/clear_refs).

@@ -22,10 +22,10 @@ from factories_bridge import make_bridge
 
 import lens_aot
 from lens_aot import patching as P
-from lens_aot.activations import activation_fit
+from lens_aot.core.activations import activation_fit
+from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadRef
-from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
 
 # A fitted activation (GELU variants, ReLU) errs by at most the fit's sup-norm ``max_error`` per neuron, and a logit
 # difference moves by a few times that (the errors pass through W_out · W_U, O(1) for these models, and partly

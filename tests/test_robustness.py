@@ -49,7 +49,7 @@ def _warmed_up(bridge: Any) -> Any:
     wrapped modules (e.g. GPT-2's ``ln_1``/``ln_2``, TransformerLens 3.9 and 4.3 alike), which convert's check would
     otherwise trigger. Those are the bridge's, not lens_aot's; the snapshot is taken after them."""
     with torch.no_grad():
-        lens_aot.read.run_source(bridge, _tokens(bridge.cfg.d_vocab, 1, 3))
+        lens_aot.core.read.run_source(bridge, _tokens(bridge.cfg.d_vocab, 1, 3))
     return bridge
 
 

@@ -35,10 +35,10 @@ from lens_aot.analysis.circuits.names import (
     head_ref,
     n_blocks,
 )
-from lens_aot.cache import LazyCacheDict
-from lens_aot.components import Attention
+from lens_aot.core.cache import LazyCacheDict
+from lens_aot.core.components import Attention
+from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
 
 __all__ = [
     "HeadStat",
@@ -67,7 +67,7 @@ _STATS: dict[str, Callable[[Tensor], Tensor]] = {
 
 # ---------------------------------------------------------------------------------------------------- patterns
 def _is_derived(cache: Any, key: str) -> bool:
-    """Whether ``key`` is computed on access in a compact cache (``lens_aot.cache``) rather than stored."""
+    """Whether ``key`` is computed on access in a compact cache (``lens_aot.core.cache``) rather than stored."""
     store = getattr(cache, "cache_dict", cache)
     return isinstance(store, LazyCacheDict) and key in store and all(k != key for k, _ in store.stored())
 

@@ -73,9 +73,9 @@ def convert_command(args: argparse.Namespace) -> int:
 
 def verify_command(args: argparse.Namespace) -> int:
     import lens_aot
-    from lens_aot.faithfulness import conversion_bound
+    from lens_aot.core.faithfulness import conversion_bound
+    from lens_aot.core.read import read_model, run_source
     from lens_aot.io import read_config
-    from lens_aot.read import read_model, run_source
 
     config = read_config(args.converted)
     metadata = config.get("metadata") or {}

@@ -8,7 +8,7 @@ from torch import Tensor
 
 import lens_aot
 from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
-from lens_aot.model import AttentionOnlyTransformer
+from lens_aot.core.model import AttentionOnlyTransformer
 
 
 def interesting_neuron(aot: AttentionOnlyTransformer, tokens: Int[Tensor, "1 pos"], layer: int = 0) -> int:
@@ -41,7 +41,7 @@ def main() -> None:
 
     tokens, labels = modular_addition_dataset()
     with torch.no_grad():
-        ref = lens_aot.read.run_source(model, tokens)[:, -1]
+        ref = lens_aot.core.read.run_source(model, tokens)[:, -1]
         got = aot(tokens)[:, -1]
     print(
         f"all {len(tokens):,} inputs: max |Δlogit| {float((got - ref).abs().max()):.2e}, "

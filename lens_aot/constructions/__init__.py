@@ -11,7 +11,7 @@ function works for any floating dtype (float64 for the exactness checks, float32
 
 Modules: :mod:`~lens_aot.constructions.heads` (the full-matrix head, masks, residual layouts),
 :mod:`~lens_aot.constructions.theorem3` (a neuron as a head, read off the converted model's own
-:class:`~lens_aot.components.NeuronAttention`), :mod:`~lens_aot.constructions.theorems7_9` (linear maps, entrywise
+:class:`~lens_aot.core.components.NeuronAttention`), :mod:`~lens_aot.constructions.theorems7_9` (linear maps, entrywise
 activation, pseudo-masks, the three-sublayer MLP), :mod:`~lens_aot.constructions.standard_mask` (a whole model with
 only the source's own mask).
 

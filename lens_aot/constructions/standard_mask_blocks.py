@@ -1,7 +1,7 @@
 """The pieces of the standard-mask model (see :mod:`lens_aot.constructions.standard_mask` for the construction):
 the residual layout, the norms widened over it, the attention module with its Ω penalties, and the builder that
 turns a source's attention and MLP layers (Theorem 3: the neuron heads are read off
-:class:`~lens_aot.components.NeuronAttention`) into such modules."""
+:class:`~lens_aot.core.components.NeuronAttention`) into such modules."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.activations import ActivationFit
-from lens_aot.components.neuron_attention import NeuronAttention
-from lens_aot.components.norm import Norm
-from lens_aot.spec import AttentionSpec, MLPSpec, ModelSpec, NormSpec
+from lens_aot.core.activations import ActivationFit
+from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.components.norm import Norm
+from lens_aot.core.spec import AttentionSpec, MLPSpec, ModelSpec, NormSpec
 
 NormClass = Literal["LN", "RMS"] | None
 PenaltyForm = Literal["hide_bias", "self_only", "bias_alone"]

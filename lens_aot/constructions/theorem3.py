@@ -1,6 +1,6 @@
 """Theorem 3 in full-matrix form: an MLP neuron as one head attending to itself and a bias token.
 
-There is one implementation of a neuron head: :class:`lens_aot.components.NeuronAttention` (the converted model's
+There is one implementation of a neuron head: :class:`lens_aot.core.components.NeuronAttention` (the converted model's
 component: query ``b_k·z + d_k``, real keys 0, a bias key ``k_bias = −1``, value ``α_k·z + β_k``, bias value 0).
 :func:`bias_token_heads` writes any such layer in the paper's notation, with the bias key and value carried by an
 explicit **bias token** (row 0 of :func:`~lens_aot.constructions.heads.with_bias_token`) instead of a memory slot,
@@ -12,10 +12,10 @@ from __future__ import annotations
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.activations import ActivationFit
-from lens_aot.components.neuron_attention import NeuronAttention
 from lens_aot.constructions.heads import Head, _as_scalar, _square
-from lens_aot.spec import MLPSpec
+from lens_aot.core.activations import ActivationFit
+from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.spec import MLPSpec
 
 # ---- Theorem 3: an MLP neuron as one head with a bias token ------------------------------------------------------
 
@@ -29,7 +29,7 @@ def silu_fit(a1: float = 1.0, a2: float = 1.0) -> ActivationFit:
 def bias_token_heads(
     neurons: NeuronAttention, width: int | None = None, *, one: int | None = None, bias: int | None = None
 ) -> list[Head]:
-    """The heads of a :class:`~lens_aot.components.NeuronAttention` layer in full-matrix form (Theorem 3), one
+    """The heads of a :class:`~lens_aot.core.components.NeuronAttention` layer in full-matrix form (Theorem 3), one
     :class:`~lens_aot.constructions.heads.Head` per neuron head (head ``n·K + k``: term ``k`` of neuron ``n``), under
     the mask ``"self+bias"``.
 
@@ -96,7 +96,8 @@ def neuron_head_with_bias_token(
     """One MLP neuron, ``x ↦ a1·SiLU(a2·(x·w_in + b_in))·w_out``, as one head (Theorem 3).
 
     The head acts on :func:`~lens_aot.constructions.heads.with_bias_token` ``(X)`` (width ``d + 2``) under the mask
-    ``"self+bias"``. It is the converted model's own neuron head (:class:`~lens_aot.components.NeuronAttention` with
+    ``"self+bias"``. It is the converted model's own neuron head (:class:`~lens_aot.core.components.NeuronAttention`
+    with
     the one-term fit :func:`silu_fit`) written out by :func:`bias_token_heads`. With ``z = x·w_in + b_in``:
 
     * ``W_QK`` has only the column of the BIAS key: ``−a2·w_in`` (and ``−a2·b_in`` from the ONE channel), so a real
@@ -124,7 +125,7 @@ def mlp_as_heads(
     """A whole MLP layer ``a1·SiLU(a2·(x W_in + b_in)) W_out + b_out`` as a sum of heads (Theorem 3, per neuron).
 
     Returns ``d_mlp`` neuron heads (:func:`bias_token_heads` of the layer's
-    :class:`~lens_aot.components.NeuronAttention`, the heads :func:`neuron_head_with_bias_token` builds one at a
+    :class:`~lens_aot.core.components.NeuronAttention`, the heads :func:`neuron_head_with_bias_token` builds one at a
     time) and one head for ``b_out`` (mask ``"self"``, value ``b_out`` from the ONE channel: Theorem 7 with a
     constant map). On ``Y = with_bias_token(X)``, ``without_bias_token(apply_heads(Y, heads))`` is the MLP's output
     and the bias row stays 0.

@@ -10,7 +10,6 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.components.neuron_attention import NeuronAttention
 from lens_aot.constructions.heads import (
     BaseMask,
     Head,
@@ -21,7 +20,8 @@ from lens_aot.constructions.heads import (
     with_positions,
 )
 from lens_aot.constructions.theorem3 import bias_token_heads, silu_fit
-from lens_aot.spec import MLPSpec
+from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.spec import MLPSpec
 
 # ---- Theorem 7: linear maps ---------------------------------------------------------------------------------------
 
@@ -75,7 +75,7 @@ def entrywise_activation_heads(
     ``len(dims)``). The bias token attends to itself and writes 0.
 
     Each head is a Theorem-3 neuron head (:func:`~lens_aot.constructions.theorem3.bias_token_heads` of a
-    :class:`~lens_aot.components.NeuronAttention` whose neuron ``c`` reads and writes channel ``c``, with the
+    :class:`~lens_aot.core.components.NeuronAttention` whose neuron ``c`` reads and writes channel ``c``, with the
     one-term fit ``α = −a1·a2``, ``b = −a2``): Theorem 8 is Theorem 3 with one-hot weights and no biases.
     """
     bias = bias_channel % width

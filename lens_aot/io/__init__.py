@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lens_aot.components.ownership import adopting, sharing
+from lens_aot.core.components.ownership import adopting, sharing
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.files import (
     CONFIG_FILE,
@@ -79,7 +79,7 @@ __all__ = [
 
 
 def _check_saveable(aot: Any) -> None:
-    from lens_aot.model import AttentionOnlyTransformer
+    from lens_aot.core.model import AttentionOnlyTransformer
 
     if isinstance(aot, AttentionOnlyTransformer):
         return
@@ -99,7 +99,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     """Save a converted model to the directory ``path`` (created if needed; lens_aot's files in it are replaced).
 
     Args:
-        aot: an :class:`~lens_aot.model.AttentionOnlyTransformer` (``masks="weights"`` models are refused).
+        aot: an :class:`~lens_aot.core.model.AttentionOnlyTransformer` (``masks="weights"`` models are refused).
         path: the directory.
         metadata: extra JSON-serialisable information kept in ``config.json`` under ``"metadata"`` (the command line
             records the source model there, for ``lens-aot verify``).
@@ -109,7 +109,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
         equal ``aot``'s bit for bit.
     """
     _check_saveable(aot)
-    from lens_aot.model import AttentionOnlyTransformer
+    from lens_aot.core.model import AttentionOnlyTransformer
 
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -182,15 +182,15 @@ def load(
             ``aot.to(d)`` of the saved ``aot``, bit for bit.
 
     Returns:
-        An :class:`~lens_aot.model.AttentionOnlyTransformer` equal to the saved one (parameters, buffers, config,
+        An :class:`~lens_aot.core.model.AttentionOnlyTransformer` equal to the saved one (parameters, buffers, config,
         report, tokenizer), whose outputs are bit-identical to the saved model's on the same device and dtype.
 
     Raises:
         LoadError: the directory is missing, is not a saved lens_aot model, is corrupt or incomplete, comes from a
             newer lens_aot, or its tensors do not match its config.
     """
-    from lens_aot.convert import ConversionReport
-    from lens_aot.model import AttentionOnlyTransformer
+    from lens_aot.core.convert import ConversionReport
+    from lens_aot.core.model import AttentionOnlyTransformer
 
     path = Path(path)
     config = read_config(path)

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lens_aot.activations import ActivationFit
+from lens_aot.core.activations import ActivationFit
+from lens_aot.core.gating import GatedFit
+from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
-from lens_aot.gating import GatedFit
-from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 
 __all__ = [
     "FLAGS",
@@ -164,7 +164,7 @@ def encode_fits(fits: dict[int, ActivationFit | GatedFit]) -> list[dict[str, Any
 
 
 def encode_report(report: Any) -> dict[str, Any] | None:
-    """A :class:`~lens_aot.convert.ConversionReport` as its fields (tuples as lists)."""
+    """A :class:`~lens_aot.core.convert.ConversionReport` as its fields (tuples as lists)."""
     if report is None:
         return None
     fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
@@ -366,7 +366,7 @@ class Decoder:
 
 
 def encode_spec(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """A :class:`~lens_aot.spec.ModelSpec` as ``(json_value, tensors)`` (tensors keyed ``spec.<field path>``, e.g.
+    """A :class:`~lens_aot.core.spec.ModelSpec` as ``(json_value, tensors)`` (tensors keyed ``spec.<field path>``, e.g.
     ``spec.layers.0.attn.W_Q``; the tokenizer is not included). :func:`decode_spec` inverts it."""
     encoder = Encoder()
     return encoder.spec(spec), encoder.tensors

@@ -2,7 +2,7 @@
 
 * version probes: :func:`has_hooked_transformer`, :func:`tl_version`; what a source is: :func:`is_bridge`,
   :func:`is_hooked_transformer`;
-* reading a source into a :class:`~lens_aot.spec.ModelSpec`: :func:`read_source` dispatches to
+* reading a source into a :class:`~lens_aot.core.spec.ModelSpec`: :func:`read_source` dispatches to
   :mod:`lens_aot.tl.read_hooked` (HookedTransformer, TransformerLens 3.x) or :mod:`lens_aot.tl.read_bridge`
   (TransformerBridge, 3.9 and 4.x);
 * writing a model back: :mod:`lens_aot.tl.write` (one builder of a HookedTransformer, or of a native bridge, from a
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.spec import ModelSpec
+from lens_aot.core.spec import ModelSpec
 
 __all__ = ["has_hooked_transformer", "is_bridge", "is_hooked_transformer", "read_source", "tl_version"]
 

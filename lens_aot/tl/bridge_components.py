@@ -2,7 +2,8 @@
 
 The version helpers at the top are the only places that know TransformerLens 3.9 and 4.x differ; the per-component
 readers below follow what each bridge component's ``forward`` actually computes. :mod:`lens_aot.tl.read_bridge`
-checks the architecture and assembles a :class:`~lens_aot.spec.ModelSpec` from these parts. Nothing version-specific
+checks the architecture and assembles a :class:`~lens_aot.core.spec.ModelSpec` from these parts. Nothing
+version-specific
 is imported at module import time.
 """
 
@@ -14,9 +15,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.activations import canonical_activation
+from lens_aot.core.activations import canonical_activation
+from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 
 SUPPORTED = (
     "TransformerBridge architectures GPT2LMHeadModel, GPTNeoXForCausalLM (sequential or parallel residual), "

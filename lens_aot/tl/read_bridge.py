@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.activations import canonical_activation
-from lens_aot.spec import LayerSpec, ModelSpec, RotarySpec
+from lens_aot.core.activations import canonical_activation
+from lens_aot.core.spec import LayerSpec, ModelSpec, RotarySpec
 from lens_aot.tl.bridge_components import (
     _FLOAT_DTYPES,
     SUPPORTED,

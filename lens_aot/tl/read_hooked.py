@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.activations import canonical_activation
+from lens_aot.core.activations import canonical_activation
+from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none; positions standard or rotary (either pair layout); "

@@ -1,4 +1,5 @@
-"""Writing a :class:`~lens_aot.spec.ModelSpec` back as a TransformerLens ``HookedTransformer`` (3.x): the inverse of
+"""Writing a :class:`~lens_aot.core.spec.ModelSpec` back as a TransformerLens ``HookedTransformer`` (3.x): the
+inverse of
 :mod:`lens_aot.tl.read_hooked`.
 
 :func:`hooked_config` derives a ``HookedTransformerConfig`` from the spec (norm kinds and epsilon, head counts and
@@ -17,13 +18,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lens_aot.core.spec import ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.spec import ModelSpec, NormSpec, RotarySpec
 from lens_aot.tl.build import StateDictMismatchError, build_hooked, require_hooked_transformer
 
 __all__ = ["FIX", "hooked_config", "hooked_from_spec"]
 
-FIX = 'Use revert(aot, to="reference") for a lens_aot.reference.MLPTransformer, which holds any spec.'
+FIX = 'Use revert(aot, to="reference") for a lens_aot.core.reference.MLPTransformer, which holds any spec.'
 
 
 def _refuse(what: str) -> UnsupportedArchitectureError:

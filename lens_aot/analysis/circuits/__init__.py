@@ -7,7 +7,7 @@ and ``@`` work as on ``HookedTransformer.QK`` / ``.OV``. Any head is addressed t
 (``aot.neuron_heads(layer, n)`` returns them), ``(block, head)``, or ``("blocks.3.attn", head)``.
 
 **Neuron heads and the bias slot.** A neuron head (Huben & Morris 2023, Theorem 3; see
-:mod:`lens_aot.components.neuron_attention`) has key 0 at every real position (``W_K = 0``, ``b_K = 0``) and a
+:mod:`lens_aot.core.components.neuron_attention`) has key 0 at every real position (``W_K = 0``, ``b_K = 0``) and a
 persistent memory key ``k_bias = −1`` (the *bias slot*, value ``v_bias = 0``). Its ``W_Q W_Kᵀ`` is the zero matrix
 although the head is far from inert: what it decides is self-versus-slot, with score difference
 ``q·(k_self − k_bias) = q = b_k·z + d_k``. So every QK circuit here is taken over the keys the head really has: the

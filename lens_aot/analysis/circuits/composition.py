@@ -20,8 +20,8 @@ from lens_aot.analysis.circuits.weights import (
     _pad_cols,
     _pad_rows,
 )
+from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
 
 Mode = Literal["Q", "K", "V"]
 _MODES = ("Q", "K", "V")

@@ -1,6 +1,6 @@
 """Every module name, block index and cache key that circuits and viz use, in one place.
 
-The analysis code addresses a head by a :class:`~lens_aot.model.HeadRef` (``name`` of its head module, ``head``
+The analysis code addresses a head by a :class:`~lens_aot.core.model.HeadRef` (``name`` of its head module, ``head``
 index), by ``(block, head)`` or by ``("blocks.3.attn", head)``; it reads a block's heads, its norm and its cached
 activations. All of that goes through the functions here, so a change of the model's layout (module names, where the
 heads and their norm live, cache keys) is made here and nowhere else in :mod:`lens_aot.analysis`.
@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
 
 HeadLike = HeadRef | tuple[int, int] | tuple[str, int]
 

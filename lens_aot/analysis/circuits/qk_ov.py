@@ -25,8 +25,8 @@ from lens_aot.analysis.circuits.names import (
     resid_pre_hook,
 )
 from lens_aot.analysis.circuits.weights import _d_resid, _fold_norm, _pad_cols, _pad_rows, head_weights
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer
 
 
 def _embedding(aot: AttentionOnlyTransformer) -> Float[Tensor, "d_vocab d_resid"]:

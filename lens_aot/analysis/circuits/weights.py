@@ -13,8 +13,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_index, head_module, head_norm
-from lens_aot.components import NeuronAttention
-from lens_aot.model import AttentionOnlyTransformer
+from lens_aot.core.components import NeuronAttention
+from lens_aot.core.model import AttentionOnlyTransformer
 
 
 @dataclass

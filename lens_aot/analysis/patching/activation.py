@@ -45,8 +45,8 @@ from lens_aot.analysis.patching.units import (
     _writes_linearly,
     _z_hook,
 )
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -72,9 +72,9 @@ from lens_aot.analysis.patching.units import (
     _output_hook,
     _state_hooks,
 )
-from lens_aot.components import NeuronAttention, ProductAttention
+from lens_aot.core.components import NeuronAttention, ProductAttention
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -20,8 +20,8 @@ from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchingResult, PathPatchingResult, Ranking
 from lens_aot.analysis.patching.runs import Metric, TokensLike
 from lens_aot.analysis.patching.units import _receiver_label
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer
 
 __all__ = ["Verification", "verify_attribution"]
 

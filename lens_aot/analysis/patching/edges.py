@@ -48,9 +48,9 @@ from lens_aot.analysis.patching.units import (
     _to_norm,
     _widen,
 )
-from lens_aot.components import Attention, ProductAttention
+from lens_aot.core.components import Attention, ProductAttention
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer
 
 __all__ = ["attribute_edges"]
 

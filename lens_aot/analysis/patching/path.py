@@ -53,7 +53,7 @@ from lens_aot.analysis.patching.units import (
     _writes_linearly,
     _z_hook,
 )
-from lens_aot.model import AttentionOnlyTransformer
+from lens_aot.core.model import AttentionOnlyTransformer
 
 __all__ = ["path_patch"]
 

@@ -25,8 +25,8 @@ from lens_aot.analysis.patching.units import (
     _matches,
     _receiver_label,
 )
+from lens_aot.core.model import HeadRef
 from lens_aot.errors import InputError
-from lens_aot.model import HeadRef
 
 __all__ = ["PatchEntry", "PatchingResult", "PathPatchingResult"]
 

@@ -10,8 +10,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer
 
 Direction = Literal["denoise", "noise"]
 Method = Literal["atp", "ig"]

@@ -25,9 +25,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.components import NeuronAttention, ProductAttention
+from lens_aot.core.components import NeuronAttention, ProductAttention
+from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.errors import InputError
-from lens_aot.model import AttentionOnlyTransformer, HeadRef
 
 _HEAD_MODULE = re.compile(r"^blocks\.(\d+)\.attn$")
 
@@ -244,13 +244,13 @@ def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
 # ==================================================================================================== the residual
 def _to_norm(aot: AttentionOnlyTransformer, resid: Float[Tensor, "... d_resid"]) -> Float[Tensor, "... d_model"]:
     """The channels of the residual stream a norm reads: the first ``d_model`` (a gated model's residual carries
-    scratch channels after them, see :mod:`lens_aot.gating`)."""
+    scratch channels after them, see :mod:`lens_aot.core.gating`)."""
     return resid[..., : aot.cfg.d_model]
 
 
 def _widen(delta: Float[Tensor, "... d_out"], width: int) -> Float[Tensor, "... d_resid"]:
     """Pad a module-output change to the residual width: the source's heads write only the first ``d_model`` channels
-    of a gated model's residual (the rest are scratch channels, see :mod:`lens_aot.gating`)."""
+    of a gated model's residual (the rest are scratch channels, see :mod:`lens_aot.core.gating`)."""
     return delta if delta.shape[-1] == width else torch.nn.functional.pad(delta, (0, width - delta.shape[-1]))
 
 

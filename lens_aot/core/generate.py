@@ -2,12 +2,12 @@
 
 Greedy decoding (``do_sample=False``) or sampling with temperature, top-k, top-p and a frequency penalty; sampling
 draws from torch's global RNG, so ``torch.manual_seed`` makes it reproducible. With ``use_past_kv_cache`` each step
-feeds only the newest token and reads earlier keys and values from a :class:`~lens_aot.kv_cache.KeyValueCache`
+feeds only the newest token and reads earlier keys and values from a :class:`~lens_aot.core.kv_cache.KeyValueCache`
 (only the source's attention heads are cached: a neuron head of Theorem 3 never reads another position).
 
 The model is called as ``model(tokens, attention_mask=..., past_kv_cache=...)`` and must return logits
 [batch, pos, d_vocab_out]; its forward turns those arguments into positions and masks with
-:func:`~lens_aot.kv_cache.positions_and_mask`.
+:func:`~lens_aot.core.kv_cache.positions_and_mask`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import tqdm
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.kv_cache import KeyValueCache, PaddingSide, padding_attention_mask, positions_and_mask
 from lens_aot.errors import InputError
-from lens_aot.kv_cache import KeyValueCache, PaddingSide, padding_attention_mask, positions_and_mask
 
 __all__ = ["KeyValueCache", "generate", "positions_and_mask", "sample_logits"]
 

@@ -1,7 +1,7 @@
 """One source layer: attention, then the MLP (or both reading the layer's input, in parallel layers), with
 TransformerLens's block hook points. Shared by the converted model (``mlp`` is a
-:class:`~lens_aot.components.neuron_mlp.NeuronMLP` of neuron heads) and the reference model (``mlp`` is a plain
-:class:`~lens_aot.components.mlp.MLP`), so both are numbered and hooked exactly like their source.
+:class:`~lens_aot.core.components.neuron_mlp.NeuronMLP` of neuron heads) and the reference model (``mlp`` is a plain
+:class:`~lens_aot.core.components.mlp.MLP`), so both are numbered and hooked exactly like their source.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.attention import Attention
-from lens_aot.components.norm import Norm
-from lens_aot.spec import LayerSpec
+from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.norm import Norm
+from lens_aot.core.spec import LayerSpec
 
 
 class TransformerBlock(nn.Module):

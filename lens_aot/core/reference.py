@@ -1,10 +1,10 @@
-"""A plain transformer with MLPs, built from a :class:`~lens_aot.spec.ModelSpec`: the model a conversion replaces.
+"""A plain transformer with MLPs, built from a :class:`~lens_aot.core.spec.ModelSpec`: the model a conversion replaces.
 
 :class:`MLPTransformer` is the ground truth the attention-only model is measured against when no TransformerLens
 model class can hold a spec (``lens_aot.revert`` of a TransformerBridge source, or any source on TransformerLens 4.x,
 which has no HookedTransformer). It runs the standard forward pass with TransformerLens's hook names
 (``blocks.{i}.hook_resid_pre``, ``blocks.{i}.attn.hook_pattern``, ``blocks.{i}.mlp.hook_post``, …) and reuses the
-attention and norm modules of :mod:`lens_aot.components`. Because of that reuse it is itself checked against
+attention and norm modules of :mod:`lens_aot.core.components`. Because of that reuse it is itself checked against
 :func:`independent_logits`, a plain-torch forward pass that shares no code with lens_aot's components
 (``tests/test_reference.py``); tests against real sources use the source model's own forward.
 """
@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components import MLP, Attention, Embed, Norm, PosEmbed, Unembed
-from lens_aot.components.block import TransformerBlock
-from lens_aot.spec import LayerSpec, ModelSpec, RotarySpec
+from lens_aot.core.components import MLP, Attention, Embed, Norm, PosEmbed, Unembed
+from lens_aot.core.components.block import TransformerBlock
+from lens_aot.core.spec import LayerSpec, ModelSpec, RotarySpec
 
 
 @dataclass
@@ -48,7 +48,7 @@ class MLPTransformerConfig:
 
 
 class MLPTransformer(HookedRootModule):
-    """The standard transformer a :class:`~lens_aot.spec.ModelSpec` describes, with TransformerLens hook names."""
+    """The standard transformer a :class:`~lens_aot.core.spec.ModelSpec` describes, with TransformerLens hook names."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -140,8 +140,9 @@ def _block(layer: LayerSpec, causal: bool, rotary: RotarySpec | None) -> Transfo
 
 
 def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab_out"]:
-    """The forward pass a :class:`~lens_aot.spec.ModelSpec` describes, in plain torch, sharing no code with
-    :mod:`lens_aot.components` (nor with :class:`MLPTransformer`, which reuses them): its own embedding, LayerNorm /
+    """The forward pass a :class:`~lens_aot.core.spec.ModelSpec` describes, in plain torch, sharing no code with
+    :mod:`lens_aot.core.components` (nor with :class:`MLPTransformer`, which reuses them): its own embedding,
+    LayerNorm /
     RMSNorm, attention (causal or bidirectional mask, rotary in halves or adjacent pairs, grouped-query key/value
     heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks.
 

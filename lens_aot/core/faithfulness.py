@@ -54,7 +54,7 @@ ROUNDING_ULPS = 16.0  # roundings of the logits' scale one layer of a forward pa
 def stated_logit_error(act_fn: str | None, dtype: torch.dtype, gated: bool = False) -> float:
     """The support matrix's max |Δlogit| for an activation (``None``: attention-only) and dtype; the float32 value
     for other dtypes (bfloat16 / float16 are not in the matrix: their rounding floor dominates)."""
-    from lens_aot.activations import canonical_activation
+    from lens_aot.core.activations import canonical_activation
 
     key = "gated" if gated else (None if act_fn is None else canonical_activation(act_fn))
     if (key, dtype) in STATED_LOGIT_ERROR:
@@ -113,7 +113,7 @@ def conversion_bound(
     """The bound stated for a conversion on ``tokens``: ``(bound, S, R)`` for the source (its logits ``expected``)
     and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit``, their ``max_error`` = ε_l). Used by
     ``convert``'s check and ``lens-aot verify`` alike."""
-    from lens_aot.gating import GatedFit
+    from lens_aot.core.gating import GatedFit
 
     first = next(iter(fits.values()), None)
     stated = stated_logit_error(

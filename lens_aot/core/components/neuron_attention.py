@@ -1,7 +1,7 @@
 """A whole MLP layer as a layer of *neuron heads* (Huben & Morris 2023, Theorem 3, with a memory-slot bias key).
 
 Neuron ``n`` of the MLP, with pre-activation ``z_n = LN(x)·W_in[:, n] + b_in[n]``, is written by K heads (one per
-term of its activation's shifted-logistic form, see :mod:`lens_aot.activations`). Head ``h = n·K + k`` has
+term of its activation's shifted-logistic form, see :mod:`lens_aot.core.activations`). Head ``h = n·K + k`` has
 internal dimension 1 and attends to two keys: **itself** and a persistent **bias slot** (a memory key/value pair in
 the style of Sukhbaatar et al. 2019, so positions and residual width are unchanged):
 
@@ -33,9 +33,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.activations import ActivationFit
-from lens_aot.components.ownership import exported, parameter
-from lens_aot.spec import MLPSpec
+from lens_aot.core.activations import ActivationFit
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
 
 
@@ -51,7 +51,7 @@ class NeuronAttention(nn.Module):
         ``scratch=(offset, width)`` builds the *gate heads* of a gated MLP instead (pass the gate's weights as
         ``W_in``/``b_in``): neuron ``n`` writes its activation to channel ``offset + n`` of a scratch space of width
         ``width`` that the product heads read (in a converted model, the MLP's own scratch: ``(0, d_mlp)``; see
-        :mod:`lens_aot.components.product_attention`), and ``mlp.W_out``/``b_out`` are ignored.
+        :mod:`lens_aot.core.components.product_attention`), and ``mlp.W_out``/``b_out`` are ignored.
         """
         super().__init__()
         self.W_in = parameter(mlp.W_in)
@@ -181,7 +181,7 @@ class NeuronAttention(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_out"]:
         """The heads on their own (the paper's attention-only sub-layer, as the standard-mask construction uses it):
         ``act(z) @ W_out + b_out``, or (gate heads) ``act(z)`` for the scratch channels. In a converted model the
-        layer is driven by :class:`~lens_aot.components.neuron_mlp.NeuronMLP`, which adds the MLP's hooks."""
+        layer is driven by :class:`~lens_aot.core.components.neuron_mlp.NeuronMLP`, which adds the MLP's hooks."""
         pre = x @ self.W_in + self.b_in
         if not self.use_attn_result and not _hooked(*self.internal_hooks()):
             act = self.activation(pre)
@@ -201,8 +201,8 @@ class NeuronAttention(nn.Module):
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """How each per-head hook follows from ``hook_pre`` when nothing intervenes (for the compact cache): hook ->
-        (sources, :class:`~lens_aot.cache.HeadDerivation`), self-contained data holding copies of the fit terms."""
-        from lens_aot.cache import neuron_head_derivations
+        (sources, :class:`~lens_aot.core.cache.HeadDerivation`), self-contained data holding copies of the fit terms."""
+        from lens_aot.core.cache import neuron_head_derivations
 
         coeffs = {k: getattr(self, f"term_{k}") for k in ("alpha", "beta", "b", "d")}
         return neuron_head_derivations("neuron", coeffs, self.heads_per_neuron)

@@ -9,7 +9,7 @@ source can be rebuilt from it:
   ``HookedTransformerConfig`` from the spec, then the weights under TransformerLens's names (grouped-query
   attention's ``_W_K`` / ``_W_V`` included) and the spec's rotary tables in the attention buffers.
   ``revert(convert(ht))`` has ``ht``'s state dict, bit for bit, and its logits.
-* ``to="reference"``: :class:`lens_aot.reference.MLPTransformer`, the standard transformer the spec describes, with
+* ``to="reference"``: :class:`lens_aot.core.reference.MLPTransformer`, the standard transformer the spec describes, with
   TransformerLens hook names; any spec (TransformerBridge sources, TransformerLens 4.x).
 * ``to="auto"``: ``"hooked"`` when the source was a HookedTransformer and TransformerLens has the class, else
   ``"reference"``.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from lens_aot.core.spec import ModelSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.spec import ModelSpec
 from lens_aot.tl import has_hooked_transformer
 
 Target = Literal["auto", "hooked", "reference"]
@@ -32,7 +32,7 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
     Args:
         aot: a model from :func:`lens_aot.convert` or :func:`lens_aot.load` (an ``AttentionOnlyTransformer``).
         to: ``"hooked"`` (a ``HookedTransformer``, TransformerLens 3.x), ``"reference"`` (a
-            :class:`~lens_aot.reference.MLPTransformer`) or ``"auto"`` (hooked for HookedTransformer sources where
+            :class:`~lens_aot.core.reference.MLPTransformer`) or ``"auto"`` (hooked for HookedTransformer sources where
             TransformerLens has it, else reference).
 
     Returns:
@@ -48,7 +48,7 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
 
         model = hooked_from_spec(spec)
     elif to == "reference":
-        from lens_aot.reference import MLPTransformer
+        from lens_aot.core.reference import MLPTransformer
 
         model = MLPTransformer(spec)
     else:
@@ -57,7 +57,7 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
 
 
 def _spec_of(aot: Any) -> ModelSpec:
-    from lens_aot.model import AttentionOnlyTransformer
+    from lens_aot.core.model import AttentionOnlyTransformer
 
     if isinstance(aot, AttentionOnlyTransformer):
         return aot.to_spec()

@@ -1,4 +1,4 @@
-"""The product half of a gated MLP as a layer of *product heads* (beyond the paper; see :mod:`lens_aot.gating`).
+"""The product half of a gated MLP as a layer of *product heads* (beyond the paper; see :mod:`lens_aot.core.gating`).
 
 A gated neuron computes ``post_n = act(g_n)·u_n``. Its gate heads (:class:`NeuronAttention` in scratch mode) have
 already written ``h_n ≈ act(g_n)`` to channel ``n`` of the MLP's scratch space (``d_mlp`` channels beside the
@@ -13,7 +13,7 @@ is ``−``), each of internal dimension 1, attend to themselves and the bias slo
   nothing needs to clear it; in a single flat residual, ``−e_n`` in ``W_O`` would, as σ(a) + σ(−a) = 1.)
 
 TransformerLens-layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over the input ``[LN(x) (d_model), scratch
-(d_scratch = d_mlp)]``. :class:`~lens_aot.components.neuron_mlp.NeuronMLP` drives these heads: it computes ``u``
+(d_scratch = d_mlp)]``. :class:`~lens_aot.core.components.neuron_mlp.NeuronMLP` drives these heads: it computes ``u``
 (its ``hook_pre_linear``, TransformerLens's GatedMLP name), and each neuron's ``post`` from the heads' ``hook_z``
 (:meth:`ProductAttention.neuron_output`, without cancellation).
 
@@ -32,9 +32,9 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.neuron_attention import NeuronAttention, attend_self_and_slot
-from lens_aot.components.ownership import exported, parameter
-from lens_aot.spec import MLPSpec
+from lens_aot.core.components.neuron_attention import NeuronAttention, attend_self_and_slot
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.spec import MLPSpec
 
 
 class ProductAttention(nn.Module):
@@ -226,7 +226,7 @@ class ProductAttention(nn.Module):
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """How each per-head hook follows from ``hook_pre_linear`` and ``hook_gate`` (for the compact cache): hook ->
-        (sources, :class:`~lens_aot.cache.HeadDerivation`), self-contained data holding a copy of the scales."""
-        from lens_aot.cache import neuron_head_derivations
+        (sources, :class:`~lens_aot.core.cache.HeadDerivation`), self-contained data holding a copy of the scales."""
+        from lens_aot.core.cache import neuron_head_derivations
 
         return neuron_head_derivations("product", {"scales": self.scales}, self.heads_per_neuron)

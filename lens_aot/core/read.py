@@ -16,8 +16,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.spec import ModelSpec
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
-from lens_aot.spec import ModelSpec
 
 
 def _spec_tensors(spec: ModelSpec) -> list[tuple[str, Tensor | None]]:
@@ -55,7 +55,7 @@ def check_finite(spec: ModelSpec) -> None:
 
 def read_model(model: Any) -> ModelSpec:
     """Read any supported source model into a :class:`ModelSpec`, refusing what cannot be converted faithfully."""
-    from lens_aot.model import AttentionOnlyTransformer
+    from lens_aot.core.model import AttentionOnlyTransformer
 
     if isinstance(model, AttentionOnlyTransformer) or type(model).__name__ == "StandardMaskTransformer":
         raise AlreadyConvertedError(

@@ -1,6 +1,6 @@
 """Whether a new module copies the tensors it is built from or takes them over (conversion without a second copy).
 
-``lens_aot.convert`` reads the source into a :class:`~lens_aot.spec.ModelSpec` of fresh tensors and builds the
+``lens_aot.convert`` reads the source into a :class:`~lens_aot.core.spec.ModelSpec` of fresh tensors and builds the
 converted model inside :func:`adopting`: each component then takes the spec's tensor as its parameter instead of
 copying it, so conversion holds one copy of the weights (the converted model's), not two. Outside :func:`adopting`
 (a hand-built spec, ``load``, ``revert``) components copy, so a model never shares storage with its inputs.

@@ -3,7 +3,8 @@
 Every neuron-head hook of a block (``hook_q``, ``hook_k``, ``hook_v``, ``hook_attn_scores``, ``hook_pattern``,
 ``hook_z``) is a fixed function of that block's ``hook_pre`` [batch, pos, d_mlp] (product heads of gated MLPs:
 ``hook_pre_linear`` and ``hook_gate``) when no hook changes the computation (Theorem 3's construction, see
-:mod:`lens_aot.components.neuron_attention`). So ``run_with_cache`` stores those once per neuron block and the cache
+:mod:`lens_aot.core.components.neuron_attention`). So ``run_with_cache`` stores those once per neuron block and the
+cache
 returns the standard TransformerLens tensors (``[batch, head, query, key]`` patterns included) when they are read.
 
 **Self-contained.** Each derived entry is a :class:`HeadDerivation`: plain data (which hook, which kind of heads,
@@ -29,7 +30,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 from transformer_lens import ActivationCache
 
-from lens_aot.components.neuron_attention import NeuronAttention
+from lens_aot.core.components.neuron_attention import NeuronAttention
 
 Family = Literal["neuron", "product"]
 HeadIndex = int | slice | Sequence[int] | Tensor

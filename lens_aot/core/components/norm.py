@@ -7,8 +7,8 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.ownership import exported, parameter
-from lens_aot.spec import NormKind, NormSpec
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.spec import NormKind, NormSpec
 
 _HALF = (torch.float16, torch.bfloat16)
 

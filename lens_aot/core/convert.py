@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 import torch
 
-from lens_aot.activations import ActivationFit, activation_fit
-from lens_aot.components.ownership import adopting
+from lens_aot.core.activations import ActivationFit, activation_fit
+from lens_aot.core.components.ownership import adopting
+from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
+from lens_aot.core.gating import GatedFit, gated_fit
+from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
+from lens_aot.core.spec import ModelSpec
 from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
-from lens_aot.faithfulness import conversion_bound, stated_logit_error
-from lens_aot.gating import GatedFit, gated_fit
-from lens_aot.model import AttentionOnlyTransformer
-from lens_aot.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
-from lens_aot.spec import ModelSpec
 from lens_aot.tl.hooks import attached_hooks
 
 
@@ -47,7 +47,7 @@ class ConversionReport:
     gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
     parallel: bool = False  # parallel attention + MLP layers
     product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
-    logit_bound: float | None = None  # the bound the check judged against (lens_aot.faithfulness; None: no check)
+    logit_bound: float | None = None  # the bound the check judged against (lens_aot.core.faithfulness; None: no check)
     neuron_sensitivity: float | None = None  # S: the source's max |Δlogit| under ±ε per neuron
     rounding: float | None = None  # R: the rounding floor of the source's dtype at its logits' scale
     neuron_rounding: float = 0.0  # per-neuron rounding of the fit's evaluation in this dtype, per unit (1 + |z|)
@@ -106,7 +106,7 @@ def _fits(
     spec: ModelSpec, max_neuron_error: float | None, heads_per_neuron: int | None
 ) -> dict[int, ActivationFit | GatedFit]:
     """How each MLP layer's neurons become heads: an activation fit (plain MLPs, Theorem 3) or a gated construction
-    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.gating`)."""
+    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.core.gating`)."""
     fits: dict[int, ActivationFit | GatedFit] = {}
     for i, layer in enumerate(spec.layers):
         if layer.mlp is None:
@@ -202,7 +202,7 @@ def _check_agreement(
 ) -> tuple[float, float, float, float, float]:
     """Run source and converted model on ``tokens`` (source in eval mode; modes restored even on error) and measure
     the source's sensitivity to its neurons' error: (max |Δlogit|, argmax agreement, bound, S, R), see
-    :mod:`lens_aot.faithfulness`."""
+    :mod:`lens_aot.core.faithfulness`."""
     with _eval_mode(model), torch.no_grad():
         expected = run_source(model, tokens.to(spec.device))
         got = aot(tokens)
@@ -249,7 +249,7 @@ def _convert_half(
 ) -> Any:
     """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
     cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
-    (:func:`lens_aot.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
+    (:func:`lens_aot.core.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
     error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own."""
     if options.get("masks") == "weights":
         raise UnsupportedArchitectureError(
@@ -296,13 +296,13 @@ def convert(
     Args:
         model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified
             (a float16 / bfloat16 source is cast to float32 in place while it is read and checked, then cast back bit
-            for bit). A :class:`~lens_aot.spec.ModelSpec` is accepted too (checked against
-            :class:`~lens_aot.reference.MLPTransformer`).
+            for bit). A :class:`~lens_aot.core.spec.ModelSpec` is accepted too (checked against
+            :class:`~lens_aot.core.reference.MLPTransformer`).
         max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
             (default 1e-6). GELU variants use the fewest shifted-logistic heads per neuron meeting it (default 1e-4).
             Gated MLPs: bound on each neuron's ``|post − post_source|`` over all normalized inputs (default 1e-4),
-            met by the gate fit and the product heads' scales (:mod:`lens_aot.gating`).
+            met by the gate fit and the product heads' scales (:mod:`lens_aot.core.gating`).
         heads_per_neuron: GELU variants (gated: the gate's GELU): exactly this many heads per neuron (1 = the best
             single-head fit).
         masks: "explicit" (default): neuron heads attend to themselves and a memory-slot bias key through an explicit
@@ -313,7 +313,8 @@ def convert(
         omega: the Ω of Theorem 9 for ``masks="weights"``.
         check: True (default): run source and converted model on a sample, record the logit error in ``aot.report``,
             and raise :class:`~lens_aot.errors.FaithfulnessError` (with the numbers and the fix) when it exceeds the
-            bound stated for this conversion (``aot.report.logit_bound``, :mod:`lens_aot.faithfulness`); also refuse
+            bound stated for this conversion (``aot.report.logit_bound``, :mod:`lens_aot.core.faithfulness`); also
+            refuse
             a source with hooks attached or active dropout (not carried over). ``"warn"``: warn instead of raising
             (for experts). False: skip the check (nothing measured, nothing refused).
         check_tokens: tokens for that check (default: 2 random sequences of up to 64 tokens, fixed seed).
@@ -329,7 +330,7 @@ def convert(
         return _convert_half(model, half, check, check_tokens, **options)
     model_spec = model if isinstance(model, ModelSpec) else None
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
-        from lens_aot.reference import MLPTransformer
+        from lens_aot.core.reference import MLPTransformer
 
         check_finite(model)
         spec, model = model, MLPTransformer(model)

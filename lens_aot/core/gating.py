@@ -3,9 +3,9 @@
 A gated neuron computes ``post = act(g)·u (+ b_post)`` with ``g = LN(x)·W_gate + b_gate`` and ``u = LN(x)·W_in + b_in``.
 lens_aot builds it from two layers of heads (beyond the paper, which covers plain MLPs only):
 
-* **gate heads** (Theorem 3, :class:`~lens_aot.components.NeuronAttention` in scratch mode) write
+* **gate heads** (Theorem 3, :class:`~lens_aot.core.components.NeuronAttention` in scratch mode) write
   ``h = fit(g) ≈ act(g)`` to a scratch residual channel that no normalization reads;
-* **product heads** (:class:`~lens_aot.components.ProductAttention`), two per neuron, turn ``h`` and ``u`` into
+* **product heads** (:class:`~lens_aot.core.components.ProductAttention`), two per neuron, turn ``h`` and ``u`` into
   ``(2/ε)·h·tanh(ε·u/2)`` and clear the scratch channel.
 
 Error bound, for every input (``|(2/ε)·tanh(εu/2) − u| ≤ ε²|u|³/12`` and ``|act(g)| ≤ |g|`` for SiLU, GELU, ReLU):
@@ -27,9 +27,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.activations import ActivationFit, activation_fit, canonical_activation
+from lens_aot.core.activations import ActivationFit, activation_fit, canonical_activation
+from lens_aot.core.spec import MLPSpec, NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.spec import MLPSpec, NormSpec
 
 DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
 

@@ -6,8 +6,8 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.activations import reference_activation
-from lens_aot.spec import MLPSpec
+from lens_aot.core.activations import reference_activation
+from lens_aot.core.spec import MLPSpec
 
 
 class MLP(nn.Module):

@@ -1,7 +1,7 @@
 """The attention-only transformer that ``lens_aot.convert`` returns, numbered and hooked like its source.
 
-``blocks.{l}`` is source layer ``l`` (:class:`~lens_aot.components.block.TransformerBlock`): the source's own heads
-(``attn``), then its MLP as **neuron heads** (``mlp``, a :class:`~lens_aot.components.neuron_mlp.NeuronMLP`:
+``blocks.{l}`` is source layer ``l`` (:class:`~lens_aot.core.components.block.TransformerBlock`): the source's own heads
+(``attn``), then its MLP as **neuron heads** (``mlp``, a :class:`~lens_aot.core.components.neuron_mlp.NeuronMLP`:
 Theorem 3's heads in ``mlp.heads``; gated MLPs: ``mlp.gate_heads`` and ``mlp.product_heads``). Every hook point of
 the source exists under the same name, with the same shape and (within the conversion's bound) the same value:
 ``hook_embed``, ``blocks.{l}.hook_resid_pre/mid/post``, ``attn.hook_q/k/v/attn_scores/pattern/z/result``,
@@ -27,20 +27,20 @@ from torch import Tensor, nn
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.activations import ActivationFit
-from lens_aot.cache import LazyCacheDict, NeuronHeadCache
-from lens_aot.components import Attention, Embed, Norm, PosEmbed, Unembed
-from lens_aot.components.block import TransformerBlock
-from lens_aot.components.neuron_mlp import NeuronMLP
-from lens_aot.components.ownership import exported
+from lens_aot.core.activations import ActivationFit
+from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
+from lens_aot.core.components import Attention, Embed, Norm, PosEmbed, Unembed
+from lens_aot.core.components.block import TransformerBlock
+from lens_aot.core.components.neuron_mlp import NeuronMLP
+from lens_aot.core.components.ownership import exported
+from lens_aot.core.gating import GatedFit
+from lens_aot.core.generate import generate
+from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import HeadKind, flat_layout_hint, parse_module
+from lens_aot.core.placement import Placement
+from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.errors import HookNameError, InputError
-from lens_aot.gating import GatedFit
-from lens_aot.generate import generate
-from lens_aot.kv_cache import KeyValueCache, positions_and_mask
-from lens_aot.placement import Placement
-from lens_aot.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -126,7 +126,7 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
 
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
-        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.gating.GatedFit` for gated ones)."""
+        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
         super().__init__()
         self.embed = Embed(spec.W_E)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
@@ -208,7 +208,7 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         TransformerLens semantics: ``stop_at_layer=l`` returns the residual stream before block ``l``;
         ``start_at_layer=l`` takes ``input`` as the residual stream before block ``l`` (``tokens`` for the loss);
         ``attention_mask`` (1 token, 0 padding) and ``padding_side`` handle padded batches, left padding included
-        (positions count from each sequence's first token); ``past_kv_cache`` (:class:`~lens_aot.kv_cache.
+        (positions count from each sequence's first token); ``past_kv_cache`` (:class:`~lens_aot.core.kv_cache.
         KeyValueCache`) continues from cached keys and values. Neuron heads attend only to their own position and
         the bias slot, so padding and the cache concern the source's attention alone.
         """
@@ -261,7 +261,7 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
 
     def generate(self, input: Any = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
         """Generate tokens like ``HookedTransformer.generate`` (greedy or sampled, with a key-value cache by
-        default; see :func:`lens_aot.generate.generate`)."""
+        default; see :func:`lens_aot.core.generate.generate`)."""
         return generate(self, input, max_new_tokens, **kwargs)
 
     # ------------------------------------------------------------------ caching
@@ -280,7 +280,8 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
 
         With ``compact`` (the default), neuron-head entries (``blocks.{l}.mlp.<heads>.hook_q/k/v/attn_scores/
         pattern/z``) are not stored: each MLP's ``hook_pre`` (gated: and ``hook_pre_linear``, ``hook_gate``) is, and
-        those entries are derived from it when read (:mod:`lens_aot.cache`), with the standard shapes. The cache then
+        those entries are derived from it when read (:mod:`lens_aot.core.cache`), with the standard shapes. The cache
+        then
         costs about what the source's does. Entries are stored eagerly instead when that would not be exact or
         possible: ``compact=False``, ``incl_bwd``, ``pos_slice``, ``use_attn_result``,
         ``return_cache_object=False``, or hooks already attached to neuron-head internals.
@@ -535,12 +536,12 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
 
     @property
     def placement(self) -> Placement:
-        """Where the model's parts are (:mod:`lens_aot.placement`): a converted model has its source's."""
+        """Where the model's parts are (:mod:`lens_aot.core.placement`): a converted model has its source's."""
         return Placement(self.W_E.device, tuple(self._block_devices), self.unembed.W_U.device)
 
     def place(self, placement: Placement) -> AttentionOnlyTransformer:
         """Move each layer, the embeddings and the unembedding to ``placement``'s devices (e.g.
-        ``lens_aot.placement.split_evenly(aot.cfg.n_layers, ["cuda:0", "cuda:1"])`` for a loaded model)."""
+        ``lens_aot.core.placement.split_evenly(aot.cfg.n_layers, ["cuda:0", "cuda:1"])`` for a loaded model)."""
         if len(placement.layers) != len(self.blocks):
             raise ValueError(
                 f"the placement has {len(placement.layers)} layers but the model has {len(self.blocks)} source layers"
@@ -567,7 +568,7 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
     def to_spec(self) -> ModelSpec:
         """The source model this one implements, as a :class:`ModelSpec` (tensors copied; MLPs with their original
         activation, not its fit). ``AttentionOnlyTransformer(aot.to_spec(), aot.cfg.activation_fits)`` rebuilds
-        ``aot``; :class:`lens_aot.reference.MLPTransformer` (``aot.to_spec()``) runs the original computation."""
+        ``aot``; :class:`lens_aot.core.reference.MLPTransformer` (``aot.to_spec()``) runs the original computation."""
         first = self.blocks[0].attn if len(self.blocks) else None
         rotary = None
         if first is not None and first.rotary_dim:

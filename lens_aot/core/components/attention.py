@@ -9,10 +9,10 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.kv_cache import KeyValueCacheEntry, offset_position_ids
+from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.errors import InputError
-from lens_aot.kv_cache import KeyValueCacheEntry, offset_position_ids
-from lens_aot.spec import AttentionSpec, RotarySpec
 from lens_aot.tl.hooks import hooked as _hooked
 
 

@@ -8,9 +8,9 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.ownership import parameter
+from lens_aot.core.components.ownership import parameter
+from lens_aot.core.kv_cache import offset_position_ids
 from lens_aot.errors import InputError
-from lens_aot.kv_cache import offset_position_ids
 
 
 class Embed(nn.Module):

@@ -92,7 +92,7 @@ def reference_activation(act_fn: str, z: Float[Tensor, "*shape"]) -> Float[Tenso
 
 def available_fits(act_fn: str) -> list[tuple[int, float]]:
     """``(heads per neuron, sup-norm error)`` for each stored fit of a GELU-family activation."""
-    from lens_aot.fits_table import FITS
+    from lens_aot.core.fits_table import FITS
 
     return [(k + 1, err) for k, (err, _) in enumerate(FITS[canonical_activation(act_fn)])]
 
@@ -126,7 +126,7 @@ def activation_fit(
         sharpness = RELU_ERROR_CONSTANT / eps
         return ActivationFit(name, (1.0,), (0.0,), (sharpness,), (0.0,), eps)
 
-    from lens_aot.fits_table import FITS
+    from lens_aot.core.fits_table import FITS
 
     table = FITS[name]
     if heads_per_neuron is not None:
