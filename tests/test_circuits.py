@@ -358,6 +358,42 @@ def test_gated_and_parallel_models() -> None:
         C.ov_circuit(aot, (gate, 0), unembed=True)
 
 
+@pytest.mark.parametrize("norm", ["LN", "LNPre"])
+def test_sequential_gated_mlp_heads_read_ln2_and_the_mlps_scratch(norm: str) -> None:
+    """A sequential gated layer: gate and product heads read ``ln2(hook_resid_mid)`` (product heads also the MLP's
+    scratch, which LayerNorm folding leaves alone); their circuits reproduce the cached scores and per-head results;
+    the layer's attention composes into its gate heads; a gate head writes the scratch, read by its own neuron's
+    product heads only."""
+    spec = random_spec(norm=norm, positions="standard", act_fn="silu", gated=True, dtype=torch.float64, d_mlp=8)
+    aot = lens_aot.convert(spec)
+    aot.set_use_attn_result(True)
+    try:
+        _, cache = aot.run_with_cache(_tokens(aot))
+    finally:
+        aot.set_use_attn_result(False)
+    gate, product = (aot.sublayer(name).index for name in aot.neuron_modules(1))
+    d, d_mlp = aot.cfg.d_model, aot.cfg.d_mlp
+    for block in (gate, product):
+        for fold_ln in (True, False):
+            x = C.circuit_input(aot, cache, block, fold_ln=fold_ln)
+            assert x.shape[-1] == (d + d_mlp if block == product else d)
+            scores, result = cache[_hook(aot, block, "hook_attn_scores")], cache[_hook(aot, block, "hook_result")]
+            pattern = cache[_hook(aot, block, "hook_pattern")]
+            for ref in _all_heads(aot, block)[:5]:
+                got = C.circuit_scores(aot, ref, x, fold_ln=fold_ln)
+                allowed = torch.isfinite(scores[:, ref.head])
+                torch.testing.assert_close(got[..., :-1][allowed], scores[:, ref.head][allowed], rtol=0, atol=ATOL)
+                ov = C.ov_circuit(aot, ref, fold_ln=fold_ln, biases=True).AB
+                p = pattern[:, ref.head]
+                aug = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+                expected = p @ (aug @ ov[: x.shape[-1] + 1]) + (1 - p.sum(-1))[..., None] * ov[-1]
+                torch.testing.assert_close(expected, result[:, :, ref.head], rtol=0, atol=ATOL)
+    assert float(C.composition_scores(aot, _attn_sub(aot, 1), gate, "Q").scores.max()) > 0.05
+    k = aot.head_module(aot.sublayer(gate).name).heads_per_neuron
+    v = C.composition_scores(aot, gate, product, "V").scores
+    assert float(v[3 * k, 6:8].min()) > 0.1 and float(v[3 * k].abs().sum() - v[3 * k, 6:8].sum()) == 0.0
+
+
 # ---------------------------------------------------------------------------------------------------- errors / labels
 def test_bad_input_names_the_problem(ln_aot, ln_cache) -> None:
     with pytest.raises(InputError, match="earlier sub-layer"):
