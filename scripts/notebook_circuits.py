@@ -20,7 +20,11 @@ _RAW: list[tuple[str, str]] = [
         After `lens_aot.convert`, every MLP neuron is an attention head (Huben & Morris 2023, Theorem 3), so the
         circuit tools of Elhage et al. (2021, *A Mathematical Framework for Transformer Circuits*) apply to neurons
         too. `lens_aot.circuits` gives every head's **QK** and **OV** circuits as TransformerLens `FactoredMatrix`
-        objects and **composition scores** between any two heads in different blocks, neuron heads included.
+        objects and **composition scores** between any two heads of different sub-layers, neuron heads included.
+        The converted model is numbered like its source (`blocks.0.attn` is layer 0's attention, `blocks.0.mlp.heads`
+        its MLP's neuron heads); the paper's view, one sequence of attention-only sub-layers, is the order of
+        `aot.sublayers()`, which composition follows. Heads are labelled `L0H3` (attention) and `L0N17.0` (head 0 of
+        neuron 17); a label, a `HeadRef` or `(module name, head)` addresses a head.
 
         One thing is new. A neuron head's keys are 0 at every real position and −1 at a persistent **bias slot**;
         its softmax over {itself, slot} puts `σ(q)` on itself, with `q = b·z + d` and `z` the neuron's
@@ -50,10 +54,10 @@ _RAW: list[tuple[str, str]] = [
         aot = lens_aot.convert(model)
         tokens, labels = modular_addition_dataset()
         _, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_z"))
-        neuron_block, attn_block = aot.neuron_block(0), aot.attention_block(0)
+        neuron_heads, attn = aot.neuron_module(0), "blocks.0.attn"  # layer 0's MLP as heads, and its attention
         top = viz.top_neuron_heads(aot, cache, 3, "max_abs", pos=-1)  # largest |activation| at '='
         head = top[0].ref
-        print("heads per block:", aot.cfg.n_heads_per_block)
+        print("sub-layers:", [(sub.name, aot.head_module(sub.name).n_heads) for sub in aot.sublayers()])
         for stat in top:
             print(stat.label, stat.ref, stat.origin, f"max |hook_z| at '=': {stat.value:.1f}")
         """,
@@ -82,7 +86,7 @@ _RAW: list[tuple[str, str]] = [
 
         u, c = circuits.self_vs_slot_direction(aot, head)
         _, sample = aot.run_with_cache(tokens[::7])  # every 7th input: dense patterns of all 512 heads stay small
-        x = circuits.circuit_input(aot, sample, neuron_block)[:, -1]  # what the head reads at '='
+        x = circuits.circuit_input(aot, sample, neuron_heads)[:, -1]  # what the head reads at '='
         gate_logit = x @ u + c
         q = sample[f"{head.name}.hook_q"][:, -1, head.head, 0]
         self_weight = sample[f"{head.name}.hook_pattern"][:, head.head, -1, -1]
@@ -136,7 +140,7 @@ _RAW: list[tuple[str, str]] = [
         * **K-composition into a neuron head is 0**: its keys read nothing from the residual.
         * **Q- and V-composition into a neuron head are equal**: query and value both read `W_in[:, n]`.
 
-        `composition_scores(aot, sender_block, receiver_block, mode)` returns a labelled `[senders, receivers]`
+        `composition_scores(aot, sender, receiver, mode)` (two sub-layers) returns a labelled `[senders, receivers]`
         table, computed from low-rank factors (one rank-one factor per neuron), so it scales to thousands of heads.
         Here the 4 attention heads against the 512 neuron heads, neurons sorted by their frequency.
         """,
@@ -144,11 +148,11 @@ _RAW: list[tuple[str, str]] = [
     (
         "code",
         """
-        scores = {mode: circuits.composition_scores(aot, attn_block, neuron_block, mode) for mode in "QKV"}
+        scores = {mode: circuits.composition_scores(aot, attn, neuron_heads, mode) for mode in "QKV"}
         print(scores["Q"], "| K max:", scores["K"].scores.max().item(),
               "| max |Q − V|:", (scores["Q"].scores - scores["V"].scores).abs().max().item())
 
-        z_grid = cache[f"blocks.{neuron_block}.attn.hook_z"][:, -1, :, 0].reshape(P, P, -1)
+        z_grid = cache[f"{neuron_heads}.hook_z"][:, -1, :, 0].reshape(P, P, -1)
         best_share, best_freq = viz.frequency_shares_2d(z_grid).max(dim=1)
         order = torch.argsort(best_freq + 100 * (best_share < 0.5))  # by frequency, mixed neurons last
         key_freqs = [int(f) for f in torch.bincount(best_freq[best_share > 0.5]).argsort(descending=True)[:3]]
@@ -207,14 +211,15 @@ _RAW: list[tuple[str, str]] = [
         sd["blocks.1.mlp.W_in"][:, 20] = Vh[0]  # plant 2: neuron 20 reads head 1.0's top output direction
         random_model = model_from_tl_state_dict(config, sd)
         random_aot = lens_aot.convert(random_model)
-        print(type(random_model).__name__, "→ blocks with", random_aot.cfg.n_heads_per_block, "heads")
+        print(type(random_model).__name__, "→", random_aot.cfg.n_layers, "layers, sub-layers",
+              [sub.name for sub in random_aot.sublayers()])
 
-        n0, n1 = random_aot.neuron_block(0), random_aot.neuron_block(1)
+        n0, n1 = random_aot.neuron_module(0), random_aot.neuron_module(1)
         neuron_to_neuron = circuits.composition_scores(random_aot, n0, n1, "Q")
         label = circuits.head_label
         top_pairs = [(label(random_aot, s), label(random_aot, r), round(v, 3)) for s, r, v in neuron_to_neuron.top(3)]
         print("top neuron→neuron pairs:", top_pairs)
-        head_to_neuron = circuits.composition_scores(random_aot, random_aot.attention_block(1), n1, "V")
+        head_to_neuron = circuits.composition_scores(random_aot, "blocks.1.attn", n1, "V")
         print(f"L1H0 → L1N20: {head_to_neuron.scores[0, 20]:.4f}, expected S₀/‖S‖ = {S[0] / S.norm():.4f}")
         """,
     ),
@@ -222,8 +227,9 @@ _RAW: list[tuple[str, str]] = [
         "md",
         """
         On the source's own heads these are TransformerLens's scores: `all_composition_scores` (HookedTransformer on
-        TransformerLens 3, TransformerBridge on 4) agrees with `composition_scores` between the two attention blocks.
-        Finally, the largest score of each mode for every pair of blocks, and where the planted pair sits among all
+        TransformerLens 3, TransformerBridge on 4) agrees with `composition_scores` between the two attention
+        sub-layers, and TransformerLens's own `OV` property of the converted model is `ov_circuit`'s. Finally, the
+        largest score of each mode for every pair of sub-layers, and where the planted pair sits among all
         neuron-to-neuron scores.
         """,
     ),
@@ -233,13 +239,14 @@ _RAW: list[tuple[str, str]] = [
         for mode in "QKV":
             reference = random_model.all_composition_scores(mode)
             reference = getattr(reference, "scores", reference)[0, :, 1, :]  # bridges return a CompositionScores
-            a0, a1 = random_aot.attention_block(0), random_aot.attention_block(1)
-            ours = circuits.composition_scores(random_aot, a0, a1, mode)
+            ours = circuits.composition_scores(random_aot, "blocks.0.attn", "blocks.1.attn", mode)
             print(f"{mode}: max |ours − TransformerLens| = {(ours.scores - reference).abs().max():.1e}")
+        ov_error = (circuits.ov_circuit(random_aot, "L1H0").AB - random_aot.OV[1, 0].AB).abs().max()
+        print(f"max |circuits.ov_circuit(aot, 'L1H0') − aot.OV[1, 0]| = {ov_error:.1e}")
 
-        n_blocks = len(random_aot.blocks)
-        origins = [random_aot.head_origin(b, 0) for b in range(n_blocks)]
-        labels = [f"{b}: {'heads' if o.kind == 'attention' else 'neurons'} L{o.layer}" for b, o in enumerate(origins)]
+        subs = random_aot.sublayers()
+        n_blocks = len(subs)
+        labels = [f"{sub.index}: {sub.name}" for sub in subs]
         fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
         for ax, mode in zip(axes, "QKV", strict=False):
             table = torch.full((n_blocks, n_blocks), float("nan"))
@@ -250,7 +257,7 @@ _RAW: list[tuple[str, str]] = [
             for s, r in zip(*torch.where(~table.isnan()), strict=True):
                 ax.text(int(r), int(s), f"{table[s, r]:.2f}", ha="center", va="center", color="white", fontsize=8)
             ax.set(title=f"max {mode}-composition", xticks=range(n_blocks), yticks=range(n_blocks),
-                   xlabel="receiver block", ylabel="sender block")
+                   xlabel="receiver sub-layer", ylabel="sender sub-layer")
             ax.set_yticklabels(labels, fontsize=7)
         axes[3].hist(neuron_to_neuron.scores.flatten(), bins=60, log=True)
         axes[3].axvline(float(neuron_to_neuron.scores[3, 7]), color="red", ls="--", label="planted L0N3 → L1N7")

@@ -56,10 +56,11 @@ _RAW: list[tuple[str, str]] = [
         a, b = tokens[:, 0], tokens[:, 1]
         with torch.no_grad():
             source_logits, source_cache = model.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_post")
-            logits, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_z"))
-        neuron_block = aot.neuron_block(0)
-        n_heads = aot.cfg.n_heads_per_block[neuron_block]
-        print(f"{type(model).__name__} → {aot.cfg.n_heads_per_block} heads per block ({n_heads} neuron heads)")
+            logits, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith(("hook_z", "hook_post")))
+        neuron_module = aot.neuron_module(0)  # "blocks.0.mlp.heads": layer 0's MLP, as neuron heads
+        n_heads = aot.head_module(neuron_module).n_heads
+        print(f"{type(model).__name__} → {aot.cfg.n_layers} layer: {aot.cfg.n_heads} attention heads (blocks.0.attn), "
+              f"{n_heads} neuron heads ({neuron_module})")
         for name, out in (("source", source_logits), ("converted", logits)):
             print(f"{name:9s} accuracy {(out[:, -1].argmax(-1) == labels).float().mean():.2%}")
         print(f"max |Δlogit| = {(logits - source_logits).abs().max():.1e}")
@@ -101,10 +102,10 @@ _RAW: list[tuple[str, str]] = [
     (
         "code",
         """
-        z = cache[f"blocks.{neuron_block}.attn.hook_z"][:, -1, :, 0]  # [p², head]
-        post = source_cache["blocks.0.mlp.hook_post"][:, -1]  # [p², neuron]: the original model
-        print(f"max |neuron heads' activation − source neurons' hook_post| = "
-              f"{(aot.neuron_activations(cache, 0)[:, -1] - post).abs().max():.1e}")
+        z = cache[f"{neuron_module}.hook_z"][:, -1, :, 0]  # [p², head]
+        post = source_cache["post", 0][:, -1]  # [p², neuron]: the original model's blocks.0.mlp.hook_post
+        print(f"max |neuron heads' activation (cache['post', 0]) − source neurons' hook_post| = "
+              f"{(cache['post', 0][:, -1] - post).abs().max():.1e}")
         shares = viz.frequency_shares_2d(z.reshape(P, P, -1))  # [head, frequency]
         best_share, best_freq = shares.max(dim=1)
         single = best_share > 0.5
@@ -113,7 +114,7 @@ _RAW: list[tuple[str, str]] = [
         fig, axes = plt.subplots(2, len(key_freqs), figsize=(3.3 * len(key_freqs), 6.4))
         for col, w in enumerate(key_freqs):
             h = int(torch.where(best_freq == w, best_share, torch.zeros_like(best_share)).argmax())
-            ref = circuits.as_head_ref(aot, (neuron_block, h))
+            ref = circuits.as_head_ref(aot, (neuron_module, h))
             origin = aot.head_origin(*ref)
             axes[0, col].imshow(z[:, h].reshape(P, P).detach(), cmap="RdBu_r")
             axes[0, col].set(title=f"head {circuits.head_label(aot, ref)}: hook_z at '='\\nfrequency {w}, "
@@ -158,7 +159,7 @@ _RAW: list[tuple[str, str]] = [
         "code",
         """
         logit_weights = torch.stack(
-            [circuits.ov_circuit(aot, (neuron_block, h), unembed=True).B[0] for h in range(n_heads)]
+            [circuits.ov_circuit(aot, (neuron_module, h), unembed=True).B[0] for h in range(n_heads)]
         )  # [head, c]
         state = load_modular_addition_checkpoint()["state_dict"]
         source_weights = state["blocks.0.mlp.W_out"] @ state["unembed.W_U"]  # [neuron, c], the original

@@ -48,12 +48,30 @@ def ln_cache(ln_aot):
     return cache
 
 
-def _all_heads(aot: AttentionOnlyTransformer, block: int) -> list[HeadRef]:
-    return [HeadRef(f"blocks.{block}.attn", h) for h in range(aot.cfg.n_heads_per_block[block])]
+def _n_heads(aot: AttentionOnlyTransformer, sub: int) -> int:
+    return aot.head_module(aot.sublayer(sub).name).n_heads
 
 
-def _is_neuron_block(aot: AttentionOnlyTransformer, block: int) -> bool:
-    return isinstance(aot.blocks[block].attn, NeuronAttention)
+def _all_heads(aot: AttentionOnlyTransformer, sub: int) -> list[HeadRef]:
+    return [HeadRef(aot.sublayer(sub).name, h) for h in range(_n_heads(aot, sub))]
+
+
+def _is_neuron_block(aot: AttentionOnlyTransformer, sub: int) -> bool:
+    return isinstance(aot.head_module(aot.sublayer(sub).name), NeuronAttention)
+
+
+def _hook(aot: AttentionOnlyTransformer, sub: int, hook: str) -> str:
+    return f"{aot.sublayer(sub).name}.{hook}"
+
+
+def _attn_sub(aot: AttentionOnlyTransformer, layer: int) -> int:
+    """The flat (sub-layer) index of layer ``layer``'s attention."""
+    return aot.sublayer(f"blocks.{layer}.attn").index
+
+
+def _neuron_sub(aot: AttentionOnlyTransformer, layer: int) -> int:
+    """The flat (sub-layer) index of layer ``layer``'s (output) neuron heads."""
+    return aot.sublayer(aot.neuron_module(layer)).index
 
 
 # ---------------------------------------------------------------------------------------------------- QK circuits
@@ -61,10 +79,11 @@ def _is_neuron_block(aot: AttentionOnlyTransformer, block: int) -> bool:
 def test_qk_circuit_reproduces_cached_scores_and_patterns(ln_aot, ln_cache, fold_ln: bool) -> None:
     """For every head: the circuit's scores are ``hook_attn_scores`` on the allowed keys; with the slot column the
     softmax is ``hook_pattern``; for neuron heads the slot score is ``−hook_q`` (self − slot = the gate logit)."""
-    for block in range(len(ln_aot.blocks)):
+    assert [s.kind for s in ln_aot.sublayers()] == ["attention", "neuron", "attention", "neuron"]
+    for block in range(len(ln_aot.sublayers())):
         x = C.circuit_input(ln_aot, ln_cache, block, fold_ln=fold_ln)
-        cached_scores = ln_cache[f"blocks.{block}.attn.hook_attn_scores"]
-        cached_pattern = ln_cache[f"blocks.{block}.attn.hook_pattern"]
+        cached_scores = ln_cache[_hook(ln_aot, block, "hook_attn_scores")]
+        cached_pattern = ln_cache[_hook(ln_aot, block, "hook_pattern")]
         pos = x.shape[-2]
         for ref in _all_heads(ln_aot, block):
             scores = C.circuit_scores(ln_aot, ref, x, fold_ln=fold_ln)
@@ -75,7 +94,7 @@ def test_qk_circuit_reproduces_cached_scores_and_patterns(ln_aot, ln_cache, fold
             torch.testing.assert_close(full[..., :pos], cached_pattern[:, ref.head], rtol=0, atol=ATOL)
             if _is_neuron_block(ln_aot, block):
                 assert scores.shape[-1] == pos + 1
-                q = ln_cache[f"blocks.{block}.attn.hook_q"][:, :, ref.head, 0]
+                q = ln_cache[_hook(ln_aot, block, "hook_q")][:, :, ref.head, 0]
                 torch.testing.assert_close(scores[..., -1], -q, rtol=0, atol=ATOL)
                 self_minus_slot = torch.diagonal(real, dim1=-2, dim2=-1) - scores[..., -1]
                 torch.testing.assert_close(self_minus_slot, q, rtol=0, atol=ATOL)
@@ -85,9 +104,8 @@ def test_qk_circuit_reproduces_cached_scores_and_patterns(ln_aot, ln_cache, fold
 
 def test_neuron_qk_circuit_is_the_bias_slot_column(ln_aot) -> None:
     """W_Q·W_Kᵀ of a neuron head is zero; the augmented circuit's only non-zero column is the slot's, −W_Q."""
-    block = ln_aot.neuron_block(0)
     d = ln_aot.cfg.d_model
-    attn = ln_aot.blocks[block].attn
+    attn = ln_aot.head_module(ln_aot.neuron_module(0))
     for ref in ln_aot.neuron_heads(0, 3):
         plain = C.qk_circuit(ln_aot, ref, bias_slot=False)
         assert plain.shape == (d, d) and torch.equal(plain.AB, torch.zeros(d, d, dtype=plain.AB.dtype))
@@ -105,10 +123,10 @@ def test_neuron_qk_circuit_is_the_bias_slot_column(ln_aot) -> None:
 
 
 def test_self_vs_slot_direction_is_the_gate_logit(ln_aot, ln_cache) -> None:
-    block = ln_aot.neuron_block(1)
+    block = _neuron_sub(ln_aot, 1)
     x = C.circuit_input(ln_aot, ln_cache, block)
-    q = ln_cache[f"blocks.{block}.attn.hook_q"][..., 0]
-    pattern = ln_cache[f"blocks.{block}.attn.hook_pattern"]
+    q = ln_cache[_hook(ln_aot, block, "hook_q")][..., 0]
+    pattern = ln_cache[_hook(ln_aot, block, "hook_pattern")]
     for ref in ln_aot.neuron_heads(1, 5) + ln_aot.neuron_heads(1, 11):
         u, c = C.self_vs_slot_direction(ln_aot, ref)
         torch.testing.assert_close(x @ u + c, q[:, :, ref.head], rtol=0, atol=ATOL)
@@ -123,11 +141,11 @@ def test_self_vs_slot_direction_is_the_gate_logit(ln_aot, ln_cache) -> None:
 def test_ov_circuit_with_biases_reproduces_each_heads_result(ln_aot, ln_cache, fold_ln: bool) -> None:
     """``hook_result[q, h] = Σ_k pattern[q, k]·[x_k, 1]·OV + (1 − Σ_k pattern[q, k])·v_slot·W_O``, every head."""
     d = ln_aot.cfg.d_model
-    for block in range(len(ln_aot.blocks)):
+    for block in range(len(ln_aot.sublayers())):
         x = C.circuit_input(ln_aot, ln_cache, block, fold_ln=fold_ln)
         aug = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
-        pattern = ln_cache[f"blocks.{block}.attn.hook_pattern"]
-        result = ln_cache[f"blocks.{block}.attn.hook_result"]
+        pattern = ln_cache[_hook(ln_aot, block, "hook_pattern")]
+        result = ln_cache[_hook(ln_aot, block, "hook_result")]
         for ref in _all_heads(ln_aot, block):
             ov = C.ov_circuit(ln_aot, ref, fold_ln=fold_ln, biases=True).AB
             p = pattern[:, ref.head]
@@ -191,22 +209,20 @@ def _dense_scores(aot: AttentionOnlyTransformer, sender: HeadRef, receiver: Head
 def test_composition_scores_equal_the_dense_definition(ln_aot, fold_ln: bool) -> None:
     """Every pair of blocks and mode, on a sample of heads (all source heads; neuron heads of 4 neurons, all terms)."""
     sample = {}
-    for block in range(len(ln_aot.blocks)):
-        heads = list(range(ln_aot.cfg.n_heads_per_block[block]))
+    for block in range(len(ln_aot.sublayers())):
+        heads = list(range(_n_heads(ln_aot, block)))
         if _is_neuron_block(ln_aot, block):
-            k = ln_aot.blocks[block].attn.heads_per_neuron
+            k = ln_aot.head_module(ln_aot.sublayer(block).name).heads_per_neuron
             heads = [n * k + j for n in (0, 5, 9, 15) for j in range(k)]
         sample[block] = heads
-    for sb, rb in itertools.combinations(range(len(ln_aot.blocks)), 2):
+    for sb, rb in itertools.combinations(range(len(ln_aot.sublayers())), 2):
         for mode in "QKV":
             table = C.composition_scores(ln_aot, sb, rb, mode, fold_ln=fold_ln)
-            assert table.shape == (ln_aot.cfg.n_heads_per_block[sb], ln_aot.cfg.n_heads_per_block[rb])
+            assert table.shape == (_n_heads(ln_aot, sb), _n_heads(ln_aot, rb))
             assert len(table.sender_labels) == table.shape[0] and len(table.receiver_labels) == table.shape[1]
             assert ((table.scores >= 0) & (table.scores <= 1 + 1e-12)).all()
             for s, r in itertools.product(sample[sb], sample[rb]):
-                dense = _dense_scores(
-                    ln_aot, HeadRef(f"blocks.{sb}.attn", s), HeadRef(f"blocks.{rb}.attn", r), mode, fold_ln
-                )
+                dense = _dense_scores(ln_aot, _all_heads(ln_aot, sb)[s], _all_heads(ln_aot, rb)[r], mode, fold_ln)
                 assert float(table.scores[s, r]) == pytest.approx(dense, abs=1e-9), (sb, rb, mode, s, r)
             subset = C.composition_scores(
                 ln_aot, sb, rb, mode, senders=sample[sb][::3], receivers=sample[rb][1::2], fold_ln=fold_ln
@@ -218,7 +234,7 @@ def test_composition_scores_equal_the_dense_definition(ln_aot, fold_ln: bool) ->
 
 def test_k_composition_into_neuron_heads_is_exactly_zero_and_q_equals_v(ln_aot) -> None:
     """Neuron heads' keys read nothing from the residual; their query and value read the same direction W_in[:, n]."""
-    for sb, rb in itertools.combinations(range(len(ln_aot.blocks)), 2):
+    for sb, rb in itertools.combinations(range(len(ln_aot.sublayers())), 2):
         if not _is_neuron_block(ln_aot, rb):
             continue
         k = C.composition_scores(ln_aot, sb, rb, "K").scores
@@ -261,7 +277,7 @@ def test_known_answers_on_hand_built_weights() -> None:
     aot = lens_aot.convert(spec)
     n0 = aot.neuron_heads(0, 0)[0]
     n1 = [aot.neuron_heads(1, n)[0] for n in range(4)]
-    a0, b1 = aot.attention_block(0), aot.attention_block(1)
+    a0, b1 = _attn_sub(aot, 0), _attn_sub(aot, 1)
     for mode in "QV":  # neuron → neuron, and source head → neuron
         assert C.composition_score(aot, n0, n1[0], mode) == pytest.approx(1.0, abs=1e-12)
         assert C.composition_score(aot, n0, n1[1], mode) == pytest.approx(0.0, abs=1e-12)
@@ -274,19 +290,20 @@ def test_known_answers_on_hand_built_weights() -> None:
     assert C.composition_score(aot, n0, (b1, 0), "K") == pytest.approx(0.0, abs=1e-12)
     assert C.composition_score(aot, n0, (b1, 1), "K") == pytest.approx(1.0, abs=1e-12)
     assert C.composition_score(aot, n0, (b1, 1), "Q") == pytest.approx(0.0, abs=1e-12)
-    top = C.composition_scores(aot, aot.neuron_block(0), aot.neuron_block(1), "Q").top(2)
+    top = C.composition_scores(aot, _neuron_sub(aot, 0), _neuron_sub(aot, 1), "Q").top(2)
     assert [(s, r) for s, r, _ in top] == [(n0, n1[0]), (n0, n1[2])]
 
 
 def test_heads_with_a_zero_matrix_score_zero_not_nan(ln_aot) -> None:
     aot = copy.deepcopy(ln_aot)
-    block = aot.neuron_block(0)
+    block = _neuron_sub(aot, 0)
+    heads = aot.head_module(aot.neuron_module(0))
     with torch.no_grad():
-        aot.blocks[block].attn.term_alpha[1] = 0.0  # term 1 of every neuron: value α·z + β with α = 0: OV = 0
-    v_out = C.composition_scores(aot, block, aot.attention_block(1), "V").scores
+        heads.term_alpha[1] = 0.0  # term 1 of every neuron: value α·z + β with α = 0: OV = 0
+    v_out = C.composition_scores(aot, block, _attn_sub(aot, 1), "V").scores
     v_in = C.composition_scores(aot, 0, block, "V").scores
     assert not v_out.isnan().any() and not v_in.isnan().any()
-    k = aot.blocks[block].attn.heads_per_neuron
+    k = heads.heads_per_neuron
     assert torch.equal(v_out[1::k], torch.zeros_like(v_out[1::k])) and float(v_out[0::k].max()) > 0.1
     assert torch.equal(v_in[:, 1::k], torch.zeros_like(v_in[:, 1::k]))
 
@@ -298,45 +315,88 @@ def test_composition_matches_transformer_lens_on_a_bridges_heads() -> None:
         aot = lens_aot.convert(bridge)
         for mode in "QKV":
             ref = bridge.all_composition_scores(mode).scores[0, :, 1, :]
-            ours = C.composition_scores(aot, aot.attention_block(0), aot.attention_block(1), mode, fold_ln=False)
+            ours = C.composition_scores(aot, "blocks.0.attn", "blocks.1.attn", mode, fold_ln=False)
             torch.testing.assert_close(ours.scores, ref, rtol=0, atol=1e-12)
             assert ours.sender_labels == [f"L0H{h}" for h in range(4)]
 
 
 # ---------------------------------------------------------------------------------------------------- gated / parallel
 def test_gated_and_parallel_models() -> None:
-    """Gate heads write scratch channels the product heads read: V-composition through scratch is real; in a parallel
-    layer the neuron heads do not read the layer's attention output, so those pairs score 0."""
+    """Gate heads write the MLP's scratch, which its product heads read: V-composition through scratch is real; in a
+    parallel layer the neuron heads do not read the layer's attention output, so those pairs score 0."""
     spec = random_spec(norm="LN", positions="standard", act_fn="silu", gated=True, parallel=True, dtype=torch.float64)
     aot = lens_aot.convert(spec)
-    gate, product = aot.neuron_blocks(0)
+    gate, product = (aot.sublayer(name).index for name in aot.neuron_modules(0))
+    assert [aot.sublayer(gate).kind, aot.sublayer(product).kind] == ["gate", "product"]
     _, cache = aot.run_with_cache(_tokens(aot))
-    for block in (gate, product):
+    d_model, d_mlp = aot.cfg.d_model, aot.cfg.d_mlp
+    for block, width in ((gate, d_model), (product, d_model + d_mlp)):  # product heads also read the MLP's scratch
         x = C.circuit_input(aot, cache, block)
-        assert x.shape[-1] == aot.cfg.d_model + aot.cfg.d_scratch
-        scores = cache[f"blocks.{block}.attn.hook_attn_scores"]
+        assert x.shape[-1] == width
+        scores = cache[_hook(aot, block, "hook_attn_scores")]
         for ref in _all_heads(aot, block)[:6]:
             got = C.circuit_scores(aot, ref, x)
             allowed = torch.isfinite(scores[:, ref.head])
             torch.testing.assert_close(got[..., :-1][allowed], scores[:, ref.head][allowed], rtol=0, atol=ATOL)
             torch.testing.assert_close(
-                got[..., -1], -cache[f"blocks.{block}.attn.hook_q"][:, :, ref.head, 0], rtol=0, atol=ATOL
+                got[..., -1], -cache[_hook(aot, block, "hook_q")][:, :, ref.head, 0], rtol=0, atol=ATOL
             )
     v = C.composition_scores(aot, gate, product, "V")
-    per_gate_head = aot.blocks[gate].attn.heads_per_neuron
+    per_gate_head = aot.head_module(aot.sublayer(gate).name).heads_per_neuron
     # gate neuron n's heads feed exactly product neuron n's heads (its scratch channel)
     own = v.scores[0 * per_gate_head, 0:2]
     assert float(own.min()) > 0.1 and float(v.scores[0, 2:].abs().max()) < 1e-12
     for mode in "QV":
-        parallel = C.composition_scores(aot, aot.attention_block(0), gate, mode).scores
+        parallel = C.composition_scores(aot, _attn_sub(aot, 0), gate, mode).scores
         assert torch.equal(parallel, torch.zeros_like(parallel))
-        later = C.composition_scores(aot, aot.attention_block(0), aot.neuron_blocks(1)[0], mode).scores
+        later = C.composition_scores(aot, _attn_sub(aot, 0), aot.neuron_modules(1)[0], mode).scores
         assert float(later.max()) > 0.05
+    # gate heads write only their MLP's scratch: nothing after the MLP reads it
+    beyond = C.composition_scores(aot, gate, aot.neuron_modules(1)[1], "V").scores
+    assert torch.equal(beyond, torch.zeros_like(beyond))
+    with pytest.raises(InputError, match="scratch"):
+        C.ov_circuit(aot, (gate, 0), unembed=True)
+
+
+@pytest.mark.parametrize("norm", ["LN", "LNPre"])
+def test_sequential_gated_mlp_heads_read_ln2_and_the_mlps_scratch(norm: str) -> None:
+    """A sequential gated layer: gate and product heads read ``ln2(hook_resid_mid)`` (product heads also the MLP's
+    scratch, which LayerNorm folding leaves alone); their circuits reproduce the cached scores and per-head results;
+    the layer's attention composes into its gate heads; a gate head writes the scratch, read by its own neuron's
+    product heads only."""
+    spec = random_spec(norm=norm, positions="standard", act_fn="silu", gated=True, dtype=torch.float64, d_mlp=8)
+    aot = lens_aot.convert(spec)
+    aot.set_use_attn_result(True)
+    try:
+        _, cache = aot.run_with_cache(_tokens(aot))
+    finally:
+        aot.set_use_attn_result(False)
+    gate, product = (aot.sublayer(name).index for name in aot.neuron_modules(1))
+    d, d_mlp = aot.cfg.d_model, aot.cfg.d_mlp
+    for block in (gate, product):
+        for fold_ln in (True, False):
+            x = C.circuit_input(aot, cache, block, fold_ln=fold_ln)
+            assert x.shape[-1] == (d + d_mlp if block == product else d)
+            scores, result = cache[_hook(aot, block, "hook_attn_scores")], cache[_hook(aot, block, "hook_result")]
+            pattern = cache[_hook(aot, block, "hook_pattern")]
+            for ref in _all_heads(aot, block)[:5]:
+                got = C.circuit_scores(aot, ref, x, fold_ln=fold_ln)
+                allowed = torch.isfinite(scores[:, ref.head])
+                torch.testing.assert_close(got[..., :-1][allowed], scores[:, ref.head][allowed], rtol=0, atol=ATOL)
+                ov = C.ov_circuit(aot, ref, fold_ln=fold_ln, biases=True).AB
+                p = pattern[:, ref.head]
+                aug = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+                expected = p @ (aug @ ov[: x.shape[-1] + 1]) + (1 - p.sum(-1))[..., None] * ov[-1]
+                torch.testing.assert_close(expected, result[:, :, ref.head], rtol=0, atol=ATOL)
+    assert float(C.composition_scores(aot, _attn_sub(aot, 1), gate, "Q").scores.max()) > 0.05
+    k = aot.head_module(aot.sublayer(gate).name).heads_per_neuron
+    v = C.composition_scores(aot, gate, product, "V").scores
+    assert float(v[3 * k, 6:8].min()) > 0.1 and float(v[3 * k].abs().sum() - v[3 * k, 6:8].sum()) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- errors / labels
 def test_bad_input_names_the_problem(ln_aot, ln_cache) -> None:
-    with pytest.raises(InputError, match="earlier block"):
+    with pytest.raises(InputError, match="earlier sub-layer"):
         C.composition_scores(ln_aot, 2, 1, "Q")
     with pytest.raises(InputError, match="mode"):
         C.composition_scores(ln_aot, 0, 1, "X")  # type: ignore[arg-type]
@@ -346,7 +406,9 @@ def test_bad_input_names_the_problem(ln_aot, ln_cache) -> None:
         C.ov_circuit(ln_aot, (17, 0))
     with pytest.raises(InputError, match="HeadRef"):
         C.qk_circuit(ln_aot, 3)  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="not in block"):
+    with pytest.raises(InputError, match="not in sub-layer"):
+        C.composition_scores(ln_aot, 0, 1, "Q", senders=[HeadRef("blocks.1.attn", 0)])
+    with pytest.raises(InputError, match="not a head module"):
         C.composition_scores(ln_aot, 0, 1, "Q", senders=[HeadRef("blocks.2.attn", 0)])
     _, partial = ln_aot.run_with_cache(_tokens(ln_aot), names_filter="blocks.0.hook_resid_pre")
     with pytest.raises(InputError, match="ln1.hook_normalized is not in the cache"):
@@ -362,9 +424,16 @@ def test_labels_and_addresses(ln_aot) -> None:
     ref = ln_aot.neuron_heads(1, 7)[2]
     assert C.head_label(ln_aot, ref) == "L1N7.2"
     assert C.head_label(ln_aot, (0, 3)) == "L0H3"
-    assert C.as_head_ref(ln_aot, ("blocks.1.attn", 5)) == HeadRef("blocks.1.attn", 5)
-    assert C.as_head_ref(ln_aot, (-1, 0)) == HeadRef(f"blocks.{len(ln_aot.blocks) - 1}.attn", 0)
+    assert C.as_head_ref(ln_aot, ("blocks.1.attn", 3)) == HeadRef("blocks.1.attn", 3)
+    assert C.as_head_ref(ln_aot, ("blocks.1.mlp.heads", 5)) == HeadRef("blocks.1.mlp.heads", 5)
+    assert C.as_head_ref(ln_aot, (-1, 0)) == HeadRef(ln_aot.sublayers()[-1].name, 0) == HeadRef("blocks.1.mlp.heads", 0)
+    assert C.as_head_ref(ln_aot, (1, 5)) == HeadRef("blocks.0.mlp.heads", 5)  # sub-layers in the paper's flat order
+    assert C.as_head_ref(ln_aot, "L1N7.2") == ref and C.as_head_ref(ln_aot, "L0H3") == HeadRef("blocks.0.attn", 3)
+    with pytest.raises(InputError, match="whole neuron"):
+        C.as_head_ref(ln_aot, "L1N7")
+    with pytest.raises(InputError, match="out of range"):
+        C.as_head_ref(ln_aot, "L1N7.9")
     table = C.composition_scores(ln_aot, 0, ref.name, "Q", receivers=[ref])
     assert table.receivers == [ref] and table.receiver_labels == ["L1N7.2"]
     assert table.receiver_origins == [ln_aot.head_origin(ref.name, ref.head)]
-    assert "blocks 0 -> 3" in repr(table)
+    assert table.receiver_sublayer == ln_aot.sublayer(3) and "blocks.0.attn -> blocks.1.mlp.heads" in repr(table)

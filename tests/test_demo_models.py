@@ -290,9 +290,10 @@ def test_the_mechanism_notebooks_claims_hold() -> None:
     embed_shares = viz.frequency_norms(aot.W_E[:P])
     key_freqs = [int(k) for k in embed_shares.argsort(descending=True) if embed_shares[k] > 0.1]
     assert key_freqs == [6, 21, 1]
-    block = aot.neuron_block(0)
-    n_heads = aot.cfg.n_heads_per_block[block]
-    z = cache[f"blocks.{block}.attn.hook_z"][:, -1, :, 0]
+    module = aot.neuron_module(0)  # "blocks.0.mlp.heads"
+    heads = aot.head_module(module)
+    n_heads = heads.n_heads
+    z = cache[f"{module}.hook_z"][:, -1, :, 0]
     post = source_cache["blocks.0.mlp.hook_post"][:, -1]
     best_share, best_freq = viz.frequency_shares_2d(z.reshape(P, P, -1)).max(dim=1)
     single = best_share > 0.5
@@ -300,10 +301,9 @@ def test_the_mechanism_notebooks_claims_hold() -> None:
     assert all(int(f) in key_freqs for f in best_freq[single])
     source_best = viz.frequency_shares_2d(post.reshape(P, P, -1)).argmax(dim=1)
     assert bool((best_freq == source_best).all()), "clustered exactly as the source's neurons"
-    heads = aot.blocks[block].attn
-    logit_weights = (heads.W_O[:, 0, : aot.cfg.d_model] @ aot.W_U).detach()  # [head, c]: one unit of hook_z's logits
+    logit_weights = (heads.W_O[:, 0, :] @ aot.W_U).detach()  # [head, c]: one unit of hook_z's logits
     for h in (0, n_heads // 2, n_heads - 1):  # what the notebook reads through circuits.ov_circuit
-        torch.testing.assert_close(circuits.ov_circuit(aot, (block, h), unembed=True).B[0], logit_weights[h])
+        torch.testing.assert_close(circuits.ov_circuit(aot, (module, h), unembed=True).B[0], logit_weights[h])
     c = torch.arange(P)
     for w in key_freqs:
         cluster = (best_freq == w) & single

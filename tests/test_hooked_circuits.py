@@ -19,7 +19,7 @@ def test_composition_scores_equal_hooked_transformers(family: str) -> None:
     exact ``centre(w·W_Q)``, which ours equals), hence 1e-7 there; folding itself moves the scores by > 1e-3."""
     model = make_hooked(family, "gelu", torch.float64)
     aot = lens_aot.convert(model)
-    a0, a1 = aot.attention_block(0), aot.attention_block(1)
+    a0, a1 = "blocks.0.attn", "blocks.1.attn"
     raw = {mode: model.all_composition_scores(mode)[0, :, 1, :].detach() for mode in "QKV"}
     model.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
     folded = {mode: model.all_composition_scores(mode)[0, :, 1, :].detach() for mode in "QKV"}
@@ -35,7 +35,7 @@ def test_circuits_equal_hooked_transformers() -> None:
     model = make_hooked("ln-standard", "silu", torch.float64)
     aot = lens_aot.convert(model)
     for layer in range(2):
-        block = aot.attention_block(layer)
+        block = f"blocks.{layer}.attn"
         for head in range(4):
             qk = C.qk_circuit(aot, (block, head), fold_ln=False)
             ov = C.ov_circuit(aot, (block, head), fold_ln=False)

@@ -47,7 +47,7 @@ def modular():
 @pytest.mark.parametrize("compact", [True, False])
 def test_head_patterns_equal_the_cached_patterns(aot, tokens, compact: bool) -> None:
     _, cache = aot.run_with_cache(tokens, compact=compact)
-    heads = [aot.neuron_heads(0, 3)[1], (0, 2), aot.neuron_heads(1, 15)[3], HeadRef("blocks.2.attn", 0)]
+    heads = [aot.neuron_heads(0, 3)[1], (0, 2), aot.neuron_heads(1, 15)[3], HeadRef("blocks.1.attn", 0)]
     for batch in (0, 2, -1):
         got = viz.head_patterns(aot, cache, heads, batch=batch)
         refs = [as_head_ref(aot, h) for h in heads]
@@ -118,30 +118,33 @@ def test_missing_circuitsvis_says_how_to_install(aot, tokens, monkeypatch) -> No
 # ---------------------------------------------------------------------------------------------------- statistics
 def test_head_statistic_matches_a_direct_computation(aot, tokens) -> None:
     _, cache = aot.run_with_cache(tokens)
-    block = aot.neuron_block(1)
-    z = cache[f"blocks.{block}.attn.hook_z"][..., 0]  # [batch, pos, head]
+    block = aot.neuron_module(1)  # a sub-layer by name ("blocks.1.mlp.heads") or flat index (3)
+    assert aot.sublayer(block).index == 3
+    z = cache[f"{block}.hook_z"][..., 0]  # [batch, pos, head]
     flat = z.reshape(-1, z.shape[-1])
     torch.testing.assert_close(viz.head_statistic(aot, cache, block), flat.abs().amax(0))
     torch.testing.assert_close(viz.head_statistic(aot, cache, block, "mean", pos=-1), z[:, -1].mean(0))
     torch.testing.assert_close(viz.head_statistic(aot, cache, block, "var", pos=2), z[:, 2].var(0, unbiased=False))
     torch.testing.assert_close(
         viz.head_statistic(aot, cache, block, lambda x: x.median(0).values, hook="hook_q"),
-        cache[f"blocks.{block}.attn.hook_q"][..., 0].reshape(-1, z.shape[-1]).median(0).values,
+        cache[f"{block}.hook_q"][..., 0].reshape(-1, z.shape[-1]).median(0).values,
     )
+    torch.testing.assert_close(viz.head_statistic(aot, cache, 3), flat.abs().amax(0), rtol=0, atol=0)
     top = viz.top_neuron_heads(aot, cache, 5, "mean_abs")
-    all_values = torch.cat([viz.head_statistic(aot, cache, b, "mean_abs") for b in viz.neuron_head_blocks(aot)])
+    assert [s.name for s in viz.neuron_sublayers(aot)] == ["blocks.0.mlp.heads", "blocks.1.mlp.heads"]
+    all_values = torch.cat([viz.head_statistic(aot, cache, s, "mean_abs") for s in viz.neuron_sublayers(aot)])
     assert [s.value for s in top] == pytest.approx(all_values.topk(5).values.tolist())
     for s in top:
         assert s.origin == aot.head_origin(s.ref.name, s.ref.head) and s.origin.kind == "neuron"
         assert s.ref in aot.neuron_heads(s.origin.layer, s.origin.index)
-    bottom = viz.top_neuron_heads(aot, cache, 3, "min", blocks=[block], largest=False)
-    assert bottom[0].value == pytest.approx(float(flat.min())) and all(
-        s.ref.name == f"blocks.{block}.attn" for s in bottom
-    )
+    bottom = viz.top_neuron_heads(aot, cache, 3, "min", sublayers=[block], largest=False)
+    assert bottom[0].value == pytest.approx(float(flat.min())) and all(s.ref.name == block for s in bottom)
     with pytest.raises(InputError, match="stat"):
         viz.head_statistic(aot, cache, block, "median")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="attention heads"):
-        viz.top_neuron_heads(aot, cache, blocks=[0])
+        viz.top_neuron_heads(aot, cache, sublayers=[0])
+    with pytest.raises(InputError, match="attention heads"):
+        viz.top_neuron_heads(aot, cache, sublayers=["blocks.1.attn"])
     _, partial = aot.run_with_cache(tokens, names_filter="blocks.0.hook_resid_pre")
     with pytest.raises(InputError, match="not in the cache"):
         viz.head_statistic(aot, partial, block)
@@ -159,7 +162,7 @@ def test_top_neuron_heads_are_the_sources_top_neurons(modular) -> None:
     top = viz.top_neuron_heads(converted, cache, 8, "max_abs", pos=-1)
     assert [s.origin.index for s in top] == expected.indices.tolist()
     assert [s.value for s in top] == pytest.approx(expected.values.tolist(), abs=1e-4)
-    assert top[0].label == f"L0N{top[0].origin.index}"
+    assert top[0].label == f"L0N{top[0].origin.index}.0"  # one label format: a neuron's head 0, even when alone
 
 
 # ---------------------------------------------------------------------------------------------------- Fourier
@@ -189,8 +192,7 @@ def test_fourier_tools_find_planted_frequencies() -> None:
 def test_neuron_heads_of_the_demo_model_are_single_frequency(modular) -> None:
     """The published mechanism through neuron heads: most heads' activation at '=' has one key frequency."""
     _, converted, cache = modular
-    block = converted.neuron_block(0)
-    grid = cache[f"blocks.{block}.attn.hook_z"][:, -1, :, 0].reshape(P, P, -1)
+    grid = cache[f"{converted.neuron_module(0)}.hook_z"][:, -1, :, 0].reshape(P, P, -1)
     best_share, best = viz.frequency_shares_2d(grid).max(dim=1)
     single = best_share > 0.5
     key = set((viz.frequency_norms(converted.W_E[:P]).argsort(descending=True)[:5]).tolist())

@@ -6,8 +6,8 @@ Fourier tools that read the modular-addition mechanism (Nanda et al. 2023) off n
   with the neuron heads' **bias slot** shown as an extra first key (the weight each query gives it is
   ``1 − pattern.sum(-1)``). circuitsvis is imported only when rendering (``pip install circuitsvis``).
 * :func:`head_statistic` / :func:`top_neuron_heads`: a statistic of every neuron head's activation (``hook_z`` by
-  default: for a one-head neuron, the neuron's activation) over a dataset, at a position or over all, and the top
-  heads with their ``HeadOrigin``.
+  default: for a one-head neuron, the neuron's activation, ``cache["post", l]``) over a dataset, at a position or
+  over all, and the top heads with their ``HeadOrigin``.
 * :func:`fourier_basis`, :func:`frequency_norms`, :func:`frequency_shares_2d`: the Fourier basis over ``Z_p`` and
   the share of a vector's (or an ``(a, b)`` grid's) energy in each frequency.
 """
@@ -25,19 +25,18 @@ from transformer_lens import ActivationCache
 
 from lens_aot.analysis.circuits.names import (
     HeadLike,
+    SublayerLike,
     as_head_ref,
-    block_kind,
     head_hook,
-    head_index,
     head_label,
     head_module,
     head_origin,
-    head_ref,
-    n_blocks,
+    neuron_sublayers,
+    sublayer,
 )
 from lens_aot.core.cache import LazyCacheDict
 from lens_aot.core.components import Attention
-from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
+from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
 
 __all__ = [
@@ -48,7 +47,7 @@ __all__ = [
     "frequency_shares_2d",
     "head_patterns",
     "head_statistic",
-    "neuron_head_blocks",
+    "neuron_sublayers",
     "top_neuron_heads",
 ]
 
@@ -78,10 +77,10 @@ def _slot_heads(attn: Any) -> bool:
 
 
 def _pattern(aot: AttentionOnlyTransformer, cache: Any, ref: HeadRef, batch: int) -> Float[Tensor, "query key"]:
-    """One head's ``hook_pattern`` for one batch element. A compact cache derives every head of a neuron block when
-    ``hook_pattern`` is read, so for those the pattern is built for this head alone from ``hook_q``/``hook_k``: each
-    query sees itself (score ``q·k/scale``) and the slot (``q·k_bias/scale``)."""
-    attn = head_module(aot, head_index(ref)[0])
+    """One head's ``hook_pattern`` for one batch element. A compact cache derives every head of a neuron-head module
+    when ``hook_pattern`` is read, so for those the pattern is built for this head alone from ``hook_q``/``hook_k``:
+    each query sees itself (score ``q·k/scale``) and the slot (``q·k_bias/scale``)."""
+    attn = head_module(aot, sublayer(aot, ref.name))
     key = head_hook(ref, "hook_pattern")
     if not (_slot_heads(attn) and _is_derived(cache, key)):
         return cache[key][batch, ref.head]
@@ -100,11 +99,11 @@ def head_patterns(
     batch: int = 0,
     bias_slot: bool = False,
 ) -> Float[Tensor, "head query key"]:
-    """Attention patterns of ``heads`` (any blocks, neuron heads included) for batch element ``batch`` of ``cache``,
+    """Attention patterns of ``heads`` (any sub-layers, neuron heads included) for batch element ``batch`` of ``cache``,
     stacked as ``[head, query, key]``. ``bias_slot`` prepends the bias slot as key 0 (weight ``1 − row sum``; 0 for
     heads without one) and as query 0 (attending to itself), so a neuron head's rows sum to 1 like any head's."""
     if len(heads) == 0:
-        raise InputError("no heads given; pass e.g. aot.neuron_heads(layer, n) or [(block, head), ...]")
+        raise InputError("no heads given; pass e.g. aot.neuron_heads(layer, n), ['L0H3', 'L1N17.0'] or HeadRefs")
     refs = [as_head_ref(aot, h) for h in heads]
     if isinstance(cache, ActivationCache) and cache.has_batch_dim:  # derive compact entries for this element only
         cache = cache.apply_slice_to_batch_dim(slice(batch, batch + 1 or None))
@@ -117,7 +116,7 @@ def head_patterns(
     out = patterns.new_zeros(n, pos + 1, pos + 1)
     out[:, 0, 0] = 1.0
     out[:, 1:, 1:] = patterns
-    has_slot = torch.tensor([_slot_heads(head_module(aot, head_index(r)[0])) for r in refs])
+    has_slot = torch.tensor([_slot_heads(head_module(aot, sublayer(aot, r.name))) for r in refs])
     out[has_slot, 1:, 0] = (1.0 - patterns[has_slot].sum(-1)).clamp_min(0.0)
     return out
 
@@ -143,7 +142,7 @@ def attention_patterns(
     kind: Literal["heads", "patterns"] = "heads",
     **kwargs: Any,
 ) -> Any:
-    """Render the patterns of ``heads`` with circuitsvis, from a cache, labelled ``"L0N17"`` / ``"L1H3"``.
+    """Render the patterns of ``heads`` with circuitsvis, from a cache, labelled ``"L0N17.0"`` / ``"L1H3"``.
 
     ``tokens``: one label per position (strings, or the token ids of batch element ``batch``, decoded with the
     model's tokenizer when it has one). ``bias_slot`` (default) shows the neuron heads' bias slot as a first token,
@@ -182,21 +181,17 @@ class HeadStat(NamedTuple):
     value: float
 
 
-def neuron_head_blocks(aot: AttentionOnlyTransformer) -> list[int]:
-    """Blocks whose heads are neuron heads (former MLP neurons)."""
-    return [b for b in range(n_blocks(aot)) if block_kind(aot, b) == "neuron"]
-
-
 def head_statistic(
     aot: AttentionOnlyTransformer,
     cache: Any,
-    block: int,
+    sub: SublayerLike,
     stat: Stat | Callable[[Float[Tensor, "sample head"]], Float[Tensor, " head"]] = "max_abs",
     *,
     pos: int | None = None,
     hook: Literal["hook_z", "hook_q", "hook_v"] = "hook_z",
 ) -> Float[Tensor, " head"]:
-    """A statistic of every head of ``block``'s ``hook`` activation over the cache's batch (and positions, unless
+    """A statistic of every head of sub-layer ``sub``'s (an index into ``aot.sublayers()`` or a head-module name
+    like ``"blocks.0.mlp.heads"``) ``hook`` activation over the cache's batch (and positions, unless
     ``pos`` picks one; e.g. ``-1``): ``"max_abs"``, ``"max"``, ``"min"``, ``"mean"``, ``"mean_abs"``, ``"var"``,
     ``"std"``, or a function of the ``[sample, head]`` values. ``hook_z`` is the head's output before ``W_O``
     (for a neuron head, its term of the neuron's activation); heads of internal dimension > 1 use the norm of it."""
@@ -206,7 +201,7 @@ def head_statistic(
         raise InputError(
             f"hook must be 'hook_z', 'hook_q' or 'hook_v' (per-head [batch, pos, head, d] hooks); got {hook!r}"
         )
-    name = head_hook(block, hook)
+    name = head_hook(sublayer(aot, sub), hook)
     if name not in cache:
         raise InputError(
             f"{name} is not in the cache; run aot.run_with_cache(tokens) without a names_filter that drops it"
@@ -232,24 +227,25 @@ def top_neuron_heads(
     *,
     pos: int | None = None,
     hook: Literal["hook_z", "hook_q", "hook_v"] = "hook_z",
-    blocks: Sequence[int] | None = None,
+    sublayers: Sequence[SublayerLike] | None = None,
     largest: bool = True,
 ) -> list[HeadStat]:
     """The ``k`` neuron heads with the largest (``largest=False``: smallest) value of ``stat`` (see
-    :func:`head_statistic`) over the cache, from every neuron block or from ``blocks``, best first, each as a
-    :class:`HeadStat` ``(ref, origin, label, value)``: ``origin`` names the source layer and neuron."""
-    blocks = neuron_head_blocks(aot) if blocks is None else list(blocks)
-    if not blocks:
+    :func:`head_statistic`) over the cache, from every neuron-head sub-layer or from ``sublayers``, best first, each
+    as a :class:`HeadStat` ``(ref, origin, label, value)``: ``origin`` names the source layer and neuron."""
+    subs: list[Sublayer] = neuron_sublayers(aot) if sublayers is None else [sublayer(aot, s) for s in sublayers]
+    if not subs:
         raise InputError("this model has no neuron heads (its source had no MLPs)")
     refs: list[HeadRef] = []
     values = []
-    for b in blocks:
-        if block_kind(aot, b) != "neuron":
+    for sub in subs:
+        if sub.kind == "attention":
             raise InputError(
-                f"block {b} holds attention heads, not neuron heads; neuron blocks: {neuron_head_blocks(aot)}"
+                f"{sub.name} holds attention heads, not neuron heads; neuron-head sub-layers: "
+                f"{[s.name for s in neuron_sublayers(aot)]}"
             )
-        values.append(head_statistic(aot, cache, b, stat, pos=pos, hook=hook))
-        refs += [head_ref(b, h) for h in range(values[-1].shape[0])]
+        values.append(head_statistic(aot, cache, sub, stat, pos=pos, hook=hook))
+        refs += [HeadRef(sub.name, h) for h in range(values[-1].shape[0])]
     flat = torch.cat(values)
     top = flat.topk(min(k, flat.numel()), largest=largest)
     out = []

@@ -4,7 +4,9 @@ The circuits follow Elhage et al. 2021, "A Mathematical Framework for Transforme
 conventions (row vectors: a query ``x`` and key ``y`` score ``x W_Q W_Kᵀ yᵀ / attn_scale``; a head moves ``y W_V W_O``)
 and come back as TransformerLens ``FactoredMatrix`` objects, so ``.AB``, ``.svd()``, ``.norm()``, ``.eigenvalues``
 and ``@`` work as on ``HookedTransformer.QK`` / ``.OV``. Any head is addressed the same way: a :class:`HeadRef`
-(``aot.neuron_heads(layer, n)`` returns them), ``(block, head)``, or ``("blocks.3.attn", head)``.
+(``aot.neuron_heads(layer, n)`` returns them), a label (``"L3H2"``, ``"L3N17.0"``), ``("blocks.3.mlp.heads", head)``
+or ``(sub-layer, head)`` with the sub-layer's index in the paper's flat order (``aot.sublayers()``: layer 0's
+attention, layer 0's neuron heads, layer 1's attention, ...).
 
 **Neuron heads and the bias slot.** A neuron head (Huben & Morris 2023, Theorem 3; see
 :mod:`lens_aot.core.components.neuron_attention`) has key 0 at every real position (``W_K = 0``, ``b_K = 0``) and a
@@ -18,17 +20,18 @@ columns are zero and the slot column is ``−W_Q``: the direction the neuron rea
 :func:`self_vs_slot_direction` for that decision as a direction and an offset.
 
 **LayerNorm.** ``fold_ln=True`` (the default) does what TransformerLens's ``fold_ln`` does to the weights: each
-head's reading matrices (``W_Q``, ``W_K``, ``W_V``) absorb its block's norm weight, its biases absorb the norm bias
-(``b_Q + b_ln·W_Q``), and for LayerNorm (not RMSNorm) the reading matrices are centred, which is the norm's mean
-subtraction. The circuits then act on the *normalized* residual, ``blocks.{i}.ln1.hook_normalized``
-(``(x − mean)/scale``; the residual itself where there is no norm), see :func:`circuit_input`; the per-position
-division by the norm's scale is the one thing left out, as in TransformerLens. ``fold_ln=False`` uses the stored
+head's reading matrices (``W_Q``, ``W_K``, ``W_V``) absorb the weight of the norm it reads through (``ln1`` or
+``ln2``), its biases absorb the norm bias (``b_Q + b_ln·W_Q``), and for LayerNorm (not RMSNorm) the reading matrices
+are centred, which is the norm's mean subtraction. The circuits then act on the *normalized* residual,
+``blocks.{l}.ln1.hook_normalized`` for attention heads and ``blocks.{l}.ln2.hook_normalized`` for the MLP's neuron
+heads (``(x − mean)/scale``; the residual itself where there is no norm), see :func:`circuit_input`; the division
+by the norm's scale is the one thing left out, as in TransformerLens. ``fold_ln=False`` uses the stored
 weights, which act on the norm's output. Full circuits (``full=True``) go from the token embedding ``W_E`` through
 the head to the unembedding ``W_U`` (with the final norm folded the same way), ignoring positions and norm scales,
 like TransformerLens's ``W_E @ OV @ W_U``. Rotary position embeddings are not part of any circuit.
 
-**Composition** (:func:`composition_score`, :func:`composition_scores`): for a sender head A in an earlier block and
-a receiver head B, with ``W_OV^A = W_V^A W_O^A``,
+**Composition** (:func:`composition_score`, :func:`composition_scores`): for a sender head A in an earlier sub-layer
+(flat order) and a receiver head B, with ``W_OV^A = W_V^A W_O^A``,
 
 * Q: ``‖W_OV^A · QK^B‖_F / (‖W_OV^A‖_F ‖QK^B‖_F)`` (A writes into B's queries),
 * K: ``‖W_OV^A · (QK^B_res)ᵀ‖_F / (‖W_OV^A‖_F ‖QK^B‖_F)`` (into B's keys; ``QK^B_res`` = the residual columns, since
@@ -43,19 +46,21 @@ it is ``|cos(W_out[m], W_in[:, n])|``. Scores of a head whose matrix is zero are
 scores (as in TransformerLens). All pairs are computed from low-rank factors (rank ``d_head`` for source heads, 1 for
 neuron heads, once per neuron rather than per head), never forming a ``d_model × d_model`` matrix per pair.
 
-**Gated and parallel models.** Matrices span the whole residual stream, including gated models' scratch channels
-(``cfg.d_model + cfg.d_scratch``): gate heads write a scratch channel that product heads read, which shows up as
-V-composition. In a parallel layer (GPT-J, GPT-NeoX) the neuron heads read the layer's input, so they do not compose
-with that layer's attention heads (score 0).
+**Gated and parallel models.** The residual stream is ``d_model`` wide. A gated MLP's gate heads write their
+activation into the MLP's own scratch (``d_mlp`` channels: their ``W_O`` is ``[1, d_mlp]``), which that MLP's product
+heads read after the normalized residual (their ``W_Q``/``W_V`` are ``[d_model + d_mlp, 1]``, their ``W_O``
+``[1, d_model]``): gate heads compose (V) with their own MLP's product heads and with nothing else. In a parallel
+layer (GPT-J, GPT-NeoX) the neuron heads read the layer's input, so they do not compose with that layer's attention
+heads (score 0).
 
-Modules: :mod:`~lens_aot.analysis.circuits.names` (every block, module and cache name these tools use: the one place
-to adapt to a change of the model's layout), :mod:`~lens_aot.analysis.circuits.weights` (one head's weights, norm
-folded), :mod:`~lens_aot.analysis.circuits.qk_ov` (QK / OV circuits, scores from a cache) and
-:mod:`~lens_aot.analysis.circuits.composition` (composition scores).
+Modules: :mod:`~lens_aot.analysis.circuits.names` (how sub-layers and heads are addressed, what each reads, and the
+cache keys: the one place to adapt to a change of the model's layout; parsing is :mod:`lens_aot.core.names`'s),
+:mod:`~lens_aot.analysis.circuits.weights` (one head's weights, norm folded), :mod:`~lens_aot.analysis.circuits.qk_ov`
+(QK / OV circuits, scores from a cache) and :mod:`~lens_aot.analysis.circuits.composition` (composition scores).
 """
 
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
-from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_label
+from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,
     circuit_scores,
@@ -69,6 +74,7 @@ __all__ = [
     "CompositionScores",
     "HeadLike",
     "HeadWeights",
+    "SublayerLike",
     "as_head_ref",
     "circuit_input",
     "circuit_scores",
@@ -76,6 +82,7 @@ __all__ = [
     "composition_scores",
     "head_label",
     "head_weights",
+    "neuron_sublayers",
     "ov_circuit",
     "qk_circuit",
     "self_vs_slot_direction",

@@ -1,5 +1,6 @@
-"""Composition scores (Q, K, V; Elhage et al. 2021) between heads of two blocks, neuron heads included, from the
-heads' low-rank factors. Definitions in :mod:`lens_aot.analysis.circuits`."""
+"""Composition scores (Q, K, V; Elhage et al. 2021) between heads of two sub-layers (the paper's flat order,
+``aot.sublayers()``), neuron heads included, from the heads' low-rank factors. Definitions in
+:mod:`lens_aot.analysis.circuits`."""
 
 from __future__ import annotations
 
@@ -12,15 +13,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.analysis.circuits import names
-from lens_aot.analysis.circuits.weights import (
-    _d_resid,
-    _fold_norm,
-    _has_neuron_layout,
-    _neuron_out_rows,
-    _pad_cols,
-    _pad_rows,
-)
-from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
+from lens_aot.analysis.circuits.weights import _fold_norm, _has_neuron_layout, _neuron_out_rows, _pad_cols
+from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
 
 Mode = Literal["Q", "K", "V"]
@@ -34,33 +28,33 @@ class _Factors:
     multiples of each other (each neuron's heads; each source head alone). Composition scores are invariant to
     such scalars, so they are computed once per group; ``ov_zero`` / ``qk_zero`` mark heads whose scalar is 0."""
 
-    V: Float[Tensor, "g d_model r"]
-    W_O: Float[Tensor, "g r d_model"]
-    Q: Float[Tensor, "g d_model r"]
-    K: Float[Tensor, "g d_model r"]
+    V: Float[Tensor, "g d_in r"]
+    W_O: Float[Tensor, "g r d_out"]
+    Q: Float[Tensor, "g d_in r"]
+    K: Float[Tensor, "g d_in r"]
     K_slot: Float[Tensor, "g s r"]
     group: Int[Tensor, " n"]  # group of each selected head
     ov_zero: torch.Tensor  # bool [n]
     qk_zero: torch.Tensor  # bool [n]
 
 
-def _block_factors(aot: AttentionOnlyTransformer, block: int, heads: Tensor, fold_ln: bool) -> _Factors:
-    """Factors of the selected ``heads`` of ``block`` over the residual stream (reading weights folded with the
-    block's norm when ``fold_ln``)."""
-    attn = names.head_module(aot, block)
-    norm = names.head_norm(aot, block) if fold_ln else None
-    width = _d_resid(aot)
+def _sublayer_factors(aot: AttentionOnlyTransformer, sub: Sublayer, heads: Tensor, fold_ln: bool) -> _Factors:
+    """Factors of the selected ``heads`` of sub-layer ``sub`` over what they read and write (reading weights folded
+    with the sub-layer's norm when ``fold_ln``)."""
+    attn = names.head_module(aot, sub)
+    norm = names.head_norm(aot, sub) if fold_ln else None
+    d_model = aot.cfg.d_model
     with torch.no_grad():
         if _has_neuron_layout(attn):
             k = attn.heads_per_neuron
             neurons, group = torch.unique(heads // k, return_inverse=True)
             w_in = attn.W_in.detach()[:, neurons].T[:, :, None]  # [g, d_model, 1]: what value and query both read
-            w_in = _pad_rows(_fold_norm(norm, w_in, None)[0], width)
+            w_in = _fold_norm(norm, w_in, None, d_model)[0]
             term = heads % k
             slot = attn.k_bias.detach()[heads].reshape(len(heads), -1)
             return _Factors(
                 V=w_in,
-                W_O=_pad_cols(_neuron_out_rows(attn, neurons)[:, None, :], width),
+                W_O=_neuron_out_rows(attn, neurons)[:, None, :],
                 Q=w_in,
                 K=torch.zeros_like(w_in),
                 K_slot=torch.ones_like(w_in[:, :1, :]),
@@ -70,7 +64,7 @@ def _block_factors(aot: AttentionOnlyTransformer, block: int, heads: Tensor, fol
             )
         kv = heads // (attn.W_Q.shape[0] // attn.W_K.shape[0])
         W_Q, W_K, W_V = (
-            _pad_rows(_fold_norm(norm, w.detach()[idx], None)[0], width)
+            _fold_norm(norm, w.detach()[idx], None, d_model)[0]
             for w, idx in ((attn.W_Q, heads), (attn.W_K, kv), (attn.W_V, kv))
         )
         k_bias = getattr(attn, "k_bias", None)
@@ -81,7 +75,7 @@ def _block_factors(aot: AttentionOnlyTransformer, block: int, heads: Tensor, fol
         none = torch.zeros(len(heads), dtype=torch.bool, device=W_Q.device)
         return _Factors(
             V=W_V,
-            W_O=_pad_cols(attn.W_O.detach()[heads], width),
+            W_O=attn.W_O.detach()[heads],
             Q=W_Q,
             K=W_K,
             K_slot=K_slot,
@@ -99,40 +93,60 @@ def _safe_ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(num))
 
 
-def _select_heads(aot: AttentionOnlyTransformer, block: int, heads: Any, role: str) -> list[int]:
-    count = names.n_heads(aot, block)
+def _select_heads(aot: AttentionOnlyTransformer, sub: Sublayer, heads: Any, role: str) -> list[int]:
+    count = names.n_heads(aot, sub)
     if heads is None:
         return list(range(count))
     if isinstance(heads, Tensor):
         heads = heads.tolist()
     out = []
     for h in heads:
-        if isinstance(h, tuple):
+        if isinstance(h, (tuple, str)):
             ref = names.as_head_ref(aot, h)
-            if names.head_index(ref)[0] != block:
-                raise InputError(f"{role} {h!r} is not in block {block}; pass heads of that block (or their indices)")
+            if ref.name != sub.name:
+                raise InputError(
+                    f"{role} {h!r} is not in sub-layer {sub.name}; pass heads of that sub-layer (or their indices)"
+                )
             out.append(ref.head)
         else:
-            out.append(names.head_index(names.as_head_ref(aot, (block, h)))[1])
+            out.append(names.as_head_ref(aot, (sub.index, h)).head)
     if not out:
-        raise InputError(f"no {role} heads selected; pass None for all heads of block {block}")
+        raise InputError(f"no {role} heads selected; pass None for all heads of {sub.name}")
     return out
 
 
-def _check_pair(aot: AttentionOnlyTransformer, sender: int, receiver: int, mode: str) -> None:
+def _check_pair(sender: Sublayer, receiver: Sublayer, mode: str) -> None:
     if mode not in _MODES:
         raise InputError(f"mode must be one of {_MODES} (Q-, K- or V-composition); got {mode!r}")
-    if not sender < receiver:
+    if not sender.index < receiver.index:
         raise InputError(
-            f"composition needs the sender in an earlier block than the receiver (it reads the sender's output); "
-            f"got sender block {sender}, receiver block {receiver}. Swap them if you meant the other direction."
+            f"composition needs the sender in an earlier sub-layer than the receiver (it reads the sender's output); "
+            f"got sender {sender.name} (sub-layer {sender.index}), receiver {receiver.name} (sub-layer "
+            f"{receiver.index}). Swap them if you meant the other direction."
         )
+
+
+def _align_sender(
+    aot: AttentionOnlyTransformer, sender: Sublayer, receiver: Sublayer, send: _Factors, width: int
+) -> _Factors:
+    """The sender's output in the receiver's input coordinates (``width`` channels: ``d_model``, then for product
+    heads the MLP's scratch). Gate heads write only their MLP's scratch, which only that MLP's product heads read;
+    every other head writes the residual stream (the first ``d_model`` channels)."""
+    W_O = send.W_O
+    if names.writes_scratch(sender):
+        d_model = aot.cfg.d_model
+        if names.reads_scratch(receiver) and receiver.layer == sender.layer:
+            W_O = torch.nn.functional.pad(W_O, (d_model, width - d_model - W_O.shape[-1]))
+        else:
+            W_O = W_O.new_zeros(*W_O.shape[:-1], width)
+    else:
+        W_O = _pad_cols(W_O, width)
+    return _Factors(send.V, W_O, send.Q, send.K, send.K_slot, send.group, send.ov_zero, send.qk_zero)
 
 
 def _hide_normalized_channels(recv: _Factors, d_model: int) -> _Factors:
     """The receiver's reads as the sender's output reaches them in a parallel layer: the normalized channels (the
-    first ``d_model``) come from the layer's input, which the sender's output is not part of; scratch channels
-    (gated models) come from the block's own input."""
+    first ``d_model``) come from the layer's input, which the layer's attention output is not part of."""
 
     def hide(W: Tensor) -> Tensor:
         W = W.clone()
@@ -148,15 +162,15 @@ def _hide_normalized_channels(recv: _Factors, d_model: int) -> _Factors:
 class CompositionScores:
     """Composition scores of every selected sender head against every selected receiver head.
 
-    ``scores[i, j]`` is the ``mode``-composition of ``senders[i]`` (in block ``sender_block``) into ``receivers[j]``
-    (in block ``receiver_block``); ``sender_origins`` / ``receiver_origins`` say what each head was in the source and
-    ``sender_labels`` / ``receiver_labels`` label plot axes (``"L0H3"``, ``"L0N17"``).
+    ``scores[i, j]`` is the ``mode``-composition of ``senders[i]`` (in sub-layer ``sender_sublayer``) into
+    ``receivers[j]`` (in ``receiver_sublayer``); ``sender_origins`` / ``receiver_origins`` say what each head was in
+    the source and ``sender_labels`` / ``receiver_labels`` label plot axes (``"L0H3"``, ``"L0N17.0"``).
     """
 
     scores: Float[Tensor, "sender receiver"]
     mode: str
-    sender_block: int
-    receiver_block: int
+    sender_sublayer: Sublayer
+    receiver_sublayer: Sublayer
     senders: list[HeadRef]
     receivers: list[HeadRef]
     sender_origins: list[HeadOrigin]
@@ -179,7 +193,7 @@ class CompositionScores:
 
     def __repr__(self) -> str:
         return (
-            f"CompositionScores(mode={self.mode!r}, blocks {self.sender_block} -> {self.receiver_block}, "
+            f"CompositionScores(mode={self.mode!r}, {self.sender_sublayer.name} -> {self.receiver_sublayer.name}, "
             f"shape={tuple(self.scores.shape)})"
         )
 
@@ -220,42 +234,47 @@ def _scores(send: _Factors, recv: _Factors, mode: str, seen: _Factors | None = N
 
 def composition_scores(
     aot: AttentionOnlyTransformer,
-    sender_block: int | str,
-    receiver_block: int | str,
+    sender: names.SublayerLike,
+    receiver: names.SublayerLike,
     mode: Mode,
     *,
     senders: Sequence[int | names.HeadLike] | Tensor | None = None,
     receivers: Sequence[int | names.HeadLike] | Tensor | None = None,
     fold_ln: bool = True,
 ) -> CompositionScores:
-    """``mode``-composition scores (``"Q"``, ``"K"`` or ``"V"``; Elhage et al. 2021) of every head of
-    ``sender_block`` into every head of a later ``receiver_block``, neuron heads included (definitions in the module
-    docstring; for source heads this is TransformerLens's ``all_composition_scores``).
+    """``mode``-composition scores (``"Q"``, ``"K"`` or ``"V"``; Elhage et al. 2021) of every head of sub-layer
+    ``sender`` into every head of a later sub-layer ``receiver`` (each an index into ``aot.sublayers()`` or a
+    head-module name like ``"blocks.0.attn"`` / ``"blocks.1.mlp.heads"``), neuron heads included (definitions in
+    :mod:`lens_aot.analysis.circuits`; for source heads this is TransformerLens's ``all_composition_scores``).
 
-    ``senders`` / ``receivers`` restrict the heads (indices in their block, or HeadRefs), e.g. one head per neuron
-    with ``range(0, n_heads, K)``: the cost is one rank-sized product per pair of *groups* (a neuron's K heads form
-    one group), and the output is ``[len(senders), len(receivers)]``. Returns a :class:`CompositionScores`.
+    ``senders`` / ``receivers`` restrict the heads (indices in their sub-layer, HeadRefs or labels), e.g. one head per
+    neuron with ``range(0, n_heads, K)``: the cost is one rank-sized product per pair of *groups* (a neuron's K heads
+    form one group), and the output is ``[len(senders), len(receivers)]``. Returns a :class:`CompositionScores`.
 
     Parallel layers (GPT-J, GPT-NeoX): a layer's neuron heads read the layer's input, not its attention heads'
-    output, so those pairs score 0 (the receiver's matrix still sets the normalization).
+    output, so those pairs score 0 (the receiver's matrix still sets the normalization). Gate heads write only their
+    MLP's scratch: they compose with that MLP's product heads alone.
     """
-    sb, rb = names.block_index(aot, sender_block), names.block_index(aot, receiver_block)
-    _check_pair(aot, sb, rb, mode)
-    send_heads = _select_heads(aot, sb, senders, "sender")
-    recv_heads = _select_heads(aot, rb, receivers, "receiver")
+    ss, rs = names.sublayer(aot, sender), names.sublayer(aot, receiver)
+    _check_pair(ss, rs, mode)
+    send_heads = _select_heads(aot, ss, senders, "sender")
+    recv_heads = _select_heads(aot, rs, receivers, "receiver")
     device = aot.W_E.device
-    send = _block_factors(aot, sb, torch.tensor(send_heads, device=device), fold_ln)
-    recv = _block_factors(aot, rb, torch.tensor(recv_heads, device=device), fold_ln)
-    seen = None if sb < names.read_block(aot, rb) else _hide_normalized_channels(recv, aot.cfg.d_model)
+    recv = _sublayer_factors(aot, rs, torch.tensor(recv_heads, device=device), fold_ln)
+    send = _sublayer_factors(aot, ss, torch.tensor(send_heads, device=device), fold_ln)
+    send = _align_sender(aot, ss, rs, send, recv.Q.shape[-2])
+    parallel = getattr(aot.blocks[rs.layer], "parallel", False)
+    hidden = parallel and ss.layer == rs.layer and ss.kind == "attention" and rs.kind != "attention"
+    seen = _hide_normalized_channels(recv, aot.cfg.d_model) if hidden else None
     with torch.no_grad():
         scores = _scores(send, recv, mode, seen)
-    send_refs = [names.head_ref(sb, h) for h in send_heads]
-    recv_refs = [names.head_ref(rb, h) for h in recv_heads]
+    send_refs = [HeadRef(ss.name, h) for h in send_heads]
+    recv_refs = [HeadRef(rs.name, h) for h in recv_heads]
     return CompositionScores(
         scores=scores,
         mode=mode,
-        sender_block=sb,
-        receiver_block=rb,
+        sender_sublayer=ss,
+        receiver_sublayer=rs,
         senders=send_refs,
         receivers=recv_refs,
         sender_origins=[names.head_origin(aot, r) for r in send_refs],
@@ -269,7 +288,7 @@ def composition_score(
     aot: AttentionOnlyTransformer, sender: names.HeadLike, receiver: names.HeadLike, mode: Mode, *, fold_ln: bool = True
 ) -> float:
     """The ``mode``-composition score (``"Q"``, ``"K"``, ``"V"``) of one sender head into one receiver head in a later
-    block: a number in [0, 1] (definitions in the module docstring)."""
+    sub-layer: a number in [0, 1] (definitions in :mod:`lens_aot.analysis.circuits`)."""
     s, r = names.as_head_ref(aot, sender), names.as_head_ref(aot, receiver)
-    (sb, sh), (rb, rh) = names.head_index(s), names.head_index(r)
-    return float(composition_scores(aot, sb, rb, mode, senders=[sh], receivers=[rh], fold_ln=fold_ln).scores[0, 0])
+    table = composition_scores(aot, s.name, r.name, mode, senders=[s.head], receivers=[r.head], fold_ln=fold_ln)
+    return float(table.scores[0, 0])

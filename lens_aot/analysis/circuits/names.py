@@ -1,9 +1,16 @@
-"""Every module name, block index and cache key that circuits and viz use, in one place.
+"""How circuits and viz address heads and sub-layers of the source-aligned model, and which cache keys they read.
 
-The analysis code addresses a head by a :class:`~lens_aot.core.model.HeadRef` (``name`` of its head module, ``head``
-index), by ``(block, head)`` or by ``("blocks.3.attn", head)``; it reads a block's heads, its norm and its cached
-activations. All of that goes through the functions here, so a change of the model's layout (module names, where the
-heads and their norm live, cache keys) is made here and nowhere else in :mod:`lens_aot.analysis`.
+A *sub-layer* is one head module in the paper's flat order (``aot.sublayers()``: layer 0's ``blocks.0.attn``, then
+its MLP's neuron-head modules ``blocks.0.mlp.heads`` or ``blocks.0.mlp.gate_heads`` / ``product_heads``, then layer
+1, ...). It is given as a :class:`~lens_aot.core.model.Sublayer`, its index in that order, or its module name. A
+head is a :class:`~lens_aot.core.model.HeadRef` ``(module name, head)``, ``(sub-layer, head)`` (``(0, 3)`` is head 3
+of sub-layer 0, ``("blocks.1.mlp.heads", 5)`` head 5 of that module) or a label: ``"L1H3"`` (attention head 3 of layer 1) or
+``"L1N17.2"`` (head 2 of ``aot.neuron_heads(1, 17)``). Names and labels are parsed by :mod:`lens_aot.core.names`.
+
+What a sub-layer reads: attention ``ln1(blocks.{l}.hook_resid_pre)``; neuron, gate and product heads
+``ln2(blocks.{l}.hook_resid_mid)`` (parallel layers: ``hook_resid_pre``); product heads also the MLP's scratch (the
+gate heads' output, ``blocks.{l}.mlp.product_heads.hook_gate``, ``d_mlp`` wide). Gate heads write that scratch, every
+other head the residual stream (``d_model``).
 """
 
 from __future__ import annotations
@@ -12,124 +19,141 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef
+from lens_aot.core import names as core_names
+from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
 
-HeadLike = HeadRef | tuple[int, int] | tuple[str, int]
+HeadLike = HeadRef | tuple[int, int] | tuple[str, int] | str
+SublayerLike = Sublayer | int | str
 
 
-def n_blocks(aot: AttentionOnlyTransformer) -> int:
-    """The number of blocks (each holds one layer of heads)."""
-    return len(aot.blocks)
+def sublayer(aot: AttentionOnlyTransformer, key: Any) -> Sublayer:
+    """A sub-layer given as a :class:`Sublayer`, its index in ``aot.sublayers()`` (negative counts from the end) or
+    its head-module name (``"blocks.3.attn"``, ``"blocks.3.mlp.heads"``, ...), checked."""
+    subs = aot.sublayers()
+    if isinstance(key, Sublayer):
+        key = key.name
+    if isinstance(key, str):
+        core_names.parse_module(key)  # a malformed name: InputError naming the forms
+        for sub in subs:
+            if sub.name == key:
+                return sub
+        raise InputError(f"{key!r} is not a head module of this model; aot.sublayers() lists them")
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise InputError(
+            f"a sub-layer is an index into aot.sublayers() (e.g. 1) or a head-module name like 'blocks.0.mlp.heads'; "
+            f"got {key!r}"
+        )
+    if not -len(subs) <= key < len(subs):
+        raise InputError(f"sub-layer {key} out of range: the model has {len(subs)} sub-layers (aot.sublayers())")
+    return subs[key]
 
 
-def block_index(aot: AttentionOnlyTransformer, block: Any) -> int:
-    """A block given as an int (negative counts from the end) or a module name like ``"blocks.3.attn"``, checked."""
-    if isinstance(block, str):
-        parts = block.split(".")
-        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
-            raise InputError(f"expected a block like 3 or 'blocks.3.attn'; got {block!r}")
-        block = int(parts[1])
-    if isinstance(block, bool) or not isinstance(block, int):
-        raise InputError(f"a block is an int (e.g. 3) or a name like 'blocks.3.attn'; got {block!r}")
-    n = n_blocks(aot)
-    if not -n <= block < n:
-        raise InputError(f"block {block} out of range: the model has {n} blocks (aot.cfg.n_layers)")
-    return block % n
+def neuron_sublayers(aot: AttentionOnlyTransformer) -> list[Sublayer]:
+    """The sub-layers whose heads are former MLP neurons (neuron, gate and product heads)."""
+    return [sub for sub in aot.sublayers() if sub.kind != "attention"]
 
 
-def head_module(aot: AttentionOnlyTransformer, block: int) -> nn.Module:
-    """The module holding ``block``'s heads."""
-    return aot.blocks[block].attn
+def head_module(aot: AttentionOnlyTransformer, sub: Sublayer) -> nn.Module:
+    """The module holding a sub-layer's heads."""
+    return aot.head_module(sub.name)
 
 
-def head_norm(aot: AttentionOnlyTransformer, block: int) -> Any:
-    """The norm ``block``'s heads read the residual through."""
-    return aot.blocks[block].ln1
+def n_heads(aot: AttentionOnlyTransformer, sub: Sublayer) -> int:
+    """The number of heads of a sub-layer."""
+    return int(head_module(aot, sub).n_heads)
 
 
-def n_heads(aot: AttentionOnlyTransformer, block: int) -> int:
-    """The number of heads in ``block``."""
-    return int(aot.cfg.n_heads_per_block[block])
+def head_norm(aot: AttentionOnlyTransformer, sub: Sublayer) -> Any:
+    """The norm a sub-layer reads the residual through: ``ln1`` for attention, ``ln2`` for the MLP's heads."""
+    block = aot.blocks[sub.layer]
+    return block.ln1 if sub.kind == "attention" else block.ln2
 
 
-def head_ref(block: int, head: int) -> HeadRef:
-    """The :class:`HeadRef` of head ``head`` of ``block``."""
-    return HeadRef(f"blocks.{block}.attn", head)
+def input_hook(aot: AttentionOnlyTransformer, sub: Sublayer) -> str:
+    """The cache key of the residual a sub-layer reads (before its norm)."""
+    block = aot.blocks[sub.layer]
+    mid = sub.kind != "attention" and not getattr(block, "parallel", False)
+    return f"blocks.{sub.layer}.{'hook_resid_mid' if mid else 'hook_resid_pre'}"
 
 
-def head_index(ref: HeadRef) -> tuple[int, int]:
-    """``(block, head)`` of a :class:`HeadRef`."""
-    return int(ref.name.split(".")[1]), ref.head
+def normalized_hook(sub: Sublayer) -> str:
+    """The cache key of a sub-layer's normalized input (its norm's ``hook_normalized``)."""
+    return f"blocks.{sub.layer}.{'ln1' if sub.kind == 'attention' else 'ln2'}.hook_normalized"
 
 
-def head_origin(aot: AttentionOnlyTransformer, ref: HeadRef) -> HeadOrigin:
-    """What a head was in the source (attention head, or term of a neuron)."""
-    return aot.head_origin(*head_index(ref))
+def scratch_hook(sub: Sublayer) -> str:
+    """The cache key of the MLP scratch a product-head sub-layer reads (the gate heads' output ``h``)."""
+    return f"{sub.name}.hook_gate"
 
 
-def block_kind(aot: AttentionOnlyTransformer, block: int) -> str:
-    """What ``block``'s heads come from: ``"attention"``, ``"neuron"`` (an MLP's neurons), ``"gate"``, ``"product"``."""
-    return aot.head_origin(block, 0).kind
+def reads_scratch(sub: Sublayer) -> bool:
+    """Whether a sub-layer's heads read the MLP's scratch after the normalized residual (product heads)."""
+    return sub.kind == "product"
 
 
-def read_block(aot: AttentionOnlyTransformer, block: int) -> int:
-    """The block whose input (``hook_resid_pre``) block ``block``'s norm reads: itself, or in a parallel layer (GPT-J,
-    GPT-NeoX) the layer's first block, whose input all the layer's blocks read."""
-    while block > 0 and getattr(aot.blocks[block], "parallel", False):
-        block -= 1
-    return block
+def writes_scratch(sub: Sublayer) -> bool:
+    """Whether a sub-layer's heads write the MLP's scratch rather than the residual (gate heads)."""
+    return sub.kind == "gate"
 
 
-def block_hook(block: int, hook: str) -> str:
-    """The cache key of a block's hook: ``hook`` is e.g. ``"hook_resid_pre"``, ``"ln1.hook_normalized"``."""
-    return f"blocks.{block}.{hook}"
+def head_hook(ref: HeadRef | Sublayer, hook: str) -> str:
+    """The cache key of a per-head hook (``"hook_pattern"``, ``"hook_z"``, ...) of a head's or sub-layer's module."""
+    return f"{ref.name}.{hook}"
 
 
-def resid_pre_hook(block: int) -> str:
-    """The cache key of the residual ``block`` reads."""
-    return block_hook(block, "hook_resid_pre")
-
-
-def normalized_hook(block: int) -> str:
-    """The cache key of ``block``'s normalized input (its norm's ``hook_normalized``)."""
-    return block_hook(block, "ln1.hook_normalized")
-
-
-def head_hook(ref: HeadRef | int, hook: str) -> str:
-    """The cache key of a per-head hook (``"hook_pattern"``, ``"hook_z"``, …) of a head's module, or of a block's."""
-    name = ref.name if isinstance(ref, HeadRef) else head_ref(ref, 0).name
-    return f"{name}.{hook}"
+def _from_label(aot: AttentionOnlyTransformer, label: str) -> HeadRef:
+    layer, kind, index, component = core_names.parse_label(label)
+    if not layer < aot.cfg.n_layers:
+        raise InputError(f"{label}: layer {layer} out of range: the model has {aot.cfg.n_layers} layers")
+    if kind == "head":
+        return HeadRef(core_names.module_name(layer, "attention"), index)
+    if component is None:
+        raise InputError(
+            f"{label} is a whole neuron, not one head; name one of its heads ({label}.0, {label}.1, ...) or use "
+            f"aot.neuron_heads({layer}, {index})"
+        )
+    try:
+        refs = aot.neuron_heads(layer, index)
+    except (IndexError, ValueError) as err:
+        raise InputError(f"{label}: {err}") from None
+    if not component < len(refs):
+        raise InputError(f"{label}: head {component} out of range: neuron {index} has {len(refs)} heads")
+    return refs[component]
 
 
 def as_head_ref(aot: AttentionOnlyTransformer, head: HeadLike) -> HeadRef:
-    """Any head address (``HeadRef``, ``(block, head)``, ``("blocks.3.attn", head)``) as a checked ``HeadRef``."""
+    """Any head address (``HeadRef``, ``(sub-layer, head)``, ``("blocks.3.attn", head)``, ``"L3H2"``,
+    ``"L3N17.2"``) as a checked ``HeadRef``."""
+    if isinstance(head, str):
+        head = _from_label(aot, head)
     if not isinstance(head, tuple) or len(head) != 2:
         raise InputError(
-            f"a head is a HeadRef (e.g. aot.neuron_heads(layer, n)[0]), a (block, head) pair or "
-            f"('blocks.3.attn', head); got {head!r}"
+            f"a head is a HeadRef (e.g. aot.neuron_heads(layer, n)[0]), a (sub-layer, head) pair, "
+            f"('blocks.3.attn', head) or a label like 'L3H2' / 'L3N17.2'; got {head!r}"
         )
-    block = block_index(aot, head[0])
+    sub = sublayer(aot, head[0])
     index = head[1]
     if isinstance(index, Tensor) and index.numel() == 1:
         index = int(index)
     if isinstance(index, bool) or not isinstance(index, int):
         raise InputError(f"a head index is an int; got {index!r}")
-    count = n_heads(aot, block)
+    count = n_heads(aot, sub)
     if not 0 <= index < count:
-        raise InputError(f"head {index} out of range: block {block} has {count} heads (aot.cfg.n_heads_per_block)")
-    return head_ref(block, index)
+        raise InputError(f"head {index} out of range: {sub.name} has {count} heads")
+    return HeadRef(sub.name, index)
+
+
+def head_origin(aot: AttentionOnlyTransformer, ref: HeadRef) -> HeadOrigin:
+    """What a head was in the source (attention head, or head of a neuron)."""
+    return aot.head_origin(ref.name, ref.head)
 
 
 def head_label(aot: AttentionOnlyTransformer, head: HeadLike) -> str:
-    """A short label in TransformerLens's style: ``"L1H3"`` for head 3 of source layer 1's attention, ``"L1N17"``
-    for neuron 17 of source layer 1's MLP (``"L1N17.2"``: its head 2, when a neuron has several heads)."""
-    block, index = head_index(as_head_ref(aot, head))
-    origin = aot.head_origin(block, index)
+    """The head's label: ``"L1H3"`` for head 3 of layer 1's attention, ``"L1N17.2"`` for head 2 of
+    ``aot.neuron_heads(1, 17)`` (always with the head's index, even for one head per neuron)."""
+    ref = as_head_ref(aot, head)
+    origin = head_origin(aot, ref)
     if origin.kind == "attention":
-        return f"L{origin.layer}H{origin.index}"
-    if origin.kind == "neuron":
-        blocks = aot.neuron_blocks(origin.layer) if hasattr(aot, "neuron_blocks") else [block]
-        per_neuron = sum(int(getattr(head_module(aot, b), "heads_per_neuron", 1)) for b in blocks)
-        return f"L{origin.layer}N{origin.index}" + (f".{origin.component}" if per_neuron > 1 else "")
-    return f"B{block}H{index}"
+        return core_names.head_label(origin.layer, origin.index)
+    return core_names.neuron_label(origin.layer, origin.index, origin.component)

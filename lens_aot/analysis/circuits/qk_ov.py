@@ -14,32 +14,40 @@ from transformer_lens import FactoredMatrix
 
 from lens_aot.analysis.circuits.names import (
     HeadLike,
+    SublayerLike,
     as_head_ref,
-    block_index,
-    head_index,
     head_label,
     head_module,
     head_norm,
+    input_hook,
     normalized_hook,
-    read_block,
-    resid_pre_hook,
+    reads_scratch,
+    scratch_hook,
+    sublayer,
+    writes_scratch,
 )
-from lens_aot.analysis.circuits.weights import _d_resid, _fold_norm, _pad_cols, _pad_rows, head_weights
+from lens_aot.analysis.circuits.weights import HeadWeights, _fold_norm, _pad_cols, head_weights
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 
-def _embedding(aot: AttentionOnlyTransformer) -> Float[Tensor, "d_vocab d_resid"]:
-    """``W_E`` as writes to the residual stream (zero on gated models' scratch channels)."""
-    return _pad_cols(aot.W_E.detach(), _d_resid(aot))
+def _embedding(aot: AttentionOnlyTransformer, width: int) -> Float[Tensor, "d_vocab width"]:
+    """``W_E`` as the input of a head reading ``width`` channels (zero on the MLP's scratch, which the embedding
+    does not write)."""
+    return _pad_cols(aot.W_E.detach(), width)
 
 
-def _unembedding(aot: AttentionOnlyTransformer, fold_ln: bool) -> Float[Tensor, "d_resid d_vocab_out"]:
-    """``W_U`` as a read of the residual stream (the final norm folded when ``fold_ln``; scratch channels unread)."""
+def _unembedding(aot: AttentionOnlyTransformer, w: HeadWeights, fold_ln: bool) -> Float[Tensor, "d_model d_vocab_out"]:
+    """``W_U`` as a read of the residual stream (the final norm folded when ``fold_ln``)."""
+    if writes_scratch(sublayer(aot, w.name)):
+        raise InputError(
+            f"{w.name} (gate heads) writes the MLP's scratch, not the residual stream, so it has no direct path to "
+            f"the logits; use the product heads of the same MLP (aot.neuron_module(layer)) for unembed/full circuits"
+        )
     W_U = aot.W_U.detach()
     if fold_ln:
-        W_U, _ = _fold_norm(aot.ln_final, W_U, None)
-    return _pad_rows(W_U, _d_resid(aot))
+        W_U, _ = _fold_norm(aot.ln_final, W_U, None, aot.cfg.d_model)
+    return W_U
 
 
 def qk_circuit(
@@ -70,7 +78,7 @@ def qk_circuit(
     q_in, q_bias = w.W_Q, w.b_Q[None]
     k_res, k_bias = w.W_K, w.b_K[None]
     if full:
-        W_E = _embedding(aot)
+        W_E = _embedding(aot, q_in.shape[0])
         q_in = W_E @ q_in + (q_bias if biases else 0.0)
         k_res = W_E @ k_res + (k_bias if biases else 0.0)
         rows, cols = [q_in], [k_res]
@@ -109,7 +117,7 @@ def ov_circuit(
     embed, unembed = embed or full, unembed or full
     v_in = w.W_V
     if embed:
-        v_in = _embedding(aot) @ v_in + (w.b_V[None] if biases else 0.0)
+        v_in = _embedding(aot, v_in.shape[0]) @ v_in + (w.b_V[None] if biases else 0.0)
     rows = [v_in]
     if biases:
         if not embed:
@@ -117,7 +125,7 @@ def ov_circuit(
         rows.append(w.v_slot)
     out = w.W_O
     if unembed:
-        out = out @ _unembedding(aot, fold_ln)
+        out = out @ _unembedding(aot, w, fold_ln)
     return FactoredMatrix(torch.cat(rows), out)
 
 
@@ -147,16 +155,17 @@ def self_vs_slot_direction(
 
 
 def circuit_input(
-    aot: AttentionOnlyTransformer, cache: Any, block: int | str, *, fold_ln: bool = True
-) -> Float[Tensor, "... pos d_resid"]:
-    """The activations a block's circuits act on, from a cache (``run_with_cache`` with the default names).
+    aot: AttentionOnlyTransformer, cache: Any, sub: SublayerLike, *, fold_ln: bool = True
+) -> Float[Tensor, "... pos d_in"]:
+    """The activations a sub-layer's circuits act on, from a cache (``run_with_cache`` with the default names).
 
-    With ``fold_ln``: the normalized residual ``blocks.{i}.ln1.hook_normalized``, or the residual the block reads
-    where it has no norm. Without: the norm's output (what the attention module reads). Gated models: followed by the
-    raw scratch channels of ``hook_resid_pre``.
+    With ``fold_ln``: the normalized residual the sub-layer reads (``blocks.{l}.ln1.hook_normalized`` for attention,
+    ``blocks.{l}.ln2.hook_normalized`` for the MLP's heads), or the residual itself where there is no norm
+    (``hook_resid_pre``; the MLP's heads: ``hook_resid_mid``, parallel layers ``hook_resid_pre``). Without: the
+    norm's output (what the heads read). Product heads: followed by the MLP's scratch (``product_heads.hook_gate``).
     """
-    b = block_index(aot, block)
-    norm, d_model = head_norm(aot, b), aot.cfg.d_model
+    s = sublayer(aot, sub)
+    norm = head_norm(aot, s)
 
     def read(name: str) -> Tensor:
         try:
@@ -167,41 +176,42 @@ def circuit_input(
             ) from None
 
     if getattr(norm, "kind", None) is None:
-        main = read(resid_pre_hook(read_block(aot, b)))[..., :d_model]
+        main = read(input_hook(aot, s))
     elif fold_ln:
-        main = read(normalized_hook(b))
+        main = read(normalized_hook(s))
     else:
         with torch.no_grad():
-            main = norm(read(resid_pre_hook(read_block(aot, b)))[..., :d_model])
-    if _d_resid(aot) == main.shape[-1]:
+            main = norm(read(input_hook(aot, s)))
+    if not reads_scratch(s):
         return main
-    return torch.cat([main, read(resid_pre_hook(b))[..., main.shape[-1] :]], dim=-1)
+    return torch.cat([main, read(scratch_hook(s))], dim=-1)
 
 
 def circuit_scores(
-    aot: AttentionOnlyTransformer, head: HeadLike, x: Float[Tensor, "... pos d_resid"], *, fold_ln: bool = True
+    aot: AttentionOnlyTransformer, head: HeadLike, x: Float[Tensor, "... pos d_in"], *, fold_ln: bool = True
 ) -> Float[Tensor, "... query key_and_slots"]:
     """Attention scores of ``head`` computed from its QK circuit (with biases) on inputs ``x`` (see
     :func:`circuit_input`): ``[..., query, key]`` over the real positions, unmasked, followed by one column per memory
     slot. On the allowed keys this is the cached ``hook_attn_scores``; for a neuron head the last column is
     ``−q = −(b_k·z + d_k)`` and the pattern is the softmax over {self, slot}."""
     ref = as_head_ref(aot, head)
-    attn = head_module(aot, head_index(ref)[0])
+    attn = head_module(aot, sublayer(aot, ref.name))
     if getattr(attn, "rotary_dim", 0):
         raise InputError(
             f"{head_label(aot, ref)} uses rotary positions, which are not part of its QK circuit: its scores depend "
             f"on relative position, so circuit_scores cannot reproduce them. Read hook_attn_scores from a cache."
         )
-    if x.shape[-1] != _d_resid(aot):
-        raise InputError(
-            f"x must be [..., pos, {_d_resid(aot)}] (the residual as the block reads it); got {tuple(x.shape)}. "
-            f"Use circuit_input(aot, cache, block, fold_ln=...) to get it from a cache."
-        )
     qk = qk_circuit(aot, ref, fold_ln=fold_ln, biases=True, bias_slot=True)
+    width = qk.A.shape[0] - 1
+    if x.ndim < 2 or x.shape[-1] != width:
+        raise InputError(
+            f"x must be [..., pos, {width}] (what {ref.name} reads); got {tuple(x.shape)}. "
+            f"Use circuit_input(aot, cache, {ref.name!r}, fold_ln=...) to get it from a cache."
+        )
     ones = x.new_ones(*x.shape[:-1], 1)
     q_side = torch.cat([x, ones], dim=-1) @ qk.A  # [..., pos, r]
-    k_res = qk.B[:, : x.shape[-1] + 1]  # [r, d_model + 1]
-    k_slot = qk.B[:, x.shape[-1] + 1 :]  # [r, s]
+    k_res = qk.B[:, : width + 1]  # [r, d_in + 1]
+    k_slot = qk.B[:, width + 1 :]  # [r, s]
     real = q_side @ (torch.cat([x, ones], dim=-1) @ k_res.T).transpose(-1, -2)
     slots = q_side @ k_slot
     return torch.cat([real, slots], dim=-1) / float(attn.attn_scale)

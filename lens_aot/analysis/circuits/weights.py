@@ -1,4 +1,4 @@
-"""One head's weights over the residual stream, neuron heads included, with its block's norm folded in.
+"""One head's weights over the residual stream, neuron heads included, with the norm it reads through folded in.
 
 See :mod:`lens_aot.analysis.circuits` for the conventions (TransformerLens layout, memory slots, ``fold_ln``).
 """
@@ -12,7 +12,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_index, head_module, head_norm
+from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_module, head_norm, sublayer
 from lens_aot.core.components import NeuronAttention
 from lens_aot.core.model import AttentionOnlyTransformer
 
@@ -24,9 +24,11 @@ class HeadWeights:
     A query at residual ``x`` scores a real key at ``y`` by ``(x W_Q + b_Q)·(y W_K + b_K) / attn_scale`` and slot
     ``i`` by ``(x W_Q + b_Q)·k_slot[i] / attn_scale``; values are ``y W_V + b_V`` and ``v_slot[i]``; the head writes
     ``z W_O``. With ``fold_ln`` the reading weights act on the normalized residual (see the module docstring).
+    Reading weights span ``d_model`` rows (product heads: ``d_model + d_mlp``, the MLP's scratch after the
+    normalized residual); ``W_O`` spans ``d_model`` columns (gate heads: ``d_mlp``, the scratch they write).
     """
 
-    block: int
+    name: str  # the head's module (``HeadRef.name``)
     head: int
     W_Q: Float[Tensor, "d_model r"]
     b_Q: Float[Tensor, " r"]
@@ -45,19 +47,18 @@ class HeadWeights:
 
 
 def _fold_norm(
-    norm: Any, W: Float[Tensor, "... d_in r"], b: Float[Tensor, "... r"] | None
+    norm: Any, W: Float[Tensor, "... d_in r"], b: Float[Tensor, "... r"] | None, d_model: int
 ) -> tuple[Tensor, Tensor | None]:
     """TransformerLens's ``fold_ln`` on reading weights: absorb the norm's bias into ``b``, its weight into ``W``, and
     centre ``W`` over the normalized channels for LayerNorm (the mean subtraction). Identity where there is no norm.
 
-    Only the first ``len(norm.w)`` rows of ``W`` (the normalized channels) are touched: gated models' product heads
-    also read raw scratch channels after ``d_model``."""
+    Only the first ``d_model`` rows of ``W`` (the normalized channels) are touched: product heads also read the MLP's
+    raw scratch after them."""
     kind = getattr(norm, "kind", None)
     if norm is None or kind is None:
         return W, b
     ln_w, ln_b = getattr(norm, "w", None), getattr(norm, "b", None)
-    width = next((len(t) for t in (ln_w, ln_b) if t is not None), W.shape[-2])
-    head, tail = W[..., :width, :], W[..., width:, :]
+    head, tail = W[..., :d_model, :], W[..., d_model:, :]
     if ln_b is not None and b is not None:
         b = b + torch.einsum("d,...dr->...r", ln_b.detach().to(W.dtype), head)
     if ln_w is not None:
@@ -67,18 +68,13 @@ def _fold_norm(
     return torch.cat([head, tail], dim=-2), b
 
 
-def _d_resid(aot: AttentionOnlyTransformer) -> int:
-    """Width of the residual stream (``d_model``, plus gated models' scratch channels)."""
-    return int(getattr(aot.cfg, "d_resid", aot.cfg.d_model))
-
-
 def _pad_rows(W: Float[Tensor, "... d_in r"], width: int) -> Float[Tensor, "... width r"]:
-    """Reading weights over the first ``d_in`` residual channels, as weights over all ``width`` channels."""
+    """Reading weights over the first ``d_in`` channels, as weights over ``width`` channels (zero rows after)."""
     return torch.nn.functional.pad(W, (0, 0, 0, width - W.shape[-2])) if W.shape[-2] < width else W
 
 
 def _pad_cols(W: Float[Tensor, "... r d_out"], width: int) -> Float[Tensor, "... r width"]:
-    """Writing weights to the first ``d_out`` residual channels (where a block places them), over all channels."""
+    """Writing weights to the first ``d_out`` channels, as weights over ``width`` channels (zero columns after)."""
     return torch.nn.functional.pad(W, (0, width - W.shape[-1])) if W.shape[-1] < width else W
 
 
@@ -95,8 +91,8 @@ def _has_neuron_layout(attn: Any) -> bool:
 
 
 def _neuron_out_rows(attn: NeuronAttention, neurons: Int[Tensor, " g"]) -> Float[Tensor, "g d_out"]:
-    """Output rows of the given neurons: their ``W_out`` rows, or (gated models' gate heads, which write their
-    activation to a scratch channel) the one-hot of that channel."""
+    """Output rows of the given neurons: their ``W_out`` rows, or (gate heads, which write their activation to the
+    MLP's scratch) the one-hot of their scratch channel, ``d_mlp`` wide."""
     if attn.W_out is not None:
         return attn.W_out.detach()[neurons]
     offset, width = attn.scratch
@@ -140,22 +136,19 @@ def _raw_head_weights(attn: Any, h: int) -> dict[str, Tensor]:
 
 
 def head_weights(aot: AttentionOnlyTransformer, head: HeadLike, *, fold_ln: bool = True) -> HeadWeights:
-    """A head's weights (detached) over the residual stream, with its block's norm folded in when ``fold_ln`` (see
-    the module docstring).
+    """A head's weights (detached), with the norm its sub-layer reads through folded in when ``fold_ln`` (see the
+    module docstring).
 
     For a neuron head of neuron n, term k: ``W_Q = b_k·W_in[:, n]``, ``W_K = 0``, ``W_V = α_k·W_in[:, n]``,
-    ``W_O = W_out[n]``, ``k_slot = [[−1]]``, ``v_slot = [[0]]``. (Gated models: matrices span the residual's
-    ``d_model + d_scratch`` channels.)
+    ``W_O = W_out[n]``, ``k_slot = [[−1]]``, ``v_slot = [[0]]`` (Theorem 3). Gate heads write the MLP's scratch
+    (``W_O`` is ``d_mlp`` wide); product heads read ``[normalized residual, scratch]`` (``d_model + d_mlp`` rows).
     """
     ref = as_head_ref(aot, head)
-    block, h = head_index(ref)
-    attn = head_module(aot, block)
-    width = _d_resid(aot)
+    sub = sublayer(aot, ref.name)
+    attn = head_module(aot, sub)
     with torch.no_grad():
-        raw = {k: v.detach() for k, v in _raw_head_weights(attn, h).items()}
-        for w, b in (("W_Q", "b_Q"), ("W_K", "b_K"), ("W_V", "b_V")):
-            if fold_ln:
-                raw[w], raw[b] = _fold_norm(head_norm(aot, block), raw[w], raw[b])
-            raw[w] = _pad_rows(raw[w], width)
-        raw["W_O"] = _pad_cols(raw["W_O"], width)
-    return HeadWeights(block=block, head=h, attn_scale=float(attn.attn_scale), **raw)
+        raw = {k: v.detach() for k, v in _raw_head_weights(attn, ref.head).items()}
+        if fold_ln:
+            for w, b in (("W_Q", "b_Q"), ("W_K", "b_K"), ("W_V", "b_V")):
+                raw[w], raw[b] = _fold_norm(head_norm(aot, sub), raw[w], raw[b], aot.cfg.d_model)
+    return HeadWeights(name=ref.name, head=ref.head, attn_scale=float(attn.attn_scale), **raw)
