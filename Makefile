@@ -4,6 +4,9 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TL3 ?= transformer-lens==3.9.0
 TL4 ?= transformer-lens==4.3.0
+# SAELens supports TransformerLens 3.x only (sae-lens >= 6.52 requires transformer-lens < 4): its extra goes in the 3.9 env.
+EXTRAS3 ?= test,sae
+EXTRAS4 ?= test
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-tl3 test-tl4 lint bench clean
@@ -13,7 +16,7 @@ PYTEST_ARGS ?=
 	$(PYTHON) -m venv .venv-tl$*
 	.venv-tl$*/bin/pip install -q --upgrade pip
 	.venv-tl$*/bin/pip install -q "$(TORCH)"
-	.venv-tl$*/bin/pip install -q "$(TL$*)" -e ".[test]"
+	.venv-tl$*/bin/pip install -q "$(TL$*)" -e ".[$(EXTRAS$*)]"
 	touch $@
 
 demo: .venv-tl4/.ready

@@ -4,8 +4,9 @@ A *sub-layer* is one head module in the paper's flat order (``aot.sublayers()``:
 its MLP's neuron-head modules ``blocks.0.mlp.heads`` or ``blocks.0.mlp.gate_heads`` / ``product_heads``, then layer
 1, ...). It is given as a :class:`~lens_aot.core.model.Sublayer`, its index in that order, or its module name. A
 head is a :class:`~lens_aot.core.model.HeadRef` ``(module name, head)``, ``(sub-layer, head)`` (``(0, 3)`` is head 3
-of sub-layer 0, ``("blocks.1.mlp.heads", 5)`` head 5 of that module) or a label: ``"L1H3"`` (attention head 3 of layer 1) or
-``"L1N17.2"`` (head 2 of ``aot.neuron_heads(1, 17)``). Names and labels are parsed by :mod:`lens_aot.core.names`.
+of sub-layer 0, ``("blocks.1.mlp.heads", 5)`` head 5 of that module) or a label: ``"L1H3"`` (attention head 3 of
+layer 1) or ``"L1N17.2"`` (head 2 of ``aot.neuron_heads(1, 17)``). Names and labels are parsed by
+:mod:`lens_aot.core.names`.
 
 What a sub-layer reads: attention ``ln1(blocks.{l}.hook_resid_pre)``; neuron, gate and product heads
 ``ln2(blocks.{l}.hook_resid_mid)`` (parallel layers: ``hook_resid_pre``); product heads also the MLP's scratch (the
