@@ -1,11 +1,14 @@
 """Activation patching, path patching and gradient attribution over every head of an
 :class:`~lens_aot.AttentionOnlyTransformer` (imported as ``lens_aot.patching``).
 
-A converted model's blocks have different head counts (a source attention block has ``n_heads`` heads, a neuron
-block ``d_mlp · K``: ``aot.cfg.n_heads_per_block``), so TransformerLens's ``transformer_lens.patching``, which assumes
-one ``n_heads``, does not apply. This module patches **head outputs** (``hook_z`` at a head index), source attention
-heads and neuron heads alike, and labels every number it returns with the heads (:class:`~lens_aot.HeadRef`) and
-what they were in the source: an attention head, one term of a neuron's activation fit, or a whole neuron.
+TransformerLens's own ``transformer_lens.patching`` runs unmodified on a converted model and covers every unit the
+source has (its attention heads, ``resid_pre`` / ``attn_out`` / ``mlp_out``, ``mlp.hook_post``). The neuron heads
+that replace the MLPs (``blocks.{l}.mlp.heads``, gated: ``mlp.gate_heads`` / ``mlp.product_heads``, ``d_mlp · K``
+heads per layer) are units TransformerLens cannot enumerate: :func:`get_act_patch_neuron_head_out_all_pos` and
+friends offer its call shape for them. This module patches **head outputs** (``hook_z`` at a head index), source
+attention heads and neuron heads alike, addressed by head-module name (``aot.sublayers()``), and labels every number
+it returns with the heads (:class:`~lens_aot.HeadRef`) and what they were in the source: an attention head, one term
+of a neuron's activation fit, or a whole neuron.
 
 **Activation patching** (:func:`patch_heads`, :func:`patch_neurons`, :func:`patch_units`): each patch replaces one
 *unit* — a head, or all heads of a source neuron together, which is patching that neuron's ``mlp.hook_post`` in the
@@ -28,11 +31,11 @@ through the neuron's gate, "through v" the path through its value. ``hook_k`` is
 enters a neuron head through k.
 
 >>> from lens_aot.patching import NeuronRef, patch_heads, patch_neurons, path_patch
->>> res = patch_heads(aot, clean, corrupted, metric)             # every head of every block
->>> res.by_block()[1]                                             # block 1's heads: [n_heads_per_block[1]]
+>>> res = patch_heads(aot, clean, corrupted, metric)             # every head of every module
+>>> res.by_module()["blocks.0.mlp.heads"]                         # layer 0's neuron heads: [d_mlp · K]
 >>> res.top(5)                                                    # labelled entries, largest |effect| first
 >>> patch_neurons(aot, clean, corrupted, metric, layers=[0]).by_neuron(0)   # [d_mlp]: = patching mlp.hook_post
->>> path_patch(aot, clean, corrupted, metric, senders=[(0, 1)], receivers=[NeuronRef(0, 17), "logits"],
+>>> path_patch(aot, clean, corrupted, metric, senders=[("blocks.0.attn", 1)], receivers=[NeuronRef(0, 17), "logits"],
 ...            receiver_input="q")
 
 Modules: :mod:`.units` (unit addressing: the only code that knows the model's module and hook names, and labels),
