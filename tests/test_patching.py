@@ -654,3 +654,74 @@ def test_hooks_are_removed_when_the_metric_or_a_forward_raises(silu) -> None:
     finally:
         aot.reset_hooks()
     assert _attached(aot) == 0 and torch.equal(aot(clean).detach(), before)
+
+
+# ============================================================== TransformerLens's own functions, and its call shape
+F32_STORAGE = 2.0**-23  # transformer_lens.patching stores each metric in a float32 tensor: one ulp, relative
+
+
+def _tl_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to EXACT in float64 and the float32 rounding of TransformerLens's result tensor."""
+    torch.testing.assert_close(got.double().cpu(), expected.double().cpu(), rtol=F32_STORAGE, atol=EXACT)
+
+
+def _neuron_head_layout(aot: AttentionOnlyTransformer, res: P.PatchingResult) -> torch.Tensor:
+    """patch_heads' values laid out [layer, (pos,) neuron_head] like the TransformerLens-shaped functions."""
+    per_module = res.by_module()
+    rows = [torch.cat([per_module[name] for name in aot.neuron_modules(layer)]) for layer in range(aot.cfg.n_layers)]
+    return torch.stack([row if row.ndim == 1 else row.T for row in rows])
+
+
+def test_transformer_lens_patching_on_the_converted_model_equals_the_source(silu, one_thread) -> None:
+    """TransformerLens's own head, residual and MLP-output functions, run unmodified, and the neuron functions
+    (hook_post, through its generic_activation_patch) give the source's results; whole neurons = patch_neurons."""
+    import transformer_lens.patching as tlp
+
+    bridge, aot, clean, corrupted = silu
+    _, bridge_cache = bridge.run_with_cache(clean)
+    _, aot_cache = aot.run_with_cache(clean)
+    for fn in (
+        tlp.get_act_patch_attn_head_out_all_pos,
+        tlp.get_act_patch_attn_head_out_by_pos,
+        tlp.get_act_patch_resid_pre,
+        tlp.get_act_patch_attn_out,
+        tlp.get_act_patch_mlp_out,
+        P.get_act_patch_mlp_neuron_all_pos,
+    ):
+        expected = fn(bridge, corrupted, bridge_cache, logit_diff)
+        got = fn(aot, corrupted, aot_cache, logit_diff)
+        assert got.shape == expected.shape, fn
+        _tl_close(got, expected)
+        assert float(expected.std()) > 1e-3, fn  # the patches move the metric
+    neurons = P.get_act_patch_mlp_neuron_all_pos(aot, corrupted, aot_cache, logit_diff)
+    whole = P.patch_neurons(aot, clean, corrupted, logit_diff)
+    _tl_close(neurons, torch.stack([whole.by_neuron(layer) for layer in range(2)]))
+    by_pos = P.get_act_patch_mlp_neuron_by_pos(aot, corrupted[:, :3], aot_cache, logit_diff)
+    assert by_pos.shape == (2, 3, 64)
+
+
+@pytest.mark.parametrize("family", ["gpt2-silu", "native-gated"])
+def test_neuron_head_functions_have_transformer_lens_shape_and_equal_patch_heads(family, one_thread) -> None:
+    """get_act_patch_neuron_head_out_all_pos / _by_pos: [layer, (pos,) neuron_head], one TransformerLens-style forward
+    per entry, equal to lens_aot's batched patch_heads on the same heads (gated: gate then product heads)."""
+    bridge = make_bridge(family, torch.float64)
+    aot = lens_aot.convert(bridge)
+    clean, corrupted = _pair(int(aot.cfg.d_vocab), pos=4, seed=5)
+    _, cache = aot.run_with_cache(clean)
+    columns = P.neuron_head_columns(aot)
+    modules = [name for layer in range(aot.cfg.n_layers) for name in aot.neuron_modules(layer)]
+    res = P.patch_heads(aot, clean, corrupted, logit_diff, modules=modules)
+    all_pos = P.get_act_patch_neuron_head_out_all_pos(aot, corrupted, cache, logit_diff)
+    assert all_pos.shape == (aot.cfg.n_layers, len(columns[0])) and all_pos.dtype == torch.float64
+    torch.testing.assert_close(all_pos, _neuron_head_layout(aot, res), rtol=0, atol=EXACT)
+    assert float(all_pos.std()) > 1e-4
+    if family == "gpt2-silu":
+        per_pos = P.patch_heads(aot, clean, corrupted, logit_diff, modules=modules, per_position=True)
+        by_pos = P.get_act_patch_neuron_head_out_by_pos(aot, corrupted, cache, logit_diff)
+        assert by_pos.shape == (aot.cfg.n_layers, 4, len(columns[0]))
+        torch.testing.assert_close(by_pos, _neuron_head_layout(aot, per_pos), rtol=0, atol=EXACT)
+    else:
+        n_gate = aot.head_module(aot.neuron_modules(0)[0]).n_heads
+        assert columns[0][n_gate] == HeadRef("blocks.0.mlp.product_heads", 0)
+    with pytest.raises(InputError, match="converted model"):
+        P.get_act_patch_neuron_head_out_all_pos(bridge, corrupted, cache, logit_diff)

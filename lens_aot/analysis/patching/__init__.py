@@ -41,7 +41,8 @@ enters a neuron head through k.
 Modules: :mod:`.units` (unit addressing: the only code that knows the model's module and hook names, and labels),
 :mod:`.results` (result types), :mod:`.runs` (inputs and forwards), :mod:`.activation` (activation patching),
 :mod:`.path` (path patching), :mod:`.attribution` (node attribution: AtP, EAP-IG), :mod:`.edges` (edge attribution),
-:mod:`.check` (``verify_attribution``: attribution against exact patching).
+:mod:`.check` (``verify_attribution``: attribution against exact patching), :mod:`.tl_shaped` (TransformerLens's call
+shape for neuron heads).
 """
 
 from lens_aot.analysis.patching.activation import patch_heads, patch_neurons, patch_units
@@ -51,6 +52,13 @@ from lens_aot.analysis.patching.edges import attribute_edges
 from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchEntry, PatchingResult, PathPatchingResult, Quantity, Ranking
 from lens_aot.analysis.patching.runs import Direction, Metric, ReceiverInput, TokensLike
+from lens_aot.analysis.patching.tl_shaped import (
+    get_act_patch_mlp_neuron_all_pos,
+    get_act_patch_mlp_neuron_by_pos,
+    get_act_patch_neuron_head_out_all_pos,
+    get_act_patch_neuron_head_out_by_pos,
+    neuron_head_columns,
+)
 from lens_aot.analysis.patching.units import (
     HeadLike,
     NeuronRef,
@@ -81,8 +89,13 @@ __all__ = [
     "attribute_heads",
     "attribute_neurons",
     "attribute_units",
+    "get_act_patch_mlp_neuron_all_pos",
+    "get_act_patch_mlp_neuron_by_pos",
+    "get_act_patch_neuron_head_out_all_pos",
+    "get_act_patch_neuron_head_out_by_pos",
     "group",
     "head_units",
+    "neuron_head_columns",
     "neuron_units",
     "patch_heads",
     "patch_neurons",
