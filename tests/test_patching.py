@@ -602,6 +602,8 @@ def _bad_calls(
         (lambda: P.patch_heads(aot, clean, corrupted, m, per_position=True, positions=[6]), "position 6 out of range"),
         (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[(0, 0)], batch_size=0), "batch_size"),
         (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[]), "no heads selected"),
+        (lambda: P.patch_heads(aot, clean, corrupted, m, blocks=[1]), "blocks= is gone.*modules="),
+        (lambda: P.attribute_heads(aot, clean, corrupted, m, blocks=[1]), "blocks= is gone.*modules="),
         (lambda: P.path_patch(aot, clean, corrupted, m, (0, 0), (2, 0), "x"), "receiver_input must be"),
         (lambda: P.path_patch(aot, clean, corrupted, m, (0, 0), "logit"), "'logits'"),
         (lambda: P.path_patch(aot, clean, corrupted, m, (0, 0), "logits", recompute="mlps"), "recompute must be"),

@@ -24,6 +24,7 @@ from lens_aot.analysis.patching.runs import (
     _both_runs,
     _chunks,
     _direction,
+    _no_blocks,
     _pair,
     _patched_positions,
     _progress,
@@ -245,6 +246,7 @@ def patch_heads(
     ``options``: ``per_position``, ``positions``, ``direction``, ``batch_size``, ``progress``, as in
     :func:`patch_units`.
     """
+    _no_blocks(options)  # type: ignore[arg-type]
     return patch_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
 
 

@@ -55,6 +55,7 @@ from lens_aot.analysis.patching.runs import (
     TokensLike,
     _both_runs,
     _direction,
+    _no_blocks,
     _pair,
     _patched_positions,
 )
@@ -228,6 +229,7 @@ def attribute_heads(
     :func:`~lens_aot.patching.patch_heads` with the same arguments, result type, units, labels and order.
     ``options``: ``method`` ("atp": one forward+backward, one forward; "ig": EAP-IG with ``steps`` interpolated
     inputs) and those of :func:`attribute_units`."""
+    _no_blocks(options)  # type: ignore[arg-type]
     return attribute_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
 
 
