@@ -72,7 +72,7 @@ def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale:
                 device=device, seed=0,
             )  # fmt: skip
         return HookedTransformer(cfg).eval()
-    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+    from lens_aot.tl.build import bridge_from_hf_module
 
     if shape == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -83,7 +83,7 @@ def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
         )  # fmt: skip
         model = GPT2LMHeadModel(hf_cfg).eval().to(device)
-        return build_bridge_from_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
+        return bridge_from_hf_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(
@@ -92,7 +92,7 @@ def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale:
         max_position_embeddings=dims["n_ctx"], tie_word_embeddings=False, attn_implementation=attn,
     )  # fmt: skip
     model = LlamaForCausalLM(hf_cfg).eval().to(device)
-    return build_bridge_from_module(model, "LlamaForCausalLM", hf_config=hf_cfg, model_name="llama-shape").eval()
+    return bridge_from_hf_module(model, "LlamaForCausalLM", hf_config=hf_cfg, model_name="llama-shape").eval()
 
 
 def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
@@ -130,7 +130,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 def default_source_kind() -> str:
     """The source the benchmarks build by default: a HookedTransformer where TransformerLens has one (3.x), else a
     TransformerBridge (4.x)."""
-    from lens_aot.revert import has_hooked_transformer
+    from lens_aot.tl import has_hooked_transformer
 
     return "hooked" if has_hooked_transformer() else "bridge"
 

@@ -62,11 +62,13 @@ def row(source: str, family: str, act: str, cells: list[tuple[float, float, floa
 def main() -> None:
     from factories_bridge import CONVERTIBLE, GATED_PARALLEL, make_bridge
 
+    from lens_aot.tl import has_hooked_transformer
+
     only_gated = "--gated-parallel" in sys.argv  # only the gated / parallel rows
 
     rows: list[str] = []
     tokens = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
-    try:
+    if has_hooked_transformer():  # TransformerLens 3.x (4.x has no HookedTransformer)
         from factories_hooked import ACTIVATIONS, FAMILIES, make_hooked
 
         for family in [] if only_gated else sorted(FAMILIES):
@@ -78,8 +80,6 @@ def main() -> None:
         for family, act in GATED_PARALLEL_HOOKED:
             cells = [measure(make_hooked(family, act, dtype, d_vocab=97), tokens[:, :24]) for dtype in DTYPES]
             rows.append(row("HookedTransformer", family, act, cells, agree=True))
-    except ImportError:  # TransformerLens 4.x: no HookedTransformer
-        pass
     for family in GATED_PARALLEL:
         for compat in (False, True):
             nan = float("nan")

@@ -399,11 +399,12 @@ def pattern_hook(
     if hook not in DENSE_HOOKS:
         raise ValueError(f"hook must be one of {DENSE_HOOKS}; got {hook!r}")
     attn = aot.head_module(module)
-    (source,), derivation = attn.derivations()[hook]
+    entry = hook
+    (source,), derivation = attn.derivations()[entry]
     chosen = torch.arange(attn.n_heads)[heads] if isinstance(heads, slice) else torch.as_tensor(heads).reshape(-1)
 
-    def observe(act: Tensor, hook_point: Any) -> None:
-        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook_point) is not None:
-            raise ValueError(f"pattern_hook observes {hook}; to change it, hook {module}.{hook} itself")
+    def observe(act: Tensor, hook: Any) -> None:  # TransformerLens passes the hook point as `hook=`
+        if fn(derivation.dense_entry(act, chosen % attn.n_heads), hook) is not None:
+            raise ValueError(f"pattern_hook observes {entry}; to change it, hook {module}.{entry} itself")
 
     return f"blocks.{parsed.layer}.mlp.{source}", observe

@@ -19,6 +19,7 @@ from lens_aot.gating import GatedFit, gated_fit
 from lens_aot.model import AttentionOnlyTransformer
 from lens_aot.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.spec import ModelSpec
+from lens_aot.tl.hooks import attached_hooks
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def _refuse_what_cannot_be_carried_over(model: Any, check: bool | str) -> None:
     hook_dict = getattr(model, "hook_dict", None)
     attached = []
     if isinstance(hook_dict, dict):
-        attached = [name for name, point in hook_dict.items() if getattr(point, "_forward_hooks", None)]
+        attached = attached_hooks(model)
     if attached:
         problems.append(
             f"the source model has hooks attached at {attached[:3]}{' …' if len(attached) > 3 else ''}; they may "

@@ -31,7 +31,6 @@ from lens_aot.activations import ActivationFit
 from lens_aot.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.components import Attention, Embed, Norm, PosEmbed, Unembed
 from lens_aot.components.block import TransformerBlock
-from lens_aot.components.hooks import hooked
 from lens_aot.components.neuron_mlp import NeuronMLP
 from lens_aot.components.ownership import exported
 from lens_aot.core.names import HeadKind, flat_layout_hint, parse_module
@@ -42,6 +41,7 @@ from lens_aot.generate import generate
 from lens_aot.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.placement import Placement
 from lens_aot.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -542,7 +542,9 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         """Move each layer, the embeddings and the unembedding to ``placement``'s devices (e.g.
         ``lens_aot.placement.split_evenly(aot.cfg.n_layers, ["cuda:0", "cuda:1"])`` for a loaded model)."""
         if len(placement.layers) != len(self.blocks):
-            raise ValueError(f"the placement has {len(placement.layers)} layers but the model {len(self.blocks)}")
+            raise ValueError(
+                f"the placement has {len(placement.layers)} layers but the model has {len(self.blocks)} source layers"
+            )
         for block, device in zip(self.blocks, placement.layers, strict=True):
             block.to(device)
         self.embed.to(placement.embed)

@@ -46,10 +46,6 @@ class Placement:
         """The distinct devices, in order of first use."""
         return list(dict.fromkeys((self.embed, *self.layers, self.unembed)))
 
-    def blocks(self, layer_of_block: Sequence[int]) -> list[torch.device]:
-        """Each converted block's device, given the source layer of each block (``aot.block_layers()``)."""
-        return [self.layers[layer] for layer in layer_of_block]
-
     @staticmethod
     def of_spec(spec: ModelSpec) -> Placement:
         """Where a spec's tensors are (a reader keeps each of the source's tensors on its device)."""

@@ -1,8 +1,9 @@
-"""The reading layer: the one place that knows which TransformerLens version and model class a source is.
+"""Reading a source model into a spec, checked: ``read_model`` (and ``run_source``, the source's logits).
 
-``read_model`` turns a HookedTransformer (3.x) or a TransformerBridge (3.9 / 4.x) into a :class:`ModelSpec`;
-``run_source`` runs the source on tokens and returns its logits. Everything else in lens_aot works on specs.
-Version-specific names are imported lazily inside the per-class readers, never at module import time.
+``read_model`` refuses a model lens_aot already converted, has :func:`lens_aot.tl.read_source` (the TransformerLens
+layer, the only code that knows TransformerLens versions and model classes) read a HookedTransformer (3.x) or a
+TransformerBridge (3.9 / 4.x) into a :class:`ModelSpec`, and refuses non-finite weights. Everything else in lens_aot
+works on specs. Also here: running a half-precision source in float32 (``upcast_half``) and sample tokens.
 """
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ from torch import Tensor
 
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
 from lens_aot.spec import ModelSpec
-
-
-def _is_bridge(model: object) -> bool:
-    return any(c.__name__ == "TransformerBridge" for c in type(model).__mro__)
 
 
 def _spec_tensors(spec: ModelSpec) -> list[tuple[str, Tensor | None]]:
@@ -65,15 +62,10 @@ def read_model(model: Any) -> ModelSpec:
             "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "
             "would have nothing to replace. Pass the original HookedTransformer or TransformerBridge to convert()."
         )
-    from lens_aot._read_hooked import is_hooked_transformer, read_hooked_transformer
+    from lens_aot.tl import read_source
 
-    if is_hooked_transformer(model):
-        spec = read_hooked_transformer(model)
-    elif _is_bridge(model):
-        from lens_aot._read_bridge import read_bridge
-
-        spec = read_bridge(model)
-    else:
+    spec = read_source(model)
+    if spec is None:
         raise UnsupportedArchitectureError(
             f"convert() takes a TransformerLens HookedTransformer (3.x) or TransformerBridge (3.9 / 4.x); got "
             f"{type(model).__module__}.{type(model).__name__}. Wrap a Hugging Face model with "

@@ -26,7 +26,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         (
             "code",
             "import matplotlib.pyplot as plt\nimport torch\n\nimport lens_aot\n"
-            "from lens_aot.demo_models import load_modular_addition, modular_addition_dataset\n\n"
+            "from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset\n\n"
             "model = load_modular_addition()\naot = lens_aot.convert(model)\nprint(aot.report)",
         ),
         ("md", "## Agreement with the original\nThe converted model's logits on all 113² inputs against the source's."),

@@ -37,7 +37,7 @@ _RAW: list[tuple[str, str]] = [
         import lens_aot
         from lens_aot import patching as P
         from lens_aot.patching import attribute_edges, attribute_heads, verify_attribution
-        from lens_aot.demo_models import MODULAR_ADDITION_P as p, load_modular_addition
+        from lens_aot.cli.demo_models import MODULAR_ADDITION_P as p, load_modular_addition
 
         aot = lens_aot.convert(load_modular_addition())
         g = torch.Generator().manual_seed(0)

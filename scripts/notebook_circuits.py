@@ -37,7 +37,7 @@ _RAW: list[tuple[str, str]] = [
 
         import lens_aot
         from lens_aot import circuits, viz
-        from lens_aot.demo_models import (
+        from lens_aot.cli.demo_models import (
             MODULAR_ADDITION_P as P,
             load_modular_addition,
             load_modular_addition_checkpoint,

@@ -51,7 +51,7 @@ _RAW: list[tuple[str, str]] = [
 
         import lens_aot
         from lens_aot import patching as P
-        from lens_aot.demo_models import (
+        from lens_aot.cli.demo_models import (
             MODULAR_ADDITION_P as p,
             load_modular_addition,
             load_modular_addition_checkpoint,

@@ -1,5 +1,5 @@
 """Train the one-layer modular-addition transformer of Nanda et al. 2023 ("Progress measures for grokking via
-mechanistic interpretability") in plain torch, and save it in TransformerLens layout for ``lens_aot.demo_models``.
+mechanistic interpretability") in plain torch, and save it in TransformerLens layout for ``lens_aot.cli.demo_models``.
 
 Setup (the paper's): p = 113, inputs ``[a, b, =]`` with ``=`` the token 113, the model predicts ``(a + b) mod p`` at
 the last position. One layer, d_model 128, 4 heads of 32, d_mlp 512, ReLU, no LayerNorm, learned absolute positions,

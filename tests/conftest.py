@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from lens_aot.faithfulness import STATED_LOGIT_ERROR
+from lens_aot.tl import has_hooked_transformer
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 TL_VERSION = version("transformer-lens")
 TL_MAJOR = int(TL_VERSION.split(".")[0])
-HAS_HOOKED_TRANSFORMER = TL_MAJOR < 4
+HAS_HOOKED_TRANSFORMER = has_hooked_transformer()
 
 # HookedTransformer was removed in TransformerLens 4.0: its tests are not collected there (not skipped: they do not
 # apply). `make test` runs the suite under both 3.9 and 4.3, so every file is exercised.

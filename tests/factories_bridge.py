@@ -418,13 +418,13 @@ def make_bridge(
     kind, source, architecture = FAMILIES[family]()
     tok = tiny_tokenizer() if tokenizer else None
     if kind == "hf":
-        from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+        from lens_aot.tl.build import bridge_from_hf_module
 
         model: nn.Module = source.eval()
         _randomize_(model, seed)
         model.to(dtype)
         model.set_attn_implementation("eager")
-        bridge = build_bridge_from_module(
+        bridge = bridge_from_hf_module(
             model, architecture, hf_config=model.config, tokenizer=tok, dtype=dtype, model_name=f"random-{family}"
         )
     else:

@@ -102,7 +102,7 @@ def assert_neurons_within_bound(aot: lens_aot.AttentionOnlyTransformer, tokens: 
     for layer, fit in aot.cfg.activation_fits.items():
         if not isinstance(fit, lens_aot.ActivationFit):
             continue  # gated layers: their bound is on hook_post and is covered by the logit check
-        pre = cache[f"blocks.{aot.neuron_block(layer)}.attn.hook_pre"]
+        pre = cache[f"blocks.{layer}.mlp.hook_pre"]
         got = aot.neuron_activations(cache, layer)
         err = (got - reference_activation(fit.act_fn, pre)).abs()
         slack = 64 * torch.finfo(pre.dtype).eps * (1 + pre.abs())
@@ -188,20 +188,32 @@ class SlowPathSpy(AbstractContextManager["SlowPathSpy"]):
 
 
 def fast_path_logits(aot: nn.Module, tokens: Tensor) -> Tensor:
-    """``aot(tokens)``, asserting it took the fast path: no per-head tensors built anywhere.
+    """``aot(tokens)`` with ``set_use_fused_neurons(True)`` (restored after), asserting it took the fast path: no
+    per-head tensors built anywhere, so no hook is left attached to any neuron head's internals.
 
     Only meaningful for models whose attention uses fused softmax when unhooked (no ``softmax_dtype`` upcast).
     """
-    with SlowPathSpy(aot) as spy, torch.no_grad():
-        logits = aot(tokens)
+    fused = aot.cfg.use_fused_neurons
+    aot.set_use_fused_neurons(True)  # without it every forward runs the neuron heads' cheap hook points
+    try:
+        with SlowPathSpy(aot) as spy, torch.no_grad():
+            logits = aot(tokens)
+    finally:
+        aot.set_use_fused_neurons(fused)
     assert spy.calls == 0, f"the forward built per-head tensors {spy.calls} times with no hook attached"
     return logits
 
 
 def slow_path_calls(aot: nn.Module, tokens: Tensor, fwd_hooks: list[tuple[Any, Any]]) -> int:
-    """How many per-head code-path calls ``aot.run_with_hooks(tokens, fwd_hooks)`` makes (to show the spy works)."""
-    with SlowPathSpy(aot) as spy, torch.no_grad():
-        aot.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+    """How many per-head code-path calls ``aot.run_with_hooks(tokens, fwd_hooks)`` makes with fused neurons on (to
+    show the spy works: a hook on a neuron head's internals takes the per-head path even then)."""
+    fused = aot.cfg.use_fused_neurons
+    aot.set_use_fused_neurons(True)
+    try:
+        with SlowPathSpy(aot) as spy, torch.no_grad():
+            aot.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+    finally:
+        aot.set_use_fused_neurons(fused)
     return spy.calls
 
 
@@ -326,12 +338,12 @@ Scenario = tuple[Callable[[Any, Tensor], Any], type[BaseException]]
 
 
 def _neuron(model: Any) -> str:
-    """The first neuron block's attention module name."""
-    return f"blocks.{model.neuron_block(0)}.attn"
+    """The module of layer 0's neuron heads that write its MLP output."""
+    return model.neuron_module(0)
 
 
 def _attention(model: Any) -> str:
-    return f"blocks.{model.attention_block(0)}.attn"
+    return "blocks.0.attn"
 
 
 def _last(model: Any) -> str:
@@ -521,7 +533,7 @@ def check_deterministic(make_source: Callable[[], Any], tokens: Tensor, **option
     assert sorted(cache_a.keys()) == sorted(cache_b.keys())
     for key in cache_a.keys():
         assert torch.equal(bits(cache_a[key]), bits(cache_b[key])), key
-    neuron = f"blocks.{first.neuron_block(0)}.attn.hook_pattern"
+    neuron = f"{first.neuron_module(0)}.hook_pattern"
     dense = [first.run_with_hooks(tokens, fwd_hooks=[(neuron, record)]) for _ in range(2)]
     torch.testing.assert_close(dense[0], dense[1], rtol=0, atol=0)
     grads = []

@@ -19,8 +19,8 @@ from factories_spec import random_spec
 
 import lens_aot
 from lens_aot import patching as P
+from lens_aot.cli.demo_models import MODULAR_ADDITION_P, load_modular_addition
 from lens_aot.components import ProductAttention
-from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition
 from lens_aot.errors import InputError
 from lens_aot.patching import attribute_edges, attribute_heads, attribute_neurons, verify_attribution
 

@@ -164,7 +164,7 @@ def test_an_8_term_gelu_states_the_bound_that_holds_in_its_dtype(dtype: torch.dt
     limited = "rounding limits it" in str(report)
     assert limited == (dtype == torch.float32), str(report)
     z = torch.linspace(-12, 12, 200_001, dtype=dtype)
-    got = aot.blocks[aot.neuron_block(0)].attn.activation(z[None, :, None].expand(1, -1, 1).contiguous())[0, :, 0]
+    got = aot.head_module(aot.neuron_module(0)).activation(z[None, :, None].expand(1, -1, 1).contiguous())[0, :, 0]
     err = (got.double() - reference_activation("gelu", z.double())).abs()
     assert bool((err <= report.max_neuron_error + report.neuron_rounding * (1 + z.double().abs())).all())
     if dtype == torch.float32:

@@ -36,8 +36,8 @@ def test_compact_cache_equals_eager_cache(aot, tokens) -> None:
     for name in eager.keys():
         torch.testing.assert_close(compact[name], eager[name], rtol=0, atol=1e-12, msg=name)
     stored = dict(compact.cache_dict.stored())
-    assert "blocks.1.attn.hook_pre" in stored
-    assert not any(name.startswith("blocks.1.attn.hook_") and name.endswith(NEURON_HOOKS) for name in stored)
+    assert "blocks.0.mlp.hook_pre" in stored
+    assert not any(name.startswith("blocks.0.mlp.heads.hook_") and name.endswith(NEURON_HOOKS) for name in stored)
 
 
 def test_compact_cache_bytes_are_small(aot, tokens) -> None:
@@ -51,10 +51,10 @@ def test_compact_cache_bytes_are_small(aot, tokens) -> None:
 
 
 def test_names_filter_and_batch_operations(aot, tokens) -> None:
-    name = "blocks.3.attn.hook_pattern"
+    name = "blocks.1.mlp.heads.hook_pattern"
     _, eager = aot.run_with_cache(tokens, names_filter=name, compact=False)
     _, cache = aot.run_with_cache(tokens, names_filter=name)
-    assert set(cache.keys()) == {name, "blocks.3.attn.hook_pre"}
+    assert set(cache.keys()) == {name, "blocks.1.mlp.hook_pre"}
     torch.testing.assert_close(cache[name], eager[name], rtol=0, atol=1e-12)
     one = cache.apply_slice_to_batch_dim(1)
     torch.testing.assert_close(one[name], eager[name][1], rtol=0, atol=1e-12)
@@ -71,10 +71,10 @@ def test_intervening_hooks_make_the_cache_eager(aot, tokens) -> None:
     def zero_q(act, hook):
         return torch.zeros_like(act)
 
-    with aot.hooks(fwd_hooks=[("blocks.1.attn.hook_q", zero_q)]):
+    with aot.hooks(fwd_hooks=[("blocks.0.mlp.heads.hook_q", zero_q)]):
         _, cache = aot.run_with_cache(tokens)
-    pattern = cache["blocks.1.attn.hook_pattern"]
-    assert "blocks.1.attn.hook_pattern" in dict(cache.cache_dict.stored())
+    pattern = cache["blocks.0.mlp.heads.hook_pattern"]
+    assert "blocks.0.mlp.heads.hook_pattern" in dict(cache.cache_dict.stored())
     torch.testing.assert_close(torch.diagonal(pattern, dim1=-2, dim2=-1), torch.full_like(pattern[..., 0], 0.5))
 
 
@@ -97,10 +97,10 @@ def test_cache_survives_model_cast_and_edits(fp32_aot, tokens) -> None:
     _, cache = aot.run_with_cache(tokens)
     before = {name: cache[name].clone() for name in _neuron_entries(aot, cache)}
     aot.to(torch.float64)
-    for block in aot.blocks:
+    for module in _neuron_modules(aot):
         for buffer in ("term_b", "scales"):
-            if hasattr(block.attn, buffer):
-                getattr(block.attn, buffer).mul_(2)
+            if hasattr(aot.head_module(module), buffer):
+                getattr(aot.head_module(module), buffer).mul_(2)
     for name in _neuron_entries(aot, cache):
         assert cache[name].dtype == torch.float32, name
         torch.testing.assert_close(cache[name], before[name], rtol=0, atol=0, msg=name)
@@ -161,15 +161,16 @@ INDEXES = [
 ]
 
 
-def _neuron_blocks(aot) -> list[int]:
-    return [i for i, block in enumerate(aot.blocks) if hasattr(block.attn, "derivations")]
+def _neuron_modules(aot) -> list[str]:
+    """The neuron-head modules in forward order (gated models: gate, then product heads, per layer)."""
+    return [sub.name for sub in aot.sublayers() if sub.kind != "attention"]
 
 
 @pytest.mark.parametrize("hook", ["hook_pattern", "hook_attn_scores"])
 @pytest.mark.parametrize("which", [0, -1])
 def test_indexing_heads_equals_the_dense_block(fp32_aot, tokens, which, hook) -> None:
     """Every index form over heads gives the dense block's entries (gated models: gate, then product heads)."""
-    name = f"blocks.{_neuron_blocks(fp32_aot)[which]}.attn.{hook}"
+    name = f"{_neuron_modules(fp32_aot)[which]}.{hook}"
     _, cache = fp32_aot.run_with_cache(tokens, names_filter=name)
     dense = cache[name].materialise()
     for index in INDEXES:
@@ -191,7 +192,7 @@ def test_selected_heads_cost_only_their_patterns(aot) -> None:
     """``cache[name][:, heads]`` allocates O(batch·k·N²), never the [batch, n_heads, N, N] block (measured as the
     bytes of every tensor the indexing creates)."""
     tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
-    name = "blocks.1.attn.hook_pattern"
+    name = "blocks.0.mlp.heads.hook_pattern"
     _, cache = aot.run_with_cache(tokens, names_filter=name)
     batch, n_heads, pos, _ = cache[name].shape
     heads = [0, 17, 40]
@@ -212,13 +213,13 @@ def test_selected_heads_cost_only_their_patterns(aot) -> None:
 @pytest.mark.parametrize("which", [0, -1])
 def test_pattern_hook_on_chosen_heads(fp32_aot, tokens, which) -> None:
     """``pattern_hook`` hands over the chosen heads' patterns during a forward, without building the block."""
-    block = _neuron_blocks(fp32_aot)[which]
-    name = f"blocks.{block}.attn.hook_pattern"
+    module = _neuron_modules(fp32_aot)[which]
+    name = f"{module}.hook_pattern"
     _, eager = fp32_aot.run_with_cache(tokens, names_filter=name, compact=False)
     heads = [3, 0, 11]
     seen: list[torch.Tensor] = []
-    hook = pattern_hook(fp32_aot, f"blocks.{block}.attn", heads, lambda pattern, hook: seen.append(pattern))
-    n_heads, pos = fp32_aot.cfg.n_heads_per_block[block], tokens.shape[1]
+    hook = pattern_hook(fp32_aot, module, heads, lambda pattern, hook: seen.append(pattern))
+    n_heads, pos = fp32_aot.head_module(module).n_heads, tokens.shape[1]
     with AllocationMeter() as meter:
         logits = fp32_aot.run_with_hooks(tokens, fwd_hooks=[hook])
     torch.testing.assert_close(logits, fp32_aot(tokens), rtol=0, atol=0)
@@ -226,6 +227,6 @@ def test_pattern_hook_on_chosen_heads(fp32_aot, tokens, which) -> None:
     torch.testing.assert_close(seen[0], eager[name][:, heads], rtol=0, atol=0)
     assert meter.largest < tokens.shape[0] * n_heads * pos * pos * 4 / 4  # nothing near the whole block
     with pytest.raises(ValueError, match="observes"):
-        fp32_aot.run_with_hooks(tokens, fwd_hooks=[pattern_hook(fp32_aot, block, 0, lambda p, h: p * 2)])
+        fp32_aot.run_with_hooks(tokens, fwd_hooks=[pattern_hook(fp32_aot, module, 0, lambda p, h: p * 2)])
     with pytest.raises(ValueError, match="own attention"):
-        pattern_hook(fp32_aot, 0, [0], lambda p, h: None)
+        pattern_hook(fp32_aot, "blocks.0.attn", [0], lambda p, h: None)

@@ -188,7 +188,7 @@ def test_verify_errors_on_a_missing_model(tmp_path: Path, capsys: pytest.Capture
 
 def test_demo_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The shipped .pt checkpoint (HookedTransformer layout) converts with either TransformerLens."""
-    from lens_aot.demo_models import load_modular_addition
+    from lens_aot.cli.demo_models import load_modular_addition
 
     checkpoint = ROOT / "lens_aot" / "data" / "modular_addition.pt"
     assert main(["convert", str(checkpoint), str(tmp_path / "out"), "--quiet"]) == 0

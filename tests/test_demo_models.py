@@ -21,7 +21,7 @@ from conftest import HAS_HOOKED_TRANSFORMER
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.demo_models import (
+from lens_aot.cli.demo_models import (
     MODULAR_ADDITION_P,
     load_modular_addition,
     load_modular_addition_checkpoint,
@@ -277,8 +277,8 @@ def test_the_mechanism_notebooks_claims_hold() -> None:
 
     import lens_aot
     from lens_aot import circuits, viz
-    from lens_aot.demo_models import MODULAR_ADDITION_P as P
-    from lens_aot.demo_models import load_modular_addition, modular_addition_dataset
+    from lens_aot.cli.demo_models import MODULAR_ADDITION_P as P
+    from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
 
     model = load_modular_addition()
     aot = lens_aot.convert(model)

@@ -411,22 +411,22 @@ def test_bad_neuron_heads_arguments(
         aot.neuron_heads(*args)
 
 
+MODULE_FORMS = r"expected a head module name like 'blocks\.3\.attn', 'blocks\.3\.mlp\.heads'"
+
+
 @pytest.mark.parametrize(
     ("args", "kind", "phrases"),
     [
-        (("blocks.1.attn", 64 * 4), IndexError, (r"head 256 out of range: block 1 has 256 heads",)),
-        (("blocks.0.attn", 4), IndexError, (r"head 4 out of range: block 0 has 4 heads",)),
-        (("blocks.0.attn", -1), IndexError, (r"head -1 out of range: block 0 has 4 heads",)),
-        (
-            ("blocks.x.attn", 0),
-            ValueError,
-            (r"expected a head module name like 'blocks\.3\.attn'", r"'blocks\.x\.attn'"),
-        ),
-        (("attn", 0), ValueError, (r"expected a head module name like 'blocks\.3\.attn'", r"got 'attn'")),
-        (("blocks.-1.attn", 0), ValueError, (r"expected a head module name like 'blocks\.3\.attn'",)),
-        (("blocks.1.mlp", 0), ValueError, (r"expected a head module name", r"the block index 3")),
-        (("blocks.01.attn", 0), ValueError, (r"expected a head module name",)),
-        ((9, 0), IndexError, (r"block 9 out of range: the model has \d+ blocks",)),
+        (("blocks.1.mlp.heads", 64 * 4), IndexError, (r"head 256 out of range: blocks\.1\.mlp\.heads has 256 heads",)),
+        (("blocks.0.attn", 4), IndexError, (r"head 4 out of range: blocks\.0\.attn has 4 heads",)),
+        (("blocks.0.attn", -1), IndexError, (r"head -1 out of range: blocks\.0\.attn has 4 heads",)),
+        (("blocks.x.attn", 0), InputError, (MODULE_FORMS, r"'blocks\.x\.attn'")),
+        (("attn", 0), InputError, (MODULE_FORMS, r"got 'attn'")),
+        (("blocks.-1.attn", 0), InputError, (MODULE_FORMS,)),
+        (("blocks.1.mlp", 0), InputError, (MODULE_FORMS, r"got 'blocks\.1\.mlp'")),
+        (("blocks.01.attn", 0), InputError, (MODULE_FORMS,)),
+        ((9, 0), InputError, (MODULE_FORMS, r"got 9")),
+        (("blocks.1.mlp.gate_heads", 0), InputError, (r"not a head module of this model; aot\.sublayers\(\) lists",)),
     ],
     ids=[
         "neuron-head-too-large",
@@ -437,7 +437,8 @@ def test_bad_neuron_heads_arguments(
         "negative",
         "mlp",
         "leading-zero",
-        "block-out-of-range",
+        "block-index-not-a-name",
+        "gate-heads-of-a-plain-mlp",
     ],
 )
 def test_bad_head_origin_arguments(
@@ -447,32 +448,41 @@ def test_bad_head_origin_arguments(
         aot.head_origin(*args)
 
 
-@pytest.mark.parametrize(("block", "index"), [("blocks.4.attn", 4), (4, 4), (99, 99), (-1, -1)])
-def test_head_origin_of_a_missing_block(aot: lens_aot.AttentionOnlyTransformer, block: str | int, index: int) -> None:
-    with _raises(IndexError, rf"block {index} out of range: the model has 4 blocks"):
-        aot.head_origin(block, 0)
+@pytest.mark.parametrize("layer", [2, 4, 99])
+def test_head_origin_of_a_missing_layer(aot: lens_aot.AttentionOnlyTransformer, layer: int) -> None:
+    with _raises(IndexError, rf"source layer {layer} out of range: the source had 2 layers"):
+        aot.head_origin(f"blocks.{layer}.attn", 0)
 
 
 @pytest.mark.parametrize(
-    ("method", "layer", "phrases"),
+    ("method", "args", "kind", "phrases"),
     [
-        ("neuron_block", 2, (r"source layer 2 out of range: the source had 2 layers",)),
-        ("attention_block", -3, (r"source layer -3 out of range: the source had 2 layers",)),
-        ("neuron_activations", 5, (r"source layer 5 out of range",)),
+        ("neuron_module", (2,), IndexError, (r"source layer 2 out of range: the source had 2 layers",)),
+        ("neuron_modules", (-3,), IndexError, (r"source layer -3 out of range: the source had 2 layers",)),
+        ("neuron_activations", ({}, 5), IndexError, (r"source layer 5 out of range",)),
+        ("head_module", ("blocks.7.attn",), IndexError, (r"source layer 7 out of range: the source had 2 layers",)),
+        ("sublayer", (99,), IndexError, (r"sub-layer 99 out of range: the model has 4 sub-layers",)),
+        ("sublayer", ("blocks.9.attn",), InputError, (r"'blocks\.9\.attn' is not a head module", r"sublayers\(\)")),
+        ("sublayer", ("blocks.1",), InputError, (MODULE_FORMS,)),
     ],
+    ids=["neuron_module", "neuron_modules", "neuron_activations", "head_module", "sublayer", "sublayer-name", "bad"],
 )
 def test_bad_layer_arguments(
-    aot: lens_aot.AttentionOnlyTransformer, method: str, layer: int, phrases: tuple[str, ...]
+    aot: lens_aot.AttentionOnlyTransformer,
+    method: str,
+    args: tuple[Any, ...],
+    kind: type[Exception],
+    phrases: tuple[str, ...],
 ) -> None:
-    args: tuple[Any, ...] = (layer,) if method != "neuron_activations" else ({}, layer)
-    with _raises(IndexError, *phrases):
+    with _raises(kind, *phrases):
         getattr(aot, method)(*args)
 
 
-def test_neuron_block_of_an_attention_only_layer() -> None:
+def test_neuron_module_of_an_attention_only_layer() -> None:
     aot = lens_aot.convert(make_bridge("native-attn-only"))
+    assert aot.neuron_modules(0) == []
     with _raises(ValueError, r"source layer 0 has no MLP, so it has no neuron heads"):
-        aot.neuron_block(0)
+        aot.neuron_module(0)
     with _raises(ValueError, r"source layer 1 has no MLP"):
         aot.neuron_heads(1, 0)
 

@@ -57,7 +57,7 @@ def test_float32_gated_neurons_meet_their_bound_at_realistic_width(one_thread) -
     with torch.no_grad():
         fast, compact = aot.run_with_cache(tokens)
     for layer in range(len(spec.layers)):
-        gate, product = (f"blocks.{i}.attn" for i in aot.neuron_blocks(layer))
+        gate, product = aot.neuron_modules(layer)
         caches: dict[str, dict[str, torch.Tensor]] = {"compact": dict(compact.cache_dict.items())}
         for route, extra in (("dense", [(f"{product}.hook_pattern", lambda x, hook: x)]), ("hook_z", [])):
             stored: dict[str, torch.Tensor] = {}
@@ -69,8 +69,9 @@ def test_float32_gated_neurons_meet_their_bound_at_realistic_width(one_thread) -
                 hooked = aot.run_with_hooks(tokens, fwd_hooks=[(f"{product}.hook_z", record), *extra])
             assert float((hooked - fast).abs().max()) <= TOLERANCES[("gated", torch.float32)], route
             caches[route] = {**caches["compact"], **stored}
-        u = compact[f"{product}.hook_pre_linear"].double()
-        exact = reference_activation("silu", compact[f"{gate}.hook_pre"].double()) * u + spec.layers[layer].mlp.b_post
+        u = compact[f"blocks.{layer}.mlp.hook_pre_linear"].double()
+        exact = reference_activation("silu", compact[f"blocks.{layer}.mlp.hook_pre"].double()) * u
+        exact = exact + spec.layers[layer].mlp.b_post
         for route, cache in caches.items():
             err = float((aot.neuron_activations(cache, layer).detach().double() - exact).abs().max())
             assert err <= _post_tolerance(aot, torch.float32, float(exact.abs().max())), (layer, route, err)
@@ -96,10 +97,9 @@ def test_converted_logits_and_neurons_match_the_reference(case, dtype, one_threa
     )
     for layer in range(len(spec.layers)):  # each layer's construction on its own inputs (no propagated error)
         post = aot.neuron_activations(cache, layer)
-        blocks = [f"blocks.{i}.attn" for i in aot.neuron_blocks(layer)]
-        exact = reference_activation(case["act_fn"], cache[f"{blocks[0]}.hook_pre"])
+        exact = reference_activation(case["act_fn"], cache[f"blocks.{layer}.mlp.hook_pre"])
         if case["gated"]:
-            exact = exact * cache[f"{blocks[1]}.hook_pre_linear"] + spec.layers[layer].mlp.b_post
+            exact = exact * cache[f"blocks.{layer}.mlp.hook_pre_linear"] + spec.layers[layer].mlp.b_post
         err = float((post - exact).abs().max())
         assert err <= _post_tolerance(aot, dtype), (layer, err)
 
@@ -113,7 +113,8 @@ def test_gated_error_bound_holds_at_the_worst_input(act_fn, norm) -> None:
     mlp, ln = spec.layers[0].mlp, spec.layers[0].ln2
     fit = gated_fit(mlp, ln, 1e-4)
     aot = AttentionOnlyTransformer(spec, {0: fit})
-    gate_block, product_block = (aot.blocks[i] for i in aot.neuron_blocks(0))
+    block = aot.blocks[0]
+    gate_heads, product_heads = block.mlp.gate_heads, block.mlp.product_heads
     u_bound = normalized_input_bound(ln, mlp.W_in, mlp.b_in)
     worst = 0.0
     for n in range(mlp.W_in.shape[1]):
@@ -125,10 +126,10 @@ def test_gated_error_bound_holds_at_the_worst_input(act_fn, norm) -> None:
         reached = 0.0
         for sign in (1.0, -1.0):
             resid = (sign * x)[None, None]
-            normalized = gate_block.ln1(resid)
-            h = gate_block.attn.activation(normalized @ gate_block.attn.W_in + gate_block.attn.b_in)
-            u = normalized @ product_block.attn.W_in + product_block.attn.b_in
-            got = product_block.attn.product(u, h)[..., n]
+            normalized = block.ln2(resid)
+            h = gate_heads.activation(normalized @ gate_heads.W_in + gate_heads.b_in)
+            u = normalized @ product_heads.W_in + product_heads.b_in
+            got = product_heads.product(u, h)[..., n]
             gate = normalized @ mlp.W_gate
             exact = reference_activation(act_fn, gate)[..., n] * u[..., n]
             reached = max(reached, abs(float(u[..., n])))
@@ -159,41 +160,57 @@ def test_per_head_results_sum_to_the_block_output() -> None:
     aot.set_use_attn_result(True)
     logits, cache = aot.run_with_cache(tokens)
     aot.set_use_attn_result(False)
-    for block in aot.neuron_blocks(0):
-        attn = aot.blocks[block].attn
-        summed = cache[f"blocks.{block}.attn.hook_result"].sum(2) + attn.b_O
-        torch.testing.assert_close(summed, cache[f"blocks.{block}.hook_attn_out"])
-        torch.testing.assert_close(cache[f"blocks.{block}.hook_attn_out"], fused[f"blocks.{block}.hook_attn_out"])
+    gate, product = aot.neuron_modules(0)
+    # the gate heads' results sum to what they write, h (the product heads' hook_gate); the product heads' to the
+    # MLP's output
+    for name, out in ((gate, f"{product}.hook_gate"), (product, "blocks.0.hook_mlp_out")):
+        summed = cache[f"{name}.hook_result"].sum(2) + aot.head_module(name).b_O
+        torch.testing.assert_close(summed, cache[out], msg=name)
+        torch.testing.assert_close(cache[out], fused[out], msg=name)
+    torch.testing.assert_close(cache["blocks.0.hook_attn_out"], fused["blocks.0.hook_attn_out"])
+    torch.testing.assert_close(logits, aot(tokens))
 
 
-def test_scratch_channels_hold_gates_within_a_layer_only() -> None:
+def test_gates_stay_inside_the_mlp() -> None:
+    """The gate heads write h into the MLP's own scratch (the product heads' hook_gate), never into the residual,
+    which is d_model wide everywhere."""
     spec = random_spec(dtype=torch.float64)
     aot = lens_aot.convert(spec)
     _, cache = aot.run_with_cache(_tokens(spec))
-    d = aot.cfg.d_model
-    assert aot.cfg.d_scratch == spec.layers[0].mlp.W_in.shape[1]
-    assert cache["blocks.0.hook_resid_pre"].shape[-1] == aot.cfg.d_resid
+    d, d_mlp = aot.cfg.d_model, spec.layers[0].mlp.W_in.shape[1]
+    assert not hasattr(aot.cfg, "d_scratch")
+    widths = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+    resid = [name for name in cache.keys() if name.endswith(widths)]
+    assert len(resid) >= 4 * len(spec.layers)
+    assert all(cache[name].shape[-1] == d for name in resid), {name: cache[name].shape for name in resid}
     for layer in range(len(spec.layers)):
-        gate_block, product_block = aot.neuron_blocks(layer)
-        h = cache[f"blocks.{gate_block}.hook_resid_post"][..., d:]
-        torch.testing.assert_close(h, cache[f"blocks.{product_block}.attn.hook_gate"])
+        gate, product = aot.neuron_modules(layer)
+        gate_heads = aot.head_module(gate)
+        h = gate_heads.neuron_output(cache[f"{gate}.hook_z"])  # the sum of each neuron's gate heads
+        assert h.shape[-1] == d_mlp
+        torch.testing.assert_close(h, cache[f"{product}.hook_gate"])
         assert float(h.abs().max()) > 0.1
-        assert float(cache[f"blocks.{product_block}.hook_resid_post"][..., d:].abs().max()) == 0.0
 
 
 def test_neuron_heads_and_origins_of_a_gated_neuron() -> None:
     spec = random_spec(act_fn="gelu", dtype=torch.float64)
     aot = lens_aot.convert(spec)
-    gate_block, product_block = aot.neuron_blocks(1)
-    k = aot.blocks[gate_block].attn.heads_per_neuron
+    gate, product = aot.neuron_modules(1)
+    assert (gate, product) == ("blocks.1.mlp.gate_heads", "blocks.1.mlp.product_heads")
+    k = aot.head_module(gate).heads_per_neuron
     heads = aot.neuron_heads(1, 5)
     assert len(heads) == k + 2 == aot.cfg.activation_fits[1].n_terms
-    assert [h.name for h in heads] == [f"blocks.{gate_block}.attn"] * k + [f"blocks.{product_block}.attn"] * 2
+    assert [h.name for h in heads] == [gate] * k + [product] * 2
     for component, ref in enumerate(heads):
         assert aot.head_origin(*ref) == lens_aot.HeadOrigin("neuron", 1, 5, component)
-    assert aot.neuron_block(1) == product_block
-    assert isinstance(aot.blocks[gate_block].attn, NeuronAttention)
-    assert isinstance(aot.blocks[product_block].attn, ProductAttention)
+    assert aot.neuron_module(1) == product
+    assert [(s.name, s.kind, s.layer) for s in aot.sublayers()[3:6]] == [
+        ("blocks.1.attn", "attention", 1),
+        (gate, "gate", 1),
+        (product, "product", 1),
+    ]
+    assert isinstance(aot.head_module(gate), NeuronAttention)
+    assert isinstance(aot.head_module(product), ProductAttention)
 
 
 # max |Δlogit| of the patched runs: float64 within the gated tolerance; float32 also carries the per-head path's
@@ -235,12 +252,23 @@ def test_patching_a_gated_neurons_heads_equals_patching_its_hook_post(dtype, act
 def test_parallel_layers_read_the_layer_input() -> None:
     spec = random_spec(norm="LN", positions="rotary", act_fn="gelu_new", gated=False, parallel=True)
     aot = lens_aot.convert(spec)
-    assert aot.cfg.parallel_attn_mlp and not aot.cfg.gated_mlp and aot.cfg.d_scratch == 0
-    for layer in range(2):
-        assert not aot.blocks[aot.attention_block(layer)].parallel
-        assert all(aot.blocks[i].parallel for i in aot.neuron_blocks(layer))
-    seq = random_spec(norm="LN", positions="rotary", act_fn="gelu_new", gated=False, parallel=False)
+    assert aot.cfg.parallel_attn_mlp and not aot.cfg.gated_mlp and not hasattr(aot.cfg, "d_scratch")
     tokens = _tokens(spec)
+    _, cache = aot.run_with_cache(tokens)
+    for layer in range(2):
+        assert aot.blocks[layer].parallel
+        assert f"blocks.{layer}.hook_resid_mid" not in cache.keys()  # as in TransformerLens's parallel blocks
+        # the MLP's neuron heads read the layer's input (through ln2), not the residual after attention
+        block = aot.blocks[layer]
+        pre = block.ln2(cache[f"blocks.{layer}.hook_resid_pre"]) @ block.mlp.W_in + block.mlp.b_in
+        torch.testing.assert_close(cache[f"blocks.{layer}.mlp.hook_pre"], pre)
+        torch.testing.assert_close(
+            cache[f"blocks.{layer}.hook_resid_post"],
+            cache[f"blocks.{layer}.hook_resid_pre"]
+            + cache[f"blocks.{layer}.hook_attn_out"]
+            + cache[f"blocks.{layer}.hook_mlp_out"],
+        )
+    seq = random_spec(norm="LN", positions="rotary", act_fn="gelu_new", gated=False, parallel=False)
     # the same weights laid out sequentially compute something else: parallelism is not a no-op
     assert float((lens_aot.convert(seq)(tokens) - aot(tokens)).abs().max()) > 1e-2
 
@@ -264,7 +292,7 @@ def test_gradients_match_the_reference() -> None:
     tokens = _tokens(spec, batch=2)
     aot(tokens).pow(2).mean().backward()
     ref(tokens).pow(2).mean().backward()
-    got = aot.blocks[aot.neuron_block(0)].attn.W_in.grad
+    got = aot.head_module(aot.neuron_module(0)).W_in.grad
     torch.testing.assert_close(got, ref.blocks[0].mlp.W_in.grad, rtol=1e-3, atol=1e-6)
 
 

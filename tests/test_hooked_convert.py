@@ -51,7 +51,7 @@ def _check_neuron_errors(model, aot, tokens: torch.Tensor, bound: float) -> floa
     _, cache = aot.run_with_cache(tokens)
     worst = 0.0
     for layer in range(model.cfg.n_layers):
-        pre = cache[f"blocks.{aot.neuron_block(layer)}.attn.hook_pre"]
+        pre = cache[f"blocks.{layer}.mlp.hook_pre"]
         err = float((aot.neuron_activations(cache, layer) - reference_activation(model.cfg.act_fn, pre)).abs().max())
         assert err <= bound * (1 + 1e-6), f"layer {layer}: {err:.3g} > {bound:.3g}"
         worst = max(worst, err)
@@ -87,14 +87,14 @@ def test_neuron_head_hooks_and_shapes(tokens: torch.Tensor) -> None:
     _, cache = aot.run_with_cache(tokens)
     batch, pos = tokens.shape
     ref = aot.neuron_heads(1, 17)
-    assert ref == [lens_aot.HeadRef("blocks.3.attn", 17)]
+    assert ref == [lens_aot.HeadRef("blocks.1.mlp.heads", 17)]
     assert aot.head_origin(ref[0].name, ref[0].head) == lens_aot.HeadOrigin("neuron", 1, 17, 0)
-    assert aot.head_origin("blocks.2.attn", 3) == lens_aot.HeadOrigin("attention", 1, 3, 0)
+    assert aot.head_origin("blocks.1.attn", 3) == lens_aot.HeadOrigin("attention", 1, 3, 0)
     d_mlp = model.cfg.d_mlp
     for hook in ("hook_q", "hook_k", "hook_v", "hook_z"):
-        assert cache[f"blocks.3.attn.{hook}"].shape == (batch, pos, d_mlp, 1)
+        assert cache[f"blocks.1.mlp.heads.{hook}"].shape == (batch, pos, d_mlp, 1)
     for hook in ("hook_attn_scores", "hook_pattern"):
-        assert cache[f"blocks.3.attn.{hook}"].shape == (batch, d_mlp, pos, pos)
+        assert cache[f"blocks.1.mlp.heads.{hook}"].shape == (batch, d_mlp, pos, pos)
     pattern = cache[f"{ref[0].name}.hook_pattern"][:, ref[0].head]
     pre = src["blocks.1.mlp.hook_pre"][..., 17]
     # Theorem 3: the head attends to itself with weight σ(z) and to nothing else among the real positions.
@@ -104,15 +104,78 @@ def test_neuron_head_hooks_and_shapes(tokens: torch.Tensor) -> None:
     torch.testing.assert_close(
         cache[f"{ref[0].name}.hook_z"][:, :, ref[0].head, 0], src["blocks.1.mlp.hook_post"][..., 17], rtol=0, atol=1e-12
     )
-    # Original heads keep their hook names' meaning: block 2l is source layer l's attention.
+    # Original heads keep their hook names' meaning: blocks.{l} is source layer l.
     for layer in range(2):
         for hook in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z"):
             torch.testing.assert_close(
-                cache[f"blocks.{2 * layer}.attn.{hook}"], src[f"blocks.{layer}.attn.{hook}"], rtol=0, atol=1e-10
+                cache[f"blocks.{layer}.attn.{hook}"], src[f"blocks.{layer}.attn.{hook}"], rtol=0, atol=1e-10
             )
         torch.testing.assert_close(
-            cache[f"blocks.{2 * layer + 1}.hook_resid_pre"], src[f"blocks.{layer}.hook_resid_mid"], rtol=0, atol=1e-10
+            cache[f"blocks.{layer}.hook_resid_mid"], src[f"blocks.{layer}.hook_resid_mid"], rtol=0, atol=1e-10
         )
+
+
+SOURCE_HOOK_CASES = [("ln-standard", "gelu"), ("rms-rotary", "gelu_new"), ("llama", "silu"), ("neox-parallel", "gelu")]
+
+
+def _source_and_converted_caches(model, aot, tokens: torch.Tensor, attn_in: bool) -> tuple[dict, dict]:
+    """Both models' caches with every optional hook switched on (``hook_attn_in`` excludes the split q/k/v inputs)."""
+    for m in (model, aot):
+        m.set_use_attn_result(True)
+        m.set_use_split_qkv_input(not attn_in)
+        if attn_in:  # TransformerLens refuses even set_use_attn_in(False) with grouped-query attention
+            m.set_use_attn_in(True)
+        m.set_use_hook_mlp_in(True)
+    _, src = model.run_with_cache(tokens)
+    _, cache = aot.run_with_cache(tokens)
+    return src, cache
+
+
+@pytest.mark.parametrize(("family", "act_fn"), SOURCE_HOOK_CASES, ids=[f for f, _ in SOURCE_HOOK_CASES])
+def test_every_source_hook_exists_with_its_shape_and_value(family: str, act_fn: str, tokens: torch.Tensor) -> None:
+    """Issue 15: the converted model is numbered and hooked like its source. Every hook point of the
+    HookedTransformer (plain, rotary, gated, parallel; fp64) exists under the same name, with the same shape, and
+    holds the source's value within the conversion's stated bound."""
+    model = make_hooked(family, act_fn, torch.float64)
+    aot = lens_aot.convert(model)
+    assert aot.cfg.n_layers == model.cfg.n_layers and aot.cfg.d_model == model.cfg.d_model
+    missing = sorted(set(model.hook_dict) - set(aot.hook_dict))
+    assert not missing, f"hooks of the source missing on the converted model: {missing}"
+    bound = TOLERANCES[("gated" if model.cfg.gated_mlp else act_fn, torch.float64)]
+    compared: set[str] = set()
+    grouped = model.cfg.n_key_value_heads is not None  # TransformerLens refuses hook_attn_in with grouped queries
+    for attn_in in (False,) if grouped else (False, True):
+        src, cache = _source_and_converted_caches(model, aot, tokens, attn_in)
+        for name in src.keys():
+            got, expected = cache[name], src[name]
+            assert got.shape == expected.shape, name
+            masked = expected.isinf()  # hook_attn_scores: the causal mask's -inf, in the same places
+            assert torch.equal(got.isinf(), masked) and torch.equal(got[masked], expected[masked]), name
+            err = float((got - expected)[~masked].abs().max())
+            assert err <= bound, f"{family}: {name} differs from the source's by {err:.3g} > {bound:g}"
+            compared.add(name)
+    unrun = {name for name in model.hook_dict if grouped and name.endswith("hook_attn_in")}
+    assert compared == set(model.hook_dict) - unrun, sorted(set(model.hook_dict) - unrun - compared)
+
+
+def test_flat_layout_hook_names_raise_hook_name_error(tokens: torch.Tensor) -> None:
+    """lens_aot 0.1's flat numbering (source layer l's neurons in blocks.{2l+1}) is gone: its names raise
+    HookNameError explaining the source-aligned numbering, from run_with_hooks and from the cache."""
+    aot = lens_aot.convert(make_hooked("ln-standard", "silu", torch.float32))
+    n_layers = aot.cfg.n_layers
+    old = f"blocks.{2 * n_layers + 1}.attn.hook_z"
+
+    def keep(act, hook):
+        return act
+
+    with pytest.raises(lens_aot.errors.HookNameError, match="numbered like its source"):
+        aot.run_with_hooks(tokens, fwd_hooks=[(old, keep)])
+    assert all(len(hp._forward_hooks) == 0 for hp in aot.hook_dict.values())
+    _, cache = aot.run_with_cache(tokens)
+    with pytest.raises(lens_aot.errors.HookNameError, match="numbered like its source"):
+        cache[old]
+    with pytest.raises(lens_aot.errors.HookNameError, match="numbered like its source"):
+        cache["blocks.1.attn.hook_pre"]  # a 0.1 neuron block's activation: now blocks.{l}.mlp.hook_pre
 
 
 def test_dense_and_closed_form_paths_agree(tokens: torch.Tensor) -> None:
@@ -160,13 +223,17 @@ def test_decompose_resid_sums_to_final_residual(tokens: torch.Tensor) -> None:
     aot = lens_aot.convert(model)
     _, cache = aot.run_with_cache(tokens)
     parts, labels = cache.decompose_resid(return_labels=True)
-    assert len(labels) == 2 + aot.cfg.n_layers
+    assert len(labels) == 2 + 2 * aot.cfg.n_layers  # embed, pos_embed, then each layer's attn_out and mlp_out
     last = f"blocks.{aot.cfg.n_layers - 1}.hook_resid_post"
     torch.testing.assert_close(parts.sum(0), cache[last], rtol=0, atol=1e-10)
     # the decomposition is of the source's residual stream (within the GELU fit's bound), not only of the cache's own
     _, src = model.run_with_cache(tokens)
     source_last = src[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
     torch.testing.assert_close(parts.sum(0), source_last, rtol=0, atol=TOLERANCES[("gelu", torch.float64)])
+    # and part by part: the same labels, each component the source's
+    source_parts, source_labels = src.decompose_resid(return_labels=True)
+    assert labels == source_labels
+    torch.testing.assert_close(parts, source_parts, rtol=0, atol=TOLERANCES[("gelu", torch.float64)])
 
 
 def test_attn_result_hooks_sum_to_attn_out(tokens: torch.Tensor) -> None:
@@ -174,11 +241,15 @@ def test_attn_result_hooks_sum_to_attn_out(tokens: torch.Tensor) -> None:
     aot = lens_aot.convert(model)
     aot.set_use_attn_result(True)
     _, cache = aot.run_with_cache(tokens)
-    for block in range(aot.cfg.n_layers):
-        result = cache[f"blocks.{block}.attn.hook_result"]
-        assert result.shape[2] == aot.cfg.n_heads_per_block[block]
-        b_O = aot.blocks[block].attn.b_O
-        torch.testing.assert_close(result.sum(2) + b_O, cache[f"blocks.{block}.hook_attn_out"], rtol=0, atol=1e-10)
+    sublayers = aot.sublayers()
+    assert [s.kind for s in sublayers] == ["attention", "neuron"] * aot.cfg.n_layers
+    for sub in sublayers:
+        result = cache[f"{sub.name}.hook_result"]
+        heads = aot.head_module(sub.name)
+        n_heads = aot.cfg.n_heads if sub.kind == "attention" else aot.cfg.d_mlp * aot.report.heads_per_neuron
+        assert result.shape[2] == heads.n_heads == n_heads
+        out = cache[f"blocks.{sub.layer}.hook_{'attn' if sub.kind == 'attention' else 'mlp'}_out"]
+        torch.testing.assert_close(result.sum(2) + heads.b_O, out, rtol=0, atol=1e-10)
     torch.testing.assert_close(aot(tokens), model(tokens), rtol=0, atol=1e-3)
 
 
@@ -237,10 +308,10 @@ def test_hooks_removed_when_forward_raises(tokens: torch.Tensor) -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        aot.run_with_hooks(tokens, fwd_hooks=[("blocks.1.attn.hook_pattern", boom)])
+        aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.heads.hook_pattern", boom)])
     assert all(len(hp._forward_hooks) == 0 for hp in aot.hook_dict.values())
     with pytest.raises(RuntimeError, match="boom"):
-        with aot.hooks(fwd_hooks=[("blocks.1.attn.hook_z", boom)]):
+        with aot.hooks(fwd_hooks=[("blocks.0.mlp.heads.hook_z", boom)]):
             aot(tokens)
     assert all(len(hp._forward_hooks) == 0 for hp in aot.hook_dict.values())
 
@@ -260,10 +331,10 @@ def test_gradients_flow_to_neuron_head_activations(tokens: torch.Tensor) -> None
     model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_post", partial(keep, store=src_store))])[
         ..., 0
     ].sum().backward()
-    out = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.1.attn.hook_z", partial(keep, store=grads))])
+    out = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.heads.hook_z", partial(keep, store=grads))])
     out[..., 0].sum().backward()
     torch.testing.assert_close(
-        grads["blocks.1.attn.hook_z"].grad[..., 0], src_store["blocks.0.mlp.hook_post"].grad, rtol=0, atol=1e-10
+        grads["blocks.0.mlp.heads.hook_z"].grad[..., 0], src_store["blocks.0.mlp.hook_post"].grad, rtol=0, atol=1e-10
     )
 
 

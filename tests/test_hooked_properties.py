@@ -142,7 +142,7 @@ def _check(cfg: dict[str, Any], seed: int, tokens: torch.Tensor) -> None:
     event("error within the stated tolerance" if err <= stated else "error within the derived tolerance only")
     assert aot.report.max_abs_logit_error == err, "the report measures the same tokens, so the same error"
     assert aot.report.argmax_agreement is not None and aot.report.sample_shape == tuple(tokens.shape)
-    assert aot.cfg.n_source_layers == cfg["n_layers"] and aot.cfg.dtype == cfg["dtype"]
+    assert aot.cfg.n_layers == cfg["n_layers"] and aot.cfg.dtype == cfg["dtype"]
     assert_neurons_within_bound(aot, tokens)
 
 

@@ -16,7 +16,7 @@ from roundtrip_helpers import SPEC_VARIANTS, assert_bitwise, assert_same_model, 
 
 import lens_aot
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
-from lens_aot.io import FORMAT_VERSION, decode_spec, encode_spec, read_config
+from lens_aot.io import FORMAT, FORMAT_VERSION, decode_spec, encode_spec, read_config
 from lens_aot.reference import MLPTransformer
 
 
@@ -127,27 +127,46 @@ def test_torch_save_fallback_without_safetensors(tmp_path: Path, monkeypatch: py
         lens_aot.load(tmp_path / "st")
 
 
-def test_config_is_generic_over_dataclass_fields(tmp_path: Path) -> None:
+def test_config_is_a_typed_schema(tmp_path: Path) -> None:
     aot = lens_aot.convert(make_bridge("starcoder2", torch.float64))
     lens_aot.save(aot, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["format"] == "lens_aot.AttentionOnlyTransformer" and config["format_version"] == FORMAT_VERSION
+    assert config["format"] == FORMAT and config["format_version"] == FORMAT_VERSION == 2
     assert config["lens_aot_version"] == lens_aot.__version__ and config["dtype"] == "float64"
     spec = config["spec"]
-    assert spec["__dataclass__"] == "lens_aot.spec:ModelSpec"
-    layer = spec["fields"]["layers"][0]["fields"]
-    mlp = layer["mlp"]["fields"]
+    assert spec["d_model"] == 32 and spec["positions"] == "rotary" and len(spec["layers"]) == 2
+    layer = spec["layers"][0]
+    mlp = layer["mlp"]
     assert layer["parallel"] is False and mlp["W_gate"] is None and mlp["b_gate"] is None and mlp["b_post"] is None
-    assert mlp["W_in"] == {"__tensor__": "spec.layers.0.mlp.W_in", "shape": [32, 64], "dtype": "float64"}
-    assert layer["attn"]["fields"]["softmax_dtype"] == {"__dtype__": "float32"}
-    fits = config["cfg"]["fields"]["activation_fits"]["__items__"]
-    assert [k for k, _ in fits] == [0, 1] and fits[0][1]["__dataclass__"] == "lens_aot.activations:ActivationFit"
-    assert config["report"]["fields"]["sample_shape"] == {"__tuple__": [2, 32]}
+    assert mlp["W_in"] == {"tensor": "spec.layers.0.mlp.W_in", "shape": [32, 64], "dtype": "float64"}
+    assert layer["attn"]["softmax_dtype"] == "float32"
+    fits = config["activation_fits"]
+    assert [f["layer"] for f in fits] == [0, 1] and {f["kind"] for f in fits} == {"sigmoid_sum"}
+    assert fits[0]["act_fn"] == aot.cfg.activation_fits[0].act_fn
+    assert config["flags"] == {"use_attn_result": False, "use_split_qkv_input": False, "use_hook_mlp_in": False,
+                               "use_attn_in": False}  # fmt: skip
+    assert config["report"]["sample_shape"] == [2, 32]
+
+
+@pytest.mark.parametrize("variant", sorted(SPEC_VARIANTS))
+def test_config_names_no_module_path(variant: str, tmp_path: Path) -> None:
+    """Saved files are independent of lens_aot's module layout: config.json names no lens_aot module or class."""
+    aot = lens_aot.convert(random_spec(**SPEC_VARIANTS[variant], dtype=torch.float64), check=False)
+    lens_aot.save(aot, tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert "lens_aot." not in text and "__dataclass__" not in text and "AttentionOnlyTransformer" not in text
+
+
+def test_format_1_is_refused(copy: Path) -> None:
+    """A lens_aot 0.1 save (format 1: module paths in config.json) is refused, naming the fix."""
+    _edit_config(copy, lambda c: c.update(format="lens_aot.AttentionOnlyTransformer", format_version=1))
+    with pytest.raises(LoadError, match=r"format version 1 .*lens_aot\.convert\(source\).*lens_aot\.save\(aot, path\)"):
+        lens_aot.load(copy)
 
 
 @pytest.mark.parametrize("variant", sorted(SPEC_VARIANTS))
 def test_encode_decode_spec(variant: str) -> None:
-    """encode_spec/decode_spec know no field names: the gated MLP fields and `parallel` round-trip as any other."""
+    """encode_spec/decode_spec round-trip every field, the gated MLP fields and `parallel` included, as plain JSON."""
     spec = random_spec(**SPEC_VARIANTS[variant], positions="standard", norm="LN")
     value, tensors = encode_spec(spec)
     json.dumps(value)  # plain JSON
@@ -216,19 +235,19 @@ def test_corrupt_config(copy: Path) -> None:
 
 def test_format_from_the_future(copy: Path) -> None:
     _edit_config(copy, lambda c: c.update(format_version=FORMAT_VERSION + 1, lens_aot_version="9.0"))
-    with pytest.raises(LoadError, match=r"format version 2 by lens_aot 9\.0.*Upgrade lens_aot"):
+    with pytest.raises(LoadError, match=rf"format version {FORMAT_VERSION + 1} by lens_aot 9\.0.*Upgrade lens_aot"):
         lens_aot.load(copy)
 
 
 def test_field_from_the_future(copy: Path) -> None:
-    _edit_config(copy, lambda c: c["spec"]["fields"]["layers"][0]["fields"]["mlp"]["fields"].update(W_extra=None))
+    _edit_config(copy, lambda c: c["spec"]["layers"][0]["mlp"].update(W_extra=None))
     with pytest.raises(LoadError, match=r"fields \['W_extra'\].*newer lens_aot"):
         lens_aot.load(copy)
 
 
-def test_class_from_the_future(copy: Path) -> None:
-    _edit_config(copy, lambda c: c["spec"]["fields"]["layers"][0].update(__dataclass__="lens_aot.spec:MoESpec"))
-    with pytest.raises(LoadError, match="lens_aot.spec:MoESpec.*newer lens_aot"):
+def test_fit_kind_from_the_future(copy: Path) -> None:
+    _edit_config(copy, lambda c: c["activation_fits"][0].update(kind="piecewise"))
+    with pytest.raises(LoadError, match="kind 'piecewise'.*newer lens_aot"):
         lens_aot.load(copy)
 
 
@@ -261,7 +280,7 @@ def test_inconsistent_shapes_in_both_files(copy: Path) -> None:
     """Tensors that agree with config.json but not with each other do not build a model."""
 
     def shrink(c: dict[str, Any]) -> None:
-        c["spec"]["fields"]["layers"][1]["fields"]["mlp"]["fields"]["W_out"]["shape"] = [60, 32]
+        c["spec"]["layers"][1]["mlp"]["W_out"]["shape"] = [60, 32]
 
     _edit_config(copy, shrink)
     _edit_tensors(copy, lambda t: t.update({"spec.layers.1.mlp.W_out": torch.zeros(60, 32, dtype=torch.float64)}))

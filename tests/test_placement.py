@@ -86,7 +86,7 @@ def test_each_layer_converts_and_runs_on_its_own_device(gated: bool) -> None:
     else:
         aot = lens_aot.convert(sharded, check=False)
     assert aot.placement == Placement(CPU, (CPU, META, META), META)
-    for block, layer in zip(aot.blocks, aot.block_layers(), strict=True):
+    for layer, block in enumerate(aot.blocks):
         want = CPU if layer == 0 else META
         assert {t.device for t in [*block.parameters(), *block.buffers()]} == {want}
     seen: dict[int, torch.device] = {}
@@ -97,9 +97,7 @@ def test_each_layer_converts_and_runs_on_its_own_device(gated: bool) -> None:
     tokens = torch.randint(0, spec.d_vocab, (2, 7))
     logits = aot.run_with_hooks(tokens, fwd_hooks=hooks)
     assert logits.device == META and logits.shape == (2, 7, spec.d_vocab_out)
-    assert [seen[f"blocks.{i}.hook_resid_pre"] for i in range(len(aot.blocks))] == aot.placement.blocks(
-        aot.block_layers()
-    )
+    assert [seen[f"blocks.{i}.hook_resid_pre"] for i in range(len(aot.blocks))] == list(aot.placement.layers)
 
 
 def test_place_moves_blocks_and_keeps_outputs() -> None:

@@ -16,10 +16,10 @@ import torch
 from factories_bridge import GATED_PARALLEL, make_bridge
 from torch import Tensor
 
-from lens_aot._read_bridge import read_bridge
 from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureError
 from lens_aot.reference import MLPTransformer
 from lens_aot.spec import ModelSpec
+from lens_aot.tl.read_bridge import read_bridge
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 # Float64 sources whose own forward computes part of the network in float32 in a way the spec cannot express: the

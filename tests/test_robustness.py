@@ -74,7 +74,7 @@ def test_hooks_removed_after_an_exception(hook_source: Any, scenario: str) -> No
 def test_the_fast_path_spy_sees_hooked_runs(hook_source: Any) -> None:
     """The fast-path check can fail: a hook on a neuron head's pattern makes the forward build per-head tensors."""
     aot = lens_aot.convert(hook_source)
-    neuron = f"blocks.{aot.neuron_block(0)}.attn"
+    neuron = aot.neuron_module(0)
     assert slow_path_calls(aot, _tokens(), [(f"{neuron}.hook_pattern", record)]) > 0
     fast_path_logits(aot, _tokens())
 

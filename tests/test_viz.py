@@ -12,7 +12,7 @@ from factories_spec import random_spec
 import lens_aot
 from lens_aot import viz
 from lens_aot.analysis.circuits import as_head_ref
-from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
+from lens_aot.cli.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
 from lens_aot.errors import InputError
 from lens_aot.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.reference import MLPTransformer

@@ -9,11 +9,11 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.components.hooks import hooked as _hooked
 from lens_aot.components.ownership import exported, parameter
 from lens_aot.errors import InputError
 from lens_aot.kv_cache import KeyValueCacheEntry, offset_position_ids
 from lens_aot.spec import AttentionSpec, RotarySpec
+from lens_aot.tl.hooks import hooked as _hooked
 
 
 def rotate(x: Float[Tensor, "... rotary_dim"], adjacent_pairs: bool) -> Float[Tensor, "... rotary_dim"]:

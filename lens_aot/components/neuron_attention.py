@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.activations import ActivationFit
-from lens_aot.components.hooks import hooked as _hooked
 from lens_aot.components.ownership import exported, parameter
 from lens_aot.spec import MLPSpec
+from lens_aot.tl.hooks import hooked as _hooked
 
 
 class NeuronAttention(nn.Module):

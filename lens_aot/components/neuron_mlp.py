@@ -26,12 +26,12 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.activations import ActivationFit
-from lens_aot.components.hooks import hooked
 from lens_aot.components.neuron_attention import NeuronAttention
 from lens_aot.components.product_attention import ProductAttention
 from lens_aot.core.names import NEURON_MODULES
 from lens_aot.gating import GatedFit
 from lens_aot.spec import MLPSpec
+from lens_aot.tl.hooks import hooked
 
 
 class NeuronMLP(nn.Module):

@@ -41,11 +41,6 @@ _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
 _NORM_CLASSES = {"LayerNorm": "LN", "LayerNormPre": "LNPre", "RMSNorm": "RMS", "RMSNormPre": "RMSPre"}
 
 
-def is_hooked_transformer(model: object) -> bool:
-    """True for a TransformerLens 3.x HookedTransformer (recognised without importing it)."""
-    return any(c.__name__ == "HookedTransformer" for c in type(model).__mro__)
-
-
 def _refuse(what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"this HookedTransformer uses {what}, which lens_aot cannot convert faithfully yet. Supported: {SUPPORTED}."
@@ -245,8 +240,3 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         source_kind="HookedTransformer",
         extra={"tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None)},
     )
-
-
-def run_hooked_transformer(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """The source model's logits."""
-    return model(tokens, return_type="logits")

@@ -9,7 +9,7 @@ of key frequencies), and most ReLU neurons read a single key frequency of ``a`` 
 The model comes back as a ``HookedTransformer`` where TransformerLens has one (3.x), else as a
 ``TransformerBridge`` (4.x), with identical logits. Nothing version-specific is imported at module import time.
 
->>> from lens_aot.demo_models import load_modular_addition, modular_addition_dataset
+>>> from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
 >>> model = load_modular_addition()
 >>> tokens, labels = modular_addition_dataset()
 >>> (model(tokens)[:, -1].argmax(-1) == labels).float().mean()   # ≥ 0.99
@@ -17,13 +17,15 @@ The model comes back as a ``HookedTransformer`` where TransformerLens has one (3
 
 from __future__ import annotations
 
-import warnings
 from importlib import resources
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Int
 from torch import Tensor
+
+from lens_aot.tl import has_hooked_transformer
+from lens_aot.tl.build import StateDictMismatchError, build_hooked, hooked_config_from_dict, native_bridge
 
 __all__ = [
     "MODULAR_ADDITION_P",
@@ -54,15 +56,6 @@ _TL_FIELDS = (
     "attention_dir",
     "positional_embedding_type",
 )
-
-
-def _has_hooked_transformer() -> bool:
-    """Whether the installed TransformerLens still has ``HookedTransformer`` (3.x; removed in 4.0)."""
-    try:
-        from transformer_lens import HookedTransformer  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def load_modular_addition_checkpoint() -> dict[str, Any]:
@@ -134,81 +127,17 @@ def model_from_tl_state_dict(
     ):
         raise ValueError("only LayerNorm-free models with learned absolute positions are supported")
     if backend == "auto":
-        backend = "hooked" if _has_hooked_transformer() else "bridge"
-    if backend == "hooked":
-        model = _hooked_from_tl_state_dict(fields, state_dict, device=device, dtype=dtype)
-    elif backend == "bridge":
-        model = _bridge_from_tl_state_dict(fields, state_dict, device=device, dtype=dtype)
-    else:
+        backend = "hooked" if has_hooked_transformer() else "bridge"
+    if backend not in ("hooked", "bridge"):
         raise ValueError(f"backend must be 'auto', 'hooked' or 'bridge', got {backend!r}")
+    try:
+        if backend == "hooked":
+            cfg = hooked_config_from_dict(
+                fields, device=str(device), dtype=dtype, init_weights=False, default_prepend_bos=False
+            )
+            model = build_hooked(cfg, state_dict)
+        else:
+            model = native_bridge(fields, state_dict, device=device, dtype=dtype, model_name="modular-addition-p113")
+    except StateDictMismatchError as e:
+        raise KeyError(str(e)) from None
     return model.eval()
-
-
-def _hooked_from_tl_state_dict(
-    fields: dict[str, Any], state_dict: dict[str, Tensor], *, device: str | torch.device, dtype: torch.dtype
-) -> Any:
-    """A ``HookedTransformer`` with exactly these weights (TransformerLens 3.x)."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        **fields, device=str(device), dtype=dtype, init_weights=False, default_prepend_bos=False
-    )
-    with warnings.catch_warnings():  # returning a HookedTransformer on 3.x is the point; its deprecation is known
-        warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
-        model = HookedTransformer(cfg)
-    buffers = {name for name, _ in model.named_buffers()}  # causal mask / IGNORE: built by the model itself
-    full = model.state_dict()
-    unknown = set(state_dict) - set(full)
-    missing = set(full) - set(state_dict) - buffers
-    if unknown or missing:
-        raise KeyError(f"state dict does not fit the config: unknown {sorted(unknown)}, missing {sorted(missing)}")
-    full.update(state_dict)
-    model.load_state_dict(full, strict=True)
-    return model
-
-
-def _bridge_state_dict(state_dict: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
-    """HookedTransformer-layout weights renamed and reshaped for a ``boot_native`` bridge's ``load_state_dict``.
-
-    The native model's attention projections are ``nn.Linear`` over all heads at once, with head ``h`` owning
-    output rows ``h*d_head : (h+1)*d_head`` (it views ``q`` as ``[batch, pos, n_heads, d_head]``); its MLP and
-    unembedding are ``nn.Linear`` (``[out, in]`` weights). The unembedding bias is the bridge's ``unembed.bias``.
-    """
-    sd = dict(state_dict)
-    out = {"embed.weight": sd.pop("embed.W_E"), "pos_embed.weight": sd.pop("pos_embed.W_pos")}
-    for layer in range(n_layers):
-        src, dst = f"blocks.{layer}.attn", f"blocks.{layer}.attn"
-        for name in "QKV":
-            w: Float[Tensor, "n_heads d_model d_head"] = sd.pop(f"{src}.W_{name}")
-            out[f"{dst}.{name.lower()}.weight"] = w.permute(0, 2, 1).reshape(-1, w.shape[1])
-            out[f"{dst}.{name.lower()}.bias"] = sd.pop(f"{src}.b_{name}").reshape(-1)
-        w_o: Float[Tensor, "n_heads d_head d_model"] = sd.pop(f"{src}.W_O")
-        out[f"{dst}.o.weight"] = w_o.reshape(-1, w_o.shape[-1]).T
-        out[f"{dst}.o.bias"] = sd.pop(f"{src}.b_O")
-        mlp = f"blocks.{layer}.mlp"
-        out[f"{mlp}.in.weight"] = sd.pop(f"{mlp}.W_in").T
-        out[f"{mlp}.in.bias"] = sd.pop(f"{mlp}.b_in")
-        out[f"{mlp}.out.weight"] = sd.pop(f"{mlp}.W_out").T
-        out[f"{mlp}.out.bias"] = sd.pop(f"{mlp}.b_out")
-    out["unembed.weight"] = sd.pop("unembed.W_U").T
-    out["unembed.bias"] = sd.pop("unembed.b_U")
-    if sd:
-        raise KeyError(f"state dict does not fit the config: unknown {sorted(sd)}")
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _bridge_from_tl_state_dict(
-    fields: dict[str, Any], state_dict: dict[str, Tensor], *, device: str | torch.device, dtype: torch.dtype
-) -> Any:
-    """A ``TransformerBridge`` around a TransformerLens-native model with exactly these weights (3.9 and 4.x).
-
-    ``TransformerBridge.boot_native`` builds the bridge offline from the config (seeded init, so the caller's RNG is
-    untouched), then the bridge's own ``load_state_dict`` (strict) overwrites every weight.
-    """
-    from transformer_lens.config import TransformerBridgeConfig
-    from transformer_lens.model_bridge import TransformerBridge
-
-    cfg = TransformerBridgeConfig(**fields, seed=0, init_weights=True, default_prepend_bos=False)
-    bridge = TransformerBridge.boot_native(cfg, device=device, dtype=dtype, model_name="modular-addition-p113")
-    bridge.load_state_dict(_bridge_state_dict(state_dict, fields["n_layers"]), strict=True)
-    return bridge

@@ -7,7 +7,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 import lens_aot
-from lens_aot.demo_models import load_modular_addition, modular_addition_dataset
+from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
 from lens_aot.model import AttentionOnlyTransformer
 
 

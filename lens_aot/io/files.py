@@ -1,0 +1,245 @@
+"""The files of a saved model: the tensor file (safetensors, or ``torch.save`` where safetensors is missing),
+``config.json`` (read and checked by :func:`read_config`) and the saved tokenizer."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lens_aot.errors import LoadError
+
+__all__ = [
+    "CONFIG_FILE",
+    "FORMAT",
+    "FORMAT_1",
+    "FORMAT_VERSION",
+    "SAFETENSORS_FILE",
+    "TOKENIZER_DIR",
+    "TORCH_FILE",
+    "check_spec_shapes",
+    "lens_aot_version",
+    "read_config",
+]
+
+FORMAT = "lens-aot attention-only transformer"
+FORMAT_VERSION = 2
+FORMAT_1 = "lens_aot.AttentionOnlyTransformer"  # what lens_aot 0.1 (format version 1) wrote; refused on load
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+TORCH_FILE = "model.pt"
+TOKENIZER_DIR = "tokenizer"
+
+
+def lens_aot_version() -> str:
+    import lens_aot
+
+    return str(getattr(lens_aot, "__version__", "unknown"))
+
+
+def safetensors_torch() -> Any:
+    """``safetensors.torch``, or None where it cannot be imported (then tensors go through ``torch.save``)."""
+    try:
+        return importlib.import_module("safetensors.torch")
+    except ImportError:
+        return None
+
+
+def bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.device != b.device:
+        b = b.to(a.device)
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def write_tensors(tensors: dict[str, Tensor], path: Path) -> tuple[str, str]:
+    """Write ``tensors`` (made contiguous, on CPU, no shared storage) and return ``(format, file name)``."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and ident in seen:
+            t = t.clone()
+        seen.add(ident)
+        out[key] = t
+    st = safetensors_torch()
+    if st is not None:
+        file = path / SAFETENSORS_FILE
+        st.save_file(out, str(file), metadata={"format": "pt", "lens_aot_format_version": str(FORMAT_VERSION)})
+        return "safetensors", SAFETENSORS_FILE
+    torch.save(out, path / TORCH_FILE)
+    return "torch", TORCH_FILE
+
+
+def read_tensors(path: Path, config: dict[str, Any]) -> dict[str, Tensor]:
+    tensor_format = config.get("tensor_format")
+    file = path / str(config.get("tensor_file", ""))
+    if tensor_format not in ("safetensors", "torch"):
+        raise LoadError(f"{path}: config.json names an unknown tensor format {tensor_format!r}; the file is corrupt.")
+    if not file.is_file():
+        raise LoadError(
+            f"{path}: the tensor file {file.name} is missing; the save is incomplete. Save the model again with "
+            f"lens_aot.save(aot, path)."
+        )
+    try:
+        if tensor_format == "safetensors":
+            st = safetensors_torch()
+            if st is None:
+                raise LoadError(
+                    f"{path}: the tensors are in {file.name}, but the safetensors package cannot be imported. "
+                    f"Install it: pip install safetensors."
+                )
+            return dict(st.load_file(str(file), device="cpu"))
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
+    except LoadError:
+        raise
+    except Exception as e:  # safetensors / pickle errors have no common base class
+        raise LoadError(
+            f"{path}: the tensor file {file.name} cannot be read ({type(e).__name__}: {e}); it is corrupt or "
+            f"truncated. Save the model again with lens_aot.save(aot, path)."
+        ) from e
+    if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
+        raise LoadError(f"{path}: {file.name} does not hold a dict of tensors; the file is corrupt.")
+    return loaded
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``config.json`` of a saved model, after checking that it is one this lens_aot can read.
+
+    Raises :class:`~lens_aot.errors.LoadError` for a missing directory, a directory that is not a saved lens_aot model
+    (e.g. a Hugging Face checkpoint), a corrupt file, or a format version newer than :data:`FORMAT_VERSION`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise LoadError(
+            f"no saved lens_aot model at {path}: the directory does not exist. Check the path, or create one with "
+            f"lens_aot.save(aot, path) or `lens-aot convert SOURCE {path}`."
+        )
+    if not path.is_dir():
+        raise LoadError(f"{path} is a file; a saved lens_aot model is a directory written by lens_aot.save(aot, path).")
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise LoadError(
+            f"{path} is not a saved lens_aot model: it has no {CONFIG_FILE}. Save one with lens_aot.save(aot, path)."
+        )
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(
+            f"{file} cannot be parsed ({e}); the save is corrupt. Save the model again with lens_aot.save(aot, path)."
+        ) from e
+    if not isinstance(config, dict) or config.get("format") not in (FORMAT, FORMAT_1):
+        raise LoadError(
+            f"{path} is not a saved lens_aot model: its {CONFIG_FILE} was not written by lens_aot.save (a Hugging Face "
+            f"checkpoint?). Convert a source model first: `lens-aot convert {path} OUT`, then load OUT."
+        )
+    version = config.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise LoadError(f"{file}: invalid format_version {version!r}; the file is corrupt.")
+    if version < FORMAT_VERSION or config.get("format") == FORMAT_1:
+        raise LoadError(
+            f"{path} was saved in format version {version} by lens_aot {config.get('lens_aot_version', '?')} (a "
+            f"layout that named lens_aot's modules); this lens_aot ({lens_aot_version()}) reads format version "
+            f"{FORMAT_VERSION} only. Load the source model and convert it again (aot = lens_aot.convert(source)), "
+            f"then save it (lens_aot.save(aot, path)); or `lens-aot convert SOURCE OUT`."
+        )
+    if version > FORMAT_VERSION:
+        raise LoadError(
+            f"{path} was saved in format version {version} by lens_aot {config.get('lens_aot_version', '?')}; this "
+            f"lens_aot ({lens_aot_version()}) reads format versions up to {FORMAT_VERSION}. Upgrade lens_aot "
+            f"(pip install -U lens-aot) to load it."
+        )
+    for key in ("spec", "activation_fits", "flags", "tensor_format", "tensor_file"):
+        if key not in config:
+            raise LoadError(f"{file} has no {key!r} entry; the save is corrupt. Save the model again.")
+    return config
+
+
+def check_spec_shapes(spec: Any) -> None:
+    """Raise :class:`~lens_aot.errors.LoadError` naming the first tensor of ``spec`` whose shape disagrees with the
+    model's dimensions (``d_model``, ``d_vocab``, ``n_ctx``, head and MLP widths)."""
+    problems: list[str] = []
+
+    def expect(name: str, t: Tensor | None, *shape: int) -> None:
+        if t is not None and tuple(t.shape) != shape:
+            problems.append(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
+
+    d = spec.d_model
+    expect("W_E", spec.W_E, spec.d_vocab, d)
+    expect("W_U", spec.W_U, d, spec.d_vocab_out)
+    expect("b_U", spec.b_U, spec.d_vocab_out)
+    expect("W_pos", spec.W_pos, spec.n_ctx, d)
+    if spec.rotary is not None:
+        expect("rotary.cos", spec.rotary.cos, spec.n_ctx, spec.rotary.rotary_dim)
+        expect("rotary.sin", spec.rotary.sin, spec.n_ctx, spec.rotary.rotary_dim)
+    norms = [("ln_final", spec.ln_final)]
+    for i, layer in enumerate(spec.layers):
+        norms += [(f"layers.{i}.ln1", layer.ln1), (f"layers.{i}.ln2", layer.ln2)]
+        a, p = layer.attn, f"layers.{i}.attn"
+        h, e, kv = a.W_Q.shape[0], a.W_Q.shape[-1], a.W_K.shape[0]
+        expect(f"{p}.W_Q", a.W_Q, h, d, e)
+        for name in ("W_K", "W_V"):
+            expect(f"{p}.{name}", getattr(a, name), kv, d, e)
+        for name in ("b_K", "b_V"):
+            expect(f"{p}.{name}", getattr(a, name), kv, e)
+        expect(f"{p}.W_O", a.W_O, h, e, d)
+        expect(f"{p}.b_Q", a.b_Q, h, e)
+        expect(f"{p}.b_O", a.b_O, d)
+        m, p = layer.mlp, f"layers.{i}.mlp"
+        if m is not None:
+            n = m.W_in.shape[-1]
+            for name in ("W_in", "W_gate"):
+                expect(f"{p}.{name}", getattr(m, name, None), d, n)
+            for name in ("b_in", "b_gate", "b_post"):
+                expect(f"{p}.{name}", getattr(m, name, None), n)
+            expect(f"{p}.W_out", m.W_out, n, d)
+            expect(f"{p}.b_out", m.b_out, d)
+    for name, norm in norms:
+        if norm is not None:
+            expect(f"{name}.w", norm.w, d)
+            expect(f"{name}.b", norm.b, d)
+    if problems:
+        raise LoadError(f"the saved spec's tensors have inconsistent shapes: {'; '.join(problems[:3])}")
+
+
+def load_tokenizer(path: Path, config: dict[str, Any]) -> Any:
+    name = config.get("tokenizer")
+    if not name:
+        return None
+    directory = path / str(name)
+    if not directory.is_dir():
+        raise LoadError(f"{path}: the tokenizer directory {name!r} is missing; the save is incomplete.")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:  # transformers raises OSError / ValueError / tokenizers errors
+        raise LoadError(
+            f"{path}: the saved tokenizer cannot be loaded ({type(e).__name__}: {e}). Check that the installed "
+            f"transformers / tokenizers can read it, or re-save the model."
+        ) from e
+
+
+def resolve_device(saved: str, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    target = torch.device(saved)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(
+            f"the model was saved on {saved}, which is not available here; loading it on the CPU", stacklevel=3
+        )
+        return torch.device("cpu")
+    if target.type == "mps" and not torch.backends.mps.is_available():
+        warnings.warn(
+            f"the model was saved on {saved}, which is not available here; loading it on the CPU", stacklevel=3
+        )
+        return torch.device("cpu")
+    return target

@@ -1,0 +1,377 @@
+"""The typed, versioned JSON schema of a saved model's ``config.json`` (format version 2).
+
+Every stored type has its own encoder and decoder here, by field name; nothing in the file names a Python module or
+class, so moving or renaming lens_aot's modules cannot break a save. A tensor is a reference
+``{"tensor": key, "shape": [...], "dtype": "float32"}`` into the tensor file (keys ``spec.<path>``); a torch dtype is
+its name (``"float32"``). Decoding is strict: an unknown field (or fit kind) means the file comes from a newer
+lens_aot, a missing one that it is corrupt; both raise :class:`~lens_aot.errors.LoadError` saying so.
+
+Schema (``?``: may be null)::
+
+    spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
+             extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer]}
+    norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt}
+    layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel}
+    attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?}
+    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?}
+    rotary  {rotary_dim, cos, sin, adjacent_pairs}
+    fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
+             | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}]
+    flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in}: bool
+    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lens_aot.activations import ActivationFit
+from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.gating import GatedFit
+from lens_aot.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+
+__all__ = [
+    "FLAGS",
+    "Decoder",
+    "Encoder",
+    "dtype_name",
+    "decode_spec",
+    "encode_spec",
+]
+
+# Switches set on a model after conversion (TransformerLens's ``set_use_*``), restored on load.
+FLAGS = ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in")
+
+_NORM = ("kind", "eps", "w", "b", "compute_dtype", "rsqrt")
+_ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
+_MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
+_MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
+_SPEC_SCALARS = ("d_model", "n_ctx", "d_vocab", "d_vocab_out", "causal", "positions", "default_prepend_bos")
+_SPEC_NAMES = ("model_name", "source_kind")
+_SIGMOID_SUM = ("act_fn", "alpha", "beta", "b", "d", "max_error")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+class Encoder:
+    """Encodes specs, fits, flags and reports to JSON values, collecting the tensors under their keys."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, Tensor] = {}
+
+    def tensor(self, value: Tensor | None, key: str) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        self.tensors[key] = value.detach()
+        return {"tensor": key, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+
+    def norm(self, norm: NormSpec | None, key: str) -> dict[str, Any] | None:
+        if norm is None:
+            return None
+        return {
+            "kind": norm.kind,
+            "eps": float(norm.eps),
+            "w": self.tensor(norm.w, f"{key}.w"),
+            "b": self.tensor(norm.b, f"{key}.b"),
+            "compute_dtype": None if norm.compute_dtype is None else dtype_name(norm.compute_dtype),
+            "rsqrt": bool(norm.rsqrt),
+        }
+
+    def attention(self, attn: AttentionSpec, key: str) -> dict[str, Any]:
+        out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}
+        out["attn_scale"] = float(attn.attn_scale)
+        out["softmax_dtype"] = None if attn.softmax_dtype is None else dtype_name(attn.softmax_dtype)
+        return out
+
+    def mlp(self, mlp: MLPSpec | None, key: str) -> dict[str, Any] | None:
+        if mlp is None:
+            return None
+        out: dict[str, Any] = {"act_fn": mlp.act_fn}
+        for name in (*_MLP_TENSORS, *_MLP_OPTIONAL):
+            out[name] = self.tensor(getattr(mlp, name), f"{key}.{name}")
+        return out
+
+    def layer(self, layer: LayerSpec, key: str) -> dict[str, Any]:
+        return {
+            "ln1": self.norm(layer.ln1, f"{key}.ln1"),
+            "attn": self.attention(layer.attn, f"{key}.attn"),
+            "ln2": self.norm(layer.ln2, f"{key}.ln2"),
+            "mlp": self.mlp(layer.mlp, f"{key}.mlp"),
+            "parallel": bool(layer.parallel),
+        }
+
+    def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
+        if rotary is None:
+            return None
+        return {
+            "rotary_dim": int(rotary.rotary_dim),
+            "cos": self.tensor(rotary.cos, f"{key}.cos"),
+            "sin": self.tensor(rotary.sin, f"{key}.sin"),
+            "adjacent_pairs": bool(rotary.adjacent_pairs),
+        }
+
+    def spec(self, spec: ModelSpec, key: str = "spec") -> dict[str, Any]:
+        """The spec's fields (its tokenizer is not encoded: it is saved beside the config)."""
+        out: dict[str, Any] = {name: getattr(spec, name) for name in _SPEC_SCALARS}
+        out.update({name: str(getattr(spec, name)) for name in _SPEC_NAMES})
+        out["extra"] = _json_only(dict(spec.extra), f"{key}.extra")
+        out["W_E"] = self.tensor(spec.W_E, f"{key}.W_E")
+        out["W_pos"] = self.tensor(spec.W_pos, f"{key}.W_pos")
+        out["W_U"] = self.tensor(spec.W_U, f"{key}.W_U")
+        out["b_U"] = self.tensor(spec.b_U, f"{key}.b_U")
+        out["ln_final"] = self.norm(spec.ln_final, f"{key}.ln_final")
+        out["rotary"] = self.rotary(spec.rotary, f"{key}.rotary")
+        out["layers"] = [self.layer(layer, f"{key}.layers.{i}") for i, layer in enumerate(spec.layers)]
+        return out
+
+
+def _sigmoid_sum(fit: ActivationFit) -> dict[str, Any]:
+    return {
+        "act_fn": fit.act_fn,
+        "alpha": [float(v) for v in fit.alpha],
+        "beta": [float(v) for v in fit.beta],
+        "b": [float(v) for v in fit.b],
+        "d": [float(v) for v in fit.d],
+        "max_error": float(fit.max_error),
+    }
+
+
+def encode_fits(fits: dict[int, ActivationFit | GatedFit]) -> list[dict[str, Any]]:
+    """The per-layer activation fits (Theorem 3's sigmoid sums; gated MLPs' gate fit and product scales)."""
+    out: list[dict[str, Any]] = []
+    for layer, fit in sorted(fits.items()):
+        if isinstance(fit, GatedFit):
+            entry = {"kind": "gated", "act_fn": fit.act_fn, "gate": _sigmoid_sum(fit.gate)}
+            entry.update(scales=[float(s) for s in fit.scales], max_error=float(fit.max_error))
+        elif isinstance(fit, ActivationFit):
+            entry = {"kind": "sigmoid_sum", **_sigmoid_sum(fit)}
+        else:
+            raise UnsupportedArchitectureError(
+                f"cannot save the activation fit of layer {layer}: a {type(fit).__name__} is neither an ActivationFit "
+                f"nor a GatedFit. Save a model returned by lens_aot.convert."
+            )
+        out.append({"layer": int(layer), **entry})
+    return out
+
+
+def encode_report(report: Any) -> dict[str, Any] | None:
+    """A :class:`~lens_aot.convert.ConversionReport` as its fields (tuples as lists)."""
+    if report is None:
+        return None
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    return _json_only({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}, "report")
+
+
+def _json_only(value: dict[str, Any], where: str) -> dict[str, Any]:
+    """``value`` when it is plain JSON (it is stored as it is), else an error naming the field."""
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedArchitectureError(
+            f"cannot save {where}: it holds a value JSON cannot store ({e}); only numbers, strings, booleans, null, "
+            f"lists and dicts are saved there."
+        ) from e
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Decoder:
+    """The inverse of :class:`Encoder`, checking every record's fields and every tensor's shape and dtype."""
+
+    def __init__(self, tensors: dict[str, Tensor], where: str) -> None:
+        self.tensors = tensors
+        self.where = where
+
+    def fields(self, obj: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+        """``obj`` as a dict with exactly ``required`` (and possibly ``optional``) keys, else a LoadError."""
+        if not isinstance(obj, dict):
+            raise LoadError(f"{self.where}: {path} is not a JSON object; the file is corrupt. Save the model again.")
+        unknown = sorted(set(obj) - set(required) - set(optional))
+        if unknown:
+            raise LoadError(
+                f"{self.where}: {path} has fields {unknown} that this lens_aot does not know; the model was saved by a "
+                f"newer lens_aot. Upgrade lens_aot (pip install -U lens-aot) to load it."
+            )
+        missing = sorted(set(required) - set(obj))
+        if missing:
+            raise LoadError(f"{self.where}: {path} lacks fields {missing}; the file is corrupt. Save the model again.")
+        return obj
+
+    def dtype(self, name: Any, path: str) -> torch.dtype | None:
+        if name is None:
+            return None
+        dtype = getattr(torch, str(name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise LoadError(
+                f"{self.where}: {path}: unknown torch dtype {name!r}; the file is corrupt or from a newer torch."
+            )
+        return dtype
+
+    def tensor(self, obj: Any, path: str) -> Tensor | None:
+        if obj is None:
+            return None
+        ref = self.fields(obj, path, ("tensor", "shape", "dtype"))
+        key = ref["tensor"]
+        if key not in self.tensors:
+            raise LoadError(
+                f"{self.where}: tensor {key!r} ({path}) is missing from the tensor file; the save is incomplete or "
+                f"corrupt. Save the model again with lens_aot.save(aot, path)."
+            )
+        tensor = self.tensors[key]
+        if list(tensor.shape) != list(ref["shape"]) or dtype_name(tensor.dtype) != ref["dtype"]:
+            raise LoadError(
+                f"{self.where}: tensor {key!r} has shape {list(tensor.shape)} and dtype {dtype_name(tensor.dtype)} in "
+                f"the tensor file but config.json records shape {list(ref['shape'])} and dtype {ref['dtype']}; the "
+                f"files do not belong together (mixed saves?). Save the model again with lens_aot.save(aot, path)."
+            )
+        return tensor
+
+    def required_tensor(self, obj: Any, path: str) -> Tensor:
+        tensor = self.tensor(obj, path)
+        if tensor is None:
+            raise LoadError(f"{self.where}: {path} is null but must be a tensor; the file is corrupt.")
+        return tensor
+
+    def norm(self, obj: Any, path: str) -> NormSpec | None:
+        if obj is None:
+            return None
+        f = self.fields(obj, path, _NORM)
+        return NormSpec(
+            kind=f["kind"],
+            eps=float(f["eps"]),
+            w=self.tensor(f["w"], f"{path}.w"),
+            b=self.tensor(f["b"], f"{path}.b"),
+            compute_dtype=self.dtype(f["compute_dtype"], f"{path}.compute_dtype"),
+            rsqrt=bool(f["rsqrt"]),
+        )
+
+    def attention(self, obj: Any, path: str) -> AttentionSpec:
+        f = self.fields(obj, path, (*_ATTENTION_TENSORS, "attn_scale", "softmax_dtype"))
+        tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _ATTENTION_TENSORS}
+        softmax_dtype = self.dtype(f["softmax_dtype"], f"{path}.softmax_dtype")
+        return AttentionSpec(**tensors, attn_scale=float(f["attn_scale"]), softmax_dtype=softmax_dtype)
+
+    def mlp(self, obj: Any, path: str) -> MLPSpec | None:
+        if obj is None:
+            return None
+        f = self.fields(obj, path, ("act_fn", *_MLP_TENSORS, *_MLP_OPTIONAL))
+        tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _MLP_TENSORS}
+        optional = {name: self.tensor(f[name], f"{path}.{name}") for name in _MLP_OPTIONAL}
+        return MLPSpec(**tensors, act_fn=str(f["act_fn"]), **optional)
+
+    def layer(self, obj: Any, path: str) -> LayerSpec:
+        f = self.fields(obj, path, ("ln1", "attn", "ln2", "mlp", "parallel"))
+        ln1 = self.norm(f["ln1"], f"{path}.ln1")
+        if ln1 is None:
+            raise LoadError(f"{self.where}: {path}.ln1 is null; the file is corrupt.")
+        return LayerSpec(
+            ln1=ln1,
+            attn=self.attention(f["attn"], f"{path}.attn"),
+            ln2=self.norm(f["ln2"], f"{path}.ln2"),
+            mlp=self.mlp(f["mlp"], f"{path}.mlp"),
+            parallel=bool(f["parallel"]),
+        )
+
+    def rotary(self, obj: Any, path: str) -> RotarySpec | None:
+        if obj is None:
+            return None
+        f = self.fields(obj, path, ("rotary_dim", "cos", "sin", "adjacent_pairs"))
+        return RotarySpec(
+            rotary_dim=int(f["rotary_dim"]),
+            cos=self.required_tensor(f["cos"], f"{path}.cos"),
+            sin=self.required_tensor(f["sin"], f"{path}.sin"),
+            adjacent_pairs=bool(f["adjacent_pairs"]),
+        )
+
+    def spec(self, obj: Any, tokenizer: Any = None, path: str = "spec") -> ModelSpec:
+        tensors = ("W_E", "W_pos", "W_U", "b_U")
+        parts = ("extra", "ln_final", "rotary", "layers")
+        f = self.fields(obj, path, (*_SPEC_SCALARS, *_SPEC_NAMES, *tensors, *parts))
+        ln_final = self.norm(f["ln_final"], f"{path}.ln_final")
+        if ln_final is None or not isinstance(f["layers"], list) or not isinstance(f["extra"], dict):
+            raise LoadError(f"{self.where}: {path} has a null ln_final, or layers / extra of the wrong type; corrupt.")
+        return ModelSpec(
+            **{name: f[name] for name in _SPEC_SCALARS},
+            **{name: str(f[name]) for name in _SPEC_NAMES},
+            W_E=self.required_tensor(f["W_E"], f"{path}.W_E"),
+            W_pos=self.tensor(f["W_pos"], f"{path}.W_pos"),
+            W_U=self.required_tensor(f["W_U"], f"{path}.W_U"),
+            b_U=self.required_tensor(f["b_U"], f"{path}.b_U"),
+            ln_final=ln_final,
+            rotary=self.rotary(f["rotary"], f"{path}.rotary"),
+            layers=[self.layer(layer, f"{path}.layers.{i}") for i, layer in enumerate(f["layers"])],
+            tokenizer=tokenizer,
+            extra=dict(f["extra"]),
+        )
+
+    def _sigmoid_sum(self, obj: Any, path: str, extra: tuple[str, ...] = ()) -> ActivationFit:
+        f = self.fields(obj, path, (*_SIGMOID_SUM, *extra))
+        terms = {name: tuple(float(v) for v in f[name]) for name in ("alpha", "beta", "b", "d")}
+        return ActivationFit(act_fn=str(f["act_fn"]), **terms, max_error=float(f["max_error"]))
+
+    def fits(self, obj: Any, path: str = "activation_fits") -> dict[int, ActivationFit | GatedFit]:
+        if not isinstance(obj, list):
+            raise LoadError(f"{self.where}: {path} is not a list; the file is corrupt. Save the model again.")
+        decoders: dict[str, Callable[[dict[str, Any], str], ActivationFit | GatedFit]] = {
+            "sigmoid_sum": lambda e, p: self._sigmoid_sum(e, p, ("layer", "kind")),
+            "gated": self._gated,
+        }
+        out: dict[int, ActivationFit | GatedFit] = {}
+        for i, entry in enumerate(obj):
+            kind = entry.get("kind") if isinstance(entry, dict) else None
+            if kind not in decoders:
+                raise LoadError(
+                    f"{self.where}: {path}.{i} is an activation fit of kind {kind!r}, which this lens_aot does not "
+                    f"know; the model was saved by a newer lens_aot. Upgrade lens_aot (pip install -U lens-aot)."
+                )
+            out[int(entry["layer"])] = decoders[kind](entry, f"{path}.{i}")
+        return out
+
+    def _gated(self, obj: dict[str, Any], path: str) -> GatedFit:
+        f = self.fields(obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"))
+        return GatedFit(
+            act_fn=str(f["act_fn"]),
+            gate=self._sigmoid_sum(f["gate"], f"{path}.gate"),
+            scales=tuple(float(s) for s in f["scales"]),
+            max_error=float(f["max_error"]),
+        )
+
+    def flags(self, obj: Any, path: str = "flags") -> dict[str, bool]:
+        return {k: bool(v) for k, v in self.fields(obj, path, (), FLAGS).items()}
+
+    def report(self, obj: Any, cls: type, path: str = "report") -> Any:
+        if obj is None:
+            return None
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = tuple(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        f = self.fields(obj, path, required, tuple(n for n in names if n not in required))
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in f.items()})
+
+
+def encode_spec(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A :class:`~lens_aot.spec.ModelSpec` as ``(json_value, tensors)`` (tensors keyed ``spec.<field path>``, e.g.
+    ``spec.layers.0.attn.W_Q``; the tokenizer is not included). :func:`decode_spec` inverts it."""
+    encoder = Encoder()
+    return encoder.spec(spec), encoder.tensors
+
+
+def decode_spec(value: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any = None) -> ModelSpec:
+    """Inverse of :func:`encode_spec` (``tokenizer`` becomes the spec's tokenizer)."""
+    return Decoder(tensors, "<memory>").spec(value, tokenizer)

@@ -1,0 +1,447 @@
+"""Reading a TransformerBridge's components (norms, attention, MLPs, embeddings, rotary tables) into spec parts.
+
+The version helpers at the top are the only places that know TransformerLens 3.9 and 4.x differ; the per-component
+readers below follow what each bridge component's ``forward`` actually computes. :mod:`lens_aot.tl.read_bridge`
+checks the architecture and assembles a :class:`~lens_aot.spec.ModelSpec` from these parts. Nothing version-specific
+is imported at module import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from lens_aot.activations import canonical_activation
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
+
+SUPPORTED = (
+    "TransformerBridge architectures GPT2LMHeadModel, GPTNeoXForCausalLM (sequential or parallel residual), "
+    "GPTJForCausalLM, LlamaForCausalLM, MistralForCausalLM and Starcoder2ForCausalLM without a binding sliding "
+    "window, GemmaForCausalLM (causal), and TransformerLensNative (boot_native) — i.e. pre-norm blocks, sequential "
+    "(resid += attn(ln1(resid)); resid += mlp(ln2(resid))) or parallel (resid += attn(ln1(resid)) + "
+    "mlp(ln2(resid))), with a plain MLP act(x·W_in + b_in) or a gated one act(x·W_gate + b_gate)·(x·W_in + b_in) "
+    "(silu, relu, gelu, gelu_new / gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or "
+    "their parameter-free variants, learned absolute or unscaled rotary positions, multi-head or grouped-query "
+    "attention (causal, or bidirectional in native models) without soft-capping, QK-norm or local windows, in "
+    "float32 or float64"
+)
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+def _refuse(what: str, fix: str = "") -> UnsupportedArchitectureError:
+    fix_text = f" {fix}" if fix else ""
+    return UnsupportedArchitectureError(
+        f"this TransformerBridge uses {what}; lens_aot cannot convert that faithfully.{fix_text} "
+        f"Supported: {SUPPORTED}."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Version helpers: the only places that know TransformerLens 3.9 and 4.x differ.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _source_model(bridge: Any) -> nn.Module:
+    """The wrapped source module (``bridge.original_model`` in 3.9 and 4.x; a property in 4.x)."""
+    model = getattr(bridge, "original_model", None)
+    if not isinstance(model, nn.Module):
+        raise _refuse(
+            "no local source module (e.g. a RemoteBridge driving vLLM / inspect_ai)",
+            "Boot the model locally with TransformerBridge.boot_transformers(...) or boot_native(...).",
+        )
+    return model
+
+
+def _component(parent: Any, name: str) -> Any:
+    """A bridge sub-component registered under ``name`` (a ``_modules`` entry in both versions), or None."""
+    modules = getattr(parent, "_modules", {})
+    return modules.get(name)
+
+
+def _subcomponents(component: Any) -> set[str]:
+    """Names of the bridge sub-components registered on ``component`` (hook points and the wrapped module excluded)."""
+    names = getattr(component, "_modules", {}).keys()
+    return {n for n in names if not n.startswith("hook") and n != "_original_component"}
+
+
+def _original(component: Any) -> nn.Module:
+    """The module a bridge component wraps (``component.original_component`` in 3.9 and 4.x)."""
+    module = getattr(component, "original_component", None)
+    if module is None:
+        module = getattr(component, "_modules", {}).get("_original_component")
+    if not isinstance(module, nn.Module):
+        raise _refuse(f"a bridge component {type(component).__name__} with no wrapped module")
+    return module
+
+
+def _blocks(bridge: Any) -> list[Any]:
+    blocks = _component(bridge, "blocks")
+    if blocks is None:
+        raise _refuse("no 'blocks' component (not a decoder-only transformer)")
+    return list(blocks)
+
+
+def _native_autograd_norm(norm_bridge: Any) -> bool:
+    """Whether a NormalizationBridge calls its wrapped module's own forward (same rule in 3.9 and 4.x)."""
+    cfg = getattr(norm_bridge, "config", None)
+    return bool(getattr(norm_bridge, "use_native_layernorm_autograd", False)) or bool(
+        getattr(cfg, "layer_norm_folding", False)
+    )
+
+
+def _norm_uses_weight_offset(norm_bridge: Any) -> bool:
+    """Whether the python-path norm multiplies by ``1 + weight`` (4.x property; 3.9 reads the config flag)."""
+    if hasattr(type(norm_bridge), "uses_weight_offset"):
+        return bool(norm_bridge.uses_weight_offset)
+    return bool(getattr(getattr(norm_bridge, "config", None), "rmsnorm_uses_offset", False))
+
+
+def _gated_uses_processed_path(mlp_bridge: Any) -> bool:
+    """Whether ``GatedMLPBridge.forward`` computes the MLP itself (compatibility mode) instead of calling the wrapped
+    module (same flag in 3.9 and 4.x)."""
+    return bool(getattr(mlp_bridge, "_use_processed_weights", False))
+
+
+def _gated_projection(mlp_bridge: Any, name: str) -> nn.Module | tuple[Tensor, Tensor | None]:
+    """The ``gate`` / ``in`` / ``out`` projection the gated MLP's forward uses.
+
+    On the processed path TransformerLens 3.9 calls ``F.linear`` with tensors it stored on the bridge
+    (``_processed_W_gate`` …, weight [out, in]); 4.x reads the projection components' own weight and bias. In plain
+    mode the wrapped module's own projections run. Returns the module, or ``(weight [out, in], bias)`` for 3.9's
+    stored tensors.
+    """
+    if _gated_uses_processed_path(mlp_bridge):
+        weight = getattr(mlp_bridge, f"_processed_W_{name}", None)
+        if isinstance(weight, Tensor):
+            bias = getattr(mlp_bridge, f"_processed_b_{name}", None)
+            return weight, bias if isinstance(bias, Tensor) else None
+    component = _component(mlp_bridge, name)
+    if component is None:
+        raise _refuse(f"a gated MLP bridge without a '{name}' projection")
+    return _original(component)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small readers.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _copy(t: Tensor) -> Tensor:
+    return t.detach().clone()
+
+
+def _linear(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
+    """``(W, b)`` with ``y = x @ W + b`` for an ``nn.Linear`` (weight [out, in]) or HF ``Conv1D`` (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        weight = module.weight.detach().T
+    elif type(module).__name__ == "Conv1D":
+        weight = module.weight.detach()
+    else:
+        raise _refuse(f"a projection module of type {type(module).__name__} (expected nn.Linear or Conv1D)")
+    bias = getattr(module, "bias", None)
+    b = torch.zeros(weight.shape[1], dtype=dtype, device=weight.device) if bias is None else bias.detach()
+    return weight.clone(memory_format=torch.contiguous_format), b.clone()
+
+
+def _all_equal(t: Tensor | None, value: float) -> bool:
+    return t is not None and bool((t == value).all())
+
+
+def _norm(norm_bridge: Any) -> NormSpec:
+    """How a normalization bridge component computes, in NormSpec terms."""
+    if norm_bridge is None:
+        return NormSpec(None)
+    module = _original(norm_bridge)
+    cls = type(norm_bridge).__name__
+    if isinstance(module, nn.Identity):
+        # normalization_type=None: a plain GeneralizedComponent (or a norm bridge on its native path) passes the
+        # input through; a norm bridge on its python path would normalize with a weight it does not have.
+        if cls == "GeneralizedComponent" or _native_autograd_norm(norm_bridge):
+            return NormSpec(None)
+        raise _refuse("an identity normalization slot read through the bridge's python normalization")
+    if cls not in ("NormalizationBridge", "RMSNormalizationBridge", "LayerNormPreBridge", "RMSNormPreBridge"):
+        raise _refuse(f"a normalization bridge of type {cls}")
+
+    if _native_autograd_norm(norm_bridge):
+        spec = _native_norm_module(module)
+    else:
+        spec = _python_norm(norm_bridge, module, cls)
+    return _simplify_norm(spec)
+
+
+def _native_norm_module(module: nn.Module) -> NormSpec:
+    """The NormSpec of a wrapped module whose own forward the bridge calls."""
+    name = type(module).__name__
+    if isinstance(module, nn.LayerNorm):
+        if len(module.normalized_shape) != 1:
+            raise _refuse(f"a LayerNorm over shape {tuple(module.normalized_shape)}")
+        w = None if module.weight is None else _copy(module.weight)
+        b = None if module.bias is None else _copy(module.bias)
+        return NormSpec("LN" if w is not None else "LNPre", float(module.eps), w, b)
+    # TransformerLens-native norms (sources/native/model.py) compute their statistics in float32 whatever the
+    # input dtype — `x.to(torch.float32)`, normalize, `.to(input_dtype)` — and only then apply the scale.
+    # NativeRMSNorm / NativeRMSNormPre multiply by torch.rsqrt(...); NativeLayerNormPre divides by (...).sqrt().
+    if name == "NativeRMSNorm":
+        return NormSpec("RMS", float(module.eps), _copy(module.weight), None, torch.float32, rsqrt=True)
+    if name == "NativeRMSNormPre":
+        return NormSpec("RMSPre", float(module.eps), compute_dtype=torch.float32, rsqrt=True)
+    if name == "NativeLayerNormPre":
+        return NormSpec("LNPre", float(module.eps), compute_dtype=torch.float32)
+    # HF LlamaRMSNorm / MistralRMSNorm: x.to(float32) · rsqrt(mean(x²) + eps), cast back, then weight · (that).
+    if name in ("LlamaRMSNorm", "MistralRMSNorm"):
+        eps = float(module.variance_epsilon)
+        return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
+    # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
+    # back. For a float32 model that is exactly RMS with w = 1 + weight; for float64 the product is rounded to
+    # float32 before the cast, which the spec cannot express unless the scale is exactly 1 (folded weights).
+    if name == "GemmaRMSNorm":
+        scale = 1.0 + module.weight.detach().float()
+        if module.weight.dtype == torch.float64 and not _all_equal(scale, 1.0):
+            raise _refuse(
+                "Gemma's RMSNorm in float64: it multiplies by (1 + weight) in float32 before casting back, which the "
+                "spec (norm scale applied in the model dtype) reproduces only to float32 rounding",
+                "Read the bridge in float32 (bridge.to(torch.float32)), or call enable_compatibility_mode() first "
+                "(folding the norm weights leaves 1 + weight = 1, which is exact).",
+            )
+        return NormSpec("RMS", float(module.eps), scale.to(module.weight.dtype), None, torch.float32, rsqrt=True)
+    raise _refuse(f"a normalization module of type {name} called through its own forward")
+
+
+def _python_norm(norm_bridge: Any, module: nn.Module, cls: str) -> NormSpec:
+    """The bridge's own from-scratch normalization (``NormalizationBridge._python_norm_forward``).
+
+    It computes in the input dtype for float32 / float64 (only half precision is upcast, and half is refused),
+    uses ``getattr(component.config, "eps", 1e-5)`` — the bridge config's eps, not the wrapped module's — and applies
+    the weight (``1 + weight`` for offset norms) and, for LayerNorm, the wrapped module's bias.
+    """
+    eps = float(getattr(getattr(norm_bridge, "config", None), "eps", 1e-05))
+    rms = bool(norm_bridge.uses_rms_norm)
+    if cls == "LayerNormPreBridge":
+        return NormSpec("LNPre", eps)
+    if cls == "RMSNormPreBridge":
+        return NormSpec("RMSPre", eps)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise _refuse(f"a {cls} whose wrapped {type(module).__name__} has no weight")
+    w = _copy(1.0 + weight) if _norm_uses_weight_offset(norm_bridge) else _copy(weight)
+    if rms:
+        return NormSpec("RMS", eps, w)
+    bias = getattr(module, "bias", None)
+    return NormSpec("LN", eps, w, None if bias is None else _copy(bias))
+
+
+def _simplify_norm(spec: NormSpec) -> NormSpec:
+    """Drop an affine part that is exactly the identity (w ≡ 1, b ≡ 0, as left by LayerNorm folding).
+
+    ``x * 1.0 + 0.0 == x`` exactly in IEEE arithmetic, so LN → LNPre and RMS → RMSPre is lossless.
+    """
+    if spec.kind in ("LN", "RMS") and _all_equal(spec.w, 1.0) and (spec.b is None or _all_equal(spec.b, 0.0)):
+        kind = "LNPre" if spec.kind == "LN" else "RMSPre"
+        return NormSpec(kind, spec.eps, None, None, spec.compute_dtype, rsqrt=spec.rsqrt)
+    return spec
+
+
+def _attention(
+    attn_bridge: Any, n_heads: int, dtype: torch.dtype, attn_scale: float, softmax_dtype: torch.dtype | None
+) -> AttentionSpec:
+    """Q/K/V/O from the bridge's ``q``/``k``/``v``/``o`` LinearBridges (split from fused QKV by the bridge itself)."""
+    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv"}
+    if extra:
+        raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
+    parts = {}
+    for name in ("q", "k", "v", "o"):
+        component = _component(attn_bridge, name)
+        if component is None:
+            raise _refuse(f"an attention bridge {type(attn_bridge).__name__} without a '{name}' projection")
+        parts[name] = _linear(_original(component), dtype)
+    (W_q, b_q), (W_k, b_k), (W_v, b_v), (W_o, b_o) = parts["q"], parts["k"], parts["v"], parts["o"]
+    d_model = W_q.shape[0]
+    if W_q.shape[1] % n_heads:
+        raise _refuse(f"a query projection of width {W_q.shape[1]} not divisible by n_heads={n_heads}")
+    d_head = W_q.shape[1] // n_heads
+    if W_k.shape[1] % d_head or W_k.shape != W_v.shape:
+        raise _refuse(f"key/value projections of shapes {tuple(W_k.shape)}/{tuple(W_v.shape)}")
+    n_kv = W_k.shape[1] // d_head
+    if n_heads % n_kv:
+        raise _refuse(f"{n_heads} query heads not divisible into {n_kv} key/value groups")
+    if tuple(W_o.shape) != (n_heads * d_head, d_model):
+        raise _refuse(f"an output projection of shape {tuple(W_o.shape)}")
+    return AttentionSpec(
+        W_Q=W_q.reshape(d_model, n_heads, d_head).permute(1, 0, 2).contiguous(),
+        W_K=W_k.reshape(d_model, n_kv, d_head).permute(1, 0, 2).contiguous(),
+        W_V=W_v.reshape(d_model, n_kv, d_head).permute(1, 0, 2).contiguous(),
+        W_O=W_o.reshape(n_heads, d_head, d_model).contiguous(),
+        b_Q=b_q.reshape(n_heads, d_head).contiguous(),
+        b_K=b_k.reshape(n_kv, d_head).contiguous(),
+        b_V=b_v.reshape(n_kv, d_head).contiguous(),
+        b_O=b_o.contiguous(),
+        attn_scale=float(attn_scale),
+        softmax_dtype=softmax_dtype,
+    )
+
+
+_GATED_MLP_MODULES = ("LlamaMLP", "MistralMLP", "GemmaMLP", "NativeGatedMLP")
+_PLAIN_MLP_MODULES = ("GPT2MLP", "GPTNeoXMLP", "GPTJMLP", "Starcoder2MLP", "NativeMLP")
+
+
+def _expect_mlp(mlp_bridge: Any, components: set[str], modules: tuple[str, ...], what: str, supported: str) -> None:
+    """Refuse an MLP bridge whose sub-components are not ``components`` or whose wrapped module is not one of
+    ``modules`` (``what``: "an MLP" / "a gated MLP"; ``supported``: what is, for the message)."""
+    if _subcomponents(mlp_bridge) != components:
+        raise _refuse(f"{what} with components {sorted(_subcomponents(mlp_bridge))} ({supported})")
+    module_cls = type(_original(mlp_bridge)).__name__
+    if module_cls not in modules:
+        raise _refuse(f"{what} module of type {module_cls} (expected {' / '.join(modules)})")
+
+
+def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
+    """A plain ``MLPBridge`` or a ``GatedMLPBridge`` (``act_fn``: the wrapped module's activation, canonical name)."""
+    cls = type(mlp_bridge).__name__
+    if cls == "GatedMLPBridge":
+        return _gated_mlp(mlp_bridge, dtype, act_fn)
+    if cls != "MLPBridge" or _component(mlp_bridge, "gate") is not None:
+        raise _refuse(
+            f"an MLP bridge of type {cls}",
+            "Only MLPBridge (act(x·W_in + b_in)) and GatedMLPBridge (act(x·W_gate)·(x·W_in)) MLPs are read.",
+        )
+    _expect_mlp(
+        mlp_bridge,
+        {"in", "out"},
+        _PLAIN_MLP_MODULES,
+        "an MLP",
+        "only the in/out projections of act(x·W_in + b_in)·W_out + b_out are supported; e.g. SoLU's mid-MLP "
+        "LayerNorm is not",
+    )
+    W_in, b_in = _linear(_original(_component(mlp_bridge, "in")), dtype)
+    W_out, b_out = _linear(_original(_component(mlp_bridge, "out")), dtype)
+    return MLPSpec(W_in, b_in, W_out, b_out, act_fn)
+
+
+def _gated_mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
+    """``out(act(gate(x)) * in(x))``: HF ``LlamaMLP`` / ``MistralMLP`` / ``GemmaMLP`` and native ``NativeGatedMLP``
+    in plain mode, and ``GatedMLPBridge``'s own ``F.linear`` computation in compatibility mode (same formula, with
+    the activation :func:`_compat_gated_activation` picks). Projection biases (HF ``mlp_bias``) go to ``b_gate`` /
+    ``b_in`` / ``b_out``; nothing is added after the product (``b_post`` is None)."""
+    _expect_mlp(
+        mlp_bridge,
+        {"gate", "in", "out"},
+        _GATED_MLP_MODULES,
+        "a gated MLP",
+        "only gate/in/out projections of act(x·W_gate + b_gate)·(x·W_in + b_in)·W_out + b_out are supported",
+    )
+    if _gated_uses_processed_path(mlp_bridge):
+        act_fn = _compat_gated_activation(mlp_bridge)
+    parts = {}
+    for name in ("gate", "in", "out"):
+        projection = _gated_projection(mlp_bridge, name)
+        if isinstance(projection, nn.Module):
+            parts[name] = _linear(projection, dtype)
+        else:  # TransformerLens 3.9's stored processed tensors, for F.linear (weight [out, in])
+            weight, bias = projection
+            if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+                raise _refuse(
+                    f"processed gated-MLP weights in {weight.dtype} in a {dtype} model (mixed dtypes)",
+                    "Boot the bridge in the dtype you want before enable_compatibility_mode().",
+                )
+            b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if bias is None else bias.detach()
+            parts[name] = (weight.detach().T.clone(memory_format=torch.contiguous_format), b.clone())
+    (W_gate, b_gate), (W_in, b_in), (W_out, b_out) = parts["gate"], parts["in"], parts["out"]
+    if W_gate.shape != W_in.shape or W_out.shape != (W_in.shape[1], W_in.shape[0]):
+        raise _refuse(
+            f"gated MLP projections of shapes gate {tuple(W_gate.shape)}, in {tuple(W_in.shape)}, "
+            f"out {tuple(W_out.shape)}"
+        )
+    return MLPSpec(W_in, b_in, W_out, b_out, act_fn, W_gate=W_gate, b_gate=b_gate)
+
+
+def _compat_gated_activation(mlp_bridge: Any) -> str:
+    """The activation ``GatedMLPBridge.forward`` applies on its processed-weights path.
+
+    ``resolve_activation_fn`` (3.9 and 4.x alike) takes the first of ``activation_function``, ``hidden_activation``,
+    ``hidden_act``, ``act_fn`` set on the bridge component's config and maps silu / swish / None → SiLU, gelu → erf
+    GELU, gelu_new / gelu_pytorch_tanh → tanh GELU, relu → ReLU, relu2 → squared ReLU, and anything else silently
+    to SiLU: unknown names are refused rather than read as SiLU.
+    """
+    config = getattr(mlp_bridge, "config", None)
+    name = None
+    for attr in ("activation_function", "hidden_activation", "hidden_act", "act_fn"):
+        name = getattr(config, attr, None) if config is not None else None
+        if name is not None:
+            break
+    known = {None: "silu", "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new"}
+    known |= {"gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
+    if name in ("relu2", "relu_2", "relu_squared"):
+        canonical_activation(str(name))  # raises UnsupportedActivationError (squared ReLU) with the fix
+    if name not in known:
+        raise _refuse(
+            f"a gated MLP whose compatibility-mode forward does not implement the activation {name!r} (the bridge "
+            f"substitutes a different function for it)",
+            "Read the bridge without enable_compatibility_mode(), or use silu, gelu, gelu_new or relu.",
+        )
+    return known[name]
+
+
+def _embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
+    """The token embedding table as the wrapped module's forward produces it (``EmbeddingBridge`` calls it).
+
+    ``nn.Embedding``: its weight. Gemma's ``GemmaTextScaledWordEmbedding`` multiplies each looked-up row by its
+    ``embed_scale`` buffer (√d_model) cast to the weight dtype: the same elementwise product, so ``weight · scale``
+    is exact.
+    """
+    if embed_bridge is None:
+        raise _refuse("no 'embed' component")
+    module = _original(embed_bridge)
+    name = type(module).__name__
+    if name == "GemmaTextScaledWordEmbedding":
+        return _copy(module.weight * module.embed_scale.to(module.weight.dtype))
+    if type(module) is not nn.Embedding:
+        raise _refuse(f"a token embedding of type {name} (expected nn.Embedding or GemmaTextScaledWordEmbedding)")
+    return _copy(module.weight)
+
+
+def _rotary_from_tables(cos: Tensor, sin: Tensor, n_ctx: int, dtype: torch.dtype, adjacent: bool) -> RotarySpec:
+    cos = cos.reshape(-1, cos.shape[-1])[:n_ctx]
+    sin = sin.reshape(-1, sin.shape[-1])[:n_ctx]
+    if cos.shape[0] != n_ctx:
+        raise _refuse(f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx={n_ctx}")
+    return RotarySpec(int(cos.shape[-1]), _copy(cos.to(dtype)), _copy(sin.to(dtype)), adjacent_pairs=adjacent)
+
+
+def _hf_rotary(bridge: Any, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
+    """Run the source's own HF rotary module over positions 0..n_ctx-1 (halves layout, as HF applies it).
+
+    HF rotary modules compute cos/sin in float32 and cast to the activation dtype; running the module with an
+    activation of the bridge's dtype reproduces the bridge's tables bit for bit.
+    """
+    rotary = _component(bridge, "rotary_emb")
+    if rotary is None:
+        raise _refuse("rotary positions without a 'rotary_emb' component")
+    module = _original(rotary)
+    x = torch.zeros(1, n_ctx, 1, dtype=dtype, device=device)
+    positions = torch.arange(n_ctx, device=device).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = module(x, positions)
+    return _rotary_from_tables(cos, sin, n_ctx, dtype, adjacent=False)
+
+
+def _rope_type(hf_config: Any) -> str | None:
+    """The HF rope type (``rope_parameters`` in transformers ≥ 5, ``rope_scaling`` before); None if no rope."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, attr, None)
+        if isinstance(params, dict):
+            return str(params.get("rope_type") or params.get("type") or "default")
+    return None
+
+
+def _check_rope_unscaled(hf_config: Any) -> None:
+    rope_type = _rope_type(hf_config)
+    if rope_type not in (None, "default"):
+        raise _refuse(
+            f"rope scaling of type {rope_type!r}",
+            "Only unscaled rotary embeddings (rope_type 'default') are supported.",
+        )
