@@ -108,9 +108,9 @@ def main() -> None:
     atp_s, atp_mem, res = statistics.median(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2]
     half_mem = peak_extra(lambda: heads(args.tokens // 2))[1]
     layer = min(5, args.layers - 2)
-    att, neu, att_next = aot.attention_block(layer), aot.neuron_block(layer), aot.attention_block(layer + 1)
-    att_units, neu_units = P.head_units(aot, blocks=[att]), P.head_units(aot, blocks=[neu])
-    next_units = P.head_units(aot, blocks=[att_next])
+    att, neu, att_next = f"blocks.{layer}.attn", aot.neuron_module(layer), f"blocks.{layer + 1}.attn"
+    att_units, neu_units = P.head_units(aot, modules=[att]), P.head_units(aot, modules=[neu])
+    next_units = P.head_units(aot, modules=[att_next])
     edges = P.attribute_edges
     e1_s, e1_mem, e1 = peak_extra(lambda: edges(aot, clean, corrupted, metric, att_units, neu_units, "qv"))
     e2_s, e2_mem, e2 = peak_extra(lambda: edges(aot, clean, corrupted, metric, neu_units, next_units, "qkv"))

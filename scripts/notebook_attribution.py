@@ -52,7 +52,7 @@ _RAW: list[tuple[str, str]] = [
             return logits[torch.arange(len(answer)), -1, answer].mean()
 
 
-        print(aot.cfg.n_heads_per_block, "heads per block")
+        print({sub.name: aot.head_module(sub.name).n_heads for sub in aot.sublayers()}, "heads per module")
         """,
     ),
     (
@@ -129,7 +129,7 @@ _RAW: list[tuple[str, str]] = [
     (
         "code",
         """
-        heads = P.head_units(aot, blocks=[0])
+        heads = P.head_units(aot, modules=["blocks.0.attn"])
         neurons = [e.unit for e in screen.top(40) if e.unit.kind != "attention"][:12]
         start = time.perf_counter()
         into = attribute_edges(aot, clean, corrupted, metric, heads, neurons, "qv")

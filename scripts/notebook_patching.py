@@ -2,10 +2,11 @@
 
 ``CELLS`` is a list of ``("md" | "code", source)`` pairs. On the shipped one-layer ReLU modular-addition model the
 notebook patches every head of the converted model (4 attention heads and 512 neuron heads) with
-:mod:`lens_aot.patching`, does the same on the original model by hooking ``mlp.hook_post`` and ``attn.hook_z``, and
-plots both side by side; patches whole frequency clusters of neurons at once; repeats the comparison on a GELU
-variant (4 heads per neuron); then path-patches from the attention heads into the neurons (through their gates
-``q`` and their values ``v``) and straight to the logits. About 30 s on a CPU.
+:mod:`lens_aot.patching`, does the same on the original model with TransformerLens's own ``transformer_lens.patching``
+(and lens_aot's TransformerLens-shaped neuron functions), and plots both side by side; patches whole frequency
+clusters of neurons at once; repeats the comparison on a GELU variant (4 heads per neuron); then path-patches from the
+attention heads into the neurons (through their gates ``q`` and their values ``v``) and straight to the logits. About
+30 s on a CPU.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ _RAW: list[tuple[str, str]] = [
         # Activation and path patching on neuron heads
 
         After `lens_aot.convert`, every MLP neuron is an attention head, so the tools of head-level analysis apply
-        to neurons unchanged. `lens_aot.patching` provides them for a model whose blocks have **different head
-        counts** (a source attention block has `n_heads` heads, a neuron block `d_mlp × K`), which
-        `transformer_lens.patching` does not handle:
+        to neurons unchanged. The converted model is numbered like its source, so TransformerLens's own
+        `transformer_lens.patching` runs on it unmodified and covers every unit the source has (its attention heads,
+        `resid_pre`, `attn_out`, `mlp_out`). The neuron heads (`blocks.{l}.mlp.heads`, `d_mlp × K` heads per layer)
+        are units it cannot enumerate; `lens_aot.patching` covers them, with TransformerLens's call shape
+        (`get_act_patch_neuron_head_out_all_pos`, `get_act_patch_mlp_neuron_all_pos`, …) and with batched, labelled
+        functions:
 
         * `patch_heads` / `patch_neurons` / `patch_units`: activation patching of head outputs (`hook_z`), one head,
           one neuron (all its heads) or any group of heads at a time, optionally one position at a time; the patched
@@ -30,7 +34,7 @@ _RAW: list[tuple[str, str]] = [
           `k` or `v`, or straight to the logits, with every other head frozen.
 
         Results carry labels (`L0H3` is head 3 of layer 0's attention, `L0N17` neuron 17 of layer 0's MLP,
-        `L0N17.2` the neuron head computing term 2 of its activation fit) and views per block, per neuron, top-k,
+        `L0N17.2` the neuron head computing term 2 of its activation fit) and views per head module, per neuron, top-k,
         plain records and DataFrames.
 
         We use the model shipped with lens_aot: one layer (4 attention heads, 512 ReLU neurons) trained on
@@ -60,7 +64,9 @@ _RAW: list[tuple[str, str]] = [
 
         model = load_modular_addition()  # HookedTransformer on TransformerLens 3.x, TransformerBridge on 4.x
         aot = lens_aot.convert(model)
-        print(type(model).__name__, "→", aot.cfg.n_heads_per_block, "heads per block")
+        print(type(model).__name__, "→", aot.cfg.n_layers, "layer; head modules:")
+        for sub in aot.sublayers():
+            print(f"  {sub.name}: {aot.head_module(sub.name).n_heads} {sub.kind} heads")
         """,
     ),
     (
@@ -91,12 +97,6 @@ _RAW: list[tuple[str, str]] = [
             last = logits[:, -1]
             return (last.gather(1, answer[:, None]) - last.gather(1, corrupted_answer[:, None])).mean()
 
-
-        def source_logits(tokens, hooks=()):
-            out = model.run_with_hooks(tokens, fwd_hooks=list(hooks))
-            return getattr(out, "logits", out)
-
-
         print(f"logit difference: clean {logit_diff(aot(clean)):.2f}, corrupted {logit_diff(aot(corrupted)):.2f}")
         """,
     ),
@@ -105,8 +105,8 @@ _RAW: list[tuple[str, str]] = [
         """
         ## Activation patching every head
 
-        `patch_heads` patches each head of each block in turn (`direction="denoise"`, TransformerLens's convention:
-        run the corrupted input and put one head's clean output back) and records the metric. Here that is
+        `patch_heads` patches each head of each head module in turn (`direction="denoise"`, TransformerLens's
+        convention: run the corrupted input and put one head's clean output back) and records the metric. Here that is
         4 + 512 patches. `normalized()` rescales to the fraction of the clean logit difference restored.
         """,
     ),
@@ -126,34 +126,31 @@ _RAW: list[tuple[str, str]] = [
         """
         ## The same on the original model
 
-        In the original model a neuron is patched at `blocks.0.mlp.hook_post[..., n]` and an attention head at
-        `blocks.0.attn.hook_z[:, :, h]`: one forward per patch, by hand. The neuron heads of this ReLU model are one
-        per neuron, so `heads.by_neuron(0)` lays their results out as the source's 512 neurons.
+        In the original model an attention head is patched with TransformerLens's own
+        `get_act_patch_attn_head_out_all_pos` (`blocks.0.attn.hook_z[:, :, h]`) and a neuron with
+        `P.get_act_patch_mlp_neuron_all_pos` (`blocks.0.mlp.hook_post[..., n]`, through TransformerLens's
+        `generic_activation_patch`): one forward per patch. The neuron heads of this ReLU model are one per neuron,
+        so `heads.by_neuron(0)` lays their results out as the source's 512 neurons. The same TransformerLens call on
+        the converted model gives the same attention-head numbers.
         """,
     ),
     (
         "code",
         """
+        import transformer_lens.patching as tlp
+
         _, clean_cache = model.run_with_cache(clean)
-
-
-        def patch_source(hook_name, index):
-            def hook(act, hook):
-                act = act.clone()
-                act[index] = clean_cache[hook_name][index]
-                return act
-
-            return float(logit_diff(source_logits(corrupted, [(hook_name, hook)])))
-
+        _, aot_clean_cache = aot.run_with_cache(clean)
 
         start = time.perf_counter()
-        source_neurons = torch.tensor([patch_source("blocks.0.mlp.hook_post", (..., n)) for n in range(512)])
-        all_pos = slice(None)
-        source_heads = torch.tensor([patch_source("blocks.0.attn.hook_z", (all_pos, all_pos, h)) for h in range(4)])
+        source_neurons = P.get_act_patch_mlp_neuron_all_pos(model, corrupted, clean_cache, logit_diff)[0].double()
+        source_heads = tlp.get_act_patch_attn_head_out_all_pos(model, corrupted, clean_cache, logit_diff)[0].double()
         print(f"516 source patches, one forward each: {time.perf_counter() - start:.1f} s")
+        tl_on_aot = tlp.get_act_patch_attn_head_out_all_pos(aot, corrupted, aot_clean_cache, logit_diff)[0].double()
         neuron_heads, attention_heads = heads.by_neuron(0), heads.attention(0)
         print(f"max |Δmetric|, neuron heads vs neurons: {(neuron_heads - source_neurons).abs().max():.1e}")
         print(f"max |Δmetric|, attention heads:          {(attention_heads - source_heads).abs().max():.1e}")
+        print(f"max |Δmetric|, TransformerLens on both:  {(tl_on_aot - source_heads).abs().max():.1e}")
         print(f"(the metric spans {heads.corrupted_metric:.1f} … {heads.clean_metric:.1f}; the ReLU fit errs by "
               f"≤ {aot.cfg.activation_fits[0].max_error:g} per neuron)")
 
@@ -193,9 +190,9 @@ _RAW: list[tuple[str, str]] = [
         "code",
         """
         tokens_all, _ = modular_addition_dataset()
-        z_name = f"blocks.{aot.neuron_block(0)}.attn.hook_z"
+        z_name = "blocks.0.mlp.heads.hook_z"  # [batch, pos, neuron head, 1]; one head per ReLU neuron
         _, cache = aot.run_with_cache(tokens_all, names_filter=z_name)
-        acts = aot.neuron_activations(cache, 0)[:, -1].reshape(p, p, -1)  # [a, b, neuron]
+        acts = cache[z_name][:, -1, :, 0].reshape(p, p, -1)  # [a, b, neuron]
         power = torch.fft.fft2(acts - acts.mean((0, 1)), dim=(0, 1)).abs().square()
         k = torch.arange(1, p // 2 + 1)
         per_freq = power[k, 0] + power[0, k] + power[k, k] + power[k, -k]  # [frequency, neuron]
@@ -232,7 +229,7 @@ _RAW: list[tuple[str, str]] = [
     (
         "code",
         """
-        rows = [*P.head_units(aot, blocks=[0]), units[-1]]  # the 4 attention heads and the whole MLP
+        rows = [*P.head_units(aot, modules=["blocks.0.attn"]), units[-1]]  # the 4 attention heads and the whole MLP
         by_position = P.patch_units(aot, clean, corrupted, logit_diff, rows, per_position=True)
         fig, ax = plt.subplots(figsize=(4.5, 3))
         im = ax.imshow(by_position.normalized(), cmap="RdBu", vmin=-1, vmax=1)
@@ -300,21 +297,21 @@ _RAW: list[tuple[str, str]] = [
         """
         ## Path patching through neurons
 
-        In this model the residual stream goes embedding → attention heads (block 0) → neuron heads (block 1) →
-        logits. Activation patching says the attention heads matter; path patching says **through what**. For each
-        sender, `path_patch` switches the sender to its corrupted output while **freezing every other head at its
-        clean output** (neuron heads included), records the receivers' inputs, then patches only those into a clean
-        run (`direction="noise"`, as in the IOI paper). Receivers here: all 512 neurons as one group, through their
-        inputs `q` and `v` together (the pre-activation), and the logits directly.
+        In this model the residual stream goes embedding → attention heads (`blocks.0.attn`) → neuron heads
+        (`blocks.0.mlp.heads`) → logits. Activation patching says the attention heads matter; path patching says
+        **through what**. For each sender, `path_patch` switches the sender to its corrupted output while **freezing
+        every other head at its clean output** (neuron heads included), records the receivers' inputs, then patches
+        only those into a clean run (`direction="noise"`, as in the IOI paper). Receivers here: all 512 neurons as
+        one group, through their inputs `q` and `v` together (the pre-activation), and the logits directly.
         """,
     ),
     (
         "code",
         """
         mlp = units[-1]  # the group of all 512 neuron heads
-        senders = P.head_units(aot, blocks=[0])
+        senders = P.head_units(aot, modules=["blocks.0.attn"])
         paths = P.path_patch(aot, clean, corrupted, logit_diff, senders, [mlp, "logits"], receiver_input="qv")
-        total = P.patch_heads(aot, clean, corrupted, logit_diff, blocks=[0], direction="noise")
+        total = P.patch_heads(aot, clean, corrupted, logit_diff, modules=["blocks.0.attn"], direction="noise")
         print(paths)
 
         fig, ax = plt.subplots(figsize=(8.5, 3.4), layout="constrained")

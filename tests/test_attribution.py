@@ -103,7 +103,7 @@ def test_trained_model_heads_and_neurons(modular, modular_truth, method: str) ->
     assert pearson(est_n.effect(), truth_n.effect()) >= 0.99
     assert overlap(est_n, truth_n) >= 9
     # every result method works on the estimate
-    assert set(est.by_block()) == set(truth.by_block())
+    assert set(est.by_module()) == set(truth.by_module())
     assert est_n.by_neuron(0).shape == truth_n.by_neuron(0).shape
     assert len(est.to_dataframe()) == len(truth.to_dataframe())
     assert est.top(3)[0].unit.label in {e.unit.label for e in truth.top(5)}
@@ -130,7 +130,7 @@ def test_families_heads_and_neurons(family: str, method: str) -> None:
     truth = P.patch_heads(aot, clean, corrupted, logit_diff)
     est = attribute_heads(aot, clean, corrupted, logit_diff, method=method, steps=16)
     check_same_layout(est, truth)
-    product = torch.tensor([isinstance(aot.blocks[u.blocks[0]].attn, ProductAttention) for u in truth.units])
+    product = torch.tensor([isinstance(aot.head_module(u.modules[0]), ProductAttention) for u in truth.units])
     assert any(u.kind == "attention" for u in truth.units) and any(u.kind == "neuron_head" for u in truth.units)
     keep = ~product
     assert pearson(est.effect()[keep], truth.effect()[keep]) >= 0.9
@@ -154,9 +154,9 @@ def test_families_edges_into_neurons_and_heads(family: str) -> None:
     attention heads and the logits (linear: atp; ig averages gradients over inputs far from the patched run, see
     the README's figures)."""
     aot, clean, corrupted = family_model(family)
-    senders = P.head_units(aot, blocks=[0]) + P.neuron_units(aot, layers=[0])
+    senders = P.head_units(aot, modules=[0]) + P.neuron_units(aot, layers=[0])
     neurons = P.neuron_units(aot, layers=[1])[:8]
-    receivers = [*neurons, *P.head_units(aot, blocks=[aot.attention_block(1)]), "logits"]
+    receivers = [*neurons, *P.head_units(aot, modules=[f"blocks.{1}.attn"]), "logits"]
     truth = P.path_patch(aot, clean, corrupted, logit_diff, senders, receivers, "qv")
     est = attribute_edges(aot, clean, corrupted, logit_diff, senders, receivers, "qv")
     assert est.senders == truth.senders and est.receivers == truth.receivers and est.receiver_input == ("q", "v")
@@ -180,17 +180,17 @@ def test_atp_exact_where_the_metric_is_linear(act_fn: str) -> None:
                                        dtype=torch.float64))  # fmt: skip
     g = torch.Generator().manual_seed(1)
     clean, corrupted = torch.randint(0, 50, (3, 6), generator=g), torch.randint(0, 50, (3, 6), generator=g)
-    last = aot.neuron_block(1)
+    last = aot.neuron_module(1)
     for direction in ("denoise", "noise"):
-        truth = P.patch_heads(aot, clean, corrupted, logit_diff, blocks=[last], direction=direction)
-        est = attribute_heads(aot, clean, corrupted, logit_diff, blocks=[last], direction=direction)
+        truth = P.patch_heads(aot, clean, corrupted, logit_diff, modules=[last], direction=direction)
+        est = attribute_heads(aot, clean, corrupted, logit_diff, modules=[last], direction=direction)
         assert float((est.values - truth.values).abs().max()) < 1e-9
         assert float(truth.effect().abs().max()) > 1e-3  # not exact by being zero
         per_pos = attribute_heads(
-            aot, clean, corrupted, logit_diff, blocks=[last], per_position=True, direction=direction
+            aot, clean, corrupted, logit_diff, modules=[last], per_position=True, direction=direction
         )
         truth_pos = P.patch_heads(
-            aot, clean, corrupted, logit_diff, blocks=[last], per_position=True, direction=direction
+            aot, clean, corrupted, logit_diff, modules=[last], per_position=True, direction=direction
         )
         assert float((per_pos.values - truth_pos.values).abs().max()) < 1e-9
     senders = P.head_units(aot) + P.neuron_units(aot)[::4]
@@ -203,9 +203,9 @@ def test_float32_exact_to_1e6() -> None:
     aot = lens_aot.convert(random_spec(norm=None, positions="standard", act_fn="silu", gated=False, seed=2))
     g = torch.Generator().manual_seed(2)
     clean, corrupted = torch.randint(0, 50, (3, 6), generator=g), torch.randint(0, 50, (3, 6), generator=g)
-    blocks = [aot.neuron_block(1)]
-    truth = P.patch_heads(aot, clean, corrupted, logit_diff, blocks=blocks)
-    est = attribute_heads(aot, clean, corrupted, logit_diff, blocks=blocks)
+    blocks = [aot.neuron_module(1)]
+    truth = P.patch_heads(aot, clean, corrupted, logit_diff, modules=blocks)
+    est = attribute_heads(aot, clean, corrupted, logit_diff, modules=blocks)
     assert float((est.values - truth.values).abs().max()) < 1e-6
 
 

@@ -51,14 +51,14 @@ def test_patching_heads_and_neurons_equals_patching_the_source(family, act_fn, d
     aot = lens_aot.convert(model)
     clean, corrupted = tokens[:, :8], tokens[:, 8:16]
     tol = _tolerance(aot, dtype)
-    k = aot.blocks[aot.neuron_block(0)].attn.heads_per_neuron
+    k = aot.head_module(aot.neuron_module(0)).heads_per_neuron
     assert (k > 1) == act_fn.startswith("gelu")
     neurons = P.patch_neurons(aot, clean, corrupted, logit_diff)  # every neuron of every layer
-    attention = P.patch_heads(
-        aot, clean, corrupted, logit_diff, blocks=[aot.attention_block(layer) for layer in range(2)]
-    )
+    attention = P.patch_heads(aot, clean, corrupted, logit_diff, modules=[f"blocks.{layer}.attn" for layer in range(2)])
     if k == 1:  # one head per neuron: patching that head is patching the neuron
-        heads = P.patch_heads(aot, clean, corrupted, logit_diff, blocks=[aot.neuron_block(layer) for layer in range(2)])
+        heads = P.patch_heads(
+            aot, clean, corrupted, logit_diff, modules=[aot.neuron_module(layer) for layer in range(2)]
+        )
         for layer in range(2):
             torch.testing.assert_close(heads.by_neuron(layer), neurons.by_neuron(layer), rtol=0, atol=1e-12)
     for layer in range(2):
@@ -82,7 +82,7 @@ def test_per_position_noising_equals_the_source(tokens, one_thread) -> None:
     model = make_hooked("rms-rotary-gqa", "silu", torch.float64)
     aot = lens_aot.convert(model)
     clean, corrupted = tokens[:, :7], tokens[:, 10:17]
-    units = [P.NeuronRef(1, 17), (aot.attention_block(1), 3)]
+    units = [P.NeuronRef(1, 17), (f"blocks.{1}.attn", 3)]
     res = P.patch_units(aot, clean, corrupted, logit_diff, units, per_position=True, direction="noise")
     hooks = [("blocks.1.mlp.hook_post", lambda p: (ALL, p, 17)), ("blocks.1.attn.hook_z", lambda p: (ALL, p, 3))]
     for row, (hook, index) in enumerate(hooks):

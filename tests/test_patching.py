@@ -135,7 +135,7 @@ def pre(layer: int, neuron: int | slice) -> tuple[str, tuple[Any, ...]]:
 
 
 def source_components(aot: AttentionOnlyTransformer) -> list[str]:
-    layers = range(aot.cfg.n_source_layers)
+    layers = range(aot.cfg.n_layers)
     return [f"blocks.{layer}.attn.hook_z" for layer in layers] + [f"blocks.{layer}.mlp.hook_post" for layer in layers]
 
 
@@ -151,8 +151,8 @@ def test_neuron_head_patching_equals_source_neuron_patching(silu, one_thread) ->
     """Patching each neuron head (SiLU: one per neuron) = patching mlp.hook_post[..., n] of the source bridge;
     patching each source attention head = patching the source's attn.hook_z[:, :, h]."""
     bridge, aot, clean, corrupted = silu
-    neuron_blocks = [aot.neuron_block(layer) for layer in range(2)]
-    res = P.patch_heads(aot, clean, corrupted, logit_diff, blocks=neuron_blocks)
+    neuron_mods = [aot.neuron_module(layer) for layer in range(2)]
+    res = P.patch_heads(aot, clean, corrupted, logit_diff, modules=neuron_mods)
     assert len(res) == 128 and all(u.kind == "neuron_head" for u in res.units)
     for layer in range(2):
         expected = torch.tensor(
@@ -164,7 +164,7 @@ def test_neuron_head_patching_equals_source_neuron_patching(silu, one_thread) ->
         )
         torch.testing.assert_close(res.by_neuron(layer), expected, rtol=0, atol=EXACT)
         assert (expected - res.corrupted_metric).abs().max() > 1e-2, "the patches should matter"
-    attn = P.patch_heads(aot, clean, corrupted, logit_diff, blocks=[aot.attention_block(layer) for layer in range(2)])
+    attn = P.patch_heads(aot, clean, corrupted, logit_diff, modules=[f"blocks.{layer}.attn" for layer in range(2)])
     for layer in range(2):
         expected = torch.tensor(
             [
@@ -207,10 +207,10 @@ def test_gelu_neuron_patching_is_within_the_fit_error(one_thread) -> None:
     aot = lens_aot.convert(bridge)
     clean, corrupted = _pair(97, seed=1)
     fit_error = max(fit.max_error for fit in aot.cfg.activation_fits.values())
-    assert aot.blocks[aot.neuron_block(0)].attn.heads_per_neuron > 1 and fit_error > 0
+    assert aot.head_module(aot.neuron_module(0)).heads_per_neuron > 1 and fit_error > 0
     tol = FIT_FACTOR * fit_error
     res = P.patch_neurons(aot, clean, corrupted, logit_diff, layers=[0, 1])
-    assert all(len(u.heads) == aot.blocks[aot.neuron_block(0)].attn.heads_per_neuron for u in res.units)
+    assert all(len(u.heads) == aot.head_module(aot.neuron_module(0)).heads_per_neuron for u in res.units)
     for layer in range(2):
         name = _post_name(bridge, layer)
         expected = torch.tensor(
@@ -223,14 +223,14 @@ def test_gelu_neuron_patching_is_within_the_fit_error(one_thread) -> None:
     single_heads = P.patch_heads(aot, clean, corrupted, logit_diff, heads=aot.neuron_heads(0, 5))
     with pytest.raises(InputError, match="patch_neurons"):
         single_heads.by_neuron(0)
-    k = aot.blocks[aot.neuron_block(0)].attn.heads_per_neuron  # labels L{layer}N{neuron}.{index in neuron_heads}
+    k = aot.head_module(aot.neuron_module(0)).heads_per_neuron  # labels L{layer}N{neuron}.{index in neuron_heads}
     assert [u.label for u in single_heads.units] == [f"L0N5.{j}" for j in range(k)]
     assert float(single_heads["L0N5.1"]) == float(single_heads[aot.neuron_heads(0, 5)[1]])
 
 
 def test_stacked_forwards_equal_one_forward_per_patch(silu, one_thread) -> None:
     _, aot, clean, corrupted = silu
-    heads = [(0, 1), (1, 7), (3, 63), HeadRef("blocks.2.attn", 2)]
+    heads = [(0, 1), (1, 7), (3, 63), HeadRef("blocks.1.attn", 2)]
     one = P.patch_heads(aot, clean, corrupted, logit_diff, heads=heads, per_position=True, batch_size=1)
     many = P.patch_heads(aot, clean, corrupted, logit_diff, heads=heads, per_position=True)
     torch.testing.assert_close(many.values, one.values, rtol=0, atol=1e-12)
@@ -271,7 +271,7 @@ def test_groups_are_patched_together(silu, one_thread) -> None:
     bridge, aot, clean, corrupted = silu
     mlp0 = P.group(aot, P.neuron_units(aot, layers=[0]), "MLP0")
     mlp1 = P.group(aot, [P.NeuronRef(1, n) for n in range(64)], "MLP1")
-    assert mlp0.label == "MLP0" and len(mlp0.heads) == 64 and mlp0.blocks == (aot.neuron_block(0),)
+    assert mlp0.label == "MLP0" and len(mlp0.heads) == 64 and mlp0.modules == (aot.neuron_module(0),)
     res = P.patch_units(aot, clean, corrupted, logit_diff, [mlp0, mlp1])
     for i, layer in enumerate(range(2)):
         expected = source_patch(bridge, corrupted, clean, _post_name(bridge, layer), (ALL, ALL, ALL), logit_diff)
@@ -290,7 +290,7 @@ def test_a_group_spanning_blocks_is_patched_at_once(silu, one_thread) -> None:
     patched in the source (the neuron sees the patched head: this goes through hook_z, not the block-output path)."""
     bridge, aot, clean, corrupted = silu
     both = P.group(aot, [(0, 1), P.NeuronRef(0, 5)], "L0H1+L0N5")
-    assert both.blocks == (0, 1)
+    assert both.modules == ("blocks.0.attn", "blocks.0.mlp.heads")
     res = P.patch_units(aot, clean, corrupted, logit_diff, both, per_position=True)
     names = ["blocks.0.attn.hook_z", _post_name(bridge, 0)]
     _, cache = bridge.run_with_cache(clean, names_filter=lambda n: n in names)
@@ -315,19 +315,19 @@ def test_gqa_keys_and_neuron_gates_match_the_naive_procedure(one_thread) -> None
     bridge = make_bridge("native-rms-gqa", torch.float64)
     aot = lens_aot.convert(bridge)
     clean, corrupted = _pair(97, seed=2)
-    components = [f"blocks.{b}.attn.hook_z" for b in range(len(aot.blocks))]
+    components = [f"{sub.name}.hook_z" for sub in aot.sublayers()]
     cases = [  # (sender, aot receiver, input, naive receiver hook, index)
-        ((0, 0), (2, 3), "k", "blocks.2.attn.hook_k", (ALL, ALL, 1)),  # query head 3 reads kv head 3 // 2
-        ((0, 0), (2, 3), "q", "blocks.2.attn.hook_q", (ALL, ALL, 3)),
-        ((0, 2), (1, 17), "q", "blocks.1.attn.hook_q", (ALL, ALL, 17)),
-        ((0, 2), (1, 17), "v", "blocks.1.attn.hook_v", (ALL, ALL, 17)),
-        ((1, 17), (2, 0), "v", "blocks.2.attn.hook_v", (ALL, ALL, 0)),
+        ((0, 0), (2, 3), "k", "blocks.1.attn.hook_k", (ALL, ALL, 1)),  # query head 3 reads kv head 3 // 2
+        ((0, 0), (2, 3), "q", "blocks.1.attn.hook_q", (ALL, ALL, 3)),
+        ((0, 2), (1, 17), "q", "blocks.0.mlp.heads.hook_q", (ALL, ALL, 17)),
+        ((0, 2), (1, 17), "v", "blocks.0.mlp.heads.hook_v", (ALL, ALL, 17)),
+        ((1, 17), (2, 0), "v", "blocks.1.attn.hook_v", (ALL, ALL, 0)),
     ]
     source = {(0, 0): (ALL, ALL, 0), (0, 2): (ALL, ALL, 2), (1, 17): (ALL, ALL, 17)}
     got = {}
     for sender, receiver, inputs, hook, index in cases:
         value = float(P.path_patch(aot, clean, corrupted, logit_diff, sender, receiver, inputs).values[0, 0])
-        sender_hook = (f"blocks.{sender[0]}.attn.hook_z", source[sender])
+        sender_hook = (f"{aot.sublayer(sender[0]).name}.hook_z", source[sender])
         expected = naive_path_patch(aot, clean, corrupted, logit_diff, components, sender_hook, (hook, index))
         assert value == pytest.approx(expected, abs=EXACT), (sender, receiver, inputs)
         got[(sender, receiver, inputs)] = value - float(logit_diff(aot(clean).detach()))
@@ -424,7 +424,7 @@ def wired() -> AttentionOnlyTransformer:
         positions="none",
     )
     aot = AttentionOnlyTransformer(spec, {0: activation_fit("silu"), 1: activation_fit("silu")})
-    assert aot.cfg.n_heads_per_block == [2, 2, 2, 1]
+    assert [aot.head_module(sub.name).n_heads for sub in aot.sublayers()] == [2, 2, 2, 1]
     return aot
 
 
@@ -468,9 +468,10 @@ def test_direct_path_to_logits_is_delta_z_times_W_O_W_U(wired, one_thread) -> No
     heads = list(NAMES)
     res = P.path_patch(wired, WIRED_CLEAN, WIRED_CORRUPTED, wired_metric, heads, ["logits"])
     for i, (block, head) in enumerate(heads):
-        name = f"blocks.{block}.attn.hook_z"
+        module = wired.sublayer(block).name
+        name = f"{module}.hook_z"
         dz = corrupted_cache[name][:, :, head] - clean_cache[name][:, :, head]  # [batch, pos, d_head]
-        by_hand = wired_metric(clean_logits + dz @ wired.blocks[block].attn.W_O[head].detach() @ wired.W_U.detach())
+        by_hand = wired_metric(clean_logits + dz @ wired.head_module(module).W_O[head].detach() @ wired.W_U.detach())
         assert float(res.values[i, 0]) == pytest.approx(float(by_hand), abs=1e-12), NAMES[(block, head)]
 
 
@@ -487,7 +488,7 @@ def test_direct_effects_of_every_head_of_a_random_norm_free_model(one_thread) ->
     for i, unit in enumerate(res.senders):
         (ref,) = unit.heads
         dz = corrupted_cache[f"{ref.name}.hook_z"][:, :, ref.head] - clean_cache[f"{ref.name}.hook_z"][:, :, ref.head]
-        W_O = aot.blocks[int(ref.name.split(".")[1])].attn.W_O[ref.head].detach()
+        W_O = aot.head_module(ref.name).W_O[ref.head].detach()
         by_hand = float(logit_diff(clean_logits + dz @ W_O @ aot.W_U.detach()))
         assert float(res.values[i, 0]) == pytest.approx(by_hand, abs=1e-10), unit.label
     assert float(res.effect().abs().max()) > 1e-2
@@ -498,7 +499,8 @@ def test_recompute_neurons_lets_the_mlps_respond(wired, one_thread) -> None:
     frozen = P.path_patch(wired, WIRED_CLEAN, WIRED_CORRUPTED, wired_metric, [B, C], "logits")
     free = P.path_patch(wired, WIRED_CLEAN, WIRED_CORRUPTED, wired_metric, [B, C], "logits", recompute="neurons")
     via_m = P.path_patch(wired, WIRED_CLEAN, WIRED_CORRUPTED, wired_metric, [B], [M], "qv")
-    assert free.recomputed == (HeadRef("blocks.1.attn", 0), HeadRef("blocks.1.attn", 1), HeadRef("blocks.3.attn", 0))
+    neurons = (HeadRef("blocks.0.mlp.heads", 0), HeadRef("blocks.0.mlp.heads", 1), HeadRef("blocks.1.mlp.heads", 0))
+    assert free.recomputed == neurons
     assert abs(float(free.values[0, 0] - frozen.values[0, 0])) > 1e-3
     assert abs(float(via_m.effect()[0, 0])) > 1e-3
     assert abs(float(free.effect()[1, 0])) < 1e-12  # C still reaches nothing
@@ -509,18 +511,20 @@ def test_recompute_neurons_lets_the_mlps_respond(wired, one_thread) -> None:
 # ============================================================================================== results, labels, errors
 def test_labels_views_and_plain_exports(silu) -> None:
     _, aot, clean, corrupted = silu
-    res = P.patch_heads(aot, clean, corrupted, logit_diff, heads=[(0, 2), (1, 5), ("blocks.3.attn", 60)])
+    res = P.patch_heads(aot, clean, corrupted, logit_diff, heads=[(0, 2), (1, 5), ("blocks.1.mlp.heads", 60)])
     assert [u.label for u in res.units] == ["L0H2", "L0N5.0", "L1N60.0"]
-    assert repr(res.units[1]) == "PatchUnit('L0N5.0', kind='neuron_head', heads=[blocks.1.attn[5]])"
+    assert repr(res.units[1]) == "PatchUnit('L0N5.0', kind='neuron_head', heads=[blocks.0.mlp.heads[5]])"
     as_lists = P.patch_units(aot, clean.tolist(), corrupted.tolist(), logit_diff, res.units, progress=True)
     torch.testing.assert_close(as_lists.values, res.values, rtol=0, atol=0)
     assert [u.kind for u in res.units] == ["attention", "neuron_head", "neuron_head"]
-    assert res.units[1].heads == (aot.neuron_heads(0, 5)[0],) and res.units[2].blocks == (3,)
-    blocks = res.by_block()
-    assert sorted(blocks) == [0, 1, 3] and blocks[1].shape == (64,) and blocks[0].shape == (4,)
-    assert int(torch.isnan(blocks[1]).sum()) == 63 and float(blocks[1][5]) == float(res.values[1])
+    assert res.units[1].heads == (aot.neuron_heads(0, 5)[0],) and res.units[2].modules == ("blocks.1.mlp.heads",)
+    modules = res.by_module()
+    assert list(modules) == ["blocks.0.attn", "blocks.0.mlp.heads", "blocks.1.mlp.heads"]
+    neurons0 = modules["blocks.0.mlp.heads"]
+    assert neurons0.shape == (64,) and modules["blocks.0.attn"].shape == (4,)
+    assert int(torch.isnan(neurons0).sum()) == 63 and float(neurons0[5]) == float(res.values[1])
     assert float(res.by_neuron(1)[60]) == float(res["L1N60.0"]) == float(res[P.NeuronRef(1, 60)])
-    assert float(res[(1, 5)]) == float(res[HeadRef("blocks.1.attn", 5)]) == float(res.values[1])
+    assert float(res[(1, 5)]) == float(res[HeadRef("blocks.0.mlp.heads", 5)]) == float(res.values[1])
     assert float(res.attention(0)[2]) == float(res.values[0]) and bool(torch.isnan(res.attention(0)[0]))
     top = res.top(2)
     assert abs(top[0].effect) >= abs(top[1].effect) and top[0].unit in res.units and "effect" in repr(top[0])
@@ -553,14 +557,14 @@ def test_units_follow_the_models_public_maps(silu) -> None:
     for unit in units:
         assert list(unit.heads) == aot.neuron_heads(unit.layer, unit.index)
     heads = P.head_units(aot)
-    assert len(heads) == sum(aot.cfg.n_heads_per_block)
+    assert len(heads) == sum(aot.head_module(sub.name).n_heads for sub in aot.sublayers())
     for unit in heads:
         (ref,) = unit.heads
         origin = aot.head_origin(ref.name, ref.head)
         assert (unit.layer, unit.index) == (origin.layer, origin.index)
         assert unit.kind == ("attention" if origin.kind == "attention" else "neuron_head")
-    mixed = P.head_units(aot, blocks=["blocks.1.attn"], heads=[(1, 0), (0, 0)])
-    assert len(mixed) == 65 and mixed[0].heads == (HeadRef("blocks.1.attn", 0),)  # duplicates dropped, order kept
+    mixed = P.head_units(aot, modules=["blocks.0.mlp.heads"], heads=[(1, 0), (0, 0)])
+    assert len(mixed) == 65 and mixed[0].heads == (HeadRef("blocks.0.mlp.heads", 0),)  # duplicates dropped, order kept
     assert mixed[-1] == P.head_units(aot, heads=[(0, 0)])[0] and mixed[-1].heads == (HeadRef("blocks.0.attn", 0),)
 
 
@@ -584,8 +588,8 @@ def _bad_calls(
     m = logit_diff
     return [
         (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[(1, 64)]), "head 64 out of range.*64 heads"),
-        (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[(7, 0)]), "block 7 out of range.*4 blocks"),
-        (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[("blocks.x", 0)]), "not a block's attention name"),
+        (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[(7, 0)]), "sub-layer 7 out of range.*4 head modules"),
+        (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[("blocks.x", 0)]), "expected a head module name"),
         (lambda: P.patch_heads(aot, clean, corrupted, m, heads=["L0H1"]), "a head is a HeadRef"),
         (lambda: P.patch_neurons(aot, clean, corrupted, m, neurons=[(0, 64)]), "neuron 64 out of range.*d_mlp=64"),
         (lambda: P.patch_neurons(aot, clean, corrupted, m, layers=[5]), "source layer 5 out of range"),
@@ -598,6 +602,8 @@ def _bad_calls(
         (lambda: P.patch_heads(aot, clean, corrupted, m, per_position=True, positions=[6]), "position 6 out of range"),
         (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[(0, 0)], batch_size=0), "batch_size"),
         (lambda: P.patch_heads(aot, clean, corrupted, m, heads=[]), "no heads selected"),
+        (lambda: P.patch_heads(aot, clean, corrupted, m, blocks=[1]), "blocks= is gone.*modules="),
+        (lambda: P.attribute_heads(aot, clean, corrupted, m, blocks=[1]), "blocks= is gone.*modules="),
         (lambda: P.path_patch(aot, clean, corrupted, m, (0, 0), (2, 0), "x"), "receiver_input must be"),
         (lambda: P.path_patch(aot, clean, corrupted, m, (0, 0), "logit"), "'logits'"),
         (lambda: P.path_patch(aot, clean, corrupted, m, (0, 0), "logits", recompute="mlps"), "recompute must be"),
@@ -635,14 +641,14 @@ def test_hooks_are_removed_when_the_metric_or_a_forward_raises(silu) -> None:
             raise RuntimeError("forward failed")
 
     for run in (
-        lambda: P.patch_heads(aot, clean, corrupted, failing, blocks=[1]),
+        lambda: P.patch_heads(aot, clean, corrupted, failing, modules=[1]),
         lambda: P.path_patch(aot, clean, corrupted, failing, [(0, 1)], [(2, 0), "logits"]),
     ):
         calls["n"] = 0
         with pytest.raises(RuntimeError, match="metric failed"):
             run()
         assert _attached(aot) == 0
-    aot.add_hook("blocks.3.attn.hook_pre", failing_hook)  # a user's hook that breaks the forward mid-way
+    aot.add_hook("blocks.1.mlp.hook_pre", failing_hook)  # a user's hook that breaks the forward mid-way
     try:
         with pytest.raises(RuntimeError, match="forward failed"):
             P.path_patch(aot, clean, corrupted, logit_diff, [(0, 1), (0, 2)], [(2, 0)])
@@ -650,3 +656,74 @@ def test_hooks_are_removed_when_the_metric_or_a_forward_raises(silu) -> None:
     finally:
         aot.reset_hooks()
     assert _attached(aot) == 0 and torch.equal(aot(clean).detach(), before)
+
+
+# ============================================================== TransformerLens's own functions, and its call shape
+F32_STORAGE = 2.0**-23  # transformer_lens.patching stores each metric in a float32 tensor: one ulp, relative
+
+
+def _tl_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to EXACT in float64 and the float32 rounding of TransformerLens's result tensor."""
+    torch.testing.assert_close(got.double().cpu(), expected.double().cpu(), rtol=F32_STORAGE, atol=EXACT)
+
+
+def _neuron_head_layout(aot: AttentionOnlyTransformer, res: P.PatchingResult) -> torch.Tensor:
+    """patch_heads' values laid out [layer, (pos,) neuron_head] like the TransformerLens-shaped functions."""
+    per_module = res.by_module()
+    rows = [torch.cat([per_module[name] for name in aot.neuron_modules(layer)]) for layer in range(aot.cfg.n_layers)]
+    return torch.stack([row if row.ndim == 1 else row.T for row in rows])
+
+
+def test_transformer_lens_patching_on_the_converted_model_equals_the_source(silu, one_thread) -> None:
+    """TransformerLens's own head, residual and MLP-output functions, run unmodified, and the neuron functions
+    (hook_post, through its generic_activation_patch) give the source's results; whole neurons = patch_neurons."""
+    import transformer_lens.patching as tlp
+
+    bridge, aot, clean, corrupted = silu
+    _, bridge_cache = bridge.run_with_cache(clean)
+    _, aot_cache = aot.run_with_cache(clean)
+    for fn in (
+        tlp.get_act_patch_attn_head_out_all_pos,
+        tlp.get_act_patch_attn_head_out_by_pos,
+        tlp.get_act_patch_resid_pre,
+        tlp.get_act_patch_attn_out,
+        tlp.get_act_patch_mlp_out,
+        P.get_act_patch_mlp_neuron_all_pos,
+    ):
+        expected = fn(bridge, corrupted, bridge_cache, logit_diff)
+        got = fn(aot, corrupted, aot_cache, logit_diff)
+        assert got.shape == expected.shape, fn
+        _tl_close(got, expected)
+        assert float(expected.std()) > 1e-3, fn  # the patches move the metric
+    neurons = P.get_act_patch_mlp_neuron_all_pos(aot, corrupted, aot_cache, logit_diff)
+    whole = P.patch_neurons(aot, clean, corrupted, logit_diff)
+    _tl_close(neurons, torch.stack([whole.by_neuron(layer) for layer in range(2)]))
+    by_pos = P.get_act_patch_mlp_neuron_by_pos(aot, corrupted[:, :3], aot_cache, logit_diff)
+    assert by_pos.shape == (2, 3, 64)
+
+
+@pytest.mark.parametrize("family", ["gpt2-silu", "native-gated"])
+def test_neuron_head_functions_have_transformer_lens_shape_and_equal_patch_heads(family, one_thread) -> None:
+    """get_act_patch_neuron_head_out_all_pos / _by_pos: [layer, (pos,) neuron_head], one TransformerLens-style forward
+    per entry, equal to lens_aot's batched patch_heads on the same heads (gated: gate then product heads)."""
+    bridge = make_bridge(family, torch.float64)
+    aot = lens_aot.convert(bridge)
+    clean, corrupted = _pair(int(aot.cfg.d_vocab), pos=4, seed=5)
+    _, cache = aot.run_with_cache(clean)
+    columns = P.neuron_head_columns(aot)
+    modules = [name for layer in range(aot.cfg.n_layers) for name in aot.neuron_modules(layer)]
+    res = P.patch_heads(aot, clean, corrupted, logit_diff, modules=modules)
+    all_pos = P.get_act_patch_neuron_head_out_all_pos(aot, corrupted, cache, logit_diff)
+    assert all_pos.shape == (aot.cfg.n_layers, len(columns[0])) and all_pos.dtype == torch.float64
+    torch.testing.assert_close(all_pos, _neuron_head_layout(aot, res), rtol=0, atol=EXACT)
+    assert float(all_pos.std()) > 1e-4
+    if family == "gpt2-silu":
+        per_pos = P.patch_heads(aot, clean, corrupted, logit_diff, modules=modules, per_position=True)
+        by_pos = P.get_act_patch_neuron_head_out_by_pos(aot, corrupted, cache, logit_diff)
+        assert by_pos.shape == (aot.cfg.n_layers, 4, len(columns[0]))
+        torch.testing.assert_close(by_pos, _neuron_head_layout(aot, per_pos), rtol=0, atol=EXACT)
+    else:
+        n_gate = aot.head_module(aot.neuron_modules(0)[0]).n_heads
+        assert columns[0][n_gate] == HeadRef("blocks.0.mlp.product_heads", 0)
+    with pytest.raises(InputError, match="converted model"):
+        P.get_act_patch_neuron_head_out_all_pos(bridge, corrupted, cache, logit_diff)

@@ -1,11 +1,14 @@
 """Activation patching, path patching and gradient attribution over every head of an
 :class:`~lens_aot.AttentionOnlyTransformer` (imported as ``lens_aot.patching``).
 
-A converted model's blocks have different head counts (a source attention block has ``n_heads`` heads, a neuron
-block ``d_mlp · K``: ``aot.cfg.n_heads_per_block``), so TransformerLens's ``transformer_lens.patching``, which assumes
-one ``n_heads``, does not apply. This module patches **head outputs** (``hook_z`` at a head index), source attention
-heads and neuron heads alike, and labels every number it returns with the heads (:class:`~lens_aot.HeadRef`) and
-what they were in the source: an attention head, one term of a neuron's activation fit, or a whole neuron.
+TransformerLens's own ``transformer_lens.patching`` runs unmodified on a converted model and covers every unit the
+source has (its attention heads, ``resid_pre`` / ``attn_out`` / ``mlp_out``, ``mlp.hook_post``). The neuron heads
+that replace the MLPs (``blocks.{l}.mlp.heads``, gated: ``mlp.gate_heads`` / ``mlp.product_heads``, ``d_mlp · K``
+heads per layer) are units TransformerLens cannot enumerate: :func:`get_act_patch_neuron_head_out_all_pos` and
+friends offer its call shape for them. This module patches **head outputs** (``hook_z`` at a head index), source
+attention heads and neuron heads alike, addressed by head-module name (``aot.sublayers()``), and labels every number
+it returns with the heads (:class:`~lens_aot.HeadRef`) and what they were in the source: an attention head, one term
+of a neuron's activation fit, or a whole neuron.
 
 **Activation patching** (:func:`patch_heads`, :func:`patch_neurons`, :func:`patch_units`): each patch replaces one
 *unit* — a head, or all heads of a source neuron together, which is patching that neuron's ``mlp.hook_post`` in the
@@ -28,17 +31,18 @@ through the neuron's gate, "through v" the path through its value. ``hook_k`` is
 enters a neuron head through k.
 
 >>> from lens_aot.patching import NeuronRef, patch_heads, patch_neurons, path_patch
->>> res = patch_heads(aot, clean, corrupted, metric)             # every head of every block
->>> res.by_block()[1]                                             # block 1's heads: [n_heads_per_block[1]]
+>>> res = patch_heads(aot, clean, corrupted, metric)             # every head of every module
+>>> res.by_module()["blocks.0.mlp.heads"]                         # layer 0's neuron heads: [d_mlp · K]
 >>> res.top(5)                                                    # labelled entries, largest |effect| first
 >>> patch_neurons(aot, clean, corrupted, metric, layers=[0]).by_neuron(0)   # [d_mlp]: = patching mlp.hook_post
->>> path_patch(aot, clean, corrupted, metric, senders=[(0, 1)], receivers=[NeuronRef(0, 17), "logits"],
+>>> path_patch(aot, clean, corrupted, metric, senders=[("blocks.0.attn", 1)], receivers=[NeuronRef(0, 17), "logits"],
 ...            receiver_input="q")
 
 Modules: :mod:`.units` (unit addressing: the only code that knows the model's module and hook names, and labels),
 :mod:`.results` (result types), :mod:`.runs` (inputs and forwards), :mod:`.activation` (activation patching),
 :mod:`.path` (path patching), :mod:`.attribution` (node attribution: AtP, EAP-IG), :mod:`.edges` (edge attribution),
-:mod:`.check` (``verify_attribution``: attribution against exact patching).
+:mod:`.check` (``verify_attribution``: attribution against exact patching), :mod:`.tl_shaped` (TransformerLens's call
+shape for neuron heads).
 """
 
 from lens_aot.analysis.patching.activation import patch_heads, patch_neurons, patch_units
@@ -48,6 +52,13 @@ from lens_aot.analysis.patching.edges import attribute_edges
 from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchEntry, PatchingResult, PathPatchingResult, Quantity, Ranking
 from lens_aot.analysis.patching.runs import Direction, Metric, ReceiverInput, TokensLike
+from lens_aot.analysis.patching.tl_shaped import (
+    get_act_patch_mlp_neuron_all_pos,
+    get_act_patch_mlp_neuron_by_pos,
+    get_act_patch_neuron_head_out_all_pos,
+    get_act_patch_neuron_head_out_by_pos,
+    neuron_head_columns,
+)
 from lens_aot.analysis.patching.units import (
     HeadLike,
     NeuronRef,
@@ -78,8 +89,13 @@ __all__ = [
     "attribute_heads",
     "attribute_neurons",
     "attribute_units",
+    "get_act_patch_mlp_neuron_all_pos",
+    "get_act_patch_mlp_neuron_by_pos",
+    "get_act_patch_neuron_head_out_all_pos",
+    "get_act_patch_neuron_head_out_by_pos",
     "group",
     "head_units",
+    "neuron_head_columns",
     "neuron_units",
     "patch_heads",
     "patch_neurons",

@@ -24,6 +24,7 @@ from lens_aot.analysis.patching.runs import (
     _both_runs,
     _chunks,
     _direction,
+    _no_blocks,
     _pair,
     _patched_positions,
     _progress,
@@ -41,7 +42,6 @@ from lens_aot.analysis.patching.units import (
     _neuron_units,
     _order,
     _output_hook,
-    _widen,
     _writes_linearly,
     _z_hook,
 )
@@ -124,7 +124,8 @@ def patch_units(
         metric: ``metric(logits [batch, pos, d_vocab_out]) -> scalar``, called once per patched run on that run's
             ``batch`` rows, exactly as after an ordinary forward.
         units: :class:`PatchUnit` (from :func:`head_units` / :func:`neuron_units`), :class:`~lens_aot.HeadRef`,
-            ``(block, head)`` or :class:`NeuronRef` (a whole neuron).
+            ``(module, head)`` (a head-module name or its index in ``aot.sublayers()``) or :class:`NeuronRef` (a whole
+            neuron).
         per_position: patch one position at a time: ``values`` is ``[n_units, n_positions]`` over ``positions``
             (default every position). Without it, ``positions`` restricts each patch to those positions, together.
         direction: "denoise": run ``corrupted``, patch in clean activations (TransformerLens's convention);
@@ -195,9 +196,8 @@ def patch_units(
 def _add_hook(delta: Float[Tensor, "run batch pos d_model"]) -> Callable[..., Tensor]:
     """Module-output hook of stacked runs: add ``delta`` (one slice per run)."""
 
-    def hook(out: Float[Tensor, "rows pos d_resid"], hook: Any) -> Tensor:
-        wide = _widen(delta, out.shape[-1])
-        return (out.reshape(wide.shape) + wide.to(out.dtype)).reshape(out.shape)
+    def hook(out: Float[Tensor, "rows pos d_out"], hook: Any) -> Tensor:
+        return (out.reshape(delta.shape) + delta.to(out.dtype)).reshape(out.shape)
 
     return hook
 
@@ -232,20 +232,22 @@ def patch_heads(
     metric: Metric,
     *,
     heads: Iterable[HeadLike] | None = None,
-    blocks: Iterable[int | str] | None = None,
+    modules: Iterable[int | str] | None = None,
     **options: Unpack[PatchOptions],
 ) -> PatchingResult:
     """Activation patching of head outputs (``hook_z``), one head at a time (and one position at a time with
     ``per_position``).
 
-    Heads: the given ``heads`` (``HeadRef`` or ``(block, head)``) plus every head of the given ``blocks`` (ints or
-    ``"blocks.<i>.attn"``); with neither, every head of every block, source attention heads and neuron heads. A
+    Heads: the given ``heads`` (``HeadRef`` or ``(module, head)``) plus every head of the given ``modules`` (names
+    like ``"blocks.3.attn"`` / ``"blocks.3.mlp.heads"``, or indices in ``aot.sublayers()``); with neither, every head
+    of every module, source attention heads and neuron heads. A
     neuron head computes one term of its neuron's activation fit: with one head per neuron (SiLU, ReLU) it is the
     neuron, and :meth:`PatchingResult.by_neuron` gives per-neuron tensors; with GELU fits use :func:`patch_neurons`.
     ``options``: ``per_position``, ``positions``, ``direction``, ``batch_size``, ``progress``, as in
     :func:`patch_units`.
     """
-    return patch_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, blocks), **options)
+    _no_blocks(options)  # type: ignore[arg-type]
+    return patch_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
 
 
 def patch_neurons(

@@ -3,7 +3,7 @@
 Activation patching (:mod:`.activation`) is exact but costs a forward per unit; a GPT-2-small-shaped converted model
 has 147,456 neuron heads. The functions here estimate the same numbers from a few passes, and return the
 **same result types, units, labels and order** as their patching counterparts, so values compare entry by entry and
-every result method (``top``, ``by_block``, ``by_neuron``, ``to_dataframe``, …) works:
+every result method (``top``, ``by_module``, ``by_neuron``, ``to_dataframe``, …) works:
 
 * :func:`attribute_heads` ↔ :func:`~lens_aot.patching.patch_heads`,
   :func:`attribute_neurons` ↔ :func:`~lens_aot.patching.patch_neurons` (``PatchingResult``);
@@ -17,21 +17,21 @@ Methods:
   run that is patched (the corrupted input for ``direction="denoise"``, the clean one for ``"noise"``) and one plain
   forward on the other input. A head's attribution is ``Σ_{batch, pos} (z_other − z_base) · ∂metric/∂z``.
 * ``"ig"`` — EAP-IG (Hanna et al. 2024): the gradients are averaged over ``steps`` runs whose **token embeddings**
-  (``hook_embed``, the input to every block) are interpolated between the two inputs (midpoints
+  (``hook_embed``, the input to every layer) are interpolated between the two inputs (midpoints
   ``α = (k + ½)/steps``); the activation differences are the two endpoint runs'.
 
 AtP* (Kramár et al. 2024, arXiv 2403.00745) corrections, where they are cheap and exact: a neuron head's output is
 ``(α z + β)·σ(b z + d)`` of its neuron's pre-activation, so its ``z`` on either input is recomputed **exactly** from
-the block's ``hook_pre`` (no linearisation of the head's own nonlinearity, unlike attributing to ``hook_pre``); for
+the MLP's ``hook_pre`` (no linearisation of the head's own nonlinearity, unlike attributing to ``hook_pre``); for
 edges into neuron heads (``receiver_input`` "q" = the gate σ(q), the attention-saturation case, or "v") the receiver's
 norm, pre-activation and two-key softmax are recomputed exactly for each sender, and only what follows the receiver's
 output is linearised. Edges into source attention heads and into the logits are linear (EAP): the sender's output
 change times the gradient at the receiver's input, through the receiver's norm.
 
-Efficiency: no per-head pattern and no ``[batch, pos, n_heads, d_model]`` tensor is ever built for a neuron block.
-``∂metric/∂z_h = ∂metric/∂(block output) · W_O[h]``, and for a neuron head ``W_O[h]`` is its neuron's ``W_out`` row,
-so all of a block's attributions come from its ``hook_pre`` on both inputs and one gradient of its output
-(``hook_attn_out``): ``O(batch · pos · n_heads)`` memory.
+Efficiency: no per-head pattern and no ``[batch, pos, n_heads, d_model]`` tensor is ever built for neuron heads.
+``∂metric/∂z_h = ∂metric/∂(module output) · W_O[h]``, and for a neuron head ``W_O[h]`` is its neuron's ``W_out`` row,
+so all of a module's attributions come from the MLP's ``hook_pre`` on both inputs and one gradient of its output
+(``hook_mlp_out``; gate heads: ``hook_gate``): ``O(batch · pos · n_heads)`` memory.
 
 >>> from lens_aot.patching import attribute_heads, verify_attribution
 >>> screen = attribute_heads(aot, clean, corrupted, metric)              # every head and neuron head, in seconds
@@ -55,6 +55,7 @@ from lens_aot.analysis.patching.runs import (
     TokensLike,
     _both_runs,
     _direction,
+    _no_blocks,
     _pair,
     _patched_positions,
 )
@@ -98,7 +99,7 @@ def _method(method: str, steps: int) -> Method:
 
 # ==================================================================================================== runs
 def _head_z(attn: torch.nn.Module, state: list[Tensor]) -> Float[Tensor, "batch pos head d_head"]:
-    """Every head's ``hook_z`` from a block's state, in closed form (the exact per-head values, no dense pattern)."""
+    """Every head's ``hook_z`` from a module's state, in closed form (the exact per-head values, no dense pattern)."""
     if isinstance(attn, ProductAttention):
         u, h = state
         return torch.sigmoid(attn.queries(u)) * attn.values(h)
@@ -221,14 +222,15 @@ def attribute_heads(
     metric: Metric,
     *,
     heads: Iterable[HeadLike] | None = None,
-    blocks: Iterable[int | str] | None = None,
+    modules: Iterable[int | str] | None = None,
     **options: Unpack[AttributionOptions],
 ) -> PatchingResult:
     """Gradient attribution of every head's output (``hook_z``), attention and neuron heads alike: the estimate of
     :func:`~lens_aot.patching.patch_heads` with the same arguments, result type, units, labels and order.
     ``options``: ``method`` ("atp": one forward+backward, one forward; "ig": EAP-IG with ``steps`` interpolated
     inputs) and those of :func:`attribute_units`."""
-    return attribute_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, blocks), **options)
+    _no_blocks(options)  # type: ignore[arg-type]
+    return attribute_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
 
 
 def attribute_neurons(

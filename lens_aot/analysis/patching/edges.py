@@ -35,7 +35,10 @@ from lens_aot.analysis.patching.units import (
     _heads_by_module,
     _Index,
     _input_hook,
+    _input_hooks,
     _input_norm,
+    _input_of,
+    _into_input,
     _order,
     _output_hook,
     _path_units,
@@ -45,8 +48,6 @@ from lens_aot.analysis.patching.units import (
     _resid_in_hook,
     _state_hooks,
     _state_of,
-    _to_norm,
-    _widen,
 )
 from lens_aot.core.components import Attention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
@@ -76,12 +77,13 @@ def attribute_edges(
     ``baseline +`` the estimated effect of sender ``s``'s switch reaching the model only through receiver ``r``'s
     ``receiver_input`` (every other head frozen, as in ``path_patch``).
 
-    * Into a source attention head or "logits": ``Σ Δout_s · g_r``, with ``Δout_s`` the sender's change of its block
+    * Into a source attention head or "logits": ``Σ Δout_s · g_r``, with ``Δout_s`` the sender's change of its module
       output and ``g_r`` the gradient of the metric at the receiver's ``hook_q`` / ``hook_k`` / ``hook_v`` pulled back
       through ``W_Q/K/V`` and the receiver's norm (at the final residual for "logits").
-    * Into neuron, gate or product heads (AtP*): for each sender the receiver block's input residual plus ``Δout_s``
-      goes through the norm, ``W_in`` and the two-key softmax exactly, and the change of the receiver's ``z`` is
-      multiplied by ``∂metric/∂z``. "k" is constant for these heads (``W_K = 0``): its edges are 0, as in path_patch.
+    * Into neuron, gate or product heads (AtP*): for each sender the receiver module's input (its residual; product
+      heads: and the MLP's scratch) plus ``Δout_s`` goes through the norm, ``W_in`` and the two-key softmax exactly,
+      and the change of the receiver's ``z`` is multiplied by ``∂metric/∂z``. "k" is constant for these heads
+      (``W_K = 0``): its edges are 0, as in path_patch.
 
     Senders are processed in chunks (memory ``O(chunk · batch · pos · width)``, never senders × receivers × pos).
     ``recompute`` (free heads) is not estimated: pass None, or use ``path_patch``. ``batch_size``: senders per chunk
@@ -108,7 +110,7 @@ def attribute_edges(
     neuron_recv = [name for name in recv_names if name not in attn_recv]
     final = _final_resid_hook(aot)
     record = [hook for name in sender_names + neuron_recv for hook in _state_hooks(aot, name)]
-    record += [_resid_in_hook(aot, name) for name in recv_names]
+    record += [hook for name in recv_names for hook in _input_hooks(aot, name)]
     grads = [_input_hook(name, x) for name in attn_recv for x in inputs]
     grads += [_output_hook(name) for name in neuron_recv]
     grads += [final] if "logits" in receiver_units else []
@@ -141,6 +143,7 @@ def attribute_edges(
         clean_metric=runs.clean_metric,
         corrupted_metric=runs.corrupted_metric,
         direction=direction,
+        modules=index.names,
     )
 
 
@@ -198,10 +201,10 @@ def _pulled_back(
         cots.append(cot)
     cot_t = torch.stack(cots)
     with torch.enable_grad():
-        x = _to_norm(aot, resid).detach()[None].expand(len(units), *resid.shape[:2], d_model).clone()
+        x = resid.detach()[None].expand(len(units), *resid.shape[:2], d_model).clone()
         x.requires_grad_(True)
         (g,) = torch.autograd.grad(_input_norm(aot, name)(x), x, cot_t.to(x.dtype))
-    return _widen(g, resid.shape[-1])
+    return g
 
 
 def _forward_edges(
@@ -218,7 +221,7 @@ def _forward_edges(
     """Edges into a neuron/gate/product module's heads, each sender's effect on the receivers' ``z`` recomputed
     exactly (norm, pre-activation, two-key softmax), times ``∂metric/∂z``."""
     attn = _head_module(aot, name)
-    resid = runs.base.acts[_resid_in_hook(aot, name)]
+    resid = _input_of(aot, name, runs.base.acts)  # the residual (product heads: and the MLP's scratch)
     state = [runs.base.acts[n] for n in _state_hooks(aot, name)]
     cols = [c for c, u in enumerate(receivers) if not isinstance(u, str) and _covers(u, name)]
     pairs = _heads_by_module(receivers, cols, keep=name.__eq__)
@@ -232,9 +235,9 @@ def _forward_edges(
     grad_out = runs.grads[_output_hook(name)]
     product = _product_module(aot, name)
     if "v" in inputs and product is not None and any(_covers(receivers[c], product) for c in cols):  # type: ignore[arg-type]
-        # gate heads whose neuron's product heads are receivers too: their values are patched, so a gate head reaches
-        # the metric only past the product module (the scratch channel's residual path)
-        grad_out = runs.grads[_output_hook(product)]
+        # gate heads whose neuron's product heads are receivers too: the product heads' values (the gate's only
+        # reader) are patched, so a gate head's change does not reach the metric
+        grad_out = torch.zeros_like(grad_out)
     gz = _head_grads(attn, grad_out)[..., head_t, 0].to(z0.dtype)
     q0, v0 = _qv(attn, state, head_t)
     upstream = [n for n in dz if _reads_output_of(aot, name, n)]
@@ -250,7 +253,7 @@ def _forward_edges(
         for n, (rows, hs) in _heads_by_module(senders, chunk, keep=W_O.__contains__).items():
             h_t = torch.tensor(hs, dtype=torch.long, device=resid.device)
             contrib = torch.einsum("bpme,med->mbpd", dz[n][:, :, h_t], W_O[n][h_t].to(resid.dtype))
-            contrib = _widen(contrib, width)
+            contrib = _into_input(aot, name, n, contrib)
             delta.index_add_(0, torch.tensor(rows, dtype=torch.long, device=resid.device), contrib)
         moved = resid[None] + delta
         q1, v1 = _qv(attn, _state_of(aot, name, moved), head_t)
@@ -263,7 +266,7 @@ def _forward_edges(
 def _qv(
     attn: torch.nn.Module, state: list[Tensor], heads: Tensor
 ) -> tuple[Float[Tensor, "... head"], Float[Tensor, "... head"]]:
-    """The chosen heads' query and value (``[..., batch, pos, head]``) from a block's state, not the other heads'."""
+    """The chosen heads' query and value (``[..., batch, pos, head]``) from a module's state, not the other heads'."""
     if isinstance(attn, ProductAttention):
         u, h = state
         n, sign = heads // 2, 1 - 2 * (heads % 2)

@@ -49,7 +49,6 @@ from lens_aot.analysis.patching.units import (
     _receiver_hooks,
     _recomputed,
     _stop_after,
-    _widen,
     _writes_linearly,
     _z_hook,
 )
@@ -83,7 +82,7 @@ def path_patch(
     2. run the base input with only those inputs of ``r`` patched (nothing frozen) and record ``metric``.
 
     Args:
-        senders: units, heads, ``(block, head)`` or ``NeuronRef`` (a neuron sends through all its heads together).
+        senders: units, heads, ``(module, head)`` or ``NeuronRef`` (a neuron sends through all its heads together).
         receivers: the same kinds (a multi-head receiver's heads are patched together) and/or "logits".
         receiver_input: "q", "k", "v" or a combination ("qkv": those inputs patched together). With grouped-query
             attention a head's k and v are its key/value head's, shared by its group, so patching them patches the
@@ -166,6 +165,7 @@ def path_patch(
         corrupted_metric=runs.corrupted_metric,
         direction=direction,
         recomputed=tuple(free_heads),
+        modules=index.names,
     )
 
 
@@ -177,7 +177,7 @@ def _set_hook(
 
     def hook(out: Float[Tensor, "rows pos d_model"], hook: Any) -> Tensor:
         stacked = base[None].to(out.dtype).expand(out.shape[0] // base.shape[0], *base.shape)
-        return (stacked if delta is None else stacked + _widen(delta, out.shape[-1]).to(out.dtype)).reshape(out.shape)
+        return (stacked if delta is None else stacked + delta.to(out.dtype)).reshape(out.shape)
 
     return hook
 

@@ -20,7 +20,6 @@ from lens_aot.analysis.patching.units import (
     NeuronRef,
     PatchUnit,
     UnitLike,
-    _block_of,
     _Index,
     _matches,
     _receiver_label,
@@ -108,7 +107,7 @@ class PatchingResult(_Numbers):
     ``values[i]`` (``values`` is ``[n_units]``, or ``[n_units, n_positions]``) is ``metric(logits)`` with
     ``units[i]`` patched (at ``positions[j]``). ``clean_metric`` / ``corrupted_metric``: the unpatched runs;
     ``baseline``: the run that was patched (corrupted for "denoise", clean for "noise"). Index with a unit, a
-    :class:`~lens_aot.HeadRef`, ``(block, head)``, a :class:`NeuronRef` or a label: ``res["L0N17"]``.
+    :class:`~lens_aot.HeadRef`, ``(module, head)``, a :class:`NeuronRef` or a label: ``res["L0N17"]``.
     """
 
     values: Float[Tensor, "unit ..."]
@@ -117,7 +116,7 @@ class PatchingResult(_Numbers):
     clean_metric: float
     corrupted_metric: float
     direction: Direction
-    n_heads_per_block: list[int]
+    n_heads: dict[str, int]  # heads per head module, in forward order (every module of the model)
     d_mlp: dict[int, int] = field(default_factory=dict)  # neurons per source layer (layers with neuron units)
     heads_per_neuron: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, neuron) -> heads
 
@@ -139,9 +138,9 @@ class PatchingResult(_Numbers):
 
     # ---- lookups
     def index(self, key: UnitLike | str) -> int:
-        """Row of ``values`` for a unit, head, ``(block, head)``, neuron or label (a clear error if not patched)."""
+        """Row of ``values`` for a unit, head, ``(module, head)``, neuron or label (a clear error if not patched)."""
         for i, unit in enumerate(self.units):
-            if _matches(unit, key) or (
+            if _matches(unit, key, list(self.n_heads)) or (
                 isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
             ):
                 return i
@@ -154,20 +153,20 @@ class PatchingResult(_Numbers):
         return len(self.units)
 
     # ---- views
-    def by_block(self, what: Quantity = "value") -> dict[int, Tensor]:
-        """Single-head units laid out per block: ``{block: [n_heads_in_block(, n_positions)]}``, NaN for heads not
-        patched. Blocks without a patched head are left out; whole-neuron units are in :meth:`by_neuron`."""
+    def by_module(self, what: Quantity = "value") -> dict[str, Tensor]:
+        """Single-head units laid out per head module: ``{name: [n_heads_in_module(, n_positions)]}`` (names like
+        ``blocks.1.attn``, ``blocks.1.mlp.heads``, in forward order), NaN for heads not patched. Modules without a
+        patched head are left out; whole-neuron units are in :meth:`by_neuron`."""
         data = self._data(what)
-        out: dict[int, Tensor] = {}
+        out: dict[str, Tensor] = {}
         for i, unit in enumerate(self.units):
             if len(unit.heads) != 1:
                 continue
             ref = unit.heads[0]
-            block = _block_of(ref.name)
-            if block not in out:
-                out[block] = data.new_full((self.n_heads_per_block[block], *data.shape[1:]), math.nan)
-            out[block][ref.head] = data[i]
-        return out
+            if ref.name not in out:
+                out[ref.name] = data.new_full((self.n_heads[ref.name], *data.shape[1:]), math.nan)
+            out[ref.name][ref.head] = data[i]
+        return {name: out[name] for name in self.n_heads if name in out}
 
     def by_neuron(self, layer: int, what: Quantity = "value") -> Tensor:
         """Source layer ``layer``'s neurons: ``[d_mlp(, n_positions)]``, NaN for neurons not patched.
@@ -199,7 +198,7 @@ class PatchingResult(_Numbers):
         rows = [(i, u) for i, u in enumerate(self.units) if u.kind == "attention" and u.layer == layer]
         if not rows:
             raise InputError(f"no attention head of source layer {layer} was patched in this result")
-        out = data.new_full((self.n_heads_per_block[rows[0][1].blocks[0]], *data.shape[1:]), math.nan)
+        out = data.new_full((self.n_heads[rows[0][1].heads[0].name], *data.shape[1:]), math.nan)
         for i, unit in rows:
             out[unit.index] = data[i]
         return out
@@ -241,7 +240,7 @@ class PathPatchingResult(_Numbers):
     model only through receiver ``receivers[r]``'s ``receiver_input`` ("logits": straight through the residual).
 
     ``baseline``: the unpatched base run's metric (clean for "noise"); :meth:`effect` is ``values − baseline``.
-    Index with ``res[sender, receiver]`` (units, heads, ``(block, head)``, neurons, labels or "logits").
+    Index with ``res[sender, receiver]`` (units, heads, ``(module, head)``, neurons, labels or "logits").
     """
 
     values: Float[Tensor, "sender receiver"]
@@ -252,18 +251,19 @@ class PathPatchingResult(_Numbers):
     corrupted_metric: float
     direction: Direction
     recomputed: tuple[HeadRef, ...] = ()
+    modules: list[str] = field(default_factory=list)  # the model's head modules in forward order (for int keys)
 
     def sender_index(self, key: UnitLike | str) -> int:
-        """Row of a sender (unit, head, ``(block, head)``, neuron or label)."""
+        """Row of a sender (unit, head, ``(module, head)``, neuron or label)."""
         for i, unit in enumerate(self.senders):
-            if _matches(unit, key):
+            if _matches(unit, key, self.modules):
                 return i
         raise InputError(f"{key!r} is not a sender of this result; senders are e.g. {_examples(self.senders)}")
 
     def receiver_index(self, key: UnitLike | str) -> int:
-        """Column of a receiver (unit, head, ``(block, head)``, neuron, label, or "logits")."""
+        """Column of a receiver (unit, head, ``(module, head)``, neuron, label, or "logits")."""
         for i, unit in enumerate(self.receivers):
-            if (key == "logits") if isinstance(unit, str) else _matches(unit, key):
+            if (key == "logits") if isinstance(unit, str) else _matches(unit, key, self.modules):
                 return i
         labels = [r if isinstance(r, str) else r.label for r in self.receivers[:5]]
         raise InputError(f"{key!r} is not a receiver of this result; receivers are e.g. {labels}")
@@ -338,7 +338,7 @@ def _node_result(
         clean_metric=clean_metric,
         corrupted_metric=corrupted_metric,
         direction=direction,
-        n_heads_per_block=list(index.n_heads),
+        n_heads=dict(index.n_heads),
         d_mlp=d_mlp,
         heads_per_neuron=heads_per_neuron,
     )

@@ -90,6 +90,16 @@ def _scalar(value: Any, where: str) -> float:
     )
 
 
+def _no_blocks(options: dict[str, Any]) -> None:
+    """Refuse lens_aot 0.1's ``blocks=`` (flat block indices) with the new spelling."""
+    if "blocks" in options:
+        raise InputError(
+            "blocks= is gone: the converted model is numbered like its source, and heads live in head modules named "
+            "'blocks.{l}.attn' / 'blocks.{l}.mlp.heads' (aot.sublayers() lists them in order); pass modules=[...] "
+            "(names, or sub-layer indices)"
+        )
+
+
 def _direction(direction: str) -> Direction:
     if direction not in ("denoise", "noise"):
         raise InputError(

@@ -4,20 +4,20 @@ Everything the patching and attribution algorithms need to know about *where* a 
 which head modules exist and in what order, how many heads each has, which hook holds a head's output (``hook_z``),
 its inputs (``hook_q`` / ``hook_k`` / ``hook_v``), the state it is computed from, the residual it reads (and through
 which norm), the hook its output is written to, and the labels of units (``L3H2`` attention head, ``L3N17`` neuron,
-``L3N17.2`` the neuron's head ``neuron_heads(3, 17)[2]``). The algorithms address head modules by **name** and order
-them with :func:`_order`; only this module turns names into blocks.
+``L3N17.2`` the neuron's head ``neuron_heads(3, 17)[2]``). The algorithms address head modules by **name**
+(``aot.sublayers()``: ``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` / ``gate_heads`` / ``product_heads``) and order
+them with :func:`_order` (the paper's flat order of sub-layers); names are parsed by :mod:`lens_aot.core.names` only.
 
-Today's layout (one head module per block, ``blocks.{b}.attn``; the paper's flat sequence of attention-only
-sub-layers, Theorem 3 turning each MLP into one or two neuron blocks): a block's heads read
-``blocks.{b}.hook_resid_pre`` through ``blocks.{b}.ln1`` (a parallel layer's MLP blocks read the layer's first
-block's ``hook_resid_pre``) and write ``blocks.{b}.hook_attn_out``; the order of head modules is the order of
-blocks.
+The source-aligned layout: attention heads read ``blocks.{l}.hook_resid_pre`` through ``ln1`` and write
+``blocks.{l}.hook_attn_out``; neuron, gate and product heads read ``blocks.{l}.hook_resid_mid`` (parallel layers:
+``hook_resid_pre``) through ``ln2``; neuron and product heads write ``blocks.{l}.hook_mlp_out``; gate heads write
+only the MLP's scratch, ``blocks.{l}.mlp.product_heads.hook_gate``, which the product heads read as their values.
+A product module's *input* is therefore its residual and that scratch, side by side (``[d_model + d_mlp]``).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -27,9 +27,11 @@ from torch import Tensor
 
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.core.names import head_label, module_name, neuron_label, parse_module
 from lens_aot.errors import InputError
 
-_HEAD_MODULE = re.compile(r"^blocks\.(\d+)\.attn$")
+# rank of a head module within its layer, in forward order
+_RANK = {"attention": 0, "neuron": 1, "gate": 1, "product": 2}
 
 
 # ==================================================================================================== labels
@@ -64,15 +66,13 @@ class PatchUnit(NamedTuple):
         if self.name is not None:
             return self.name
         if self.kind == "attention":
-            return f"L{self.layer}H{self.index}"
-        if self.kind == "neuron":
-            return f"L{self.layer}N{self.index}"
-        return f"L{self.layer}N{self.index}.{self.component}"
+            return head_label(self.layer, self.index)
+        return neuron_label(self.layer, self.index, None if self.kind == "neuron" else self.component)
 
     @property
-    def blocks(self) -> tuple[int, ...]:
-        """The converted model's blocks its heads lie in (sorted)."""
-        return tuple(sorted({_block_of(ref.name) for ref in self.heads}))
+    def modules(self) -> tuple[str, ...]:
+        """The head modules its heads lie in, in forward order (``blocks.1.attn``, ``blocks.1.mlp.heads``, ...)."""
+        return tuple(sorted({ref.name for ref in self.heads}, key=_order))
 
     def _where(self) -> str:
         where = ", ".join(f"{ref.name}[{ref.head}]" for ref in self.heads[:4])
@@ -116,8 +116,9 @@ def _is_one_unit(x: Any) -> bool:
     return isinstance(x, (PatchUnit, HeadRef, NeuronRef)) or _is_head_tuple(x)
 
 
-def _matches(unit: PatchUnit, key: Any) -> bool:
-    """Whether ``key`` (a unit, label, NeuronRef, HeadRef or ``(block, head)``) names ``unit``."""
+def _matches(unit: PatchUnit, key: Any, modules: Sequence[str] = ()) -> bool:
+    """Whether ``key`` (a unit, label, NeuronRef, HeadRef or ``(module, head)``, the module a name or its index in
+    ``modules``, the sub-layer order) names ``unit``."""
     if isinstance(key, PatchUnit):
         return unit == key
     if isinstance(key, str):
@@ -127,40 +128,38 @@ def _matches(unit: PatchUnit, key: Any) -> bool:
     if isinstance(key, HeadRef):
         return unit.heads == (key,)
     if _is_head_tuple(key) and len(unit.heads) == 1:
-        block, head = key
-        ref = unit.heads[0]
-        return ref.head == head and (ref.name == block or (isinstance(block, int) and _block_of(ref.name) == block))
+        module, head = key
+        if isinstance(module, int):
+            module = modules[module] if -len(modules) <= module < len(modules) else None
+        return unit.heads[0] == HeadRef(module, head)
     return False
 
 
 # ==================================================================================================== head modules
 @functools.lru_cache(maxsize=4096)
-def _block_of(name: str) -> int:
-    """The block of head module ``name`` (``blocks.<i>.attn`` -> i)."""
-    match = _HEAD_MODULE.match(name)
-    if match is None:
-        raise InputError(f"{name!r} is not a block's attention name; use 'blocks.<i>.attn' or the block index <i>")
-    return int(match.group(1))
+def _order(name: str) -> tuple[int, int]:
+    """Position of head module ``name`` in the forward pass (sort key, the order of ``aot.sublayers()``: a module
+    reads only earlier ones' outputs)."""
+    layer, kind = parse_module(name)
+    return layer, _RANK[kind]
 
 
-def _module_name(block: int) -> str:
-    """The head module of block ``block``."""
-    return f"blocks.{block}.attn"
+def _layer_of(name: str) -> int:
+    return parse_module(name).layer
 
 
-def _order(name: str) -> int:
-    """Position of head module ``name`` in the forward pass (sort key; a module reads only earlier ones' outputs)."""
-    return _block_of(name)
+def _kind_of(name: str) -> str:
+    return parse_module(name).kind
 
 
 def _head_module_names(aot: AttentionOnlyTransformer) -> list[str]:
     """Every head module, in forward order."""
-    return [_module_name(b) for b in range(len(aot.blocks))]
+    return [sub.name for sub in aot.sublayers()]
 
 
 def _head_module(aot: AttentionOnlyTransformer, name: str) -> torch.nn.Module:
     """The module holding the heads of ``name`` (Attention, NeuronAttention or ProductAttention)."""
-    return aot.blocks[_block_of(name)].attn
+    return aot.head_module(name)
 
 
 def _z_hook(name: str) -> str:
@@ -179,36 +178,55 @@ def _module_of_input(hook_name: str) -> str:
 
 
 def _output_hook(name: str) -> str:
-    """The hook of what module ``name`` adds to the residual stream (``Σ_h z_h · W_O[h] + b_O``)."""
-    return f"{name.rpartition('.')[0]}.hook_attn_out"
+    """The hook of what module ``name`` writes (``Σ_h z_h · W_O[h] + b_O``): ``hook_attn_out`` (attention),
+    ``hook_mlp_out`` (neuron and product heads), or the product heads' ``hook_gate`` (gate heads: the MLP's
+    scratch)."""
+    layer, kind = parse_module(name)
+    if kind == "gate":
+        return f"{module_name(layer, 'product')}.hook_gate"
+    return f"blocks.{layer}.hook_{'attn' if kind == 'attention' else 'mlp'}_out"
 
 
 def _state_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
     """The hooks from which every head output (``hook_z``) of module ``name`` follows: ``hook_z`` for the source's
-    heads, ``hook_pre`` for neuron/gate heads, ``hook_pre_linear`` and ``hook_gate`` for product heads."""
-    attn = _head_module(aot, name)
-    if isinstance(attn, ProductAttention):
-        return [f"{name}.hook_pre_linear", f"{name}.hook_gate"]
-    if isinstance(attn, NeuronAttention):
-        return [f"{name}.hook_pre"]
+    heads, the MLP's ``hook_pre`` for neuron/gate heads, its ``hook_pre_linear`` and the product heads' ``hook_gate``
+    for product heads."""
+    layer, kind = parse_module(name)
+    if kind == "product":
+        return [f"blocks.{layer}.mlp.hook_pre_linear", f"{name}.hook_gate"]
+    if kind in ("neuron", "gate"):
+        return [f"blocks.{layer}.mlp.hook_pre"]
     return [_z_hook(name)]
 
 
-def _input_block(aot: AttentionOnlyTransformer, block: int) -> int:
-    """The block whose ``hook_resid_pre`` a block's heads read: itself, or (parallel layers) the layer's first."""
-    while aot.blocks[block].parallel and block > 0:
-        block -= 1
-    return block
+def _reads_mid(aot: AttentionOnlyTransformer, name: str) -> bool:
+    """Whether module ``name`` reads its layer's ``hook_resid_mid`` (the MLP's heads of a sequential layer)."""
+    layer, kind = parse_module(name)
+    return kind != "attention" and not aot.blocks[layer].parallel
 
 
 def _resid_in_hook(aot: AttentionOnlyTransformer, name: str) -> str:
     """The residual-stream hook module ``name``'s heads read (through :func:`_input_norm`)."""
-    return f"blocks.{_input_block(aot, _block_of(name))}.hook_resid_pre"
+    return f"blocks.{_layer_of(name)}.hook_resid_{'mid' if _reads_mid(aot, name) else 'pre'}"
+
+
+def _input_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
+    """The hooks that together are module ``name``'s input (:func:`_input_of`): its residual, and for product heads
+    the MLP's scratch (``hook_gate``)."""
+    scratch = [f"{name}.hook_gate"] if _kind_of(name) == "product" else []
+    return [_resid_in_hook(aot, name), *scratch]
+
+
+def _input_of(aot: AttentionOnlyTransformer, name: str, acts: dict[str, Tensor]) -> Float[Tensor, "batch pos d_in"]:
+    """Module ``name``'s input from recorded activations: the residual it reads, followed (product heads) by the
+    gate values it reads from the MLP's scratch."""
+    return torch.cat([acts[hook] for hook in _input_hooks(aot, name)], dim=-1)
 
 
 def _input_norm(aot: AttentionOnlyTransformer, name: str) -> torch.nn.Module:
-    """The norm between the residual stream and module ``name``'s heads."""
-    return aot.blocks[_block_of(name)].ln1
+    """The norm between the residual stream and module ``name``'s heads (``ln1`` or ``ln2``)."""
+    layer, kind = parse_module(name)
+    return aot.blocks[layer].ln1 if kind == "attention" else aot.blocks[layer].ln2
 
 
 def _final_resid_hook(aot: AttentionOnlyTransformer) -> str:
@@ -217,137 +235,139 @@ def _final_resid_hook(aot: AttentionOnlyTransformer) -> str:
 
 
 def _reads_output_of(aot: AttentionOnlyTransformer, receiver: str | None, sender: str) -> bool:
-    """Whether module ``sender``'s output is in the residual that module ``receiver`` (None: the logits) reads."""
-    return receiver is None or _block_of(sender) < _input_block(aot, _block_of(receiver))
+    """Whether module ``sender``'s output is in the input of module ``receiver`` (None: the logits): a gate module's
+    output reaches only its own layer's product heads; the others' reach the residual after them."""
+    s_layer, s_kind = parse_module(sender)
+    if s_kind == "gate":
+        return receiver is not None and receiver == module_name(s_layer, "product")
+    if receiver is None:
+        return True
+    r_layer = _layer_of(receiver)
+    return s_layer < r_layer or (s_layer == r_layer and s_kind == "attention" and _reads_mid(aot, receiver))
 
 
 def _stop_after(names: Iterable[str]) -> int:
     """``stop_at_layer`` for a forward that must run (at least) the modules ``names``."""
-    return max(_block_of(name) for name in names) + 1
+    return max(_layer_of(name) for name in names) + 1
 
 
 def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
-    """The product-head module that reads gate module ``name``'s output (through the residual's scratch channels);
-    None if ``name`` holds no gate heads."""
-    block = _block_of(name)
-    if getattr(_head_module(aot, name), "scratch", None) is None or block + 1 >= len(aot.blocks):
-        return None
-    return _module_name(block + 1) if isinstance(aot.blocks[block + 1].attn, ProductAttention) else None
+    """The product-head module that reads gate module ``name``'s output (its values, through ``hook_gate``); None if
+    ``name`` holds no gate heads."""
+    layer, kind = parse_module(name)
+    return module_name(layer, "product") if kind == "gate" else None
 
 
 def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
     """Whether module ``name`` has an output hook and a ``W_O``, so its output is ``Σ_h z_h · W_O[h] + b_O`` and a
     change of head outputs can be applied to its output directly."""
-    return _output_hook(name) in aot.hook_dict and isinstance(getattr(aot.mod_dict.get(name), "W_O", None), Tensor)
+    return _output_hook(name) in aot.hook_dict and isinstance(getattr(_head_module(aot, name), "W_O", None), Tensor)
 
 
-# ==================================================================================================== the residual
-def _to_norm(aot: AttentionOnlyTransformer, resid: Float[Tensor, "... d_resid"]) -> Float[Tensor, "... d_model"]:
-    """The channels of the residual stream a norm reads: the first ``d_model`` (a gated model's residual carries
-    scratch channels after them, see :mod:`lens_aot.core.gating`)."""
-    return resid[..., : aot.cfg.d_model]
+# ==================================================================================================== module inputs
+def _into_input(
+    aot: AttentionOnlyTransformer, receiver: str, sender: str, contrib: Float[Tensor, "... d_out"]
+) -> Float[Tensor, "... d_in"]:
+    """Place sender module ``sender``'s output change in receiver ``receiver``'s input (:func:`_input_of`): the
+    residual part, or (a gate module feeding its product heads) the scratch part after the residual."""
+    width = aot.cfg.d_model + (int(_head_module(aot, receiver).d_mlp) if _kind_of(receiver) == "product" else 0)
+    before = aot.cfg.d_model if _kind_of(sender) == "gate" else 0
+    return torch.nn.functional.pad(contrib, (before, width - before - contrib.shape[-1]))
 
 
-def _widen(delta: Float[Tensor, "... d_out"], width: int) -> Float[Tensor, "... d_resid"]:
-    """Pad a module-output change to the residual width: the source's heads write only the first ``d_model`` channels
-    of a gated model's residual (the rest are scratch channels, see :mod:`lens_aot.core.gating`)."""
-    return delta if delta.shape[-1] == width else torch.nn.functional.pad(delta, (0, width - delta.shape[-1]))
-
-
-def _state_of(aot: AttentionOnlyTransformer, name: str, resid: Float[Tensor, "... d_resid"]) -> list[Tensor]:
-    """Neuron/gate/product module ``name``'s state (``hook_pre``, or ``u`` and ``h``) for a given input residual: the
-    pre-activation through its norm, and (product heads) the gate values its gate heads wrote to scratch channels."""
+def _state_of(aot: AttentionOnlyTransformer, name: str, x: Float[Tensor, "... d_in"]) -> list[Tensor]:
+    """Neuron/gate/product module ``name``'s state (``hook_pre``, or ``u`` and ``h``) for a given input
+    (:func:`_input_of`): the pre-activation through its norm, and (product heads) the gate values of the scratch."""
     attn = _head_module(aot, name)
-    pre = _input_norm(aot, name)(_to_norm(aot, resid)) @ attn.W_in + attn.b_in
+    d_model = aot.cfg.d_model
+    pre = _input_norm(aot, name)(x[..., :d_model]) @ attn.W_in + attn.b_in
     if isinstance(attn, ProductAttention):
-        return [pre, resid[..., attn.d_model : attn.d_model + attn.d_mlp]]
+        return [pre, x[..., d_model : d_model + attn.d_mlp]]
     return [pre]
 
 
 def _head_grads(
-    attn: torch.nn.Module, grad_out: Float[Tensor, "*run batch pos d_resid"]
+    attn: torch.nn.Module, grad_out: Float[Tensor, "*run batch pos d_out"]
 ) -> Float[Tensor, "*run batch pos head d_head"]:
     """``∂(grad_out · module output)/∂z_h = grad_out · W_O[h]`` for every head, without per-head ``W_O`` rows for neuron
-    modules: a neuron head's row is its neuron's ``W_out`` row (gate heads: its scratch channel; product heads:
-    ``±(2/ε)·W_out[n]`` and ``−1`` on the scratch channel)."""
+    modules (``grad_out`` at the module's :func:`_output_hook`): a neuron head's row is its neuron's ``W_out`` row
+    (gate heads: its scratch channel, the gradient at ``hook_gate``; product heads: ``±(2/ε)·W_out[n]``)."""
     if isinstance(attn, ProductAttention):
-        main = grad_out[..., : attn.d_model] @ attn.W_out.T * (2 / attn.scales)
-        scratch = grad_out[..., attn.d_model : attn.d_model + attn.d_mlp]
-        return torch.stack((main - scratch, -main - scratch), dim=-1).flatten(-2)[..., None]
+        main = grad_out @ attn.W_out.T * (2 / attn.scales)
+        return torch.stack((main, -main), dim=-1).flatten(-2)[..., None]
     if isinstance(attn, NeuronAttention):
-        if attn.W_out is None:
-            assert attn.scratch is not None
-            per_neuron = grad_out[..., attn.scratch[0] : attn.scratch[0] + attn.d_mlp]
-        else:
-            per_neuron = grad_out[..., : attn.W_out.shape[1]] @ attn.W_out.T
+        per_neuron = grad_out if attn.W_out is None else grad_out @ attn.W_out.T
         return per_neuron.repeat_interleave(attn.heads_per_neuron, dim=-1)[..., None]
-    W_O = attn.W_O
-    return torch.einsum("...d,hed->...he", grad_out[..., : W_O.shape[-1]], W_O)
+    return torch.einsum("...d,hed->...he", grad_out, attn.W_O)
 
 
 # ==================================================================================================== resolving
 class _Index:
     """Resolves user references into validated heads and units, through the model's public maps only
-    (``cfg.n_heads_per_block``, ``head_origin``, ``neuron_heads``)."""
+    (``sublayers``, ``head_module``, ``head_origin``, ``neuron_heads``)."""
 
     def __init__(self, aot: AttentionOnlyTransformer) -> None:
         self.aot = aot
-        self.n_heads = [int(n) for n in aot.cfg.n_heads_per_block]
-        self.n_layers = int(aot.cfg.n_source_layers)
+        # heads per head module, in forward order (the sub-layers' order)
+        self.n_heads = {sub.name: int(aot.head_module(sub.name).n_heads) for sub in aot.sublayers()}
+        self.names = list(self.n_heads)
+        self.n_layers = int(aot.cfg.n_layers)
         self._d_mlp: dict[int, int] = {}
         self._neuron_heads: dict[tuple[int, int], list[HeadRef]] = {}
 
-    @property
-    def n_blocks(self) -> int:
-        return len(self.n_heads)
-
     def heads_in(self, name: str) -> int:
         """How many heads module ``name`` has."""
-        return self.n_heads[_block_of(name)]
+        return self.n_heads[name]
 
-    def block(self, key: int | str) -> int:
-        """A block index from an int or ``"blocks.<i>.attn"``, validated."""
+    def module(self, key: int | str) -> str:
+        """A head-module name from a name (``"blocks.3.attn"``, ``"blocks.3.mlp.heads"``, ...) or its index in
+        ``aot.sublayers()``, validated."""
         if isinstance(key, bool) or not isinstance(key, (int, str)):
-            raise InputError(f"a block is an int or a name like 'blocks.3.attn'; got {key!r}")
-        block = _block_of(key) if isinstance(key, str) else key
-        if not 0 <= block < self.n_blocks:
-            raise InputError(
-                f"block {key!r} out of range: the model has {self.n_blocks} blocks (0..{self.n_blocks - 1})"
-            )
-        return block
+            raise InputError(f"a head module is a name like 'blocks.3.attn' or a sub-layer index; got {key!r}")
+        if isinstance(key, int):
+            if not 0 <= key < len(self.names):
+                raise InputError(
+                    f"sub-layer {key!r} out of range: the model has {len(self.names)} head modules "
+                    f"(0..{len(self.names) - 1}, aot.sublayers())"
+                )
+            return self.names[key]
+        parse_module(key)  # a malformed name: say what the forms are
+        if key not in self.n_heads:
+            raise InputError(f"{key!r} is not a head module of this model; aot.sublayers() lists them")
+        return key
 
     def head(self, key: Any) -> HeadRef:
-        """A validated :class:`HeadRef` from a HeadRef or ``(block or name, head)``."""
+        """A validated :class:`HeadRef` from a HeadRef or ``(module, head)`` (a name or a sub-layer index)."""
         if not _is_head_tuple(key):
             raise InputError(
-                f"a head is a HeadRef or (block, head), block an int or 'blocks.<i>.attn'; a neuron is "
-                f"NeuronRef(layer, neuron); got {key!r}"
+                f"a head is a HeadRef or (module, head), the module a name like 'blocks.3.attn' or a sub-layer "
+                f"index; a neuron is NeuronRef(layer, neuron); got {key!r}"
             )
-        block, head = self.block(key[0]), key[1]
-        n = self.n_heads[block]
+        name, head = self.module(key[0]), key[1]
+        n = self.n_heads[name]
         if not 0 <= head < n:
             raise InputError(
-                f"head {head} out of range: blocks.{block}.attn has {n} heads (0..{n - 1}); see "
-                f"aot.cfg.n_heads_per_block, or aot.neuron_heads(layer, neuron) for a neuron's heads"
+                f"head {head} out of range: {name} has {n} heads (0..{n - 1}); see aot.sublayers(), or "
+                f"aot.neuron_heads(layer, neuron) for a neuron's heads"
             )
-        return HeadRef(_module_name(block), head)
+        return HeadRef(name, head)
 
     def head_unit(self, ref: HeadRef) -> PatchUnit:
-        origin = self.aot.head_origin(_block_of(ref.name), ref.head)
+        origin = self.aot.head_origin(ref.name, ref.head)
         if origin.kind == "attention":
             return PatchUnit("attention", origin.layer, origin.index, None, (ref,))
         return PatchUnit("neuron_head", origin.layer, origin.index, origin.component, (ref,))
 
-    def block_units(self, block: int) -> list[PatchUnit]:
-        """One unit per head of ``block``, in head order, from ``head_origin`` of its first head only (147k units
-        in well under a second); the same units as :meth:`head_unit` head by head."""
-        if not self.n_heads[block]:
+    def module_units(self, name: str) -> list[PatchUnit]:
+        """One unit per head of module ``name``, in head order, from ``head_origin`` of its first head only (147k
+        units in well under a second); the same units as :meth:`head_unit` head by head."""
+        if not self.n_heads[name]:
             return []
-        name, first = _module_name(block), self.aot.head_origin(block, 0)
-        heads = range(self.n_heads[block])
+        first = self.aot.head_origin(name, 0)
+        heads = range(self.n_heads[name])
         if first.kind == "attention":
             return [_Checked("attention", first.layer, h, None, (HeadRef(name, h),)) for h in heads]
-        k = self.aot.blocks[block].attn.heads_per_neuron
+        k = self.aot.head_module(name).heads_per_neuron
         return [
             _Checked("neuron_head", first.layer, h // k, first.component + h % k, (HeadRef(name, h),)) for h in heads
         ]
@@ -406,7 +426,7 @@ class _Index:
         return PatchUnit("neuron", layer, neuron, None, tuple(self.neuron_heads(layer, neuron)))
 
     def unit(self, item: Any) -> PatchUnit:
-        """A unit from a PatchUnit, NeuronRef, HeadRef or ``(block, head)``."""
+        """A unit from a PatchUnit, NeuronRef, HeadRef or ``(module, head)``."""
         if isinstance(item, PatchUnit):
             if not item.heads:
                 raise InputError(f"{item!r} covers no heads")
@@ -441,34 +461,37 @@ class _Index:
 def head_units(
     aot: AttentionOnlyTransformer,
     heads: Iterable[HeadLike] | None = None,
-    blocks: Iterable[int | str] | None = None,
+    modules: Iterable[int | str] | None = None,
 ) -> list[PatchUnit]:
-    """One unit per head: the given ``heads`` (HeadRef or ``(block, head)``) plus every head of the given ``blocks``
-    (ints or ``"blocks.<i>.attn"``); with neither, every head of every block — attention and neuron heads — in block
-    order. Duplicates are dropped."""
-    return _head_units(_Index(aot), heads, blocks)
+    """One unit per head: the given ``heads`` (HeadRef or ``(module, head)``) plus every head of the given
+    ``modules`` (names like ``"blocks.3.attn"`` / ``"blocks.3.mlp.heads"``, or indices in ``aot.sublayers()``); with
+    neither, every head of every module — attention and neuron heads — in forward order. Duplicates are dropped."""
+    return _head_units(_Index(aot), heads, modules)
 
 
-def _head_units(index: _Index, heads: Iterable[HeadLike] | None, blocks: Iterable[int | str] | None) -> list[PatchUnit]:
-    if heads is None and blocks is None:
-        blocks = range(index.n_blocks)
-    if isinstance(blocks, (int, str)):
-        blocks = [blocks]
+def _head_units(
+    index: _Index, heads: Iterable[HeadLike] | None, modules: Iterable[int | str] | None
+) -> list[PatchUnit]:
+    if heads is None and modules is None:
+        modules = index.names
+    if isinstance(modules, (int, str)):
+        modules = [modules]
     if isinstance(heads, HeadRef) or _is_head_tuple(heads):
         heads = [heads]  # type: ignore[list-item]
-    units = [unit for b in dict.fromkeys(index.block(block) for block in blocks or []) for unit in index.block_units(b)]
+    chosen = dict.fromkeys(index.module(m) for m in modules or [])
+    units = [unit for name in chosen for unit in index.module_units(name)]
     units += [index.head_unit(index.head(h)) for h in heads or []]
     first: dict[tuple[HeadRef, ...], PatchUnit] = {}
     for unit in units:
         first.setdefault(unit.heads, unit)  # duplicates dropped, the order kept
     units = list(first.values())
     if not units:
-        raise InputError("no heads selected: pass heads=[...] and/or blocks=[...], or neither for every head")
+        raise InputError("no heads selected: pass heads=[...] and/or modules=[...], or neither for every head")
     return units
 
 
 def group(aot: AttentionOnlyTransformer, items: Iterable[UnitLike], name: str) -> PatchUnit:
-    """One unit made of all the heads of ``items`` (units, heads, ``(block, head)``, neurons), patched together and
+    """One unit made of all the heads of ``items`` (units, heads, ``(module, head)``, neurons), patched together and
     labelled ``name``: e.g. a whole MLP as one receiver, ``group(aot, neuron_units(aot, layers=[0]), "MLP0")``, or
     IOI's set of name-mover heads."""
     if not isinstance(name, str) or not name:
