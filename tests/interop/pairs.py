@@ -60,7 +60,7 @@ class Pair:
     source: Any
     model: Any  # the converted model, or the source in self-check mode
     aot: Any  # the converted model (always: its report states the bound)
-    tokens: Tensor  # [BATCH, POS] tokens the bound was measured on
+    tokens: Tensor  # [BATCH, POS] clean tokens (the bound is measured on these and the corrupted ones)
     corrupted: Tensor  # the same tokens with the second-to-last position changed
 
     @property
@@ -151,7 +151,7 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     if name not in _CACHE:
         torch.manual_seed(0)
         source, tokens, corrupted = _build_source(name)
-        aot = lens_aot.convert(source, check_tokens=tokens)
+        aot = lens_aot.convert(source, check_tokens=torch.cat([tokens, corrupted]))
         _CACHE[name] = Pair(name, source, source if SELFCHECK else aot, aot, tokens, corrupted)
     return _CACHE[name]
 
