@@ -62,7 +62,10 @@ def test_weight_properties(pair: Pair) -> None:
     source's: the conversion copies them (Theorem 3 keeps w_in, w_out), so exactly up to a dtype-level rounding."""
     names = WEIGHTS + (MLP_WEIGHTS if pair.has_mlp else ())
     for name in names:
-        want = getattr(pair.source, name).detach()
+        try:
+            want = getattr(pair.source, name).detach()
+        except AttributeError:  # a bias-free bridge refuses its missing biases (b_in): nothing to compare
+            continue
         got = getattr(pair.model, name).detach()
         assert_close(got, want, 4 * torch.finfo(want.dtype).eps * float(1 + want.abs().max()), name)
     if bool(getattr(pair.source.cfg, "gated_mlp", False)):
@@ -92,7 +95,12 @@ def test_set_use_switches(pair: Pair, switch: str) -> None:
     names = SWITCHES[switch]
     caches = []
     for model in (pair.source, pair.model):
-        getattr(model, switch)(True)
+        try:
+            getattr(model, switch)(True)
+        except NotImplementedError as error:  # TL 4's native AttentionBridge has no per-head result / Q/K/V fork
+            if model is pair.source:
+                pytest.skip(f"TransformerLens cannot switch this on for the source itself: {error}")
+            raise
         try:
             with torch.no_grad():
                 logits, cache = model.run_with_cache(pair.tokens, names_filter=lambda n: n in names)
