@@ -112,10 +112,22 @@ def test_neuron_patching_through_generic_activation_patch(pair: Pair) -> None:
     from lens_aot import patching as aot_patching
 
     refs = [(int(r.layer), int(r.neuron)) for r in index.drop_duplicates(["layer", "neuron"]).itertuples()]
+    positions = [n_pos - 2, n_pos - 1]
     res = aot_patching.patch_neurons(
-        pair.model, pair.tokens, pair.corrupted, logit_diff_metric(pair), neurons=refs, per_position=True
+        pair.model,
+        pair.tokens,
+        pair.corrupted,
+        logit_diff_metric(pair),
+        neurons=refs,
+        per_position=True,
+        positions=positions,
     )
-    assert res.values.shape[0] == len(refs)
+    assert tuple(res.values.shape) == (len(refs), len(positions))
+    by_row = {
+        (int(r.layer), int(r.pos), int(r.neuron)): float(v) for r, v in zip(index.itertuples(), want, strict=True)
+    }
+    expected = torch.tensor([[by_row[(layer, pos, n)] for pos in positions] for layer, n in refs])
+    assert_close(res.values, expected, 2 * pair.logit_bound, "lens_aot.patching.patch_neurons vs TL's post patch")
 
 
 def test_head_detector(pair: Pair) -> None:
