@@ -136,11 +136,13 @@ def test_head_detector(pair: Pair) -> None:
     by the same quantity bound as any cached activation."""
     from transformer_lens.head_detector import detect_head
 
-    tokens = pair.tokens[0]
+    if getattr(pair.source, "tokenizer", None) is None:
+        pytest.skip("detect_head tokenizes its input (a TransformerBridge's to_tokens takes strings only)")
+    seq = " ".join(f"w{int(t) - 2}" for t in pair.tokens[0, 1:])  # the tiny tokenizer's words; it prepends BOS
     scores = {}
     for key, model in (("source", pair.source), ("model", pair.model)):
         scores[key] = torch.stack(
-            [detect_head(model, tokens[None], kind) for kind in ("previous_token_head", "duplicate_token_head")]
+            [detect_head(model, seq, kind) for kind in ("previous_token_head", "duplicate_token_head")]
         )
     assert scores["source"].shape[1:] == (pair.source.cfg.n_layers, pair.source.cfg.n_heads)
 
@@ -154,6 +156,9 @@ def test_head_detector(pair: Pair) -> None:
 
 def test_loss_and_loss_per_token(pair: Pair) -> None:
     """Cross-entropy is a log-softmax entry: |Δ| ≤ 2 × max |Δlogit|."""
+    cfg = pair.source.cfg
+    if int(getattr(cfg, "d_vocab_out", cfg.d_vocab)) < int(cfg.d_vocab):
+        pytest.skip("the trained model predicts 113 residues: its '=' input token is no valid next-token target")
     for kwargs in ({}, {"loss_per_token": True}):
         want = pair.source(pair.tokens, return_type="loss", **kwargs)
         got = pair.model(pair.tokens, return_type="loss", **kwargs)
@@ -167,7 +172,10 @@ def test_loss_and_loss_per_token(pair: Pair) -> None:
 def test_test_prompt(pair: Pair) -> None:
     """``utils.test_prompt`` prints ranks, logits (2 decimals) and probabilities: the answer's rank and the top-k
     tokens must be the source's (ranks can only swap where two logits are within the bound)."""
-    from transformer_lens import utils
+    try:
+        from transformer_lens.utilities import test_prompt
+    except ImportError:  # TransformerLens < 3.9 kept it in transformer_lens.utils only
+        from transformer_lens.utils import test_prompt
 
     if getattr(pair.source, "tokenizer", None) is None:
         pytest.skip("the trained model has no tokenizer")
@@ -176,7 +184,7 @@ def test_test_prompt(pair: Pair) -> None:
     def printed(model: Any) -> str:
         buffer = io.StringIO()
         with redirect_stdout(buffer):
-            utils.test_prompt(prompt, "w7", model, prepend_space_to_answer=False, top_k=3)
+            test_prompt(prompt, "w7", model, prepend_space_to_answer=False, top_k=3)
         return buffer.getvalue()
 
     want, got = printed(pair.source), printed(pair.model)
