@@ -44,6 +44,8 @@ def test_direct_logit_attribution(pair: Pair, unit: str) -> None:
     is refused by TL itself (its final norm is not folded); its expected value is then TL's own route for
     non-bridges (``cache`` decomposition + ``logit_attrs``), which is what DLA computes on the converted model."""
     dla = _tool("direct_logit_attribution", "direct_logit_attribution")
+    if unit == "layer" and not pair.has_resid_mid:
+        pytest.skip("TL's unit='layer' reads hook_resid_mid, which parallel layers lack (the source's too)")
     a, b = answer_pair(pair)
     batch = pair.tokens.shape[0]
     answers, wrong = torch.tensor([a] * batch), torch.tensor([b] * batch)
@@ -85,7 +87,10 @@ def test_attribution_patch(pair: Pair, granularity: str) -> None:
     attribution_patch = _tool("attribution_patching", "attribution_patch")
     from transformer_lens.tools.analysis.attribution_patching import EdgeAttributionConfig
 
-    config = EdgeAttributionConfig(granularity=granularity)
+    try:
+        config = EdgeAttributionConfig(granularity=granularity)
+    except NotImplementedError as error:  # TransformerLens 3.9's build scores nodes only
+        pytest.skip(f"this TransformerLens cannot: {error}")
     metric = logit_diff_metric(pair)
 
     def scores(model: Any, fwd_hooks: list[tuple[str, Any]]) -> dict[Any, float]:
