@@ -64,7 +64,7 @@ def test_weight_properties(pair: Pair) -> None:
     for name in names:
         try:
             want = getattr(pair.source, name).detach()
-        except AttributeError:  # a bias-free bridge refuses its missing biases (b_in): nothing to compare
+        except (AttributeError, TypeError):  # a bias-free bridge has no b_in (4.3 refuses, 3.9 stacks None)
             continue
         got = getattr(pair.model, name).detach()
         assert_close(got, want, 4 * torch.finfo(want.dtype).eps * float(1 + want.abs().max()), name)
