@@ -151,7 +151,7 @@ def test_verify_judges_a_gated_model_against_its_stated_bound(
     assert err <= bound and bound >= 1e-4  # the gated row of lens_aot.core.faithfulness.STATED_LOGIT_ERROR
     aot = lens_aot.load(tmp_path / "out")
     with torch.no_grad():
-        aot.blocks[-1].attn.W_out.mul_(1.01)  # a product layer 1% off
+        aot.blocks[-1].mlp.product_heads.W_out.mul_(1.01)  # a product layer 1% off
     lens_aot.save(aot, tmp_path / "bad", metadata=read_config(tmp_path / "out")["metadata"])
     out, _ = run_fails(["verify", str(tmp_path / "bad"), "--quiet"], 1, capsys)
     assert "FAIL" in out
