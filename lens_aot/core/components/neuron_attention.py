@@ -152,21 +152,18 @@ class NeuronAttention(SelfAndSlotHeads):
         """``per_neuron[..., n] * coeff[k]`` laid out as head ``n·K + k``."""
         return (per_neuron[..., :, None] * coeff).flatten(-2)
 
-    @property
-    def W_Q(self) -> Float[Tensor, "n_heads d_model 1"]:
-        return self._per_head(self.W_in, self.term_b).T[..., None]
+    def _affine(
+        self, slope: Tensor, offset: Tensor
+    ) -> tuple[Float[Tensor, "n_heads d_model 1"], Float[Tensor, "n_heads 1"]]:
+        """Weight and bias of the per-head map ``x ↦ slope_k·z_n(x) + offset_k`` (``z = x·W_in + b_in``)."""
+        bias = self._per_head(self.b_in, slope) + offset.repeat(self.d_mlp)
+        return self._per_head(self.W_in, slope).T[..., None], bias[:, None]
 
-    @property
-    def b_Q(self) -> Float[Tensor, "n_heads 1"]:
-        return (self._per_head(self.b_in, self.term_b) + self.term_d.repeat(self.d_mlp))[:, None]
-
-    @property
-    def W_V(self) -> Float[Tensor, "n_heads d_model 1"]:
-        return self._per_head(self.W_in, self.term_alpha).T[..., None]
-
-    @property
-    def b_V(self) -> Float[Tensor, "n_heads 1"]:
-        return (self._per_head(self.b_in, self.term_alpha) + self.term_beta.repeat(self.d_mlp))[:, None]
+    # queries b_k·z + d_k, values α_k·z + β_k (Theorem 3 with the fit's terms)
+    W_Q = property(lambda self: self._affine(self.term_b, self.term_d)[0], doc="[n_heads, d_model, 1]")
+    b_Q = property(lambda self: self._affine(self.term_b, self.term_d)[1], doc="[n_heads, 1]")
+    W_V = property(lambda self: self._affine(self.term_alpha, self.term_beta)[0], doc="[n_heads, d_model, 1]")
+    b_V = property(lambda self: self._affine(self.term_alpha, self.term_beta)[1], doc="[n_heads, 1]")
 
     @property
     def W_O(self) -> Float[Tensor, "n_heads 1 d_out"]:
