@@ -85,9 +85,10 @@ def peak_mib(fn: Callable[[], Any], device: str) -> float | None:
 
 
 def patching_rate(aot: Any, tokens: torch.Tensor, n_heads: int) -> float:
-    """Heads patched per second by ``patch_heads`` on the first ``n_heads`` heads of block 0 and of block 1 (a
-    source-attention block and a neuron block), clean = ``tokens``, corrupted = ``tokens`` rolled by one position."""
-    heads = [(b, h) for b in (0, 1) for h in range(min(n_heads, aot.cfg.n_heads_per_block[b]))]
+    """Heads patched per second by ``patch_heads`` on the first ``n_heads`` heads of layer 0's attention and of its
+    neuron heads (``aot.sublayers()[:2]``), clean = ``tokens``, corrupted = ``tokens`` rolled by one position."""
+    subs = aot.sublayers()[:2]
+    heads = [(s.name, h) for s in subs for h in range(min(n_heads, aot.head_module(s.name).n_heads))]
     corrupted = tokens.roll(1, dims=-1)
     target = int(tokens[0, -1])
 
@@ -144,7 +145,9 @@ def main() -> None:
     parser.add_argument("--sources", nargs="+", choices=["hooked", "bridge"], default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per measurement (0: counts only)")
-    parser.add_argument("--patch-heads", type=int, default=4, help="heads per block patched (blocks 0 and 1)")
+    parser.add_argument(
+        "--patch-heads", type=int, default=4, help="heads patched per module (layer 0 attention and neuron heads)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:

@@ -1,9 +1,9 @@
 """Memory benchmarks: sparse neuron-head patterns and conversion peak.
 
-* ``patterns``: GPT-2-small shape (random weights, gelu_new, 4 heads per neuron: 12,288 neuron heads per block),
-  1×1024 tokens. Times ``cache[name][:, heads]`` for 10 neuron heads of one block and ``pattern_hook`` on them, and
+* ``patterns``: GPT-2-small shape (random weights, gelu_new, 4 heads per neuron: 12,288 neuron heads per layer),
+  1×1024 tokens. Times ``cache[name][:, heads]`` for 10 neuron heads of layer 5 and ``pattern_hook`` on them, and
   counts the bytes of every tensor created (``lens_aot.core.memory.AllocationMeter``, an upper bound on the extra peak),
-  beside the size the whole ``[batch, 12288, N, N]`` block would have. Targets: ≤ 200 MB and ≤ 2 s.
+  beside the size the whole ``[batch, 12288, N, N]`` layer would have. Targets: ≤ 200 MB and ≤ 2 s.
 
 * ``convert``: extra peak resident memory of ``lens_aot.convert`` (agreement check included) in a fresh process, over
   what it held with the GPT-2-shaped source loaded and run once (Linux VmHWM, reset through /proc/self/clear_refs),
@@ -32,9 +32,9 @@ MB = 1e6
 
 
 def sparse_patterns(aot: lens_aot.AttentionOnlyTransformer, n_tokens: int, k: int = 10) -> list[str]:
-    block = aot.neuron_block(5)
-    name = f"blocks.{block}.attn.hook_pattern"
-    n_heads = aot.cfg.n_heads_per_block[block]
+    module = aot.neuron_module(5)
+    name = f"{module}.hook_pattern"
+    n_heads = aot.head_module(module).n_heads
     heads = torch.linspace(0, n_heads - 1, k).long().tolist()
     tokens = torch.randint(0, aot.cfg.d_vocab, (1, n_tokens), generator=torch.Generator().manual_seed(0))
     item = torch.finfo(aot.cfg.dtype).bits // 8
@@ -46,7 +46,7 @@ def sparse_patterns(aot: lens_aot.AttentionOnlyTransformer, n_tokens: int, k: in
             got = cache[name][:, heads]
         index_s = time.perf_counter() - start
         seen: list[torch.Tensor] = []
-        hook_name, observe = pattern_hook(aot, block, heads, lambda pattern, hook: seen.append(pattern))
+        hook_name, observe = pattern_hook(aot, module, heads, lambda pattern, hook: seen.append(pattern))
         hook_meter = AllocationMeter()
 
         hook_s = 0.0
@@ -64,7 +64,7 @@ def sparse_patterns(aot: lens_aot.AttentionOnlyTransformer, n_tokens: int, k: in
     assert got.shape == (1, k, n_tokens, n_tokens) and seen[0].shape == got.shape
     return [
         f"| `cache[name][:, heads]`, {k} of {n_heads} neuron heads, 1×{n_tokens} tokens | {index_s:.2f} s | "
-        f"{meter.total / MB:.0f} MB allocated (largest {meter.largest / MB:.0f} MB; the whole block: "
+        f"{meter.total / MB:.0f} MB allocated (largest {meter.largest / MB:.0f} MB; the whole layer: "
         f"{whole / MB:,.0f} MB) | ≤ 2 s, ≤ 200 MB |",
         f"| `pattern_hook` on those heads, in a forward | {hook_s:.2f} s in it (forward {forward_s:.2f} s) | "
         f"{hook_meter.total / MB:.0f} MB allocated by the hook | ≤ 2 s extra, ≤ 200 MB extra |",

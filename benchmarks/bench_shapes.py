@@ -4,15 +4,17 @@ Shapes (random weights, default conversion options):
 
 * ``gpt2``: GPT-2 small, 12 layers, d_model 768, 12 heads, d_mlp 3072, vocab 50257, n_ctx 1024, gelu_new.
 * ``llama``: Llama-shaped, 8 layers, d_model 768, 12 heads (4 key/value heads), d_mlp 2048, vocab 32000, n_ctx 1024,
-  RMSNorm, rotary, SwiGLU (gated: gate heads write to d_mlp scratch channels, product heads clear them).
+  RMSNorm, rotary, SwiGLU (gated: gate heads write the MLP's own d_mlp scratch, product heads read it).
 
 Two source columns, measured in the same run: **dense** attention (a HookedTransformer on TransformerLens 3.x, which
 always computes the full score matrix, or with ``--source bridge`` a TransformerBridge over the Hugging Face model
 with ``attn_implementation="eager"``) and **SDPA** (a TransformerBridge over the Hugging Face model with
 ``attn_implementation="sdpa"``, torch's fused ``scaled_dot_product_attention``). Each ratio is converted time (or
 bytes) over that source's: the converted model's own attention heads use SDPA when unhooked, so "vs SDPA" is the
-like-for-like ratio and "vs dense" includes the gain of fused attention. Conversion is timed with default options
-(``check=True``: one source forward, one converted forward and one perturbed source forward on 2x64 tokens).
+like-for-like ratio and "vs dense" includes the gain of fused attention. The converted model is timed in both of
+its modes: the default (every cheap hook point runs on every forward) and ``set_use_fused_neurons(True)``.
+Conversion is timed with default options (``check=True``: one source forward, one converted forward and one
+perturbed source forward on 2x64 tokens).
 Use ``--threads 1`` for per-core figures. Prints a markdown table (the README's performance section).
 
     python benchmarks/bench_shapes.py [--shape gpt2|llama] [--source hooked|bridge] [--repeats 5] [--threads N]
@@ -161,22 +163,37 @@ def main() -> None:
     convert_s = time.perf_counter() - start
     aot.eval()
 
-    rows: list[tuple[str, dict[str, float], float, str]] = []  # name, source time per column, converted, target
+    # The converted model in its two modes: "hooks" (the default: every cheap hook point runs on every forward, the
+    # neuron heads' hook_q/k/v/z included) and "fused" (set_use_fused_neurons(True): the closed-form activation while
+    # no neuron-head hook is attached). Both use SDPA for the source's heads while their patterns are unhooked.
+    def in_mode(mode: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            aot.set_use_fused_neurons(mode == "fused")
+            try:
+                return fn()
+            finally:
+                aot.set_use_fused_neurons(False)
+
+        return run
+
+    modes = ("hooks", "fused")
+    rows: list[tuple[str, dict[str, float], dict[str, float], str]] = []  # name, sources, converted modes, target
     gen = torch.Generator().manual_seed(0)
 
     def toks(n: int) -> torch.Tensor:
         return torch.randint(0, d_vocab, (1, n), generator=gen).to(device)
 
+    def row(name: str, src_fn: Callable[[Any], Any], aot_fn: Callable[[], Any], target: str) -> None:
+        src = {k: timed(lambda s=s: src_fn(s), args.repeats, sync) for k, s in sources.items()}
+        conv = {m: timed(in_mode(m, aot_fn), args.repeats, sync) for m in modes}
+        rows.append((name, src, conv, target))
+
     with torch.no_grad():
         for n in (128, 1024):
             t = toks(n)
-            src = {k: timed(lambda s=s, t=t: run_source(s, t), args.repeats, sync) for k, s in sources.items()}
-            rows.append((f"forward, {n} tokens", src, timed(lambda t=t: aot(t), args.repeats, sync), "≤ 1.25"))
+            row(f"forward, {n} tokens", lambda s, t=t: run_source(s, t), lambda t=t: aot(t), "≤ 1.25")
         t = toks(256)
-        src = {k: timed(lambda s=s: s.run_with_cache(t), args.repeats, sync) for k, s in sources.items()}
-        rows.append(
-            ("run_with_cache, 256 tokens", src, timed(lambda: aot.run_with_cache(t), args.repeats, sync), "≤ 2")
-        )
+        row("run_with_cache, 256 tokens", lambda s: s.run_with_cache(t), lambda: aot.run_with_cache(t), "≤ 2")
         _, src_cache = source.run_with_cache(t)
         src_b = cache_bytes(src_cache)
         del src_cache
@@ -185,9 +202,10 @@ def main() -> None:
         aot_b = cache_bytes(aot_cache)
         del aot_cache
         gc.collect()
-        # pattern access in the standard shape still works
-        _, aot_cache = aot.run_with_cache(t, names_filter=lambda name: name == "blocks.1.attn.hook_pattern")
-        assert aot_cache["blocks.1.attn.hook_pattern"].shape == (1, aot.cfg.n_heads_per_block[1], 256, 256)
+        # a dense neuron-head pattern is built when asked for, in the standard shape
+        name = f"{aot.neuron_module(0)}.hook_pattern"
+        _, aot_cache = aot.run_with_cache(t, names_filter=lambda n: n == name)
+        assert aot_cache[name].shape == (1, aot.head_module(aot.neuron_module(0)).n_heads, 256, 256)
         del aot_cache
         gc.collect()
 
@@ -204,9 +222,8 @@ def main() -> None:
     for model in (*sources.values(), aot):
         backward(model, t)  # warm-up
     src = {k: statistics.median(backward(s, t) for _ in range(args.repeats)) for k, s in sources.items()}
-    rows.append(
-        ("backward, 128 tokens", src, statistics.median(backward(aot, t) for _ in range(args.repeats)), "≤ 1.5")
-    )
+    conv = {m: statistics.median(in_mode(m, lambda: backward(aot, t))() for _ in range(args.repeats)) for m in modes}
+    rows.append(("backward, 128 tokens", src, conv, "≤ 1.5"))
 
     machine = (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
@@ -214,20 +231,25 @@ def main() -> None:
     if device.startswith("cuda"):
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     dense_kind = type(source).__name__ + ("" if kind == "hooked" else ", HF eager attention")
-    print(f"{args.shape} shape (scale {args.scale:g}), {aot.cfg.act_fn}, {device} ({machine})")
-    print(f"sources: dense = {dense_kind}; SDPA = TransformerBridge, HF sdpa attention. Ratios: converted / source.")
+    print(f"{args.shape} shape (scale {args.scale:g}), {aot.cfg.act_fn}, {device} ({machine}), {args.repeats} repeats")
+    print(f"sources: dense = {dense_kind}; SDPA = TransformerBridge, HF sdpa attention. Converted: hooks = default "
+          "(every cheap hook point runs), fused = set_use_fused_neurons(True); both use SDPA for the source's heads. "
+          "Ratios: converted / source.")  # fmt: skip
     print(f"conversion: {aot.report.heads_per_neuron} heads per neuron, bound {aot.report.max_neuron_error:.0e}\n")
-    print("| measure | source dense | source SDPA | converted | ratio vs dense | ratio vs SDPA | target |")
-    print("|---|---|---|---|---|---|---|")
-    for name, src, b, target in rows:
-        d, f = src["dense"], src["SDPA"]
-        times = " | ".join(f"{x * 1e3:.1f} ms" for x in (d, f, b))
-        print(f"| {name} | {times} | {b / d:.2f}× | {b / f:.2f}× | {target} |")
-    print(f"| run_with_cache bytes, 256 tokens (dense source) | {src_b / 2**20:.0f} MiB | | {aot_b / 2**20:.0f} MiB | "
-          f"{aot_b / src_b:.2f}× | | ≤ 3 |")  # fmt: skip
+    print(
+        "| measure | source dense | source SDPA | converted, hooks | converted, fused "
+        "| hooks / dense | hooks / SDPA | fused / dense | fused / SDPA | target |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, src, conv, target in rows:
+        times = " | ".join(f"{x * 1e3:.1f} ms" for x in (src["dense"], src["SDPA"], conv["hooks"], conv["fused"]))
+        ratios = " | ".join(f"{conv[m] / src[k]:.2f}×" for m in modes for k in ("dense", "SDPA"))
+        print(f"| {name} | {times} | {ratios} | {target} |")
+    print(f"| run_with_cache bytes, 256 tokens (dense source; same in both modes) | {src_b / 2**20:.0f} MiB | | "
+          f"{aot_b / 2**20:.0f} MiB | | {aot_b / src_b:.2f}× | | | | ≤ 3 |")  # fmt: skip
     sb, ab = param_bytes(source), param_bytes(aot)
-    print(f"| parameter bytes | {sb / 2**20:.0f} MiB | | {ab / 2**20:.0f} MiB | {ab / sb:.2f}× | | ≤ 1.5 |")
-    print(f"| conversion time, default options (check on) | | | {convert_s:.2f} s | | | < 10 s |")
+    print(f"| parameter bytes | {sb / 2**20:.0f} MiB | | {ab / 2**20:.0f} MiB | | {ab / sb:.2f}× | | | | ≤ 1.5 |")
+    print(f"| conversion time, default options (check on) | | | {convert_s:.2f} s | | | | | | < 10 s |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Random-weight models from the test factories (tests/factories_*.py), float32 and float64, default conversion options
 (check on: a conversion beyond its stated bound would raise). Per row: max |Δlogit|, and the per-neuron error: max
-over layers, positions and neurons of |``aot.neuron_activations``− the source's own ``mlp.hook_post``| (the
+over layers, positions and neurons of |``cache["post", l]`` − the source's own ``mlp.hook_post``| (the
 conversion's per-neuron bound, ``report.max_neuron_error``, in the last column). Gated and parallel rows also give
 the argmax agreement (in parentheses).
 Run under TransformerLens 3.x for HookedTransformer rows, under either major for TransformerBridge rows:
@@ -44,7 +44,7 @@ def measure(model: Any, tokens: torch.Tensor) -> tuple[float, float, float, floa
     ref = getattr(ref, "logits", ref)
     neuron = float("nan")
     for layer in aot.cfg.activation_fits:
-        err = float((aot.neuron_activations(cache, layer) - ref_cache[f"blocks.{layer}.mlp.hook_post"]).abs().max())
+        err = float((cache["post", layer] - ref_cache[f"blocks.{layer}.mlp.hook_post"]).abs().max())
         neuron = err if neuron != neuron else max(neuron, err)
     agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
     return float((got - ref).abs().max()), agree, neuron, aot.report.max_neuron_error

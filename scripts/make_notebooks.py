@@ -19,21 +19,23 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
             "# lens_aot quickstart\n\n"
             "`lens_aot.convert(model)` turns every MLP neuron of a TransformerLens model into an attention head of "
             "internal dimension 1 that attends to itself and to a bias slot (Huben & Morris 2023, Theorem 3). The "
-            "result is an attention-only model whose **neuron heads** have ordinary hook points.\n\n"
+            "result is numbered, hooked and weighted like its source, so TransformerLens calls written for the "
+            "source run unchanged; the new **neuron heads** have ordinary hook points of their own.\n\n"
             "We use the small model shipped with lens_aot: one layer trained on `(a + b) mod 113`, as in "
             "Nanda et al. 2023.",
         ),
         (
             "code",
             "import matplotlib.pyplot as plt\nimport torch\n\nimport lens_aot\n"
-            "from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset\n\n"
+            "from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset\n"
+            "from lens_aot.core.read import run_source\n\n"
             "model = load_modular_addition()\naot = lens_aot.convert(model)\nprint(aot.report)",
         ),
         ("md", "## Agreement with the original\nThe converted model's logits on all 113² inputs against the source's."),
         (
             "code",
             "tokens, labels = modular_addition_dataset()\nwith torch.no_grad():\n"
-            "    ref = lens_aot.core.read.run_source(model, tokens)[:, -1]\n    got = aot(tokens)[:, -1]\n"
+            "    ref = run_source(model, tokens)[:, -1]\n    got = aot(tokens)[:, -1]\n"
             "print(f'max |Δlogit| = {(got - ref).abs().max():.2e}')\n"
             "print(f'accuracy: source {(ref.argmax(-1) == labels).float().mean():.2%}, '\n"
             "      f'converted {(got.argmax(-1) == labels).float().mean():.2%}')\n"
@@ -43,34 +45,59 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ),
         (
             "md",
-            "## One neuron, as a head\n`aot.neuron_heads(layer, neuron)` gives the heads that compute a neuron. "
-            "Its pattern has TransformerLens's `[batch, head, query, key]` shape: each position attends only to "
-            "itself, with weight σ(a·z) (for this ReLU model a is large, so the weight is the ReLU gate), and the rest "
-            "goes to the bias slot.",
+            "## The source's names, unchanged\nLayer `l` of the source is `blocks.{l}` of the converted model: "
+            "`cache['post', 0]` is the MLP's activation (now computed by neuron heads), `cache['pattern', 0]` the "
+            "source heads' pattern, `aot.W_out` the MLP's output weights, all with the source's shapes and values "
+            "(within the conversion's bound).",
         ),
         (
             "code",
-            "logits, cache = aot.run_with_cache(tokens[:1])\n"
-            "post = aot.neuron_activations(cache, 0)[0, -1]\nneuron = int(post.argmax())\n"
-            "ref_head = aot.neuron_heads(0, neuron)[0]\nprint(ref_head, aot.head_origin(*ref_head))\n"
-            "pattern = cache[f'{ref_head.name}.hook_pattern'][0, ref_head.head]\nprint(pattern)\n"
-            "print('its activation (hook_z) =', cache[f'{ref_head.name}.hook_z'][0, :, ref_head.head, 0])",
+            "example = tokens[1234:1235]\nname = 'blocks.0.mlp.hook_post'\nwith torch.no_grad():\n"
+            "    logits, cache = aot.run_with_cache(example)\n"
+            "    _, src_cache = model.run_with_cache(example, names_filter=lambda n: n == name)\n"
+            "post = cache['post', 0]  # [batch, pos, d_mlp]\n"
+            "error = float((post - src_cache[name]).abs().max())\n"
+            "print('post', tuple(post.shape), 'max |Δ| vs the source:', error)\n"
+            "print('pattern', tuple(cache['pattern', 0].shape), 'W_out', tuple(aot.W_out.shape))\n"
+            "print('layers', aot.cfg.n_layers, 'd_mlp', aot.cfg.d_mlp)\n"
+            "assert post.shape == src_cache[name].shape and error < 1e-4\n"
+            "assert cache['pattern', 0].shape == (1, aot.cfg.n_heads, 3, 3) and aot.cfg.n_layers == 1",
         ),
         (
             "md",
-            "## The neuron's activation over every input\nThe head's output `hook_z` at the `=` position, over the "
-            "whole (a, b) grid: the periodic structure Nanda et al. found in MLP neurons, read off an attention head.",
+            "## One neuron, as a head\n`aot.neuron_heads(layer, neuron)` gives the heads that compute a neuron "
+            "(here one: ReLU needs one head per neuron). Its pattern has TransformerLens's `[batch, head, query, key]` "
+            "shape: each position attends only to itself, with weight σ(a·z) (for this ReLU model a is large, so the "
+            "weight is the ReLU gate), and the rest goes to the bias slot. Its `hook_z` is the neuron's "
+            "`cache['post', 0]` entry, and its output matrix `W_O` is the neuron's row of `aot.W_out`.",
         ),
         (
             "code",
-            "_, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith('hook_z'))\n"
-            "z = cache[f'{ref_head.name}.hook_z'][:, -1, ref_head.head, 0].reshape(113, 113)\n"
+            "neuron = int(post[0, -1].argmax())\n"
+            "ref_head = aot.neuron_heads(0, neuron)[0]\nprint(ref_head, aot.head_origin(*ref_head))\n"
+            "pattern = cache[f'{ref_head.name}.hook_pattern'][0, ref_head.head]\nprint(pattern)\n"
+            "z = cache[f'{ref_head.name}.hook_z'][0, :, ref_head.head, 0]\n"
+            "print('its activation (hook_z) =', z, '= cache[\"post\", 0]:', post[0, :, neuron])\n"
+            "W_O = aot.head_module(ref_head.name).W_O[ref_head.head, 0]\n"
+            "print('W_O equals aot.W_out[0, neuron]:', torch.equal(W_O, aot.W_out[0, neuron]))\n"
+            "assert torch.equal(z, post[0, :, neuron]) and torch.equal(W_O, aot.W_out[0, neuron])",
+        ),
+        (
+            "md",
+            "## The neuron's activation over every input\n`cache['post', 0]` at the `=` position, over the whole "
+            "(a, b) grid: the periodic structure Nanda et al. found in MLP neurons, read off an attention head.",
+        ),
+        (
+            "code",
+            "with torch.no_grad():\n"
+            "    _, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith('mlp.hook_post'))\n"
+            "grid = cache['post', 0][:, -1, neuron].reshape(113, 113)\n"
             "fig, axes = plt.subplots(1, 2, figsize=(9, 4))\n"
             "axes[0].imshow(pattern.detach(), cmap='Blues', vmin=0, vmax=1)\n"
             "axes[0].set(title=f'pattern of head {ref_head.head}', xlabel='key', ylabel='query')\n"
             "axes[0].set_xticks(range(3), ['a', 'b', '=']), axes[0].set_yticks(range(3), ['a', 'b', '='])\n"
-            "im = axes[1].imshow(z.detach(), cmap='RdBu_r')\n"
-            "axes[1].set(title=f'neuron {neuron}: hook_z at \"=\"', xlabel='b', ylabel='a')\n"
+            "im = axes[1].imshow(grid.detach(), cmap='RdBu_r')\n"
+            "axes[1].set(title=f'neuron {neuron}: cache[\"post\", 0] at \"=\"', xlabel='b', ylabel='a')\n"
             "fig.colorbar(im)\nplt.show()",
         ),
         (
@@ -81,7 +108,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         (
             "code",
             "import circuitsvis as cv\n\nheads = [aot.neuron_heads(0, n)[0].head for n in range(8)]\n"
-            "_, cache = aot.run_with_cache(tokens[1234:1235])\n"
+            "_, cache = aot.run_with_cache(example)\n"
             "patterns = cache[f'{ref_head.name}.hook_pattern'][0, heads]  # [head, query, key]\n"
             "cv.attention.attention_patterns(tokens=['a', 'b', '='], attention=patterns)",
         ),

@@ -204,6 +204,23 @@ def test_demo_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["verify", str(tmp_path / "out"), "--quiet"]) == 0
 
 
+def test_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """``lens-aot demo`` (``make demo``): the converted model answers every input as the source does, is read under
+    the source's names, and a neuron head's ``hook_z`` is its neuron's ``cache["post", 0]`` entry."""
+    import re
+
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy source 100.00%, converted 100.00%, argmax agreement 100.00%" in out
+    assert "cache['post', 0] [1, 3, 512]" in out and "cache['pattern', 0] [1, 4, 3, 3]" in out
+    assert "aot.W_out [1, 512, 128]" in out
+    post_err = float(re.search(r"against the source's mlp.hook_post ([0-9.e+-]+)\)", out).group(1))
+    assert post_err < 1e-4  # the ReLU fit's bound, 1e-6 per neuron, plus float32 rounding 7.6e-6·(1 + |z|)
+    match = re.search(r"its hook_z at '=' is ([0-9.-]+), = cache\['post', 0\]\[0, -1, \d+\] = ([0-9.-]+);", out)
+    assert match and match.group(1) == match.group(2) and float(match.group(1)) > 0
+    assert "blocks.0.mlp.heads (aot.neuron_heads(0, " in out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad sources
 # ---------------------------------------------------------------------------------------------------------------

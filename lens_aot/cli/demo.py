@@ -1,4 +1,8 @@
-"""``make demo``: convert the embedded modular-addition model and show what a neuron head does."""
+"""``make demo``: convert the embedded modular-addition model and show what a neuron head does.
+
+The converted model is read with plain TransformerLens calls (``cache["post", 0]``, ``cache["pattern", 0]``,
+``aot.W_out``), as the source would be; its neuron heads (Theorem 3) through ``aot.neuron_heads``.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,13 @@ from torch import Tensor
 import lens_aot
 from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
 from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.read import run_source
 
 
 def interesting_neuron(aot: AttentionOnlyTransformer, tokens: Int[Tensor, "1 pos"], layer: int = 0) -> int:
     """The neuron of ``layer`` most active at the last position among those whose gate is shut somewhere else."""
-    _, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_z"))
-    post = aot.neuron_activations(cache, layer)[0]  # [pos, d_mlp]
+    _, cache = aot.run_with_cache(tokens, names_filter=lambda name: name.endswith("mlp.hook_post"))
+    post = cache["post", layer][0]  # [pos, d_mlp]
     mixed = (post[:-1] <= 0).any(0) & (post[-1] > 0)
     scores = torch.where(mixed, post[-1], torch.full_like(post[-1], -float("inf")))
     return int(scores.argmax())
@@ -41,7 +46,7 @@ def main() -> None:
 
     tokens, labels = modular_addition_dataset()
     with torch.no_grad():
-        ref = lens_aot.core.read.run_source(model, tokens)[:, -1]
+        ref = run_source(model, tokens)[:, -1]
         got = aot(tokens)[:, -1]
     print(
         f"all {len(tokens):,} inputs: max |Δlogit| {float((got - ref).abs().max()):.2e}, "
@@ -51,12 +56,26 @@ def main() -> None:
     )
 
     example = tokens[1234:1235]
+    with torch.no_grad():
+        _, cache = aot.run_with_cache(example)
+        _, src_cache = model.run_with_cache(example, names_filter=lambda name: name == "blocks.0.mlp.hook_post")
+    post = cache["post", 0]
+    print(
+        f"the source's names, unchanged: cache['post', 0] {list(post.shape)} (max |Δ| against the source's "
+        f"mlp.hook_post {float((post - src_cache['blocks.0.mlp.hook_post']).abs().max()):.1e}), "
+        f"cache['pattern', 0] {list(cache['pattern', 0].shape)}, aot.W_out {list(aot.W_out.shape)}\n"
+    )
+
     neuron = interesting_neuron(aot, example)
     ref_head = aot.neuron_heads(0, neuron)[0]
-    _, cache = aot.run_with_cache(example)
     pattern = cache[f"{ref_head.name}.hook_pattern"][0, ref_head.head]
+    z = cache[f"{ref_head.name}.hook_z"][0, -1, ref_head.head, 0]
     a, b = int(example[0, 0]), int(example[0, 1])
-    print(f"neuron {neuron} of layer 0 is head {ref_head.head} of {ref_head.name}; its pattern on {a} + {b} =")
+    print(f"neuron {neuron} of layer 0 is head {ref_head.head} of {ref_head.name} (aot.neuron_heads(0, {neuron}));")
+    print(
+        f"its hook_z at '=' is {float(z):.4f}, = cache['post', 0][0, -1, {neuron}] = {float(post[0, -1, neuron]):.4f};"
+    )
+    print(f"and its pattern on {a} + {b} =")
     print(format_pattern(pattern, [str(a), str(b), "="]))
     print(
         "\nEach position attends only to itself, with weight σ(a·z): for this ReLU model a is large, so the weight is"

@@ -39,11 +39,80 @@ from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
 
 
-class NeuronAttention(nn.Module):
-    """A layer of ``d_mlp · K`` neuron heads of internal dimension 1 replacing one MLP (Theorem 3)."""
+class SelfAndSlotHeads(nn.Module):
+    """Heads of internal dimension 1 that attend to themselves and to a bias slot (Theorem 3): every real position's
+    key is 0, the slot's key −1 and its value 0, so a head's weight on itself is ``σ(q)``. The shared part of neuron,
+    gate and product heads; a subclass gives ``queries``, ``values``, ``n_heads``, ``W_in`` and ``d_in`` (the width
+    its heads read)."""
 
     d_head = 1
     attn_scale = 1.0
+    n_heads: int
+    W_in: Tensor
+
+    def _declare_hooks(self) -> None:
+        """The per-head hook points, with TransformerLens's shapes (``hook_result`` only with ``use_attn_result``)."""
+        self.use_attn_result = False
+        self.hook_q = HookPoint()  # [batch, pos, head, 1]
+        self.hook_k = HookPoint()  # [batch, pos, head, 1]
+        self.hook_v = HookPoint()  # [batch, pos, head, 1]
+        self.hook_attn_scores = HookPoint()  # [batch, head, query, key]
+        self.hook_pattern = HookPoint()  # [batch, head, query, key]
+        self.hook_z = HookPoint()  # [batch, pos, head, 1]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_model]
+
+    @property
+    def d_in(self) -> int:
+        """The width the heads read (their ``W_Q`` / ``W_K`` / ``W_V`` rows)."""
+        raise NotImplementedError
+
+    @property
+    def W_K(self) -> Float[Tensor, "n_heads d_in 1"]:
+        return self.W_in.new_zeros(self.n_heads, self.d_in, 1)
+
+    @property
+    def b_K(self) -> Float[Tensor, "n_heads 1"]:
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    @property
+    def k_bias(self) -> Float[Tensor, "n_heads 1"]:
+        """Key of the bias slot (the persistent memory key every neuron head also attends to)."""
+        return self.W_in.new_full((self.n_heads, 1), -1.0)
+
+    @property
+    def v_bias(self) -> Float[Tensor, "n_heads 1"]:
+        """Value of the bias slot."""
+        return self.W_in.new_zeros(self.n_heads, 1)
+
+    def queries(self, x: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        raise NotImplementedError
+
+    def values(self, x: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        raise NotImplementedError
+
+    def keys(self, x: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
+        """Keys of the real positions: all zero (``hook_k``; a real tensor, so in-place patches work)."""
+        return x.new_zeros(*x.shape[:-1], self.n_heads, 1)
+
+    def _attend(
+        self, q_in: Float[Tensor, "batch pos d_mlp"], v_in: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos n_heads 1"]:
+        """Every head's ``hook_z`` from the tensors its queries and values are computed from, through ``hook_q``,
+        ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
+        q = self.hook_q(self.queries(q_in))
+        zeros = self.keys(q_in)
+        version = zeros._version
+        k = self.hook_k(zeros)
+        keys_zero = k is zeros and k._version == version
+        return attend_self_and_slot(self, q, k, self.hook_v(self.values(v_in)), keys_zero)
+
+    def internal_hooks(self) -> tuple[HookPoint, ...]:
+        """The per-head hooks, which need the per-head computation when attached."""
+        return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
+
+
+class NeuronAttention(SelfAndSlotHeads):
+    """A layer of ``d_mlp · K`` neuron heads of internal dimension 1 replacing one MLP (Theorem 3)."""
 
     def __init__(self, mlp: MLPSpec, fit: ActivationFit, scratch: tuple[int, int] | None = None) -> None:
         """Neuron heads for ``mlp`` (``W_in``, ``b_in``, ``W_out``, ``b_out``; plain MLPs).
@@ -72,44 +141,29 @@ class NeuronAttention(nn.Module):
         self.d_model, self.d_mlp = mlp.W_in.shape
         self.heads_per_neuron = fit.n_terms
         self.n_heads = self.d_mlp * self.heads_per_neuron
-        self.use_attn_result = False
+        self._declare_hooks()
 
-        self.hook_q = HookPoint()  # [batch, pos, head, 1]
-        self.hook_k = HookPoint()  # [batch, pos, head, 1]
-        self.hook_v = HookPoint()  # [batch, pos, head, 1]
-        self.hook_attn_scores = HookPoint()  # [batch, head, query, key]
-        self.hook_pattern = HookPoint()  # [batch, head, query, key]
-        self.hook_z = HookPoint()  # [batch, pos, head, 1]
-        self.hook_result = HookPoint()  # [batch, pos, head, d_model]
+    @property
+    def d_in(self) -> int:
+        return self.d_model
 
     # ---- per-head weights, TransformerLens layout (computed from the shared storage) ----
     def _per_head(self, per_neuron: Tensor, coeff: Tensor) -> Tensor:
         """``per_neuron[..., n] * coeff[k]`` laid out as head ``n·K + k``."""
         return (per_neuron[..., :, None] * coeff).flatten(-2)
 
-    @property
-    def W_Q(self) -> Float[Tensor, "n_heads d_model 1"]:
-        return self._per_head(self.W_in, self.term_b).T[..., None]
+    def _affine(
+        self, slope: Tensor, offset: Tensor
+    ) -> tuple[Float[Tensor, "n_heads d_model 1"], Float[Tensor, "n_heads 1"]]:
+        """Weight and bias of the per-head map ``x ↦ slope_k·z_n(x) + offset_k`` (``z = x·W_in + b_in``)."""
+        bias = self._per_head(self.b_in, slope) + offset.repeat(self.d_mlp)
+        return self._per_head(self.W_in, slope).T[..., None], bias[:, None]
 
-    @property
-    def b_Q(self) -> Float[Tensor, "n_heads 1"]:
-        return (self._per_head(self.b_in, self.term_b) + self.term_d.repeat(self.d_mlp))[:, None]
-
-    @property
-    def W_K(self) -> Float[Tensor, "n_heads d_model 1"]:
-        return self.W_in.new_zeros(self.n_heads, self.d_model, 1)
-
-    @property
-    def b_K(self) -> Float[Tensor, "n_heads 1"]:
-        return self.W_in.new_zeros(self.n_heads, 1)
-
-    @property
-    def W_V(self) -> Float[Tensor, "n_heads d_model 1"]:
-        return self._per_head(self.W_in, self.term_alpha).T[..., None]
-
-    @property
-    def b_V(self) -> Float[Tensor, "n_heads 1"]:
-        return (self._per_head(self.b_in, self.term_alpha) + self.term_beta.repeat(self.d_mlp))[:, None]
+    # queries b_k·z + d_k, values α_k·z + β_k (Theorem 3 with the fit's terms)
+    W_Q = property(lambda self: self._affine(self.term_b, self.term_d)[0], doc="[n_heads, d_model, 1]")
+    b_Q = property(lambda self: self._affine(self.term_b, self.term_d)[1], doc="[n_heads, 1]")
+    W_V = property(lambda self: self._affine(self.term_alpha, self.term_beta)[0], doc="[n_heads, d_model, 1]")
+    b_V = property(lambda self: self._affine(self.term_alpha, self.term_beta)[1], doc="[n_heads, 1]")
 
     @property
     def W_O(self) -> Float[Tensor, "n_heads 1 d_out"]:
@@ -122,16 +176,6 @@ class NeuronAttention(nn.Module):
             return rows.repeat_interleave(self.heads_per_neuron, dim=0)[:, None, :]
         return self.W_out.repeat_interleave(self.heads_per_neuron, dim=0)[:, None, :]
 
-    @property
-    def k_bias(self) -> Float[Tensor, "n_heads 1"]:
-        """Key of the bias slot (the persistent memory key every neuron head also attends to)."""
-        return self.W_in.new_full((self.n_heads, 1), -1.0)
-
-    @property
-    def v_bias(self) -> Float[Tensor, "n_heads 1"]:
-        """Value of the bias slot."""
-        return self.W_in.new_zeros(self.n_heads, 1)
-
     # ---- the head computation, piece by piece (shape-generic: any leading dims before [pos, ...]) ----
     def queries(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``q = b_k·z + d_k`` for every head (``hook_q``)."""
@@ -140,10 +184,6 @@ class NeuronAttention(nn.Module):
     def values(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = α_k·z + β_k`` for every head (``hook_v``)."""
         return self._per_head(pre, self.term_alpha).add(self.term_beta.repeat(self.d_mlp))[..., None]
-
-    def keys(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
-        """Keys of the real positions: all zero (``hook_k``; a real tensor, so in-place patches work)."""
-        return pre.new_zeros(*pre.shape[:-1], self.n_heads, 1)
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
@@ -171,12 +211,7 @@ class NeuronAttention(nn.Module):
     def attend(self, pre: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos n_heads 1"]:
         """Every head's ``hook_z`` from the neurons' pre-activations, through ``hook_q``, ``hook_k``, ``hook_v``
         (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
-        q = self.hook_q(self.queries(pre))
-        zeros = self.keys(pre)
-        version = zeros._version
-        k = self.hook_k(zeros)
-        keys_zero = k is zeros and k._version == version
-        return attend_self_and_slot(self, q, k, self.hook_v(self.values(pre)), keys_zero)
+        return self._attend(pre, pre)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_out"]:
         """The heads on their own (the paper's attention-only sub-layer, as the standard-mask construction uses it):
@@ -194,10 +229,6 @@ class NeuronAttention(nn.Module):
             return out if self.scratch is None else out[..., self.scratch[0] : self.scratch[0] + self.d_mlp]
         per_neuron = self.neuron_output(z)
         return per_neuron if self.W_out is None else per_neuron @ self.W_out + self.b_O
-
-    def internal_hooks(self) -> tuple[HookPoint, ...]:
-        """The per-head hooks, which need the per-head computation when attached."""
-        return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """How each per-head hook follows from ``hook_pre`` when nothing intervenes (for the compact cache): hook ->

@@ -29,19 +29,17 @@ from typing import Any
 import einops
 import torch
 from jaxtyping import Float
-from torch import Tensor, nn
+from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.neuron_attention import NeuronAttention, attend_self_and_slot
+from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MLPSpec
 
 
-class ProductAttention(nn.Module):
+class ProductAttention(SelfAndSlotHeads):
     """``2·d_mlp`` product heads: the gated MLP's ``act(g) ⊙ u`` and its output projection, plus the scratch clear."""
 
-    d_head = 1
-    attn_scale = 1.0
     heads_per_neuron = 2
     reads_scratch = True
 
@@ -65,20 +63,16 @@ class ProductAttention(nn.Module):
         self.d_model, self.d_mlp = W_in.shape
         self.d_scratch = d_scratch
         self.n_heads = 2 * self.d_mlp
-        self.use_attn_result = False
-
         self.hook_gate = HookPoint()  # [batch, pos, d_mlp]: h ≈ act(g), read from the scratch channels
-        self.hook_q = HookPoint()  # [batch, pos, head, 1]
-        self.hook_k = HookPoint()  # [batch, pos, head, 1]
-        self.hook_v = HookPoint()  # [batch, pos, head, 1]
-        self.hook_attn_scores = HookPoint()  # [batch, head, query, key]
-        self.hook_pattern = HookPoint()  # [batch, head, query, key]
-        self.hook_z = HookPoint()  # [batch, pos, head, 1]
-        self.hook_result = HookPoint()  # [batch, pos, head, d_model]
+        self._declare_hooks()
 
     @property
     def d_resid(self) -> int:
         return self.d_model + self.d_scratch
+
+    @property
+    def d_in(self) -> int:
+        return self.d_resid
 
     @property
     def signs(self) -> Float[Tensor, " n_heads"]:
@@ -95,14 +89,6 @@ class ProductAttention(nn.Module):
     @property
     def b_Q(self) -> Float[Tensor, "n_heads 1"]:
         return ((self.b_in * self.scales).repeat_interleave(2) * self.signs)[:, None]
-
-    @property
-    def W_K(self) -> Float[Tensor, "n_heads d_resid 1"]:
-        return self.W_in.new_zeros(self.n_heads, self.d_resid, 1)
-
-    @property
-    def b_K(self) -> Float[Tensor, "n_heads 1"]:
-        return self.W_in.new_zeros(self.n_heads, 1)
 
     @property
     def W_V(self) -> Float[Tensor, "n_heads d_resid 1"]:
@@ -124,25 +110,11 @@ class ProductAttention(nn.Module):
     def b_O(self) -> Float[Tensor, " d_model"]:
         return self.b_out if self.b_post is None else self.b_out + self.b_post @ self.W_out
 
-    @property
-    def k_bias(self) -> Float[Tensor, "n_heads 1"]:
-        """Key of the bias slot."""
-        return self.W_in.new_full((self.n_heads, 1), -1.0)
-
-    @property
-    def v_bias(self) -> Float[Tensor, "n_heads 1"]:
-        """Value of the bias slot."""
-        return self.W_in.new_zeros(self.n_heads, 1)
-
     # ---- the head computation, piece by piece (any leading dims before [pos, ...]) ----
     def queries(self, u: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``q = ±ε·u`` (``hook_q``)."""
         scaled = u * self.scales
         return torch.stack((scaled, -scaled), dim=-1).flatten(-2)[..., None]
-
-    def keys(self, u: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
-        """Keys of the real positions: all zero (``hook_k``; a real tensor, so in-place patches work)."""
-        return u.new_zeros(*u.shape[:-1], self.n_heads, 1)
 
     def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = h`` for both heads of a neuron (``hook_v``)."""
@@ -203,12 +175,7 @@ class ProductAttention(nn.Module):
     ) -> Float[Tensor, "batch pos n_heads 1"]:
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
-        q = self.hook_q(self.queries(u))
-        zeros = self.keys(u)
-        version = zeros._version
-        k = self.hook_k(zeros)
-        keys_zero = k is zeros and k._version == version
-        return attend_self_and_slot(self, q, k, self.hook_v(self.values(h)), keys_zero)
+        return self._attend(u, h)
 
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
         """The gated MLP this layer implements with its gate heads' weights (used by ``to_spec`` / ``revert``)."""
@@ -219,10 +186,6 @@ class ProductAttention(nn.Module):
             b_gate=exported(b_gate),
             b_post=None if self.b_post is None else exported(self.b_post),
         )
-
-    def internal_hooks(self) -> tuple[HookPoint, ...]:
-        """The per-head hooks, which need the per-head computation when attached."""
-        return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """How each per-head hook follows from ``hook_pre_linear`` and ``hook_gate`` (for the compact cache): hook ->
