@@ -113,7 +113,20 @@ class AOTConfig:
     activation_fits: dict[int, ActivationFit | GatedFit] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict (as ``HookedTransformerConfig.to_dict``)."""
+        """Refused: TransformerLens turns a config into a fresh ``HookedTransformer`` through ``to_dict``
+        (``HookedTransformerConfig.unwrap``, e.g. ``sae_lens.HookedSAETransformer(aot.cfg)``), and a
+        ``HookedTransformer`` cannot hold the converted model's neuron heads: it would silently be a different,
+        randomly initialised model. :meth:`fields` gives the fields as a dict."""
+        raise InputError(
+            "the converted model's config cannot build a HookedTransformer (e.g. HookedSAETransformer(aot.cfg)): a "
+            "HookedTransformer has no neuron heads. Run an SAE on the converted model itself with "
+            "aot.run_with_hooks(tokens, fwd_hooks=[(sae.cfg.metadata.hook_name, lambda act, hook: sae(act))]) (any "
+            "source hook name works); lens_aot.revert(aot) gives back a source model; aot.cfg.fields() gives this "
+            "config as a dict"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as a dict (what ``HookedTransformerConfig.to_dict`` gives for a source's config)."""
         return asdict(self)
 
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.neuron_attention import NeuronAttention, attend_self_and_slot
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.spec import MLPSpec
 
 
@@ -204,10 +204,7 @@ class ProductAttention(nn.Module):
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
         q = self.hook_q(self.queries(u))
-        zeros = self.keys(u)
-        version = zeros._version
-        k = self.hook_k(zeros)
-        keys_zero = k is zeros and k._version == version
+        k, keys_zero = through_hook(self.hook_k, self.keys(u))
         return attend_self_and_slot(self, q, k, self.hook_v(self.values(h)), keys_zero)
 
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
