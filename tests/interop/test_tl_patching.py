@@ -72,15 +72,40 @@ def test_head_patching(pair: Pair, name: str) -> None:
     """Every attention head of every source layer (``cfg.n_heads``; ``n_key_value_heads`` for k / v): the whole
     attention layer, written in place into ``hook_z / q / k / v / pattern``. Per-position sweeps run on the last 3
     positions (one forward per layer, position and head)."""
+    ignores_pattern = _source_ignores_pattern_writes(pair)
+    if "pattern" in name and ignores_pattern:
+        pytest.skip(
+            "this TransformerLens's native AttentionBridge ignores writes to hook_pattern (the source's patch "
+            "is a no-op)"
+        )
     want, got = _patch_both(_truncated(pair, 3) if "by_pos" in name else pair, HEAD_FUNCTIONS[name])
     assert want.shape[-3 if "by_pos" in name else -2] == pair.source.cfg.n_layers
+    if "every" in name and ignores_pattern:  # rows out, q, k, v, pattern: the source's pattern row is a no-op
+        want, got = want[:4], got[:4]
     assert_close(got, want, 2 * pair.logit_bound, f"get_act_patch_{name}")
 
 
 def test_pattern_dest_src_pos(pair: Pair) -> None:
     """One forward per (layer, head, dest, src): the last 3 positions."""
+    if _source_ignores_pattern_writes(pair):
+        pytest.skip("this TransformerLens's native AttentionBridge ignores writes to hook_pattern")
     want, got = _patch_both(_truncated(pair, 3), patching.get_act_patch_attn_head_pattern_dest_src_pos)
     assert_close(got, want, 2 * pair.logit_bound, "get_act_patch_attn_head_pattern_dest_src_pos")
+
+
+def _source_ignores_pattern_writes(p: Pair) -> bool:
+    """Whether zeroing ``blocks.0.attn.hook_pattern`` in place leaves the source's logits unchanged: TL 3.9's native
+    ``AttentionBridge`` computes its output without reading the hooked pattern, so TL's pattern patching cannot run
+    on such a source (found by the interop run on the converted model: the source's results were all the unpatched
+    metric)."""
+
+    def zero(pattern: torch.Tensor, hook: Any) -> None:
+        pattern.zero_()
+
+    with torch.no_grad():
+        plain = p.source(p.tokens[:1])
+        patched = p.source.run_with_hooks(p.tokens[:1], fwd_hooks=[("blocks.0.attn.hook_pattern", zero)])
+    return bool(torch.equal(plain, patched))
 
 
 def _truncated(p: Pair, n: int) -> Pair:
