@@ -113,7 +113,20 @@ class AOTConfig:
     activation_fits: dict[int, ActivationFit | GatedFit] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict (as ``HookedTransformerConfig.to_dict``)."""
+        """Refused: TransformerLens turns a config into a fresh ``HookedTransformer`` through ``to_dict``
+        (``HookedTransformerConfig.unwrap``, e.g. ``sae_lens.HookedSAETransformer(aot.cfg)``), and a
+        ``HookedTransformer`` cannot hold the converted model's neuron heads: it would silently be a different,
+        randomly initialised model. :meth:`fields` gives the fields as a dict."""
+        raise InputError(
+            "the converted model's config cannot build a HookedTransformer (e.g. HookedSAETransformer(aot.cfg)): a "
+            "HookedTransformer has no neuron heads. Run an SAE on the converted model itself with "
+            "aot.run_with_hooks(tokens, fwd_hooks=[(sae.cfg.metadata.hook_name, lambda act, hook: sae(act))]) (any "
+            "source hook name works); lens_aot.revert(aot) gives back a source model; aot.cfg.fields() gives this "
+            "config as a dict"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as a dict (what ``HookedTransformerConfig.to_dict`` gives for a source's config)."""
         return asdict(self)
 
 
@@ -183,6 +196,16 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         numbering (a name from lens_aot 0.1's flat layout gets :class:`HookNameError`)."""
         super().setup()
         self.mod_dict = _HookNames(self.mod_dict, len(self.blocks))
+        # TransformerLens 4 names the per-head attention inputs under ``attn`` (``blocks.{l}.attn.hook_q_input``:
+        # direct path patching, edge attribution patching), TransformerLens 3's HookedTransformer under the block
+        # (``blocks.{l}.hook_q_input``): both names address the block's one hook point, as on a TransformerBridge.
+        self.hook_aliases_: dict[str, str] = {
+            f"blocks.{layer}.attn.{hook}": f"blocks.{layer}.{hook}"
+            for layer in range(len(self.blocks))
+            for hook in ("hook_q_input", "hook_k_input", "hook_v_input", "hook_attn_in")
+        }
+        for alias, name in self.hook_aliases_.items():
+            self.mod_dict[alias] = self.hook_dict[alias] = self.mod_dict[name]
 
     # ------------------------------------------------------------------ forward
     @overload
@@ -286,7 +309,7 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
         possible: ``compact=False``, ``incl_bwd``, ``pos_slice``, ``use_attn_result``,
         ``return_cache_object=False``, or hooks already attached to neuron-head internals.
         """
-        wanted = _names_predicate(names_filter)
+        wanted = _AliasedPredicate(_names_predicate(names_filter), self.hook_aliases_)
         mlps = [(f"blocks.{i}.mlp", b.mlp) for i, b in enumerate(self.blocks) if b.has_mlp]
         eager = not compact or incl_bwd or pos_slice is not None or not return_cache_object or self.cfg.use_attn_result
         eager = eager or any(hooked(*mlp.internal_hooks()) for _, mlp in mlps)
@@ -305,6 +328,9 @@ class AttentionOnlyTransformer(Tokenizing, HookedRootModule):
             remove_batch_dim=remove_batch_dim,
             **kwargs,
         )
+        for alias, name in self.hook_aliases_.items():
+            if name in cache_dict and wanted.by_alias(alias):
+                cache_dict[alias] = cache_dict[name]
         if not return_cache_object:
             return out, cache_dict
         lazy = LazyCacheDict(cache_dict)
@@ -613,6 +639,22 @@ def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | Non
         allowed = set(names_filter)
         return lambda name: name in allowed
     return names_filter
+
+
+class _AliasedPredicate:
+    """A ``names_filter`` over canonical hook names: an alias (``blocks.{l}.attn.hook_q_input``) is never cached
+    under its own name by TransformerLens (one hook point, one ``hook.name``); wanting it wants its hook point, and
+    :meth:`by_alias` says which aliases to add to the cache afterwards."""
+
+    def __init__(self, wanted: Callable[[str], bool], aliases: dict[str, str]) -> None:
+        self.wanted, self.aliases = wanted, aliases
+        self.via_alias = {name for alias, name in aliases.items() if wanted(alias)}
+
+    def __call__(self, name: str) -> bool:
+        return name not in self.aliases and (self.wanted(name) or name in self.via_alias)
+
+    def by_alias(self, alias: str) -> bool:
+        return self.wanted(alias)
 
 
 def lm_cross_entropy_loss(

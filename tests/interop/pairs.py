@@ -50,6 +50,9 @@ HOOKED_FAMILIES = {
 }
 FAMILY_NAMES = [*BRIDGE_FAMILIES, *(HOOKED_FAMILIES if HAS_HOOKED_TRANSFORMER else {}), "trained-modular-addition"]
 BATCH, POS = 2, 8
+# Functions that only combine ones the matrix runs on every family (``*_every``, ``dest_src_pos``) run on these: the
+# trained model (one layer, 4 heads, neurons) is the cheapest pair, under both TransformerLens majors.
+WRAPPER_FAMILIES = ["trained-modular-addition"]
 
 
 @dataclass
@@ -141,6 +144,8 @@ def _build_source(name: str) -> tuple[Any, Tensor, Tensor]:
 
 
 _CACHE: dict[str, Pair] = {}
+# (test id, what, max |Δ|, bound) of every comparison: printed after the run (conftest), the README's figures
+FIGURES: list[tuple[str, str, float, float]] = []
 
 
 @pytest.fixture(params=FAMILY_NAMES)
@@ -178,4 +183,5 @@ def assert_close(got: Tensor, want: Tensor, bound: float, what: str) -> None:
     got, want = torch.as_tensor(got).detach(), torch.as_tensor(want).detach()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != source's {tuple(want.shape)}"
     error = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    FIGURES.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], what, error, bound))
     assert error <= bound, f"{what}: max |Δ| {error:.3e} exceeds the bound {bound:.3e}"

@@ -10,6 +10,11 @@ import torch
 
 from interop.pairs import Pair, assert_close
 
+try:  # TransformerLens 4 moved transformer_lens.utils to transformer_lens.utilities
+    from transformer_lens.utilities import get_attention_mask
+except ImportError:
+    from transformer_lens.utils import get_attention_mask
+
 
 def _greedy(model: Any, tokens: torch.Tensor, kv: bool) -> torch.Tensor:
     new = min(4, int(model.cfg.n_ctx) - tokens.shape[1])
@@ -42,8 +47,9 @@ def test_left_padding_attention_mask(pair: Pair) -> None:
     results = []
     for model in (pair.source, pair.model):
         tokens = model.to_tokens(prompts, **kwargs)
-        mask = (tokens != model.tokenizer.pad_token_id).long()
-        mask[:, 0] = 1 if bool((tokens[:, 0] != model.tokenizer.pad_token_id).all()) else mask[:, 0]
+        # TransformerLens's own mask (it keeps a BOS that shares the pad id; the earlier hand-made mask hid the
+        # longest row's BOS, whose masked query then has no defined output on either model).
+        mask = get_attention_mask(model.tokenizer, tokens, prepend_bos=True, padding_side="left")
         with torch.no_grad():
             results.append((tokens, model(tokens, attention_mask=mask, padding_side="left")))
     (src_tokens, want), (tokens, got) = results

@@ -28,6 +28,10 @@ class TransformerBlock(nn.Module):
     (``use_attn_in`` / ``use_split_qkv_input``) and ``hook_mlp_in`` (``use_hook_mlp_in``).
     """
 
+    # TransformerLens 4's readout tools (``tools.analysis.logit_lens``) read a block's output as the residual stream
+    # only when its component says so: ``hook_resid_post`` is the whole residual stream here, as in a source block.
+    hook_out_is_single_residual_stream: bool = True
+
     def __init__(
         self, ln1: Norm, attn: Attention, ln2: Norm | None = None, mlp: nn.Module | None = None, parallel: bool = False
     ) -> None:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
 
@@ -100,10 +100,7 @@ class SelfAndSlotHeads(nn.Module):
         """Every head's ``hook_z`` from the tensors its queries and values are computed from, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
         q = self.hook_q(self.queries(q_in))
-        zeros = self.keys(q_in)
-        version = zeros._version
-        k = self.hook_k(zeros)
-        keys_zero = k is zeros and k._version == version
+        k, keys_zero = through_hook(self.hook_k, self.keys(q_in))
         return attend_self_and_slot(self, q, k, self.hook_v(self.values(v_in)), keys_zero)
 
     def internal_hooks(self) -> tuple[HookPoint, ...]:

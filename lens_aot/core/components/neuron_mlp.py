@@ -78,7 +78,12 @@ class NeuronMLP(nn.Module):
 
     @property
     def b_in(self) -> Float[Tensor, " d_mlp"]:
-        return self._out_heads.b_in
+        """The source's ``b_in``: plain MLPs, the pre-activation bias; TransformerLens's ``GatedMLP`` adds its
+        ``b_in`` after the product (``act(x·W_gate) ⊙ (x·W_in) + b_in``), which the product heads hold as ``b_post``;
+        a gated source without it (Hugging Face's ``mlp_bias``) has the linear branch's bias here."""
+        heads = self._out_heads
+        b_post = getattr(heads, "b_post", None)
+        return heads.b_in if b_post is None else b_post
 
     @property
     def W_out(self) -> Float[Tensor, "d_mlp d_model"]:

@@ -7,7 +7,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.spec import NormKind, NormSpec
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -46,9 +46,8 @@ class Norm(nn.Module):
             x = x - x.mean(-1, keepdim=True)
         mean_square = x.pow(2).mean(-1, keepdim=True) + self.eps
         scale = mean_square.sqrt()
-        version = scale._version
-        hooked_scale = self.hook_scale(scale)  # runs on every forward, so every observer sees it
-        if self.rsqrt and hooked_scale is scale and scale._version == version:  # unchanged: the source's rounding
+        hooked_scale, unchanged = through_hook(self.hook_scale, scale)  # runs on every forward: all observers see it
+        if self.rsqrt and unchanged:  # the source's rounding
             x = x * torch.rsqrt(mean_square)
         else:
             x = x / hooked_scale

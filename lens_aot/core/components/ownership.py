@@ -14,6 +14,8 @@ from contextvars import ContextVar
 
 from torch import Tensor, nn
 
+from lens_aot.tl.hooks import hooked
+
 _TAKEN: ContextVar[set[int] | None] = ContextVar("lens_aot_adopting", default=None)
 
 
@@ -57,3 +59,16 @@ def sharing() -> Iterator[None]:
 def exported(t: Tensor) -> Tensor:
     """``t`` for a spec read off a model: a copy, or inside :func:`sharing` ``t`` itself (detached)."""
     return t.detach() if _SHARING.get() else t.detach().clone()
+
+
+def through_hook(hook: nn.Module, x: Tensor) -> tuple[Tensor, bool]:
+    """``hook(x)`` and whether it returned ``x`` itself, unwritten (so a closed form computed from ``x``'s origin
+    still holds). A tensor made under ``torch.inference_mode`` (``generate``) tracks no version counter: it is then
+    known unwritten only when no hook is attached."""
+    if x.is_inference():
+        untouched = not hooked(hook)
+        out = hook(x)
+        return out, untouched and out is x
+    version = x._version
+    out = hook(x)
+    return out, out is x and out._version == version
