@@ -139,3 +139,22 @@ def test_transformer_lens_model_protocol(pair: Pair) -> None:
     for name in ("TransformerLensModel", "TransformerLensModelWithWeights", "TrainableTransformerLensModel"):
         assert isinstance(pair.source, getattr(protocol, name)), f"the source is not a {name}"
         assert isinstance(pair.model, getattr(protocol, name)), f"the converted model is not a {name}"
+
+
+@pytest.mark.parametrize("pair", ["bridge-gpt2"], indirect=True)
+def test_attn_scoped_input_hook_names(pair: Pair) -> None:
+    """TL 4's tools name the per-head inputs ``blocks.{l}.attn.hook_q_input`` (TL 3.9: ``blocks.{l}.hook_q_input``):
+    on the converted model both names address one hook point, and ``run_with_cache`` stores the name asked for."""
+    if pair.model is pair.source:
+        pytest.skip("self-check: the source names its own hooks")
+    names = ["blocks.0.attn.hook_q_input", "blocks.0.hook_q_input"]
+    pair.model.set_use_split_qkv_input(True)
+    try:
+        with torch.no_grad():
+            _, only_alias = pair.model.run_with_cache(pair.tokens, names_filter=names[:1])
+            _, both = pair.model.run_with_cache(pair.tokens, names_filter=names)
+    finally:
+        pair.model.set_use_split_qkv_input(False)
+    assert pair.model.hook_dict[names[0]] is pair.model.hook_dict[names[1]]
+    assert names[0] in only_alias.cache_dict
+    assert torch.equal(both[names[0]], both[names[1]])

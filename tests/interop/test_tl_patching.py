@@ -95,7 +95,7 @@ def test_every_patching(pair: Pair, name: str) -> None:
     assert_close(got, want, 2 * pair.logit_bound, f"get_act_patch_{name}")
 
 
-@pytest.mark.parametrize("pair", WRAPPER_FAMILIES, indirect=True)
+@pytest.mark.parametrize("pair", [*WRAPPER_FAMILIES, "bridge-gpt2"], indirect=True)
 def test_pattern_dest_src_pos(pair: Pair) -> None:
     """One forward per (layer, head, dest, src): the last ``BY_POS`` positions; the in-place ``hook_pattern`` write
     it uses is run on every family by ``attn_head_pattern_*``."""
