@@ -42,7 +42,7 @@ for _name, _module in {
     _sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AOTConfig",
