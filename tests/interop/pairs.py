@@ -8,7 +8,7 @@ model, and asserts the two results agree within the conversion's bound (issue 15
   ``native-gated`` (RMS, rotary, gated SwiGLU), from ``factories_bridge``;
 - HookedTransformer (TL 3.9 only): ``ln-standard`` (SiLU: Theorem 3 exact), ``llama`` (RMS, rotary, GQA, SwiGLU) and
   ``gptj`` (parallel attention + MLP, gelu_new), from ``factories_hooked``;
-- the embedded trained model (``lens_aot.demo_models.load_modular_addition``, ReLU, one layer).
+- the embedded trained model (``lens_aot.cli.demo_models.load_modular_addition``, ReLU, one layer).
 
 Bounds. Logit-space results are judged against ``aot.report.logit_bound`` (``max(stated, 8·S + 4·R)``, measured by
 ``convert`` on the very tokens the test uses, ``check_tokens``). Any other quantity ``q`` computed from a forward
@@ -133,7 +133,7 @@ def _build_source(name: str) -> tuple[Any, Tensor, Tensor]:
         source.set_tokenizer(tiny_tokenizer(), default_padding_side="right")
         source.eval()
         return (source, *_tokens(int(source.cfg.d_vocab), 0))
-    from lens_aot.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
+    from lens_aot.cli.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
 
     source = load_modular_addition()
     data, _ = modular_addition_dataset()
