@@ -247,9 +247,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, HookedRootModule):
         else:
             resid = input
             mask = attention_mask
-        blocks = list(zip(self.blocks, self._block_devices, strict=True))
-        first = 0 if start_at_layer is None else start_at_layer % max(len(blocks), 1)
-        for layer, (block, device) in enumerate(blocks[start_at_layer:stop_at_layer], start=first):
+        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:
+            block, device = self.blocks[layer], self._block_devices[layer]
             if resid.device != device:  # a model over several devices: the residual follows the blocks
                 resid = resid.to(device)
             entry = None if past_kv_cache is None else past_kv_cache[layer]

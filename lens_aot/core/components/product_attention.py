@@ -41,7 +41,6 @@ class ProductAttention(SelfAndSlotHeads):
     """``2·d_mlp`` product heads: the gated MLP's ``act(g) ⊙ u`` and its output projection, plus the scratch clear."""
 
     heads_per_neuron = 2
-    reads_scratch = True
 
     def __init__(
         self,
