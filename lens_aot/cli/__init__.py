@@ -25,12 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="convert the embedded modular-addition model and show a neuron head")
 
-    conv = sub.add_parser(
-        "convert",
-        help="convert a model and save it",
-        description="Load SOURCE, convert it (every MLP neuron becomes attention heads), print the report, save "
-        "to OUT.",
-    )
+    conv = sub.add_parser("convert", help="convert a model and save it", description=convert_command.__doc__)
     conv.add_argument("source", metavar="SOURCE", help="model name, Hugging Face directory, or .pt checkpoint")
     conv.add_argument("out", metavar="OUT", help="directory to save the converted model to")
     conv.add_argument("--max-neuron-error", type=float, default=None, metavar="E", help="per-neuron activation bound")
@@ -43,10 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--quiet", action="store_true", help="no progress output")
 
     ver = sub.add_parser(
-        "verify",
-        help="re-measure a saved model's agreement with its source",
-        description="Load a model saved by `lens-aot convert` and its source, and compare their logits on random "
-        "tokens. Exit 1 if max |Δlogit| exceeds the bound.",
+        "verify", help="re-measure a saved model's agreement with its source", description=verify_command.__doc__
     )
     ver.add_argument("converted", metavar="CONVERTED", help="directory written by `lens-aot convert` / lens_aot.save")
     ver.add_argument("--source", default=None, help="the source model (default: the one recorded by convert)")

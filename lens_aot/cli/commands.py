@@ -27,6 +27,7 @@ class CommandError(Exception):
 
 
 def convert_command(args: argparse.Namespace) -> int:
+    """Load SOURCE, convert it (every MLP neuron becomes attention heads), print the report, save to OUT."""
     import lens_aot
 
     out = Path(args.out)
@@ -72,6 +73,8 @@ def convert_command(args: argparse.Namespace) -> int:
 
 
 def verify_command(args: argparse.Namespace) -> int:
+    """Load a model saved by `lens-aot convert` and its source, and compare their logits on random tokens. Exit 1 if
+    max |Δlogit| exceeds the bound."""
     import lens_aot
     from lens_aot.core.faithfulness import conversion_bound
     from lens_aot.core.read import read_model, run_source

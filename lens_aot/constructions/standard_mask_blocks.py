@@ -169,15 +169,15 @@ class StandardMaskAttention(nn.Module):
         self.W_K = nn.Parameter(W_K)
         self.W_V = nn.Parameter(W_V)
         self.W_O = nn.Parameter(W_O)
+        self.n_heads = W_Q.shape[0]
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
         self.register_buffer("penalty_features", penalty_features)
         self.register_buffer("penalty_forms", penalty_forms)
         self.register_buffer("penalty_coeff", penalty_coeff)
         self.causal = causal
         self.softmax_dtype = softmax_dtype
-        self.n_heads = W_Q.shape[0]
-        self.hook_q = HookPoint()
-        self.hook_k = HookPoint()
-        self.hook_v = HookPoint()
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()

@@ -7,7 +7,7 @@ such terms, one head each:
 
 * SiLU is one term ``(1, 0, 1, 0)``: exact.
 * ReLU is one term ``(1, 0, a, 0)`` with a large sharpness ``a``: ``|z·σ(a·z) − relu(z)| ≤ 0.2785/a`` for all z.
-* GELU (erf), gelu_new and gelu_fast are minimax fits with K terms (``fits_table.py``, made by
+* GELU (erf), gelu_new and gelu_fast are minimax fits with K terms (``fits_table.json``, made by
   ``scripts/fit_activations.py``); the table stores each fit's measured sup-norm error over ℝ.
 """
 

@@ -29,6 +29,26 @@ def offset_position_ids(
     return shifted.masked_fill(shifted < 0, 0)[:, past_kv_pos_offset:]
 
 
+def position_rows(
+    table: Float[Tensor, "n_ctx d"],
+    pos: int,
+    past_kv_pos_offset: int = 0,
+    attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+) -> Float[Tensor, "batch_or_1 pos d"]:
+    """The rows of a per-position table (learned positions, rotary angles) for the ``pos`` positions after the first
+    ``past_kv_pos_offset``: ``table[offset : offset + pos]`` (batch 1), or with an ``attention_mask`` each sequence's
+    own positions (:func:`offset_position_ids`). Raises :class:`InputError` past the table's ``n_ctx`` rows."""
+    n_ctx = table.shape[0]
+    if past_kv_pos_offset + pos > n_ctx:
+        raise InputError(
+            f"{past_kv_pos_offset + pos} positions exceed the model's n_ctx={n_ctx}; pass a shorter input or fewer "
+            "generated tokens."
+        )
+    if attention_mask is None:
+        return table[None, past_kv_pos_offset : past_kv_pos_offset + pos]
+    return table[offset_position_ids(past_kv_pos_offset, attention_mask).to(table.device)]
+
+
 def padding_attention_mask(
     tokens: Int[Tensor, "batch pos"],
     pad_token_id: int | None,

@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from transformer_lens import ActivationCache, HookedRootModule
-from transformer_lens.hook_points import HookPoint
+from transformer_lens import ActivationCache
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
-from lens_aot.core.components import Attention, Embed, Norm, PosEmbed, Unembed
+from lens_aot.core.components import Attention, Norm
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
+from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
@@ -78,31 +78,15 @@ class Sublayer(NamedTuple):
     layer: int
 
 
-@dataclass
-class AOTConfig:
+@dataclass(kw_only=True)
+class AOTConfig(SourceConfig):
     """TransformerLens-style configuration of the converted model: the source's fields, with the source's meaning."""
 
-    n_layers: int  # source layers (one block each)
-    d_model: int
-    n_ctx: int
-    d_vocab: int
-    d_vocab_out: int
     n_heads: int  # heads of the source's attention
     d_head: int
     n_key_value_heads: int | None
-    normalization_type: str | None
-    positional_embedding_type: str
-    attention_dir: str
-    dtype: torch.dtype
-    device: torch.device
-    model_name: str = "unnamed"
     default_prepend_bos: bool = True
     tokenizer_prepends_bos: bool | None = None
-    attn_only: bool = False
-    d_mlp: int | None = None
-    act_fn: str | None = None
-    gated_mlp: bool = False
-    parallel_attn_mlp: bool = False
     rotary_dim: int | None = None
     use_attn_result: bool = False
     use_split_qkv_input: bool = False
@@ -131,7 +115,7 @@ class AOTConfig:
         return asdict(self)
 
 
-class AttentionOnlyTransformer(StackedWeights, Tokenizing, HookedRootModule):
+class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     """An attention-only hooked transformer whose former MLP neurons are attention heads.
 
     Behaves like a TransformerLens model: ``model(tokens)``, ``run_with_cache``, ``run_with_hooks``, ``hooks()``,
@@ -141,49 +125,24 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, HookedRootModule):
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
         (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
-        super().__init__()
-        self.embed = Embed(spec.W_E)
-        self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        if spec.positions == "standard":
-            assert spec.W_pos is not None
-            self.pos_embed = PosEmbed(spec.W_pos)
-            self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         blocks = []
         for layer, ls in enumerate(spec.layers):
             mlp = None if ls.mlp is None else NeuronMLP(ls.mlp, fits[layer])
             ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
             attn = Attention(ls.attn, spec.causal, spec.rotary)
             blocks.append(TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, parallel=ls.parallel))
-        self.blocks = nn.ModuleList(blocks)
-        self.ln_final = Norm(spec.ln_final)
-        self.unembed = Unembed(spec.W_U, spec.b_U)
-        self.tokenizer = spec.tokenizer
+        super().__init__(spec, blocks)
         attn0 = spec.layers[0].attn if spec.layers else None
-        mlp0 = next((ls.mlp for ls in spec.layers if ls.mlp is not None), None)
-        self.cfg = AOTConfig(
-            n_layers=len(spec.layers),
-            d_model=spec.d_model,
-            n_ctx=spec.n_ctx,
-            d_vocab=spec.d_vocab,
-            d_vocab_out=spec.d_vocab_out,
+        self.cfg = AOTConfig.of(
+            spec,
             n_heads=attn0.W_Q.shape[0] if attn0 is not None else 0,
             d_head=attn0.W_Q.shape[2] if attn0 is not None else 0,
             n_key_value_heads=(
                 None if attn0 is None or attn0.W_K.shape[0] == attn0.W_Q.shape[0] else attn0.W_K.shape[0]
             ),
-            normalization_type=spec.ln_final.kind,
-            positional_embedding_type=spec.positions,
-            attention_dir="causal" if spec.causal else "bidirectional",
-            dtype=spec.dtype,
-            device=spec.device,
             model_name=f"{spec.model_name} (attention-only)",
             default_prepend_bos=spec.default_prepend_bos,
             tokenizer_prepends_bos=spec.extra.get("tokenizer_prepends_bos"),
-            attn_only=mlp0 is None,
-            d_mlp=None if mlp0 is None else int(mlp0.W_in.shape[1]),
-            act_fn=None if mlp0 is None else mlp0.act_fn,
-            gated_mlp=mlp0 is not None and mlp0.gated,
-            parallel_attn_mlp=any(ls.parallel for ls in spec.layers),
             rotary_dim=None if spec.rotary is None else spec.rotary.rotary_dim,
             source_kind=spec.source_kind,
             activation_fits=dict(fits),

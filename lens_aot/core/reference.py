@@ -11,57 +11,27 @@ attention and norm modules of :mod:`lens_aot.core.components`. Because of that r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
-from torch import Tensor, nn
-from transformer_lens import HookedRootModule
-from transformer_lens.hook_points import HookPoint
+from torch import Tensor
 
-from lens_aot.core.components import MLP, Attention, Embed, Norm, PosEmbed, Unembed
+from lens_aot.core.components import MLP, Attention, Norm
 from lens_aot.core.components.block import TransformerBlock
+from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.spec import LayerSpec, ModelSpec, RotarySpec
 
 
-@dataclass
-class MLPTransformerConfig:
-    """The TransformerLens-style fields of an :class:`MLPTransformer`."""
-
-    n_layers: int
-    d_model: int
-    n_ctx: int
-    d_vocab: int
-    d_vocab_out: int
-    d_mlp: int | None
-    act_fn: str | None
-    normalization_type: str | None
-    positional_embedding_type: str
-    attention_dir: str
-    parallel_attn_mlp: bool
-    gated_mlp: bool
-    dtype: torch.dtype
-    device: torch.device
-    model_name: str = "unnamed"
-    attn_only: bool = False
+class MLPTransformerConfig(SourceConfig):
+    """The TransformerLens-style fields of an :class:`MLPTransformer`: the source's own."""
 
 
-class MLPTransformer(HookedRootModule):
+class MLPTransformer(SpecTransformer):
     """The standard transformer a :class:`~lens_aot.core.spec.ModelSpec` describes, with TransformerLens hook names."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.embed = Embed(spec.W_E)
-        self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        if spec.positions == "standard":
-            assert spec.W_pos is not None
-            self.pos_embed = PosEmbed(spec.W_pos)
-            self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
-        self.blocks = nn.ModuleList(_block(layer, spec.causal, spec.rotary) for layer in spec.layers)
-        self.ln_final = Norm(spec.ln_final)
-        self.unembed = Unembed(spec.W_U, spec.b_U)
-        self.tokenizer = spec.tokenizer
+        super().__init__(spec, [_block(layer, spec.causal, spec.rotary) for layer in spec.layers])
         self._spec_info = {
             "causal": spec.causal,
             "positions": spec.positions,
@@ -71,25 +41,7 @@ class MLPTransformer(HookedRootModule):
             "source_kind": spec.source_kind,
             "extra": dict(spec.extra),
         }
-        mlp0 = next((layer.mlp for layer in spec.layers if layer.mlp is not None), None)
-        self.cfg = MLPTransformerConfig(
-            n_layers=len(spec.layers),
-            d_model=spec.d_model,
-            n_ctx=spec.n_ctx,
-            d_vocab=spec.d_vocab,
-            d_vocab_out=spec.d_vocab_out,
-            d_mlp=None if mlp0 is None else int(mlp0.W_in.shape[1]),
-            act_fn=None if mlp0 is None else mlp0.act_fn,
-            normalization_type=spec.ln_final.kind,
-            positional_embedding_type=spec.positions,
-            attention_dir="causal" if spec.causal else "bidirectional",
-            parallel_attn_mlp=any(layer.parallel for layer in spec.layers),
-            gated_mlp=mlp0 is not None and mlp0.gated,
-            dtype=spec.dtype,
-            device=spec.device,
-            model_name=spec.model_name,
-            attn_only=mlp0 is None,
-        )
+        self.cfg = MLPTransformerConfig.of(spec, model_name=spec.model_name)
         self.setup()
 
     def forward(

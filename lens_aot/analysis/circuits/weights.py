@@ -6,7 +6,7 @@ See :mod:`lens_aot.analysis.circuits` for the conventions (TransformerLens layou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from jaxtyping import Float, Int
@@ -15,6 +15,12 @@ from torch import Tensor
 from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_module, head_norm, sublayer
 from lens_aot.core.components import NeuronAttention
 from lens_aot.core.model import AttentionOnlyTransformer
+
+# one head's weight shapes (``r``: its internal dimension, ``s``: its memory slots)
+Reads: TypeAlias = Float[Tensor, "d_model r"]
+Bias: TypeAlias = Float[Tensor, " r"]
+Writes: TypeAlias = Float[Tensor, "r d_model"]
+Slots: TypeAlias = Float[Tensor, "s r"]
 
 
 @dataclass
@@ -30,15 +36,15 @@ class HeadWeights:
 
     name: str  # the head's module (``HeadRef.name``)
     head: int
-    W_Q: Float[Tensor, "d_model r"]
-    b_Q: Float[Tensor, " r"]
-    W_K: Float[Tensor, "d_model r"]
-    b_K: Float[Tensor, " r"]
-    W_V: Float[Tensor, "d_model r"]
-    b_V: Float[Tensor, " r"]
-    W_O: Float[Tensor, "r d_model"]
-    k_slot: Float[Tensor, "s r"]
-    v_slot: Float[Tensor, "s r"]
+    W_Q: Reads
+    b_Q: Bias
+    W_K: Reads
+    b_K: Bias
+    W_V: Reads
+    b_V: Bias
+    W_O: Writes
+    k_slot: Slots
+    v_slot: Slots
     attn_scale: float
 
     @property

@@ -49,9 +49,9 @@ from lens_aot.analysis.patching.activation import patch_heads, patch_neurons, pa
 from lens_aot.analysis.patching.attribution import Method, attribute_heads, attribute_neurons, attribute_units
 from lens_aot.analysis.patching.check import Verification, verify_attribution
 from lens_aot.analysis.patching.edges import attribute_edges
+from lens_aot.analysis.patching.options import Direction, Metric, ReceiverInput, TokensLike
 from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchEntry, PatchingResult, PathPatchingResult, Quantity, Ranking
-from lens_aot.analysis.patching.runs import Direction, Metric, ReceiverInput, TokensLike
 from lens_aot.analysis.patching.tl_shaped import (
     get_act_patch_mlp_neuron_all_pos,
     get_act_patch_mlp_neuron_by_pos,

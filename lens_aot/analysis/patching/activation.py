@@ -16,11 +16,9 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from lens_aot.analysis.patching.options import Direction, Metric, TokensLike
 from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
-    Direction,
-    Metric,
-    TokensLike,
     _both_runs,
     _chunks,
     _direction,
@@ -51,7 +49,7 @@ from lens_aot.errors import InputError
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from lens_aot.analysis.patching.runs import PatchOptions
+    from lens_aot.analysis.patching.options import PatchOptions
 
 __all__ = ["patch_heads", "patch_neurons", "patch_units"]
 
@@ -190,7 +188,7 @@ def patch_units(
     if per_position:
         out = out.reshape(len(resolved), len(pos_list or []))
     positions_out = pos_list if per_position else None
-    return _node_result(index, resolved, out, positions_out, direction, runs.clean_metric, runs.corrupted_metric)
+    return _node_result(index, resolved, out, positions_out, direction, runs)
 
 
 def _add_hook(delta: Float[Tensor, "run batch pos d_model"]) -> Callable[..., Tensor]:

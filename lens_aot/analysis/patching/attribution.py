@@ -47,12 +47,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
-    Direction,
-    Method,
-    Metric,
-    TokensLike,
     _both_runs,
     _direction,
     _no_blocks,
@@ -80,7 +77,7 @@ from lens_aot.errors import InputError
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from lens_aot.analysis.patching.runs import AttributionOptions
+    from lens_aot.analysis.patching.options import AttributionOptions
 
 __all__ = ["Method", "attribute_heads", "attribute_neurons", "attribute_units"]
 
@@ -187,7 +184,7 @@ def attribute_units(
     effect = effect if per_position else effect[:, 0]
     positions_out = pos_list if per_position else None
     values = runs.base.metric + effect
-    return _node_result(index, resolved, values, positions_out, direction, runs.clean_metric, runs.corrupted_metric)
+    return _node_result(index, resolved, values, positions_out, direction, runs)
 
 
 def _unit_sums(

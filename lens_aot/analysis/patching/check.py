@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from lens_aot.analysis.patching.activation import patch_units
+from lens_aot.analysis.patching.options import Metric, TokensLike
 from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchingResult, PathPatchingResult, Ranking
-from lens_aot.analysis.patching.runs import Metric, TokensLike
 from lens_aot.analysis.patching.units import _receiver_label
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError

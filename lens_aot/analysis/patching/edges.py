@@ -11,13 +11,10 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.analysis.patching.attribution import _head_z, _method
-from lens_aot.analysis.patching.results import PathPatchingResult
+from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
+from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
     _CHUNK_ELEMENTS,
-    Direction,
-    Method,
-    Metric,
-    TokensLike,
     _both_runs,
     _direction,
     _pair,
@@ -135,16 +132,7 @@ def attribute_edges(
         # receivers with a nonlinearity recomputed exactly (neuron, gate, product heads)
         for name in neuron_recv:
             edges += _forward_edges(aot, name, sender_units, receiver_units, inputs, dz, runs, batch_size, progress)
-    return PathPatchingResult(
-        values=runs.base.metric + edges,
-        senders=sender_units,
-        receivers=receiver_units,
-        receiver_input=inputs,
-        clean_metric=runs.clean_metric,
-        corrupted_metric=runs.corrupted_metric,
-        direction=direction,
-        modules=index.names,
-    )
+    return _path_result(index, runs.base.metric + edges, sender_units, receiver_units, inputs, direction, runs)
 
 
 def _covers(unit: PatchUnit, name: str) -> bool:

@@ -19,12 +19,10 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from lens_aot.analysis.patching.activation import _delta, _variants_per_forward
-from lens_aot.analysis.patching.results import PathPatchingResult
+from lens_aot.analysis.patching.options import Direction, Metric, TokensLike
+from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
-    Direction,
     Hook,
-    Metric,
-    TokensLike,
     _both_runs,
     _capture,
     _chunks,
@@ -156,30 +154,7 @@ def path_patch(
                 logits = _run(aot, base_t.repeat(len(stacked), 1), hooks)
                 for v, (row, r) in enumerate(stacked):
                     values[chunk[row], r] = _scalar(metric(logits[v * batch : (v + 1) * batch]), "path-patched")
-    return PathPatchingResult(
-        values=values,
-        senders=sender_units,
-        receivers=receiver_units,
-        receiver_input=inputs,
-        clean_metric=runs.clean_metric,
-        corrupted_metric=runs.corrupted_metric,
-        direction=direction,
-        recomputed=tuple(free_heads),
-        modules=index.names,
-    )
-
-
-def _set_hook(
-    base: Float[Tensor, "batch pos d_model"], delta: Float[Tensor, "run batch pos d_model"] | None
-) -> Callable[..., Tensor]:
-    """Module-output hook of stacked runs: replace the output by ``base + delta`` (every head frozen, senders moved;
-    ``delta`` None: no sender in this module)."""
-
-    def hook(out: Float[Tensor, "rows pos d_model"], hook: Any) -> Tensor:
-        stacked = base[None].to(out.dtype).expand(out.shape[0] // base.shape[0], *base.shape)
-        return (stacked if delta is None else stacked + delta.to(out.dtype)).reshape(out.shape)
-
-    return hook
+    return _path_result(index, values, sender_units, receiver_units, inputs, direction, runs, tuple(free_heads))
 
 
 def _freeze_hook(
@@ -195,6 +170,19 @@ def _freeze_hook(
         stacked = z.reshape(sender.shape[0], -1, *z.shape[1:])
         kept = torch.where(free[None, None, None, :, None], stacked, base[None].to(z.dtype))
         return torch.where(sender[:, None, None, :, None], other[None].to(z.dtype), kept).reshape(z.shape)
+
+    return hook
+
+
+def _set_hook(
+    base: Float[Tensor, "batch pos d_model"], delta: Float[Tensor, "run batch pos d_model"] | None
+) -> Callable[..., Tensor]:
+    """Module-output hook of stacked runs: replace the output by ``base + delta`` (every head frozen, senders moved;
+    ``delta`` None: no sender in this module)."""
+
+    def hook(out: Float[Tensor, "rows pos d_model"], hook: Any) -> Tensor:
+        stacked = base[None].to(out.dtype).expand(out.shape[0] // base.shape[0], *base.shape)
+        return (stacked if delta is None else stacked + delta.to(out.dtype)).reshape(out.shape)
 
     return hook
 

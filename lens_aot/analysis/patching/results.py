@@ -15,7 +15,10 @@ from typing import Any, Literal, NamedTuple
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.analysis.patching.runs import Direction, ReceiverInput
+from lens_aot.analysis.patching.options import Direction, ReceiverInput
+from lens_aot.analysis.patching.runs import (
+    _Runs,
+)
 from lens_aot.analysis.patching.units import (
     NeuronRef,
     PatchUnit,
@@ -320,25 +323,42 @@ def _examples(units: Sequence[PatchUnit | str]) -> list[str]:
     return [_receiver_label(u) for u in units[:5]]
 
 
+def _baselines(runs: _Runs, direction: Direction) -> dict[str, Any]:
+    """The fields every result takes from its pair of runs: both metrics and the direction."""
+    return dict(clean_metric=runs.clean_metric, corrupted_metric=runs.corrupted_metric, direction=direction)
+
+
 def _node_result(
     index: _Index,
     units: list[PatchUnit],
     values: Float[Tensor, "unit ..."],
     positions: list[int] | None,
     direction: Direction,
-    clean_metric: float,
-    corrupted_metric: float,
+    runs: _Runs,
 ) -> PatchingResult:
     """A :class:`PatchingResult` of ``units``, annotated with the model's neuron counts (patching and attribution)."""
     d_mlp, heads_per_neuron = index.annotate(units)
-    return PatchingResult(
+    counts = dict(n_heads=dict(index.n_heads), d_mlp=d_mlp, heads_per_neuron=heads_per_neuron)
+    return PatchingResult(values, units, positions, **_baselines(runs, direction), **counts)
+
+
+def _path_result(
+    index: _Index,
+    values: Float[Tensor, "sender receiver"],
+    senders: list[PatchUnit],
+    receivers: list[PatchUnit | Literal["logits"]],
+    inputs: tuple[ReceiverInput, ...],
+    direction: Direction,
+    runs: _Runs,
+    recomputed: tuple[HeadRef, ...] = (),
+) -> PathPatchingResult:
+    """A :class:`PathPatchingResult` (path patching and edge attribution)."""
+    return PathPatchingResult(
         values=values,
-        units=units,
-        positions=positions,
-        clean_metric=clean_metric,
-        corrupted_metric=corrupted_metric,
-        direction=direction,
-        n_heads=dict(index.n_heads),
-        d_mlp=d_mlp,
-        heads_per_neuron=heads_per_neuron,
+        senders=senders,
+        receivers=receivers,
+        receiver_input=inputs,
+        **_baselines(runs, direction),
+        recomputed=recomputed,
+        modules=index.names,
     )

@@ -4,43 +4,20 @@ checks, the metric's scalar check, chunking of stacked runs, and forwards with t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple, TypeAlias, TypedDict
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from torch import Tensor
 
+from lens_aot.analysis.patching.options import Direction, Method, Metric, ReceiverInput, TokensLike
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
-Direction = Literal["denoise", "noise"]
-Method = Literal["atp", "ig"]
-ReceiverInput = Literal["q", "k", "v"]
-Metric: TypeAlias = Callable[[Float[Tensor, "batch pos d_vocab_out"]], Tensor | float]
-TokensLike: TypeAlias = Int[Tensor, "batch pos"] | Int[Tensor, " pos"] | str | list[str] | list[int] | list[list[int]]
 Hook: TypeAlias = tuple[str, Callable[..., Any]]
 
 # Elements one chunk of per-sender tensors may hold (edge attribution), and per stacked forward of EAP-IG.
 _CHUNK_ELEMENTS = 1 << 24
-
-
-class PatchOptions(TypedDict, total=False):
-    """Keyword options of :func:`~lens_aot.patching.patch_units`, taken as they are by ``patch_heads`` and
-    ``patch_neurons``."""
-
-    per_position: bool
-    positions: int | Iterable[int] | None
-    direction: Direction
-    batch_size: int | None
-    progress: bool
-
-
-class AttributionOptions(PatchOptions, total=False):
-    """Keyword options of :func:`~lens_aot.patching.attribute_units`, taken as they are by ``attribute_heads`` and
-    ``attribute_neurons``: the patching options and the method."""
-
-    method: Method
-    steps: int
 
 
 # ==================================================================================================== arguments

@@ -22,6 +22,7 @@ per forward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -91,27 +92,16 @@ def _neuron_head_patch(
     return (out if by_pos else out[:, 0]).to(model.cfg.device)
 
 
-def get_act_patch_neuron_head_out_all_pos(
-    model: AttentionOnlyTransformer,
-    corrupted_tokens: Int[Tensor, "batch pos"],
-    clean_cache: Any,
-    patching_metric: PatchingMetric,
-) -> Float[Tensor, "layer neuron_head"]:
-    """Patch each neuron head's output (``hook_z``) at every position from ``clean_cache`` into the corrupted run:
-    ``[n_layers, n_neuron_heads]`` of ``patching_metric(logits)``, as ``get_act_patch_attn_head_out_all_pos`` for the
-    source's heads (columns: :func:`neuron_head_columns`)."""
-    return _neuron_head_patch(model, corrupted_tokens, clean_cache, patching_metric, by_pos=False)
+# As TransformerLens defines its own ``get_act_patch_*`` functions: partials of one patcher, documented after.
+get_act_patch_neuron_head_out_all_pos = functools.partial(_neuron_head_patch, by_pos=False)
+get_act_patch_neuron_head_out_all_pos.__doc__ = """Patch each neuron head's output (``hook_z``) at every position from
+``clean_cache`` into the corrupted run: ``get_act_patch_neuron_head_out_all_pos(model, corrupted_tokens, clean_cache,
+patching_metric)`` -> ``[n_layers, n_neuron_heads]`` of ``patching_metric(logits)``, as
+``get_act_patch_attn_head_out_all_pos`` for the source's heads (columns: :func:`neuron_head_columns`)."""
 
-
-def get_act_patch_neuron_head_out_by_pos(
-    model: AttentionOnlyTransformer,
-    corrupted_tokens: Int[Tensor, "batch pos"],
-    clean_cache: Any,
-    patching_metric: PatchingMetric,
-) -> Float[Tensor, "layer pos neuron_head"]:
-    """As :func:`get_act_patch_neuron_head_out_all_pos`, one position at a time: ``[n_layers, pos, n_neuron_heads]``
-    (``get_act_patch_attn_head_out_by_pos``'s layout)."""
-    return _neuron_head_patch(model, corrupted_tokens, clean_cache, patching_metric, by_pos=True)
+get_act_patch_neuron_head_out_by_pos = functools.partial(_neuron_head_patch, by_pos=True)
+get_act_patch_neuron_head_out_by_pos.__doc__ = """As :func:`get_act_patch_neuron_head_out_all_pos`, one position at
+a time: ``[n_layers, pos, n_neuron_heads]`` (``get_act_patch_attn_head_out_by_pos``'s layout)."""
 
 
 def _mlp_neuron_patch(

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.ownership import exported, parameter
-from lens_aot.core.kv_cache import KeyValueCacheEntry, offset_position_ids
+from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.errors import InputError
 from lens_aot.tl.hooks import hooked as _hooked
@@ -39,6 +39,25 @@ def _project(
             )
         return einops.einsum(x, W, "b p h d, h d e -> b p h e") + b
     return einops.einsum(x, W, "b p d, h d e -> b p h e") + b
+
+
+def fused_z(
+    q: Float[Tensor, "batch pos head d_head"],
+    k: Float[Tensor, "batch key head d_head"],
+    v: Float[Tensor, "batch key head d_head"],
+    mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+    causal: bool,
+    attn_scale: float,
+) -> Float[Tensor, "batch pos head d_head"]:
+    """``z`` through ``F.scaled_dot_product_attention`` (scores ``q·k / attn_scale``; ``mask`` None: plain causal
+    masking if ``causal``); a query that sees no key gets ``z = 0`` (the dense path's zero pattern row) rather than
+    SDPA's NaN. The same computation as :meth:`Attention._dense_z` without its [query, key] tensors."""
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if mask is None:
+        return F.scaled_dot_product_attention(*args, is_causal=causal, scale=1 / attn_scale).transpose(1, 2)
+    sees_a_key = mask.any(dim=-1, keepdim=True)  # [batch_or_1, 1, query, 1]
+    z = F.scaled_dot_product_attention(*args, attn_mask=mask | ~sees_a_key, scale=1 / attn_scale)
+    return torch.where(sees_a_key, z, 0.0).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -75,13 +94,13 @@ class Attention(nn.Module):
         self.rotary_adjacent_pairs = False
         self.rotary_dim = 0
         if rotary is not None:
+            self.hook_rot_q = HookPoint()
+            self.hook_rot_k = HookPoint()
             self.rotary_dim = rotary.rotary_dim
             self.rotary_adjacent_pairs = rotary.adjacent_pairs
             # on this layer's device (a sharded source's layers are on several)
             self.register_buffer("rotary_cos", rotary.cos.detach().to(spec.W_Q.device, copy=True))
             self.register_buffer("rotary_sin", rotary.sin.detach().to(spec.W_Q.device, copy=True))
-            self.hook_rot_q = HookPoint()
-            self.hook_rot_k = HookPoint()
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
@@ -90,28 +109,19 @@ class Attention(nn.Module):
     def apply_rotary(
         self,
         x: Float[Tensor, "batch pos head d_head"],
-        past_kv_pos_offset: int = 0,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+        past_kv_pos_offset: int,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
     ) -> Float[Tensor, "batch pos head d_head"]:
         """Rotate the first ``rotary_dim`` channels of each head by its position's angles.
 
         As TransformerLens's ``AbstractAttention.apply_rotary``: positions ``past_kv_pos_offset + i`` without a
         mask; with one, each sequence's own positions counted from its first attended token
-        (:func:`offset_position_ids`), so a left-padded prompt is rotated as if it were unpadded.
+        (:func:`~lens_aot.core.kv_cache.position_rows`), so a left-padded prompt is rotated as if it were unpadded.
         """
-        pos = x.shape[1]
-        if past_kv_pos_offset + pos > self.rotary_cos.shape[0]:
-            raise InputError(
-                f"{past_kv_pos_offset + pos} positions exceed the rotary table's {self.rotary_cos.shape[0]} (the "
-                "source's n_ctx); pass a shorter input or fewer generated tokens."
-            )
-        if attention_mask is None:
-            cos = self.rotary_cos[None, past_kv_pos_offset : past_kv_pos_offset + pos, None, :]
-            sin = self.rotary_sin[None, past_kv_pos_offset : past_kv_pos_offset + pos, None, :]
-        else:
-            ids = offset_position_ids(past_kv_pos_offset, attention_mask).to(self.rotary_cos.device)
-            cos = self.rotary_cos[ids, None, :]
-            sin = self.rotary_sin[ids, None, :]
+        cos, sin = (
+            position_rows(table, x.shape[1], past_kv_pos_offset, attention_mask)[:, :, None, :]
+            for table in (self.rotary_cos, self.rotary_sin)
+        )
         x_rot, x_pass = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         x_rot = x_rot * cos + rotate(x_rot, self.rotary_adjacent_pairs) * sin
         return torch.cat((x_rot, x_pass), dim=-1)
@@ -158,7 +168,7 @@ class Attention(nn.Module):
         if _hooked(self.hook_attn_scores, self.hook_pattern) or self.softmax_dtype not in (None, q.dtype):
             z = self._dense_z(q, k, v, mask)
         else:  # same computation, fused: the [query, key] tensors never exist
-            z = self._sdpa_z(q, k, v, mask)
+            z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
         z = self.hook_z(z)
         if self.use_attn_result:
             result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
@@ -186,23 +196,6 @@ class Attention(nn.Module):
         if attention_mask is not None:
             mask = mask & attention_mask.to(device).bool()[:, None, None, :]
         return mask
-
-    def _sdpa_z(
-        self,
-        q: Float[Tensor, "batch pos head d_head"],
-        k: Float[Tensor, "batch key head d_head"],
-        v: Float[Tensor, "batch key head d_head"],
-        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
-    ) -> Float[Tensor, "batch pos head d_head"]:
-        """``z`` through ``F.scaled_dot_product_attention``; a query that sees no key gets ``z = 0`` (the dense
-        path's zero pattern row) rather than SDPA's NaN."""
-        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        if mask is None:
-            z = F.scaled_dot_product_attention(*args, is_causal=self.causal, scale=1 / self.attn_scale)
-            return z.transpose(1, 2)
-        sees_a_key = mask.any(dim=-1, keepdim=True)  # [batch_or_1, 1, query, 1]
-        z = F.scaled_dot_product_attention(*args, attn_mask=mask | ~sees_a_key, scale=1 / self.attn_scale)
-        return torch.where(sees_a_key, z, 0.0).transpose(1, 2)
 
     def _dense_z(
         self,

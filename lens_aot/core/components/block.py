@@ -36,15 +36,15 @@ class TransformerBlock(nn.Module):
         self, ln1: Norm, attn: Attention, ln2: Norm | None = None, mlp: nn.Module | None = None, parallel: bool = False
     ) -> None:
         super().__init__()
-        self.ln1 = ln1
-        self.attn = attn
         self.parallel = parallel
         self.use_attn_in = self.use_split_qkv_input = self.use_hook_mlp_in = False
         self.hook_resid_pre = HookPoint()
+        self.ln1 = ln1
         self.hook_attn_in = HookPoint()
         self.hook_q_input = HookPoint()
         self.hook_k_input = HookPoint()
         self.hook_v_input = HookPoint()
+        self.attn = attn
         self.hook_attn_out = HookPoint()
         if mlp is not None:
             assert ln2 is not None

@@ -9,8 +9,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.ownership import parameter
-from lens_aot.core.kv_cache import offset_position_ids
-from lens_aot.errors import InputError
+from lens_aot.core.kv_cache import position_rows
 
 
 class Embed(nn.Module):
@@ -40,17 +39,11 @@ class PosEmbed(nn.Module):
         attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         """A real [batch, pos, d_model] tensor (not a broadcast view), so in-place hook edits are safe."""
-        batch, pos = tokens.shape
-        if past_kv_pos_offset + pos > self.W_pos.shape[0]:
-            raise InputError(
-                f"{past_kv_pos_offset + pos} positions exceed the model's n_ctx={self.W_pos.shape[0]}; pass a "
-                "shorter input or fewer generated tokens."
-            )
+        rows = position_rows(self.W_pos, tokens.shape[1], past_kv_pos_offset, attention_mask)
         if attention_mask is None:
-            return self.W_pos[past_kv_pos_offset : past_kv_pos_offset + pos].unsqueeze(0).repeat(batch, 1, 1)
-        pos_embed = self.W_pos[offset_position_ids(past_kv_pos_offset, attention_mask)]
-        padding = ~attention_mask[:, past_kv_pos_offset : past_kv_pos_offset + pos].bool()
-        return torch.where(padding[..., None], 0.0, pos_embed)
+            return rows.repeat(tokens.shape[0], 1, 1)
+        padding = ~attention_mask[:, past_kv_pos_offset : past_kv_pos_offset + tokens.shape[1]].bool()
+        return torch.where(padding[..., None], 0.0, rows)
 
 
 class Unembed(nn.Module):

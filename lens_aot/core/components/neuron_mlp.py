@@ -52,9 +52,7 @@ class NeuronMLP(nn.Module):
             self.gate_heads = NeuronAttention(gate, fit.gate, scratch=(0, self.d_mlp))
             self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
             scales = torch.tensor(fit.scales, dtype=mlp.W_in.dtype, device=mlp.W_in.device)
-            self.product_heads = ProductAttention(
-                mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.b_post, scales, self.d_mlp
-            )
+            self.product_heads = ProductAttention(mlp, scales, self.d_mlp)
         else:
             self.heads = NeuronAttention(mlp, fit)
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]

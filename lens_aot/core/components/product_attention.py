@@ -42,24 +42,18 @@ class ProductAttention(SelfAndSlotHeads):
 
     heads_per_neuron = 2
 
-    def __init__(
-        self,
-        W_in: Float[Tensor, "d_model d_mlp"],
-        b_in: Float[Tensor, " d_mlp"],
-        W_out: Float[Tensor, "d_mlp d_model"],
-        b_out: Float[Tensor, " d_model"],
-        b_post: Float[Tensor, " d_mlp"] | None,
-        scales: Float[Tensor, " d_mlp"],
-        d_scratch: int,
-    ) -> None:
+    def __init__(self, mlp: MLPSpec, scales: Float[Tensor, " d_mlp"], d_scratch: int) -> None:
+        """The product heads of gated ``mlp`` (its ``W_in``, ``b_in``, ``W_out``, ``b_out``, ``b_post``; the gate
+        heads hold ``W_gate``), with per-neuron scales ``ε_n`` (:func:`~lens_aot.core.gating.gated_fit`), reading a
+        scratch of width ``d_scratch`` beside the normalized residual."""
         super().__init__()
-        self.W_in = parameter(W_in)
-        self.b_in = parameter(b_in)
-        self.W_out = parameter(W_out)
-        self.b_out = parameter(b_out)
-        self.b_post = None if b_post is None else parameter(b_post)
-        self.register_buffer("scales", scales.detach().clone().to(W_in.dtype))
-        self.d_model, self.d_mlp = W_in.shape
+        self.W_in = parameter(mlp.W_in)
+        self.b_in = parameter(mlp.b_in)
+        self.W_out = parameter(mlp.W_out)
+        self.b_out = parameter(mlp.b_out)
+        self.b_post = None if mlp.b_post is None else parameter(mlp.b_post)
+        self.register_buffer("scales", scales.detach().clone().to(mlp.W_in.dtype))
+        self.d_model, self.d_mlp = mlp.W_in.shape
         self.d_scratch = d_scratch
         self.n_heads = 2 * self.d_mlp
         self.hook_gate = HookPoint()  # [batch, pos, d_mlp]: h ≈ act(g), read from the scratch channels
