@@ -249,6 +249,12 @@ def test_attributing_one_product_head_alone_warns() -> None:
     with pytest.warns(UserWarning, match=rf"L1N3\.{k + 1} hold.*half of a finite difference.*unreliable.*{fix}"):
         est = attribute_heads(aot, clean, corrupted, logit_diff, heads=[(PRODUCT, 7)])
     assert [u.label for u in est.units] == [f"L1N3.{k + 1}"]
+    # why: one product head at a time, the linear estimate overshoots the (norm-saturated) truth many times over
+    lone = [(PRODUCT, h) for h in range(64)]
+    with pytest.warns(UserWarning, match="64 units"):
+        est = attribute_heads(aot, clean, corrupted, logit_diff, heads=lone)
+    truth = P.patch_heads(aot, clean, corrupted, logit_diff, heads=lone)
+    assert float(est.effect().abs().max() / truth.effect().abs().max()) > 5
     group = P.group(aot, [(PRODUCT, 6), (0, 1)], "mixed")
     with pytest.warns(UserWarning, match="mixed hold.*NeuronRef"):
         attribute_units(aot, clean, corrupted, logit_diff, [group])
