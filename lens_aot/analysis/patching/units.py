@@ -4,7 +4,10 @@ Everything the patching and attribution algorithms need to know about *where* a 
 which head modules exist and in what order, how many heads each has, which hook holds a head's output (``hook_z``),
 its inputs (``hook_q`` / ``hook_k`` / ``hook_v``), the state it is computed from, the residual it reads (and through
 which norm), the hook its output is written to, and the labels of units (``L3H2`` attention head, ``L3N17`` neuron,
-``L3N17.2`` the neuron's head ``neuron_heads(3, 17)[2]``, ``L3N17.4+5`` a gated neuron's product pair).
+``L3N17.2`` the neuron's head ``neuron_heads(3, 17)[2]``, ``L3N17.4+5`` a gated neuron's product pair). The
+algorithms address head modules by **name** (``aot.sublayers()``: ``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` /
+``gate_heads`` / ``product_heads``) and order them with :func:`_order` (the paper's flat order of sub-layers); names
+are parsed by :mod:`lens_aot.core.names` only.
 
 A gated neuron's two product heads are **one unit**, its *product pair* (heads ``2n`` and ``2n + 1`` of
 ``blocks.{l}.mlp.product_heads``), wherever a module's heads are enumerated (:meth:`_Index.module_units`, so
@@ -13,9 +16,7 @@ Each head alone writes ``±(2/ε_n)·h·σ(±ε_n·u)·W_out[n]``, half of a fin
 change of one head's output moves the residual by ``(2/ε_n)·Δz·W_out[n]`` (``ε_n ~ 1e-3``), an artefact of the
 construction's scale and far outside any linear regime. Together they write the neuron's product
 ``(2/ε_n)·h·tanh(ε_n·u/2) ≈ u·h``: patching the pair patches the neuron's ``mlp.hook_post`` (its gate heads are read
-by the pair alone). The algorithms address head modules by **name**
-(``aot.sublayers()``: ``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` / ``gate_heads`` / ``product_heads``) and order
-them with :func:`_order` (the paper's flat order of sub-layers); names are parsed by :mod:`lens_aot.core.names` only.
+by the pair alone).
 
 The source-aligned layout: attention heads read ``blocks.{l}.hook_resid_pre`` through ``ln1`` and write
 ``blocks.{l}.hook_attn_out``; neuron, gate and product heads read ``blocks.{l}.hook_resid_mid`` (parallel layers:
@@ -56,9 +57,10 @@ class PatchUnit(NamedTuple):
 
     ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. "neuron_head": head ``component`` of
     neuron ``index`` of layer ``layer``'s MLP (its position in ``aot.neuron_heads(layer, index)``: a term of the
-    activation fit, or a gate / product head). "neuron": all heads of that neuron (the source neuron itself). "group":
-    any set of heads, named ``name`` (:func:`group`; ``layer`` and ``index`` are -1). ``heads``: the converted model's
-    heads it covers.
+    activation fit, or a gate / product head), or with two heads a gated neuron's product pair (heads ``component``
+    and ``component + 1``, :attr:`product_pair`). "neuron": all heads of that neuron (the source neuron itself).
+    "group": any set of heads, named ``name`` (:func:`group`; ``layer`` and ``index`` are -1). ``heads``: the converted
+    model's heads it covers.
     """
 
     kind: Literal["attention", "neuron_head", "neuron", "group"]
