@@ -433,6 +433,8 @@ def test_labels_and_addresses(ln_aot) -> None:
         C.as_head_ref(ln_aot, "L1N7")
     with pytest.raises(InputError, match="out of range"):
         C.as_head_ref(ln_aot, "L1N7.9")
+    with pytest.raises(InputError, match=r"L1N7\.2\+3 is a product pair.*L1N7\.2 or L1N7\.3"):
+        C.as_head_ref(ln_aot, "L1N7.2+3")  # patching's label for two heads: circuits address one
     table = C.composition_scores(ln_aot, 0, ref.name, "Q", receivers=[ref])
     assert table.receivers == [ref] and table.receiver_labels == ["L1N7.2"]
     assert table.receiver_origins == [ln_aot.head_origin(ref.name, ref.head)]

@@ -705,7 +705,7 @@ def test_transformer_lens_patching_on_the_converted_model_equals_the_source(silu
 @pytest.mark.parametrize("family", ["gpt2-silu", "native-gated"])
 def test_neuron_head_functions_have_transformer_lens_shape_and_equal_patch_heads(family, one_thread) -> None:
     """get_act_patch_neuron_head_out_all_pos / _by_pos: [layer, (pos,) neuron_head], one TransformerLens-style forward
-    per entry, equal to lens_aot's batched patch_heads on the same heads (gated: gate then product heads)."""
+    per entry, equal to lens_aot's batched patch_heads on the same units (gated: gate heads, then product pairs)."""
     bridge = make_bridge(family, torch.float64)
     aot = lens_aot.convert(bridge)
     clean, corrupted = _pair(int(aot.cfg.d_vocab), pos=4, seed=5)
@@ -723,7 +723,12 @@ def test_neuron_head_functions_have_transformer_lens_shape_and_equal_patch_heads
         assert by_pos.shape == (aot.cfg.n_layers, 4, len(columns[0]))
         torch.testing.assert_close(by_pos, _neuron_head_layout(aot, per_pos), rtol=0, atol=EXACT)
     else:
+        # gate heads one column each, then one column per neuron: its product pair, patched together
         n_gate = aot.head_module(aot.neuron_modules(0)[0]).n_heads
-        assert columns[0][n_gate] == HeadRef("blocks.0.mlp.product_heads", 0)
+        d_mlp = aot.head_module(aot.neuron_modules(0)[1]).d_mlp
+        assert len(columns[0]) == n_gate + d_mlp
+        pair = columns[0][n_gate]
+        assert pair.heads == (HeadRef("blocks.0.mlp.product_heads", 0), HeadRef("blocks.0.mlp.product_heads", 1))
+        assert pair.label == f"L0N0.{pair.component}+{pair.component + 1}" and pair.product_pair == 0
     with pytest.raises(InputError, match="converted model"):
         P.get_act_patch_neuron_head_out_all_pos(bridge, corrupted, cache, logit_diff)

@@ -3,8 +3,9 @@
 The converted model is numbered like its source (``blocks.{l}`` is source layer ``l``). Its head modules are
 ``blocks.{l}.attn`` (the source's heads) and, replacing the MLP, ``blocks.{l}.mlp.heads`` (plain MLPs) or
 ``blocks.{l}.mlp.gate_heads`` and ``blocks.{l}.mlp.product_heads`` (gated MLPs). Labels: ``L3H2`` (attention head),
-``L3N17`` (neuron), ``L3N17.2`` (the neuron's head at position 2 of ``aot.neuron_heads(3, 17)``). This module is the
-one parser of both.
+``L3N17`` (neuron), ``L3N17.2`` (the neuron's head at position 2 of ``aot.neuron_heads(3, 17)``), ``L3N17.4+5`` (a
+gated neuron's two product heads, positions 4 and 5, together: the unit patching and attribution use for them). This
+module is the one parser of both.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ HeadKind = Literal["attention", "neuron", "gate", "product"]
 NEURON_MODULES: dict[str, HeadKind] = {"heads": "neuron", "gate_heads": "gate", "product_heads": "product"}
 
 _MODULE = re.compile(r"^blocks\.(0|[1-9]\d*)\.(attn|mlp\.heads|mlp\.gate_heads|mlp\.product_heads)$")
-_LABEL = re.compile(r"^L(0|[1-9]\d*)(?:H(0|[1-9]\d*)|N(0|[1-9]\d*)(?:\.(0|[1-9]\d*))?)$")
+_LABEL = re.compile(r"^L(0|[1-9]\d*)(?:H(0|[1-9]\d*)|N(0|[1-9]\d*)(?:\.(0|[1-9]\d*)(?:\+(0|[1-9]\d*))?)?)$")
 
 
 class ModuleName(NamedTuple):
@@ -31,12 +32,13 @@ class ModuleName(NamedTuple):
 
 class Label(NamedTuple):
     """A parsed label: ``L3H2`` -> (3, "head", 2, None); ``L3N17`` -> (3, "neuron", 17, None); ``L3N17.2`` -> (3,
-    "neuron", 17, 2)."""
+    "neuron", 17, 2); ``L3N17.4+5`` -> (3, "neuron", 17, 4, pair=True): heads 4 and 5 of ``neuron_heads(3, 17)``."""
 
     layer: int
     kind: Literal["head", "neuron"]
     index: int
     component: int | None
+    pair: bool = False  # the heads at ``component`` and ``component + 1`` together (a gated neuron's product pair)
 
 
 def module_name(layer: int, kind: HeadKind) -> str:
@@ -63,21 +65,30 @@ def head_label(layer: int, head: int) -> str:
     return f"L{layer}H{head}"
 
 
-def neuron_label(layer: int, neuron: int, component: int | None = None) -> str:
-    return f"L{layer}N{neuron}" if component is None else f"L{layer}N{neuron}.{component}"
+def neuron_label(layer: int, neuron: int, component: int | None = None, pair: bool = False) -> str:
+    """``L3N17`` (``component`` None), ``L3N17.2``, or with ``pair`` ``L3N17.2+3`` (heads 2 and 3 together)."""
+    if component is None:
+        return f"L{layer}N{neuron}"
+    return f"L{layer}N{neuron}.{component}" + (f"+{component + 1}" if pair else "")
 
 
 def parse_label(label: str) -> Label:
-    """Parse ``L3H2``, ``L3N17`` or ``L3N17.2``; raises :class:`InputError` naming the forms."""
+    """Parse ``L3H2``, ``L3N17``, ``L3N17.2`` or ``L3N17.4+5``; raises :class:`InputError` naming the forms."""
     match = _LABEL.match(label) if isinstance(label, str) else None
     if match is None:
         raise InputError(
-            f"expected a label like 'L3H2' (head), 'L3N17' (neuron) or 'L3N17.2' (a neuron's head); got {label!r}"
+            f"expected a label like 'L3H2' (head), 'L3N17' (neuron), 'L3N17.2' (a neuron's head) or 'L3N17.4+5' (a "
+            f"gated neuron's product pair); got {label!r}"
         )
-    layer, head, neuron, component = match.groups()
+    layer, head, neuron, component, second = match.groups()
     if head is not None:
         return Label(int(layer), "head", int(head), None)
-    return Label(int(layer), "neuron", int(neuron), None if component is None else int(component))
+    if second is not None and int(second) != int(component) + 1:
+        raise InputError(
+            f"{label!r}: a product pair's label names two consecutive heads of the neuron, 'L{layer}N{neuron}."
+            f"{component}+{int(component) + 1}'"
+        )
+    return Label(int(layer), "neuron", int(neuron), None if component is None else int(component), second is not None)
 
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")

@@ -104,7 +104,12 @@ def head_hook(ref: HeadRef | Sublayer, hook: str) -> str:
 
 
 def _from_label(aot: AttentionOnlyTransformer, label: str) -> HeadRef:
-    layer, kind, index, component = core_names.parse_label(label)
+    layer, kind, index, component, pair = core_names.parse_label(label)
+    if pair:
+        raise InputError(
+            f"{label} is a product pair (two heads, patched and attributed together), not one head; name one of them "
+            f"(L{layer}N{index}.{component} or L{layer}N{index}.{component + 1})"
+        )
     if not layer < aot.cfg.n_layers:
         raise InputError(f"{label}: layer {layer} out of range: the model has {aot.cfg.n_layers} layers")
     if kind == "head":

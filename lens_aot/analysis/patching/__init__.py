@@ -13,9 +13,11 @@ of a neuron's activation fit, or a whole neuron.
 **Activation patching** (:func:`patch_heads`, :func:`patch_neurons`, :func:`patch_units`): each patch replaces one
 *unit* — a head, or all heads of a source neuron together, which is patching that neuron's ``mlp.hook_post`` in the
 source — by its value from the other input, at every position or one position at a time, and records
-``metric(logits)``. ``direction="denoise"`` (TransformerLens's convention) runs the corrupted input and patches in
-clean values; ``"noise"`` runs the clean input and patches in corrupted values. Patches share forward passes: the
-patched runs are stacked along the batch dimension, ``batch_size`` of them per forward.
+``metric(logits)``. A gated neuron's two product heads are one unit, its product pair (``L3N17.4+5``: one alone is
+half of a finite difference, amplified by ``2/ε``; see :mod:`.units`). ``direction="denoise"`` (TransformerLens's
+convention) runs the corrupted input and patches in clean values; ``"noise"`` runs the clean input and patches in
+corrupted values. Patches share forward passes: the patched runs are stacked along the batch dimension,
+``batch_size`` of them per forward.
 
 **Path patching** (:func:`path_patch`; Wang et al. 2022, "Interpretability in the Wild", the IOI paper): a *sender*'s
 effect (its ``hook_z`` switched to the other input) through one path only — into a *receiver* head's ``q``, ``k`` or

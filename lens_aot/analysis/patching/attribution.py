@@ -33,6 +33,12 @@ Efficiency: no per-head pattern and no ``[batch, pos, n_heads, d_model]`` tensor
 so all of a module's attributions come from the MLP's ``hook_pre`` on both inputs and one gradient of its output
 (``hook_mlp_out``; gate heads: ``hook_gate``): ``O(batch · pos · n_heads)`` memory.
 
+Gated MLPs' product heads are attributed as pairs (``L3N17.4+5``, :func:`~lens_aot.patching.head_units`' unit for
+them): the pair's attribution is ``Σ Δpost_n · ∂metric/∂post_n`` from the closed form ``(2/ε)·h·tanh(ε·u/2)``, with
+no ``2/ε`` cancellation. One product head alone moves the residual by ``(2/ε)·Δz·W_out`` (its partner normally
+cancels it), far outside the linear regime, so a unit holding one head of a pair without its partner gets a
+``UserWarning`` (its estimate is unreliable; exact patching of it still works).
+
 >>> from lens_aot.patching import attribute_heads, verify_attribution
 >>> screen = attribute_heads(aot, clean, corrupted, metric)              # every head and neuron head, in seconds
 >>> table, fig = verify_attribution(aot, screen, clean, corrupted, metric, k=20)   # activation patching on the top 20
@@ -40,6 +46,7 @@ so all of a module's attributions come from the MLP's ``hook_pre`` on both input
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -68,10 +75,12 @@ from lens_aot.analysis.patching.units import (
     _neuron_units,
     _order,
     _output_hook,
+    _split_pairs,
     _state_hooks,
 )
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.names import neuron_label
 from lens_aot.errors import InputError
 
 if TYPE_CHECKING:
@@ -92,6 +101,29 @@ def _method(method: str, steps: int) -> Method:
     if method == "ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise InputError(f"steps must be a positive int (interpolation points for method='ig'); got {steps!r}")
     return method  # type: ignore[return-value]
+
+
+def _warn_split_pairs(units: Sequence[PatchUnit | str], what: str) -> None:
+    """Warn when ``units`` hold one product head without its pair partner (module docstring)."""
+    split = _split_pairs(units)
+    if not split:
+        return
+    labels = ", ".join(u.label for u in split[:3]) + (f", … ({len(split)} units)" if len(split) > 3 else "")
+    lone = split[0]
+    if lone.kind == "neuron_head" and lone.component is not None:  # one head: name its pair
+        first = lone.component - lone.heads[0].head % 2
+        pair = f"'{neuron_label(lone.layer, lone.index, first, pair=True)}'"
+    else:
+        pair = "labelled like 'L1N3.1+2'"
+    warnings.warn(
+        f"{what} {labels} hold(s) one product head of a gated neuron without its partner: one product head alone is "
+        f"half of a finite difference, (2/ε)·h·σ(±ε·u) with ε ~ 1e-3, so changing it moves the residual by "
+        f"(2/ε)·Δz·W_out, far outside the linear regime, and its gradient estimate is unreliable. Attribute the pair "
+        f"instead ({pair}: head_units' default unit for product heads), or the whole neuron (NeuronRef / "
+        f"attribute_neurons); patch_heads patches a single head exactly.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 # ==================================================================================================== runs
@@ -143,8 +175,10 @@ def attribute_units(
     """Gradient attribution of arbitrary units (the estimate of :func:`~lens_aot.patching.patch_units`).
 
     A unit's attribution is the sum of its heads' ``Σ (z_other − z_base) · ∂metric/∂z`` over the batch and the
-    positions patched, except a whole gated neuron (gate and product heads together, which is patching its
-    ``mlp.hook_post``): ``Σ (post_other − post_base) · ∂metric/∂post``, since its product heads read its gate heads.
+    positions patched, except a whole gated neuron (gate and product heads together) and a product pair (both
+    product heads), each of which is patching its ``mlp.hook_post``: ``Σ (post_other − post_base) · ∂metric/∂post``
+    (a whole neuron's product heads read its gate heads; a pair's heads cancel each other's ``2/ε``). A unit holding
+    one product head without its partner gets a ``UserWarning`` (module docstring).
 
     Args:
         method: "atp" or "ig" (see the module docstring); ``steps``: interpolation points for "ig".
@@ -158,6 +192,7 @@ def attribute_units(
     resolved = index.units(units, trusted=True)
     if not resolved:
         raise InputError("units is empty: nothing to attribute")
+    _warn_split_pairs(resolved, "units")
     n_pos = clean_t.shape[1]
     pos_list = _patched_positions(positions, n_pos, per_position)
     names = sorted({ref.name for unit in resolved for ref in unit.heads}, key=_order)
@@ -200,8 +235,8 @@ def _unit_sums(
     for i, unit in enumerate(units):
         last = max((ref.name for ref in unit.heads), key=_order)
         gated = unit.kind == "neuron" and isinstance(_head_module(aot, last), ProductAttention)
-        if gated and any(ref.name != last for ref in unit.heads):
-            out[i] = per_post[last][unit.index].to(torch.float64)
+        if (gated and any(ref.name != last for ref in unit.heads)) or unit.product_pair is not None:
+            out[i] = per_post[last][unit.index if unit.product_pair is None else unit.product_pair].to(torch.float64)
             continue
         for ref in unit.heads:
             rows, heads = flat.setdefault(ref.name, ([], []))

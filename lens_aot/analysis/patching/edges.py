@@ -10,7 +10,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.analysis.patching.attribution import _head_z, _method
+from lens_aot.analysis.patching.attribution import _head_z, _method, _warn_split_pairs
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
@@ -84,7 +84,9 @@ def attribute_edges(
 
     Senders are processed in chunks (memory ``O(chunk · batch · pos · width)``, never senders × receivers × pos).
     ``recompute`` (free heads) is not estimated: pass None, or use ``path_patch``. ``batch_size``: senders per chunk
-    (default: by memory). Other arguments: as :func:`~lens_aot.patching.path_patch`.
+    (default: by memory). Other arguments: as :func:`~lens_aot.patching.path_patch`. A sender holding one product
+    head without its pair partner (or such a receiver, through "v") gets a ``UserWarning``: see
+    :mod:`~lens_aot.analysis.patching.attribution`; ``head_units`` gives product heads as pairs.
     """
     method = _method(method, steps)
     direction = _direction(direction)
@@ -100,6 +102,9 @@ def attribute_edges(
     inputs = _receiver_inputs(receiver_input)
     sender_units, receiver_units = _path_units(index, senders, receivers)
     _receiver_hooks(aot, receiver_units, inputs)  # checks that the receivers' input hooks exist
+    _warn_split_pairs(sender_units, "senders")
+    if "v" in inputs:  # a lone product head's value is (2/ε)-amplified too; its query is scaled by ε, so "q" is fine
+        _warn_split_pairs(receiver_units, "receivers (through 'v')")
 
     sender_names = sorted({ref.name for u in sender_units for ref in u.heads}, key=_order)
     recv_names = sorted({ref.name for u in receiver_units if not isinstance(u, str) for ref in u.heads}, key=_order)

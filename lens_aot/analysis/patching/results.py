@@ -24,10 +24,12 @@ from lens_aot.analysis.patching.units import (
     PatchUnit,
     UnitLike,
     _Index,
+    _is_head_tuple,
     _matches,
     _receiver_label,
 )
 from lens_aot.core.model import HeadRef
+from lens_aot.core.names import parse_label
 from lens_aot.errors import InputError
 
 __all__ = ["PatchEntry", "PatchingResult", "PathPatchingResult"]
@@ -134,9 +136,12 @@ class PatchingResult(_Numbers):
         raise InputError(f"unknown quantity {what!r}; use 'value', 'effect' or 'normalized'")
 
     def is_whole_neuron(self, unit: PatchUnit) -> bool:
-        """Whether patching ``unit`` patches a whole source neuron (a "neuron" unit, or a neuron's only head)."""
+        """Whether patching ``unit`` patches a whole source neuron's ``mlp.hook_post``: a "neuron" unit, a neuron's
+        only head, or a gated neuron's product pair (``L1N17.4+5``: the pair writes the neuron's whole output, and its
+        gate heads are read by the pair alone)."""
         return unit.kind == "neuron" or (
-            unit.kind == "neuron_head" and self.heads_per_neuron.get((unit.layer, unit.index)) == 1
+            unit.kind == "neuron_head"
+            and (self.heads_per_neuron.get((unit.layer, unit.index)) == 1 or unit.product_pair is not None)
         )
 
     # ---- lookups
@@ -147,6 +152,13 @@ class PatchingResult(_Numbers):
                 isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
             ):
                 return i
+        pairs = [u.label for u in self.units if u.product_pair is not None and _in_unit(u, key, list(self.n_heads))]
+        if pairs:
+            raise InputError(
+                f"{key!r} is one head of a product pair, patched here only together with its partner as {pairs[0]!r} "
+                f"(one product head alone is half of a finite difference); index with {pairs[0]!r}, or patch the "
+                f"single head explicitly (patch_heads(heads=[...]))"
+            )
         raise InputError(f"{key!r} was not patched in this result; its units are e.g. {_examples(self.units)}")
 
     def __getitem__(self, key: UnitLike | str) -> Tensor:
@@ -158,25 +170,38 @@ class PatchingResult(_Numbers):
     # ---- views
     def by_module(self, what: Quantity = "value") -> dict[str, Tensor]:
         """Single-head units laid out per head module: ``{name: [n_heads_in_module(, n_positions)]}`` (names like
-        ``blocks.1.attn``, ``blocks.1.mlp.heads``, in forward order), NaN for heads not patched. Modules without a
-        patched head are left out; whole-neuron units are in :meth:`by_neuron`."""
+        ``blocks.1.attn``, ``blocks.1.mlp.heads``, in forward order), NaN for heads not patched. A product-head module
+        whose units are product pairs (``patch_heads``' default) is laid out per pair instead: ``[d_mlp(,
+        n_positions)]``, entry ``n`` the pair of neuron ``n`` (heads ``2n``, ``2n + 1``). Modules without a patched
+        head are left out; whole-neuron units are in :meth:`by_neuron`."""
         data = self._data(what)
         out: dict[str, Tensor] = {}
+        paired = {u.heads[0].name for u in self.units if u.product_pair is not None}
         for i, unit in enumerate(self.units):
-            if len(unit.heads) != 1:
+            pair = unit.product_pair
+            if len(unit.heads) != 1 and pair is None:
                 continue
             ref = unit.heads[0]
+            if ref.name in paired and pair is None:
+                raise InputError(
+                    f"{ref.name} was patched both as product pairs and as single heads ({unit.label}), so it has no "
+                    f"one layout per module; index single heads by label (result[{unit.label!r}]) or use to_dataframe()"
+                )
             if ref.name not in out:
-                out[ref.name] = data.new_full((self.n_heads[ref.name], *data.shape[1:]), math.nan)
-            out[ref.name][ref.head] = data[i]
+                size = self.n_heads[ref.name] // 2 if pair is not None else self.n_heads[ref.name]
+                out[ref.name] = data.new_full((size, *data.shape[1:]), math.nan)
+            out[ref.name][ref.head if pair is None else pair] = data[i]
         return {name: out[name] for name in self.n_heads if name in out}
 
     def by_neuron(self, layer: int, what: Quantity = "value") -> Tensor:
         """Source layer ``layer``'s neurons: ``[d_mlp(, n_positions)]``, NaN for neurons not patched.
 
-        From whole-neuron units, and from neuron-head units that are their neuron's only head (SiLU, ReLU,
-        ``heads_per_neuron=1``): patching a neuron's only head is patching the neuron. A neuron with several heads
-        patched one head at a time has no per-neuron value (that is not the neuron's effect): use
+        From whole-neuron units, from neuron-head units that are their neuron's only head (SiLU, ReLU,
+        ``heads_per_neuron=1``), and from gated neurons' product pairs (``L1N17.4+5``, ``patch_heads``' unit for
+        them): patching a neuron's only head, or a gated neuron's product pair, is patching the neuron's
+        ``mlp.hook_post``. So for a gated layer, ``patch_heads`` / ``attribute_heads`` give each neuron's value here
+        through its pair; its gate heads' own units (``L1N17.0``, ...) are not shown here. A neuron with several heads
+        patched one head at a time (GELU fits) has no per-neuron value (that is not the neuron's effect): use
         :func:`patch_neurons`.
         """
         data = self._data(what)
@@ -306,6 +331,24 @@ class PathPatchingResult(_Numbers):
             f"{''.join(self.receiver_input)}; metric clean {self.clean_metric:.4g}, corrupted "
             f"{self.corrupted_metric:.4g}; largest: {top})"
         )
+
+
+def _in_unit(pair: PatchUnit, key: Any, modules: list[str]) -> bool:
+    """Whether ``key`` (a HeadRef, ``(module, head)`` or a head's label) names one head of product pair ``pair``."""
+    if isinstance(key, str):
+        try:
+            label = parse_label(key)
+        except InputError:
+            return False
+        return (
+            label.kind == "neuron"
+            and not label.pair
+            and (label.layer, label.index) == (pair.layer, pair.index)
+            and label.component in (pair.component, (pair.component or 0) + 1)
+        )
+    if not (isinstance(key, HeadRef) or _is_head_tuple(key)):
+        return False
+    return any(_matches(PatchUnit("neuron_head", -1, -1, None, (ref,)), key, modules) for ref in pair.heads)
 
 
 def _unit_record(unit: PatchUnit) -> dict[str, Any]:

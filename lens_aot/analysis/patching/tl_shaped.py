@@ -9,8 +9,10 @@ replace each MLP's neurons (Theorem 3: ``blocks.{l}.mlp.heads``; gated MLPs: ``m
 
 * :func:`get_act_patch_neuron_head_out_all_pos` -> ``[layer, neuron_head]`` (as ``get_act_patch_attn_head_out_all_pos``
   -> ``[layer, head]``), :func:`get_act_patch_neuron_head_out_by_pos` -> ``[layer, pos, neuron_head]``: one patched
-  forward per entry, a neuron head's ``hook_z`` set to its value in ``clean_cache``. Column ``j`` of layer ``l`` is head
-  ``j`` of ``aot.neuron_modules(l)`` taken in order (gated: the gate heads, then the product heads);
+  forward per entry, a column's ``hook_z`` set to its value in ``clean_cache``. The columns of layer ``l`` are the
+  units of ``aot.neuron_modules(l)`` taken in order, as :func:`~lens_aot.patching.head_units` gives them: one per
+  neuron head, except that a gated MLP's two product heads of a neuron are one column (its product pair, patched
+  together; one alone is half of a finite difference). Gated: the gate heads, then the ``d_mlp`` product pairs.
   :func:`neuron_head_columns` names them. Layers without an MLP are rows of NaN. The result has the model's dtype.
 * :func:`get_act_patch_mlp_neuron_all_pos` -> ``[layer, d_mlp]``, :func:`get_act_patch_mlp_neuron_by_pos` ->
   ``[layer, pos, d_mlp]``: a whole neuron (``mlp.hook_post[..., n]``) patched, through TransformerLens's own
@@ -30,7 +32,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.analysis.patching.units import PatchUnit, _Index
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 __all__ = [
@@ -44,16 +47,17 @@ __all__ = [
 PatchingMetric = Callable[[Float[Tensor, "batch pos d_vocab"]], Any]
 
 
-def neuron_head_columns(model: AttentionOnlyTransformer) -> list[list[HeadRef]]:
-    """Per layer, the neuron head of each column of :func:`get_act_patch_neuron_head_out_all_pos`'s rows (empty for a
-    layer without an MLP)."""
+def neuron_head_columns(model: AttentionOnlyTransformer) -> list[list[PatchUnit]]:
+    """Per layer, the unit of each column of :func:`get_act_patch_neuron_head_out_all_pos`'s rows (its ``heads`` and
+    ``label``; one neuron head, or a gated neuron's product pair ``L1N17.4+5``); empty for a layer without an MLP."""
     if not isinstance(model, AttentionOnlyTransformer):
         raise InputError(
             f"neuron heads exist only in a converted model (lens_aot.convert); got {type(model).__name__}. For the "
             f"source's own units use transformer_lens.patching, e.g. get_act_patch_attn_head_out_all_pos"
         )
+    index = _Index(model)
     return [
-        [HeadRef(name, h) for name in model.neuron_modules(layer) for h in range(model.head_module(name).n_heads)]
+        [unit for name in model.neuron_modules(layer) for unit in index.module_units(name)]
         for layer in range(model.cfg.n_layers)
     ]
 
@@ -74,20 +78,22 @@ def _neuron_head_patch(
     n_pos = int(corrupted_tokens.shape[-1])
     positions: list[Any] = list(range(n_pos)) if by_pos else [slice(None)]
     out = torch.full((model.cfg.n_layers, len(positions), n_cols), torch.nan, dtype=model.cfg.dtype)
-    for layer, refs in enumerate(columns):
-        for col, ref in enumerate(refs):
-            clean = clean_cache[f"{ref.name}.hook_z"]
+    for layer, units in enumerate(columns):
+        for col, unit in enumerate(units):
+            name = unit.heads[0].name  # a column's heads share a module
+            heads = [ref.head for ref in unit.heads]
+            clean = clean_cache[f"{name}.hook_z"]
             for p, pos in enumerate(positions):
 
                 def setter(
-                    act: Tensor, hook: Any, pos: Any = pos, head: int = ref.head, clean: Tensor = clean
+                    act: Tensor, hook: Any, pos: Any = pos, heads: list[int] = heads, clean: Tensor = clean
                 ) -> Tensor:
                     act = act.clone() if act.requires_grad else act
-                    act[:, pos, head] = clean[:, pos, head].to(act.dtype)
+                    act[:, pos, heads] = clean[:, pos, heads].to(act.dtype)
                     return act
 
                 with torch.no_grad():
-                    logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(f"{ref.name}.hook_z", setter)])
+                    logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(f"{name}.hook_z", setter)])
                 out[layer, p, col] = float(torch.as_tensor(patching_metric(logits)).item())
     return (out if by_pos else out[:, 0]).to(model.cfg.device)
 

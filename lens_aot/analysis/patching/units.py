@@ -4,9 +4,19 @@ Everything the patching and attribution algorithms need to know about *where* a 
 which head modules exist and in what order, how many heads each has, which hook holds a head's output (``hook_z``),
 its inputs (``hook_q`` / ``hook_k`` / ``hook_v``), the state it is computed from, the residual it reads (and through
 which norm), the hook its output is written to, and the labels of units (``L3H2`` attention head, ``L3N17`` neuron,
-``L3N17.2`` the neuron's head ``neuron_heads(3, 17)[2]``). The algorithms address head modules by **name**
-(``aot.sublayers()``: ``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` / ``gate_heads`` / ``product_heads``) and order
-them with :func:`_order` (the paper's flat order of sub-layers); names are parsed by :mod:`lens_aot.core.names` only.
+``L3N17.2`` the neuron's head ``neuron_heads(3, 17)[2]``, ``L3N17.4+5`` a gated neuron's product pair). The
+algorithms address head modules by **name** (``aot.sublayers()``: ``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` /
+``gate_heads`` / ``product_heads``) and order them with :func:`_order` (the paper's flat order of sub-layers); names
+are parsed by :mod:`lens_aot.core.names` only.
+
+A gated neuron's two product heads are **one unit**, its *product pair* (heads ``2n`` and ``2n + 1`` of
+``blocks.{l}.mlp.product_heads``), wherever a module's heads are enumerated (:meth:`_Index.module_units`, so
+:func:`head_units`, ``patch_heads``, ``attribute_heads``, path-patching senders, the TransformerLens-shaped functions).
+Each head alone writes ``±(2/ε_n)·h·σ(±ε_n·u)·W_out[n]``, half of a finite difference whose partner cancels it: a
+change of one head's output moves the residual by ``(2/ε_n)·Δz·W_out[n]`` (``ε_n ~ 1e-3``), an artefact of the
+construction's scale and far outside any linear regime. Together they write the neuron's product
+``(2/ε_n)·h·tanh(ε_n·u/2) ≈ u·h``: patching the pair patches the neuron's ``mlp.hook_post`` (its gate heads are read
+by the pair alone).
 
 The source-aligned layout: attention heads read ``blocks.{l}.hook_resid_pre`` through ``ln1`` and write
 ``blocks.{l}.hook_attn_out``; neuron, gate and product heads read ``blocks.{l}.hook_resid_mid`` (parallel layers:
@@ -47,9 +57,10 @@ class PatchUnit(NamedTuple):
 
     ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. "neuron_head": head ``component`` of
     neuron ``index`` of layer ``layer``'s MLP (its position in ``aot.neuron_heads(layer, index)``: a term of the
-    activation fit, or a gate / product head). "neuron": all heads of that neuron (the source neuron itself). "group":
-    any set of heads, named ``name`` (:func:`group`; ``layer`` and ``index`` are -1). ``heads``: the converted model's
-    heads it covers.
+    activation fit, or a gate / product head), or with two heads a gated neuron's product pair (heads ``component``
+    and ``component + 1``, :attr:`product_pair`). "neuron": all heads of that neuron (the source neuron itself).
+    "group": any set of heads, named ``name`` (:func:`group`; ``layer`` and ``index`` are -1). ``heads``: the converted
+    model's heads it covers.
     """
 
     kind: Literal["attention", "neuron_head", "neuron", "group"]
@@ -60,14 +71,27 @@ class PatchUnit(NamedTuple):
     name: str | None = None
 
     @property
+    def product_pair(self) -> int | None:
+        """The neuron ``n`` whose product pair (heads ``2n``, ``2n + 1`` of a ``product_heads`` module) this unit is
+        exactly; None for any other unit."""
+        if len(self.heads) != 2:
+            return None
+        (first, second) = self.heads
+        if first.name != second.name or first.head % 2 or second.head != first.head + 1:
+            return None
+        return first.head // 2 if parse_module(first.name).kind == "product" else None
+
+    @property
     def label(self) -> str:
         """``L0H3`` (attention head), ``L1N17`` (neuron), ``L1N17.2`` (the neuron's head ``neuron_heads(1, 17)[2]``),
-        or a group's name."""
+        ``L1N17.4+5`` (a gated neuron's product pair, heads 4 and 5 of ``neuron_heads(1, 17)``), or a group's name."""
         if self.name is not None:
             return self.name
         if self.kind == "attention":
             return head_label(self.layer, self.index)
-        return neuron_label(self.layer, self.index, None if self.kind == "neuron" else self.component)
+        if self.kind == "neuron":
+            return neuron_label(self.layer, self.index)
+        return neuron_label(self.layer, self.index, self.component, pair=self.product_pair is not None)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -359,14 +383,23 @@ class _Index:
         return PatchUnit("neuron_head", origin.layer, origin.index, origin.component, (ref,))
 
     def module_units(self, name: str) -> list[PatchUnit]:
-        """One unit per head of module ``name``, in head order, from ``head_origin`` of its first head only (147k
-        units in well under a second); the same units as :meth:`head_unit` head by head."""
+        """The units covering every head of module ``name``, in head order: one per head (the same units as
+        :meth:`head_unit` head by head), except a product module's, one per neuron covering its product pair (heads
+        ``2n``, ``2n + 1``, labelled ``L{l}N{n}.{c}+{c+1}``; see the module docstring). Built from ``head_origin`` of
+        the module's first head only (147k units in well under a second)."""
         if not self.n_heads[name]:
             return []
         first = self.aot.head_origin(name, 0)
         heads = range(self.n_heads[name])
         if first.kind == "attention":
             return [_Checked("attention", first.layer, h, None, (HeadRef(name, h),)) for h in heads]
+        if _kind_of(name) == "product":
+            return [
+                _Checked(
+                    "neuron_head", first.layer, n, first.component, (HeadRef(name, 2 * n), HeadRef(name, 2 * n + 1))
+                )
+                for n in range(self.n_heads[name] // 2)
+            ]
         k = self.aot.head_module(name).heads_per_neuron
         return [
             _Checked("neuron_head", first.layer, h // k, first.component + h % k, (HeadRef(name, h),)) for h in heads
@@ -463,9 +496,11 @@ def head_units(
     heads: Iterable[HeadLike] | None = None,
     modules: Iterable[int | str] | None = None,
 ) -> list[PatchUnit]:
-    """One unit per head: the given ``heads`` (HeadRef or ``(module, head)``) plus every head of the given
-    ``modules`` (names like ``"blocks.3.attn"`` / ``"blocks.3.mlp.heads"``, or indices in ``aot.sublayers()``); with
-    neither, every head of every module — attention and neuron heads — in forward order. Duplicates are dropped."""
+    """One unit per head: the given ``heads`` (HeadRef or ``(module, head)``, one unit each) plus every head of the
+    given ``modules`` (names like ``"blocks.3.attn"`` / ``"blocks.3.mlp.heads"``, or indices in ``aot.sublayers()``);
+    with neither, every head of every module — attention and neuron heads — in forward order. A module's gated-MLP
+    product heads are one unit per neuron, its product pair (``L3N17.4+5``; see the module docstring). Duplicates
+    are dropped."""
     return _head_units(_Index(aot), heads, modules)
 
 
@@ -564,6 +599,22 @@ def _receiver_hooks(aot: AttentionOnlyTransformer, receivers: Sequence[Receiver]
                     raise InputError(f"{ref.name} has no hook_{x}, so its {x} input cannot be patched")
                 names.append(_input_hook(ref.name, x))
     return list(dict.fromkeys(names))
+
+
+def _split_pairs(units: Iterable[PatchUnit | str]) -> list[PatchUnit]:
+    """The units that hold one head of a product pair without its partner (whose estimate is meaningless: see the
+    module docstring)."""
+    out = []
+    for unit in units:
+        if isinstance(unit, str):
+            continue
+        refs = set(unit.heads)
+        lone = [
+            ref for ref in unit.heads if _kind_of(ref.name) == "product" and HeadRef(ref.name, ref.head ^ 1) not in refs
+        ]
+        if lone:
+            out.append(unit)
+    return out
 
 
 def _recomputed(index: _Index, recompute: Iterable[UnitLike] | Literal["neurons"] | None) -> list[HeadRef]:
