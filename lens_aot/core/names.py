@@ -49,14 +49,22 @@ def module_name(layer: int, kind: HeadKind) -> str:
     return f"blocks.{layer}.mlp.{attr}"
 
 
+def _match(pattern: re.Pattern[str], text: object, expected: str) -> re.Match[str]:
+    """``pattern`` matched against ``text``, or :class:`InputError` saying what was ``expected``."""
+    match = pattern.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise InputError(f"expected {expected}; got {text!r}")
+    return match
+
+
 def parse_module(name: str) -> ModuleName:
     """``"blocks.3.mlp.heads"`` -> ``ModuleName(3, "neuron")``; raises :class:`InputError` naming the valid forms."""
-    match = _MODULE.match(name) if isinstance(name, str) else None
-    if match is None:
-        raise InputError(
-            f"expected a head module name like 'blocks.3.attn', 'blocks.3.mlp.heads', 'blocks.3.mlp.gate_heads' or "
-            f"'blocks.3.mlp.product_heads'; got {name!r}"
-        )
+    match = _match(
+        _MODULE,
+        name,
+        "a head module name like 'blocks.3.attn', 'blocks.3.mlp.heads', 'blocks.3.mlp.gate_heads' or "
+        "'blocks.3.mlp.product_heads'",
+    )
     layer, part = int(match.group(1)), match.group(2)
     return ModuleName(layer, "attention" if part == "attn" else NEURON_MODULES[part.removeprefix("mlp.")])
 
@@ -74,12 +82,12 @@ def neuron_label(layer: int, neuron: int, component: int | None = None, pair: bo
 
 def parse_label(label: str) -> Label:
     """Parse ``L3H2``, ``L3N17``, ``L3N17.2`` or ``L3N17.4+5``; raises :class:`InputError` naming the forms."""
-    match = _LABEL.match(label) if isinstance(label, str) else None
-    if match is None:
-        raise InputError(
-            f"expected a label like 'L3H2' (head), 'L3N17' (neuron), 'L3N17.2' (a neuron's head) or 'L3N17.4+5' (a "
-            f"gated neuron's product pair); got {label!r}"
-        )
+    match = _match(
+        _LABEL,
+        label,
+        "a label like 'L3H2' (head), 'L3N17' (neuron), 'L3N17.2' (a neuron's head) or 'L3N17.4+5' (a gated neuron's "
+        "product pair)",
+    )
     layer, head, neuron, component, second = match.groups()
     if head is not None:
         return Label(int(layer), "head", int(head), None)

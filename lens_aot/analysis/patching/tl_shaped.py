@@ -100,14 +100,15 @@ def _neuron_head_patch(
 
 # As TransformerLens defines its own ``get_act_patch_*`` functions: partials of one patcher, documented after.
 get_act_patch_neuron_head_out_all_pos = functools.partial(_neuron_head_patch, by_pos=False)
-get_act_patch_neuron_head_out_all_pos.__doc__ = """Patch each neuron head's output (``hook_z``) at every position from
-``clean_cache`` into the corrupted run: ``get_act_patch_neuron_head_out_all_pos(model, corrupted_tokens, clean_cache,
-patching_metric)`` -> ``[n_layers, n_neuron_heads]`` of ``patching_metric(logits)``, as
-``get_act_patch_attn_head_out_all_pos`` for the source's heads (columns: :func:`neuron_head_columns`)."""
+get_act_patch_neuron_head_out_all_pos.__doc__ = """Patch each neuron head's output (``hook_z``; a gated neuron's
+product pair together) at every position from ``clean_cache`` into the corrupted run:
+``get_act_patch_neuron_head_out_all_pos(model, corrupted_tokens, clean_cache, patching_metric)`` -> ``[n_layers,
+n_columns]`` of ``patching_metric(logits)``, as ``get_act_patch_attn_head_out_all_pos`` for the source's heads
+(columns: :func:`neuron_head_columns`)."""
 
 get_act_patch_neuron_head_out_by_pos = functools.partial(_neuron_head_patch, by_pos=True)
 get_act_patch_neuron_head_out_by_pos.__doc__ = """As :func:`get_act_patch_neuron_head_out_all_pos`, one position at
-a time: ``[n_layers, pos, n_neuron_heads]`` (``get_act_patch_attn_head_out_by_pos``'s layout)."""
+a time: ``[n_layers, pos, n_columns]`` (``get_act_patch_attn_head_out_by_pos``'s layout)."""
 
 
 def _mlp_neuron_patch(
