@@ -4,7 +4,9 @@ peak memory and activation-patching throughput, as ratios measured in one proces
 Every ratio is *converted / source*, both run on the same device, same dtype (float32), same tokens, no hooks:
 
 * ``fwd ms``: median forward time (CUDA events around each forward, after warm-up; ``time.perf_counter`` on CPU).
-* ``ops``: ATen operations dispatched per forward (``lens_aot.core.opcount``; device-independent).
+* ``ops``: ATen operations dispatched per forward (``lens_aot.core.opcount``; device-independent), in the default
+  mode (every cheap hook point runs, neuron heads' ``hook_q/k/v/z`` included) and, ``ops, fused``, with
+  ``set_use_fused_neurons(True)`` (the closed-form activation); the other columns are the default mode's.
 * ``kernels``: CUDA kernels launched per forward (``torch.profiler`` kernel events; CUDA only).
 * ``syncs``: host-device synchronisations per forward (``aten::_local_scalar_dense`` / ``is_nonzero`` / ``item``).
 * ``peak MiB``: peak device memory allocated during a forward, above what was allocated before it (CUDA only).
@@ -125,6 +127,11 @@ def bench_source(shape: str, kind: str, sizes: list[str], device: str, repeats: 
             run_aot: Callable[[], Any] = lambda t=tokens: aot(t)  # noqa: E731
             t_src, t_aot = timed_ms(run_src, repeats, device), timed_ms(run_aot, repeats, device)
             ops_src, ops_aot = count_ops(run_src), count_ops(run_aot)
+            aot.set_use_fused_neurons(True)
+            try:
+                ops_fused = count_ops(run_aot)
+            finally:
+                aot.set_use_fused_neurons(False)
             k_src, k_aot = cuda_kernels(run_src), cuda_kernels(run_aot)
             m_src, m_aot = peak_mib(run_src, device), peak_mib(run_aot, device)
         if rate is None and patch_heads_n > 0:
@@ -132,7 +139,9 @@ def bench_source(shape: str, kind: str, sizes: list[str], device: str, repeats: 
         print(
             f"| {shape} | {kind} | {size} | {fmt(t_src, 1)} → {fmt(t_aot, 1)} | {ratio(t_src, t_aot)} "
             f"| {ops_src.total} → {ops_aot.total} | {ratio(ops_src.total, ops_aot.total)} "
-            f"| {fmt(k_src)} → {fmt(k_aot)} | {ratio(k_src, k_aot)} | {ops_src.syncs} → {ops_aot.syncs} "
+            f"| {ops_fused.total} | {ratio(ops_src.total, ops_fused.total)} "
+            f"| {fmt(k_src)} → {fmt(k_aot)} | {ratio(k_src, k_aot)} "
+            f"| {ops_src.syncs} → {ops_aot.syncs} / {ops_fused.syncs} "
             f"| {fmt(m_src)} → {fmt(m_aot)} | {ratio(m_src, m_aot)} | {fmt(rate, 1)} |",
             flush=True,
         )
@@ -160,10 +169,10 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"device {device} ({name}), torch {torch.__version__}, float32; ratio = converted / source, same run\n")
     print(
-        "| shape | source | batch×pos | fwd ms source → converted | ratio | ops | ratio | kernels | ratio "
-        "| syncs | peak MiB | ratio | patch heads/s |"
+        "| shape | source | batch×pos | fwd ms source → converted | ratio | ops | ratio | ops, fused | ratio "
+        "| kernels | ratio | syncs (default / fused) | peak MiB | ratio | patch heads/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         for kind in sources:
             bench_source(shape, kind, sizes, device, args.repeats, args.patch_heads)

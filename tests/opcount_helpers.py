@@ -12,20 +12,23 @@ from lens_aot.core.components.neuron_attention import SumOfLogistics
 from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import run_source
 
-# (batch, pos) per size; the larger one also runs with the neuron heads' CPU chunking at its maximum (the worst case
-# for operations per forward: every layer evaluated in SumOfLogistics.MAX_CHUNKS chunks).
+# (batch, pos) per size; the larger one also runs the fused mode with the neuron heads' CPU chunking at its maximum (the
+# worst case for its operations per forward: every layer evaluated in SumOfLogistics.MAX_CHUNKS chunks).
 SIZES = ((1, 4), (2, 24))
 
 
 def assert_ops_and_syncs(source: Any, d_vocab: int, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Operations per forward of the converted model ≤ 2× the source's; its host-device syncs ≤ the source's."""
+    """Operations per forward of the converted model ≤ 2× the source's and its host-device syncs ≤ the source's, in
+    the default mode (every cheap hook point runs) and the fused mode (``set_use_fused_neurons(True)``)."""
     aot = lens_aot.convert(source)
     tokens = torch.randint(0, d_vocab, size, generator=torch.Generator().manual_seed(0))
     if size == SIZES[-1]:
         monkeypatch.setattr(SumOfLogistics, "CHUNK_FLOATS", 1)
     with torch.no_grad():
         src = count_ops(lambda: run_source(source, tokens))
-        conv = count_ops(lambda: aot(tokens))
-    assert src.total > 50  # the counter sees the forward
-    assert conv.total <= 2 * src.total, (conv.total, src.total, conv.counts.most_common(10))
-    assert conv.syncs <= src.syncs, (conv.syncs, src.syncs)
+        assert src.total > 50  # the counter sees the forward
+        for fused in (False, True):
+            aot.set_use_fused_neurons(fused)
+            conv = count_ops(lambda: aot(tokens))
+            assert conv.total <= 2 * src.total, (fused, conv.total, src.total, conv.counts.most_common(10))
+            assert conv.syncs <= src.syncs, (fused, conv.syncs, src.syncs)

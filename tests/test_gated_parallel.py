@@ -347,3 +347,32 @@ def test_patching_module_on_gated_neurons_matches_the_source(parallel: bool, one
             expected = metric(ref.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.{layer}.mlp.hook_post", patch)]))
         assert float(value) == pytest.approx(float(expected), abs=TOLERANCES[("gated", torch.float64)])
     assert float((result.values - result.corrupted_metric).abs().max()) > 1e-2  # the patches matter
+
+
+@pytest.mark.parametrize("how", ["returned", "in place"])
+def test_product_heads_see_a_z_changed_without_a_registered_hook(how: str) -> None:
+    """The product heads' shortcut (no hook wrote anything: post in closed form) is decided from the tensors that came
+    through the hook points, not from the hooks registered on them: a hook point whose forward itself is replaced
+    (as tools that wrap modules do) changes the output exactly as the same change made by a TransformerLens hook."""
+    spec = random_spec(dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    tokens = _tokens(spec, batch=2)
+    name = "blocks.0.mlp.product_heads.hook_z"
+
+    def change(z: torch.Tensor, hook: object = None) -> torch.Tensor:
+        if how == "in place":
+            z[:, :, 3] = 0.0
+            return z
+        return z.index_fill(2, torch.tensor([3]), 0.0)
+
+    with torch.no_grad():
+        unchanged = aot(tokens)
+        expected = aot.run_with_hooks(tokens, fwd_hooks=[(name, change)])
+        point = aot.get_submodule(name)
+        point.forward = change  # type: ignore[method-assign]
+        try:
+            got = aot(tokens)
+        finally:
+            del point.forward
+    assert float((expected - unchanged).abs().max()) > 1e-3  # the change matters
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

@@ -82,7 +82,7 @@ class HeadDerivation:
         z = first.index_select(-1, neuron)
         if self.family == "neuron":
             b, d = (self.coeffs[k].to(first.device) for k in ("b", "d"))
-            return z * b[term] + d[term]
+            return torch.addcmul(d[term], z, b[term])  # the operation NeuronAttention.queries uses
         scaled = z * self.coeffs["scales"].to(first.device)[neuron]
         return torch.where(term == 1, -scaled, scaled)
 
@@ -94,7 +94,7 @@ class HeadDerivation:
         if self.family == "product":
             return z
         alpha, beta = (self.coeffs[k].to(source.device) for k in ("alpha", "beta"))
-        return z * alpha[term] + beta[term]
+        return torch.addcmul(beta[term], z, alpha[term])
 
     def dense_entry(self, first: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... k query key"]:
         """``hook_attn_scores`` / ``hook_pattern`` of the selected heads: ``[..., k, query, key]``."""

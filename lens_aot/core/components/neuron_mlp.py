@@ -127,10 +127,12 @@ class NeuronMLP(nn.Module):
             z_gate = gate.attend(pre)
             h = gate.neuron_output(z_gate) + self._result_change(gate, z_gate)
         h = product.hook_gate(h)
-        if self._fused(product):
+        z, standard = (None, True) if self._fused(product) else product.attend(u, h)
+        if standard:
+            # fused, or nothing written on the way (z is the standard z, its change 0): the closed form, without
+            # recomputing q, k, v and z to compare them with (the same value)
             post = product.product(u, h)
-            return (post if product.b_post is None else post + product.b_post), None
-        z = product.attend(u, h)
+            return (post if product.b_post is None else post + product.b_post), z
         return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
 
     def _fused(self, heads: NeuronAttention | ProductAttention) -> bool:

@@ -165,9 +165,10 @@ class ProductAttention(SelfAndSlotHeads):
     # ---- forward ----
     def attend(
         self, u: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
-    ) -> Float[Tensor, "batch pos n_heads 1"]:
+    ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
-        ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``)."""
+        ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
+        it is the standard ``z`` (nothing written on the way: :meth:`neuron_output`'s correction is then 0)."""
         return self._attend(u, h)
 
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:
