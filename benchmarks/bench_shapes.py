@@ -8,8 +8,10 @@ Shapes (random weights, default conversion options):
 
 Two source columns, measured in the same run: **dense** attention (a HookedTransformer on TransformerLens 3.x, which
 always computes the full score matrix, or with ``--source bridge`` a TransformerBridge over the Hugging Face model
-with ``attn_implementation="eager"``) and **SDPA** (a TransformerBridge over the Hugging Face model with
-``attn_implementation="sdpa"``, torch's fused ``scaled_dot_product_attention``). Each ratio is converted time (or
+with ``attn_implementation="eager"``) and **SDPA** (the Hugging Face model of the same shape itself, unwrapped, with
+``attn_implementation="sdpa"``, torch's fused ``scaled_dot_product_attention``: a TransformerBridge computes attention
+eagerly whatever the HF setting, so it is no SDPA source; the HF model has no hooks, so ``run_with_cache`` is
+compared with the dense source only). Each ratio is converted time (or
 bytes) over that source's: the converted model's own attention heads use SDPA when unhooked, so "vs SDPA" is the
 like-for-like ratio and "vs dense" includes the gain of fused attention. The converted model is timed in both of
 its modes: the default (every cheap hook point runs on every forward) and ``set_use_fused_neurons(True)``.
@@ -49,7 +51,8 @@ N_KV_LLAMA = 4
 
 def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale: float = 1.0) -> Any:
     """A random-weight source model of ``shape`` (``kind`` "hooked": a HookedTransformer, dense attention; "bridge":
-    a TransformerBridge over the HF model with ``attn_implementation=attn``); ``scale`` < 1 shrinks the widths, the
+    a TransformerBridge over the HF model (TransformerLens runs its own eager attention, whatever ``attn``); "hf": the
+    Hugging Face model itself with ``attn_implementation=attn``, not wrapped); ``scale`` < 1 shrinks the widths, the
     depth and the vocabulary (for checking the script quickly)."""
     torch.manual_seed(0)
     dims = dict(SHAPES[shape])
@@ -85,6 +88,8 @@ def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
         )  # fmt: skip
         model = GPT2LMHeadModel(hf_cfg).eval().to(device)
+        if kind == "hf":
+            return model
         return bridge_from_hf_module(model, "GPT2LMHeadModel", hf_config=hf_cfg, model_name="gpt2-shape").eval()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -94,7 +99,17 @@ def build_source(shape: str, kind: str, device: str, attn: str = "eager", scale:
         max_position_embeddings=dims["n_ctx"], tie_word_embeddings=False, attn_implementation=attn,
     )  # fmt: skip
     model = LlamaForCausalLM(hf_cfg).eval().to(device)
+    if kind == "hf":
+        return model
     return bridge_from_hf_module(model, "LlamaForCausalLM", hf_config=hf_cfg, model_name="llama-shape").eval()
+
+
+def source_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A source's logits: TransformerLens models through ``run_source``, an unwrapped HF model through its own
+    forward."""
+    if hasattr(model, "run_with_cache"):
+        return run_source(model, tokens)
+    return model(tokens).logits
 
 
 def wall(fn: Callable[[], Any], sync: Callable[[], None]) -> Callable[[], float]:
@@ -164,7 +179,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sources = {
         "dense": build_source(args.shape, kind, device, attn="eager", scale=args.scale),
-        "SDPA": build_source(args.shape, "bridge", device, attn="sdpa", scale=args.scale),
+        # TransformerLens's bridge computes attention eagerly (it replaces the HF attention), so the fused-attention
+        # source is the Hugging Face model itself, unwrapped, with the same shape (its own random weights)
+        "SDPA": build_source(args.shape, "hf", device, attn="sdpa", scale=args.scale),
     }
     source = sources["dense"]
     d_vocab = source.cfg.d_vocab
@@ -194,17 +211,22 @@ def main() -> None:
     def toks(n: int) -> torch.Tensor:
         return torch.randint(0, d_vocab, (1, n), generator=gen).to(device)
 
-    def row(name: str, src_fn: Callable[[Any], Any], aot_fn: Callable[[], Any], target: str) -> None:
-        runs = {k: wall(lambda s=s: src_fn(s), sync) for k, s in sources.items()}
+    def row(
+        name: str, src_fn: Callable[[Any], Any], aot_fn: Callable[[], Any], target: str, on: tuple[str, ...] = ()
+    ) -> None:
+        """A measure on the sources (``on``: only those; default all) and the converted model in both modes."""
+        runs = {k: wall(lambda s=s: src_fn(s), sync) for k, s in sources.items() if not on or k in on}
         runs.update({m: wall(in_mode(m, aot_fn), sync) for m in modes})
         rows.append((name, interleaved(runs, args.repeats), target))
 
     with torch.no_grad():
         for n in (128, 1024):
             t = toks(n)
-            row(f"forward, {n} tokens", lambda s, t=t: run_source(s, t), lambda t=t: aot(t), "≤ 1.25")
+            row(f"forward, {n} tokens", lambda s, t=t: source_logits(s, t), lambda t=t: aot(t), "≤ 1.25")
         t = toks(256)
-        row("run_with_cache, 256 tokens", lambda s: s.run_with_cache(t), lambda: aot.run_with_cache(t), "≤ 2")
+        # the unwrapped HF model has no hooks, so no cache: run_with_cache is compared with the dense source only
+        cache = (lambda s: s.run_with_cache(t), lambda: aot.run_with_cache(t))
+        row("run_with_cache, 256 tokens", *cache, "≤ 2", on=("dense",))
         _, src_cache = source.run_with_cache(t)
         src_b = cache_bytes(src_cache)
         del src_cache
@@ -222,7 +244,7 @@ def main() -> None:
 
     def backward(model: Any, t: torch.Tensor) -> float:
         model.zero_grad(set_to_none=True)
-        logits = model(t) if model is aot else run_source(model, t)
+        logits = model(t) if model is aot else source_logits(model, t)
         loss = torch.nn.functional.cross_entropy(logits[0, :-1], t[0, 1:])
         start = time.perf_counter()
         loss.backward()
@@ -241,7 +263,7 @@ def main() -> None:
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     dense_kind = type(source).__name__ + ("" if kind == "hooked" else ", HF eager attention")
     print(f"{args.shape} shape (scale {args.scale:g}), {aot.cfg.act_fn}, {device} ({machine}), {args.repeats} repeats")
-    print(f"sources: dense = {dense_kind}; SDPA = TransformerBridge, HF sdpa attention. Converted: hooks = default "
+    print(f"sources: dense = {dense_kind}; SDPA = the unwrapped HF model, sdpa attention. Converted: hooks = default "
           "(every cheap hook point runs), fused = set_use_fused_neurons(True); both use SDPA for the source's heads. "
           "Ratios: converted / source.")  # fmt: skip
     print(f"Times: median of {args.repeats} interleaved runs (minimum in brackets); ratios: of the medians (of the "
@@ -255,9 +277,10 @@ def main() -> None:
     for name, times, target in rows:
         med = {k: statistics.median(v) for k, v in times.items()}
         low = {k: min(v) for k, v in times.items()}
-        cells = " | ".join(f"{med[k] * 1e3:.1f} ms ({low[k] * 1e3:.1f})" for k in ("dense", "SDPA", *modes))
+        cells = " | ".join(f"{med[k] * 1e3:.1f} ms ({low[k] * 1e3:.1f})" if k in med else "–" for k in (
+            "dense", "SDPA", *modes))  # fmt: skip
         pairs = [(m, k) for m in modes for k in ("dense", "SDPA")]
-        ratios = " | ".join(f"{med[m] / med[k]:.2f}× ({low[m] / low[k]:.2f}×)" for m, k in pairs)
+        ratios = " | ".join(f"{med[m] / med[k]:.2f}× ({low[m] / low[k]:.2f}×)" if k in med else "–" for m, k in pairs)
         print(f"| {name} | {cells} | {ratios} | {target} |")
     print(f"| run_with_cache bytes, 256 tokens (dense source; same in both modes) | {src_b / 2**20:.0f} MiB | | "
           f"{aot_b / 2**20:.0f} MiB | | {aot_b / src_b:.2f}× | | | | ≤ 3 |")  # fmt: skip
