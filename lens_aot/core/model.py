@@ -28,8 +28,6 @@ from transformer_lens import ActivationCache
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
-from lens_aot.core.components import Attention, Norm
-from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
@@ -125,13 +123,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
         (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
-        blocks = []
-        for layer, ls in enumerate(spec.layers):
-            mlp = None if ls.mlp is None else NeuronMLP(ls.mlp, fits[layer])
-            ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
-            attn = Attention(ls.attn, spec.causal, spec.rotary)
-            blocks.append(TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, parallel=ls.parallel))
-        super().__init__(spec, blocks)
+        super().__init__(spec, lambda layer, mlp: NeuronMLP(mlp, fits[layer]))
         attn0 = spec.layers[0].attn if spec.layers else None
         self.cfg = AOTConfig.of(
             spec,

@@ -17,10 +17,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.core.components import MLP, Attention, Norm
-from lens_aot.core.components.block import TransformerBlock
+from lens_aot.core.components import MLP
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
-from lens_aot.core.spec import LayerSpec, ModelSpec, RotarySpec
+from lens_aot.core.spec import ModelSpec
 
 
 class MLPTransformerConfig(SourceConfig):
@@ -31,7 +30,7 @@ class MLPTransformer(SpecTransformer):
     """The standard transformer a :class:`~lens_aot.core.spec.ModelSpec` describes, with TransformerLens hook names."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__(spec, [_block(layer, spec.causal, spec.rotary) for layer in spec.layers])
+        super().__init__(spec, lambda layer, mlp: MLP(mlp))
         self._spec_info = {
             "causal": spec.causal,
             "positions": spec.positions,
@@ -82,13 +81,6 @@ class MLPTransformer(SpecTransformer):
             source_kind=info["source_kind"],
             extra=dict(info["extra"]),
         )
-
-
-def _block(layer: LayerSpec, causal: bool, rotary: RotarySpec | None) -> TransformerBlock:
-    """A source layer with a plain (or gated) MLP."""
-    mlp = None if layer.mlp is None else MLP(layer.mlp)
-    ln2 = None if mlp is None or layer.ln2 is None else Norm(layer.ln2)
-    return TransformerBlock(Norm(layer.ln1), Attention(layer.attn, causal, rotary), ln2, mlp, parallel=layer.parallel)
 
 
 def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab_out"]:

@@ -9,7 +9,7 @@ their forward passes offer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +18,11 @@ from torch import nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec import MLPSpec, ModelSpec
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -76,9 +77,18 @@ class SourceConfig:
 
 class SpecTransformer(HookedRootModule):
     """``embed`` (+ ``pos_embed`` for learned positions) → ``blocks`` → ``ln_final`` → ``unembed``, with
-    TransformerLens's ``hook_embed`` / ``hook_pos_embed``; subclasses add the config, the forward and ``setup()``."""
+    TransformerLens's ``hook_embed`` / ``hook_pos_embed``; subclasses add the config, the forward and ``setup()``.
 
-    def __init__(self, spec: ModelSpec, blocks: Sequence[TransformerBlock]) -> None:
+    Each source layer becomes a :class:`TransformerBlock` of the source's norms and :class:`Attention` and the MLP
+    module ``mlp_for(layer, mlp_spec)`` builds (the converted model's neuron heads, or the reference's plain MLP)."""
+
+    def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec], nn.Module]) -> None:
+        blocks = []
+        for layer, ls in enumerate(spec.layers):
+            mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
+            ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
+            attn = Attention(ls.attn, spec.causal, spec.rotary)
+            blocks.append(TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, parallel=ls.parallel))
         super().__init__()
         self.embed = Embed(spec.W_E)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
