@@ -271,13 +271,27 @@ def _llama_family(
     return read
 
 
+def _gptj_sincos(rotary_dim: int, n_ctx: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """GPT-J's sinusoidal rotary table for positions ``0..n_ctx-1``, as transformers builds it (every version).
+
+    ``create_sinusoidal_positions(num_pos, dim)``: ``inv_freq = 1 / 10000^(arange(0, dim, 2) / dim)`` (integer
+    arange divided in float32), angles ``pos · inv_freq`` in float32; the model casts to the activation dtype.
+    """
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device) / rotary_dim))
+    angles = torch.arange(n_ctx, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+    return torch.sin(angles), torch.cos(angles)
+
+
 def _read_gptj(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     """GPT-J: parallel blocks with one LayerNorm, ``resid + attn(ln_1(resid)) + mlp(ln_1(resid))``.
 
     The bridge calls HF's ``GPTJAttention`` itself: rotary on the first ``rotary_dim`` channels in adjacent pairs
-    with the sin/cos of its ``embed_positions`` buffer (each frequency repeated for its pair), scores
-    ``(q·kᵀ) / scale_attn`` and the softmax. HF computes ``q·kᵀ`` in float32 even for a float64 model (it casts q and
-    k first); the spec has no field for that, so only float32 GPT-J is read (exactly).
+    with GPT-J's sinusoidal sin/cos table (each frequency repeated for its pair), scores ``q·kᵀ`` times the
+    attention's scale, and the softmax. HF computes ``q·kᵀ`` in float32 even for a float64 model (it casts q and k
+    first); the spec has no field for that, so only float32 GPT-J is read (exactly).
+
+    The sin/cos table is computed from the config (:func:`_gptj_sincos`), never read from a module attribute:
+    transformers moved it from ``GPTJAttention.embed_positions`` to a model-level ``GPTJRotaryEmbedding`` in 5.24.
     """
     config = _hf_config(model)
     _expect("source model", model, ("GPTJForCausalLM",))
@@ -290,7 +304,6 @@ def _read_gptj(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dt
     act = canonical_activation(getattr(config, "activation_function", None))
     n_ctx = int(bridge.cfg.n_ctx)
     per_layer = []
-    tables: list[Tensor] = []
     rotary_dim = None
     for block in blocks:
         _expect("block", _original(block), ("GPTJBlock",))
@@ -306,19 +319,16 @@ def _read_gptj(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dt
             raise _refuse(
                 f"GPT-J rotary_dim={rotary_dim} for head_dim {head_dim}", "Use an even rotary_dim ≤ head_dim."
             )
-        tables.append(hf_attn.embed_positions)
-        per_layer.append((float(hf_attn.scale_attn), None))
-    if any(not torch.equal(t, tables[0]) for t in tables):
-        raise _refuse("different rotary tables in different layers")
-    table = tables[0]
-    if table.shape[0] < n_ctx:
-        raise _refuse(f"rotary tables covering {table.shape[0]} positions, fewer than n_ctx={n_ctx}")
-    # GPTJAttention.forward: sincos = embed_positions[pos].to(k.dtype); sin, cos = split in halves; each frequency is
-    # repeat_interleave'd over its adjacent pair (apply_rotary_pos_emb) and x·cos + rotate_every_two(x)·sin.
-    sincos = table[:n_ctx].to(dtype)
-    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
-    if 2 * sin.shape[-1] != int(rotary_dim):
-        raise _refuse(f"GPT-J rotary tables of width {sincos.shape[-1]} for rotary_dim {rotary_dim}")
+        # transformers < 5.24: ``scale_attn`` = √head_dim divides the scores; from 5.24: ``scaling`` = head_dim**-0.5
+        # multiplies them (eager_attention_forward). Both are public attention attributes set from the config.
+        scale_attn = getattr(hf_attn, "scale_attn", None)
+        per_layer.append((float(scale_attn) if scale_attn is not None else 1.0 / float(hf_attn.scaling), None))
+    if int(getattr(config, "max_position_embeddings", n_ctx)) < n_ctx:
+        raise _refuse(f"rotary tables covering {config.max_position_embeddings} positions, fewer than n_ctx={n_ctx}")
+    # GPT-J: sincos = table[pos].to(k.dtype); sin, cos = split in halves; each frequency is repeat_interleave'd over
+    # its adjacent pair (apply_rotary_pos_emb) and x·cos + rotate_every_two(x)·sin.
+    sin, cos = _gptj_sincos(int(rotary_dim), n_ctx, next(model.parameters()).device)
+    sin, cos = sin.to(dtype), cos.to(dtype)
     rotary = RotarySpec(
         int(rotary_dim),
         _copy(cos.repeat_interleave(2, dim=-1)),
