@@ -1,22 +1,47 @@
 # Two commands: `make demo` and `make test`. Each builds the virtual environment(s) it needs.
 # CPU torch is installed first (pinned), so nothing pulls CUDA wheels.
+# `make test` installs the tested versions in constraints/tl{3,4}.txt; `make test-newest` runs the same suite against
+# the newest releases (no constraints) in separate environments (.venv-new3, .venv-new4).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TL3 ?= transformer-lens==3.9.0
 TL4 ?= transformer-lens==4.3.0
+TL3_NEWEST ?= transformer-lens>=3.9,<4
+TL4_NEWEST ?= transformer-lens>=4.3,<5
 # SAELens supports TransformerLens 3.x only (sae-lens >= 6.52 requires transformer-lens < 4): its extra goes in the 3.9 env.
 EXTRAS3 ?= test,sae
 EXTRAS4 ?= test
+# EAP-IG (Hanna et al. 2024, MIB's baseline; test-only, TransformerLens 3.x only): from the wheel in ../shared/wheels
+# where it exists, else from its git commit (needs network; the tests that use it skip without it).
+EAP_WHEELS ?= ../shared/wheels
+EAP_GIT ?= git+https://github.com/hannamw/EAP-IG@795f5607b25638935aec89aee3c1cb4bd9ed72f1
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-tl3 test-tl4 lint bench clean
+.PHONY: demo test test-tl3 test-tl4 test-newest test-new3 test-new4 lint constraints bench clean
 
-.venv-tl%/.ready: pyproject.toml
-	rm -rf .venv-tl$*
-	$(PYTHON) -m venv .venv-tl$*
-	.venv-tl$*/bin/pip install -q --upgrade pip
-	.venv-tl$*/bin/pip install -q "$(TORCH)"
-	.venv-tl$*/bin/pip install -q "$(TL$*)" -e ".[$(EXTRAS$*)]"
+# $(1): the environment's folder, $(2): the TransformerLens requirement, $(3): extras, $(4): pip options.
+define make_venv
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q "$(TORCH)"
+	$(1)/bin/pip install -q $(4) "$(2)" -e ".[$(3)]"
+endef
+
+# $(1): the environment's folder, $(2): pip options. EAP-IG imports HookedTransformer, so only TransformerLens 3.x has it.
+define install_eap
+	if [ -d "$(EAP_WHEELS)" ]; then $(1)/bin/pip install -q $(2) --find-links "$(EAP_WHEELS)" eap==2.0.0; \
+	else $(1)/bin/pip install -q $(2) "eap @ $(EAP_GIT)" || echo "EAP-IG not installed: its tests will skip"; fi
+endef
+
+.venv-tl%/.ready: pyproject.toml constraints/tl%.txt
+	$(call make_venv,.venv-tl$*,$(TL$*),$(EXTRAS$*),-c constraints/tl$*.txt)
+	$(if $(filter 3,$*),$(call install_eap,.venv-tl$*,-c constraints/tl$*.txt))
+	touch $@
+
+.venv-new%/.ready: pyproject.toml
+	$(call make_venv,.venv-new$*,$(TL$*_NEWEST),$(EXTRAS$*),)
+	$(if $(filter 3,$*),$(call install_eap,.venv-new$*,))
 	touch $@
 
 demo: .venv-tl4/.ready
@@ -35,9 +60,22 @@ test-tl4: .venv-tl4/.ready
 # The suite runs under TransformerLens 3.9 (HookedTransformer + TransformerBridge) and 4.3 (TransformerBridge only).
 test: lint test-tl3 test-tl4
 
+test-new%: .venv-new%/.ready
+	.venv-new$*/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The same suite against the newest releases of every dependency (torch stays the pinned CPU build).
+test-newest: test-new3 test-new4
+
+# Rewrite the tested versions from the two test environments (after a deliberate upgrade).
+constraints: .venv-tl3/.ready .venv-tl4/.ready
+	for v in 3 4; do \
+	  { echo "# Tested versions for the TransformerLens $$v.x environment (make test). Regenerate: make constraints"; \
+	    .venv-tl$$v/bin/pip freeze --exclude-editable | grep -v -i -E '^(torch|eap|lens-aot)[= @]'; } > constraints/tl$$v.txt; \
+	done
+
 bench: .venv-tl4/.ready
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape gpt2
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape llama
 
 clean:
-	rm -rf .venv-tl3 .venv-tl4 .pytest_cache .ruff_cache
+	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .pytest_cache .ruff_cache
