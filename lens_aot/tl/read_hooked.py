@@ -25,12 +25,16 @@ SUPPORTED = (
     "relu, gelu, gelu_new, gelu_fast; attention-only models (see docs/variants.md)"
 )
 
-# cfg attribute -> (value meaning "off", what it is); any other value is refused (lens_aot.tl.config_fields lists
-# every HookedTransformerConfig field as carried, refused or irrelevant).
+# cfg attribute -> (value meaning "off", what it is); any other value is refused, naming the field
+# (lens_aot.tl.config_fields lists every HookedTransformerConfig field as carried, refused or irrelevant).
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
-    "num_experts": (None, "mixture-of-experts MLP"),
+    "num_experts": (None, "a mixture-of-experts MLP"),
     "load_in_4bit": (False, "4-bit quantised weights"),
-    "n_devices": (1, "a model split across several devices"),
+    "n_devices": (1, "a model split across several devices (move it to one device first)"),
+    "ungroup_grouped_query_attention": (
+        False,
+        "hook_k / hook_v expanded to n_heads (set it to False first: the converted model's have n_key_value_heads)",
+    ),
 }
 # TransformerLens's OLMo-2/3 blocks (utilities.architectures.POST_NORM_ARCHITECTURES): ln1 / ln2 after the sublayer.
 POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -48,7 +52,7 @@ def _refuse(what: str) -> UnsupportedArchitectureError:
 def _check_config(cfg: Any) -> None:
     for attr, (off, what) in _MUST_BE_OFF.items():
         if getattr(cfg, attr, off) != off:
-            raise _refuse(what)
+            raise _refuse(f"{what} ({attr}={getattr(cfg, attr)!r})")
     _check_local_attention(cfg)
     _check_context_scaling(cfg)
     pos = cfg.positional_embedding_type
@@ -59,7 +63,7 @@ def _check_config(cfg: Any) -> None:
             f"Use a model with standard or rotary positions. Supported: {SUPPORTED}."
         )
     if pos not in ("standard", "rotary", "alibi"):
-        raise _refuse(f"{pos!r} positional embeddings")
+        raise _refuse(f"positional_embedding_type={pos!r}")
     if cfg.use_normalization_before_and_after and cfg.normalization_type not in (None, "RMS", "RMSPre"):
         # TransformerBlock has no post-norm class for LN / LNPre (it fails to build); refuse a hand-made one.
         raise _refuse(f"sandwich norms with normalization_type={cfg.normalization_type!r}")

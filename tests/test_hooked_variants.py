@@ -1,0 +1,103 @@
+"""Attention / norm / position variants of HookedTransformers (TransformerLens 3.x): each converts within the stated
+bound of the source's own forward in float32 and float64, every source hook exists in the converted model with the
+same value, a 1e-3 change to the variant's coefficient breaks the agreement, and save/load and revert round-trip.
+Variants and knobs: ``tests/variants_hooked.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from variants_hooked import EXTRA_KNOBS, KNOBS, VARIANTS, make_variant
+
+import lens_aot
+from lens_aot.core.reference import MLPTransformer, independent_logits
+from lens_aot.errors import UnsupportedArchitectureError
+
+NAMES = sorted(VARIANTS)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 50, (3, 24), generator=torch.Generator().manual_seed(2))
+
+
+def _error(a: torch.nn.Module, b: torch.nn.Module, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((a(tokens) - b(tokens)).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_converts_within_bound(name: str, dtype: torch.dtype, one_thread: None) -> None:
+    model = make_variant(name, dtype)
+    aot = lens_aot.convert(model)
+    tol = TOLERANCES[("silu", dtype)]
+    err = _error(aot, model, _tokens())
+    assert err <= tol, f"{name}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    assert aot.report.logit_bound is not None and aot.report.max_abs_logit_error <= aot.report.logit_bound
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_knob_breaks_agreement(name: str, one_thread: None) -> None:
+    """A 1e-3 relative change to the variant's own coefficient moves the logits far beyond the tolerance."""
+    model = make_variant(name)
+    tokens = _tokens()
+    for path, knob in [KNOBS[name]] + ([EXTRA_KNOBS[name]] if name in EXTRA_KNOBS else []):
+        aot = lens_aot.convert(model)
+        knob(aot.get_submodule(path))
+        err = _error(aot, model, tokens)
+        assert err > 100 * TOLERANCES[("silu", torch.float64)], f"{name}: changing {path} moved logits by {err:.3g}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_hooks_match_source(name: str, one_thread: None) -> None:
+    """Every hook of the source (rot_q/k, q_norm/k_norm, ln1_post/ln2_post, embed.ln ...) exists in the converted model
+    under the same name, with the same shape and value."""
+    model = make_variant(name)
+    aot = lens_aot.convert(model)
+    tokens = _tokens()
+    _, src = model.run_with_cache(tokens)
+    _, got = aot.run_with_cache(tokens)
+    missing = sorted(set(src.keys()) - set(aot.hook_dict))
+    assert not missing, f"{name}: source hooks missing from the converted model: {missing}"
+    for hook in src.keys():
+        expected, actual = src[hook], got[hook]
+        assert actual.shape == expected.shape, hook
+        finite = expected.isfinite()  # masked scores are -inf in both
+        assert torch.equal(actual.isfinite(), finite), f"{name}: {hook} is masked differently"
+        scale = 1.0 + float(expected[finite].abs().max())
+        err = float((actual[finite] - expected[finite]).abs().max())
+        assert err <= 1e-10 * scale, f"{name}: {hook} differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_round_trips(name: str, tmp_path, one_thread: None) -> None:
+    """save/load gives the same model; revert gives back the source's weights and logits; the reference model and
+    the independent plain-torch forward compute the spec the reader read."""
+    model = make_variant(name)
+    aot = lens_aot.convert(model)
+    tokens = _tokens()
+    lens_aot.save(aot, tmp_path / "m")
+    assert _error(lens_aot.load(tmp_path / "m"), aot, tokens) == 0.0
+    back = lens_aot.revert(aot)
+    source_state, state = model.state_dict(), back.state_dict()
+    assert set(state) == set(source_state)
+    unused = {"pos_embed.W_pos"} if model.cfg.positional_embedding_type == "alibi" else set()
+    assert [k for k in state if k not in unused and not torch.equal(state[k], source_state[k])] == []
+    assert _error(back, model, tokens) <= 1e-13
+    spec = aot.to_spec()
+    with torch.no_grad():
+        reference = MLPTransformer(spec)(tokens)
+        assert float((reference - model(tokens)).abs().max()) <= 1e-12
+        assert float((independent_logits(spec, tokens) - reference).abs().max()) <= 1e-12
+
+
+def test_revert_refuses_what_a_hooked_transformer_cannot_hold() -> None:
+    """Soft caps that differ by layer have no HookedTransformerConfig field: revert to a HookedTransformer refuses,
+    naming the variant; the reference model holds it."""
+    aot = lens_aot.convert(make_variant("gemma2"))
+    aot.blocks[1].attn.scores_soft_cap.cap = 7.0
+    with pytest.raises(UnsupportedArchitectureError, match="attention-score soft-cap"):
+        lens_aot.revert(aot, to="hooked")
+    reference = lens_aot.revert(aot, to="reference")
+    assert _error(reference, aot, _tokens()) <= 1e-12
