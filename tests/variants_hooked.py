@@ -43,7 +43,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "alibi-embed-ln": ("ln-standard", dict(positional_embedding_type="alibi", post_embedding_ln=True)),
     "sinks-clip": ("rms-rotary", dict(use_attention_sinks=True, clip_qkv=0.5)),
-    "llama3-rope": ("rms-rotary", dict(use_NTK_by_parts_rope=True, NTK_by_parts_factor=8.0, NTK_original_ctx_len=8)),
+    "llama3-rope": ("rms-rotary", dict(use_NTK_by_parts_rope=True, NTK_by_parts_factor=4.0, NTK_original_ctx_len=8)),
     "yarn-rope": (
         "rmspre-rotary-gpt-j",
         dict(use_yarn_rope=True, yarn_factor=4.0, yarn_original_max_position_embeddings=8, yarn_attention_factor=1.2),

@@ -127,7 +127,7 @@ def _qk_norms(attn: nn.Module, cfg: Any) -> dict[str, Any]:
         return {}
     q, k = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if q is None or k is None:
-        raise _refuse(f"QK-norm ({over}) without q_norm / k_norm modules")
+        raise _refuse(f"QK-norm ({over}) without q_norm / k_norm modules (set in the config after building)")
     return dict(q_norm=_norm(q, cfg.eps), k_norm=_norm(k, cfg.eps), qk_norm_over=over)
 
 
@@ -140,7 +140,12 @@ def _attention(attn: nn.Module, cfg: Any) -> AttentionSpec:
     soft_cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
     alibi = None
     if cfg.positional_embedding_type == "alibi":  # TransformerLens's create_alibi_bias: float32 slopes
+        if not hasattr(attn, "alibi"):
+            raise _refuse("'alibi' positional embeddings (positional_embedding_type='alibi') set after building")
         alibi = type(attn).create_alibi_multipliers(cfg.n_heads, attn.W_Q.device)
+    sinks = getattr(attn, "sinks", None)
+    if cfg.use_attention_sinks and sinks is None:
+        raise _refuse("attention sinks (use_attention_sinks=True) without a sinks parameter (set after building)")
     local = getattr(attn, "attn_type", "global") == "local" and cfg.attention_dir == "causal"
     return AttentionSpec(
         W_Q=attn.W_Q.detach().clone(),
@@ -157,7 +162,7 @@ def _attention(attn: nn.Module, cfg: Any) -> AttentionSpec:
         window=int(cfg.window_size) if local else None,
         clip_qkv=None if cfg.clip_qkv is None else float(cfg.clip_qkv),
         alibi_slopes=alibi,
-        sinks=attn.sinks.detach().clone() if cfg.use_attention_sinks else None,
+        sinks=sinks.detach().clone() if cfg.use_attention_sinks and sinks is not None else None,
     )
 
 
@@ -223,6 +228,16 @@ def _rotary(model: Any, attn: Any) -> RotarySpec:
     )
 
 
+def _embed_ln(model: Any) -> NormSpec | None:
+    """TransformerLens's ``post_embedding_ln`` (BLOOM): ``embed.ln``, a LayerNorm applied to ``W_E[tokens]``."""
+    if not model.cfg.post_embedding_ln:
+        return None
+    ln = getattr(model.embed, "ln", None)
+    if ln is None:
+        raise _refuse("LayerNorm after the embedding (post_embedding_ln=True) without an embed.ln module")
+    return _norm(ln, model.cfg.eps)
+
+
 def read_hooked_transformer(model: Any) -> ModelSpec:
     """Read a HookedTransformer (with or without ``fold_ln`` / centring) into a :class:`ModelSpec`."""
     cfg = model.cfg
@@ -275,7 +290,7 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         positions=positions,
         W_pos=model.pos_embed.W_pos.detach().clone() if positions == "standard" else None,
         rotary=model_rotary,
-        embed_ln=_norm(model.embed.ln, cfg.eps) if cfg.post_embedding_ln else None,
+        embed_ln=_embed_ln(model),
         logits_soft_cap=logits_cap if logits_cap > 0 else None,
         tokenizer=getattr(model, "tokenizer", None),
         default_prepend_bos=bool(cfg.default_prepend_bos),
