@@ -101,3 +101,16 @@ def test_revert_refuses_what_a_hooked_transformer_cannot_hold() -> None:
         lens_aot.revert(aot, to="hooked")
     reference = lens_aot.revert(aot, to="reference")
     assert _error(reference, aot, _tokens()) <= 1e-12
+
+
+def test_circuit_scores_refuse_non_bilinear_scores() -> None:
+    """QK-norm, soft-caps and ALiBi are not in a head's QK circuit: circuit_scores says so instead of returning
+    bilinear scores that differ from the model's."""
+    from lens_aot.analysis.circuits.qk_ov import circuit_scores
+    from lens_aot.errors import InputError
+
+    for name, what in (("alibi-embed-ln", "ALiBi"), ("gemma2", "soft-capping"), ("qk-norm", "QK-norm")):
+        aot = lens_aot.convert(make_variant(name))
+        x = torch.zeros(1, 4, aot.cfg.d_model, dtype=aot.cfg.dtype)
+        with pytest.raises(InputError, match=what):
+            circuit_scores(aot, "L0H0", x)

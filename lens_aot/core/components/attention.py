@@ -220,6 +220,15 @@ class Attention(nn.Module):
         ``scaled_dot_product_attention`` path cannot compute this layer."""
         return any(hasattr(self, name) for name in ("scores_soft_cap", "alibi", "sinks"))
 
+    def non_bilinear_score_variants(self) -> list[str]:
+        """The variants that make this layer's scores something other than the bilinear form ``x W_Q W_Kᵀ xᵀ``
+        (with biases) over its inputs: what a QK circuit alone cannot reproduce."""
+        names = {"q_norm": "QK-norm", "k_norm": "QK-norm", "scores_soft_cap": "soft-capping", "alibi": "ALiBi"}
+        found = [what for attr, what in names.items() if hasattr(self, attr)]
+        if self.clip_qkv is not None:
+            found.append("QKV clipping")
+        return sorted(set(found))
+
     def _mask(
         self,
         n_query: int,
