@@ -114,3 +114,25 @@ def test_circuit_scores_refuse_non_bilinear_scores() -> None:
         x = torch.zeros(1, 4, aot.cfg.d_model, dtype=aot.cfg.dtype)
         with pytest.raises(InputError, match=what):
             circuit_scores(aot, "L0H0", x)
+
+
+def test_linear_decompositions_refuse_normalized_sublayer_outputs() -> None:
+    """Path patching, edge and gradient attribution map a head's change through W_O into hook_attn_out /
+    hook_mlp_out; with sandwich or post norms that map is not linear, so they refuse (activation patching works)."""
+    from lens_aot.errors import InputError
+    from lens_aot.patching import attribute_edges, attribute_heads, patch_heads, path_patch
+
+    aot = lens_aot.convert(make_variant("olmo2-post-norm"))
+    clean, corrupted = _tokens()[:1, :6], _tokens()[1:2, :6]
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 0].sum()
+
+    for run in (
+        lambda: path_patch(aot, clean, corrupted, metric, senders=["L0H0"]),
+        lambda: attribute_edges(aot, clean, corrupted, metric, senders=["L0H0"]),
+        lambda: attribute_heads(aot, clean, corrupted, metric),
+    ):
+        with pytest.raises(InputError, match="normalizes its sublayers' outputs"):
+            run()
+    assert patch_heads(aot, clean, corrupted, metric, heads=["L0H0"]) is not None
