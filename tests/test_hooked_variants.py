@@ -135,4 +135,4 @@ def test_linear_decompositions_refuse_normalized_sublayer_outputs() -> None:
     ):
         with pytest.raises(InputError, match="normalizes its sublayers' outputs"):
             run()
-    assert patch_heads(aot, clean, corrupted, metric, heads=["L0H0"]) is not None
+    assert patch_heads(aot, clean, corrupted, metric, heads=[("blocks.0.attn", 0)]) is not None
