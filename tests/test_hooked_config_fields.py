@@ -35,6 +35,7 @@ _TUNING = {
 
 def test_every_field_is_listed_once() -> None:
     fields = {f.name for f in dataclasses.fields(HookedTransformerConfig)}
+    assert len(fields) == 87  # TransformerLens 3.9 (docs/variants.md); a new field must be listed below
     lists = [set(CARRIED), set(REFUSED), set(IRRELEVANT)]
     unlisted = sorted(fields - set().union(*lists))
     assert not unlisted, f"HookedTransformerConfig fields neither carried, refused nor irrelevant: {unlisted}"
