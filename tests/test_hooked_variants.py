@@ -136,3 +136,26 @@ def test_linear_decompositions_refuse_normalized_sublayer_outputs() -> None:
         with pytest.raises(InputError, match="normalizes its sublayers' outputs"):
             run()
     assert patch_heads(aot, clean, corrupted, metric, heads=[("blocks.0.attn", 0)]) is not None
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "alibi-embed-ln", "sinks-clip", "olmoe-qk-norm-gqa"])
+def test_variant_cached_and_padded_logits_match_source(name: str, one_thread: None) -> None:
+    """Left padding and a key-value cache (keys stored after QK-norm and clipping; windows, ALiBi and sinks over
+    cached positions), step by step, against the source's own cache."""
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    from lens_aot.core.kv_cache import KeyValueCache
+
+    model = make_variant(name)
+    aot = lens_aot.convert(model)
+    tokens = _tokens()[:, :12]
+    mask = torch.ones_like(tokens)
+    mask[1, :3] = 0  # a left-padded row
+    with torch.no_grad():
+        cache = KeyValueCache.init_cache(aot.cfg, None, batch_size=3)
+        tl_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, batch_size=3)
+        for start, stop in ((0, 7), (7, 8), (8, 12)):
+            step, step_mask = tokens[:, start:stop], mask[:, start:stop]
+            expected = model(step, attention_mask=step_mask, past_kv_cache=tl_cache)
+            got = aot(step, attention_mask=step_mask, past_kv_cache=cache)
+            assert float((got - expected).abs().max()) <= 1e-10, f"{name}: positions {start}:{stop}"
