@@ -159,3 +159,18 @@ def test_variant_cached_and_padded_logits_match_source(name: str, one_thread: No
             expected = model(step, attention_mask=step_mask, past_kv_cache=tl_cache)
             got = aot(step, attention_mask=step_mask, past_kv_cache=cache)
             assert float((got - expected).abs().max()) <= 1e-10, f"{name}: positions {start}:{stop}"
+
+
+def test_circuits_of_post_norm_layers_read_the_raw_residual() -> None:
+    """In a post-norm layer ln1 / ln2 normalize the output: the heads read the residual itself, and circuit_input
+    gives exactly what the source's heads read (hook_q of layer 0 recomputed from it)."""
+    from lens_aot.analysis.circuits.qk_ov import circuit_input
+
+    model = make_variant("olmo2-post-norm")
+    aot = lens_aot.convert(model)
+    _, cache = aot.run_with_cache(_tokens())
+    x = circuit_input(aot, cache, "blocks.0.attn")
+    assert torch.equal(x, cache["blocks.0.hook_resid_pre"])
+    attn = aot.blocks[0].attn
+    q = torch.einsum("bpd,hde->bphe", x, attn.W_Q) + attn.b_Q
+    assert float((q - cache["blocks.0.attn.hook_q"]).abs().max()) <= 1e-12

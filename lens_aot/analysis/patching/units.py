@@ -248,9 +248,13 @@ def _input_of(aot: AttentionOnlyTransformer, name: str, acts: dict[str, Tensor])
 
 
 def _input_norm(aot: AttentionOnlyTransformer, name: str) -> torch.nn.Module:
-    """The norm between the residual stream and module ``name``'s heads (``ln1`` or ``ln2``)."""
+    """The norm between the residual stream and module ``name``'s heads (``ln1`` or ``ln2``; none in post-norm
+    layers, whose ``ln1`` / ``ln2`` normalize the sublayer's output)."""
     layer, kind = parse_module(name)
-    return aot.blocks[layer].ln1 if kind == "attention" else aot.blocks[layer].ln2
+    block = aot.blocks[layer]
+    if block.post_norm:
+        return torch.nn.Identity()
+    return block.ln1 if kind == "attention" else block.ln2
 
 
 def _require_linear_writes(aot: AttentionOnlyTransformer, what: str) -> None:
