@@ -64,13 +64,17 @@ def test_unsupported_activation_family(family: str, problem: str) -> None:
         lens_aot.convert(make_bridge(family))
 
 
-@pytest.mark.parametrize("act_fn", ["quick_gelu", "GELU", "relu2", "sigmoid"])
+@pytest.mark.parametrize("act_fn", ["quick_gelu", "relu2", "sigmoid", "laplace"])
 def test_unknown_activation_name(act_fn: str) -> None:
-    """An activation the bridge reports but lens_aot has no construction for (set on the GPT-2 config)."""
+    """An activation the source's MLP applies but lens_aot has no construction for (the GPT-2 MLP's activation
+    module, named by transformers' own table; the config says the same)."""
+    from transformers.activations import ACT2FN
 
     def build() -> Any:
         kind, model, architecture = factories_bridge._gpt2("gelu_new")()
         model.config.activation_function = act_fn
+        for block in model.transformer.h:
+            block.mlp.act = ACT2FN[act_fn]
         return kind, model, architecture
 
     with mock.patch.dict(FAMILIES, {"custom": build}):

@@ -5,7 +5,8 @@ config fields. Two things cannot be read off a module without running it: how th
 (sequential ``resid + attn(ln1(resid))`` then ``+ mlp(ln2(·))``, parallel with two norms, parallel with one shared
 norm) and whether each piece's reading reproduces the piece. :func:`record` runs the bridge once on a few tokens
 with plain PyTorch forward hooks on every block, norm, attention and MLP component (removed even when the forward
-raises; hooks a user attached to the bridge's hook points are detached meanwhile and put back) and keeps each
+raises; hooks a user attached to the bridge's hook points are detached meanwhile and put back, and it runs in
+eval mode) and keeps each
 piece's last input and output; :func:`check_piece` compares a reading's output with the recorded one and names the
 layer and the piece when they differ.
 """
@@ -70,7 +71,10 @@ def record(bridge: Any, blocks: list[Any], n_pos: int) -> dict[tuple[int, str], 
         for point in bridge.modules()
         if isinstance(point, HookPoint) and (point._forward_hooks or point._forward_pre_hooks)
     ]
+    # Likewise the probe runs in eval mode (dropout off); each module's training flag is restored afterwards.
+    training = [(module, module.training) for module in bridge.modules()]
     try:
+        bridge.eval()
         for point, _, _ in detached:
             point._forward_hooks.clear()
             point._forward_pre_hooks.clear()
@@ -97,6 +101,8 @@ def record(bridge: Any, blocks: list[Any], n_pos: int) -> dict[tuple[int, str], 
     finally:
         for handle in handles:
             handle.remove()
+        for module, flag in training:
+            module.training = flag
         for point, forward_hooks, pre_hooks in detached:
             point._forward_hooks.update(forward_hooks)
             point._forward_pre_hooks.update(pre_hooks)
