@@ -299,6 +299,97 @@ def _bert() -> Source:
     return "hf", BertForMaskedLM(cfg), "BertForMaskedLM"
 
 
+def _hf(config_cls: str, model_cls: str, **fields: Any) -> Callable[[], Source]:
+    """A tiny Hugging Face causal LM of ``model_cls`` with ``config_cls(**common sizes, **fields)``: every family
+    lens_aot reads by structure (no reader of its own) is built this way."""
+
+    def build() -> Source:
+        import transformers
+
+        common: dict[str, Any] = dict(
+            vocab_size=D_VOCAB,
+            hidden_size=D_MODEL,
+            intermediate_size=D_MLP,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            max_position_embeddings=N_CTX,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        cfg = getattr(transformers, config_cls)(**{**common, **fields})
+        return "hf", getattr(transformers, model_cls)(cfg), model_cls
+
+    return build
+
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+_YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+
+# Families read by structure alone (issue 22): name -> builder. Each converts in float32; STRUCTURAL_FP64_REFUSED
+# lists those whose float64 forward computes a piece in float32 (refused in float64, with the fix named).
+STRUCTURAL: dict[str, Callable[[], Source]] = {
+    "qwen2": _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
+    "qwen2-yarn": _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, rope_parameters=_YARN_ROPE),
+    "llama3-rope": _hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE),
+    "phi3": _hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0),
+    "phi": _hf("PhiConfig", "PhiForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0, hidden_act="gelu_new"),
+    "olmo": _hf("OlmoConfig", "OlmoForCausalLM", num_key_value_heads=2),
+    "stablelm": _hf("StableLmConfig", "StableLmForCausalLM", num_key_value_heads=2, use_qkv_bias=True),
+    "smollm3": _hf("SmolLM3Config", "SmolLM3ForCausalLM", num_key_value_heads=2),
+    "glm": _hf("GlmConfig", "GlmForCausalLM", num_key_value_heads=2, head_dim=D_HEAD),
+    "falcon": _hf(
+        "FalconConfig",
+        "FalconForCausalLM",
+        ffn_hidden_size=D_MLP,
+        parallel_attn=True,
+        new_decoder_architecture=False,
+        multi_query=True,
+        bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ),
+    "gpt_neo": _hf(
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        num_layers=N_LAYERS,
+        num_heads=N_HEADS,
+        attention_types=[[["global", "local"], 1]],
+        window_size=N_CTX,
+        resid_dropout=0.0,
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+    ),
+    "gpt_bigcode": _hf(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        n_embd=D_MODEL,
+        n_layer=N_LAYERS,
+        n_head=N_HEADS,
+        n_inner=D_MLP,
+        n_positions=N_CTX,
+        multi_query=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
+    "neox-rope-linear": _neox(parallel=False, rope={"rope_type": "linear", "factor": 2.0}),
+}
+STRUCTURAL_FP64_REFUSED = {
+    "olmo": r"OLMo's LayerNorm in float64",
+    "glm": r"layer 0 attn: adjacent-pair rotary computed in float32",
+    "gpt_neo": r"layer 0 attn: GPT-Neo in torch.float64",
+}
+
+
 # --- TransformerLens-native sources -------------------------------------------------------------------------------
 
 
@@ -334,7 +425,9 @@ FAMILIES: dict[str, Callable[[], Source]] = {
     "gpt2-tanh": _gpt2("tanh"),
     "neox-seq": _neox(parallel=False),
     "neox": _neox(parallel=True),
-    "neox-rope-linear": _neox(parallel=False, rope={"rope_type": "linear", "factor": 2.0}),
+    "neox-rope-dynamic": _neox(
+        parallel=False, rope={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    ),
     "starcoder2": _starcoder2(sliding_window=None),
     "starcoder2-window": _starcoder2(sliding_window=8),
     "llama": _llama(),
@@ -368,6 +461,7 @@ FAMILIES: dict[str, Callable[[], Source]] = {
     "native-gated-gelu": _native(normalization_type="RMS", gated_mlp=True, act_fn="gelu_new", final_rms=True),
     "native-softcap": _native(attn_scores_soft_cap=30.0),
     "native-solu": _native(act_fn="solu"),
+    **STRUCTURAL,
 }
 
 

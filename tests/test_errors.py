@@ -64,13 +64,17 @@ def test_unsupported_activation_family(family: str, problem: str) -> None:
         lens_aot.convert(make_bridge(family))
 
 
-@pytest.mark.parametrize("act_fn", ["quick_gelu", "GELU", "relu2", "sigmoid"])
+@pytest.mark.parametrize("act_fn", ["quick_gelu", "relu2", "sigmoid", "laplace"])
 def test_unknown_activation_name(act_fn: str) -> None:
-    """An activation the bridge reports but lens_aot has no construction for (set on the GPT-2 config)."""
+    """An activation the source's MLP applies but lens_aot has no construction for (the GPT-2 MLP's activation
+    module, named by transformers' own table; the config says the same)."""
+    from transformers.activations import ACT2FN
 
     def build() -> Any:
         kind, model, architecture = factories_bridge._gpt2("gelu_new")()
         model.config.activation_function = act_fn
+        for block in model.transformer.h:
+            block.mlp.act = ACT2FN[act_fn]
         return kind, model, architecture
 
     with mock.patch.dict(FAMILIES, {"custom": build}):
@@ -83,7 +87,7 @@ ARCHITECTURE_REFUSALS = {
     "bert": (torch.float32, (r"post-LN blocks", r"Only pre-norm blocks .* are supported")),
     "mistral-window": (torch.float32, (r"sliding_window=8 < n_ctx=32", r"Only full causal attention is supported")),
     "starcoder2-window": (torch.float32, (r"sliding_window=8 < n_ctx=32", r"Only full causal attention is supported")),
-    "neox-rope-linear": (torch.float32, (r"rope scaling of type 'linear'", r"Only unscaled rotary embeddings")),
+    "neox-rope-dynamic": (torch.float32, (r"rope scaling of type 'dynamic'", r"Use n_ctx ≤ 16")),
     "native-softcap": (torch.float32, (r"attention-score soft-capping", r"Soft-capping \(tanh\) is not supported")),
     "gemma": (torch.float64, (r"Gemma's RMSNorm in float64", r"bridge\.to\(torch\.float32\).*compatibility_mode")),
     "gptj": (torch.float64, (r"GPT-J in torch\.float64", r"Read GPT-J in float32")),

@@ -20,15 +20,15 @@ from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 
 SUPPORTED = (
-    "TransformerBridge architectures GPT2LMHeadModel, GPTNeoXForCausalLM (sequential or parallel residual), "
-    "GPTJForCausalLM, LlamaForCausalLM, MistralForCausalLM and Starcoder2ForCausalLM without a binding sliding "
-    "window, GemmaForCausalLM (causal), and TransformerLensNative (boot_native) — i.e. pre-norm blocks, sequential "
-    "(resid += attn(ln1(resid)); resid += mlp(ln2(resid))) or parallel (resid += attn(ln1(resid)) + "
-    "mlp(ln2(resid))), with a plain MLP act(x·W_in + b_in) or a gated one act(x·W_gate + b_gate)·(x·W_in + b_in) "
-    "(silu, relu, gelu, gelu_new / gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or "
-    "their parameter-free variants, learned absolute or unscaled rotary positions, multi-head or grouped-query "
-    "attention (causal, or bidirectional in native models) without soft-capping, QK-norm or local windows, in "
-    "float32 or float64"
+    "TransformerBridge architectures read by their structure (docs/families.md) — decoder-only pre-norm blocks, "
+    "sequential (resid += attn(ln1(resid)); resid += mlp(ln2(resid))) or parallel (resid += attn(ln1(resid)) + "
+    "mlp(ln2(resid)), ln2 possibly the same norm as ln1), with a plain MLP act(x·W_in + b_in) or a gated one "
+    "act(x·W_gate + b_gate)·(x·W_in + b_in), fused gate-up included (silu, relu, gelu, gelu_new / "
+    "gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their parameter-free variants, "
+    "learned absolute or rotary positions (halves or adjacent pairs, partial, and linear / llama3 / YaRN scaled, or "
+    "dynamic / LongRoPE within their original length), multi-head, grouped- or multi-query attention (causal, or "
+    "bidirectional in native models) without soft-capping, QK-norm, sinks or binding sliding windows, in float32 or "
+    "float64"
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -153,8 +153,8 @@ def _all_equal(t: Tensor | None, value: float) -> bool:
     return t is not None and bool((t == value).all())
 
 
-def _norm(norm_bridge: Any) -> NormSpec:
-    """How a normalization bridge component computes, in NormSpec terms."""
+def _norm(norm_bridge: Any, dtype: torch.dtype | None = None) -> NormSpec:
+    """How a normalization bridge component computes, in NormSpec terms (``dtype``: the model's)."""
     if norm_bridge is None:
         return NormSpec(None)
     module = _original(norm_bridge)
@@ -169,13 +169,13 @@ def _norm(norm_bridge: Any) -> NormSpec:
         raise _refuse(f"a normalization bridge of type {cls}")
 
     if _native_autograd_norm(norm_bridge):
-        spec = _native_norm_module(module)
+        spec = _native_norm_module(module, dtype)
     else:
         spec = _python_norm(norm_bridge, module, cls)
     return _simplify_norm(spec)
 
 
-def _native_norm_module(module: nn.Module) -> NormSpec:
+def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> NormSpec:
     """The NormSpec of a wrapped module whose own forward the bridge calls."""
     name = type(module).__name__
     if isinstance(module, nn.LayerNorm):
@@ -187,6 +187,15 @@ def _native_norm_module(module: nn.Module) -> NormSpec:
     # TransformerLens-native norms (sources/native/model.py) compute their statistics in float32 whatever the
     # input dtype — `x.to(torch.float32)`, normalize, `.to(input_dtype)` — and only then apply the scale.
     # NativeRMSNorm / NativeRMSNormPre multiply by torch.rsqrt(...); NativeLayerNormPre divides by (...).sqrt().
+    # OLMo's parameter-free LayerNorm: F.layer_norm(x.float(), eps=1e-5).to(dtype) (eps fixed in its forward).
+    if name == "OlmoLayerNorm":
+        if dtype == torch.float64:
+            raise _refuse(
+                "OLMo's LayerNorm in float64: it normalises x.float() with F.layer_norm and casts back, which the "
+                "spec reproduces only to float32 rounding",
+                "Read the bridge in float32 (bridge.to(torch.float32)).",
+            )
+        return NormSpec("LNPre", 1e-5, compute_dtype=torch.float32)
     if name == "NativeRMSNorm":
         return NormSpec("RMS", float(module.eps), _copy(module.weight), None, torch.float32, rsqrt=True)
     if name == "NativeRMSNormPre":
@@ -194,7 +203,9 @@ def _native_norm_module(module: nn.Module) -> NormSpec:
     if name == "NativeLayerNormPre":
         return NormSpec("LNPre", float(module.eps), compute_dtype=torch.float32)
     # HF LlamaRMSNorm / MistralRMSNorm: x.to(float32) · rsqrt(mean(x²) + eps), cast back, then weight · (that).
-    if name in ("LlamaRMSNorm", "MistralRMSNorm"):
+    # Every Hugging Face RMSNorm copied from Llama's ("Copied from transformers.models.llama...LlamaRMSNorm") holds
+    # its eps as ``variance_epsilon``; the per-layer probe check (lens_aot.tl.bridge_probe) confirms the formula.
+    if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, Tensor):
         eps = float(module.variance_epsilon)
         return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
@@ -286,24 +297,69 @@ def _attention(
     )
 
 
-_GATED_MLP_MODULES = ("LlamaMLP", "MistralMLP", "GemmaMLP", "NativeGatedMLP")
-_PLAIN_MLP_MODULES = ("GPT2MLP", "GPTNeoXMLP", "GPTJMLP", "Starcoder2MLP", "NativeMLP")
+def _expect_mlp(mlp_bridge: Any, components: set[str], what: str, supported: str) -> None:
+    """Refuse an MLP bridge whose projection sub-components are not ``components`` (``what``: "an MLP" / "a gated
+    MLP"; ``supported``: what is, for the message). ``JointGateUpMLPBridge`` registers the activation it captured
+    from the wrapped module as ``_activation_fn``: not a projection."""
+    found = _subcomponents(mlp_bridge) - {"_activation_fn"}
+    if found != components:
+        raise _refuse(f"{what} with components {sorted(found)} ({supported})")
 
 
-def _expect_mlp(mlp_bridge: Any, components: set[str], modules: tuple[str, ...], what: str, supported: str) -> None:
-    """Refuse an MLP bridge whose sub-components are not ``components`` or whose wrapped module is not one of
-    ``modules`` (``what``: "an MLP" / "a gated MLP"; ``supported``: what is, for the message)."""
-    if _subcomponents(mlp_bridge) != components:
-        raise _refuse(f"{what} with components {sorted(_subcomponents(mlp_bridge))} ({supported})")
-    module_cls = type(_original(mlp_bridge)).__name__
-    if module_cls not in modules:
-        raise _refuse(f"{what} module of type {module_cls} (expected {' / '.join(modules)})")
+# Attribute names under which Hugging Face MLPs hold their activation (JointGateUpMLPBridge looks in this order).
+_ACTIVATION_ATTRS = ("activation_fn", "act_fn", "act", "activation")
+_CONFIG_ACTIVATION_FIELDS = ("hidden_act", "activation_function", "hidden_activation", "activation")
+
+
+def _activation_name(fn: Any) -> str | None:
+    """The transformers ``ACT2FN`` name of an activation module (by its class; the first name whose class and
+    arguments it has), or None if it is not one of them."""
+    try:
+        from transformers.activations import ACT2CLS
+    except ImportError:  # pragma: no cover - transformers is a dependency of every bridge
+        return None
+    cls = type(fn)
+    fallback = None
+    for name, entry in ACT2CLS.items():
+        entry_cls, kwargs = entry if isinstance(entry, tuple) else (entry, {})
+        if cls is not entry_cls or any(getattr(fn, k, v) != v for k, v in kwargs.items()):
+            continue
+        try:
+            return canonical_activation(name)
+        except ValueError:
+            fallback = fallback or name
+    return fallback
+
+
+def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
+    """The activation the wrapped MLP module applies: its activation module (``act_fn`` / ``act`` / ...), named by
+    transformers' own table; failing that, the config's activation field. Canonical name, or
+    :class:`~lens_aot.errors.UnsupportedActivationError` naming it."""
+    module = _original(mlp_bridge)
+    for attr in _ACTIVATION_ATTRS:
+        fn = getattr(module, attr, None)
+        if isinstance(fn, nn.Module):
+            name = _activation_name(fn)
+            if name is not None:
+                return canonical_activation(name)
+            if isinstance(fn, nn.ReLU):
+                return "relu"
+            if isinstance(fn, nn.SiLU):
+                return "silu"
+            if isinstance(fn, nn.GELU):
+                return "gelu" if fn.approximate == "none" else "gelu_new"
+            raise _refuse(f"layer {layer} mlp: an activation module of type {type(fn).__name__}")
+    for field in _CONFIG_ACTIVATION_FIELDS:
+        name = getattr(hf_config, field, None)
+        if isinstance(name, str):
+            return canonical_activation(name)
+    raise _refuse(f"layer {layer} mlp: an MLP whose activation lens_aot cannot find")
 
 
 def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     """A plain ``MLPBridge`` or a ``GatedMLPBridge`` (``act_fn``: the wrapped module's activation, canonical name)."""
     cls = type(mlp_bridge).__name__
-    if cls == "GatedMLPBridge":
+    if cls in ("GatedMLPBridge", "JointGateUpMLPBridge"):
         return _gated_mlp(mlp_bridge, dtype, act_fn)
     if cls != "MLPBridge" or _component(mlp_bridge, "gate") is not None:
         raise _refuse(
@@ -313,7 +369,6 @@ def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     _expect_mlp(
         mlp_bridge,
         {"in", "out"},
-        _PLAIN_MLP_MODULES,
         "an MLP",
         "only the in/out projections of act(x·W_in + b_in)·W_out + b_out are supported; e.g. SoLU's mid-MLP "
         "LayerNorm is not",
@@ -331,7 +386,6 @@ def _gated_mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     _expect_mlp(
         mlp_bridge,
         {"gate", "in", "out"},
-        _GATED_MLP_MODULES,
         "a gated MLP",
         "only gate/in/out projections of act(x·W_gate + b_gate)·(x·W_in + b_in)·W_out + b_out are supported",
     )
@@ -398,10 +452,13 @@ def _embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
         raise _refuse("no 'embed' component")
     module = _original(embed_bridge)
     name = type(module).__name__
-    if name == "GemmaTextScaledWordEmbedding":
-        return _copy(module.weight * module.embed_scale.to(module.weight.dtype))
+    if not isinstance(module, nn.Embedding):
+        raise _refuse(f"a token embedding of type {name} (expected an nn.Embedding)")
+    scale = getattr(module, "embed_scale", None)
+    if scale is not None:  # Gemma's *ScaledWordEmbedding: weight[token] · embed_scale.to(weight.dtype)
+        return _copy(module.weight * torch.as_tensor(scale).to(module.weight.dtype))
     if type(module) is not nn.Embedding:
-        raise _refuse(f"a token embedding of type {name} (expected nn.Embedding or GemmaTextScaledWordEmbedding)")
+        raise _refuse(f"a token embedding of type {name} (an nn.Embedding subclass with its own forward)")
     return _copy(module.weight)
 
 

@@ -1,0 +1,337 @@
+"""Reading one attention layer of a TransformerBridge by what its bridge component computes.
+
+The attention bridge classes of TransformerLens (3.9 and 4.x) either recompute attention themselves from the
+``q``/``k``/``v``/``o`` projections (``JointQKVAttentionBridge``, ``PositionEmbeddingsAttentionBridge`` and their
+subclasses) or call the wrapped Hugging Face module's own forward (plain ``AttentionBridge``). For the first kind the
+scale, softmax precision and rotary layout follow the bridge's code (read here from the attention module's public
+attributes — ``scaling``, ``head_dim``, ``is_causal``, ``sliding_window`` — and the bridge config's rotary flags);
+for the second kind only the Hugging Face forwards listed in :data:`_DELEGATED` are read. Everything else is refused
+naming the layer and the piece. :mod:`lens_aot.tl.read_bridge` checks every reading against the piece's recorded
+output (:mod:`lens_aot.tl.bridge_probe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lens_aot.core.spec import RotarySpec
+from lens_aot.tl.bridge_components import _copy, _original, _subcomponents
+from lens_aot.tl.bridge_probe import refuse_piece
+
+# Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
+_REFUSED_BRIDGES = {
+    "MLAAttentionBridge": "multi-head latent attention (DeepSeek MLA)",
+    "GlmMoeDsaAttentionBridge": "multi-head latent attention with sparse index selection (GLM-MoE-DSA)",
+    "ALiBiJointQKVAttentionBridge": "ALiBi position biases",
+    "MPTALiBiAttentionBridge": "ALiBi position biases (MPT)",
+    "BloomAttentionBridge": "ALiBi position biases (BLOOM)",
+    "CodeGenAttentionBridge": "CodeGen's mp-sharded fused QKV with adjacent-pair rotary computed by its own forward",
+    "T5Gemma2MergedAttentionBridge": "merged self/cross attention of an encoder-decoder",
+}
+
+_EXTRA_COMPONENTS = {
+    "q_norm": "QK-norm ('q_norm': a normalization of the queries inside attention)",
+    "k_norm": "QK-norm ('k_norm': a normalization of the keys inside attention)",
+    "gate": "an output gate (sigmoid(gate(x)) multiplies the attention output)",
+}
+
+
+@dataclass
+class AttentionReading:
+    """What a layer's attention computes beyond its projections.
+
+    ``scale``: scores are ``q·k / scale`` (None: ``√d_head``). ``softmax_dtype``: the softmax precision (None: the
+    activation dtype). ``rope``: ``"none"``, ``"model"`` (the tables of the source's rotary module) or ``"gptj"``
+    (GPT-J's sinusoidal table). ``adjacent``: rotation in adjacent channel pairs; ``relayout``: the rotary module's
+    halves-layout table is re-laid out for adjacent pairs (``cos[..., :d/2].repeat_interleave(2)``, GLM / ERNIE).
+    """
+
+    scale: float | None
+    softmax_dtype: torch.dtype | None
+    rope: str
+    adjacent: bool = False
+    relayout: bool = False
+
+
+def _mro_names(obj: Any) -> list[str]:
+    return [c.__name__ for c in type(obj).__mro__]
+
+
+def _sliding_window(layer: int, hf_attn: nn.Module, hf_config: Any) -> int | None:
+    """The layer's sliding window: the attention module's public ``sliding_window``, else the config's (for every
+    layer, or for the layers ``layer_types`` marks ``sliding_attention``)."""
+    if hasattr(hf_attn, "sliding_window"):
+        window = hf_attn.sliding_window
+        return None if window is None else int(window)
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer < len(layer_types) and layer_types[layer] != "sliding_attention":
+        return None
+    return int(window)
+
+
+def _check_common(layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int) -> None:
+    """Refuse, naming the layer, every attention feature the spec's attention cannot express."""
+    for name in sorted(_subcomponents(attn) - {"q", "k", "v", "o", "qkv"}):
+        raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))
+    for attr, what in (
+        ("sinks", "attention sinks (a learned per-head logit in the softmax)"),
+        ("attn_logit_softcapping", "attention-score soft-capping"),
+        ("key_multiplier", "a key multiplier (muP scaling of the keys)"),
+    ):
+        if getattr(hf_attn, attr, None) is not None:
+            raise refuse_piece(layer, "attn", what, "Soft-capping (tanh) is not supported." if "soft" in what else "")
+    if getattr(hf_config, "clip_qkv", None) is not None:
+        raise refuse_piece(layer, "attn", f"QKV clipping (clip_qkv={hf_config.clip_qkv})")
+    if not bool(getattr(hf_attn, "is_causal", True)) or bool(getattr(hf_config, "use_bidirectional_attention", False)):
+        raise refuse_piece(layer, "attn", "non-causal attention in a causal language model", "Use causal attention.")
+    window = _sliding_window(layer, hf_attn, hf_config)
+    if window is not None and window < n_ctx:
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"sliding-window attention (sliding_window={window} < n_ctx={n_ctx})",
+            "Only full causal attention is supported (sliding_window=None or at least the context length).",
+        )
+
+
+def read_attention(
+    layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
+) -> AttentionReading:
+    """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring)."""
+    cls = type(attn).__name__
+    for name in _mro_names(attn):
+        if name in _REFUSED_BRIDGES:
+            raise refuse_piece(layer, "attn", _REFUSED_BRIDGES[name])
+    hf_attn = _original(attn)
+    _check_common(layer, attn, hf_attn, hf_config, n_ctx)
+    names = _mro_names(attn)
+    if "PositionEmbeddingsAttentionBridge" in names:
+        return _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
+    if "JointQKVPositionEmbeddingsAttentionBridge" in names:
+        # _reconstruct_attention: rotate-half on the first cos.shape[-1] channels, scores · head_dim**-0.5, softmax
+        # in the activation dtype.
+        return AttentionReading(None, None, "model")
+    if cls == "JointQKVAttentionBridge":
+        return _joint_qkv_attention(layer, bridge_cfg, hf_config, dtype)
+    if cls == "AttentionBridge":
+        reader = _DELEGATED.get(type(hf_attn).__name__)
+        if reader is None:
+            raise refuse_piece(
+                layer,
+                "attn",
+                f"attention computed by {type(hf_attn).__name__}.forward (the bridge calls the source's own "
+                "attention code, which lens_aot does not read)",
+            )
+        return reader(layer, hf_attn, hf_config, dtype, n_ctx)
+    raise refuse_piece(layer, "attn", f"an attention bridge of type {cls}")
+
+
+def _position_embeddings_attention(
+    layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
+) -> AttentionReading:
+    """``PositionEmbeddingsAttentionBridge.forward``: q/k/v projections, RoPE with the model rotary module's cos/sin
+    (rotate-half, or adjacent pairs computed in float32 under the config's ``rotary_adjacent_pairs`` /
+    ``rotary_interleaved_cos_sin``), scores · ``hf_attn.scaling``, the causal mask, softmax in float32."""
+    if bool(getattr(bridge_cfg, "gated_q_proj", False)):
+        raise refuse_piece(layer, "attn", "a gated query projection (sigmoid output gate, Qwen3-Next)")
+    rope = getattr(getattr(hf_attn, "config", None), "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
+        raise refuse_piece(layer, "attn", "Llama-4 position-dependent query scaling (llama_4_scaling_beta)")
+    interleaved = bool(getattr(bridge_cfg, "rotary_interleaved_cos_sin", False))
+    adjacent = interleaved or bool(getattr(bridge_cfg, "rotary_adjacent_pairs", False))
+    if adjacent and dtype != torch.float32:
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"adjacent-pair rotary computed in float32 whatever the model dtype ({dtype}), which the spec (rotary in "
+            "the model dtype) cannot express",
+            "Read the bridge in float32 (bridge.to(torch.float32)).",
+        )
+    scaling = getattr(hf_attn, "scaling", None)
+    if scaling is None:
+        scaling = float(hf_attn.head_dim) ** -0.5
+    use_rope = getattr(hf_attn, "use_rope", True)  # SmolLM3's NoPE layers (the bridge drops their rotary)
+    return AttentionReading(
+        1.0 / float(scaling), torch.float32, "model" if use_rope else "none", adjacent, adjacent and not interleaved
+    )
+
+
+def _joint_qkv_attention(layer: int, bridge_cfg: Any, hf_config: Any, dtype: torch.dtype) -> AttentionReading:
+    """``JointQKVAttentionBridge._reconstruct_attention`` (GPT-2, GPT-BigCode): scores · head_dim**-0.5 (divided
+    again by ``layer + 1`` under ``scale_attn_by_inverse_layer_idx``), softmax in the activation dtype."""
+    if bool(getattr(hf_config, "add_cross_attention", False)):
+        raise refuse_piece(layer, "attn", "cross-attention layers (add_cross_attention=True)")
+    if not bool(getattr(hf_config, "scale_attn_weights", True)):
+        raise refuse_piece(
+            layer, "attn", "unscaled attention (scale_attn_weights=False)", "Use scale_attn_weights=True."
+        )
+    if bool(getattr(hf_config, "scale_attn_by_inverse_layer_idx", False)):
+        raise refuse_piece(
+            layer, "attn", "attention scaled by the inverse layer index (scale_attn_by_inverse_layer_idx=True)"
+        )
+    if bool(getattr(hf_config, "reorder_and_upcast_attn", False)):
+        raise refuse_piece(layer, "attn", "reorder_and_upcast_attn=True (scores computed in float32)")
+    return AttentionReading(None, None, "none")
+
+
+def _gptj_attention(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
+    """HF ``GPTJAttention.forward``: rotary on the first ``rotary_dim`` channels in adjacent pairs with GPT-J's
+    sinusoidal table, q and k cast to float32 before ``q·kᵀ`` (so only float32 is exact), scores times ``scaling``
+    (transformers ≥ 5.24; before: divided by ``scale_attn``), softmax in the activation dtype."""
+    if dtype != torch.float32:
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"GPT-J in {dtype}: GPTJAttention casts q and k to float32 before q·kᵀ whatever the model dtype, which "
+            f"the spec (scores in the model dtype) cannot express",
+            "Read GPT-J in float32 (bridge.to(torch.float32)); its attention scores are float32-accurate either way.",
+        )
+    rotary_dim = getattr(hf_attn, "rotary_dim", None)
+    head_dim = int(hf_attn.head_dim)
+    if rotary_dim is None or int(rotary_dim) > head_dim or int(rotary_dim) % 2:
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"GPT-J rotary_dim={rotary_dim} for head_dim {head_dim}",
+            "Use an even rotary_dim ≤ head_dim.",
+        )
+    scale_attn = getattr(hf_attn, "scale_attn", None)
+    scale = float(scale_attn) if scale_attn is not None else 1.0 / float(hf_attn.scaling)
+    return AttentionReading(scale, None, "gptj", adjacent=True)
+
+
+def _gpt_neo_attention(
+    layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
+) -> AttentionReading:
+    """HF ``GPTNeoSelfAttention.forward``: unscaled scores ``q·kᵀ`` computed from float32 q and k (so only float32 is
+    exact), a causal mask, on ``local`` layers restricted to the last ``window_size`` positions."""
+    if dtype != torch.float32:
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"GPT-Neo in {dtype}: GPTNeoSelfAttention casts q and k to float32 before q·kᵀ whatever the model dtype",
+            "Read GPT-Neo in float32 (bridge.to(torch.float32)).",
+        )
+    if getattr(hf_attn, "attention_type", "global") == "local":
+        window = int(getattr(hf_config, "window_size", 0))
+        if window < n_ctx:
+            raise refuse_piece(
+                layer,
+                "attn",
+                f"local attention over the last window_size={window} < n_ctx={n_ctx} positions",
+                "Only full causal attention is supported.",
+            )
+    return AttentionReading(1.0, None, "none")
+
+
+_DELEGATED = {"GPTJAttention": _gptj_attention, "GPTNeoSelfAttention": _gpt_neo_attention}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary tables.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, attr, None)
+        if isinstance(params, dict):
+            return params
+    return {}
+
+
+# Rope types whose table at a position does not depend on the sequence length (computed once by the source).
+_FIXED_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
+# Rope types the source recomputes for sequences longer than original_max_position_embeddings.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_rope_type(hf_config: Any, n_ctx: int) -> None:
+    """Accept scaled rope only where the source uses one table at every position up to ``n_ctx``."""
+    params = _rope_parameters(hf_config)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if rope_type in _FIXED_ROPE:
+        return
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None
+        )
+        original = int(original or getattr(hf_config, "max_position_embeddings", 0))
+        if n_ctx <= original:
+            return
+        raise refuse_piece(
+            None,
+            "rotary_emb",
+            f"rope scaling of type {rope_type!r} beyond original_max_position_embeddings={original} (n_ctx={n_ctx}): "
+            "the source recomputes its tables from the sequence length",
+            f"Use n_ctx ≤ {original}, where the table is the same at every length.",
+        )
+    raise refuse_piece(
+        None,
+        "rotary_emb",
+        f"rope scaling of type {rope_type!r}",
+        "Known rope types: " + ", ".join(_FIXED_ROPE + _LENGTH_DEPENDENT_ROPE),
+    )
+
+
+def rotary_pct(attn_config: Any) -> float:
+    """The rotary fraction the attention bridge itself uses (TransformerLens's ``get_rotary_pct_from_config`` on the
+    component's config, as ``PositionEmbeddingsAttentionBridge.forward`` calls it); 1 if unset."""
+    from transformer_lens.utilities.hf_utils import get_rotary_pct_from_config
+
+    return float(get_rotary_pct_from_config(attn_config))
+
+
+def model_rotary(
+    rotary_bridge: Any,
+    reading: AttentionReading,
+    head_dim: int,
+    pct: float,
+    n_ctx: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> RotarySpec:
+    """The tables the attention uses, from the source's own rotary module run over positions ``0..n_ctx-1`` (so
+    linear, llama3, YaRN and LongRoPE tables, attention scaling included, are what the source computes).
+
+    A table half as wide as the head with ``pct`` = 1 is GPT-OSS's un-duplicated layout: the bridge concatenates it
+    with itself (rotate-half over the whole head)."""
+    if rotary_bridge is None:
+        raise refuse_piece(None, "rotary_emb", "rotary attention without a 'rotary_emb' component")
+    module = _original(rotary_bridge)
+    x = torch.zeros(1, n_ctx, 1, dtype=dtype, device=device)
+    positions = torch.arange(n_ctx, device=device).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = module(x, positions)
+    cos = cos.reshape(-1, cos.shape[-1])[:n_ctx].to(dtype)
+    sin = sin.reshape(-1, sin.shape[-1])[:n_ctx].to(dtype)
+    if cos.shape[0] != n_ctx:
+        raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
+    width = int(cos.shape[-1])
+    if not reading.adjacent and width * 2 == head_dim and pct == 1.0:
+        cos, sin, width = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1), head_dim
+    if reading.relayout:
+        cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
+    if width > head_dim or width % 2:
+        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
+    return RotarySpec(width, _copy(cos), _copy(sin), adjacent_pairs=reading.adjacent)
+
+
+def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
+    """GPT-J's sinusoidal table as transformers builds it (every version): ``inv_freq = 1 / 10000^(arange(0, d, 2) /
+    d)`` (integer arange divided in float32), angles ``pos · inv_freq`` in float32, each frequency repeated over its
+    adjacent pair, cast to the activation dtype. Computed from the config, never read from a module attribute
+    (transformers 5.24 moved it from ``GPTJAttention.embed_positions`` to a model-level module)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device) / rotary_dim))
+    angles = torch.arange(n_ctx, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+    sin: Tensor = torch.sin(angles).to(dtype).repeat_interleave(2, dim=-1)
+    cos: Tensor = torch.cos(angles).to(dtype).repeat_interleave(2, dim=-1)
+    return RotarySpec(rotary_dim, cos, sin, adjacent_pairs=True)
