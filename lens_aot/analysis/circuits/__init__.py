@@ -60,6 +60,8 @@ cache keys: the one place to adapt to a change of the model's layout; parsing is
 """
 
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
+from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
+from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,
@@ -71,6 +73,10 @@ from lens_aot.analysis.circuits.qk_ov import (
 from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
 
 __all__ = [
+    "Baseline",
+    "Graph",
+    "evaluate",
+    "evaluate_baseline",
     "CompositionScores",
     "HeadLike",
     "HeadWeights",
