@@ -125,3 +125,102 @@ def brute_force_evaluate(
     hooks = [(name, fn) for name, fn in hooks if name in model.hook_dict]
     with torch.no_grad():
         return model.run_with_hooks(clean, fwd_hooks=hooks)
+
+
+def reference_edge_scores(
+    model: Any, names: list[str], data: list[tuple[Tensor, Tensor, Tensor]], metric: Any, steps: int | None
+) -> dict[tuple[str, str, str], float]:
+    """EAP (``steps`` None) or EAP-IG-inputs scores of every edge among ``names`` on the source, by autograd through a
+    zero perturbation of each receiver's own input (each neuron's through its own ``ln2``)."""
+    prepare(model)
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    senders = [n for n in names if n != "logits"]
+    totals: dict[tuple[str, str, str], float] = {}
+    n_examples = 0
+    for clean, corrupted, labels in data:
+        n_examples += clean.shape[0]
+        with torch.no_grad():
+            _, cor = model.run_with_cache(corrupted)
+            _, cln = model.run_with_cache(clean)
+            delta = {s: _outputs(model, cor, s) - _outputs(model, cln, s) for s in senders}
+        alphas = [None] if steps is None else [k / steps for k in range(steps)]
+        for alpha in alphas:
+            b, p = clean.shape
+            eps: dict[str, Tensor] = {}
+            for layer in range(L):
+                for q in "qkv":
+                    eps[f"{q}{layer}"] = torch.zeros(b, p, H, cfg.d_model, dtype=cfg.dtype, requires_grad=True)
+                eps[f"m{layer}"] = torch.zeros(b, p, cfg.d_model, dtype=cfg.dtype, requires_grad=True)
+                eps[f"n{layer}"] = torch.zeros(b, p, cfg.d_mlp, cfg.d_model, dtype=cfg.dtype, requires_grad=True)
+            eps["logits"] = torch.zeros(b, p, cfg.d_model, dtype=cfg.dtype, requires_grad=True)
+            embeds = None if alpha is None else (alpha, cor["hook_embed"], cln["hook_embed"])
+            hooks = _perturbation_hooks(model, names, eps, embeds)
+            hooks = [(name, fn) for name, fn in hooks if name in model.hook_dict]
+            logits = model.run_with_hooks(clean, fwd_hooks=hooks)
+            value = metric(logits, labels).sum()
+            keys = list(eps)
+            grads = dict(zip(keys, torch.autograd.grad(value, [eps[k] for k in keys], allow_unused=True), strict=True))
+            for r in names:
+                if r == "input":
+                    continue
+                kind, layer, index = addr(r)
+                if kind == "attention":
+                    slots = [(q, grads[f"{q}{layer}"][:, :, index]) for q in "qkv"]
+                elif kind == "mlp":
+                    slots = [("", grads[f"m{layer}"])]
+                elif kind == "neuron":
+                    slots = [("", grads[f"n{layer}"][:, :, index])]
+                else:
+                    slots = [("", grads["logits"])]
+                for q, g in slots:
+                    if g is None:
+                        continue
+                    for s in senders:
+                        key = (s, r, q)
+                        totals[key] = totals.get(key, 0.0) + float((delta[s] * g).detach().sum()) / len(alphas)
+    return {k: v / n_examples for k, v in totals.items()}
+
+
+def _perturbation_hooks(
+    model: Any, names: list[str], eps: dict[str, Tensor], embeds: tuple[float, Tensor, Tensor] | None
+) -> list[tuple[str, Any]]:
+    """Hooks adding each receiver's zero perturbation to its own input (a neuron's through its own ``ln2``), and
+    interpolating the token embeddings (EAP-IG) when ``embeds`` is ``(alpha, corrupted, clean)``."""
+    mlp_in: dict[int, Tensor] = {}
+
+    def add(key: str) -> Any:
+        return lambda x, hook: x + eps[key]
+
+    def keep_in(layer: int) -> Any:
+        def hook(x: Tensor, hook: Any) -> Tensor:
+            x = x + eps[f"m{layer}"]
+            mlp_in[layer] = x
+            return x
+
+        return hook
+
+    def per_neuron(layer: int, which: str) -> Any:
+        def hook(pre: Tensor, hook: Any) -> Tensor:
+            y = model.blocks[layer].ln2(mlp_in[layer][:, :, None] + eps[f"n{layer}"])  # [b, p, n, d]
+            mlp = model.blocks[layer].mlp
+            if hasattr(mlp, "W_gate"):
+                w, bias = (mlp.W_gate, 0) if which == "hook_pre" else (mlp.W_in, 0)
+            else:
+                w, bias = mlp.W_in, mlp.b_in
+            return torch.einsum("bpnd,dn->bpn", y, w) + bias
+
+        return hook
+
+    hooks: list[tuple[str, Any]] = []
+    if embeds is not None:
+        alpha, e_cor, e_cln = embeds
+        hooks.append(("hook_embed", lambda x, hook: e_cor + alpha * (e_cln - e_cor)))
+    n_layers = model.cfg.n_layers
+    for layer in range(n_layers):
+        hooks += [(f"blocks.{layer}.hook_{q}_input", add(f"{q}{layer}")) for q in "qkv"]
+        hooks.append((f"blocks.{layer}.hook_mlp_in", keep_in(layer)))
+        if any(n.startswith(f"m{layer}.n") for n in names):
+            hooks += [(f"blocks.{layer}.mlp.{w}", per_neuron(layer, w)) for w in ("hook_pre", "hook_pre_linear")]
+    hooks.append((f"blocks.{n_layers - 1}.hook_resid_post", add("logits")))
+    return hooks

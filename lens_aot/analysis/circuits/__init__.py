@@ -60,6 +60,7 @@ cache keys: the one place to adapt to a change of the model's layout; parsing is
 """
 
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
+from lens_aot.analysis.circuits.discover import discover
 from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
@@ -75,6 +76,7 @@ from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
 __all__ = [
     "Baseline",
     "Graph",
+    "discover",
     "evaluate",
     "evaluate_baseline",
     "CompositionScores",
