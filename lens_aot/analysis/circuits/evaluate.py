@@ -70,14 +70,17 @@ def _check_graph(aot: Any, graph: Graph) -> None:
 class _Runner:
     """The hooks of one intervened clean run (module docstring), for one batch."""
 
-    def __init__(self, aot: Any, graph: Graph, cor: dict[str, Tensor]) -> None:
-        self.aot, self.graph, self.cor = aot, graph, cor
+    def __init__(self, aot: Any, graph: Graph) -> None:
+        self.aot, self.graph = aot, graph
+        self.cor: dict[str, Tensor] = {}
         self.addr = [node_address(n) for n in graph.nodes]
         self.delta: dict[int, Tensor] = {}  # per layer: [b, p, H, d] heads' out − corrupted
         self.dmlp: dict[int, Tensor] = {}  # per layer: mlp out change [b, p, d] or post change [b, p, d_mlp]
         self.d_input: Tensor | None = None
         e = graph.in_graph
-        self.src, self.dst, self.qkv = graph.src[e].tolist(), graph.dst[e].tolist(), graph.qkv[e].tolist()
+        self.into: dict[tuple[int, int], list[int]] = {}  # receiver (node, qkv) -> its in-circuit senders
+        for s, d, q in zip(graph.src[e].tolist(), graph.dst[e].tolist(), graph.qkv[e].tolist(), strict=True):
+            self.into.setdefault((d, q), []).append(s)
         self.pending: dict[str, tuple[list[int], Tensor]] = {}
 
     # ---- sender changes
@@ -99,8 +102,7 @@ class _Runner:
     def _inputs(self, receivers: list[tuple[int, int]], base: Tensor) -> Float[Tensor, "batch pos receiver d_model"]:
         """``base`` (the corrupted residual) plus, for each ``(node, qkv)`` receiver, its in-circuit senders'
         changes."""
-        slot = {r: j for j, r in enumerate(receivers)}
-        pairs = [(s, slot[(d, q)]) for s, d, q in zip(self.src, self.dst, self.qkv, strict=True) if (d, q) in slot]
+        pairs = [(s, j) for j, r in enumerate(receivers) for s in self.into.get(r, ())]
         out = base[:, :, None].expand(*base.shape[:2], len(receivers), base.shape[-1])
         if not pairs:
             return out
@@ -178,13 +180,9 @@ class _Runner:
             if not nodes:
                 return x
             # group neurons by their set of in-circuit senders: each group shares one copy of the input
-            ins: dict[int, tuple[int, ...]] = {n: () for n in nodes}
-            for s, d in zip(self.src, self.dst, strict=True):
-                if d in ins:
-                    ins[d] += (s,)
             groups: dict[tuple[int, ...], list[int]] = {}
             for n in nodes:
-                groups.setdefault(ins[n], []).append(n)
+                groups.setdefault(tuple(self.into.get((n, 0), ())), []).append(n)
             reps = [members[0] for members in groups.values()]
             copies = self._inputs([(n, 0) for n in reps], self.cor[mlp_reads(self.aot, layer)])
             normed = self.aot.blocks[layer].ln2(copies)  # [b, p, group, d]
@@ -238,11 +236,12 @@ def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) ->
     """
     _check_graph(aot, graph)
     results = []
+    runner = _Runner(aot, graph)
     with split_inputs(aot):
         for batch in batches(aot, dataset):
             _, cor = record(aot, batch.corrupted, _corrupted_hooks(aot, graph))
             clean_logits = aot(batch.clean) if needs_clean_logits(metric) else None
-            runner = _Runner(aot, graph, cor)
+            runner.cor = cor
             logits = aot.run_with_hooks(batch.clean, fwd_hooks=runner.hooks())
             results.append(call_metric(metric, logits, batch, clean_logits).detach())
     return torch.cat(results)

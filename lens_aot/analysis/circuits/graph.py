@@ -58,6 +58,7 @@ def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
         "d_model": int(cfg.d_model),
         "granularity": granularity,
         "d_mlp": d_mlp,
+        "model_name": str(getattr(cfg, "model_name", "") or ""),
     }
 
 
@@ -134,10 +135,19 @@ class Graph:
         rank.append(2 * n_layers)
         reads.append(2 * n_layers)
         kind.append(3)
-        rank_t, reads_t, kind_t = torch.tensor(rank), torch.tensor(reads), torch.tensor(kind)
+        rank_t, kind_t = torch.tensor(rank), torch.tensor(kind)
         senders = torch.nonzero(kind_t != 3).squeeze(1)
-        receivers = torch.nonzero(kind_t != 0).squeeze(1)
-        n_edges = int(sum(int((rank_t[senders] < reads_t[r]).sum()) * (3 if kind[r] == 1 else 1) for r in receivers))
+        # receivers with the same threshold and kind read the same senders: one block of edges per group
+        groups: dict[tuple[int, int], list[int]] = {}
+        for r in torch.nonzero(kind_t != 0).squeeze(1).tolist():
+            groups.setdefault((reads[r], kind[r]), []).append(r)
+        blocks = []
+        n_edges = 0
+        for (threshold, k), receivers in groups.items():
+            s = senders[rank_t[senders] < threshold]
+            codes = (1, 2, 3) if k == 1 else (0,)
+            n_edges += len(s) * len(receivers) * len(codes)
+            blocks.append((s, torch.tensor(receivers), codes))
         if n_edges > MAX_EDGES:
             raise InputError(
                 f"this graph would have {n_edges:,} edges (more than {MAX_EDGES:,}): at neuron granularity the edge "
@@ -145,13 +155,11 @@ class Graph:
                 f"top_nodes=k) choose the neurons"
             )
         src, dst, qkv = [], [], []
-        for r in receivers.tolist():
-            s = senders[rank_t[senders] < reads_t[r]]
-            codes = (1, 2, 3) if kind[r] == 1 else (0,)
-            for code in codes:
-                src.append(s)
-                dst.append(torch.full_like(s, r))
-                qkv.append(torch.full_like(s, code))
+        for s, receivers, codes in blocks:  # receiver-major order, q/k/v blocks within each head
+            per = len(s) * len(codes)
+            src.append(s.repeat(len(receivers) * len(codes)))
+            dst.append(receivers.repeat_interleave(per))
+            qkv.append(torch.tensor(codes).repeat_interleave(len(s)).repeat(len(receivers)))
         graph = cls(cfg, names, torch.cat(src), torch.cat(dst), torch.cat(qkv))
         return graph
 
@@ -301,9 +309,10 @@ class Graph:
         Path(path).write_text(json.dumps({"cfg": self.cfg, "nodes": nodes, "edges": edges}))
 
     @classmethod
-    def from_json(cls, path: str | Path, model: Any = None) -> Graph:
+    def from_json(cls, path: str | Path, model: Any = None, granularity: Granularity | None = None) -> Graph:
         """Read a graph written by :meth:`to_json` or by EAP-IG (no ``granularity`` in ``cfg``: ``"mlp"``). With
-        ``model``, check that the graph is of that model (layers, heads, width, MLP widths)."""
+        ``model``, check that the graph is of that model (layers, heads, width, MLP widths); with ``granularity``,
+        that it is at that granularity."""
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -313,6 +322,11 @@ class Graph:
         cfg = dict(d["cfg"])
         cfg.setdefault("granularity", "mlp")
         _granularity(cfg["granularity"])
+        if granularity is not None and _granularity(granularity) != cfg["granularity"]:
+            raise InputError(
+                f"{str(path)!r} is a graph at {cfg['granularity']!r} granularity, not {granularity!r}: discover the "
+                f"circuit again with granularity={granularity!r}, or load it without granularity="
+            )
         if model is not None:
             check_model(cfg, model, str(path))
         neurons: dict[int, list[int]] | None = None
@@ -356,6 +370,8 @@ def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None
     keys = ["n_layers", "n_heads", "d_model", "parallel_attn_mlp"]
     if cfg.get("granularity") == "neuron" or cfg.get("d_mlp") not in (None, [1] * mine["n_layers"]):
         keys.append("d_mlp")
+    if cfg.get("model_name") and mine["model_name"]:  # EAP-IG's files name no model
+        keys.append("model_name")
     diff = {k: (cfg.get(k), mine[k]) for k in keys if cfg.get(k) != mine[k]}
     if diff:
         raise InputError(
