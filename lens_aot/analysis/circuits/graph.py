@@ -170,6 +170,10 @@ class Graph:
         name = f"{self.nodes[int(self.src[i])]}->{self.nodes[int(self.dst[i])]}"
         return name + (f"<{QKV[code]}>" if code else "")
 
+    def edge_name_of(self, src: int, dst: int, qkv: int) -> str:
+        """EAP-IG's name of the edge from node ``src`` to node ``dst`` (q/k/v code ``qkv``)."""
+        return f"{self.nodes[src]}->{self.nodes[dst]}" + (f"<{QKV[qkv]}>" if qkv else "")
+
     @property
     def edge_names(self) -> list[str]:
         return [self.edge_name(i) for i in range(len(self.src))]
@@ -357,11 +361,16 @@ class Graph:
             graph.in_graph[i] = bool(info.get("in_graph", False))
         return graph
 
-    def draw(self, **kwargs: Any) -> Any:
-        """A layered drawing of the circuit (:func:`lens_aot.circuits.draw.draw_graph`)."""
+    def draw(self, title: str | None = None) -> Any:
+        """A layered drawing of the circuit: shows inline in Jupyter, ``.save("c.svg")`` / ``.save("c.png")``
+        (:mod:`lens_aot.analysis.circuits.draw`)."""
         from lens_aot.analysis.circuits.draw import draw_graph
 
-        return draw_graph(self, **kwargs)
+        return draw_graph(self, title)
+
+    def _repr_svg_(self) -> str | None:
+        """Jupyter shows a graph with a circuit as its drawing."""
+        return self.draw()._repr_svg_() if self.n_edges else None
 
 
 def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None:
