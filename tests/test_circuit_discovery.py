@@ -174,3 +174,43 @@ def test_bad_input_is_refused_with_the_fix(aot, tmp_path) -> None:
     with pytest.raises(InputError, match="quadratic"):
         Graph._build({**g.cfg, "granularity": "neuron", "d_mlp": [5000] * 2})
     assert issubclass(InputError, LensAOTError) and issubclass(LoadError, LensAOTError)
+
+
+def test_faithfulness_curve_compare_and_draw(aot, tmp_path) -> None:
+    from lens_aot.circuits import compare_granularities, faithfulness_curve
+    from lens_aot.circuits.faithfulness import areas
+
+    data = _data(aot.cfg.d_vocab, seed=4, batches=1)
+    g = discover(aot, data, _metric, method="EAP", granularity="mlp")
+    sizes = [0.05, 0.2, 1.0]
+    curve = faithfulness_curve(aot, g, data, _metric, sizes=sizes)
+    assert g.n_edges == 0, "the graph's own circuit is left as it was"
+    base = evaluate_baseline(aot, data, _metric)
+    assert curve.clean == pytest.approx(float(base.clean.mean())) and curve.faithfulness[-1] == pytest.approx(1.0)
+    g.apply_topn(round(0.2 * len(g.src)))
+    m = float(evaluate(aot, g, data, _metric).mean())
+    f = (m - float(base.corrupted.mean())) / (float(base.clean.mean()) - float(base.corrupted.mean()))
+    assert curve.faithfulness[1] == pytest.approx(f, rel=1e-9) and curve.n_edges[1] == g.n_edges
+    cpr = ((curve.faithfulness[0] + curve.faithfulness[1]) * 0.15 + (curve.faithfulness[1] + 1.0) * 0.8) / 2 / 0.95
+    assert curve.cpr == pytest.approx(cpr) and areas([0, 1], [1, 1]) == (1.0, 0.0)
+    assert list(curve.to_dataframe().columns) == ["size", "edges", "nodes", "units", "metric", "faithfulness"]
+    assert curve.plot().axes[0].get_xlabel().startswith("circuit size")
+    with pytest.raises(InputError, match="sizes must be"):
+        faithfulness_curve(aot, g, data, _metric, sizes=[0.5, 0.1])
+
+    # drawing: one line per edge of the circuit, width by |score|, colour by sign; SVG and PNG files
+    svg = g.draw(title="top 20%").svg()
+    assert svg.count("<line") == g.n_edges and svg.count("<rect") == len(g.draw().layout.nodes) + 1
+    assert ("#2166ac" in svg) == bool((g.scores[g.in_graph] >= 0).any())
+    assert ("#b2182b" in svg) == bool((g.scores[g.in_graph] < 0).any())
+    assert g._repr_svg_() == g.draw().svg() and g.draw()._repr_svg_().startswith("<svg")
+    assert g.draw().save(tmp_path / "c.svg").read_text() == g.draw().svg()
+    assert g.draw().save(tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(InputError, match=".svg, .png"):
+        g.draw().save(tmp_path / "c.jpg")
+
+    cmp = compare_granularities(aot, data, _metric, "EAP", n_edges=[5, 40, 400], top_nodes=16)
+    assert cmp.neuron.cfg["neurons_kept"] == 16 and cmp.mlp_curve.n_edges[-1] <= len(cmp.mlp.src)
+    assert set(cmp.shares) == {"m0", "m1"} or set(cmp.shares) <= {"m0", "m1"}
+    assert all(0 <= share <= 1 for layer in cmp.shares.values() for _, share in layer)
+    assert len(cmp.to_dataframe()) == 3 and "neuron" in cmp.summary()
