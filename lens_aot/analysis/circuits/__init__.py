@@ -59,7 +59,13 @@ cache keys: the one place to adapt to a change of the model's layout; parsing is
 (QK / OV circuits, scores from a cache) and :mod:`~lens_aot.analysis.circuits.composition` (composition scores).
 """
 
+from lens_aot.analysis.circuits.compare import GranularityComparison, compare_granularities
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
+from lens_aot.analysis.circuits.discover import discover
+from lens_aot.analysis.circuits.draw import Drawing, draw_graph
+from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
+from lens_aot.analysis.circuits.faithfulness import MIB_SIZES, FaithfulnessCurve, faithfulness_curve
+from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,
@@ -71,6 +77,18 @@ from lens_aot.analysis.circuits.qk_ov import (
 from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
 
 __all__ = [
+    "Baseline",
+    "Drawing",
+    "FaithfulnessCurve",
+    "Graph",
+    "GranularityComparison",
+    "MIB_SIZES",
+    "compare_granularities",
+    "draw_graph",
+    "faithfulness_curve",
+    "discover",
+    "evaluate",
+    "evaluate_baseline",
     "CompositionScores",
     "HeadLike",
     "HeadWeights",

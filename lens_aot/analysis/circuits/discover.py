@@ -1,0 +1,326 @@
+"""Discover a circuit: score every edge of a converted model's graph with EAP or EAP-IG over a task dataset.
+
+An edge's EAP score (Syed et al. 2023, "Attribution Patching Outperforms Automated Circuit Discovery") is
+``(out_s^corrupted − out_s^clean) · ∂metric/∂(receiver's input)`` on the clean run, summed over positions and averaged
+over examples; EAP-IG (Hanna et al. 2024, "Have Faith in Faithfulness"; EAP-IG's ``"EAP-IG-inputs"``) averages the
+gradient over ``steps`` runs whose token embeddings are ``e_corrupted + (k / steps)·(e_clean − e_corrupted)``,
+``k = 0 … steps − 1``. A receiver's input is read before its norm: a head's q, k or v input, an MLP's input, a
+neuron's own input (each neuron is a head with its own copy of the residual and its own ``ln2``: Huben & Morris 2023,
+Theorem 3; the gradient of its pre-activation(s) is pulled back through ``ln2`` for that neuron alone), or the final
+residual (logits).
+
+At neuron granularity the edge set is quadratic in neurons (GPT-2 small: 36,864), so discover first scores every
+node (a node's score is the sum of its outgoing edges' scores, ``Δout · ∂metric/∂out``), keeps the ``top_nodes``
+neurons of largest ``|score|`` (and every attention head), and scores exactly every edge among the kept nodes. The
+returned graph's ``cfg`` records the method, the steps, ``top_nodes`` and how many neurons were scored.
+
+>>> g = discover(aot, data, metric, method="EAP-IG", granularity="neuron", top_nodes=500)
+>>> g.apply_topn(200); evaluate(aot, g, data, metric).mean()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.analysis.circuits.data import Batch, CircuitMetric, Dataset, batches, call_metric, needs_clean_logits
+from lens_aot.analysis.circuits.graph import Granularity, Graph, _granularity
+from lens_aot.analysis.circuits.layout import (
+    check_supported,
+    final_resid,
+    has_mlp,
+    head_out,
+    pre_maps,
+    record,
+    split_inputs,
+)
+from lens_aot.errors import InputError
+
+DiscoverMethod = Literal["EAP", "EAP-IG"]
+_CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
+
+
+def _method(method: str, steps: int) -> list[float | None]:
+    """The interpolation points of the gradient runs: None (the clean run, EAP) or ``k / steps`` (EAP-IG)."""
+    if method not in ("EAP", "EAP-IG"):
+        raise InputError(
+            f"method must be 'EAP' (one gradient on the clean run) or 'EAP-IG' (gradients averaged over `steps` "
+            f"inputs interpolated from corrupted to clean); got {method!r}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps must be a positive int (interpolation points for method='EAP-IG'); got {steps!r}")
+    return [None] if method == "EAP" else [k / steps for k in range(steps)]
+
+
+@dataclass
+class _Endpoints:
+    """One batch's corrupted and clean activations (senders' outputs and the embeddings)."""
+
+    cor: dict[str, Tensor]
+    clean: dict[str, Tensor]
+    clean_logits: Tensor | None = None
+    diff: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _sender_hooks(aot: Any, granularity: Granularity) -> list[str]:
+    hooks = ["hook_embed", "blocks.0.hook_resid_pre"]
+    for layer in range(len(aot.blocks)):
+        hooks.append(f"blocks.{layer}.attn.hook_z")
+        if has_mlp(aot, layer):
+            hooks.append(f"blocks.{layer}.{'hook_mlp_out' if granularity == 'mlp' else 'mlp.hook_post'}")
+    return hooks
+
+
+@torch.no_grad()
+def _endpoints(aot: Any, batch: Batch, granularity: Granularity, metric: CircuitMetric) -> _Endpoints:
+    hooks = _sender_hooks(aot, granularity)
+    _, cor = record(aot, batch.corrupted, hooks)
+    clean_logits, clean = record(aot, batch.clean, hooks)
+    ends = _Endpoints(cor, clean, clean_logits if needs_clean_logits(metric) else None)
+    ends.diff = {name: cor[name] - clean[name] for name in hooks if name != "hook_embed"}
+    return ends
+
+
+def _grad_run(
+    aot: Any, batch: Batch, ends: _Endpoints, metric: CircuitMetric, alpha: float | None, wanted: list[str]
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """One clean run (token embeddings interpolated at ``alpha`` for EAP-IG) and ``∂Σ metric/∂`` each hook in
+    ``wanted`` (zeros where the metric does not depend on it); also returns the values at ``wanted``."""
+
+    def start(x: Tensor, hook: Any) -> Tensor:
+        return x.detach().requires_grad_(True)
+
+    extra: list[tuple[str, Any]] = []
+    if alpha is not None:
+        e_cor, e_clean = ends.cor["hook_embed"], ends.clean["hook_embed"]
+
+        def interpolate(x: Tensor, hook: Any) -> Tensor:
+            return e_cor + alpha * (e_clean - e_cor)
+
+        extra.append(("hook_embed", interpolate))
+    extra.append(("blocks.0.hook_resid_pre", start))
+    with torch.enable_grad():
+        logits, acts = record(aot, batch.clean, wanted, extra)
+        value = call_metric(metric, logits, batch, ends.clean_logits)
+        tensors = [acts[name] for name in wanted]
+        grads = torch.autograd.grad(value.sum(), tensors, allow_unused=True)
+    out = {
+        name: (torch.zeros_like(t) if g is None else g).detach()
+        for name, t, g in zip(wanted, tensors, grads, strict=True)
+    }
+    return out, {name: t.detach() for name, t in zip(wanted, tensors, strict=True)}
+
+
+class _Scorer:
+    """Accumulates ``T[sender node, receiver slot] = Σ Δ_s · G_r`` for one graph."""
+
+    def __init__(self, aot: Any, graph: Graph) -> None:
+        self.aot, self.graph = aot, graph
+        self.slots: dict[tuple[int, int], int] = {}
+        for d, q in zip(graph.dst.tolist(), graph.qkv.tolist(), strict=True):
+            self.slots.setdefault((d, q), len(self.slots))
+        self.T = torch.zeros(len(graph.nodes), len(self.slots), dtype=torch.float64)
+        self.node_scores = torch.zeros(len(graph.nodes), dtype=torch.float64)
+        self.neurons: dict[int, list[int]] = {}  # layer -> kept neuron indices (graph order)
+        self.neuron_nodes: dict[int, list[int]] = {}
+        for i, name in enumerate(graph.nodes):
+            if ".n" in name:
+                layer, n = name[1:].split(".n")
+                self.neurons.setdefault(int(layer), []).append(int(n))
+                self.neuron_nodes.setdefault(int(layer), []).append(i)
+
+    def _dense_senders(self, diff: dict[str, Tensor]) -> tuple[list[int], Tensor]:
+        """Every non-neuron sender's change ``[b, p, s, d]`` (input, heads, MLPs) and its node index."""
+        g, aot = self.graph, self.aot
+        idx, parts = [g.node_index["input"]], [diff["blocks.0.hook_resid_pre"][:, :, None]]
+        for layer in range(len(aot.blocks)):
+            idx += [g.node_index[f"a{layer}.h{h}"] for h in range(aot.cfg.n_heads)]
+            parts.append(head_out(aot, layer, diff[f"blocks.{layer}.attn.hook_z"]))
+            if g.granularity == "mlp" and has_mlp(aot, layer):
+                idx.append(g.node_index[f"m{layer}"])
+                parts.append(diff[f"blocks.{layer}.hook_mlp_out"][:, :, None])
+        return idx, torch.cat(parts, dim=2)
+
+    def add(self, diff: dict[str, Tensor], receivers: list[tuple[int, int]], G: Tensor, weight: float) -> None:
+        """Add ``weight · Σ_{b,p} Δ_s · G_r`` for receivers ``(node, qkv)`` with input gradients ``G [b,p,r,d]``."""
+        cols = torch.tensor([self.slots[r] for r in receivers if r in self.slots], dtype=torch.long)
+        keep = torch.tensor([r in self.slots for r in receivers])
+        if not len(cols):
+            return
+        G = G[:, :, keep]
+        idx, dense = self._dense_senders(diff)
+        block = torch.einsum("bpsd,bprd->sr", dense, G).double()
+        self.T[torch.tensor(idx)[:, None], cols[None, :]] += weight * block.cpu()
+        for layer, neurons in self.neurons.items():
+            dpost = diff[f"blocks.{layer}.mlp.hook_post"][:, :, neurons]  # [b, p, k]
+            w_out = self.aot.blocks[layer].mlp.W_out[neurons]  # [k, d]
+            step = max(1, _CHUNK // max(1, G.shape[0] * G.shape[1] * len(neurons)))
+            for start in range(0, G.shape[2], step):
+                proj = G[:, :, start : start + step] @ w_out.T  # [b, p, r, k]
+                part = torch.einsum("bprk,bpk->kr", proj, dpost).double().cpu()
+                rows = torch.tensor(self.neuron_nodes[layer])[:, None]
+                self.T[rows, cols[None, start : start + step]] += weight * part
+
+
+def _neuron_input_grads(
+    aot: Any, layer: int, neurons: list[int], x: Tensor, grads: dict[str, Tensor]
+) -> Float[Tensor, "batch pos neuron d_model"]:
+    """``∂metric/∂(neuron n's own input)``: its pre-activation gradients pulled back through ``ln2`` at ``x``."""
+    cols = torch.tensor(neurons, device=x.device)
+    out = []
+    step = max(1, _CHUNK // max(1, x.shape[0] * x.shape[1] * x.shape[2]))
+    maps = pre_maps(aot, layer)
+    for start in range(0, len(neurons), step):
+        c = cols[start : start + step]
+        v = sum(grads[pm.hook][:, :, c, None] * pm.W[:, c].T for pm in maps)  # [b, p, k, d]
+        with torch.enable_grad():
+            xe = x[:, :, None].expand(-1, -1, len(c), -1).clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(aot.blocks[layer].ln2(xe), xe, v)
+        out.append(g)
+    return torch.cat(out, dim=2)
+
+
+def _neuron_scores(aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[float | None]) -> list[Tensor]:
+    """Every neuron's score ``Σ Δpost · ∂metric/∂post`` (the sum of its outgoing edges' scores), summed over positions
+    and averaged over examples and gradient runs; one ``[d_mlp]`` tensor per layer (empty without an MLP)."""
+    layers = [layer for layer in range(len(aot.blocks)) if has_mlp(aot, layer)]
+    wanted = [f"blocks.{layer}.mlp.hook_post" for layer in layers]
+    totals = {
+        name: torch.zeros(aot.blocks[layer].mlp.d_mlp, dtype=torch.float64)
+        for layer, name in zip(layers, wanted, strict=True)
+    }
+    n = 0
+    for batch in data:
+        ends = _endpoints(aot, batch, "neuron", metric)
+        for alpha in alphas:
+            grads, _ = _grad_run(aot, batch, ends, metric, alpha, wanted)
+            for name in wanted:
+                totals[name] += (ends.diff[name] * grads[name]).sum(dim=(0, 1)).double().cpu() / len(alphas)
+        n += len(batch)
+    return [totals.get(f"blocks.{layer}.mlp.hook_post", torch.zeros(0)) / n for layer in range(len(aot.blocks))]
+
+
+@torch.no_grad()
+def discover(
+    aot: Any,
+    dataset: Dataset,
+    metric: CircuitMetric,
+    method: DiscoverMethod = "EAP",
+    granularity: Granularity = "neuron",
+    *,
+    steps: int = 5,
+    top_nodes: int | None = 1000,
+) -> Graph:
+    """Score every edge (among the kept nodes) with EAP or EAP-IG; returns a :class:`Graph` with ``scores`` and
+    ``node_scores`` set and nothing in the circuit yet (``apply_topn`` / ``apply_threshold`` / ``apply_greedy``).
+
+    Args:
+        aot: the converted model.
+        dataset: batches ``(clean, corrupted, labels)`` (:mod:`.data`); metric: ``metric(logits, labels)`` ->
+            ``[batch]`` or EAP-IG's ``metric(logits, clean_logits, input_lengths, labels)``.
+        method: "EAP" or "EAP-IG" (``steps`` interpolation points, as EAP-IG's "EAP-IG-inputs").
+        granularity: "neuron" (one node per MLP neuron) or "mlp" (EAP-IG's graph).
+        top_nodes: at neuron granularity, how many neurons to keep (largest ``|node score|``); None keeps all.
+    """
+    granularity = _granularity(granularity)
+    alphas = _method(method, steps)
+    check_supported(aot)
+    if top_nodes is not None and (isinstance(top_nodes, bool) or not isinstance(top_nodes, int) or top_nodes < 1):
+        raise InputError(f"top_nodes must be a positive int or None (keep every neuron); got {top_nodes!r}")
+    data = list(batches(aot, dataset))
+    n_examples = sum(len(b) for b in data)
+    with split_inputs(aot):
+        kept: dict[int, list[int]] | None = None
+        n_neurons = sum(int(b.mlp.d_mlp) for i, b in enumerate(aot.blocks) if has_mlp(aot, i))
+        if granularity == "neuron" and top_nodes is not None and top_nodes < n_neurons:
+            scores = _neuron_scores(aot, data, metric, alphas)
+            flat = [(float(v), layer, j) for layer, s in enumerate(scores) for j, v in enumerate(s.abs().tolist())]
+            flat.sort(key=lambda t: -t[0])
+            kept = {}
+            for _, layer, j in flat[:top_nodes]:
+                kept.setdefault(layer, []).append(j)
+        graph = Graph.from_model(aot, granularity, neurons=kept)
+        scorer = _Scorer(aot, graph)
+        for batch in data:
+            _score_batch(aot, graph, scorer, batch, metric, alphas, granularity)
+    graph.scores = (
+        scorer.T[
+            graph.src,
+            torch.tensor(
+                [scorer.slots[(d, q)] for d, q in zip(graph.dst.tolist(), graph.qkv.tolist(), strict=True)],
+                dtype=torch.long,
+            ),
+        ]
+        / n_examples
+    )
+    graph.node_scores = scorer.node_scores / n_examples
+    graph.node_scores[-1] = float("nan")
+    graph.cfg.update(
+        method=method,
+        steps=len(alphas),
+        top_nodes=top_nodes if granularity == "neuron" else None,
+        neurons_scored=n_neurons if granularity == "neuron" else 0,
+        neurons_kept=sum(1 for name in graph.nodes if ".n" in name),
+        edges="every edge among the kept nodes",
+        n_examples=n_examples,
+    )
+    return graph
+
+
+def _score_batch(
+    aot: Any,
+    graph: Graph,
+    scorer: _Scorer,
+    batch: Batch,
+    metric: CircuitMetric,
+    alphas: list[float | None],
+    granularity: Granularity,
+) -> None:
+    ends = _endpoints(aot, batch, granularity, metric)
+    n_layers = len(aot.blocks)
+    wanted = [h for h in _sender_hooks(aot, granularity) if h != "hook_embed"]
+    for layer in range(n_layers):
+        wanted += [f"blocks.{layer}.hook_{x}_input" for x in "qkv"]
+        if has_mlp(aot, layer):
+            wanted.append(f"blocks.{layer}.hook_mlp_in")
+            if granularity == "neuron":
+                wanted += [pm.hook for pm in pre_maps(aot, layer)]
+    wanted.append(final_resid(aot))
+    ni = graph.node_index
+    w = 1.0 / len(alphas)
+    for alpha in alphas:
+        grads, values = _grad_run(aot, batch, ends, metric, alpha, wanted)
+        for layer in range(n_layers):
+            for code, x in enumerate("qkv", start=1):
+                recv = [(ni[f"a{layer}.h{h}"], code) for h in range(aot.cfg.n_heads)]
+                scorer.add(ends.diff, recv, grads[f"blocks.{layer}.hook_{x}_input"], w)
+            if not has_mlp(aot, layer):
+                continue
+            if granularity == "mlp":
+                scorer.add(ends.diff, [(ni[f"m{layer}"], 0)], grads[f"blocks.{layer}.hook_mlp_in"][:, :, None], w)
+            elif scorer.neurons.get(layer):
+                neurons = scorer.neurons[layer]
+                G = _neuron_input_grads(aot, layer, neurons, values[f"blocks.{layer}.hook_mlp_in"], grads)
+                scorer.add(ends.diff, [(i, 0) for i in scorer.neuron_nodes[layer]], G, w)
+        scorer.add(ends.diff, [(len(graph.nodes) - 1, 0)], grads[final_resid(aot)][:, :, None], w)
+        # node scores: Δout · ∂metric/∂out
+        ns = scorer.node_scores
+        ns[ni["input"]] += w * float((ends.diff["blocks.0.hook_resid_pre"] * grads["blocks.0.hook_resid_pre"]).sum())
+        for layer in range(n_layers):
+            name = f"blocks.{layer}.attn.hook_z"
+            heads = (ends.diff[name] * grads[name]).sum(dim=(0, 1, 3)).double().cpu()
+            ns[torch.tensor([ni[f"a{layer}.h{h}"] for h in range(aot.cfg.n_heads)])] += w * heads
+            if not has_mlp(aot, layer):
+                continue
+            if granularity == "mlp":
+                name = f"blocks.{layer}.hook_mlp_out"
+                ns[ni[f"m{layer}"]] += w * float((ends.diff[name] * grads[name]).sum())
+            elif scorer.neurons.get(layer):
+                name = f"blocks.{layer}.mlp.hook_post"
+                cols = scorer.neurons[layer]
+                per = (ends.diff[name][:, :, cols] * grads[name][:, :, cols]).sum(dim=(0, 1)).double().cpu()
+                ns[torch.tensor(scorer.neuron_nodes[layer])] += w * per

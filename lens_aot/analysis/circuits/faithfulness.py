@@ -1,0 +1,165 @@
+"""Faithfulness of circuits the way MIB reports it (Mueller et al. 2025, "MIB: A Mechanistic Interpretability
+Benchmark"): the normalized faithfulness ``f(C) = (m(C) − m(∅)) / (m(full) − m(∅))`` of the top-``k`` circuits at
+several sizes, its area under the curve (CPR, higher is better) and the area between the curve and 1 (CMD, lower is
+better).
+
+``m`` is the metric averaged over the dataset (:func:`~lens_aot.circuits.evaluate`); ``m(full)`` is the clean run
+and ``m(∅)`` the corrupted run (:func:`~lens_aot.circuits.evaluate_baseline`). Sizes are fractions of the graph's
+edges (MIB's: 0.1 %, 0.2 %, 0.5 %, 1 %, 2 %, 5 %, 10 %, 20 %, 50 %, 100 %); each circuit is the graph's top edges by
+``|score|``, pruned. The areas are trapezoids over the sizes (the x axis runs over the fractions given, so
+they are comparable between calls with the same sizes); at neuron granularity "the graph's edges" are those among the
+kept nodes (``graph.cfg["top_nodes"]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
+from lens_aot.analysis.circuits.evaluate import evaluate, evaluate_baseline
+from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.errors import InputError
+
+MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass
+class FaithfulnessCurve:
+    """Faithfulness at each circuit size, and its areas.
+
+    Attributes: ``sizes`` (fractions of the graph's edges), ``n_edges`` / ``n_nodes`` / ``n_units`` (the pruned
+    circuits' edges, nodes, and attention heads + MLPs or neurons), ``metric`` (mean metric of each circuit),
+    ``faithfulness`` (f), ``clean`` / ``corrupted`` (m(full), m(∅)), ``cpr``, ``cmd``, ``granularity``.
+    """
+
+    sizes: list[float]
+    n_edges: list[int]
+    n_nodes: list[int]
+    n_units: list[int]
+    metric: list[float]
+    faithfulness: list[float]
+    clean: float
+    corrupted: float
+    cpr: float
+    cmd: float
+    granularity: str
+
+    def to_dataframe(self) -> Any:
+        """One row per size: ``size``, ``edges``, ``nodes``, ``units``, ``metric``, ``faithfulness``."""
+        import pandas
+
+        return pandas.DataFrame(
+            {
+                "size": self.sizes,
+                "edges": self.n_edges,
+                "nodes": self.n_nodes,
+                "units": self.n_units,
+                "metric": self.metric,
+                "faithfulness": self.faithfulness,
+            }
+        )
+
+    def plot(self, ax: Any = None, label: str | None = None) -> Any:
+        """Faithfulness against circuit size (fraction of edges, log scale); returns the matplotlib figure."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+        else:
+            fig = ax.figure
+        label = label or f"{self.granularity} (CPR {self.cpr:.3f}, CMD {self.cmd:.3f})"
+        ax.plot(self.sizes, self.faithfulness, marker="o", label=label)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("circuit size (fraction of edges)")
+        ax.set_ylabel("faithfulness f")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        return fig
+
+
+def areas(sizes: Sequence[float], f: Sequence[float]) -> tuple[float, float]:
+    """``(CPR, CMD)``: trapezoid areas of ``f`` and of ``|1 − f|`` over ``sizes``, divided by the span of the sizes
+    (so a circuit family that is exactly faithful everywhere has CPR 1 and CMD 0)."""
+    if len(sizes) < 2:
+        return float(f[0]), abs(1 - float(f[0]))
+    span = sizes[-1] - sizes[0]
+    cpr = cmd = 0.0
+    for i in range(1, len(sizes)):
+        w = (sizes[i] - sizes[i - 1]) / span
+        cpr += w * (f[i] + f[i - 1]) / 2
+        cmd += w * (abs(1 - f[i]) + abs(1 - f[i - 1])) / 2
+    return cpr, cmd
+
+
+def units(graph: Graph) -> int:
+    """Attention heads plus MLPs (mlp granularity) or neurons (neuron granularity) in the circuit."""
+    c = graph.count()
+    return c["attention"] + c["mlp"] + c["neuron"]
+
+
+def faithfulness_curve(
+    aot: Any,
+    graph: Graph,
+    dataset: Dataset,
+    metric: CircuitMetric,
+    sizes: Sequence[float] = MIB_SIZES,
+    *,
+    n_edges: Sequence[int] | None = None,
+    selection: str = "topn",
+) -> FaithfulnessCurve:
+    """MIB's faithfulness curve of the scored ``graph``'s top circuits (module docstring). ``n_edges`` gives sizes
+    as edge counts instead of fractions (counts above the graph's edges are clipped to it); ``selection`` "topn"
+    (MIB: the top edges by ``|score|``, then pruned) or "greedy" (EAP-IG's ``apply_greedy``: grown from the logits, so
+    every edge is connected). ``graph``'s own circuit is left as it was."""
+    if selection not in ("topn", "greedy"):
+        raise InputError(f"selection must be 'topn' or 'greedy'; got {selection!r}")
+    total = len(graph.src)
+    if n_edges is None:
+        fr = [float(s) for s in sizes]
+        if not fr or any(not 0 < s <= 1 or math.isnan(s) for s in fr) or sorted(fr) != fr:
+            raise InputError(f"sizes must be increasing fractions of the edges in (0, 1]; got {list(sizes)!r}")
+        counts = [max(1, round(s * total)) for s in fr]
+    else:
+        counts = [min(int(n), total) for n in n_edges]
+        if not counts or any(n < 1 for n in counts) or sorted(counts) != counts:
+            raise InputError(f"n_edges must be increasing positive edge counts; got {list(n_edges)!r}")
+        fr = [n / total for n in counts]
+    data = list(dataset) if not isinstance(dataset, list) else dataset
+    base = evaluate_baseline(aot, data, metric)
+    clean, corrupted = float(base.clean.mean()), float(base.corrupted.mean())
+    if abs(clean - corrupted) < 1e-12 * max(1.0, abs(clean)):
+        raise InputError(
+            "the metric is the same on the clean and the corrupted inputs, so faithfulness (m(C) − m(∅)) / (m(full) − "
+            "m(∅)) is undefined: choose a metric (or corrupted inputs) that the task changes"
+        )
+    saved = (graph.in_graph.clone(), graph.nodes_in_graph.clone())
+    rows: list[tuple[int, int, int, float]] = []
+    try:
+        for n in counts:
+            graph.apply_topn(n) if selection == "topn" else graph.apply_greedy(n)
+            m = float(evaluate(aot, graph, data, metric).mean())
+            rows.append((graph.n_edges, graph.n_nodes, units(graph), m))
+    finally:
+        graph.in_graph, graph.nodes_in_graph = saved
+    f = [(m - corrupted) / (clean - corrupted) for *_, m in rows]
+    cpr, cmd = areas(fr, f)
+    return FaithfulnessCurve(
+        sizes=fr,
+        n_edges=[r[0] for r in rows],
+        n_nodes=[r[1] for r in rows],
+        n_units=[r[2] for r in rows],
+        metric=[r[3] for r in rows],
+        faithfulness=f,
+        clean=clean,
+        corrupted=corrupted,
+        cpr=cpr,
+        cmd=cmd,
+        granularity=graph.granularity,
+    )
+
+
+__all__ = ["MIB_SIZES", "FaithfulnessCurve", "areas", "faithfulness_curve", "units"]

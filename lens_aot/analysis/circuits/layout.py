@@ -1,0 +1,106 @@
+"""Where a circuit's senders and receivers live in a converted model (hook names, weights), for discover and evaluate.
+
+Senders write into the residual stream: ``input`` (``blocks.0.hook_resid_pre``, token plus position embeddings; the
+position part is the same on clean and corrupted inputs), attention head ``h`` of layer ``l`` (``hook_z[..., h, :] @
+W_O[h]``; ``b_O`` belongs to no head), MLP ``l`` (``hook_mlp_out``) or its neuron ``i`` (``hook_post[..., i] *
+W_out[i]``; ``b_out`` belongs to no neuron). Receivers read it: head ``h``'s q/k/v input (``hook_{q,k,v}_input``
+with ``use_split_qkv_input``), MLP ``l``'s input (``hook_mlp_in``), neuron ``i``'s own input (its columns of
+``hook_pre``, and of ``hook_pre_linear`` in a gated MLP, recomputed through ``ln2`` from its own copy of the residual:
+each neuron is a head with its own input, Huben & Morris 2023 Theorem 3), and the logits (the last
+``hook_resid_post``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.errors import InputError
+
+
+@dataclass(frozen=True)
+class PreMap:
+    """One pre-activation hook of an MLP and the map into it: ``hook = ln2(x) @ W + b``."""
+
+    hook: str
+    W: Float[Tensor, "d_model d_mlp"]
+    b: Float[Tensor, " d_mlp"]
+
+
+def pre_maps(aot: Any, layer: int) -> list[PreMap]:
+    """The pre-activation hooks of layer ``layer``'s MLP (gated: the gate's and the linear branch's)."""
+    mlp = aot.blocks[layer].mlp
+    if getattr(mlp, "gated", False):
+        return [
+            PreMap(f"blocks.{layer}.mlp.hook_pre", mlp.gate_heads.W_in, mlp.gate_heads.b_in),
+            PreMap(f"blocks.{layer}.mlp.hook_pre_linear", mlp.product_heads.W_in, mlp.product_heads.b_in),
+        ]
+    return [PreMap(f"blocks.{layer}.mlp.hook_pre", mlp.heads.W_in, mlp.heads.b_in)]
+
+
+def has_mlp(aot: Any, layer: int) -> bool:
+    return bool(getattr(aot.blocks[layer], "has_mlp", True))
+
+
+def mlp_reads(aot: Any, layer: int) -> str:
+    """The residual hook an MLP of layer ``layer`` reads (``hook_resid_mid``; parallel blocks ``hook_resid_pre``)."""
+    return f"blocks.{layer}.hook_resid_{'pre' if aot.blocks[layer].parallel else 'mid'}"
+
+
+def final_resid(aot: Any) -> str:
+    return f"blocks.{len(aot.blocks) - 1}.hook_resid_post"
+
+
+def head_out(
+    aot: Any, layer: int, z: Float[Tensor, "batch pos head d_head"]
+) -> Float[Tensor, "batch pos head d_model"]:
+    """Every attention head's write into the residual, ``z_h @ W_O[h]`` (no ``b_O``)."""
+    return torch.einsum("bphe,hed->bphd", z, aot.blocks[layer].attn.W_O)
+
+
+def check_supported(aot: Any) -> None:
+    """Refuse models whose edges this module cannot cut one by one."""
+    if int(getattr(aot.cfg, "n_key_value_heads", None) or aot.cfg.n_heads) != int(aot.cfg.n_heads):
+        raise InputError(
+            "circuits over a model with grouped-query attention are not supported yet: its heads share key and value "
+            "inputs, so an edge into one head's k or v cannot be cut alone (EAP-IG needs "
+            "ungroup_grouped_query_attention for the same reason)"
+        )
+
+
+@contextlib.contextmanager
+def split_inputs(aot: Any) -> Iterator[None]:
+    """Per-head q/k/v inputs and ``hook_mlp_in`` on, restored afterwards (hooks removed even when a forward raises)."""
+    old_split = bool(getattr(aot.cfg, "use_split_qkv_input", False))
+    old_mlp_in = bool(getattr(aot.cfg, "use_hook_mlp_in", False))
+    any_mlp = any(has_mlp(aot, layer) for layer in range(len(aot.blocks)))
+    aot.set_use_split_qkv_input(True)
+    if any_mlp:
+        aot.set_use_hook_mlp_in(True)
+    try:
+        yield
+    finally:
+        aot.set_use_split_qkv_input(old_split)
+        if any_mlp:
+            aot.set_use_hook_mlp_in(old_mlp_in)
+
+
+def record(
+    aot: Any, tokens: Tensor, hooks: list[str], extra: list[tuple[str, Any]] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Run ``tokens`` and return the logits and the values at ``hooks`` (after any ``extra`` hook edits them)."""
+    acts: dict[str, Tensor] = {}
+
+    def keep(x: Tensor, hook: Any) -> Tensor:
+        acts[hook.name] = x
+        return x
+
+    fwd = list(extra or []) + [(name, keep) for name in hooks]
+    logits = aot.run_with_hooks(tokens, fwd_hooks=fwd)
+    return logits, acts
