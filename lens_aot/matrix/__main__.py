@@ -1,0 +1,46 @@
+"""``python -m lens_aot.matrix [--write] [--backend bridge|hooked] [--only NAME ...]``: generate the support matrix.
+
+Without ``--write`` the table is printed; with it, ``docs/support-matrix.md`` (or ``--page``) gets this backend's
+table and a new summary (the other backend's table is kept). ``--backend`` defaults to "hooked" where
+HookedTransformer exists (TransformerLens 3.x) and "bridge" otherwise; ``--backend bridge`` under 3.9 measures 3.9's
+bridge registry (printed only: the page's bridge table is TransformerLens 4.x's).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lens_aot.matrix import _print_row, run_matrix
+from lens_aot.matrix.document import render_table, write_page
+from lens_aot.tl import has_hooked_transformer, tl_version
+
+PAGE = Path("docs/support-matrix.md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the generator; returns the exit status (0)."""
+    parser = argparse.ArgumentParser(prog="python -m lens_aot.matrix", description=__doc__)
+    parser.add_argument("--backend", choices=["bridge", "hooked"], default=None)
+    parser.add_argument("--only", nargs="*", default=None, metavar="NAME", help="architecture or row names")
+    parser.add_argument("--write", action="store_true", help="write the page (all families only)")
+    parser.add_argument("--page", type=Path, default=PAGE)
+    parser.add_argument("--limit", type=float, default=180.0, help="seconds per family (default 180)")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    backend = args.backend or ("hooked" if has_hooked_transformer() else "bridge")
+    if args.write and args.only:
+        parser.error("--write regenerates the whole table: leave out --only")
+    if args.write and backend == "bridge" and has_hooked_transformer():
+        parser.error("the page's bridge table is TransformerLens 4.x's: write it under 4.x (or leave out --write)")
+    rows = run_matrix(backend, only=args.only, limit_s=args.limit, progress=None if args.quiet else _print_row)
+    if args.write:
+        write_page(args.page, backend, tl_version(), rows)
+        print(f"wrote {args.page} ({len(rows)} {backend} rows)")
+    else:
+        print(render_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
