@@ -1,4 +1,6 @@
 # Two commands: `make demo` and `make test`. Each builds the virtual environment(s) it needs.
+# Also: `make docs` (the documentation site, strict, into site/) and `make notebooks` (regenerate, execute and store
+# the notebooks with their outputs).
 # CPU torch is installed first (pinned), so nothing pulls CUDA wheels.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -6,10 +8,10 @@ TL3 ?= transformer-lens==3.9.0
 TL4 ?= transformer-lens==4.3.0
 # SAELens supports TransformerLens 3.x only (sae-lens >= 6.52 requires transformer-lens < 4): its extra goes in the 3.9 env.
 EXTRAS3 ?= test,sae
-EXTRAS4 ?= test
+EXTRAS4 ?= test,docs
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-tl3 test-tl4 lint bench clean
+.PHONY: demo test test-tl3 test-tl4 lint docs notebooks bench clean
 
 .venv-tl%/.ready: pyproject.toml
 	rm -rf .venv-tl$*
@@ -26,6 +28,14 @@ lint: .venv-tl4/.ready
 	.venv-tl4/bin/ruff check lens_aot tests benchmarks scripts
 	.venv-tl4/bin/ruff format --check lens_aot tests benchmarks scripts
 
+# The documentation site, offline: fails on any warning (broken link or reference, undocumented public API member).
+docs: .venv-tl4/.ready
+	NO_MKDOCS_2_WARNING=1 .venv-tl4/bin/mkdocs build --strict --quiet
+
+# Writes notebooks/*.ipynb from scripts/make_notebooks.py, executes them, and stores them with their outputs.
+notebooks: .venv-tl4/.ready
+	PYTHONPATH=$(CURDIR) .venv-tl4/bin/python scripts/run_notebooks.py write
+
 test-tl3: .venv-tl3/.ready
 	.venv-tl3/bin/python -m pytest -q $(PYTEST_ARGS)
 
@@ -33,11 +43,11 @@ test-tl4: .venv-tl4/.ready
 	.venv-tl4/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The suite runs under TransformerLens 3.9 (HookedTransformer + TransformerBridge) and 4.3 (TransformerBridge only).
-test: lint test-tl3 test-tl4
+test: lint docs test-tl3 test-tl4
 
 bench: .venv-tl4/.ready
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape gpt2
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape llama
 
 clean:
-	rm -rf .venv-tl3 .venv-tl4 .pytest_cache .ruff_cache
+	rm -rf .venv-tl3 .venv-tl4 .pytest_cache .ruff_cache site .cache
