@@ -7,7 +7,9 @@ documentation site). ``tests/test_notebooks.py`` re-executes each one and compar
 
 Storing keeps what a reader needs and drops what changes from run to run or machine to machine: execution timings,
 and stderr streams (warnings, progress bars), which differ between TransformerLens versions. Consecutive stream
-outputs are merged (the kernel may split one print across several messages).
+outputs are merged (the kernel may split one print across several messages). circuitsvis views are stored in their
+CDN form (the page imports circuitsvis's script, of the version that made them, when viewed): offline, circuitsvis
+inlines its 1.3 MB script into every view instead; their element ids are numbered per cell instead of random.
 
 Usage: ``python scripts/run_notebooks.py write [NAME ...]`` (default: every notebook).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -73,6 +76,28 @@ def execute(nb: NotebookNode, timeout: int = 900) -> NotebookNode:
     return normalise(nb)
 
 
+_CIRCUITSVIS_INLINE = re.compile(
+    r'<div id="(?P<id>circuits-vis-[^"]*)" style="margin: 15px 0;"/>\s*<script crossorigin type="module">.*'
+    r"CircuitsVis\.render\(\s*\"(?P=id)\",\s*CircuitsVis\.(?P<element>\w+),\s*(?P<props>.*?)\s*\)\s*</script>\s*$",
+    re.DOTALL,
+)
+
+
+def _circuitsvis_cdn(html: str, element_id: str) -> str:
+    """circuitsvis's CDN form of an inline-script view (``circuitsvis.utils.render.render_cdn``'s markup)."""
+    match = _CIRCUITSVIS_INLINE.match(html)
+    if match is None:
+        return html
+    import circuitsvis
+
+    element, props = match["element"], match["props"]
+    return (
+        f'<div id="{element_id}" style="margin: 15px 0;"/>\n    <script crossorigin type="module">\n'
+        f'    import {{ render, {element} }} from "https://unpkg.com/circuitsvis@{circuitsvis.__version__}/dist/cdn/esm.js";\n'
+        f'    render(\n      "{element_id}",\n      {element},\n      {props}\n    )\n    </script>'
+    )
+
+
 def _merged_streams(outputs: list[NotebookNode]) -> list[NotebookNode]:
     merged: list[NotebookNode] = []
     for out in outputs:
@@ -86,11 +111,15 @@ def _merged_streams(outputs: list[NotebookNode]) -> list[NotebookNode]:
 
 
 def normalise(nb: NotebookNode) -> NotebookNode:
-    """Drop stderr streams and per-run metadata, merge consecutive stdout streams (in place; returns ``nb``)."""
+    """Drop stderr streams and per-run metadata, merge consecutive stdout streams, store circuitsvis views in their
+    CDN form (in place; returns ``nb``)."""
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
         if cell.cell_type == "code":
             cell.outputs = _merged_streams(cell.outputs)
+            for n, out in enumerate(cell.outputs):
+                if "text/html" in out.get("data", {}):
+                    out.data["text/html"] = _circuitsvis_cdn(out.data["text/html"], f"circuits-vis-{cell.id}-{n}")
     nb.metadata.pop("widgets", None)
     return nb
 
