@@ -4,9 +4,12 @@ strictly by ``make docs``, which ``make test`` runs)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
+import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,3 +108,22 @@ def test_readme_example_runs() -> None:
     assert namespace["pattern"].shape == (1, 3, 3)  # type: ignore[attr-defined]
     report = out.getvalue()
     assert "logit" in report and str(namespace["aot"].report) in report  # type: ignore[attr-defined]
+
+
+def test_api_pages_report_undocumented_public_members(caplog: pytest.LogCaptureFixture) -> None:
+    """``make docs`` fails (strict) on a public member without a docstring in an API page: the hook reports it."""
+    pytest.importorskip("griffe")  # the docs extra (installed with TransformerLens 4.3, where `make docs` runs)
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.undocumented("lens_aot.core.components.norm.Norm") == ["lens_aot.core.components.norm.Norm.forward"]
+    page = SimpleNamespace(file=SimpleNamespace(src_path="api/x.md"))
+    with caplog.at_level(logging.WARNING, logger="mkdocs.hooks.lens_aot"):
+        hooks.on_page_markdown("::: lens_aot.core.components.norm\n    options:\n      members: [Norm]\n", page, {}, [])
+    assert [r.getMessage() for r in caplog.records] == [
+        "api/x.md: lens_aot.core.components.norm.Norm.forward has no docstring (public API; add one)"
+    ]
+    api = "".join(p.read_text(encoding="utf-8") for p in sorted((DOCS / "api").glob("*.md")))
+    blocks = re.findall(r"^::: ([\w.]+)", api, re.MULTILINE)
+    assert len(blocks) >= 10 and not [path for path in blocks if hooks.undocumented(path)]
