@@ -32,9 +32,10 @@ lint: .venv-tl4/.ready
 docs: .venv-tl4/.ready
 	NO_MKDOCS_2_WARNING=1 .venv-tl4/bin/mkdocs build --strict --quiet
 
-# Writes notebooks/*.ipynb from scripts/make_notebooks.py, executes them, and stores them with their outputs.
-notebooks: .venv-tl4/.ready
-	PYTHONPATH=$(CURDIR) .venv-tl4/bin/python scripts/run_notebooks.py write
+# Writes notebooks/*.ipynb from scripts/make_notebooks.py, executes them, and stores them with their outputs
+# (in the TransformerLens 3.9 environment, which has every optional package a notebook may need: eap, sae-lens).
+notebooks: .venv-tl3/.ready
+	PYTHONPATH=$(CURDIR) .venv-tl3/bin/python scripts/run_notebooks.py write
 
 test-tl3: .venv-tl3/.ready
 	.venv-tl3/bin/python -m pytest -q $(PYTEST_ARGS)

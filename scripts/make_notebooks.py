@@ -5,13 +5,17 @@ Notebooks are kept as code here so that they stay reviewable and ruff-checked. `
 (``scripts/run_notebooks.py write``) builds each one, executes it and stores it in notebooks/ with its outputs;
 tests/test_notebooks.py re-executes them in ``make test`` and fails when a stored copy lacks outputs, holds an error
 or has drifted from these sources. A new notebook: add ``NOTEBOOKS["name.ipynb"] = [...]`` at the end of this file
-(or a scripts/notebook_<name>.py defining ``CELLS``), then run ``make notebooks``.
+(or a scripts/notebook_<name>.py defining ``CELLS``), then run ``make notebooks``. A notebook that needs a module
+not installed with every TransformerLens version (``eap``: TransformerLens 3.9 only) names it in ``REQUIRES``
+(``REQUIRES["name.ipynb"] = ["eap"]``): the tests skip that notebook's execution where the module is missing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+REQUIRES: dict[str, list[str]] = {}  # notebook -> modules its execution needs beyond lens_aot's test extra
 
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "quickstart.ipynb": [
