@@ -4,11 +4,17 @@
 warning, so this hook reports them: for each ``::: identifier`` block of an API page, the object and every public
 function, class, method or property it renders (its ``__all__`` for a module, its own public members for a class,
 ``options: members:`` where the block lists them) must have a docstring. Attributes (dataclass fields, constants)
-are described in their class's or module's docstring and are not required to have their own.
+are described in their class's or module's docstring and are not required to have their own, except those that are
+functions made with ``functools.partial``.
+
+:class:`DocAssignments` (a griffe extension, also given to mkdocstrings in mkdocs.yml) reads ``name.__doc__ = "..."``
+assignments, which static analysis otherwise misses (TransformerLens-style ``functools.partial`` functions).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
 import re
 from functools import cache
@@ -24,10 +30,39 @@ ROOT = Path(__file__).resolve().parent.parent
 _DIRECTIVE = re.compile(r"^::: ([\w.]+)[ \t]*\n((?:[ \t]+.*\n?)*)", re.MULTILINE)
 
 
+class DocAssignments(griffe.Extension):
+    """Give ``name`` the docstring of a module-level ``name.__doc__ = "..."`` assignment."""
+
+    def on_module_members(self, *, node: ast.AST | griffe.ObjectNode, mod: griffe.Module, **kwargs: Any) -> None:
+        """Called by griffe once a module's members are loaded."""
+        if not isinstance(node, ast.Module):
+            return
+        for stmt in node.body:
+            if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+                continue
+            target, value = stmt.targets[0], stmt.value
+            if not (isinstance(target, ast.Attribute) and target.attr == "__doc__"):
+                continue
+            if not isinstance(target.value, ast.Name):
+                continue
+            obj = mod.members.get(target.value.id)
+            if obj is None or obj.is_alias or obj.docstring or not isinstance(value, ast.Constant):
+                continue
+            if isinstance(value.value, str):
+                text = inspect.cleandoc(value.value)
+                obj.docstring = griffe.Docstring(text, lineno=stmt.lineno, endlineno=stmt.end_lineno, parent=obj)
+
+
 @cache
 def _package(name: str) -> griffe.Object:
     """The statically loaded package (as mkdocstrings loads it, from the repository root)."""
-    loaded = griffe.load(name, search_paths=[str(ROOT)], resolve_aliases=True, resolve_external=False)
+    loaded = griffe.load(
+        name,
+        search_paths=[str(ROOT)],
+        resolve_aliases=True,
+        resolve_external=False,
+        extensions=griffe.load_extensions(DocAssignments),
+    )
     assert isinstance(loaded, griffe.Object)
     return loaded
 
@@ -43,7 +78,8 @@ def _target(obj: griffe.Object | griffe.Alias) -> griffe.Object:
 
 
 def _needs_docstring(obj: griffe.Object) -> bool:
-    return obj.is_function or obj.is_class or obj.is_module
+    partial = obj.is_attribute and str(getattr(obj, "value", "")).startswith(("functools.partial(", "partial("))
+    return obj.is_function or obj.is_class or obj.is_module or partial
 
 
 def undocumented(path: str, members: list[str] | None = None) -> list[str]:

@@ -124,6 +124,8 @@ def test_api_pages_report_undocumented_public_members(caplog: pytest.LogCaptureF
     assert [r.getMessage() for r in caplog.records] == [
         "api/x.md: lens_aot.core.components.norm.Norm.forward has no docstring (public API; add one)"
     ]
+    partial = hooks._target(hooks._lookup("lens_aot.analysis.patching.get_act_patch_neuron_head_out_all_pos"))
+    assert hooks._needs_docstring(partial) and "neuron head" in partial.docstring.value  # from its __doc__ assignment
     api = "".join(p.read_text(encoding="utf-8") for p in sorted((DOCS / "api").glob("*.md")))
     blocks = re.findall(r"^::: ([\w.]+)", api, re.MULTILINE)
     assert len(blocks) >= 10 and not [path for path in blocks if hooks.undocumented(path)]
