@@ -1,4 +1,6 @@
 # Two commands: `make demo` and `make test`. Each builds the virtual environment(s) it needs.
+# Also: `make docs` (the documentation site, strict, into site/) and `make notebooks` (regenerate, execute and store
+# the notebooks with their outputs).
 # CPU torch is installed first (pinned), so nothing pulls CUDA wheels.
 # `make test` installs the tested versions in constraints/tl{3,4}.txt; `make test-newest` runs the same suite against
 # the newest releases (no constraints) in separate environments (.venv-new3, .venv-new4).
@@ -10,14 +12,14 @@ TL3_NEWEST ?= transformer-lens>=3.9,<4
 TL4_NEWEST ?= transformer-lens>=4.3,<5
 # SAELens supports TransformerLens 3.x only (sae-lens >= 6.52 requires transformer-lens < 4): its extra goes in the 3.9 env.
 EXTRAS3 ?= test,sae
-EXTRAS4 ?= test
+EXTRAS4 ?= test,docs
 # EAP-IG (Hanna et al. 2024, MIB's baseline; test-only, TransformerLens 3.x only): from the wheel in ../shared/wheels
 # where it exists, else from its git commit (needs network; the tests that use it skip without it).
 EAP_WHEELS ?= ../shared/wheels
 EAP_GIT ?= git+https://github.com/hannamw/EAP-IG@795f5607b25638935aec89aee3c1cb4bd9ed72f1
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-tl3 test-tl4 test-newest test-new3 test-new4 lint constraints bench clean
+.PHONY: demo test test-tl3 test-tl4 test-newest test-new3 test-new4 lint docs notebooks constraints bench clean
 
 # $(1): the environment's folder, $(2): the TransformerLens requirement, $(3): extras, $(4): pip options.
 define make_venv
@@ -51,6 +53,15 @@ lint: .venv-tl4/.ready
 	.venv-tl4/bin/ruff check lens_aot tests benchmarks scripts
 	.venv-tl4/bin/ruff format --check lens_aot tests benchmarks scripts
 
+# The documentation site, offline: fails on any warning (broken link or reference, undocumented public API member).
+docs: .venv-tl4/.ready
+	NO_MKDOCS_2_WARNING=1 .venv-tl4/bin/mkdocs build --strict --quiet
+
+# Writes notebooks/*.ipynb from scripts/make_notebooks.py, executes them, and stores them with their outputs
+# (in the TransformerLens 3.9 environment, which has every optional package a notebook may need: eap, sae-lens).
+notebooks: .venv-tl3/.ready
+	PYTHONPATH=$(CURDIR) .venv-tl3/bin/python scripts/run_notebooks.py write
+
 test-tl3: .venv-tl3/.ready
 	.venv-tl3/bin/python -m pytest -q $(PYTEST_ARGS)
 
@@ -58,7 +69,7 @@ test-tl4: .venv-tl4/.ready
 	.venv-tl4/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The suite runs under TransformerLens 3.9 (HookedTransformer + TransformerBridge) and 4.3 (TransformerBridge only).
-test: lint test-tl3 test-tl4
+test: lint docs test-tl3 test-tl4
 
 test-new%: .venv-new%/.ready
 	.venv-new$*/bin/python -m pytest -q $(PYTEST_ARGS)
@@ -78,4 +89,4 @@ bench: .venv-tl4/.ready
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape llama
 
 clean:
-	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .pytest_cache .ruff_cache
+	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .pytest_cache .ruff_cache site .cache

@@ -17,7 +17,7 @@ like-for-like ratio and "vs dense" includes the gain of fused attention. The con
 its modes: the default (every cheap hook point runs on every forward) and ``set_use_fused_neurons(True)``.
 Conversion is timed with default options (``check=True``: one source forward, one converted forward and one
 perturbed source forward on 2x64 tokens).
-Use ``--threads 1`` for per-core figures. Prints a markdown table (the README's performance section).
+Use ``--threads 1`` for per-core figures. Prints a markdown table (the docs' performance section).
 
     python benchmarks/bench_shapes.py [--shape gpt2|llama] [--source hooked|bridge] [--repeats 5] [--threads N]
         [--scale 1.0]

@@ -1,4 +1,4 @@
-"""Measure max |Δlogit| between converted and source models for every supported family (the README's matrix).
+"""Measure max |Δlogit| between converted and source models for every supported family (the docs' matrix).
 
 Random-weight models from the test factories (tests/factories_*.py), float32 and float64, default conversion options
 (check on: a conversion beyond its stated bound would raise). Per row: max |Δlogit|, and the per-neuron error: max

@@ -1,7 +1,13 @@
-"""Write the notebooks in notebooks/ from the cell sources below (run: python scripts/make_notebooks.py).
+"""The notebooks of notebooks/, as code: ``NOTEBOOKS`` maps a file name to its cells, ``[(kind, source), ...]`` with
+``kind`` "md" or "code".
 
-Notebooks are kept as code here so that they stay reviewable and ruff-checked; the .ipynb files are committed
-without outputs and executed by tests/test_notebooks.py in `make test`.
+Notebooks are kept as code here so that they stay reviewable and ruff-checked. ``make notebooks``
+(``scripts/run_notebooks.py write``) builds each one, executes it and stores it in notebooks/ with its outputs;
+tests/test_notebooks.py re-executes them in ``make test`` and fails when a stored copy lacks outputs, holds an error
+or has drifted from these sources. A new notebook: add ``NOTEBOOKS["name.ipynb"] = [...]`` at the end of this file
+(or a scripts/notebook_<name>.py defining ``CELLS``), then run ``make notebooks``. A notebook that needs a module
+not installed with every TransformerLens version (``eap``: TransformerLens 3.9 only) names it in ``REQUIRES``
+(``REQUIRES["name.ipynb"] = ["eap"]``): the tests skip that notebook's execution where the module is missing.
 """
 
 from __future__ import annotations
@@ -9,8 +15,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+REQUIRES: dict[str, list[str]] = {}  # notebook -> modules its execution needs beyond lens_aot's test extra
 
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "quickstart.ipynb": [
@@ -128,21 +133,3 @@ def _load_cells(module_file: str) -> list[tuple[str, str]]:
 # Longer notebooks live in their own scripts: scripts/notebook_<name>.py defines CELLS for notebooks/<name>.ipynb.
 for _path in sorted(Path(__file__).resolve().parent.glob("notebook_*.py")):
     NOTEBOOKS[_path.stem.removeprefix("notebook_") + ".ipynb"] = _load_cells(_path.name)
-
-
-def build(out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, cells in NOTEBOOKS.items():
-        nb = new_notebook(
-            cells=[
-                (new_markdown_cell if kind == "md" else new_code_cell)(src, id=f"cell-{i}")  # stable ids: clean diffs
-                for i, (kind, src) in enumerate(cells)
-            ],
-            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-        )
-        nbformat.write(nb, out_dir / name)
-        print(f"wrote {out_dir / name}")
-
-
-if __name__ == "__main__":
-    build(Path(__file__).resolve().parent.parent / "notebooks")

@@ -23,7 +23,7 @@ HAS_HOOKED_TRANSFORMER = has_hooked_transformer()
 # apply). `make test` runs the suite under both 3.9 and 4.3, so every file is exercised.
 collect_ignore_glob = [] if HAS_HOOKED_TRANSFORMER else ["test_hooked_*.py"]
 
-# max |Δlogit| per activation and dtype (the README's support matrix): ONE table, lens_aot's own, used by convert's
+# max |Δlogit| per activation and dtype (the docs' support matrix): ONE table, lens_aot's own, used by convert's
 # check, `lens-aot verify` and every test.
 TOLERANCES = STATED_LOGIT_ERROR
 

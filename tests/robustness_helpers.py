@@ -45,7 +45,7 @@ PROPERTY_SETTINGS: dict[str, Any] = dict(
 
 
 def tolerance(act_fn: str | None, dtype: torch.dtype) -> float:
-    """The stated max |Δlogit| for a converted model (``conftest.TOLERANCES``, the README's support matrix)."""
+    """The stated max |Δlogit| for a converted model (``conftest.TOLERANCES``, the docs' support matrix)."""
     return TOLERANCES[(act_fn, dtype)]
 
 

@@ -166,7 +166,7 @@ def test_families_heads_and_neurons(family: str, method: str) -> None:
 def test_families_edges_into_neurons_and_heads(family: str) -> None:
     """Edges from layer 0's heads and neurons into layer 1's neurons (exact recomputation: atp and ig), its
     attention heads and the logits (linear: atp; ig averages gradients over inputs far from the patched run, see
-    the README's figures)."""
+    the docs' figures)."""
     aot, clean, corrupted = family_model(family)
     senders = P.head_units(aot, modules=[0]) + P.neuron_units(aot, layers=[0])
     neurons = P.neuron_units(aot, layers=[1])[:8]

@@ -266,11 +266,11 @@ def test_random_model_fails_mechanism_thresholds(checkpoint: dict) -> None:
     assert m["neuron_fraction"] < NEURON_FRACTION
 
 
-# --- the mechanism notebook's printed claims (README: notebooks/mechanism.ipynb) ------------------------------------
+# --- the mechanism notebook's printed claims (docs: notebooks/mechanism.ipynb) --------------------------------------
 
 
 def test_the_mechanism_notebooks_claims_hold() -> None:
-    """The README's claims for notebooks/mechanism.ipynb, computed as the notebook computes them on the converted
+    """The docs' claims for notebooks/mechanism.ipynb, computed as the notebook computes them on the converted
     model: key frequencies 6, 21, 1; 81% of neuron heads single-frequency, clustered exactly as the source's neurons;
     each cluster's direct logit effect ≈ cos(w(a+b−c)) with R² 0.90–0.93."""
     import math

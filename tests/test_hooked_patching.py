@@ -1,7 +1,7 @@
 """lens_aot.patching against a HookedTransformer source (TransformerLens 3.x only; see conftest.py).
 
 Patching a neuron head of the converted model = patching ``blocks.{l}.mlp.hook_post[..., n]`` of the HookedTransformer
-(SiLU exactly, fitted activations within ``FIT_FACTOR`` × the fit's error, float32 within the README's float32
+(SiLU exactly, fitted activations within ``FIT_FACTOR`` × the fit's error, float32 within the docs' float32
 tolerance); patching a source attention head = patching its ``attn.hook_z``; path patching = the same path patched by
 hand in the HookedTransformer with every head's ``hook_z`` and every MLP's ``hook_post`` frozen.
 """
@@ -38,7 +38,7 @@ CASES = [  # (family, activation, dtype)
 
 
 def _tolerance(aot: lens_aot.AttentionOnlyTransformer, dtype: torch.dtype) -> float:
-    """SiLU float64: rounding only. Float32: the README's logit tolerance for SiLU (the metric is a difference of two
+    """SiLU float64: rounding only. Float32: the docs' logit tolerance for SiLU (the metric is a difference of two
     logits, hence × 2). Fitted activations: FIT_FACTOR × the fit's sup-norm error."""
     fit_error = max(fit.max_error for fit in aot.cfg.activation_fits.values())
     rounding = EXACT if dtype == torch.float64 else 2 * TOLERANCES[("silu", torch.float32)]

@@ -7,7 +7,7 @@ network, and floating-point rounding. The bound stated for a conversion is there
 
     bound = max(stated, SENSITIVITY_FACTOR · S + ROUNDING_FACTOR · R)
 
-* ``stated``: the support matrix's max |Δlogit| for the activation and dtype (:data:`STATED_LOGIT_ERROR`, README);
+* ``stated``: the support matrix's max |Δlogit| for the activation and dtype (:data:`STATED_LOGIT_ERROR`, docs);
 * ``S``: the source's own measured response to its neurons' error: max |Δlogit| when every neuron's activation
   (``blocks.{l}.mlp.hook_post``) is perturbed by ±ε_l with random signs (fixed seed; :func:`neuron_sensitivity`).
   The fit errors are at most ε_l in size but correlated in sign; the factor 8 covers that (over 1000 random models
@@ -30,7 +30,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-STATED_LOGIT_ERROR: dict[tuple[str | None, torch.dtype], float] = {  # the README's support matrix, max |Δlogit|
+STATED_LOGIT_ERROR: dict[tuple[str | None, torch.dtype], float] = {  # the docs' support matrix, max |Δlogit|
     ("silu", torch.float32): 1e-5,
     ("silu", torch.float64): 1e-10,
     ("relu", torch.float32): 1e-4,

@@ -129,11 +129,13 @@ class KeyValueCache:
         )
 
     def freeze(self) -> None:
+        """Stop appending to the cache: later forwards read it but leave it unchanged (TransformerLens's ``freeze``)."""
         self.frozen = True
         for entry in self.entries:
             entry.frozen = True
 
     def unfreeze(self) -> None:
+        """Append each forward's keys and values again (undoes :meth:`freeze`)."""
         self.frozen = False
         for entry in self.entries:
             entry.frozen = False

@@ -461,6 +461,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         return [block.layer_spec() for block in self.blocks]
 
     def final_norm_spec(self) -> NormSpec:
+        """The final norm (``ln_final``) as a :class:`NormSpec` (its kind, epsilon and weights)."""
         return self.ln_final.spec()
 
     def to_spec(self) -> ModelSpec:

@@ -144,7 +144,7 @@ def _build_source(name: str) -> tuple[Any, Tensor, Tensor]:
 
 
 _CACHE: dict[str, Pair] = {}
-# (test id, what, max |Δ|, bound) of every comparison: printed after the run (conftest), the README's figures
+# (test id, what, max |Δ|, bound) of every comparison: printed after the run (conftest), the docs' figures
 FIGURES: list[tuple[str, str, float, float]] = []
 
 
