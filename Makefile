@@ -9,7 +9,7 @@ EXTRAS3 ?= test,sae
 EXTRAS4 ?= test
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-tl3 test-tl4 lint bench clean
+.PHONY: demo test test-tl3 test-tl4 lint bench matrix clean
 
 .venv-tl%/.ready: pyproject.toml
 	rm -rf .venv-tl$*
@@ -38,6 +38,11 @@ test: lint test-tl3 test-tl4
 bench: .venv-tl4/.ready
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape gpt2
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape llama
+
+# Regenerate docs/support-matrix.md: the TransformerBridge table under 4.3, the HookedTransformer table under 3.9.
+matrix: .venv-tl3/.ready .venv-tl4/.ready
+	.venv-tl4/bin/python -m lens_aot.matrix --write --quiet
+	.venv-tl3/bin/python -m lens_aot.matrix --write --quiet
 
 clean:
 	rm -rf .venv-tl3 .venv-tl4 .pytest_cache .ruff_cache

@@ -45,8 +45,9 @@ STATUSES = ("faithful", "refused", "unbuilt", "wrong", "crash")  # best to worst
 _RANK = {"faithful": 0, "unbuilt": 1, "refused": 2, "wrong": 3, "crash": 4}
 
 
-class FamilyTimeout(Exception):
-    """A family ran past its time limit."""
+class FamilyTimeout(BaseException):
+    """A family ran past its time limit (a BaseException, like KeyboardInterrupt, so that no ``except Exception`` in
+    the libraries it interrupts swallows it)."""
 
 
 @dataclass
@@ -168,14 +169,10 @@ def _one_dtype(
     tokens = tokens_for()
     try:
         source = _source(model, family, backend, dtype)
-    except FamilyTimeout:
-        raise
     except Exception as e:
         return "unbuilt", f"TransformerLens could not build it: {_describe(e)}", None, None, None
     try:
         expected = _logits(source, tokens)
-    except FamilyTimeout:
-        raise
     except Exception as e:
         return "unbuilt", f"the source's own forward raised {_describe(e)}", None, None, None
     try:
@@ -185,8 +182,6 @@ def _one_dtype(
         got = _logits(aot, tokens)
     except LensAOTError as e:
         return "refused", _first_line(e), None, None, None
-    except FamilyTimeout:
-        raise
     except Exception as e:
         return "crash", _describe(e), None, None, None
     bound = aot.report.logit_bound
@@ -208,8 +203,6 @@ def measure_family(family: Family, backend: Backend = "bridge", seed: int = 0, l
         with time_limit(limit_s):
             try:
                 model = build_hf_model(family, seed)
-            except FamilyTimeout:
-                raise
             except Exception as e:
                 row.status, row.reason = "unbuilt", f"transformers could not build it: {_describe(e)}"
                 return row
