@@ -194,3 +194,12 @@ def test_one_family_failing_does_not_stop_the_run(monkeypatch: pytest.MonkeyPatc
     rows = run_matrix("bridge", only=["GPT2LMHeadModel", "GPTNeoXForCausalLM"])  # the architecture: both layouts
     assert [r.family for r in rows] == ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "GPTNeoXForCausalLM (sequential)"]
     assert [r.status for r in rows] == ["crash"] * 3 and len(calls) == 6  # each family, both dtypes
+
+
+def test_render_rewrites_the_page_unchanged(tmp_path: Path) -> None:
+    from lens_aot.matrix.__main__ import main
+
+    page = tmp_path / "support-matrix.md"
+    page.write_text(PAGE.read_text())
+    assert main(["--render", "--page", str(page)]) == 0
+    assert page.read_text() == PAGE.read_text()
