@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 
 from lens_aot.matrix.families import VOCAB, Family, build_hf_model, copy_as, tiny_tokenizer
 
@@ -125,13 +127,13 @@ def _source(model: torch.nn.Module, family: Family, backend: Backend, dtype: tor
     return hooked_from_hf_module(model, tokenizer=tiny_tokenizer(), dtype=dtype).eval()
 
 
-def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+def _logits(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
     with torch.no_grad():
         out = model(tokens)
     return getattr(out, "logits", out)
 
 
-def tokens_for(seed: int = 0, batch: int = BATCH, pos: int = POS) -> torch.Tensor:
+def tokens_for(seed: int = 0, batch: int = BATCH, pos: int = POS) -> Int[Tensor, "batch pos"]:
     """The matrix's measurement tokens: ``batch × pos`` uniform over the vocabulary, seeded."""
     return torch.randint(0, VOCAB, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
@@ -146,7 +148,7 @@ def _median_time(run: Callable[[], Any], repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def time_ratio(aot: Any, source: Any, tokens: torch.Tensor) -> float:
+def time_ratio(aot: Any, source: Any, tokens: Int[Tensor, "batch pos"]) -> float:
     """Converted over source forward time (median of :data:`REPEATS`), one CPU thread (restored after)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
