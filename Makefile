@@ -19,7 +19,7 @@ EAP_WHEELS ?= ../shared/wheels
 EAP_GIT ?= git+https://github.com/hannamw/EAP-IG@795f5607b25638935aec89aee3c1cb4bd9ed72f1
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-tl3 test-tl4 test-newest test-new3 test-new4 lint docs notebooks constraints bench clean
+.PHONY: demo test test-tl3 test-tl4 test-newest test-new3 test-new4 lint docs notebooks constraints bench matrix clean
 
 # $(1): the environment's folder, $(2): the TransformerLens requirement, $(3): extras, $(4): pip options.
 define make_venv
@@ -87,6 +87,11 @@ constraints: .venv-tl3/.ready .venv-tl4/.ready
 bench: .venv-tl4/.ready
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape gpt2
 	.venv-tl4/bin/python benchmarks/bench_shapes.py --shape llama
+
+# Regenerate docs/support-matrix.md: the TransformerBridge table under 4.3, the HookedTransformer table under 3.9.
+matrix: .venv-tl3/.ready .venv-tl4/.ready
+	.venv-tl4/bin/python -m lens_aot.matrix --write --quiet
+	.venv-tl3/bin/python -m lens_aot.matrix --write --quiet
 
 clean:
 	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .pytest_cache .ruff_cache site .cache

@@ -1,6 +1,7 @@
 """``python -m lens_aot.matrix [--write] [--backend bridge|hooked] [--only NAME ...]``: generate the support matrix.
 
-Without ``--write`` the table is printed; with it, ``docs/support-matrix.md`` (or ``--page``) gets this backend's
+Without ``--write`` the table is printed; ``--render`` re-renders the page from the tables on it (after a change to
+the page's text, no measuring); with ``--write``, ``docs/support-matrix.md`` (or ``--page``) gets this backend's
 table and a new summary (the other backend's table is kept). ``--backend`` defaults to "hooked" where
 HookedTransformer exists (TransformerLens 3.x) and "bridge" otherwise; ``--backend bridge`` under 3.9 measures 3.9's
 bridge registry (printed only: the page's bridge table is TransformerLens 4.x's).
@@ -12,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from lens_aot.matrix import _print_row, run_matrix
-from lens_aot.matrix.document import render_table, write_page
+from lens_aot.matrix.document import read_page, render_page, render_table, write_page
 from lens_aot.tl import has_hooked_transformer, tl_version
 
 PAGE = Path("docs/support-matrix.md")
@@ -24,10 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["bridge", "hooked"], default=None)
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME", help="architecture or row names")
     parser.add_argument("--write", action="store_true", help="write the page (all families only)")
+    parser.add_argument("--render", action="store_true", help="re-render the page from its own tables (no measuring)")
     parser.add_argument("--page", type=Path, default=PAGE)
     parser.add_argument("--limit", type=float, default=180.0, help="seconds per family (default 180)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
+    if args.render:
+        args.page.write_text(render_page(read_page(args.page)))
+        print(f"re-rendered {args.page}")
+        return 0
     backend = args.backend or ("hooked" if has_hooked_transformer() else "bridge")
     if args.write and args.only:
         parser.error("--write regenerates the whole table: leave out --only")

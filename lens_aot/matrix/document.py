@@ -176,8 +176,10 @@ installed TransformerLens: the TransformerBridge table under any version, the Ho
 - **Scope**: `decoder` rows are the decoder-only text architectures the headline figures count; encoder,
   multimodal and state-space / recurrent / hybrid families are built and converted too (lens_aot must refuse them
   with a clear reason) and counted apart.
-- **Models**: each family's own transformers config class at one tiny shape ({tiny}; MoE fields only where the
-  config has experts by default; token ids 0), every other field at its default, random weights (seed 0: matrices
+- **Models**: each family's own transformers config class at one tiny shape ({tiny}; mlp only where the config
+  does not derive it from hidden (GPT-2-style configs: 4 × hidden); MoE fields only where the config has experts
+  by default, and at most one dense layer before the first MoE layer (`first_k_dense_replace` / `num_dense_layers`
+  capped at 1); token ids 0), every other field at its default, random weights (seed 0: matrices
   N(0, 1/fan-in), embeddings N(0, 0.0625), vectors their initial value + 0.1·N(0, 1)), float32, and the same
   weights cast to float64; eager attention, wrapped as `TransformerBridge.boot_transformers` wraps a model.
 - **Measured**: `lens_aot.convert(source, check_tokens=tokens)` on {BATCH}×{POS} seeded random tokens; max |Δlogit|

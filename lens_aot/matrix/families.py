@@ -1,11 +1,11 @@
 """The support matrix's families: TransformerLens's bridge registry intersected with transformers' causal-LM
 classes, each built tiny with random weights from its own ``transformers`` config class, offline.
 
-Every family gets the same shape (:data:`TINY`: 2 layers, hidden 64, 4 heads, 2 KV heads, MLP 128, 4 experts top-2
-where the config has experts, vocabulary 128), set through whichever field names its config class uses; every
-other config field keeps its default. What a family needs beyond that to be tiny and valid is in ONE table,
-:data:`OVERRIDES`, printed on the matrix page. Weights are a deterministic function of the seed
-(:func:`randomize_`), so a family's figures are reproducible.
+Every family gets the same shape (:data:`TINY`: 2 layers, hidden 64, 4 heads, 2 KV heads, MLP 128 unless the config
+derives it, vocabulary 128; :data:`TINY_MOE`: 4 experts top-2 where the config has experts), set through whichever
+field names its config class uses; every other config field keeps its default. What a family needs beyond that to
+be tiny and valid is in ONE table, :data:`OVERRIDES`, printed on the matrix page. Weights are a deterministic
+function of the seed (:func:`randomize_`), so a family's figures are reproducible.
 """
 
 from __future__ import annotations

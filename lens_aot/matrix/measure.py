@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 
 from lens_aot.matrix.families import VOCAB, Family, build_hf_model, copy_as, tiny_tokenizer
 
@@ -45,8 +47,9 @@ STATUSES = ("faithful", "refused", "unbuilt", "wrong", "crash")  # best to worst
 _RANK = {"faithful": 0, "unbuilt": 1, "refused": 2, "wrong": 3, "crash": 4}
 
 
-class FamilyTimeout(Exception):
-    """A family ran past its time limit."""
+class FamilyTimeout(BaseException):
+    """A family ran past its time limit (a BaseException, like KeyboardInterrupt, so that no ``except Exception`` in
+    the libraries it interrupts swallows it)."""
 
 
 @dataclass
@@ -124,13 +127,13 @@ def _source(model: torch.nn.Module, family: Family, backend: Backend, dtype: tor
     return hooked_from_hf_module(model, tokenizer=tiny_tokenizer(), dtype=dtype).eval()
 
 
-def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+def _logits(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
     with torch.no_grad():
         out = model(tokens)
     return getattr(out, "logits", out)
 
 
-def tokens_for(seed: int = 0, batch: int = BATCH, pos: int = POS) -> torch.Tensor:
+def tokens_for(seed: int = 0, batch: int = BATCH, pos: int = POS) -> Int[Tensor, "batch pos"]:
     """The matrix's measurement tokens: ``batch × pos`` uniform over the vocabulary, seeded."""
     return torch.randint(0, VOCAB, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
@@ -145,7 +148,7 @@ def _median_time(run: Callable[[], Any], repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def time_ratio(aot: Any, source: Any, tokens: torch.Tensor) -> float:
+def time_ratio(aot: Any, source: Any, tokens: Int[Tensor, "batch pos"]) -> float:
     """Converted over source forward time (median of :data:`REPEATS`), one CPU thread (restored after)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -168,14 +171,10 @@ def _one_dtype(
     tokens = tokens_for()
     try:
         source = _source(model, family, backend, dtype)
-    except FamilyTimeout:
-        raise
     except Exception as e:
         return "unbuilt", f"TransformerLens could not build it: {_describe(e)}", None, None, None
     try:
         expected = _logits(source, tokens)
-    except FamilyTimeout:
-        raise
     except Exception as e:
         return "unbuilt", f"the source's own forward raised {_describe(e)}", None, None, None
     try:
@@ -185,8 +184,6 @@ def _one_dtype(
         got = _logits(aot, tokens)
     except LensAOTError as e:
         return "refused", _first_line(e), None, None, None
-    except FamilyTimeout:
-        raise
     except Exception as e:
         return "crash", _describe(e), None, None, None
     bound = aot.report.logit_bound
@@ -208,8 +205,6 @@ def measure_family(family: Family, backend: Backend = "bridge", seed: int = 0, l
         with time_limit(limit_s):
             try:
                 model = build_hf_model(family, seed)
-            except FamilyTimeout:
-                raise
             except Exception as e:
                 row.status, row.reason = "unbuilt", f"transformers could not build it: {_describe(e)}"
                 return row

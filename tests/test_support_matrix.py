@@ -1,0 +1,205 @@
+"""The generated support matrix (docs/support-matrix.md) agrees with its generator (lens_aot.matrix).
+
+Regenerating every family takes minutes (about 90 bridge families, each built, bridged and converted twice), more
+than CI's budget for one file, so each run checks:
+
+* the whole enumeration: the page lists exactly the families (and scopes) the generator enumerates today;
+* a fixed, deterministic subset regenerated in full: one family per status on the page (the first in the table),
+  plus GPT-2, Llama and GPT-NeoX's sequential layout; status, scope and reason must match the page exactly, and
+  every error must be within its bound, with the bound as on the page to a factor of 2 (not to the digit);
+* the summary paragraph is the one the tables give;
+* the generator's robustness: a family that cannot be built, crashes, is refused, converts wrongly or runs past
+  its time limit becomes its row and never stops the run.
+
+``LENS_AOT_MATRIX=all`` regenerates every row instead of the subset (run it after regenerating the page).
+
+The page's bridge table is TransformerLens 4.x's registry (3.9's bridge registry is smaller): it is checked under
+4.x and skipped under 3.9; the HookedTransformer table is checked under 3.9 (HookedTransformer does not exist in 4.x).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lens_aot
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.matrix import matrix_families, run_matrix
+from lens_aot.matrix.document import parse_table, read_page, render_page, render_table, summary
+from lens_aot.matrix.families import Family
+from lens_aot.matrix.measure import Row, measure_family
+from lens_aot.tl import has_hooked_transformer, tl_version
+
+PAGE = Path(__file__).parent.parent / "docs" / "support-matrix.md"
+TABLES = read_page(PAGE)
+TL_MAJOR = int(tl_version().split(".")[0])
+ALWAYS = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM (sequential)")
+
+needs_tl4 = pytest.mark.skipif(
+    TL_MAJOR < 4, reason="the page's bridge table is TransformerLens 4.x's registry (3.9 bridges fewer families)"
+)
+needs_hooked = pytest.mark.skipif(
+    not has_hooked_transformer(), reason="the HookedTransformer table needs TransformerLens 3.x (removed in 4.0)"
+)
+
+
+def _rows(backend: str) -> list[Row]:
+    return TABLES[backend][1] if backend in TABLES else []
+
+
+def _subset(backend: str) -> list[str]:
+    """The rows regenerated on every run (module docstring), or all of them with LENS_AOT_MATRIX=all."""
+    rows = _rows(backend)
+    if os.environ.get("LENS_AOT_MATRIX") == "all":
+        return [r.family for r in rows]
+    chosen = [name for name in ALWAYS if any(r.family == name for r in rows)]
+    for status in ("faithful", "refused", "wrong", "crash", "unbuilt"):
+        first = next((r.family for r in rows if r.status == status), None)
+        if first is not None and first not in chosen:
+            chosen.append(first)
+    return chosen
+
+
+def _family(name: str) -> Family:
+    return next(f for f in matrix_families() if f.name == name)
+
+
+def _assert_row_matches(new: Row, old: Row) -> None:
+    assert (new.family, new.scope, new.status, new.reason) == (old.family, old.scope, old.status, old.reason)
+    for dtype in ("fp32", "fp64"):
+        assert (new.bound.get(dtype) is None) == (old.bound.get(dtype) is None), dtype
+        assert (new.error.get(dtype) is None) == (old.error.get(dtype) is None), dtype
+        if new.bound.get(dtype) is not None and new.error.get(dtype) is not None:
+            assert new.error[dtype] <= new.bound[dtype], (dtype, new)
+            assert old.error[dtype] <= old.bound[dtype], (dtype, old)
+            assert 0.5 <= new.bound[dtype] / old.bound[dtype] <= 2.0, (dtype, new.bound, old.bound)
+
+
+def test_page_exists_with_both_tables() -> None:
+    assert set(TABLES) == {"bridge", "hooked"}, f"regenerate {PAGE} under TL 4.3 and 3.9 (python -m lens_aot.matrix)"
+    assert all(rows for _, rows in TABLES.values())
+
+
+def test_summary_is_the_tables_summary() -> None:
+    text = PAGE.read_text()
+    assert summary(TABLES) in text
+    assert render_page(TABLES) == text, "the page is not what the generator renders from its own tables"
+
+
+@needs_tl4
+def test_bridge_enumeration_matches_the_page() -> None:
+    families = matrix_families("bridge")
+    assert [r.family for r in _rows("bridge")] == [f.name for f in families]
+    assert [r.scope == "decoder" for r in _rows("bridge")] == [f.in_scope for f in families]
+    assert len(families) >= 80  # TransformerLens 4.3 x transformers 5.24: 89 architectures + 1 layout variant
+
+
+@needs_tl4
+@pytest.mark.parametrize("name", _subset("bridge"))
+def test_bridge_row_regenerates(name: str, one_thread: None) -> None:
+    old = next(r for r in _rows("bridge") if r.family == name)
+    _assert_row_matches(measure_family(_family(name), "bridge"), old)
+
+
+@needs_hooked
+def test_hooked_enumeration_matches_the_page() -> None:
+    families = matrix_families("hooked")
+    assert families, "TransformerLens 3.9 has HookedTransformer configs for some bridge families"
+    assert [r.family for r in _rows("hooked")] == [f.name for f in families]
+
+
+@needs_hooked
+@pytest.mark.parametrize("name", _subset("hooked"))
+def test_hooked_row_regenerates(name: str, one_thread: None) -> None:
+    old = next(r for r in _rows("hooked") if r.family == name)
+    _assert_row_matches(measure_family(_family(name), "hooked"), old)
+
+
+# --- the generator's robustness (fast: no conversion except one GPT-2) ---------------------------------------------
+
+
+def test_table_round_trips_with_pipes_in_reasons() -> None:
+    rows = [
+        Row("A", "decoder", "refused", "fp32: a | b", {"fp32": None, "fp64": None}, {"fp32": None, "fp64": None}),
+        Row("B (x)", "multimodal", "faithful", "", {"fp32": 1e-3, "fp64": 2e-3}, {"fp32": 1e-5, "fp64": 0.0}, 0.5),
+    ]
+    text = "<!-- support-matrix:bridge:begin -->\n" + render_table(rows) + "\n<!-- support-matrix:bridge:end -->"
+    parsed = parse_table(text, "bridge")
+    assert parsed is not None
+    assert [(r.family, r.scope, r.status, r.reason) for r in parsed] == [
+        (r.family, r.scope, r.status, r.reason) for r in rows
+    ]
+    assert parsed[1].bound == {"fp32": 1e-3, "fp64": 2e-3} and parsed[1].time_ratio == 0.5
+
+
+def test_unbuildable_family_is_a_row() -> None:
+    row = measure_family(Family("NoSuchModelForCausalLM"), "bridge")
+    assert row.status == "unbuilt" and "transformers could not build it: AttributeError" in row.reason
+
+
+def test_time_limit_is_a_crash_row() -> None:
+    row = measure_family(Family("GPT2LMHeadModel"), "bridge", limit_s=1e-3)
+    assert row.status == "crash" and "FamilyTimeout" in row.reason
+
+
+def test_refusal_and_crash_are_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedArchitectureError("layer 0 mlp: something unsupported\nsecond line")
+
+    monkeypatch.setattr(lens_aot, "convert", refuse)
+    row = measure_family(Family("GPT2LMHeadModel"), "bridge")
+    assert (row.status, row.reason) == ("refused", "fp32: layer 0 mlp: something unsupported")
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(lens_aot, "convert", crash)
+    row = measure_family(Family("GPT2LMHeadModel"), "bridge")
+    assert (row.status, row.reason) == ("crash", "fp32: RuntimeError: boom")
+
+
+def test_disagreement_beyond_the_bound_is_wrong(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    """A converted model whose logits are off by twice its stated bound is reported wrong: the error is measured
+    against the source's forward, not taken from convert's report (which still says "within")."""
+    real = lens_aot.convert
+
+    class Shifted(torch.nn.Module):
+        def __init__(self, aot: Any) -> None:
+            super().__init__()
+            self.aot, self.report = aot, aot.report
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.aot(tokens) + 2 * self.report.logit_bound
+
+    monkeypatch.setattr(lens_aot, "convert", lambda source, **kw: Shifted(real(source, **kw)))
+    row = measure_family(Family("GPT2LMHeadModel"), "bridge")
+    assert row.status == "wrong" and row.reason.startswith("fp32: max |Δlogit|")
+    assert row.error["fp32"] is not None and row.bound["fp32"] is not None
+    assert math.isclose(row.error["fp32"], 2 * row.bound["fp32"], rel_tol=0.2)
+
+
+def test_one_family_failing_does_not_stop_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(lens_aot, "convert", crash)
+    rows = run_matrix("bridge", only=["GPT2LMHeadModel", "GPTNeoXForCausalLM"])  # the architecture: both layouts
+    assert [r.family for r in rows] == ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "GPTNeoXForCausalLM (sequential)"]
+    assert [r.status for r in rows] == ["crash"] * 3 and len(calls) == 6  # each family, both dtypes
+
+
+def test_render_rewrites_the_page_unchanged(tmp_path: Path) -> None:
+    from lens_aot.matrix.__main__ import main
+
+    page = tmp_path / "support-matrix.md"
+    page.write_text(PAGE.read_text())
+    assert main(["--render", "--page", str(page)]) == 0
+    assert page.read_text() == PAGE.read_text()
