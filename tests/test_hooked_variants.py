@@ -174,3 +174,14 @@ def test_circuits_of_post_norm_layers_read_the_raw_residual() -> None:
     attn = aot.blocks[0].attn
     q = torch.einsum("bpd,hde->bphe", x, attn.W_Q) + attn.b_Q
     assert float((q - cache["blocks.0.attn.hook_q"]).abs().max()) <= 1e-12
+
+
+def test_standard_mask_mode_refuses_variants() -> None:
+    """Theorem 9's standard-mask construction covers plain layers only: a variant is refused by name."""
+    from factories_hooked import make_hooked
+
+    windowed = dict(attn_scores_soft_cap=2.0, use_local_attn=True, attn_types=["local", "global"], window_size=4)
+    with pytest.raises(UnsupportedArchitectureError, match="ALiBi, a post-embedding norm"):
+        lens_aot.convert(make_variant("alibi-embed-ln"), masks="weights")
+    with pytest.raises(UnsupportedArchitectureError, match="uses a sliding window, attention-score soft-capping"):
+        lens_aot.convert(make_hooked("ln-standard", "silu", **windowed), masks="weights")
