@@ -147,6 +147,10 @@ def _attention(attn: nn.Module, cfg: Any) -> AttentionSpec:
     if cfg.use_attention_sinks and sinks is None:
         raise _refuse("attention sinks (use_attention_sinks=True) without a sinks parameter (set after building)")
     local = getattr(attn, "attn_type", "global") == "local" and cfg.attention_dir == "causal"
+    # A window of at least n_ctx never hides a key from a query within the context (TransformerLens's Mistral configs:
+    # 4096 in 2048), and rotary or learned positions stop lens_aot at n_ctx: plain causal attention, exactly.
+    bounded = cfg.positional_embedding_type in ("standard", "rotary")
+    local = local and not (bounded and int(cfg.window_size) >= int(cfg.n_ctx))
     return AttentionSpec(
         W_Q=attn.W_Q.detach().clone(),
         W_K=get("W_K").detach().clone(),
