@@ -1,10 +1,14 @@
 """HookedTransformer refusals beyond ``test_hooked_errors.py`` (TransformerLens 3.x): one test per bad input.
 
-``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, mixture-of-experts, sandwich norms, a sliding window,
-shortformer positions, attention soft-capping, a NaN/inf in ``W_in``, converting twice, a non-model, bfloat16, fit
+``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, mixture-of-experts, shortformer positions, a NaN/inf in
+``W_in``, converting twice, a non-model, bfloat16, fit
 options and malformed tokens. This file covers every other feature the HookedTransformer reader refuses, the other
 kinds of unsupported activation and of non-finite weights, float16, unrecognised modules, and wrong objects passed
 to ``convert``. Each test asserts the exact error type and key phrases naming the problem and the fix.
+
+Variants lens_aot carries (QK-norm, soft-caps, ALiBi, sinks, clipping, scaled and per-layer rotary ...) are tested in
+``test_hooked_variants.py``; here, only that a config flag set after building, without the module it needs, is
+refused rather than ignored, and that flags TransformerLens reads at run time convert faithfully.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from factories_hooked import make_hooked
 import lens_aot
 from lens_aot import InvalidWeightsError, UnsupportedActivationError, UnsupportedArchitectureError
 
-SUPPORTED = r"Supported: normalization LN / LNPre / RMS / RMSPre / none; positions standard or rotary"
+SUPPORTED = r"Supported: normalization LN / LNPre / RMS / RMSPre / none"
 
 
 def _raises(kind: type[BaseException], *phrases: str) -> Any:
@@ -36,19 +40,16 @@ def _with_cfg(family: str = "ln-standard", **cfg: Any) -> Any:
 @pytest.mark.parametrize(
     ("cfg", "problem"),
     [
-        (dict(use_qk_norm=True), r"uses QK-norm"),
-        (dict(clip_qkv=8.0), r"uses QKV clipping"),
-        (dict(use_logn_attn=True), r"uses log-n attention scaling"),
-        (dict(use_attention_sinks=True), r"uses attention sinks"),
-        (dict(post_embedding_ln=True), r"uses LayerNorm after the embedding"),
-        (dict(load_in_4bit=True), r"uses 4-bit quantised weights"),
+        (dict(use_qk_norm=True), r"uses QK-norm \(head\) without q_norm / k_norm modules"),
+        (dict(use_attention_sinks=True), r"uses attention sinks \(use_attention_sinks=True\) without a sinks"),
+        (dict(post_embedding_ln=True), r"uses LayerNorm after the embedding \(post_embedding_ln=True\) without"),
+        (dict(load_in_4bit=True), r"uses 4-bit quantised weights \(load_in_4bit=True\)"),
         (dict(n_devices=2), r"uses a model split across several devices"),
-        (dict(output_logits_soft_cap=30.0), r"uses logit soft-capping"),
-        (dict(attn_types=["global", "local"]), r"uses local attention layers"),
-        (dict(positional_embedding_type="alibi"), r"uses 'alibi' positional embeddings"),
-        (dict(original_architecture="OlmoeForCausalLM"), r"uses OLMo QK-norm"),
-        (dict(original_architecture="Olmo2ForCausalLM"), r"uses OLMo QK-norm"),
-        (dict(original_architecture="Olmo3ForCausalLM"), r"uses OLMo QK-norm"),
+        (dict(attn_types=["global", "local"]), r"uses local attention layers without use_local_attn"),
+        (dict(positional_embedding_type="alibi"), r"uses 'alibi' positional embeddings .* set after building"),
+        (dict(original_architecture="OlmoeForCausalLM"), r"uses QK-norm \(projection\) without q_norm"),
+        (dict(original_architecture="Olmo2ForCausalLM"), r"uses QK-norm \(projection\) without q_norm"),
+        (dict(original_architecture="Olmo3ForCausalLM"), r"uses QK-norm \(projection\) without q_norm"),
     ],
     ids=lambda v: "-".join(f"{k}={v}" for k, v in v.items()) if isinstance(v, dict) else None,
 )
@@ -59,35 +60,37 @@ def test_refused_config_features(cfg: dict[str, Any], problem: str) -> None:
 
 @pytest.mark.parametrize(
     "cfg",
-    [dict(use_dynamic_ntk_rope=True), dict(use_NTK_by_parts_rope=True), dict(use_yarn_rope=True)],
-    ids=["dynamic-ntk", "ntk-by-parts", "yarn"],
+    [
+        dict(clip_qkv=0.5),
+        dict(use_logn_attn=True),
+        dict(output_logits_soft_cap=3.0),
+        dict(attn_scores_soft_cap=2.0),
+        dict(use_dynamic_ntk_rope=True),
+        dict(use_NTK_by_parts_rope=True),
+        dict(use_yarn_rope=True),
+        dict(rotary_scaling_factor=2.0),
+    ],
+    ids=lambda v: "-".join(f"{k}={v}" for k, v in v.items()),
 )
-def test_refused_rotary_scalings(cfg: dict[str, Any]) -> None:
-    with _raises(UnsupportedArchitectureError, r"rotary scaling", SUPPORTED):
-        lens_aot.convert(_with_cfg("rms-rotary", **cfg))
+def test_flags_read_at_run_time_convert_faithfully(cfg: dict[str, Any]) -> None:
+    """Set after building, these flags change (or, for the rotary ones whose tables are already built, do not
+    change) what TransformerLens computes on the next forward: the conversion follows the model as it runs."""
+    model = _with_cfg("rms-rotary", **cfg)
+    tokens = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    aot = lens_aot.convert(model)
+    with torch.no_grad():
+        assert float((aot(tokens) - model(tokens)).abs().max()) <= 1e-5
 
 
-def test_scaled_rotary_positions_are_refused() -> None:
-    with _raises(UnsupportedArchitectureError, r"uses scaled rotary positions", SUPPORTED):
-        lens_aot.convert(_with_cfg("rms-rotary", rotary_scaling_factor=2.0))
-
-
-def test_real_qk_norm_model_is_refused() -> None:
-    """Built with QK-norm (not only flagged): refused before its q/k norms could be ignored."""
-    with _raises(UnsupportedArchitectureError, r"uses QK-norm", SUPPORTED):
-        lens_aot.convert(make_hooked("rms-rotary", "silu", use_qk_norm=True))
-
-
-def test_real_alibi_model_is_refused() -> None:
-    with _raises(UnsupportedArchitectureError, r"'alibi' positional embeddings", SUPPORTED):
-        lens_aot.convert(make_hooked("ln-standard", "gelu", positional_embedding_type="alibi"))
-
-
-def test_different_rotary_tables_per_layer_are_refused() -> None:
-    model = make_hooked("rms-rotary", "silu")
+def test_different_rotary_tables_per_layer_are_carried() -> None:
+    """A layer's own rotary tables (edited buffers here; rotary_base_local in real models) are that layer's."""
+    model = make_hooked("rms-rotary", "silu", torch.float64)
     model.blocks[1].attn.rotary_sin.mul_(1.001)
-    with _raises(UnsupportedArchitectureError, r"different rotary tables in different layers", SUPPORTED):
-        lens_aot.convert(model)
+    aot = lens_aot.convert(model)
+    assert aot.blocks[1].attn.own_rotary and not aot.blocks[0].attn.own_rotary
+    tokens = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float((aot(tokens) - model(tokens)).abs().max()) <= 1e-10
 
 
 @pytest.mark.parametrize(

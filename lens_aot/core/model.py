@@ -208,7 +208,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             return resid
         if resid.device != self.unembed.W_U.device:
             resid = resid.to(self.unembed.W_U.device)
-        logits = self.unembed(self.ln_final(resid))
+        logits = self.logits(resid)
         if return_type is None:
             return None
         if return_type == "logits":
@@ -467,7 +467,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         """The source model this one implements, as a :class:`ModelSpec` (tensors copied; MLPs with their original
         activation, not its fit). ``AttentionOnlyTransformer(aot.to_spec(), aot.cfg.activation_fits)`` rebuilds
         ``aot``; :class:`lens_aot.core.reference.MLPTransformer` (``aot.to_spec()``) runs the original computation."""
-        first = self.blocks[0].attn if len(self.blocks) else None
+        # the model's rotary tables: those of a layer without its own (``rotary_base_local``)
+        attns = [block.attn for block in self.blocks]
+        first = next((a for a in attns if not a.own_rotary), attns[0] if attns else None)
         rotary = None
         if first is not None and first.rotary_dim:
             rotary = RotarySpec(
@@ -498,6 +500,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             model_name=self.cfg.model_name.removesuffix(" (attention-only)"),
             source_kind=self.cfg.source_kind,
             extra=extra,
+            **self.variant_specs(),
         )
 
 

@@ -11,6 +11,8 @@ attention and norm modules of :mod:`lens_aot.core.components`. Because of that r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ class MLPTransformer(SpecTransformer):
         self._spec_info = {
             "causal": spec.causal,
             "positions": spec.positions,
-            "rotary": spec.rotary,
+            "rotary": spec.rotary,  # the model's tables (layers with their own carry them in their spec)
             "default_prepend_bos": spec.default_prepend_bos,
             "model_name": spec.model_name,
             "source_kind": spec.source_kind,
@@ -56,7 +58,7 @@ class MLPTransformer(SpecTransformer):
             resid = block(resid)
         if return_type is None:
             return None
-        return self.unembed(self.ln_final(resid))
+        return self.logits(resid)
 
     def to_spec(self) -> ModelSpec:
         """The :class:`ModelSpec` this model implements (tensors copied)."""
@@ -80,6 +82,7 @@ class MLPTransformer(SpecTransformer):
             model_name=info["model_name"],
             source_kind=info["source_kind"],
             extra=dict(info["extra"]),
+            **self.variant_specs(),
         )
 
 
@@ -88,7 +91,9 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     :mod:`lens_aot.core.components` (nor with :class:`MLPTransformer`, which reuses them): its own embedding,
     LayerNorm /
     RMSNorm, attention (causal or bidirectional mask, rotary in halves or adjacent pairs, grouped-query key/value
-    heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks.
+    heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks, and the
+    variants: QK-norm (per head or over the projection), QKV clipping, per-layer rotary tables, score and logit
+    soft-caps, ALiBi, sliding windows, attention sinks, sandwich and post norms, a post-embedding norm.
 
     A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it."""
 
@@ -120,9 +125,7 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             return 0.5 * x * (1 + torch.tanh(x * 0.7978845608 * (1 + 0.044715 * x * x)))
         raise ValueError(f"independent_logits: unknown activation {name!r}")
 
-    def rotary(x: Tensor, pos: int) -> Tensor:  # x [batch, pos, head, d_head]
-        r = spec.rotary
-        assert r is not None
+    def rotary(x: Tensor, pos: int, r: Any) -> Tensor:  # x [batch, pos, head, d_head]
         d = r.rotary_dim
         head, tail = x[..., :d], x[..., d:]
         cos, sin = r.cos[:pos, None, :], r.sin[:pos, None, :]
@@ -138,16 +141,38 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         q = torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q
         k = torch.einsum("bpm,hmd->bphd", x, a.W_K) + a.b_K
         v = torch.einsum("bpm,hmd->bphd", x, a.W_V) + a.b_V
+
+        def qk_norm(t: Tensor, n: Any) -> Tensor:
+            if n is None:
+                return t
+            flat = t.reshape(*t.shape[:2], -1) if a.qk_norm_over == "projection" else t
+            return norm(flat, n).reshape(t.shape)
+
+        q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        if a.clip_qkv is not None:
+            q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":
-            q, k = rotary(q, pos), rotary(k, pos)
+            r = a.rotary if a.rotary is not None else spec.rotary
+            q, k = rotary(q, pos, r), rotary(k, pos, r)
         group = a.W_Q.shape[0] // a.W_K.shape[0]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / a.attn_scale
+        if a.scores_soft_cap is not None:
+            scores = a.scores_soft_cap * torch.tanh(scores / a.scores_soft_cap)
+        offsets = torch.arange(pos, device=x.device)[None, :] - torch.arange(pos, device=x.device)[:, None]  # k - q
+        if a.alibi_slopes is not None:
+            scores = scores + a.alibi_slopes[:, None, None] * torch.clamp(offsets, max=0).float()
         if spec.causal:
-            future = torch.ones(pos, pos, dtype=torch.bool, device=x.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
+            hidden = offsets > 0
+            if a.window is not None:
+                hidden = hidden | (offsets <= -a.window)
+            scores = scores.masked_fill(hidden, float("-inf"))
         dtype = a.softmax_dtype or scores.dtype
-        pattern = torch.softmax(scores.to(dtype), -1).to(scores.dtype)
+        if a.sinks is not None:
+            sink = a.sinks[None, :, None, None].expand(*scores.shape[:3], 1).to(scores.dtype)
+            pattern = torch.softmax(torch.cat((scores, sink), -1).to(dtype), -1)[..., :-1].to(scores.dtype)
+        else:
+            pattern = torch.softmax(scores.to(dtype), -1).to(scores.dtype)
         z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
         return torch.einsum("bqhd,hdm->bqm", z, a.W_O) + a.b_O
 
@@ -163,16 +188,27 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     if tokens.ndim == 1:
         tokens = tokens[None]
     resid = spec.W_E[tokens]
+    if spec.embed_ln is not None:
+        resid = norm(resid, spec.embed_ln)
     if spec.positions == "standard":
         assert spec.W_pos is not None
         resid = resid + spec.W_pos[: tokens.shape[1]]
+
+    def sublayer(x: Tensor, pre: Any, post: Any, f: Callable[[Tensor], Tensor], post_norm: bool) -> Tensor:
+        if post_norm:  # OLMo-2: the norm moves to the output
+            return norm(f(x), pre)
+        out = f(norm(x, pre))
+        return out if post is None else norm(out, post)
+
     for layer in spec.layers:
-        attn_out = attention(norm(resid, layer.ln1), layer.attn)
+        attn_out = sublayer(resid, layer.ln1, layer.ln1_post, partial(attention, a=layer.attn), layer.post_norm)
         if layer.mlp is None:
             resid = resid + attn_out
-        elif layer.parallel:
-            resid = resid + attn_out + mlp(norm(resid, layer.ln2), layer.mlp)
-        else:
-            resid = resid + attn_out
-            resid = resid + mlp(norm(resid, layer.ln2), layer.mlp)
-    return norm(resid, spec.ln_final) @ spec.W_U + spec.b_U
+            continue
+        mlp_in = resid if layer.parallel else resid + attn_out
+        mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
+        resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
+    logits = norm(resid, spec.ln_final) @ spec.W_U + spec.b_U
+    if spec.logits_soft_cap is not None:
+        logits = spec.logits_soft_cap * torch.tanh(logits / spec.logits_soft_cap)
+    return logits

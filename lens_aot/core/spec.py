@@ -15,7 +15,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
-PositionKind = Literal["standard", "rotary", "none"]
+PositionKind = Literal["standard", "rotary", "alibi", "none"]
+QKNormScope = Literal["head", "projection"]
 
 
 @dataclass
@@ -50,6 +51,25 @@ class AttentionSpec:
     # (HF-style eager attention, and TransformerBridge's PositionEmbeddingsAttentionBridge, use float32 even for
     # float64 activations). None: softmax in the activation dtype.
     softmax_dtype: torch.dtype | None = None
+    # ---- variants (each None / off by default; see docs/variants.md) ----
+    # QK-norm (Qwen3, Gemma 3, OLMo-2): q and k are RMS-normalized after hook_q / hook_k and before rotary.
+    # ``qk_norm_over`` "head": over each head's d_head channels (TransformerLens ``use_qk_norm``); "projection": over
+    # all heads' channels at once (OLMo-2's q_norm over n_heads·d_head, k_norm over n_kv·d_head).
+    q_norm: NormSpec | None = None
+    k_norm: NormSpec | None = None
+    qk_norm_over: QKNormScope = "head"
+    # Gemma 2: scores become ``cap · tanh(scores / cap)`` before masking (TransformerLens ``attn_scores_soft_cap``).
+    scores_soft_cap: float | None = None
+    # Sliding window: query q sees key k iff ``q - window < k`` (and ``k <= q`` if causal); None: every key.
+    window: int | None = None
+    # This layer's own rotary tables (e.g. Gemma's local layers' ``rotary_base_local``); None: the model's.
+    rotary: RotarySpec | None = None
+    # OLMo / DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after the projection (and QK-norm).
+    clip_qkv: float | None = None
+    # ALiBi (Press et al. 2022; BLOOM, MPT): ``slope[h] · min(k - q, 0)`` is added to head h's scores.
+    alibi_slopes: Float[Tensor, " n_heads"] | None = None
+    # Attention sinks (GPT-OSS): a learned per-head logit joins each softmax as an extra key with no value.
+    sinks: Float[Tensor, " n_heads"] | None = None
 
 
 @dataclass
@@ -89,6 +109,13 @@ class LayerSpec:
     ln2: NormSpec | None = None
     mlp: MLPSpec | None = None
     parallel: bool = False
+    # Sandwich norms (Gemma 2/3, TransformerLens ``use_normalization_before_and_after``): ``attn_out = ln1_post(attn)``
+    # and ``mlp_out = ln2_post(mlp)`` before ``hook_attn_out`` / ``hook_mlp_out``.
+    ln1_post: NormSpec | None = None
+    ln2_post: NormSpec | None = None
+    # Post-norm layers (OLMo-2; TransformerLens's POST_NORM_ARCHITECTURES): ``ln1`` / ``ln2`` normalize the
+    # sublayer's output instead of its input: ``resid_mid = resid_pre + ln1(attn(resid_pre))``.
+    post_norm: bool = False
 
 
 @dataclass
@@ -122,6 +149,10 @@ class ModelSpec:
     positions: PositionKind = "standard"
     W_pos: Float[Tensor, "n_ctx d_model"] | None = None
     rotary: RotarySpec | None = None
+    # Post-embedding LayerNorm (BLOOM, TransformerLens ``post_embedding_ln``): ``embed = ln(W_E[tokens])``.
+    embed_ln: NormSpec | None = None
+    # Gemma 2: ``logits = cap · tanh(logits / cap)`` after the unembedding (``output_logits_soft_cap``).
+    logits_soft_cap: float | None = None
     tokenizer: Any = None
     default_prepend_bos: bool = True
     model_name: str = "unnamed"

@@ -180,11 +180,21 @@ def check_spec_shapes(spec: Any) -> None:
     if spec.rotary is not None:
         expect("rotary.cos", spec.rotary.cos, spec.n_ctx, spec.rotary.rotary_dim)
         expect("rotary.sin", spec.rotary.sin, spec.n_ctx, spec.rotary.rotary_dim)
-    norms = [("ln_final", spec.ln_final)]
+    norms = [("ln_final", spec.ln_final), ("embed_ln", spec.embed_ln)]
     for i, layer in enumerate(spec.layers):
-        norms += [(f"layers.{i}.ln1", layer.ln1), (f"layers.{i}.ln2", layer.ln2)]
+        norms += [(f"layers.{i}.{n}", getattr(layer, n)) for n in ("ln1", "ln2", "ln1_post", "ln2_post")]
         a, p = layer.attn, f"layers.{i}.attn"
         h, e, kv = a.W_Q.shape[0], a.W_Q.shape[-1], a.W_K.shape[0]
+        for name, heads in (("q_norm", h), ("k_norm", kv)):
+            qk = getattr(a, name)
+            width = e * heads if a.qk_norm_over == "projection" else e
+            for t in ("w", "b"):
+                expect(f"{p}.{name}.{t}", None if qk is None else getattr(qk, t), width)
+        expect(f"{p}.alibi_slopes", a.alibi_slopes, h)
+        expect(f"{p}.sinks", a.sinks, h)
+        if a.rotary is not None:
+            expect(f"{p}.rotary.cos", a.rotary.cos, spec.n_ctx, a.rotary.rotary_dim)
+            expect(f"{p}.rotary.sin", a.rotary.sin, spec.n_ctx, a.rotary.rotary_dim)
         expect(f"{p}.W_Q", a.W_Q, h, d, e)
         for name in ("W_K", "W_V"):
             expect(f"{p}.{name}", getattr(a, name), kv, d, e)

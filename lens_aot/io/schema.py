@@ -9,16 +9,22 @@ lens_aot, a missing one that it is corrupt; both raise :class:`~lens_aot.errors.
 Schema (``?``: may be null)::
 
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
-             extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer]}
+             extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
+             [embed_ln: norm], [logits_soft_cap: float]}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt}
-    layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel}
-    attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?}
+    layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
+             [post_norm: true]}
+    attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
+             [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks]}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?}
     rotary  {rotary_dim, cos, sin, adjacent_pairs}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}]
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in}: bool
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
+
+``[field]``: a variant (docs/variants.md), written only when the model has it, so a save without variants is what
+lens_aot wrote before they existed, and a lens_aot that does not know a variant refuses the file by name.
 """
 
 from __future__ import annotations
@@ -49,6 +55,20 @@ __all__ = [
 FLAGS = ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in")
 
 _NORM = ("kind", "eps", "w", "b", "compute_dtype", "rsqrt")
+# Variant fields, written only when set (not None / not False).
+_ATTENTION_NORMS = ("q_norm", "k_norm")
+_ATTENTION_FLOATS = ("scores_soft_cap", "clip_qkv")
+_ATTENTION_VARIANT_TENSORS = ("alibi_slopes", "sinks")
+_ATTENTION_VARIANTS = (
+    *_ATTENTION_NORMS,
+    "qk_norm_over",
+    *_ATTENTION_FLOATS,
+    "window",
+    "rotary",
+    *_ATTENTION_VARIANT_TENSORS,
+)
+_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm")
+_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
 _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
@@ -90,6 +110,20 @@ class Encoder:
         out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}
         out["attn_scale"] = float(attn.attn_scale)
         out["softmax_dtype"] = None if attn.softmax_dtype is None else dtype_name(attn.softmax_dtype)
+        for name in _ATTENTION_NORMS:
+            if getattr(attn, name) is not None:
+                out[name] = self.norm(getattr(attn, name), f"{key}.{name}")
+                out["qk_norm_over"] = str(attn.qk_norm_over)
+        for name in _ATTENTION_FLOATS:
+            if getattr(attn, name) is not None:
+                out[name] = float(getattr(attn, name))
+        if attn.window is not None:
+            out["window"] = int(attn.window)
+        if attn.rotary is not None:
+            out["rotary"] = self.rotary(attn.rotary, f"{key}.rotary")
+        for name in _ATTENTION_VARIANT_TENSORS:
+            if getattr(attn, name) is not None:
+                out[name] = self.tensor(getattr(attn, name), f"{key}.{name}")
         return out
 
     def mlp(self, mlp: MLPSpec | None, key: str) -> dict[str, Any] | None:
@@ -101,13 +135,19 @@ class Encoder:
         return out
 
     def layer(self, layer: LayerSpec, key: str) -> dict[str, Any]:
-        return {
+        out = {
             "ln1": self.norm(layer.ln1, f"{key}.ln1"),
             "attn": self.attention(layer.attn, f"{key}.attn"),
             "ln2": self.norm(layer.ln2, f"{key}.ln2"),
             "mlp": self.mlp(layer.mlp, f"{key}.mlp"),
             "parallel": bool(layer.parallel),
         }
+        for name in ("ln1_post", "ln2_post"):
+            if getattr(layer, name) is not None:
+                out[name] = self.norm(getattr(layer, name), f"{key}.{name}")
+        if layer.post_norm:
+            out["post_norm"] = True
+        return out
 
     def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
         if rotary is None:
@@ -131,7 +171,15 @@ class Encoder:
         out["ln_final"] = self.norm(spec.ln_final, f"{key}.ln_final")
         out["rotary"] = self.rotary(spec.rotary, f"{key}.rotary")
         out["layers"] = [self.layer(layer, f"{key}.layers.{i}") for i, layer in enumerate(spec.layers)]
+        if spec.embed_ln is not None:
+            out["embed_ln"] = self.norm(spec.embed_ln, f"{key}.embed_ln")
+        if spec.logits_soft_cap is not None:
+            out["logits_soft_cap"] = float(spec.logits_soft_cap)
         return out
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _sigmoid_sum(fit: ActivationFit) -> dict[str, Any]:
@@ -259,10 +307,24 @@ class Decoder:
         )
 
     def attention(self, obj: Any, path: str) -> AttentionSpec:
-        f = self.fields(obj, path, (*_ATTENTION_TENSORS, "attn_scale", "softmax_dtype"))
+        f = self.fields(obj, path, (*_ATTENTION_TENSORS, "attn_scale", "softmax_dtype"), _ATTENTION_VARIANTS)
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _ATTENTION_TENSORS}
         softmax_dtype = self.dtype(f["softmax_dtype"], f"{path}.softmax_dtype")
-        return AttentionSpec(**tensors, attn_scale=float(f["attn_scale"]), softmax_dtype=softmax_dtype)
+        variants: dict[str, Any] = {name: self.norm(f.get(name), f"{path}.{name}") for name in _ATTENTION_NORMS}
+        variants.update({name: _float_or_none(f.get(name)) for name in _ATTENTION_FLOATS})
+        variants.update({name: self.tensor(f.get(name), f"{path}.{name}") for name in _ATTENTION_VARIANT_TENSORS})
+        over = f.get("qk_norm_over", "head")
+        if over not in ("head", "projection"):
+            raise LoadError(f"{self.where}: {path}.qk_norm_over is {over!r}, not 'head' or 'projection'; corrupt.")
+        return AttentionSpec(
+            **tensors,
+            attn_scale=float(f["attn_scale"]),
+            softmax_dtype=softmax_dtype,
+            qk_norm_over=over,
+            window=None if f.get("window") is None else int(f["window"]),
+            rotary=self.rotary(f.get("rotary"), f"{path}.rotary"),
+            **variants,
+        )
 
     def mlp(self, obj: Any, path: str) -> MLPSpec | None:
         if obj is None:
@@ -273,7 +335,7 @@ class Decoder:
         return MLPSpec(**tensors, act_fn=str(f["act_fn"]), **optional)
 
     def layer(self, obj: Any, path: str) -> LayerSpec:
-        f = self.fields(obj, path, ("ln1", "attn", "ln2", "mlp", "parallel"))
+        f = self.fields(obj, path, ("ln1", "attn", "ln2", "mlp", "parallel"), _LAYER_VARIANTS)
         ln1 = self.norm(f["ln1"], f"{path}.ln1")
         if ln1 is None:
             raise LoadError(f"{self.where}: {path}.ln1 is null; the file is corrupt.")
@@ -283,6 +345,9 @@ class Decoder:
             ln2=self.norm(f["ln2"], f"{path}.ln2"),
             mlp=self.mlp(f["mlp"], f"{path}.mlp"),
             parallel=bool(f["parallel"]),
+            ln1_post=self.norm(f.get("ln1_post"), f"{path}.ln1_post"),
+            ln2_post=self.norm(f.get("ln2_post"), f"{path}.ln2_post"),
+            post_norm=bool(f.get("post_norm", False)),
         )
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:
@@ -299,7 +364,7 @@ class Decoder:
     def spec(self, obj: Any, tokenizer: Any = None, path: str = "spec") -> ModelSpec:
         tensors = ("W_E", "W_pos", "W_U", "b_U")
         parts = ("extra", "ln_final", "rotary", "layers")
-        f = self.fields(obj, path, (*_SPEC_SCALARS, *_SPEC_NAMES, *tensors, *parts))
+        f = self.fields(obj, path, (*_SPEC_SCALARS, *_SPEC_NAMES, *tensors, *parts), _SPEC_VARIANTS)
         ln_final = self.norm(f["ln_final"], f"{path}.ln_final")
         if ln_final is None or not isinstance(f["layers"], list) or not isinstance(f["extra"], dict):
             raise LoadError(f"{self.where}: {path} has a null ln_final, or layers / extra of the wrong type; corrupt.")
@@ -315,6 +380,8 @@ class Decoder:
             layers=[self.layer(layer, f"{path}.layers.{i}") for i, layer in enumerate(f["layers"])],
             tokenizer=tokenizer,
             extra=dict(f["extra"]),
+            embed_ln=self.norm(f.get("embed_ln"), f"{path}.embed_ln"),
+            logits_soft_cap=_float_or_none(f.get("logits_soft_cap")),
         )
 
     def _sigmoid_sum(self, obj: Any, path: str, extra: tuple[str, ...] = ()) -> ActivationFit:

@@ -17,27 +17,29 @@ from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, Nor
 from lens_aot.errors import UnsupportedArchitectureError
 
 SUPPORTED = (
-    "normalization LN / LNPre / RMS / RMSPre / none; positions standard or rotary (either pair layout); "
-    "multi-head or grouped-query attention, causal or bidirectional, global or with a local window at least the "
-    "context length; sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) "
-    "MLPs with activations silu, relu, gelu, gelu_new, gelu_fast; attention-only models"
+    "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
+    "after the embedding; positions standard, rotary (either pair layout; linear, NTK-by-parts, YaRN scaling; "
+    "per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or sliding-"
+    "window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; sequential or "
+    "parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with activations silu, "
+    "relu, gelu, gelu_new, gelu_fast; attention-only models (see docs/variants.md)"
 )
 
-# cfg attribute -> (value meaning "off", what it is); any other value is refused.
+# cfg attribute -> (value meaning "off", what it is); any other value is refused, naming the field
+# (lens_aot.tl.config_fields lists every HookedTransformerConfig field as carried, refused or irrelevant).
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
-    "num_experts": (None, "mixture-of-experts MLP"),
-    "use_qk_norm": (False, "QK-norm"),
-    "clip_qkv": (None, "QKV clipping"),
-    "use_logn_attn": (False, "log-n attention scaling"),
-    "use_dynamic_ntk_rope": (False, "dynamic NTK rotary scaling"),
-    "use_NTK_by_parts_rope": (False, "NTK-by-parts rotary scaling (Llama 3.1)"),
-    "use_yarn_rope": (False, "YaRN rotary scaling"),
-    "use_attention_sinks": (False, "attention sinks"),
-    "post_embedding_ln": (False, "LayerNorm after the embedding"),
-    "use_normalization_before_and_after": (False, "normalization before and after each sublayer"),
+    "num_experts": (None, "a mixture-of-experts MLP"),
     "load_in_4bit": (False, "4-bit quantised weights"),
-    "n_devices": (1, "a model split across several devices"),
+    "n_devices": (1, "a model split across several devices (move it to one device first)"),
+    "ungroup_grouped_query_attention": (
+        False,
+        "hook_k / hook_v expanded to n_heads (set it to False first: the converted model's have n_key_value_heads)",
+    ),
 }
+# TransformerLens's OLMo-2/3 blocks (utilities.architectures.POST_NORM_ARCHITECTURES): ln1 / ln2 after the sublayer.
+POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# The OLMo family's QK-norm over the whole projection (AbstractAttention.__init__).
+QK_NORM_OVER_PROJECTION = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 _NORM_CLASSES = {"LayerNorm": "LN", "LayerNormPre": "LNPre", "RMSNorm": "RMS", "RMSNormPre": "RMSPre"}
 
 
@@ -50,14 +52,9 @@ def _refuse(what: str) -> UnsupportedArchitectureError:
 def _check_config(cfg: Any) -> None:
     for attr, (off, what) in _MUST_BE_OFF.items():
         if getattr(cfg, attr, off) != off:
-            raise _refuse(what)
-    for attr, what in (
-        ("attn_scores_soft_cap", "attention-score soft-capping"),
-        ("output_logits_soft_cap", "logit soft-capping"),
-    ):
-        if (getattr(cfg, attr, -1.0) or -1.0) > 0:
-            raise _refuse(what)
+            raise _refuse(f"{what} ({attr}={getattr(cfg, attr)!r})")
     _check_local_attention(cfg)
+    _check_context_scaling(cfg)
     pos = cfg.positional_embedding_type
     if pos == "shortformer":
         raise UnsupportedArchitectureError(
@@ -65,37 +62,42 @@ def _check_config(cfg: Any) -> None:
             "but not to the residual stream, so a neuron head would see a different input from the original MLP. "
             f"Use a model with standard or rotary positions. Supported: {SUPPORTED}."
         )
-    if pos not in ("standard", "rotary"):
-        raise _refuse(f"{pos!r} positional embeddings")
-    if getattr(cfg, "original_architecture", None) in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"):
-        raise _refuse("OLMo QK-norm")
+    if pos not in ("standard", "rotary", "alibi"):
+        raise _refuse(f"positional_embedding_type={pos!r}")
+    if cfg.use_normalization_before_and_after and cfg.normalization_type not in (None, "RMS", "RMSPre"):
+        # TransformerBlock has no post-norm class for LN / LNPre (it fails to build); refuse a hand-made one.
+        raise _refuse(f"sandwich norms with normalization_type={cfg.normalization_type!r}")
     if not cfg.attn_only:
         canonical_activation(cfg.act_fn)  # raises UnsupportedActivationError (SoLU, unknown) with the fix
 
 
 def _check_local_attention(cfg: Any) -> None:
-    """Local layers mask keys more than ``window_size - 1`` positions back; refuse unless that never happens.
-
-    A local layer of a HookedTransformer keeps key ``k`` for query ``q`` iff ``k <= q`` and ``k > q - window_size``.
-    With ``window_size >= n_ctx`` the second condition always holds, so the layer is exactly causal (TransformerLens's
-    Mistral configs: a 4096 window in a 2048 context).
-    """
-    local = bool(getattr(cfg, "use_local_attn", False))
+    """Local layers (``use_local_attn``, ``attn_types[l] == "local"``) keep key ``k`` for query ``q`` iff ``k <= q``
+    and ``k > q - window_size``: carried as the layer's ``AttentionSpec.window``. Any other layer type is refused."""
     types = list(getattr(cfg, "attn_types", None) or [])
-    if not local:
+    if not getattr(cfg, "use_local_attn", False):
         if any(t != "global" for t in types):
-            raise _refuse("local attention layers")
+            raise _refuse("local attention layers without use_local_attn")
         return
-    window = getattr(cfg, "window_size", None)
-    if any(t == "local" for t in types) and (window is None or int(window) < int(cfg.n_ctx)):
-        raise UnsupportedArchitectureError(
-            f"this HookedTransformer uses local (sliding-window) attention with window_size={window} < "
-            f"n_ctx={cfg.n_ctx}, so a query cannot see keys {window} or more positions back; lens_aot cannot "
-            f"convert that faithfully yet. Use full attention, or a window of at least the context length. "
-            f"Supported: {SUPPORTED}."
-        )
     if any(t not in ("local", "global") for t in types):
         raise _refuse(f"attention layer types {sorted(set(types))}")
+
+
+def _check_context_scaling(cfg: Any) -> None:
+    """``use_dynamic_ntk_rope`` (rotary base widened) and ``use_logn_attn`` (queries scaled by log n) act only past
+    the training length ``train_seq_length or n_ctx``; lens_aot never runs past ``n_ctx`` positions with rotary or
+    learned positions, so with ``train_seq_length`` unset or at least ``n_ctx`` both are exactly off. Otherwise
+    refused, naming the field."""
+    train = getattr(cfg, "train_seq_length", None) or cfg.n_ctx
+    bounded = cfg.positional_embedding_type in ("standard", "rotary")
+    for attr, what in (("use_dynamic_ntk_rope", "dynamic NTK rotary scaling"), ("use_logn_attn", "log-n scaling")):
+        if getattr(cfg, attr, False) and (train < cfg.n_ctx or not bounded):
+            raise UnsupportedArchitectureError(
+                f"this HookedTransformer sets {attr}=True ({what}) with train_seq_length={train} < n_ctx={cfg.n_ctx} "
+                f"(or without a bounded context), so its attention changes past position {train}; lens_aot cannot "
+                f"convert that faithfully yet. Set train_seq_length >= n_ctx (or n_ctx <= train_seq_length) if the "
+                f"model is only run within its training length. Supported: {SUPPORTED}."
+            )
 
 
 def _norm(module: nn.Module | None, eps: float) -> NormSpec:
@@ -114,12 +116,37 @@ def _norm(module: nn.Module | None, eps: float) -> NormSpec:
     )
 
 
-def _attention(attn: nn.Module) -> AttentionSpec:
+def _qk_norms(attn: nn.Module, cfg: Any) -> dict[str, Any]:
+    """TransformerLens's QK-norms: ``use_qk_norm`` (RMSNorm over d_head, per head) or the OLMo family's
+    (``original_architecture`` in ``QK_NORM_OVER_PROJECTION``, RMSNorm over all heads' channels)."""
+    if cfg.use_qk_norm:
+        over = "head"
+    elif getattr(cfg, "original_architecture", None) in QK_NORM_OVER_PROJECTION:
+        over = "projection"
+    else:
+        return {}
+    q, k = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q is None or k is None:
+        raise _refuse(f"QK-norm ({over}) without q_norm / k_norm modules (set in the config after building)")
+    return dict(q_norm=_norm(q, cfg.eps), k_norm=_norm(k, cfg.eps), qk_norm_over=over)
+
+
+def _attention(attn: nn.Module, cfg: Any) -> AttentionSpec:
     def get(name: str) -> torch.Tensor:
         # Grouped-query attention stores the kv heads as _W_K/_W_V (W_K/W_V are expanded views).
         grouped = getattr(attn, f"_{name}", None)
         return grouped if grouped is not None else getattr(attn, name)
 
+    soft_cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
+    alibi = None
+    if cfg.positional_embedding_type == "alibi":  # TransformerLens's create_alibi_bias: float32 slopes
+        if not hasattr(attn, "alibi"):
+            raise _refuse("'alibi' positional embeddings (positional_embedding_type='alibi') set after building")
+        alibi = type(attn).create_alibi_multipliers(cfg.n_heads, attn.W_Q.device)
+    sinks = getattr(attn, "sinks", None)
+    if cfg.use_attention_sinks and sinks is None:
+        raise _refuse("attention sinks (use_attention_sinks=True) without a sinks parameter (set after building)")
+    local = getattr(attn, "attn_type", "global") == "local" and cfg.attention_dir == "causal"
     return AttentionSpec(
         W_Q=attn.W_Q.detach().clone(),
         W_K=get("W_K").detach().clone(),
@@ -129,7 +156,13 @@ def _attention(attn: nn.Module) -> AttentionSpec:
         b_K=get("b_K").detach().clone(),
         b_V=get("b_V").detach().clone(),
         b_O=attn.b_O.detach().clone(),
-        attn_scale=float(attn.attn_scale),
+        attn_scale=float(attn.attn_scale),  # includes scale_attn_by_inverse_layer_idx
+        **_qk_norms(attn, cfg),
+        scores_soft_cap=soft_cap if soft_cap > 0 else None,
+        window=int(cfg.window_size) if local else None,
+        clip_qkv=None if cfg.clip_qkv is None else float(cfg.clip_qkv),
+        alibi_slopes=alibi,
+        sinks=sinks.detach().clone() if cfg.use_attention_sinks and sinks is not None else None,
     )
 
 
@@ -161,17 +194,24 @@ def _mlp(m: nn.Module, gated: bool, act_fn: str) -> MLPSpec:
     )
 
 
-def _rotary(model: Any) -> RotarySpec:
+def _rotary_tables(model: Any) -> tuple[RotarySpec, list[RotarySpec | None]]:
+    """The model's rotary tables (those of its first global layer) and each layer's own where they differ
+    (``rotary_base_local``, or Gemma 3's ``rotary_scaling_factor`` on global layers only). Every static rotary form
+    (linear scaling, NTK-by-parts, YaRN with its attention factor) lives in the tables TransformerLens computes, so
+    reading them carries it exactly."""
+    attns = [block.attn for block in model.blocks]
+    main = next((a for a in attns if getattr(a, "attn_type", "global") == "global"), attns[0])
+    tables = [_rotary(model, a) for a in attns]
+    model_rotary = tables[attns.index(main)]
+
+    def same(a: RotarySpec, b: RotarySpec) -> bool:
+        return torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
+
+    return model_rotary, [None if same(t, model_rotary) else t for t in tables]
+
+
+def _rotary(model: Any, attn: Any) -> RotarySpec:
     cfg = model.cfg
-    attn = model.blocks[0].attn
-    for block in model.blocks:  # e.g. a different rotary base in local layers (rotary_base_local)
-        other = block.attn
-        rows = min(other.rotary_sin.shape[0], attn.rotary_sin.shape[0])
-        if other._rotary_base() != attn._rotary_base() or not (
-            torch.equal(other.rotary_sin[:rows], attn.rotary_sin[:rows])
-            and torch.equal(other.rotary_cos[:rows], attn.rotary_cos[:rows])
-        ):
-            raise _refuse("different rotary tables in different layers")
     dtype = attn.rotary_sin.dtype
     device = attn.rotary_sin.device
     sin, cos = attn.calculate_sin_cos_rotary(cfg.rotary_dim, cfg.n_ctx, base=attn._rotary_base(), dtype=dtype)
@@ -188,6 +228,16 @@ def _rotary(model: Any) -> RotarySpec:
     )
 
 
+def _embed_ln(model: Any) -> NormSpec | None:
+    """TransformerLens's ``post_embedding_ln`` (BLOOM): ``embed.ln``, a LayerNorm applied to ``W_E[tokens]``."""
+    if not model.cfg.post_embedding_ln:
+        return None
+    ln = getattr(model.embed, "ln", None)
+    if ln is None:
+        raise _refuse("LayerNorm after the embedding (post_embedding_ln=True) without an embed.ln module")
+    return _norm(ln, model.cfg.eps)
+
+
 def read_hooked_transformer(model: Any) -> ModelSpec:
     """Read a HookedTransformer (with or without ``fold_ln`` / centring) into a :class:`ModelSpec`."""
     cfg = model.cfg
@@ -197,28 +247,34 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
             f"this HookedTransformer is in {model.embed.W_E.dtype}; lens_aot converts float32 or float64 models, "
             f"whose faithfulness it measures. Cast first: model.to(torch.float32)."
         )
+    model_rotary, layer_rotary = None, [None] * len(model.blocks)
     if cfg.positional_embedding_type == "rotary":
-        attn = model.blocks[0].attn
-        if any(abs(float(getattr(cfg, a, 1.0) or 1.0) - 1.0) > 0 for a in ("rotary_scaling_factor",)):
-            raise _refuse("scaled rotary positions")
-        if not hasattr(attn, "calculate_sin_cos_rotary"):
+        if not hasattr(model.blocks[0].attn, "calculate_sin_cos_rotary"):
             raise _refuse("a rotary implementation lens_aot does not recognise")
+        model_rotary, layer_rotary = _rotary_tables(model)
     if not cfg.attn_only:
         canonical_activation(cfg.act_fn)  # supported (else a clear error); the spec keeps the source's own name
     act_fn = None if cfg.attn_only else str(cfg.act_fn)
     layers = []
-    for block in model.blocks:
+    sandwich = bool(cfg.use_normalization_before_and_after)
+    for block, rotary in zip(model.blocks, layer_rotary, strict=True):
         mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
+        attn = _attention(block.attn, cfg)
+        attn.rotary = rotary
         layers.append(
             LayerSpec(
                 ln1=_norm(getattr(block, "ln1", None), cfg.eps),
-                attn=_attention(block.attn),
+                attn=attn,
                 ln2=None if cfg.attn_only else _norm(getattr(block, "ln2", None), cfg.eps),
                 mlp=mlp,
                 # TransformerBlock: parallel → resid_pre + attn(ln1(resid_pre)) + mlp(ln2(resid_pre)), no resid_mid.
                 parallel=bool(cfg.parallel_attn_mlp) and not cfg.attn_only,
+                ln1_post=_norm(block.ln1_post, cfg.eps) if sandwich else None,
+                ln2_post=_norm(block.ln2_post, cfg.eps) if sandwich and not cfg.attn_only else None,
+                post_norm=getattr(cfg, "original_architecture", None) in POST_NORM_ARCHITECTURES,
             )
         )
+    logits_cap = float(getattr(cfg, "output_logits_soft_cap", -1.0) or -1.0)
     positions = cfg.positional_embedding_type
     return ModelSpec(
         d_model=cfg.d_model,
@@ -233,7 +289,9 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         b_U=model.unembed.b_U.detach().clone(),
         positions=positions,
         W_pos=model.pos_embed.W_pos.detach().clone() if positions == "standard" else None,
-        rotary=_rotary(model) if positions == "rotary" else None,
+        rotary=model_rotary,
+        embed_ln=_embed_ln(model),
+        logits_soft_cap=logits_cap if logits_cap > 0 else None,
         tokenizer=getattr(model, "tokenizer", None),
         default_prepend_bos=bool(cfg.default_prepend_bos),
         model_name=str(cfg.model_name),

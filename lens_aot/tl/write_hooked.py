@@ -21,6 +21,7 @@ from torch import Tensor
 from lens_aot.core.spec import ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.build import StateDictMismatchError, build_hooked, require_hooked_transformer
+from lens_aot.tl.write_hooked_variants import check_built, layer_rotary, variant_config, variant_state
 
 __all__ = ["FIX", "hooked_config", "hooked_from_spec"]
 
@@ -169,8 +170,8 @@ def hooked_config(spec: ModelSpec) -> Any:
 
     if not spec.layers:
         raise _refuse("it has no layers")
-    if spec.positions not in ("standard", "rotary"):
-        raise _refuse(f"its positions are {spec.positions!r} (TransformerLens has standard or rotary)")
+    if spec.positions not in ("standard", "rotary", "alibi"):
+        raise _refuse(f"its positions are {spec.positions!r} (TransformerLens has standard, rotary or alibi)")
     kwargs: dict[str, Any] = dict(
         n_layers=len(spec.layers),
         d_model=int(spec.d_model),
@@ -189,6 +190,7 @@ def hooked_config(spec: ModelSpec) -> Any:
     kwargs.update(_norm_config(spec))
     kwargs.update(_attention_config(spec))
     kwargs.update(_mlp_config(spec))
+    kwargs.update(variant_config(spec, kwargs["eps"]))
     if spec.rotary is not None:
         kwargs.update(
             rotary_dim=int(spec.rotary.rotary_dim),
@@ -241,20 +243,21 @@ def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
     )
 
 
-def _set_rotary(model: Any, rotary: RotarySpec) -> None:
-    """Put the spec's rotary tables in every attention layer's ``rotary_sin`` / ``rotary_cos`` buffers.
+def _set_rotary(model: Any, tables: list[RotarySpec | None]) -> None:
+    """Put each layer's rotary tables (its own or the model's) in its ``rotary_sin`` / ``rotary_cos`` buffers.
 
     TransformerLens caches ``min(n_ctx, 2048)`` rows and computes more on demand from ``cfg.rotary_base``. When its own
     table for all ``n_ctx`` rows equals the spec's bit for bit, the buffers keep that cached length (the source's state
     dict); otherwise they get all ``n_ctx`` rows of the spec, so no row is ever recomputed differently.
     """
     cfg = model.cfg
-    attn0 = model.blocks[0].attn
-    sin, cos = attn0.calculate_sin_cos_rotary(cfg.rotary_dim, cfg.n_ctx, base=attn0._rotary_base(), dtype=cfg.dtype)
-    device = attn0.rotary_sin.device
-    spec_sin, spec_cos = rotary.sin.to(device), rotary.cos.to(device)
-    exact = _bitwise_equal(sin.to(device), spec_sin) and _bitwise_equal(cos.to(device), spec_cos)
-    for block in model.blocks:
+    for block, rotary in zip(model.blocks, tables, strict=True):
+        assert rotary is not None
+        attn = block.attn
+        sin, cos = attn.calculate_sin_cos_rotary(cfg.rotary_dim, cfg.n_ctx, base=attn._rotary_base(), dtype=cfg.dtype)
+        device = attn.rotary_sin.device
+        spec_sin, spec_cos = rotary.sin.to(device), rotary.cos.to(device)
+        exact = _bitwise_equal(sin.to(device), spec_sin) and _bitwise_equal(cos.to(device), spec_cos)
         rows = block.attn.rotary_sin.shape[0] if exact else spec_sin.shape[0]
         block.attn.rotary_sin = spec_sin[:rows].clone()
         block.attn.rotary_cos = spec_cos[:rows].clone()
@@ -269,13 +272,14 @@ def hooked_from_spec(spec: ModelSpec) -> Any:
     the source), the tokenizer is the spec's object. Returned in eval mode.
     """
     cfg = hooked_config(spec)
-    values = _hooked_state(spec, grouped=cfg.n_key_value_heads is not None)
+    values = {**_hooked_state(spec, grouped=cfg.n_key_value_heads is not None), **variant_state(spec)}
     try:
         model = build_hooked(cfg, values)
     except StateDictMismatchError as e:
         raise _refuse(f"its weights do not fit TransformerLens's layout ({e})") from None
     if spec.rotary is not None:
-        _set_rotary(model, spec.rotary)
+        _set_rotary(model, layer_rotary(spec))
+    check_built(model, spec)
     for i, (block, layer) in enumerate(zip(model.blocks, spec.layers, strict=True)):
         if float(block.attn.attn_scale) != float(layer.attn.attn_scale):
             raise _refuse(f"layer {i}'s attention scale {layer.attn.attn_scale} is not one TransformerLens computes")

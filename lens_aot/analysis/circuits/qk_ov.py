@@ -196,6 +196,12 @@ def circuit_scores(
     ``−q = −(b_k·z + d_k)`` and the pattern is the softmax over {self, slot}."""
     ref = as_head_ref(aot, head)
     attn = head_module(aot, sublayer(aot, ref.name))
+    variants = attn.non_bilinear_score_variants() if hasattr(attn, "non_bilinear_score_variants") else []
+    if variants:
+        raise InputError(
+            f"{head_label(aot, ref)} computes its scores with {', '.join(variants)}, which its QK circuit does not "
+            f"include, so circuit_scores cannot reproduce them. Read hook_attn_scores from a cache."
+        )
     if getattr(attn, "rotary_dim", 0):
         raise InputError(
             f"{head_label(aot, ref)} uses rotary positions, which are not part of its QK circuit: its scores depend "

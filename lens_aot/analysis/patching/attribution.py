@@ -75,6 +75,7 @@ from lens_aot.analysis.patching.units import (
     _neuron_units,
     _order,
     _output_hook,
+    _require_linear_writes,
     _split_pairs,
     _state_hooks,
 )
@@ -188,6 +189,7 @@ def attribute_units(
     method = _method(method, steps)
     direction = _direction(direction)
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
+    _require_linear_writes(aot, "gradient attribution")
     index = _Index(aot)
     resolved = index.units(units, trusted=True)
     if not resolved:

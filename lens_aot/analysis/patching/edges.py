@@ -42,6 +42,7 @@ from lens_aot.analysis.patching.units import (
     _product_module,
     _reads_output_of,
     _receiver_hooks,
+    _require_linear_writes,
     _resid_in_hook,
     _state_hooks,
     _state_of,
@@ -98,6 +99,7 @@ def attribute_edges(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InputError(f"batch_size must be a positive int (senders per chunk); got {batch_size!r}")
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
+    _require_linear_writes(aot, "edge attribution")
     index = _Index(aot)
     inputs = _receiver_inputs(receiver_input)
     sender_units, receiver_units = _path_units(index, senders, receivers)

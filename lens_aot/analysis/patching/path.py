@@ -46,6 +46,7 @@ from lens_aot.analysis.patching.units import (
     _path_units,
     _receiver_hooks,
     _recomputed,
+    _require_linear_writes,
     _stop_after,
     _writes_linearly,
     _z_hook,
@@ -96,6 +97,7 @@ def path_patch(
     """
     direction = _direction(direction)
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
+    _require_linear_writes(aot, "path patching")
     index = _Index(aot)
     inputs = _receiver_inputs(receiver_input)
     sender_units, receiver_units = _path_units(index, senders, receivers)

@@ -1,4 +1,7 @@
-"""The source model's own attention heads, carried over unchanged (standard or rotary positions, GQA)."""
+"""The source model's own attention heads, carried over unchanged (standard, rotary or ALiBi positions, GQA), with
+the variants of :class:`~lens_aot.core.spec.AttentionSpec` as small components: QK-norm (:mod:`.qk_norm`), score
+soft-capping (:mod:`.soft_cap`), ALiBi (:mod:`.alibi`), attention sinks (:mod:`.sinks`), sliding windows, per-layer
+rotary tables and QKV clipping."""
 
 from __future__ import annotations
 
@@ -9,9 +12,13 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.alibi import ALiBi
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.qk_norm import QKNorm
+from lens_aot.core.components.sinks import AttentionSinks
+from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
-from lens_aot.core.spec import AttentionSpec, RotarySpec
+from lens_aot.core.spec import AttentionSpec, QKNormScope, RotarySpec
 from lens_aot.errors import InputError
 from lens_aot.tl.hooks import hooked as _hooked
 
@@ -66,10 +73,16 @@ class Attention(nn.Module):
     Hooks: ``hook_q`` [batch, pos, head, d_head], ``hook_k`` / ``hook_v`` [batch, pos, kv_head, d_head],
     ``hook_rot_q`` / ``hook_rot_k`` (rotary only), ``hook_attn_scores`` and ``hook_pattern``
     [batch, head, query, key], ``hook_z`` [batch, pos, head, d_head], ``hook_result`` [batch, pos, head, d_model]
-    (only when ``use_attn_result``).
+    (only when ``use_attn_result``); with QK-norm, ``q_norm.hook_scale`` / ``q_norm.hook_normalized`` (and ``k_norm``),
+    run after ``hook_q`` / ``hook_k`` as in TransformerLens.
+
+    Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
+    (``hook_rot_q/k``) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal, sliding window, padding) →
+    ``hook_attn_scores`` → softmax (with the sink column) → ``hook_pattern`` → ``z`` → ``W_O``.
     """
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
+        """``rotary``: the model's tables, unless the layer has its own (``spec.rotary``)."""
         super().__init__()
         self.W_Q = parameter(spec.W_Q)
         self.W_K = parameter(spec.W_K)
@@ -82,6 +95,12 @@ class Attention(nn.Module):
         self.attn_scale = float(spec.attn_scale)
         self.softmax_dtype = spec.softmax_dtype
         self.causal = causal
+        if spec.window is not None and (not causal or spec.window < 1):
+            raise ValueError(f"a sliding window needs causal attention and window >= 1 (got {spec.window}, {causal=})")
+        self.window = spec.window
+        self.clip_qkv = spec.clip_qkv
+        self.own_rotary = spec.rotary is not None
+        rotary = spec.rotary if spec.rotary is not None else rotary
         self.use_attn_result = False
         self.n_heads, self.d_model, self.d_head = spec.W_Q.shape
         self.n_kv = spec.W_K.shape[0]
@@ -91,6 +110,16 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
+        if spec.q_norm is not None:
+            self.q_norm = QKNorm(spec.q_norm, spec.qk_norm_over)
+        if spec.k_norm is not None:
+            self.k_norm = QKNorm(spec.k_norm, spec.qk_norm_over)
+        if spec.scores_soft_cap is not None:
+            self.scores_soft_cap = SoftCap(spec.scores_soft_cap)
+        if spec.alibi_slopes is not None:
+            self.alibi = ALiBi(spec.alibi_slopes.to(spec.W_Q.device))
+        if spec.sinks is not None:
+            self.sinks = AttentionSinks(spec.sinks)
         self.rotary_adjacent_pairs = False
         self.rotary_dim = 0
         if rotary is not None:
@@ -148,6 +177,12 @@ class Attention(nn.Module):
         q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
         k = self.hook_k(_project(k_in, self.W_K, self.b_K))
         v = self.hook_v(_project(v_in, self.W_V, self.b_V))
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         past = 0
         if past_kv_cache_entry is not None:
             past = past_kv_cache_entry.past_keys.shape[1]
@@ -165,7 +200,11 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=2)
         mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
-        if _hooked(self.hook_attn_scores, self.hook_pattern) or self.softmax_dtype not in (None, q.dtype):
+        if (
+            self.needs_dense_scores
+            or _hooked(self.hook_attn_scores, self.hook_pattern)
+            or (self.softmax_dtype not in (None, q.dtype))
+        ):
             z = self._dense_z(q, k, v, mask)
         else:  # same computation, fused: the [query, key] tensors never exist
             z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
@@ -174,6 +213,21 @@ class Attention(nn.Module):
             result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
             return result.sum(dim=2) + self.b_O
         return einops.einsum(z, self.W_O, "b p h e, h e d -> b p d") + self.b_O
+
+    @property
+    def needs_dense_scores(self) -> bool:
+        """Whether a variant changes the scores or the softmax (soft-cap, ALiBi, sinks), so that the fused
+        ``scaled_dot_product_attention`` path cannot compute this layer."""
+        return any(hasattr(self, name) for name in ("scores_soft_cap", "alibi", "sinks"))
+
+    def non_bilinear_score_variants(self) -> list[str]:
+        """The variants that make this layer's scores something other than the bilinear form ``x W_Q W_Kᵀ xᵀ``
+        (with biases) over its inputs: what a QK circuit alone cannot reproduce."""
+        names = {"q_norm": "QK-norm", "k_norm": "QK-norm", "scores_soft_cap": "soft-capping", "alibi": "ALiBi"}
+        found = [what for attr, what in names.items() if hasattr(self, attr)]
+        if self.clip_qkv is not None:
+            found.append("QKV clipping")
+        return sorted(set(found))
 
     def _mask(
         self,
@@ -185,12 +239,17 @@ class Attention(nn.Module):
     ) -> Bool[Tensor, "batch_or_1 1 query key"] | None:
         """Which keys each query may attend to (True), or None when every key is visible or plain causal masking
         (no cache, no padding) applies. TransformerLens's ``apply_causal_mask``: key ``j`` is visible to query ``i``
-        iff ``j <= past + i`` and ``attention_mask[:, j]`` is 1."""
-        if attention_mask is None and (not self.causal or past == 0):
+        iff ``j <= past + i`` (and ``j > past + i - window`` with a sliding window) and ``attention_mask[:, j]`` is 1.
+        """
+        if attention_mask is None and (not self.causal or (past == 0 and self.window is None)):
             return None
         if self.causal:
             query_pos = torch.arange(past, past + n_query, device=device)
-            mask = (torch.arange(n_key, device=device)[None, :] <= query_pos[:, None])[None, None]
+            key_pos = torch.arange(n_key, device=device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            if self.window is not None:
+                mask = mask & (key_pos[None, :] > query_pos[:, None] - self.window)
+            mask = mask[None, None]
         else:
             mask = torch.ones(1, 1, n_query, n_key, dtype=torch.bool, device=device)
         if attention_mask is not None:
@@ -209,6 +268,10 @@ class Attention(nn.Module):
         Masked scores are -inf (as in TransformerLens); a row with every key masked softmaxes to NaN, which is set
         to 0 as TransformerLens does."""
         scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") / self.attn_scale
+        if hasattr(self, "scores_soft_cap"):
+            scores = self.scores_soft_cap(scores)
+        if hasattr(self, "alibi"):
+            scores = self.alibi(scores, past=k.shape[1] - q.shape[1])
         if mask is None and self.causal:
             pos = scores.shape[-1]
             future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
@@ -216,7 +279,10 @@ class Attention(nn.Module):
         elif mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         scores = self.hook_attn_scores(scores)
-        pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
+        if hasattr(self, "sinks"):
+            pattern = self.sinks(scores, dtype=self.softmax_dtype)
+        else:
+            pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
         if mask is not None:
             pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
         pattern = self.hook_pattern(pattern.to(v.dtype))
@@ -229,4 +295,24 @@ class Attention(nn.Module):
             *(exported(p) for p in (self.b_Q, self.b_K, self.b_V, self.b_O)),
             attn_scale=self.attn_scale,
             softmax_dtype=self.softmax_dtype,
+            q_norm=self.q_norm.spec() if hasattr(self, "q_norm") else None,
+            k_norm=self.k_norm.spec() if hasattr(self, "k_norm") else None,
+            qk_norm_over=self._qk_norm_over(),
+            scores_soft_cap=self.scores_soft_cap.cap if hasattr(self, "scores_soft_cap") else None,
+            window=self.window,
+            rotary=self._own_rotary_spec(),
+            clip_qkv=self.clip_qkv,
+            alibi_slopes=exported(self.alibi.slopes) if hasattr(self, "alibi") else None,
+            sinks=self.sinks.values() if hasattr(self, "sinks") else None,
         )
+
+    def _qk_norm_over(self) -> QKNormScope:
+        norms = [getattr(self, name) for name in ("q_norm", "k_norm") if hasattr(self, name)]
+        return norms[0].over if norms else "head"
+
+    def _own_rotary_spec(self) -> RotarySpec | None:
+        """This layer's own rotary tables (``AttentionSpec.rotary``), or None when it uses the model's."""
+        if not self.own_rotary:
+            return None
+        cos, sin = exported(self.rotary_cos), exported(self.rotary_sin)
+        return RotarySpec(self.rotary_dim, cos, sin, self.rotary_adjacent_pairs)

@@ -26,6 +26,10 @@ class TransformerBlock(nn.Module):
     (sequential layers with an MLP), ``hook_mlp_out``, ``hook_resid_post``; with the model's switches on,
     ``hook_attn_in`` / ``hook_q_input`` / ``hook_k_input`` / ``hook_v_input`` [batch, pos, head, d_model]
     (``use_attn_in`` / ``use_split_qkv_input``) and ``hook_mlp_in`` (``use_hook_mlp_in``).
+
+    Norm placements (:class:`~lens_aot.core.spec.LayerSpec`): sandwich norms ``ln1_post`` / ``ln2_post`` (Gemma 2/3)
+    normalize the sublayer's output before ``hook_attn_out`` / ``hook_mlp_out``; ``post_norm`` (OLMo-2) moves
+    ``ln1`` / ``ln2`` from the sublayer's input to its output, as TransformerLens does (same module names).
     """
 
     # TransformerLens 4's readout tools (``tools.analysis.logit_lens``) read a block's output as the residual stream
@@ -33,10 +37,19 @@ class TransformerBlock(nn.Module):
     hook_out_is_single_residual_stream: bool = True
 
     def __init__(
-        self, ln1: Norm, attn: Attention, ln2: Norm | None = None, mlp: nn.Module | None = None, parallel: bool = False
+        self,
+        ln1: Norm,
+        attn: Attention,
+        ln2: Norm | None = None,
+        mlp: nn.Module | None = None,
+        parallel: bool = False,
+        ln1_post: Norm | None = None,
+        ln2_post: Norm | None = None,
+        post_norm: bool = False,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.post_norm = post_norm
         self.use_attn_in = self.use_split_qkv_input = self.use_hook_mlp_in = False
         self.hook_resid_pre = HookPoint()
         self.ln1 = ln1
@@ -45,11 +58,15 @@ class TransformerBlock(nn.Module):
         self.hook_k_input = HookPoint()
         self.hook_v_input = HookPoint()
         self.attn = attn
+        if ln1_post is not None:
+            self.ln1_post = ln1_post
         self.hook_attn_out = HookPoint()
         if mlp is not None:
             assert ln2 is not None
             self.ln2 = ln2
             self.mlp = mlp
+            if ln2_post is not None:
+                self.ln2_post = ln2_post
             self.hook_mlp_in = HookPoint()
             self.hook_mlp_out = HookPoint()
             if not parallel:
@@ -65,38 +82,58 @@ class TransformerBlock(nn.Module):
     ) -> Float[Tensor, "batch pos d_model"]:
         """``attn_kwargs`` (attention mask, KV-cache entry, positions) go to the attention."""
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(*self._attention_inputs(resid_pre), **attn_kwargs))
+        attn_out = self.attn(*self._attention_inputs(resid_pre), **attn_kwargs)
+        if hasattr(self, "ln1_post"):
+            attn_out = self.ln1_post(attn_out)
+        if self.post_norm:
+            attn_out = self.ln1(attn_out)
+        attn_out = self.hook_attn_out(attn_out)
         if not self.has_mlp:
             return self.hook_resid_post(resid_pre + attn_out)
         if self.parallel:
-            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self._mlp_input(resid_pre))))
+            mlp_out = self._mlp_out(self._mlp_input(resid_pre))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self._mlp_input(resid_mid))))
+        mlp_out = self._mlp_out(self._mlp_input(resid_mid))
         return self.hook_resid_post(resid_mid + mlp_out)
+
+    def _mlp_out(self, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        """``hook_mlp_out(mlp(ln2(x)))``, with ``ln2_post`` after the MLP (sandwich) or ``ln2`` there (post-norm)."""
+        if self.post_norm:
+            return self.hook_mlp_out(self.ln2(self.mlp(mlp_in)))
+        out = self.mlp(self.ln2(mlp_in))
+        if hasattr(self, "ln2_post"):
+            out = self.ln2_post(out)
+        return self.hook_mlp_out(out)
 
     def _attention_inputs(self, resid: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
         """The normalized query, key and value inputs, per head when ``use_attn_in`` / ``use_split_qkv_input``."""
+        ln1 = (lambda x: x) if self.post_norm else self.ln1
         if not (self.use_attn_in or self.use_split_qkv_input):
-            x = self.ln1(resid)
+            x = ln1(resid)
             return x, x, x
 
         def per_head(n_heads: int) -> Tensor:
             return einops.repeat(resid.clone(), "b p d -> b p h d", h=n_heads)
 
         if self.use_attn_in:
-            x = self.ln1(self.hook_attn_in(per_head(self.attn.n_heads)))
+            x = ln1(self.hook_attn_in(per_head(self.attn.n_heads)))
             return x, x, x
         q = self.hook_q_input(per_head(self.attn.n_heads))
         k = self.hook_k_input(per_head(self.attn.n_kv))
         v = self.hook_v_input(per_head(self.attn.n_kv))
-        return self.ln1(q), self.ln1(k), self.ln1(v)
+        return ln1(q), ln1(k), ln1(v)
 
     def _mlp_input(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         return self.hook_mlp_in(resid.clone()) if self.use_hook_mlp_in else resid
 
     def layer_spec(self) -> LayerSpec:
         """The source layer this block implements (MLPs with their original activation)."""
+        variants = dict(
+            ln1_post=self.ln1_post.spec() if hasattr(self, "ln1_post") else None,
+            ln2_post=self.ln2_post.spec() if hasattr(self, "ln2_post") else None,
+            post_norm=self.post_norm,
+        )
         if not self.has_mlp:
-            return LayerSpec(self.ln1.spec(), self.attn.spec(), None, None, self.parallel)
-        return LayerSpec(self.ln1.spec(), self.attn.spec(), self.ln2.spec(), self.mlp.spec(), self.parallel)
+            return LayerSpec(self.ln1.spec(), self.attn.spec(), None, None, self.parallel, **variants)
+        return LayerSpec(self.ln1.spec(), self.attn.spec(), self.ln2.spec(), self.mlp.spec(), self.parallel, **variants)

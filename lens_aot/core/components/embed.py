@@ -13,13 +13,17 @@ from lens_aot.core.kv_cache import position_rows
 
 
 class Embed(nn.Module):
-    """``W_E[tokens]``."""
+    """``W_E[tokens]``, or ``ln(W_E[tokens])`` with a post-embedding LayerNorm (BLOOM; TransformerLens's
+    ``post_embedding_ln``, the module ``embed.ln`` with its hooks)."""
 
-    def __init__(self, W_E: Float[Tensor, "d_vocab d_model"]) -> None:
+    def __init__(self, W_E: Float[Tensor, "d_vocab d_model"], ln: nn.Module | None = None) -> None:
         super().__init__()
         self.W_E = parameter(W_E)
+        self.ln = ln
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        if self.ln is not None:
+            return self.ln(self.W_E[tokens])
         return self.W_E[tokens]
 
 

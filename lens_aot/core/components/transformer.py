@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from jaxtyping import Float
+from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
@@ -22,6 +23,7 @@ from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.norm import Norm
+from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -88,9 +90,13 @@ class SpecTransformer(HookedRootModule):
             mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
             ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
             attn = Attention(ls.attn, spec.causal, spec.rotary)
-            blocks.append(TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, parallel=ls.parallel))
+            ln1_post = None if ls.ln1_post is None else Norm(ls.ln1_post)
+            ln2_post = None if ls.ln2_post is None or mlp is None else Norm(ls.ln2_post)
+            blocks.append(
+                TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm)
+            )
         super().__init__()
-        self.embed = Embed(spec.W_E)
+        self.embed = Embed(spec.W_E, None if spec.embed_ln is None else Norm(spec.embed_ln))
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
             assert spec.W_pos is not None
@@ -99,4 +105,19 @@ class SpecTransformer(HookedRootModule):
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = Norm(spec.ln_final)
         self.unembed = Unembed(spec.W_U, spec.b_U)
+        if spec.logits_soft_cap is not None:
+            self.logits_soft_cap = SoftCap(spec.logits_soft_cap)
         self.tokenizer = spec.tokenizer
+
+    def logits(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab_out"]:
+        """``unembed(ln_final(resid))``, soft-capped when the source caps its logits (after ``unembed.hook_out``, as
+        TransformerLens's ``output_logits_soft_cap``)."""
+        logits = self.unembed(self.ln_final(resid))
+        return self.logits_soft_cap(logits) if hasattr(self, "logits_soft_cap") else logits
+
+    def variant_specs(self) -> dict[str, Any]:
+        """The model-level variant fields of the spec this model was built from (``to_spec`` / ``revert``)."""
+        return {
+            "embed_ln": self.embed.ln.spec() if self.embed.ln is not None else None,
+            "logits_soft_cap": self.logits_soft_cap.cap if hasattr(self, "logits_soft_cap") else None,
+        }

@@ -1,0 +1,142 @@
+"""The variants of a :class:`~lens_aot.core.spec.ModelSpec` (docs/variants.md) as ``HookedTransformerConfig`` fields
+and HookedTransformer weights: the inverse of what :mod:`lens_aot.tl.read_hooked` carries, for ``revert``.
+
+A variant a HookedTransformer can hold only uniformly (one ``attn_scores_soft_cap``, one ``window_size``, one
+``clip_qkv``, QK-norm or sandwich norms in every layer ...) is refused, naming it, when the spec's layers differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.errors import UnsupportedArchitectureError
+
+FIX = 'Use revert(aot, to="reference") for a lens_aot.core.reference.MLPTransformer, which holds any spec.'
+
+
+def _refuse(what: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(f"a HookedTransformer cannot hold this model: {what}. {FIX}")
+
+
+def _uniform(spec: ModelSpec, what: str, get: Callable[[LayerSpec], Any]) -> Any:
+    """The value ``get`` gives for every layer; refused when layers differ."""
+    values = [get(layer) for layer in spec.layers]
+    if any(v != values[0] for v in values):
+        raise _refuse(f"its layers differ in {what} ({values}); TransformerLens has one setting for all layers")
+    return values[0]
+
+
+def _check_rms(name: str, norm: NormSpec, eps: float, dtype: torch.dtype) -> None:
+    """TransformerLens builds QK-norms and post norms as ``RMSNorm(cfg)``: weight, no bias, ``cfg.eps``."""
+    if norm.kind != "RMS" or norm.w is None or norm.b is not None:
+        raise _refuse(f"{name} is a {norm.kind} norm (TransformerLens builds an RMSNorm with a weight there)")
+    if float(norm.eps) != eps or norm.compute_dtype not in (None, dtype) or norm.rsqrt:
+        raise _refuse(f"{name} uses eps {norm.eps} / {norm.compute_dtype} / rsqrt unlike the model's norms (eps {eps})")
+
+
+def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
+    """``HookedTransformerConfig`` fields for the spec's variants (empty for a spec without any)."""
+    kwargs: dict[str, Any] = {}
+    attn_only = all(layer.mlp is None for layer in spec.layers)
+    qk = _uniform(spec, "QK-norm", lambda layer: (layer.attn.q_norm is not None, layer.attn.k_norm is not None))
+    over = _uniform(spec, "QK-norm scope", lambda layer: layer.attn.qk_norm_over if any(qk) else "head")
+    post_norm = _uniform(spec, "post-norm placement", lambda layer: layer.post_norm)
+    if qk == (True, True):
+        if over == "head":
+            kwargs["use_qk_norm"] = True
+        else:  # TransformerLens's OLMo-family attention: over the projection; Olmo2 is also post-norm
+            kwargs["original_architecture"] = "Olmo2ForCausalLM" if post_norm else "OlmoeForCausalLM"
+    elif qk != (False, False):
+        raise _refuse("it normalizes queries or keys but not both (TransformerLens's QK-norm does both)")
+    if post_norm and kwargs.get("original_architecture") != "Olmo2ForCausalLM":
+        raise _refuse("its post-norm layers have no QK-norm over the projection (TransformerLens's OLMo-2 block has)")
+    for i, layer in enumerate(spec.layers):
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(layer.attn, name)
+            if norm is not None:
+                _check_rms(f"layer {i}'s {name}", norm, eps, spec.dtype)
+    sandwich = _uniform(spec, "sandwich norms", lambda layer: (layer.ln1_post is not None, layer.ln2_post is not None))
+    if sandwich != (False, False):
+        if sandwich != (True, not attn_only):
+            raise _refuse("it has a norm after one sublayer but not after the other")
+        kwargs["use_normalization_before_and_after"] = True
+        for i, layer in enumerate(spec.layers):
+            for name in ("ln1_post", "ln2_post"):
+                if getattr(layer, name) is not None:
+                    _check_rms(f"layer {i}'s {name}", getattr(layer, name), eps, spec.dtype)
+    cap = _uniform(spec, "attention-score soft-cap", lambda layer: layer.attn.scores_soft_cap)
+    if cap is not None:
+        kwargs["attn_scores_soft_cap"] = float(cap)
+    if spec.logits_soft_cap is not None:
+        kwargs["output_logits_soft_cap"] = float(spec.logits_soft_cap)
+    clip = _uniform(spec, "QKV clipping", lambda layer: layer.attn.clip_qkv)
+    if clip is not None:
+        kwargs["clip_qkv"] = float(clip)
+    windows = {layer.attn.window for layer in spec.layers} - {None}
+    if len(windows) > 1:
+        raise _refuse(f"its layers use different sliding windows {sorted(windows)} (TransformerLens has one)")
+    if windows:
+        kwargs.update(
+            use_local_attn=True,
+            window_size=int(windows.pop()),
+            attn_types=["global" if layer.attn.window is None else "local" for layer in spec.layers],
+        )
+    sinks = _uniform(spec, "attention sinks", lambda layer: layer.attn.sinks is not None)
+    if sinks:
+        kwargs["use_attention_sinks"] = True
+    if spec.embed_ln is not None:
+        n = spec.embed_ln
+        if n.kind != "LN" or n.w is None or n.b is None or float(n.eps) != eps:
+            raise _refuse("its post-embedding norm is not a LayerNorm with weight and bias (TransformerLens's)")
+        kwargs["post_embedding_ln"] = True
+    if spec.positions == "alibi":
+        if _uniform(spec, "ALiBi", lambda layer: layer.attn.alibi_slopes is None):
+            raise _refuse("its positions are ALiBi but a layer has no slopes")
+    elif any(layer.attn.alibi_slopes is not None for layer in spec.layers):
+        raise _refuse(f"ALiBi slopes with {spec.positions!r} positions")
+    return kwargs
+
+
+def variant_state(spec: ModelSpec) -> dict[str, Tensor]:
+    """The variants' weights under HookedTransformer state-dict names."""
+    state: dict[str, Tensor] = {}
+
+    def norm(prefix: str, n: NormSpec | None) -> None:
+        if n is not None:
+            for name in ("w", "b"):
+                if getattr(n, name) is not None:
+                    state[f"{prefix}.{name}"] = getattr(n, name)
+
+    norm("embed.ln", spec.embed_ln)
+    if spec.positions == "alibi":  # HookedTransformer builds a pos_embed it never reads under ALiBi
+        state["pos_embed.W_pos"] = torch.zeros(spec.n_ctx, spec.d_model, dtype=spec.dtype, device=spec.device)
+    for i, layer in enumerate(spec.layers):
+        p = f"blocks.{i}"
+        norm(f"{p}.attn.q_norm", layer.attn.q_norm)
+        norm(f"{p}.attn.k_norm", layer.attn.k_norm)
+        norm(f"{p}.ln1_post", layer.ln1_post)
+        norm(f"{p}.ln2_post", layer.ln2_post)
+        if layer.attn.sinks is not None:
+            state[f"{p}.attn.sinks"] = layer.attn.sinks
+    return state
+
+
+def check_built(model: Any, spec: ModelSpec) -> None:
+    """Refuse when TransformerLens computes something other than the spec: ALiBi slopes other than
+    ``create_alibi_multipliers``."""
+    for i, (block, layer) in enumerate(zip(model.blocks, spec.layers, strict=True)):
+        slopes = layer.attn.alibi_slopes
+        if slopes is not None:
+            expected = type(block.attn).create_alibi_multipliers(model.cfg.n_heads, slopes.device)
+            if not torch.equal(expected.to(slopes.dtype), slopes):
+                raise _refuse(f"layer {i}'s ALiBi slopes are not TransformerLens's 2^(-8h/n_heads)")
+
+
+def layer_rotary(spec: ModelSpec) -> list[RotarySpec | None]:
+    """Each layer's rotary tables: its own, or the model's."""
+    return [layer.attn.rotary or spec.rotary for layer in spec.layers]
