@@ -37,10 +37,13 @@ while their conversion is being built):
 - ``native-gated``: TransformerLens-native gated SwiGLU (RMS, rotary).
 - ``native-gated-gelu``: TransformerLens-native gated GeGLU (gelu_new) with RMS norms and learned absolute positions.
 
-Families for refusal tests: ``mistral-window`` (sliding window 8 < 32), ``llama-tanh`` (gated MLP with tanh),
-``native-softcap`` (attention soft-capping), ``starcoder2-window`` (sliding window 8 < 32), ``neox-rope-linear``
-(linear rope scaling), ``bert`` (post-LN), ``gpt2-tanh`` and ``native-solu`` (activations; ``native-solu`` only
-exists in TransformerLens 4.x).
+Families read by structure alone (issue 22; :data:`STRUCTURAL`, tested in ``tests/test_bridge_families.py``): qwen2
+(and YaRN rope), llama with llama3 rope, phi3, phi, olmo, stablelm, smollm3, glm, falcon, gpt_neo, gpt_bigcode,
+GPT-NeoX with linear rope, mistral / starcoder2 with a binding sliding window (8 < 32), qwen3, gemma2, gemma3.
+
+Families for refusal tests: ``llama-tanh`` (gated MLP with tanh), ``native-softcap`` (attention soft-capping in a
+native model), ``neox-rope-dynamic`` (dynamic NTK rope beyond its original length), ``bert`` (post-LN),
+``gpt2-tanh`` and ``native-solu`` (activations; ``native-solu`` only exists in TransformerLens 4.x).
 """
 
 from __future__ import annotations
@@ -382,8 +385,32 @@ STRUCTURAL: dict[str, Callable[[], Source]] = {
         attn_pdrop=0.0,
     ),
     "neox-rope-linear": _neox(parallel=False, rope={"rope_type": "linear", "factor": 2.0}),
+    # With the variant components (docs/variants.md): sliding windows, QK-norm, sandwich norms, soft-caps,
+    # per-layer-type rotary tables.
+    "mistral-window": _mistral(sliding_window=8),
+    "starcoder2-window": _starcoder2(sliding_window=8),
+    "qwen3": _hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=D_HEAD),
+    "gemma2": _hf(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        num_key_value_heads=2,
+        head_dim=D_HEAD,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma3": _hf(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        num_key_value_heads=2,
+        head_dim=D_HEAD,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 STRUCTURAL_FP64_REFUSED = {
+    "gemma2": r"Gemma's RMSNorm in float64",
+    "gemma3": r"Gemma's RMSNorm in float64",
     "olmo": r"OLMo's LayerNorm in float64",
     "glm": r"layer 0 attn: adjacent-pair rotary computed in float32",
     "gpt_neo": r"layer 0 attn: GPT-Neo in torch.float64",

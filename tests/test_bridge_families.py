@@ -94,13 +94,13 @@ def test_scaled_rope_tables_are_the_sources() -> None:
 
 
 REFUSED = {
-    "qwen3": (
-        _hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8),
-        r"^layer 0 attn: QK-norm",
+    "olmo2": (
+        _hf("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2),
+        r"gated MLP without a normalization layer before it",
     ),
-    "gemma2": (
-        _hf("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=8),
-        r"^layer 0 block: a post-attention norm 'ln1_post'",
+    "hunyuan": (
+        _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", num_key_value_heads=2, head_dim=8),
+        r"^layer 0 attn: QK-norm applied after rotary",
     ),
     "granite": (
         _hf("GraniteConfig", "GraniteForCausalLM", num_key_value_heads=2),
@@ -140,3 +140,19 @@ def test_a_misread_piece_is_refused_naming_it() -> None:
         misread.return_value = AttentionReading(1.001 * (8**0.5), torch.float32, "model")
         with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn: the attention reading .* does not"):
             read_bridge(bridge)
+
+
+def test_variant_pieces_are_read_into_the_spec() -> None:
+    """Gemma 2: soft-caps, window and sandwich norms; Gemma 3: QK-norm per head and its global layers' own rotary
+    tables; Qwen3: QK-norm per head (each converts: test_structural_family_converts)."""
+    spec = read_bridge(make_bridge("gemma2", torch.float32))
+    assert spec.logits_soft_cap == 3.0
+    for layer in spec.layers:
+        assert layer.attn.scores_soft_cap == 5.0 and layer.ln1_post is not None and layer.ln2_post is not None
+    assert [layer.attn.window for layer in spec.layers] == [8, None]  # Gemma 2 alternates sliding / full layers
+    spec = read_bridge(make_bridge("gemma3", torch.float32))
+    assert spec.layers[0].attn.rotary is None and spec.layers[1].attn.rotary is not None
+    assert spec.rotary is not None and not torch.equal(spec.layers[1].attn.rotary.cos, spec.rotary.cos)
+    assert spec.layers[0].attn.q_norm is not None and spec.layers[0].attn.qk_norm_over == "head"
+    spec = read_bridge(make_bridge("qwen3", torch.float64))
+    assert all(layer.attn.k_norm is not None for layer in spec.layers)

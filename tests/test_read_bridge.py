@@ -279,8 +279,6 @@ def test_spec_is_independent_of_later_bridge_edits() -> None:
     ("family", "match"),
     [
         ("native-softcap", r"soft-capping"),
-        ("starcoder2-window", r"sliding-window attention"),
-        ("mistral-window", r"sliding-window attention \(sliding_window=8 < n_ctx=32\)"),
         ("neox-rope-dynamic", r"rope scaling of type 'dynamic' beyond original_max_position_embeddings=16"),
         ("bert", r"post-LN"),
     ],

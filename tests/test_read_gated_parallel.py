@@ -146,11 +146,10 @@ def test_compat_gated_unknown_activation_is_refused() -> None:
 @pytest.mark.parametrize(
     ("family", "dtype", "compat", "match"),
     [
-        ("mistral-window", torch.float32, False, r"sliding-window attention \(sliding_window=8 < n_ctx=32\)"),
         ("gptj", torch.float64, False, r"GPT-J in torch.float64.*casts q and k to float32.*bridge.to\(torch.float32\)"),
         ("gemma", torch.float64, False, r"Gemma's RMSNorm in float64.*enable_compatibility_mode\(\)"),
     ],
-    ids=["mistral-window", "gptj-fp64", "gemma-fp64"],
+    ids=["gptj-fp64", "gemma-fp64"],
 )
 def test_refusals(family: str, dtype: torch.dtype, compat: bool, match: str) -> None:
     bridge = make_bridge(family, dtype, compat=compat)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.spec import RotarySpec
-from lens_aot.tl.bridge_components import _copy, _original, _subcomponents
+from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
+from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_probe import refuse_piece
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
@@ -34,8 +34,8 @@ _REFUSED_BRIDGES = {
 }
 
 _EXTRA_COMPONENTS = {
-    "q_norm": "QK-norm ('q_norm': a normalization of the queries inside attention)",
-    "k_norm": "QK-norm ('k_norm': a normalization of the keys inside attention)",
+    "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
+    "k_norm": "QK-norm ('k_norm') outside a PositionEmbeddingsAttentionBridge",
     "gate": "an output gate (sigmoid(gate(x)) multiplies the attention output)",
 }
 
@@ -55,6 +55,11 @@ class AttentionReading:
     rope: str
     adjacent: bool = False
     relayout: bool = False
+    q_norm: NormSpec | None = None
+    k_norm: NormSpec | None = None
+    qk_norm_over: QKNormScope = "head"
+    soft_cap: float | None = None
+    window: int | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -76,29 +81,52 @@ def _sliding_window(layer: int, hf_attn: nn.Module, hf_config: Any) -> int | Non
     return int(window)
 
 
-def _check_common(layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int) -> None:
-    """Refuse, naming the layer, every attention feature the spec's attention cannot express."""
-    for name in sorted(_subcomponents(attn) - {"q", "k", "v", "o", "qkv"}):
+def _check_common(
+    layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int, qk_norm_ok: bool
+) -> tuple[float | None, int | None]:
+    """Refuse, naming the layer, every attention feature the spec's attention cannot express; return the layer's
+    score soft-cap and binding sliding window (None when absent or not binding at ``n_ctx``)."""
+    allowed = {"q", "k", "v", "o", "qkv"} | ({"q_norm", "k_norm"} if qk_norm_ok else set())
+    for name in sorted(_subcomponents(attn) - allowed):
         raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))
     for attr, what in (
         ("sinks", "attention sinks (a learned per-head logit in the softmax)"),
-        ("attn_logit_softcapping", "attention-score soft-capping"),
         ("key_multiplier", "a key multiplier (muP scaling of the keys)"),
     ):
         if getattr(hf_attn, attr, None) is not None:
-            raise refuse_piece(layer, "attn", what, "Soft-capping (tanh) is not supported." if "soft" in what else "")
+            raise refuse_piece(layer, "attn", what)
     if getattr(hf_config, "clip_qkv", None) is not None:
         raise refuse_piece(layer, "attn", f"QKV clipping (clip_qkv={hf_config.clip_qkv})")
     if not bool(getattr(hf_attn, "is_causal", True)) or bool(getattr(hf_config, "use_bidirectional_attention", False)):
         raise refuse_piece(layer, "attn", "non-causal attention in a causal language model", "Use causal attention.")
+    cap = getattr(hf_attn, "attn_logit_softcapping", None)
     window = _sliding_window(layer, hf_attn, hf_config)
-    if window is not None and window < n_ctx:
-        raise refuse_piece(
-            layer,
-            "attn",
-            f"sliding-window attention (sliding_window={window} < n_ctx={n_ctx})",
-            "Only full causal attention is supported (sliding_window=None or at least the context length).",
-        )
+    return (None if cap is None else float(cap)), (window if window is not None and window < n_ctx else None)
+
+
+def _qk_norms(
+    layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
+) -> tuple[NormSpec | None, NormSpec | None, QKNormScope]:
+    """The bridge's ``q_norm`` / ``k_norm`` (applied after the projections, before rotary): over each head when the
+    norm's weight has ``head_dim`` entries, over the whole projection when it has ``n_heads · head_dim`` (OLMo-2),
+    as ``PositionEmbeddingsAttentionBridge`` decides from the same shapes."""
+    q_bridge, k_bridge = _component(attn, "q_norm"), _component(attn, "k_norm")
+    if q_bridge is None and k_bridge is None:
+        return None, None, "head"
+    if bool(getattr(bridge_cfg, "qk_norm_after_rope", False)):
+        raise refuse_piece(layer, "attn", "QK-norm applied after rotary (HunYuan)")
+    head_dim = int(hf_attn.head_dim)
+    weight = getattr(_original(q_bridge), "weight", None) if q_bridge is not None else None
+    shape = tuple(weight.shape) if isinstance(weight, Tensor) else ()
+    if shape in ((), (head_dim,)):
+        over: QKNormScope = "head"
+    elif len(shape) == 1 and shape[0] % head_dim == 0:
+        over = "projection"
+    else:
+        raise refuse_piece(layer, "attn", f"a QK-norm weight of shape {shape} (per-head weights, Cohere)")
+    q_norm = _norm(q_bridge, dtype) if q_bridge is not None else None
+    k_norm = _norm(k_bridge, dtype) if k_bridge is not None else None
+    return q_norm, k_norm, over
 
 
 def read_attention(
@@ -110,10 +138,17 @@ def read_attention(
         if name in _REFUSED_BRIDGES:
             raise refuse_piece(layer, "attn", _REFUSED_BRIDGES[name])
     hf_attn = _original(attn)
-    _check_common(layer, attn, hf_attn, hf_config, n_ctx)
     names = _mro_names(attn)
-    if "PositionEmbeddingsAttentionBridge" in names:
-        return _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
+    position_embeddings = "PositionEmbeddingsAttentionBridge" in names
+    cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=position_embeddings)
+    if position_embeddings:
+        reading = _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
+        reading.q_norm, reading.k_norm, reading.qk_norm_over = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
+        reading.soft_cap, reading.window = cap, window
+        return reading
+    for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
+        if value is not None:
+            raise refuse_piece(layer, "attn", f"{what} ({value}) in a {cls}", "Only full causal attention is read.")
     if "JointQKVPositionEmbeddingsAttentionBridge" in names:
         # _reconstruct_attention: rotate-half on the first cos.shape[-1] channels, scores · head_dim**-0.5, softmax
         # in the activation dtype.
@@ -247,6 +282,14 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     return {}
 
 
+class _Params:
+    """A per-layer-type rope parameter dict seen as a config (for :func:`check_rope_type`)."""
+
+    def __init__(self, params: dict[str, Any], config: Any) -> None:
+        self.rope_parameters = params
+        self.max_position_embeddings = getattr(config, "max_position_embeddings", 0)
+
+
 # Rope types whose table at a position does not depend on the sequence length (computed once by the source).
 _FIXED_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
 # Rope types the source recomputes for sequences longer than original_max_position_embeddings.
@@ -256,6 +299,9 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 def check_rope_type(hf_config: Any, n_ctx: int) -> None:
     """Accept scaled rope only where the source uses one table at every position up to ``n_ctx``."""
     params = _rope_parameters(hf_config)
+    nested = [p for p in params.values() if isinstance(p, dict)]  # per layer type (Gemma 3)
+    for sub in nested:
+        check_rope_type(_Params(sub, hf_config), n_ctx)
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
     if rope_type in _FIXED_ROPE:
         return
@@ -297,19 +343,21 @@ def model_rotary(
     n_ctx: int,
     dtype: torch.dtype,
     device: torch.device,
+    layer_type: str | None = None,
 ) -> RotarySpec:
     """The tables the attention uses, from the source's own rotary module run over positions ``0..n_ctx-1`` (so
     linear, llama3, YaRN and LongRoPE tables, attention scaling included, are what the source computes).
 
     A table half as wide as the head with ``pct`` = 1 is GPT-OSS's un-duplicated layout: the bridge concatenates it
-    with itself (rotate-half over the whole head)."""
+    with itself (rotate-half over the whole head). ``layer_type``: the table of that layer type, for rotary modules
+    that keep one per type (Gemma 3's local and global bases)."""
     if rotary_bridge is None:
         raise refuse_piece(None, "rotary_emb", "rotary attention without a 'rotary_emb' component")
     module = _original(rotary_bridge)
     x = torch.zeros(1, n_ctx, 1, dtype=dtype, device=device)
     positions = torch.arange(n_ctx, device=device).unsqueeze(0)
     with torch.no_grad():
-        cos, sin = module(x, positions)
+        cos, sin = module(x, positions) if layer_type is None else module(x, positions, layer_type)
     cos = cos.reshape(-1, cos.shape[-1])[:n_ctx].to(dtype)
     sin = sin.reshape(-1, sin.shape[-1])[:n_ctx].to(dtype)
     if cos.shape[0] != n_ctx:

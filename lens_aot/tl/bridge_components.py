@@ -22,13 +22,13 @@ from lens_aot.errors import UnsupportedArchitectureError
 SUPPORTED = (
     "TransformerBridge architectures read by their structure (docs/families.md) — decoder-only pre-norm blocks, "
     "sequential (resid += attn(ln1(resid)); resid += mlp(ln2(resid))) or parallel (resid += attn(ln1(resid)) + "
-    "mlp(ln2(resid)), ln2 possibly the same norm as ln1), with a plain MLP act(x·W_in + b_in) or a gated one "
-    "act(x·W_gate + b_gate)·(x·W_in + b_in), fused gate-up included (silu, relu, gelu, gelu_new / "
-    "gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their parameter-free variants, "
-    "learned absolute or rotary positions (halves or adjacent pairs, partial, and linear / llama3 / YaRN scaled, or "
-    "dynamic / LongRoPE within their original length), multi-head, grouped- or multi-query attention (causal, or "
-    "bidirectional in native models) without soft-capping, QK-norm, sinks or binding sliding windows, in float32 or "
-    "float64"
+    "mlp(ln2(resid)), ln2 possibly the same norm as ln1), with optional sandwich norms on the sublayer outputs, a "
+    "plain MLP act(x·W_in + b_in) or a gated one act(x·W_gate + b_gate)·(x·W_in + b_in), fused gate-up included "
+    "(silu, relu, gelu, gelu_new / gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their "
+    "parameter-free variants, learned absolute or rotary positions (halves or adjacent pairs, partial, per layer "
+    "type, and linear / llama3 / YaRN scaled, or dynamic / LongRoPE within their original length), multi-head, "
+    "grouped- or multi-query attention (causal, or bidirectional in native models) with optional QK-norm, score and "
+    "final-logit soft-capping and sliding windows, without ALiBi, sinks or QKV clipping, in float32 or float64"
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -211,7 +211,7 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
     # back. For a float32 model that is exactly RMS with w = 1 + weight; for float64 the product is rounded to
     # float32 before the cast, which the spec cannot express unless the scale is exactly 1 (folded weights).
-    if name == "GemmaRMSNorm":
+    if name.startswith("Gemma") and name.endswith("RMSNorm"):  # Gemma, Gemma 2, Gemma 3: the same forward
         scale = 1.0 + module.weight.detach().float()
         if module.weight.dtype == torch.float64 and not _all_equal(scale, 1.0):
             raise _refuse(
@@ -262,7 +262,7 @@ def _attention(
     attn_bridge: Any, n_heads: int, dtype: torch.dtype, attn_scale: float, softmax_dtype: torch.dtype | None
 ) -> AttentionSpec:
     """Q/K/V/O from the bridge's ``q``/``k``/``v``/``o`` LinearBridges (split from fused QKV by the bridge itself)."""
-    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv"}
+    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv", "q_norm", "k_norm"}  # QK-norm: bridge_attention
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
     parts = {}

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lens_aot.errors import UnsupportedArchitectureError
 
-PIECES = ("ln1", "ln2", "attn", "mlp")
+PIECES = ("ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post")
 # Model-level pieces, recorded under layer -1 (with the bridge's logits as (-1, "logits"): input = the tokens).
 MODEL_PIECES = ("embed", "pos_embed", "ln_final", "unembed")
 

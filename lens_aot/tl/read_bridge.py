@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.mlp import MLP
@@ -80,8 +80,6 @@ _REFUSED_BLOCKS = {
 }
 
 _EXTRA_BLOCK_PIECES = {
-    "ln1_post": "a post-attention norm 'ln1_post' (sandwich norm: resid + norm(attn(ln1(resid))))",
-    "ln2_post": "a post-MLP norm 'ln2_post' (sandwich norm: resid + norm(mlp(ln2(resid))))",
     "mixer": "a state-space / recurrent mixer",
     "conv": "a short convolution mixer",
     "linear_attn": "linear attention (a recurrent mixer)",
@@ -129,7 +127,7 @@ def _check_block(layer: int, block: Any) -> None:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
         raise refuse_piece(layer, "block", f"a block bridge of type {kind}, which lens_aot does not read")
-    for name in sorted(_subcomponents(block) - {"ln1", "ln2", "attn", "mlp"}):
+    for name in sorted(_subcomponents(block) - {"ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post"}):
         raise refuse_piece(layer, "block", _EXTRA_BLOCK_PIECES.get(name, f"an extra block piece {name!r}"))
     if _component(block, "attn") is None:
         raise refuse_piece(layer, "block", "no 'attn' piece (not an attention block)")
@@ -140,48 +138,63 @@ def _check_block(layer: int, block: Any) -> None:
                 raise refuse_piece(layer, "mlp", _MLP_REFUSALS[name])
 
 
-def _layout(layer: int, calls: dict[tuple[int, str], Call], has_ln2: bool, has_mlp: bool) -> tuple[bool, bool]:
-    """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not."""
-    block, ln1, attn = calls.get((layer, "block")), calls.get((layer, "ln1")), calls.get((layer, "attn"))
+def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tuple[bool, bool]:
+    """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
+
+    ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through
+    ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these).
+    """
+    block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
+    ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
     if block is None or attn is None:
         raise refuse_piece(layer, "block", "pieces that did not run in a forward pass (cannot read how they combine)")
-    if ln1 is not None and not close(attn.input, ln1.output):
+    x = block.input
+    if not close(attn.input, ln1.output if ln1 is not None else x):
         raise refuse_piece(
             layer,
             "attn",
             "an input that is not ln1's output: post-LN blocks (BERT-style: resid = ln(resid + sublayer(resid)))",
             "Only pre-norm blocks (resid += sublayer(ln(resid))) are supported.",
         )
-    x, a_out = block.input, attn.output
-    if not has_mlp:
+    a_out = _post(layer, "ln1_post", attn.output, calls, has)
+    if "mlp" not in has:
         if not close(block.output, x + a_out):
             raise refuse_piece(layer, "block", "an output that is not input + attention (a residual multiplier?)")
         return False, False
     mlp = calls.get((layer, "mlp"))
-    ln2 = calls.get((layer, "ln2"))
-    if mlp is None or (has_ln2 and ln2 is None):
+    if mlp is None or ("ln2" in has and ln2 is None):
         raise refuse_piece(layer, "mlp", "a piece that did not run in a forward pass")
-    if not has_ln2:
+    if "ln2" not in has and "ln1" in has:
         if ln1 is None or not close(mlp.input, ln1.output):
             raise refuse_piece(layer, "mlp", "an input that is neither ln2's output nor the shared ln1's")
         parallel, shared = True, True
     else:
-        if not close(mlp.input, ln2.output):
+        if ln2 is not None and not close(mlp.input, ln2.output):
             raise refuse_piece(layer, "mlp", "an input that is not ln2's output")
-        sequential = close(ln2.input, x + a_out)
-        parallel = close(ln2.input, x)
+        mlp_in = ln2.input if ln2 is not None else mlp.input
+        sequential, parallel = close(mlp_in, x + a_out), close(mlp_in, x)
         if sequential == parallel:
             raise refuse_piece(
-                layer, "ln2", "an input that is neither the block input (parallel) nor input + attention (sequential)"
+                layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
             )
         shared = False
-    if not close(block.output, x + a_out + mlp.output):
+    if not close(block.output, x + a_out + _post(layer, "ln2_post", mlp.output, calls, has)):
         raise refuse_piece(
             layer,
             "block",
-            "an output that is not input + attention + MLP (e.g. post-sublayer norms or a residual multiplier)",
+            "an output that is not input + attention + MLP (e.g. unseen norms or a residual multiplier)",
         )
     return parallel, shared
+
+
+def _post(layer: int, piece: str, out: Tensor, calls: dict[tuple[int, str], Call], has: set[str]) -> Tensor:
+    """A sublayer's output after its post norm ``piece`` when the block has one (which must read that output)."""
+    if piece not in has:
+        return out
+    call = calls.get((layer, piece))
+    if call is None or not close(call.input, out):
+        raise refuse_piece(layer, piece, "a post norm that does not normalise its sublayer's output")
+    return call.output
 
 
 def _verify(
@@ -189,7 +202,8 @@ def _verify(
 ) -> None:
     """Check each piece's reading against its recorded output (:mod:`lens_aot.tl.bridge_probe`)."""
     with torch.no_grad():
-        for piece, norm in (("ln1", spec.ln1), ("ln2", spec.ln2)):
+        norms = (("ln1", spec.ln1), ("ln2", spec.ln2), ("ln1_post", spec.ln1_post), ("ln2_post", spec.ln2_post))
+        for piece, norm in norms:
             call = calls.get((layer, piece))
             if norm is not None and call is not None:
                 check_piece(layer, piece, Norm(norm)(call.input), call, f"the {norm.kind} reading")
@@ -220,6 +234,7 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
     first = readings[0]
     device = next(model.parameters()).device
     rotary = None
+    layer_rotary: list[RotarySpec | None] = [None] * len(blocks)
     head_dim = int(_linear(_original(_component(_component(blocks[0], "attn"), "q")), dtype)[0].shape[1]) // int(
         bridge.cfg.n_heads
     )
@@ -229,7 +244,16 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         check_rope_type(config, n_ctx)
         attn0 = _component(blocks[0], "attn")
         pct = rotary_pct(getattr(attn0, "config", None) or bridge.cfg)
-        rotary = model_rotary(_component(bridge, "rotary_emb"), first, head_dim, pct, n_ctx, dtype, device)
+        rotary_bridge = _component(bridge, "rotary_emb")
+        layer_types = _rotary_layer_types(rotary_bridge, config, len(blocks))
+        tables: dict[str | None, RotarySpec] = {}
+        for layer, layer_type in enumerate(layer_types):
+            if layer_type not in tables:
+                tables[layer_type] = model_rotary(rotary_bridge, first, head_dim, pct, n_ctx, dtype, device, layer_type)
+            layer_rotary[layer] = tables[layer_type]
+        rotary = layer_rotary[0]
+        # Layers whose type has other tables (Gemma 3's local layers) carry their own.
+        layer_rotary = [None if table is rotary else table for table in layer_rotary]
     elif first.rope == "gptj":
         rotary_dim = int(_original(_component(blocks[0], "attn")).rotary_dim)
         if int(getattr(config, "max_position_embeddings", n_ctx)) < n_ctx:
@@ -237,11 +261,29 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         rotary = gptj_rotary(rotary_dim, n_ctx, dtype, device)
     return {
         "attn": [(r.scale, r.softmax_dtype) for r in readings],
+        "readings": readings,
+        "layer_rotary": layer_rotary,
+        "logits_soft_cap": getattr(config, "final_logit_softcapping", None),
         "positions": "rotary" if rotary is not None else "standard",
         "causal": True,
         "rotary": rotary,
         "act_fn": None,
     }
+
+
+def _pieces(block: Any) -> set[str]:
+    return {name for name in ("ln1", "ln2", "ln1_post", "ln2_post", "mlp") if _component(block, name) is not None}
+
+
+def _rotary_layer_types(rotary_bridge: Any, config: Any, n_layers: int) -> list[str | None]:
+    """Each layer's type for a rotary module that keeps one table per type (its public ``layer_types``, Gemma 3), or
+    None for every layer."""
+    module = _original(rotary_bridge) if rotary_bridge is not None else None
+    types = getattr(module, "layer_types", None)
+    config_types = getattr(config, "layer_types", None)
+    if not types or not config_types:
+        return [None] * n_layers
+    return [str(config_types[layer]) for layer in range(n_layers)]
 
 
 def read_bridge(bridge: Any) -> ModelSpec:
@@ -271,7 +313,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     layouts = [
         None
         if attn_only
-        else _layout(layer, calls, _component(block, "ln2") is not None, True)
+        else _layout(layer, calls, _pieces(block))
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
@@ -285,6 +327,11 @@ def read_bridge(bridge: Any) -> ModelSpec:
             q_width = _linear(_original(_component(attn_bridge, "q")), dtype)[0].shape[1]
             scale = math.sqrt(q_width // n_heads)
         attn = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
+        if not native:
+            reading = info["readings"][layer]
+            attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
+            attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
+            attn.rotary = info["layer_rotary"][layer]
         mlp_bridge = _component(block, "mlp")
         ln1 = _norm(_component(block, "ln1"), dtype)
         if info.get("attn_only"):
@@ -300,7 +347,15 @@ def read_bridge(bridge: Any) -> ModelSpec:
             # One norm feeding both sublayers (GPT-J, Phi, Falcon): the spec's ln2 is the same NormSpec object.
             ln2: NormSpec = ln1 if shared else _norm(_component(block, "ln2"), dtype)
             act = info["act_fn"] if native else _module_activation(layer, mlp_bridge, getattr(model, "config", None))
-            spec = LayerSpec(ln1=ln1, attn=attn, ln2=ln2, mlp=_mlp(mlp_bridge, dtype, act), parallel=parallel)
+            spec = LayerSpec(
+                ln1=ln1,
+                attn=attn,
+                ln2=ln2,
+                mlp=_mlp(mlp_bridge, dtype, act),
+                parallel=parallel,
+                ln1_post=_norm(post, dtype) if (post := _component(block, "ln1_post")) is not None else None,
+                ln2_post=_norm(post, dtype) if (post := _component(block, "ln2_post")) is not None else None,
+            )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
         layers.append(spec)
@@ -339,6 +394,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         positions=info["positions"],
         W_pos=W_pos,
         rotary=info["rotary"],
+        logits_soft_cap=None if info.get("logits_soft_cap") is None else float(info["logits_soft_cap"]),
         tokenizer=tokenizer,
         default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
         model_name=str(getattr(cfg, "model_name", "unnamed")),
@@ -381,7 +437,10 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
         normed = Norm(spec.ln_final).to(final.device)(final)
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
-        if not close(normed @ spec.W_U + spec.b_U, logits.output):
+        out = normed @ spec.W_U + spec.b_U
+        if spec.logits_soft_cap is not None:
+            out = spec.logits_soft_cap * torch.tanh(out / spec.logits_soft_cap)
+        if not close(out, logits.output):
             raise refuse_piece(
                 None,
                 "unembed",
