@@ -214,3 +214,26 @@ def test_faithfulness_curve_compare_and_draw(aot, tmp_path) -> None:
     assert set(cmp.shares) == {"m0", "m1"} or set(cmp.shares) <= {"m0", "m1"}
     assert all(0 <= share <= 1 for layer in cmp.shares.values() for _, share in layer)
     assert len(cmp.to_dataframe()) == 3 and "neuron" in cmp.summary()
+
+
+def test_neuron_against_mlp_on_the_shipped_model() -> None:
+    """docs/circuit-discovery.md's finding on the modular-addition model: the whole-MLP circuit is smaller in edges,
+    the neuron circuit reaches f >= 0.8 with a fraction of the MLP's 512 neurons."""
+    from lens_aot.circuits import compare_granularities
+    from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
+
+    aot = lens_aot.convert(load_modular_addition())
+    tokens, labels = modular_addition_dataset()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randperm(len(tokens), generator=g)[:64]
+    clean, answer = tokens[idx], labels[idx]
+    corrupted = clean.clone()
+    corrupted[:, 1] = (clean[:, 1] + torch.randint(1, 113, (64,), generator=g)) % 113
+
+    def logprob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1].log_softmax(-1).gather(-1, labels[:, None])[:, 0]
+
+    cmp = compare_granularities(aot, [(clean, corrupted, answer)], logprob, "EAP", n_edges=[32, 512], top_nodes=128)
+    mlp, neuron = cmp.smallest("mlp"), cmp.smallest("neuron")
+    assert mlp is not None and mlp["edges"] <= 32 and cmp.neuron_curve.faithfulness[0] < 0.8
+    assert neuron is not None and neuron["edges"] > mlp["edges"] and neuron["units"] - 4 < 512 // 3

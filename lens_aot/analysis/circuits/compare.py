@@ -96,8 +96,8 @@ def compare_granularities(
 ) -> GranularityComparison:
     """Discover at mlp and neuron granularity, evaluate both at the same edge counts ``n_edges`` (default: twelve
     geometric steps up to the larger graph's edge count; a graph with fewer edges is evaluated whole there), with
-    ``selection`` "topn" or "greedy" (:func:`~lens_aot.circuits.faithfulness_curve`), and list each MLP's ``top_neurons`` neurons by share of
-    the layer's total ``|node score|``."""
+    ``selection`` "topn" or "greedy" (:func:`~lens_aot.circuits.faithfulness_curve`), and list each MLP's
+    ``top_neurons`` neurons by share of the layer's total ``|node score|`` (over the kept neurons)."""
     data = list(dataset)
     if not data:
         raise InputError("the dataset is empty: give at least one (clean, corrupted, labels) batch")

@@ -84,9 +84,9 @@ class FaithfulnessCurve:
 def areas(sizes: Sequence[float], f: Sequence[float]) -> tuple[float, float]:
     """``(CPR, CMD)``: trapezoid areas of ``f`` and of ``|1 − f|`` over ``sizes``, divided by the span of the sizes
     (so a circuit family that is exactly faithful everywhere has CPR 1 and CMD 0)."""
-    if len(sizes) < 2:
-        return float(f[0]), abs(1 - float(f[0]))
-    span = sizes[-1] - sizes[0]
+    span = sizes[-1] - sizes[0] if len(sizes) > 1 else 0.0
+    if span <= 0:  # one size (or every size clipped to the whole graph)
+        return float(f[-1]), abs(1 - float(f[-1]))
     cpr = cmd = 0.0
     for i in range(1, len(sizes)):
         w = (sizes[i] - sizes[i - 1]) / span
