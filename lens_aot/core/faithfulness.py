@@ -82,10 +82,18 @@ def neuron_sensitivity(
     eps: dict[int, float],
     base: Float[Tensor, "batch pos d_vocab"],
     trials: int = 1,
+    output_scales: dict[int, tuple[float, ...]] | None = None,
 ) -> float:
     """Max |Δlogit| of a source (``run_with_hooks``: its TransformerLens ``run_with_hooks``) when every neuron of
     layer ``l`` (``blocks.{l}.mlp.hook_post``) gets ``±eps[l]`` with random signs (generator seeds 0..trials−1),
-    against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises."""
+    against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises.
+
+    ``output_scales`` (mixture-of-experts layers, :func:`lens_aot.core.moe.moe_fit`): layer ``l``'s neurons are
+    inside experts the source may not expose, so its MoE output (``blocks.{l}.hook_mlp_out``) gets
+    ``±eps[l]·c_j`` per channel instead, ``c`` the layer's output scale: every neuron off by at most ``eps[l]``
+    moves channel ``j`` by at most ``eps[l]·c_j`` (the chosen experts' weights sum to at most 1), so these are the
+    corners of the box the MoE output's error lies in."""
+    scales = output_scales or {}
     eps = {layer: e for layer, e in eps.items() if e > 0}
     worst = 0.0
     for trial in range(trials if eps else 0):
@@ -94,9 +102,15 @@ def neuron_sensitivity(
         def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
             layer = int(hook.name.split(".")[1])
             signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype) * 2 - 1
-            return act + eps[layer] * signs.to(act.device)
+            step = eps[layer] * signs.to(act.device)
+            if layer in scales:
+                step = step * torch.tensor(scales[layer], dtype=act.dtype, device=act.device)
+            return act + step
 
-        hooks = [(f"blocks.{layer}.mlp.hook_post", perturb) for layer in sorted(eps)]
+        hooks = [
+            (f"blocks.{layer}.hook_mlp_out" if layer in scales else f"blocks.{layer}.mlp.hook_post", perturb)
+            for layer in sorted(eps)
+        ]
         with torch.no_grad():
             out = run_with_hooks(tokens, fwd_hooks=hooks)
         worst = max(worst, float((getattr(out, "logits", out) - base).abs().max()))
@@ -116,10 +130,10 @@ def conversion_bound(
     from lens_aot.core.gating import GatedFit
 
     first = next(iter(fits.values()), None)
-    stated = stated_logit_error(
-        None if first is None else first.act_fn, expected.dtype, gated=isinstance(first, GatedFit)
-    )
+    gated = isinstance(first, GatedFit) or bool(getattr(first, "gated", False))
+    stated = stated_logit_error(None if first is None else first.act_fn, expected.dtype, gated=gated)
     eps = {layer: float(fit.max_error) for layer, fit in fits.items()}
-    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected)
+    scales = {layer: fit.output_scale for layer, fit in fits.items() if hasattr(fit, "output_scale")}
+    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, output_scales=scales)
     rounding = rounding_floor(expected.dtype, expected, n_layers)
     return logit_bound(stated, sensitivity, rounding), sensitivity, rounding

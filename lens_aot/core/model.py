@@ -28,6 +28,7 @@ from transformer_lens import ActivationCache
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
+from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
@@ -36,13 +37,21 @@ from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import HeadKind, flat_layout_hint, parse_module
 from lens_aot.core.placement import Placement
-from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
+
+
+def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
+    """A source MLP as neuron heads: a :class:`NeuronMLP`, or for a mixture of experts an :class:`MoEMLP` of them
+    (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
+    if isinstance(mlp, MoESpec):
+        return MoEMLP(mlp, lambda expert, e: NeuronMLP(expert, fit.shared if e is None else fit.experts[e]))
+    return NeuronMLP(mlp, fit)
 
 
 class HeadRef(NamedTuple):
@@ -123,7 +132,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
         (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
-        super().__init__(spec, lambda layer, mlp: NeuronMLP(mlp, fits[layer]))
+        super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]))
         attn0 = spec.layers[0].attn if spec.layers else None
         self.cfg = AOTConfig.of(
             spec,

@@ -13,19 +13,20 @@ import torch
 from torch import nn
 
 from lens_aot.core.activations import canonical_activation
-from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.read_moe import read_hooked_moe
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none; positions standard or rotary (either pair layout); "
     "multi-head or grouped-query attention, causal or bidirectional, global or with a local window at least the "
     "context length; sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) "
-    "MLPs with activations silu, relu, gelu, gelu_new, gelu_fast; attention-only models"
+    "MLPs with activations silu, relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; "
+    "attention-only models"
 )
 
 # cfg attribute -> (value meaning "off", what it is); any other value is refused.
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
-    "num_experts": (None, "mixture-of-experts MLP"),
     "use_qk_norm": (False, "QK-norm"),
     "clip_qkv": (None, "QKV clipping"),
     "use_logn_attn": (False, "log-n attention scaling"),
@@ -207,8 +208,11 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         canonical_activation(cfg.act_fn)  # supported (else a clear error); the spec keeps the source's own name
     act_fn = None if cfg.attn_only else str(cfg.act_fn)
     layers = []
-    for block in model.blocks:
-        mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
+    for i, block in enumerate(model.blocks):
+        if getattr(cfg, "num_experts", None) and not cfg.attn_only:
+            mlp: MLPSpec | MoESpec | None = read_hooked_moe(block.mlp, act_fn or "", bool(cfg.norm_topk_prob), i)
+        else:
+            mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
         layers.append(
             LayerSpec(
                 ln1=_norm(getattr(block, "ln1", None), cfg.eps),

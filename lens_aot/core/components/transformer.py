@@ -22,7 +22,7 @@ from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import MLPSpec, ModelSpec
+from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -50,11 +50,16 @@ class SourceConfig:
     act_fn: str | None = None
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
+    num_experts: int | None = None  # mixture-of-experts sources (TransformerLens's names)
+    experts_per_token: int | None = None
 
     @classmethod
     def of(cls, spec: ModelSpec, **fields: Any) -> Self:
         """The config of a model built from ``spec``: the source's fields read off it, plus ``fields``."""
         mlp0 = next((layer.mlp for layer in spec.layers if layer.mlp is not None), None)
+        moe = next((layer.mlp for layer in spec.layers if isinstance(layer.mlp, MoESpec)), None)
+        if isinstance(mlp0, MoESpec):
+            mlp0 = mlp0.experts[0]
         return cls(
             n_layers=len(spec.layers),
             d_model=spec.d_model,
@@ -71,6 +76,8 @@ class SourceConfig:
             act_fn=None if mlp0 is None else mlp0.act_fn,
             gated_mlp=mlp0 is not None and mlp0.gated,
             parallel_attn_mlp=any(layer.parallel for layer in spec.layers),
+            num_experts=None if moe is None else moe.n_experts,
+            experts_per_token=None if moe is None else moe.top_k,
             **fields,
         )
 
@@ -82,7 +89,7 @@ class SpecTransformer(HookedRootModule):
     Each source layer becomes a :class:`TransformerBlock` of the source's norms and :class:`Attention` and the MLP
     module ``mlp_for(layer, mlp_spec)`` builds (the converted model's neuron heads, or the reference's plain MLP)."""
 
-    def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec], nn.Module]) -> None:
+    def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module]) -> None:
         blocks = []
         for layer, ls in enumerate(spec.layers):
             mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
