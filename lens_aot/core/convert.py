@@ -16,8 +16,8 @@ from lens_aot.core.components.ownership import adopting
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
 from lens_aot.core.gating import GatedFit, gated_fit
 from lens_aot.core.model import AttentionOnlyTransformer
-from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.moe import MoEFit, moe_fit
+from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
 from lens_aot.tl.hooks import attached_hooks
@@ -221,7 +221,10 @@ def _check_agreement(
     with _eval_mode(model), torch.no_grad():
         expected = run_source(model, tokens.to(spec.device))
         got = aot(tokens)
-        bound, sensitivity, rounding = conversion_bound(model, tokens.to(spec.device), expected, fits, len(spec.layers))
+        moe = {i: layer.mlp for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, MoESpec)}
+        bound, sensitivity, rounding = conversion_bound(
+            model, tokens.to(spec.device), expected, fits, len(spec.layers), moe=moe
+        )
     max_err = float((got - expected).abs().max()) if got.numel() else 0.0
     argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
 

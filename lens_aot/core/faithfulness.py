@@ -82,18 +82,15 @@ def neuron_sensitivity(
     eps: dict[int, float],
     base: Float[Tensor, "batch pos d_vocab"],
     trials: int = 1,
-    output_scales: dict[int, tuple[float, ...]] | None = None,
+    custom: dict[int, Callable[[torch.Generator], list[tuple[str, Callable[..., Any]]]]] | None = None,
 ) -> float:
     """Max |Δlogit| of a source (``run_with_hooks``: its TransformerLens ``run_with_hooks``) when every neuron of
     layer ``l`` (``blocks.{l}.mlp.hook_post``) gets ``±eps[l]`` with random signs (generator seeds 0..trials−1),
     against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises.
 
-    ``output_scales`` (mixture-of-experts layers, :func:`lens_aot.core.moe.moe_fit`): layer ``l``'s neurons are
-    inside experts the source may not expose, so its MoE output (``blocks.{l}.hook_mlp_out``) gets
-    ``±eps[l]·c_j`` per channel instead, ``c`` the layer's output scale: every neuron off by at most ``eps[l]``
-    moves channel ``j`` by at most ``eps[l]·c_j`` (the chosen experts' weights sum to at most 1), so these are the
-    corners of the box the MoE output's error lies in."""
-    scales = output_scales or {}
+    ``custom[l]`` (mixture-of-experts layers, :func:`lens_aot.core.moe.sensitivity_hooks`): the hooks that perturb
+    layer ``l``'s neurons instead, as a function of the trial's generator."""
+    custom = custom or {}
     eps = {layer: e for layer, e in eps.items() if e > 0}
     worst = 0.0
     for trial in range(trials if eps else 0):
@@ -102,15 +99,11 @@ def neuron_sensitivity(
         def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
             layer = int(hook.name.split(".")[1])
             signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype) * 2 - 1
-            step = eps[layer] * signs.to(act.device)
-            if layer in scales:
-                step = step * torch.tensor(scales[layer], dtype=act.dtype, device=act.device)
-            return act + step
+            return act + eps[layer] * signs.to(act.device)
 
-        hooks = [
-            (f"blocks.{layer}.hook_mlp_out" if layer in scales else f"blocks.{layer}.mlp.hook_post", perturb)
-            for layer in sorted(eps)
-        ]
+        hooks = []
+        for layer in sorted(eps):
+            hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
         with torch.no_grad():
             out = run_with_hooks(tokens, fwd_hooks=hooks)
         worst = max(worst, float((getattr(out, "logits", out) - base).abs().max()))
@@ -123,9 +116,12 @@ def conversion_bound(
     expected: Float[Tensor, "batch pos d_vocab"],
     fits: dict[int, Any],
     n_layers: int,
+    moe: dict[int, Any] | None = None,
 ) -> tuple[float, float, float]:
     """The bound stated for a conversion on ``tokens``: ``(bound, S, R)`` for the source (its logits ``expected``)
-    and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit``, their ``max_error`` = ε_l). Used by
+    and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit`` / ``MoEFit``, their ``max_error`` = ε_l;
+    ``moe``: the
+    :class:`~lens_aot.core.spec.MoESpec` of each mixture-of-experts layer). Used by
     ``convert``'s check and ``lens-aot verify`` alike."""
     from lens_aot.core.gating import GatedFit
 
@@ -133,7 +129,14 @@ def conversion_bound(
     gated = isinstance(first, GatedFit) or bool(getattr(first, "gated", False))
     stated = stated_logit_error(None if first is None else first.act_fn, expected.dtype, gated=gated)
     eps = {layer: float(fit.max_error) for layer, fit in fits.items()}
-    scales = {layer: fit.output_scale for layer, fit in fits.items() if hasattr(fit, "output_scale")}
-    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, output_scales=scales)
+    from lens_aot.core.moe import sensitivity_hooks
+
+    names = getattr(source, "hook_dict", {})
+    custom = {
+        layer: sensitivity_hooks(names, layer, fit, eps[layer], (moe or {}).get(layer))
+        for layer, fit in fits.items()
+        if hasattr(fit, "output_scale") and eps[layer] > 0
+    }
+    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom)
     rounding = rounding_floor(expected.dtype, expected, n_layers)
     return logit_bound(stated, sensitivity, rounding), sensitivity, rounding

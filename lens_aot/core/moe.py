@@ -7,14 +7,24 @@ at most ``max_error`` over all inputs, and the layer's output error in channel `
 ``max_error · c_j`` with ``c_j = max_e Σ_n |W_out^e[n, j]| + Σ_n |W_out^shared[n, j]|``: the chosen experts' router
 weights are non-negative and sum to at most 1 (exactly 1 when renormalised), the shared expert's sigmoid gate is at
 most 1, and the router itself is computed exactly as the source computes it. ``c`` is :attr:`MoEFit.output_scale`,
-used by :func:`lens_aot.core.faithfulness.neuron_sensitivity`.
+the fallback of :func:`sensitivity_hooks`.
+
+The conversion's bound needs the source's response to every neuron off by ``±ε`` (its sensitivity ``S``,
+:mod:`lens_aot.core.faithfulness`). :func:`sensitivity_hooks` perturbs each expert's ``hook_post`` where the source
+has one (TransformerLens's ``MoE``); otherwise (a bridge over batched experts) it records the source's own routing
+at ``blocks.{l}.mlp.hook_expert_indices`` / ``hook_expert_weights`` and adds ``Σ_k w_k·(±ε per neuron)·W_out^{e_k}``
+at ``blocks.{l}.hook_mlp_out`` (the same perturbation, applied after the experts), and the shared expert's at its
+``hook_post``; a source with neither gets random corners of the box ``±ε·c``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit, activation_fit
 from lens_aot.core.gating import GatedFit, gated_fit
@@ -80,3 +90,68 @@ def moe_fit(
     experts = tuple(expert_fit(m, norm, max_neuron_error, heads_per_neuron) for m in spec.experts)
     shared = None if spec.shared is None else expert_fit(spec.shared, norm, max_neuron_error, heads_per_neuron)
     return MoEFit(experts, shared, output_scale(spec))
+
+
+Hook = tuple[str, Callable[..., Any]]
+
+
+def _signs(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
+    return (torch.randint(0, 2, shape, generator=generator) * 2 - 1).to(dtype=like.dtype, device=like.device)
+
+
+def sensitivity_hooks(
+    names: set[str] | dict[str, Any], layer: int, fit: MoEFit, eps: float, spec: MoESpec | None = None
+) -> Callable[[torch.Generator], list[Hook]]:
+    """Hooks on a source (its hook names ``names``) putting every neuron of MoE layer ``layer`` off by ``±eps``
+    (random signs from the generator; module docstring), as a function of the generator. Without the layer's
+    ``spec`` (its experts' ``W_out``), a source without per-expert hooks gets the box corners."""
+    prefix = f"blocks.{layer}.mlp"
+    posts = [f"{prefix}.experts.{e}.hook_post" for e in range(len(fit.experts))]
+    shared = [f"{prefix}.shared_expert.hook_post"] if fit.shared is not None else []
+    routing = (f"{prefix}.hook_expert_indices", f"{prefix}.hook_expert_weights")
+
+    def add_signs(act: Tensor, hook: Any, generator: torch.Generator) -> Tensor:
+        return act + eps * _signs(tuple(act.shape), generator, act)
+
+    if all(n in names for n in posts + shared):
+        return lambda gen: [(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in posts + shared]
+    if spec is not None and all(n in names for n in routing) and all(n in names for n in shared):
+        W_out = torch.stack([m.W_out for m in spec.experts])  # [n_experts, d_mlp, d_model]
+
+        def hooks(gen: torch.Generator) -> list[Hook]:
+            seen: dict[str, Tensor] = {}
+
+            def record(act: Tensor, hook: Any) -> None:
+                seen[hook.name.rsplit(".", 1)[1]] = act.detach()
+
+            def perturb(out: Tensor, hook: Any) -> Tensor:
+                indices, weights = seen["hook_expert_indices"], seen["hook_expert_weights"]
+                if weights.shape != indices.shape:  # the softmax over all experts (TransformerLens's meaning)
+                    weights = weights.reshape(-1, spec.n_experts).gather(1, indices.reshape(-1, spec.top_k))
+                    if spec.norm_topk_prob:
+                        weights = weights / weights.sum(-1, keepdim=True)
+                    weights = weights.reshape(indices.shape)
+                signs = _signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
+                rows = W_out.to(device=out.device, dtype=out.dtype)[indices.reshape(-1)]
+                step = torch.einsum(
+                    "tkn,tknd->td", signs * weights.to(out.dtype)[..., None], rows.view(*indices.shape, *rows.shape[1:])
+                )
+                return out + eps * step.reshape(out.shape)
+
+            return [
+                (routing[0], record),
+                (routing[1], record),
+                *[(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in shared],
+                (f"blocks.{layer}.hook_mlp_out", perturb),
+            ]
+
+        return hooks
+    scale = torch.tensor(fit.output_scale, dtype=torch.float64)
+
+    def corners(gen: torch.Generator) -> list[Hook]:
+        def perturb(out: Tensor, hook: Any) -> Tensor:
+            return out + eps * _signs(tuple(out.shape), gen, out) * scale.to(device=out.device, dtype=out.dtype)
+
+        return [(f"blocks.{layer}.hook_mlp_out", perturb)]
+
+    return corners

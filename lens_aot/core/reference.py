@@ -31,7 +31,9 @@ class MLPTransformer(SpecTransformer):
     """The standard transformer a :class:`~lens_aot.core.spec.ModelSpec` describes, with TransformerLens hook names."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__(spec, lambda layer, mlp: MoEMLP(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp))
+        super().__init__(
+            spec, lambda layer, mlp: MoEMLP(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp)
+        )
         self._spec_info = {
             "causal": spec.causal,
             "positions": spec.positions,

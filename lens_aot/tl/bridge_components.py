@@ -194,7 +194,7 @@ def _native_norm_module(module: nn.Module) -> NormSpec:
     if name == "NativeLayerNormPre":
         return NormSpec("LNPre", float(module.eps), compute_dtype=torch.float32)
     # HF LlamaRMSNorm / MistralRMSNorm: x.to(float32) · rsqrt(mean(x²) + eps), cast back, then weight · (that).
-    if name in ("LlamaRMSNorm", "MistralRMSNorm"):
+    if name in ("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm"):
         eps = float(module.variance_epsilon)
         return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts

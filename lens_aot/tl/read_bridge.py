@@ -44,13 +44,13 @@ from lens_aot.tl.bridge_components import (
     _embedding,
     _hf_rotary,
     _linear,
-    _mlp,
     _norm,
     _original,
     _refuse,
     _rotary_from_tables,
     _source_model,
 )
+from lens_aot.tl.read_moe import read_bridge_mlp
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -94,8 +94,6 @@ def _check_common(cfg: Any, blocks: list[Any]) -> None:
         t != "global" for t in (getattr(cfg, "attn_types", None) or [])
     ):
         raise _refuse("local / sliding-window attention", "Only full (global) attention is supported.")
-    if getattr(cfg, "num_experts", None):
-        raise _refuse("a mixture-of-experts MLP")
     if bool(getattr(cfg, "use_NTK_by_parts_rope", False)):
         raise _refuse("NTK-by-parts rope scaling", "Only unscaled rotary embeddings are supported.")
 
@@ -226,6 +224,8 @@ def _rope_attention_layers(
 
 def _check_sliding_window(config: Any, n_ctx: int) -> None:
     window = getattr(config, "sliding_window", None)
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ["sliding_attention"]):
+        return  # no layer applies the window (Qwen2-MoE's use_sliding_window=False)
     if window is not None and int(window) < n_ctx:
         raise _refuse(
             f"sliding-window attention (sliding_window={window} < n_ctx={n_ctx})",
@@ -263,7 +263,7 @@ def _llama_family(
         for block in blocks:
             _expect("block", _original(block), (layer_cls,))
             mlp = _component(block, "mlp")
-            _expect("MLP bridge", mlp, ("GatedMLPBridge",))
+            _expect("MLP bridge", mlp, ("GatedMLPBridge", "MoEBridge"))
             _expect("MLP module", _original(mlp), (mlp_cls,))
         per_layer, rotary = _rope_attention_layers(bridge, model, blocks, dtype, (attn_cls,))
         return {"act_fn": act, "attn": per_layer, "positions": "rotary", "causal": True, "rotary": rotary}
@@ -411,6 +411,12 @@ _ARCHITECTURES = {
         ("MistralForCausalLM", "MistralDecoderLayer", "MistralAttention", "MistralMLP")
     ),
     "Gemma1ArchitectureAdapter": _llama_family(("GemmaForCausalLM", "GemmaDecoderLayer", "GemmaAttention", "GemmaMLP")),
+    "MixtralArchitectureAdapter": _llama_family(
+        ("MixtralForCausalLM", "MixtralDecoderLayer", "MixtralAttention", "MixtralSparseMoeBlock")
+    ),
+    "Qwen2MoeArchitectureAdapter": _llama_family(
+        ("Qwen2MoeForCausalLM", "Qwen2MoeDecoderLayer", "Qwen2MoeAttention", "Qwen2MoeSparseMoeBlock")
+    ),
     "NativeArchitectureAdapter": _read_native,
 }
 
@@ -471,7 +477,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln1=ln1,
                 attn=attn,
                 ln2=ln2,
-                mlp=_mlp(mlp_bridge, dtype, info["act_fn"]),
+                mlp=read_bridge_mlp(mlp_bridge, len(layers), dtype, info["act_fn"]),
                 parallel=bool(info.get("parallel", False)),
             )
         )

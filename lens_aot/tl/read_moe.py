@@ -21,6 +21,13 @@ from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
 
 
+def _unwrap(module: Any) -> Any:
+    """The module a bridge component wraps (through nested wrappers); ``module`` itself if it wraps none."""
+    while isinstance(getattr(module, "original_component", None), nn.Module):
+        module = module.original_component
+    return module
+
+
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
@@ -68,7 +75,8 @@ def _act_name(fn: Any, layer: int) -> str:
 
 def _hf_mlp(mlp: nn.Module, layer: int) -> MLPSpec:
     """A Hugging Face gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``): the shared expert."""
-    parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    mlp = _unwrap(mlp)
+    parts = [_unwrap(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
         raise _refuse(layer, f"a shared expert of type {type(mlp).__name__} (expected a bias-free gated MLP)")
     gate, up, down = parts
@@ -86,12 +94,12 @@ def _hf_mlp(mlp: nn.Module, layer: int) -> MLPSpec:
 
 def is_sparse_moe(module: nn.Module) -> bool:
     """Whether ``module`` (unwrapped from its bridge) is a sparse-MoE block: a router ``gate`` and ``experts``."""
-    return hasattr(module, "experts") and hasattr(getattr(module, "gate", None), "top_k")
+    return hasattr(module, "experts") and hasattr(_unwrap(getattr(module, "gate", None)), "top_k")
 
 
 def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     """A Hugging Face sparse-MoE block (module docstring), with its ``shared_expert`` / ``shared_expert_gate``."""
-    router, experts = block.gate, block.experts
+    router, experts = _unwrap(block.gate), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
     W = getattr(router, "weight", None)
@@ -117,8 +125,8 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
         )
         for e in range(gate_up.shape[0])
     ]
-    shared = getattr(block, "shared_expert", None)
-    shared_gate = getattr(block, "shared_expert_gate", None)
+    shared = _unwrap(getattr(block, "shared_expert", None))
+    shared_gate = _unwrap(getattr(block, "shared_expert_gate", None))
     if shared_gate is not None and (not isinstance(shared_gate, nn.Linear) or shared_gate.bias is not None):
         raise _refuse(layer, "a shared-expert gate that is not a bias-free linear map")
     return MoESpec(
@@ -130,3 +138,11 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
         shared=None if shared is None else _hf_mlp(shared, layer),
         W_shared_gate=None if shared_gate is None else _copy(shared_gate.weight.T),
     )
+
+
+def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str) -> MLPSpec | MoESpec:
+    """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), else the dense MLP."""
+    from lens_aot.tl.bridge_components import _mlp
+
+    module = _unwrap(mlp_bridge)
+    return read_hf_moe(module, layer) if is_sparse_moe(module) else _mlp(mlp_bridge, dtype, act_fn)

@@ -71,9 +71,7 @@ class MoEMLP(nn.Module):
             self.W_shared_gate = None if spec.W_shared_gate is None else parameter(spec.W_shared_gate)
 
     # ---- routing ----
-    def route(
-        self, flat: Float[Tensor, "tokens d_model"]
-    ) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
+    def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
         """The chosen experts ``[tokens, top_k]`` and their weights (activation dtype), through the router hooks.
         Ties: ``torch.topk`` on the same probabilities as the source's own call, so the same experts are chosen."""
         logits = flat @ self.W_gate
