@@ -35,7 +35,7 @@ from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
-from lens_aot.core.names import HeadKind, flat_layout_hint, parse_module
+from lens_aot.core.names import Expert, HeadKind, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.placement import Placement
 from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
@@ -66,13 +66,15 @@ class HeadOrigin(NamedTuple):
     """What a head of the converted model was in the source.
 
     ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. ``kind`` "neuron": neuron ``index`` of
-    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``.
+    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)`` (of ``expert``
+    in a mixture-of-experts layer: ``neuron_heads(layer, index, expert=expert)``).
     """
 
     kind: Literal["attention", "neuron"]
     layer: int
     index: int
     component: int
+    expert: Expert = None  # mixture-of-experts layers: the neuron's expert (an index, or "shared")
 
 
 class Sublayer(NamedTuple):
@@ -368,9 +370,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         block = self.blocks[self._layer(layer)]
         if kind == "attention":
             return block.attn
-        if not block.has_mlp or not hasattr(block.mlp, name.rsplit(".", 1)[1]):
-            raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them")
-        return getattr(block.mlp, name.rsplit(".", 1)[1])
+        path = name.split(".mlp.", 1)[1]
+        try:
+            return block.mlp.get_submodule(path)  # heads, or experts.{e}.heads of a mixture of experts
+        except AttributeError:
+            raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them") from None
 
     def _head_modules(self) -> list[tuple[str, nn.Module]]:
         return [(sub.name, self.head_module(sub.name)) for sub in self.sublayers()]
@@ -390,24 +394,37 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
         return names[-1]
 
-    def neuron_heads(self, layer: int, neuron: int) -> list[HeadRef]:
+    def neuron_heads(self, layer: int, neuron: int, expert: Expert = None) -> list[HeadRef]:
         """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP.
 
         Plain MLPs: one head per term of the activation's fit. Gated MLPs: the gate heads (one per term of the gate
-        activation's fit), then the neuron's two product heads (``+``, ``−``).
+        activation's fit), then the neuron's two product heads (``+``, ``−``). Mixture-of-experts layers: neuron
+        ``neuron`` of expert ``expert`` (an index, or ``"shared"`` for the shared expert), whose heads' output is
+        scaled by the expert's router weight at each position.
         """
         block = self.blocks[self._layer(layer)]
         if not block.has_mlp:
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
+        prefix = f"blocks.{layer % len(self.blocks)}.mlp"
+        if isinstance(block.mlp, MoEMLP):
+            if expert is None:
+                raise InputError(
+                    f"source layer {layer}'s MLP is a mixture of {block.mlp.n_experts} experts: name the expert, "
+                    f"aot.neuron_heads({layer}, {neuron}, expert=e) with e in 0..{block.mlp.n_experts - 1}"
+                    + (" or 'shared'" if hasattr(block.mlp, "shared_expert") else "")
+                )
+            return [HeadRef(f"{prefix}.{attr}", head) for attr, head in block.mlp.neuron_heads(neuron, expert)]
+        if expert is not None:
+            raise InputError(f"source layer {layer}'s MLP is not a mixture of experts; leave expert unset")
         if not 0 <= neuron < block.mlp.d_mlp:
             raise IndexError(f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={block.mlp.d_mlp}")
-        prefix = f"blocks.{layer % len(self.blocks)}.mlp"
         return [HeadRef(f"{prefix}.{attr}", head) for attr, head in block.mlp.neuron_heads(neuron)]
 
     def head_origin(self, name: str, head: int) -> HeadOrigin:
         """Inverse of :meth:`neuron_heads`: what head ``head`` of module ``name`` (e.g. "blocks.3.mlp.heads") was.
 
-        For a neuron head, ``component`` is its position in ``neuron_heads(layer, index)``.
+        For a neuron head, ``component`` is its position in ``neuron_heads(layer, index)`` (``expert``: of that
+        expert, for a module of a mixture-of-experts layer such as "blocks.3.mlp.experts.5.gate_heads").
         """
         layer, kind = parse_module(name)
         module = self.head_module(name)
@@ -416,8 +433,10 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if kind == "attention":
             return HeadOrigin("attention", layer, head, 0)
         k = module.heads_per_neuron
-        offset = self.blocks[layer].mlp.gate_heads.heads_per_neuron if kind == "product" else 0
-        return HeadOrigin("neuron", layer, head // k, offset + head % k)
+        expert = module_expert(name)
+        mlp = self.blocks[layer].mlp if expert is None else self.blocks[layer].mlp.expert(expert)
+        offset = mlp.gate_heads.heads_per_neuron if kind == "product" else 0
+        return HeadOrigin("neuron", layer, head // k, offset + head % k, expert)
 
     def neuron_activations(self, cache: ActivationCache | dict[str, Tensor], layer: int) -> Float[Tensor, "... d_mlp"]:
         """A source layer's MLP activations: ``cache["post", layer]`` (``blocks.{l}.mlp.hook_post``)."""
