@@ -13,8 +13,9 @@ The conversion's bound needs the source's response to every neuron off by ``±ε
 :mod:`lens_aot.core.faithfulness`). :func:`sensitivity_hooks` perturbs each expert's ``hook_post`` where the source
 has one (TransformerLens's ``MoE``); otherwise (a bridge over batched experts) it records the source's own routing
 at ``blocks.{l}.mlp.hook_expert_indices`` / ``hook_expert_weights`` and adds ``Σ_k w_k·(±ε per neuron)·W_out^{e_k}``
-at ``blocks.{l}.hook_mlp_out`` (the same perturbation, applied after the experts), and the shared expert's at its
-``hook_post``; a source with neither gets random corners of the box ``±ε·c``.
+at ``blocks.{l}.hook_mlp_out`` (the same perturbation, applied after the experts; without router hooks, the routing
+is computed from the MoE's input at ``blocks.{l}.ln2.hook_out`` as the source computes it, :func:`route`), and the
+shared expert's at its ``hook_post``; a source with none of these gets random corners of the box ``±ε·c``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit, activation_fit
@@ -95,6 +97,20 @@ def moe_fit(
 Hook = tuple[str, Callable[..., Any]]
 
 
+def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float[Tensor, "tokens top_k"]]:
+    """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
+    same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks)."""
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ spec.W_router.to(flat.device)
+    if spec.b_router is not None:
+        logits = logits + spec.b_router.to(flat.device)
+    probs = torch.softmax(logits if spec.softmax_dtype is None else logits.to(spec.softmax_dtype), dim=-1)
+    weights, indices = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return indices, weights.to(flat.dtype)
+
+
 def _signs(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
     return (torch.randint(0, 2, shape, generator=generator) * 2 - 1).to(dtype=like.dtype, device=like.device)
 
@@ -115,8 +131,11 @@ def sensitivity_hooks(
 
     if all(n in names for n in posts + shared):
         return lambda gen: [(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in posts + shared]
-    if spec is not None and all(n in names for n in routing) and all(n in names for n in shared):
+    ln2 = f"blocks.{layer}.ln2.hook_out"
+    own_routing = all(n in names for n in routing)
+    if spec is not None and (own_routing or ln2 in names) and all(n in names for n in shared):
         W_out = torch.stack([m.W_out for m in spec.experts])  # [n_experts, d_mlp, d_model]
+        moe = spec
 
         def hooks(gen: torch.Generator) -> list[Hook]:
             seen: dict[str, Tensor] = {}
@@ -125,6 +144,8 @@ def sensitivity_hooks(
                 seen[hook.name.rsplit(".", 1)[1]] = act.detach()
 
             def perturb(out: Tensor, hook: Any) -> Tensor:
+                if not own_routing:  # the routing of the MoE's input, recorded at ln2, as the source computes it
+                    seen["hook_expert_indices"], seen["hook_expert_weights"] = route(moe, seen["hook_out"])
                 indices, weights = seen["hook_expert_indices"], seen["hook_expert_weights"]
                 if weights.shape != indices.shape:  # the softmax over all experts (TransformerLens's meaning)
                     weights = weights.reshape(-1, spec.n_experts).gather(1, indices.reshape(-1, spec.top_k))
@@ -139,8 +160,7 @@ def sensitivity_hooks(
                 return out + eps * step.reshape(out.shape)
 
             return [
-                (routing[0], record),
-                (routing[1], record),
+                *([(routing[0], record), (routing[1], record)] if own_routing else [(ln2, record)]),
                 *[(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in shared],
                 (f"blocks.{layer}.hook_mlp_out", perturb),
             ]
