@@ -1,6 +1,6 @@
 """HookedTransformer refusals beyond ``test_hooked_errors.py`` (TransformerLens 3.x): one test per bad input.
 
-``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, mixture-of-experts, sandwich norms, a sliding window,
+``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, sandwich norms, a sliding window,
 shortformer positions, attention soft-capping, a NaN/inf in ``W_in``, converting twice, a non-model, bfloat16, fit
 options and malformed tokens. This file covers every other feature the HookedTransformer reader refuses, the other
 kinds of unsupported activation and of non-finite weights, float16, unrecognised modules, and wrong objects passed

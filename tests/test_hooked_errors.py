@@ -32,13 +32,12 @@ def test_unknown_activation_is_refused() -> None:
 @pytest.mark.parametrize(
     ("family", "overrides", "message"),
     [
-        ("llama", dict(num_experts=4, experts_per_token=2), r"mixture-of-experts MLP.*Supported:"),
         ("llama", dict(use_normalization_before_and_after=True), r"normalization before and after.*Supported:"),
         ("mistral-like", dict(window_size=8), r"sliding-window\) attention with window_size=8 < n_ctx=24"),
         ("ln-standard", dict(positional_embedding_type="shortformer"), r"shortformer.*Use a model with standard"),
         ("ln-standard", dict(attn_scores_soft_cap=30.0), r"soft-capping.*Supported:"),
     ],
-    ids=["gated-moe", "sandwich-norms", "sliding-window", "shortformer", "softcap"],
+    ids=["sandwich-norms", "sliding-window", "shortformer", "softcap"],
 )
 def test_unsupported_architectures_are_refused(family: str, overrides: dict, message: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=message):

@@ -67,11 +67,6 @@ REFUSED: dict[str, tuple[dict[str, Any], type[LensAOTError], tuple[str, ...]]] =
     "alibi": (dict(positional_embedding_type="alibi"), UnsupportedArchitectureError, (r"'alibi'", r"Supported:")),
     "qk-norm": (dict(use_qk_norm=True), UnsupportedArchitectureError, (r"QK-norm", r"Supported:")),
     "post-embedding LN": (dict(post_embedding_ln=True), UnsupportedArchitectureError, (r"after the embed", r"Supp")),
-    "mixture of experts": (
-        dict(num_experts=4, experts_per_token=2),
-        UnsupportedArchitectureError,
-        (r"mixture-of-experts", r"Supported:"),
-    ),
     "local attention window < n_ctx": (
         dict(use_local_attn=True, attn_types=["local"] * 3),  # window_size = n_ctx - 1, set below
         UnsupportedArchitectureError,
@@ -196,8 +191,6 @@ def test_refused_features_raise_the_documented_error(cfg: dict[str, Any], featur
         cfg["window_size"] = cfg["n_ctx"] - 1
     if cfg["positional_embedding_type"] != "rotary":
         cfg.pop("rotary_dim", None), cfg.pop("rotary_adjacent_pairs", None)
-    if "experts_per_token" in overrides:
-        cfg.pop("n_key_value_heads", None)
     model = _build(cfg, seed)
     try:
         lens_aot.convert(model)

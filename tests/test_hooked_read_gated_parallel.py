@@ -99,11 +99,6 @@ def test_parallel_layout() -> None:
     [
         (
             "llama",
-            dict(num_experts=4, experts_per_token=2),
-            r"mixture-of-experts MLP.*Supported:",
-        ),
-        (
-            "llama",
             dict(use_normalization_before_and_after=True),
             r"normalization before and after each sublayer.*Supported:",
         ),
@@ -121,7 +116,7 @@ def test_parallel_layout() -> None:
         ),
         ("neox-parallel", dict(use_qk_norm=True), r"QK-norm.*Supported:"),
     ],
-    ids=["gated-moe", "sandwich-norms", "attn-softcap", "logit-softcap", "binding-window", "local-rotary", "qk-norm"],
+    ids=["sandwich-norms", "attn-softcap", "logit-softcap", "binding-window", "local-rotary", "qk-norm"],
 )
 def test_still_refused(family: str, overrides: dict, message: str) -> None:
     model = make_hooked(family, "silu", **overrides)
