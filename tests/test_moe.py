@@ -16,6 +16,7 @@ from factories_moe import N_EXPERTS, TOP_K, moe_bridge
 
 import lens_aot
 import lens_aot.patching as P
+from lens_aot.analysis.circuits import as_head_ref, head_label
 from lens_aot.core.components import NeuronMLP, ProductAttention
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.faithfulness import neuron_sensitivity
@@ -185,7 +186,9 @@ def test_expert_neurons_are_addressed_and_labelled(converted) -> None:
     assert "blocks.1.mlp.experts.3.product_heads" in names and "blocks.1.mlp.shared_expert.gate_heads" in names
     units = P.head_units(aot, modules=["blocks.1.mlp.experts.2.product_heads", "blocks.1.mlp.shared_expert.gate_heads"])
     assert len(units) == 16 + 32 and units[7].label == "L1E2N7.1+2" and units[16].label == "L1SN0.0"
-    assert parse_label("L1E2N7.1+2").expert == 2 and parse_label("L1SN0.0").expert == "shared"
+    assert parse_label("L1E2N7.1+2") == (1, "neuron", 7, 1, True, 2) and parse_label("L1SN0.0").expert == "shared"
+    assert parse_label("L1N7.1").expert is None
+    assert as_head_ref(aot, "L1E2N7.0") == heads[0] and head_label(aot, heads[1]) == "L1E2N7.1"
 
 
 def test_patching_and_attribution_of_expert_neurons_agree_with_the_source_neuron(converted, one_thread) -> None:

@@ -39,15 +39,31 @@ class ModuleName(NamedTuple):
 class Label(NamedTuple):
     """A parsed label: ``L3H2`` -> (3, "head", 2, None); ``L3N17`` -> (3, "neuron", 17, None); ``L3N17.2`` -> (3,
     "neuron", 17, 2); ``L3N17.4+5`` -> (3, "neuron", 17, 4, pair=True): heads 4 and 5 of ``neuron_heads(3, 17)``.
-    Mixture-of-experts layers: ``L3E5N17`` (neuron 17 of expert 5, ``expert=5``), ``L3SN17`` (of the shared expert,
-    ``expert="shared"``), with the same ``.c`` / ``.c+d`` suffixes."""
+    Mixture-of-experts layers' labels parse to :class:`ExpertLabel`."""
 
     layer: int
     kind: Literal["head", "neuron"]
     index: int
     component: int | None
     pair: bool = False  # the heads at ``component`` and ``component + 1`` together (a gated neuron's product pair)
-    expert: Expert = None
+
+    @property
+    def expert(self) -> Expert:
+        """None: a dense layer's head or neuron."""
+        return None
+
+
+class ExpertLabel(NamedTuple):
+    """A parsed label of an expert's neuron in a mixture-of-experts layer: ``L3E5N17`` -> (3, "neuron", 17, None,
+    False, 5); ``L3SN17.1+2`` -> (3, "neuron", 17, 1, True, "shared") (the shared expert). Fields as :class:`Label`'s,
+    plus ``expert``."""
+
+    layer: int
+    kind: Literal["neuron"]
+    index: int
+    component: int | None
+    pair: bool
+    expert: int | Literal["shared"]
 
 
 def expert_prefix(expert: Expert) -> str:
@@ -116,7 +132,7 @@ def neuron_label(
     return f"L{layer}{where}N{neuron}.{component}" + (f"+{component + 1}" if pair else "")
 
 
-def parse_label(label: str) -> Label:
+def parse_label(label: str) -> Label | ExpertLabel:
     """Parse ``L3H2``, ``L3N17``, ``L3N17.2``, ``L3N17.4+5``, ``L3E5N17…`` or ``L3SN17…``; raises
     :class:`InputError` naming the forms."""
     match = _match(
@@ -135,7 +151,9 @@ def parse_label(label: str) -> Label:
             f"{component}+{int(component) + 1}'"
         )
     index = None if component is None else int(component)
-    return Label(int(layer), "neuron", int(neuron), index, second is not None, expert)
+    if expert is not None:
+        return ExpertLabel(int(layer), "neuron", int(neuron), index, second is not None, expert)
+    return Label(int(layer), "neuron", int(neuron), index, second is not None)
 
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
