@@ -48,16 +48,15 @@ def _randomize_(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             shape = tuple(param.shape)
-            if param.ndim == 1:
-                centre = 1.0 if ("norm" in name or name.endswith(".w") or "ln" in name) and "b" != name[-1] else 0.0
-                values = centre + 0.1 * torch.randn(shape, generator=gen)
-            else:
-                tl_layout = name.rsplit(".", 1)[-1] in ("W_Q", "W_K", "W_V", "W_E", "W_U", "W_pos", "_W_K", "_W_V")
-                fan_in = shape[-2] if tl_layout and name.rsplit(".", 1)[-1] not in ("W_E", "W_pos") else shape[-1]
-                std = (
-                    0.25 if name.rsplit(".", 1)[-1] in ("W_E", "weight") and "embed" in name else 1 / math.sqrt(fan_in)
-                )
-                values = std * torch.randn(shape, generator=gen)
+            module, _, leaf = name.rpartition(".")
+            if param.ndim == 1:  # norm scales (TransformerLens's ``ln*.w``, Hugging Face's ``*norm.weight``), biases
+                scale = leaf in ("w", "weight") and ("norm" in module or module.rpartition(".")[2].startswith("ln"))
+                values = float(scale) + 0.1 * torch.randn(shape, generator=gen)
+            elif leaf == "W_E" or (leaf == "weight" and "embed" in module):
+                values = 0.25 * torch.randn(shape, generator=gen)
+            else:  # TransformerLens's W_Q / W_K / W_V / W_U read their second-to-last axis; the rest their last
+                fan_in = shape[-2] if leaf in ("W_Q", "W_K", "W_V", "_W_K", "_W_V", "W_U") else shape[-1]
+                values = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
             param.copy_(values.to(param.dtype))
 
 

@@ -20,6 +20,7 @@ from lens_aot.analysis.circuits import as_head_ref, head_label
 from lens_aot.core.components import NeuronMLP, ProductAttention
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.faithfulness import neuron_sensitivity
+from lens_aot.core.model import ExpertHeadOrigin
 from lens_aot.core.moe import MoEFit, sensitivity_hooks
 from lens_aot.core.names import parse_label
 from lens_aot.core.read import read_model, run_source
@@ -173,7 +174,7 @@ def test_expert_neurons_are_addressed_and_labelled(converted) -> None:
     assert [h.name for h in heads] == ["blocks.1.mlp.experts.2.gate_heads"] + 2 * [
         "blocks.1.mlp.experts.2.product_heads"
     ]
-    assert [aot.head_origin(*h) for h in heads] == [("neuron", 1, 7, c, 2) for c in range(3)]
+    assert [aot.head_origin(*h) for h in heads] == [ExpertHeadOrigin("neuron", 1, 7, c, 2) for c in range(3)]
     shared = aot.neuron_heads(0, 31, expert="shared")
     assert aot.head_origin(*shared[-1]).expert == "shared"
     with pytest.raises(InputError, match="expert=e"):

@@ -120,17 +120,15 @@ def conversion_bound(
 ) -> tuple[float, float, float]:
     """The bound stated for a conversion on ``tokens``: ``(bound, S, R)`` for the source (its logits ``expected``)
     and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit`` / ``MoEFit``, their ``max_error`` = ε_l;
-    ``moe``: the
-    :class:`~lens_aot.core.spec.MoESpec` of each mixture-of-experts layer). Used by
-    ``convert``'s check and ``lens-aot verify`` alike."""
+    ``moe``: the :class:`~lens_aot.core.spec.MoESpec` of each mixture-of-experts layer, whose neurons are perturbed
+    as :func:`lens_aot.core.moe.sensitivity_hooks` says). Used by ``convert``'s check and ``lens-aot verify`` alike."""
     from lens_aot.core.gating import GatedFit
+    from lens_aot.core.moe import sensitivity_hooks
 
     first = next(iter(fits.values()), None)
     gated = isinstance(first, GatedFit) or bool(getattr(first, "gated", False))
     stated = stated_logit_error(None if first is None else first.act_fn, expected.dtype, gated=gated)
     eps = {layer: float(fit.max_error) for layer, fit in fits.items()}
-    from lens_aot.core.moe import sensitivity_hooks
-
     names = getattr(source, "hook_dict", {})
     custom = {
         layer: sensitivity_hooks(names, layer, fit, eps[layer], (moe or {}).get(layer))

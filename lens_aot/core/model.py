@@ -66,15 +66,31 @@ class HeadOrigin(NamedTuple):
     """What a head of the converted model was in the source.
 
     ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. ``kind`` "neuron": neuron ``index`` of
-    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)`` (of ``expert``
-    in a mixture-of-experts layer: ``neuron_heads(layer, index, expert=expert)``).
+    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``. Heads of an
+    expert of a mixture-of-experts layer have an :class:`ExpertHeadOrigin`.
     """
 
     kind: Literal["attention", "neuron"]
     layer: int
     index: int
     component: int
-    expert: Expert = None  # mixture-of-experts layers: the neuron's expert (an index, or "shared")
+
+    @property
+    def expert(self) -> Expert:
+        """None: the head is not an expert's."""
+        return None
+
+
+class ExpertHeadOrigin(NamedTuple):
+    """What a neuron head of a mixture-of-experts layer was: neuron ``index`` of expert ``expert`` (an index, or
+    ``"shared"``) of source layer ``layer``'s MLP, ``component`` its position in
+    ``neuron_heads(layer, index, expert=expert)``."""
+
+    kind: Literal["neuron"]
+    layer: int
+    index: int
+    component: int
+    expert: int | Literal["shared"]
 
 
 class Sublayer(NamedTuple):
@@ -420,7 +436,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             raise IndexError(f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={block.mlp.d_mlp}")
         return [HeadRef(f"{prefix}.{attr}", head) for attr, head in block.mlp.neuron_heads(neuron)]
 
-    def head_origin(self, name: str, head: int) -> HeadOrigin:
+    def head_origin(self, name: str, head: int) -> HeadOrigin | ExpertHeadOrigin:
         """Inverse of :meth:`neuron_heads`: what head ``head`` of module ``name`` (e.g. "blocks.3.mlp.heads") was.
 
         For a neuron head, ``component`` is its position in ``neuron_heads(layer, index)`` (``expert``: of that
@@ -436,7 +452,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         expert = module_expert(name)
         mlp = self.blocks[layer].mlp if expert is None else self.blocks[layer].mlp.expert(expert)
         offset = mlp.gate_heads.heads_per_neuron if kind == "product" else 0
-        return HeadOrigin("neuron", layer, head // k, offset + head % k, expert)
+        if expert is None:
+            return HeadOrigin("neuron", layer, head // k, offset + head % k)
+        return ExpertHeadOrigin("neuron", layer, head // k, offset + head % k, expert)
 
     def neuron_activations(self, cache: ActivationCache | dict[str, Tensor], layer: int) -> Float[Tensor, "... d_mlp"]:
         """A source layer's MLP activations: ``cache["post", layer]`` (``blocks.{l}.mlp.hook_post``)."""
