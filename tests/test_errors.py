@@ -171,9 +171,8 @@ def _native_with(after: dict[str, Any], **fields: Any) -> Callable[[], Any]:
         ),
         (dict(use_local_attn=True), {}, (r"local / sliding-window attention", r"Only full \(global\) attention")),
         (dict(use_qk_norm=True), {}, (r"QK-norm",)),
-        (dict(num_experts=4), {}, (r"mixture-of-experts MLP",)),
     ],
-    ids=["logit-softcap", "rope-linear", "rope-dynamic", "rope-llama3", "local-attention", "qk-norm", "moe"],
+    ids=["logit-softcap", "rope-linear", "rope-dynamic", "rope-llama3", "local-attention", "qk-norm"],
 )
 def test_unsupported_native_features(fields: dict[str, Any], after: dict[str, Any], phrases: tuple[str, ...]) -> None:
     with mock.patch.dict(FAMILIES, {"custom": _native_with(after, **fields)}):

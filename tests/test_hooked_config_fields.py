@@ -24,6 +24,7 @@ _BASE = {
 # Carried fields the existing family tests turn on (tests/factories_hooked.py, test_hooked_convert.py).
 _FAMILY_TESTED = {
     "n_key_value_heads", "attn_only", "gated_mlp", "parallel_attn_mlp", "attention_dir", "rotary_adjacent_pairs",
+    "num_experts", "experts_per_token", "norm_topk_prob",  # tests/test_moe*.py
 }  # fmt: skip
 # Carried fields whose only values a test can set here are the variants' tuning knobs (set together with their switch
 # in tests/variants_hooked.py, or defaults the tables are computed with).

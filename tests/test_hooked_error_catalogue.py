@@ -1,7 +1,7 @@
 """HookedTransformer refusals beyond ``test_hooked_errors.py`` (TransformerLens 3.x): one test per bad input.
 
-``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, mixture-of-experts, shortformer positions, a NaN/inf in
-``W_in``, converting twice, a non-model, bfloat16, fit
+``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, shortformer positions, a NaN/inf in ``W_in``, converting
+twice, a non-model, bfloat16, fit
 options and malformed tokens. This file covers every other feature the HookedTransformer reader refuses, the other
 kinds of unsupported activation and of non-finite weights, float16, unrecognised modules, and wrong objects passed
 to ``convert``. Each test asserts the exact error type and key phrases naming the problem and the fix.

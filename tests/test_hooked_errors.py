@@ -32,10 +32,9 @@ def test_unknown_activation_is_refused() -> None:
 @pytest.mark.parametrize(
     ("family", "overrides", "message"),
     [
-        ("llama", dict(num_experts=4, experts_per_token=2), r"mixture-of-experts MLP.*Supported:"),
         ("ln-standard", dict(positional_embedding_type="shortformer"), r"shortformer.*Use a model with standard"),
     ],
-    ids=["gated-moe", "shortformer"],
+    ids=["shortformer"],
 )
 def test_unsupported_architectures_are_refused(family: str, overrides: dict, message: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=message):

@@ -69,11 +69,6 @@ REFUSED: dict[str, tuple[dict[str, Any], type[LensAOTError], tuple[str, ...]]] =
         UnsupportedArchitectureError,
         (r"shortformer", r"Use a model with standard or rotary positions"),
     ),
-    "mixture of experts": (
-        dict(num_experts=4, experts_per_token=2),
-        UnsupportedArchitectureError,
-        (r"mixture-of-experts", r"Supported:"),
-    ),
 }
 
 
@@ -189,8 +184,6 @@ def test_refused_features_raise_the_documented_error(cfg: dict[str, Any], featur
     cfg = cfg | {"attn_only": False} | overrides
     if cfg["positional_embedding_type"] != "rotary":
         cfg.pop("rotary_dim", None), cfg.pop("rotary_adjacent_pairs", None)
-    if "experts_per_token" in overrides:
-        cfg.pop("n_key_value_heads", None)
     model = _build(cfg, seed)
     try:
         lens_aot.convert(model)

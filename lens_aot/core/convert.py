@@ -16,8 +16,9 @@ from lens_aot.core.components.ownership import adopting
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
 from lens_aot.core.gating import GatedFit, gated_fit
 from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
 from lens_aot.tl.hooks import attached_hooks
 
@@ -104,19 +105,33 @@ class ConversionReport:
 
 def _fits(
     spec: ModelSpec, max_neuron_error: float | None, heads_per_neuron: int | None
-) -> dict[int, ActivationFit | GatedFit]:
-    """How each MLP layer's neurons become heads: an activation fit (plain MLPs, Theorem 3) or a gated construction
-    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.core.gating`)."""
-    fits: dict[int, ActivationFit | GatedFit] = {}
+) -> dict[int, ActivationFit | GatedFit | MoEFit]:
+    """How each MLP layer's neurons become heads: an activation fit (plain MLPs, Theorem 3), a gated construction
+    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.core.gating`), or per expert one of
+    those (mixtures of experts, :mod:`lens_aot.core.moe`)."""
+    fits: dict[int, ActivationFit | GatedFit | MoEFit] = {}
     for i, layer in enumerate(spec.layers):
         if layer.mlp is None:
             continue
-        if layer.mlp.gated:
+        if isinstance(layer.mlp, MoESpec):
+            assert layer.ln2 is not None
+            fits[i] = moe_fit(layer.mlp, layer.ln2, max_neuron_error, heads_per_neuron)
+        elif layer.mlp.gated:
             assert layer.ln2 is not None
             fits[i] = gated_fit(layer.mlp, layer.ln2, max_neuron_error, heads_per_neuron)
         else:
             fits[i] = activation_fit(layer.mlp.act_fn, max_neuron_error, heads_per_neuron)
     return fits
+
+
+def _neuron_heads(mlp: MLPSpec | MoESpec | None, fit: ActivationFit | GatedFit | MoEFit) -> int:
+    """Neuron heads replacing one source MLP (every expert's, for a mixture of experts)."""
+    if isinstance(mlp, MoESpec) and isinstance(fit, MoEFit):
+        shared = [] if mlp.shared is None or fit.shared is None else [(mlp.shared, fit.shared)]
+        pairs = [*zip(mlp.experts, fit.experts, strict=True), *shared]
+        return sum(int(m.W_in.shape[1]) * f.n_terms for m, f in pairs)
+    assert isinstance(mlp, MLPSpec)
+    return int(mlp.W_in.shape[1]) * fit.n_terms
 
 
 def _check_options(max_neuron_error: Any, heads_per_neuron: Any) -> None:
@@ -206,7 +221,10 @@ def _check_agreement(
     with _eval_mode(model), torch.no_grad():
         expected = run_source(model, tokens.to(spec.device))
         got = aot(tokens)
-        bound, sensitivity, rounding = conversion_bound(model, tokens.to(spec.device), expected, fits, len(spec.layers))
+        moe = {i: layer.mlp for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, MoESpec)}
+        bound, sensitivity, rounding = conversion_bound(
+            model, tokens.to(spec.device), expected, fits, len(spec.layers), moe=moe
+        )
     max_err = float((got - expected).abs().max()) if got.numel() else 0.0
     argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
 
@@ -360,7 +378,7 @@ def convert(
     source_count, source_bytes = _param_stats(model)
     count, size = _param_stats(aot)
     first_fit = next(iter(fits.values()), None)
-    gated_scales = [e for f in fits.values() if isinstance(f, GatedFit) for e in f.scales]
+    gated_scales = [e for f in fits.values() if isinstance(f, (GatedFit, MoEFit)) for e in f.scales]
     aot.report = ConversionReport(
         model_name=spec.model_name,
         source_kind=spec.source_kind,
@@ -370,7 +388,7 @@ def convert(
         heads_per_neuron=0 if first_fit is None else first_fit.n_terms,
         max_neuron_error=0.0 if first_fit is None else max(f.max_error for f in fits.values()),
         attention_heads=sum(int(layer.attn.W_Q.shape[0]) for layer in spec.layers),
-        neuron_heads=sum(int(spec.layers[i].mlp.W_in.shape[1]) * f.n_terms for i, f in fits.items()),  # type: ignore[union-attr]
+        neuron_heads=sum(_neuron_heads(spec.layers[i].mlp, f) for i, f in fits.items()),
         source_parameters=source_count,
         converted_parameters=count,
         source_bytes=source_bytes,
@@ -378,7 +396,7 @@ def convert(
         sample_shape=tuple(tokens.shape),
         max_abs_logit_error=max_err,
         argmax_agreement=argmax,
-        gated=isinstance(first_fit, GatedFit),
+        gated=isinstance(first_fit, GatedFit) or (isinstance(first_fit, MoEFit) and first_fit.gated),
         parallel=any(layer.parallel for layer in spec.layers),
         product_scales=None if not gated_scales else (min(gated_scales), max(gated_scales)),
         logit_bound=bound,

@@ -82,10 +82,15 @@ def neuron_sensitivity(
     eps: dict[int, float],
     base: Float[Tensor, "batch pos d_vocab"],
     trials: int = 1,
+    custom: dict[int, Callable[[torch.Generator], list[tuple[str, Callable[..., Any]]]]] | None = None,
 ) -> float:
     """Max |Δlogit| of a source (``run_with_hooks``: its TransformerLens ``run_with_hooks``) when every neuron of
     layer ``l`` (``blocks.{l}.mlp.hook_post``) gets ``±eps[l]`` with random signs (generator seeds 0..trials−1),
-    against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises."""
+    against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises.
+
+    ``custom[l]`` (mixture-of-experts layers, :func:`lens_aot.core.moe.sensitivity_hooks`): the hooks that perturb
+    layer ``l``'s neurons instead, as a function of the trial's generator."""
+    custom = custom or {}
     eps = {layer: e for layer, e in eps.items() if e > 0}
     worst = 0.0
     for trial in range(trials if eps else 0):
@@ -96,7 +101,9 @@ def neuron_sensitivity(
             signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype) * 2 - 1
             return act + eps[layer] * signs.to(act.device)
 
-        hooks = [(f"blocks.{layer}.mlp.hook_post", perturb) for layer in sorted(eps)]
+        hooks = []
+        for layer in sorted(eps):
+            hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
         with torch.no_grad():
             out = run_with_hooks(tokens, fwd_hooks=hooks)
         worst = max(worst, float((getattr(out, "logits", out) - base).abs().max()))
@@ -109,17 +116,25 @@ def conversion_bound(
     expected: Float[Tensor, "batch pos d_vocab"],
     fits: dict[int, Any],
     n_layers: int,
+    moe: dict[int, Any] | None = None,
 ) -> tuple[float, float, float]:
     """The bound stated for a conversion on ``tokens``: ``(bound, S, R)`` for the source (its logits ``expected``)
-    and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit``, their ``max_error`` = ε_l). Used by
-    ``convert``'s check and ``lens-aot verify`` alike."""
+    and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit`` / ``MoEFit``, their ``max_error`` = ε_l;
+    ``moe``: the :class:`~lens_aot.core.spec.MoESpec` of each mixture-of-experts layer, whose neurons are perturbed
+    as :func:`lens_aot.core.moe.sensitivity_hooks` says). Used by ``convert``'s check and ``lens-aot verify`` alike."""
     from lens_aot.core.gating import GatedFit
+    from lens_aot.core.moe import sensitivity_hooks
 
     first = next(iter(fits.values()), None)
-    stated = stated_logit_error(
-        None if first is None else first.act_fn, expected.dtype, gated=isinstance(first, GatedFit)
-    )
+    gated = isinstance(first, GatedFit) or bool(getattr(first, "gated", False))
+    stated = stated_logit_error(None if first is None else first.act_fn, expected.dtype, gated=gated)
     eps = {layer: float(fit.max_error) for layer, fit in fits.items()}
-    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected)
+    names = getattr(source, "hook_dict", {})
+    custom = {
+        layer: sensitivity_hooks(names, layer, fit, eps[layer], (moe or {}).get(layer))
+        for layer, fit in fits.items()
+        if hasattr(fit, "output_scale") and eps[layer] > 0
+    }
+    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom)
     rounding = rounding_floor(expected.dtype, expected, n_layers)
     return logit_bound(stated, sensitivity, rounding), sensitivity, rounding

@@ -28,21 +28,30 @@ from transformer_lens import ActivationCache
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
+from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
-from lens_aot.core.names import HeadKind, flat_layout_hint, parse_module
+from lens_aot.core.names import Expert, HeadKind, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.placement import Placement
-from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
+
+
+def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
+    """A source MLP as neuron heads: a :class:`NeuronMLP`, or for a mixture of experts an :class:`MoEMLP` of them
+    (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
+    if isinstance(mlp, MoESpec):
+        return MoEMLP(mlp, lambda expert, e: NeuronMLP(expert, fit.shared if e is None else fit.experts[e]))
+    return NeuronMLP(mlp, fit)
 
 
 class HeadRef(NamedTuple):
@@ -57,13 +66,31 @@ class HeadOrigin(NamedTuple):
     """What a head of the converted model was in the source.
 
     ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. ``kind`` "neuron": neuron ``index`` of
-    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``.
+    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``. Heads of an
+    expert of a mixture-of-experts layer have an :class:`ExpertHeadOrigin`.
     """
 
     kind: Literal["attention", "neuron"]
     layer: int
     index: int
     component: int
+
+    @property
+    def expert(self) -> Expert:
+        """None: the head is not an expert's."""
+        return None
+
+
+class ExpertHeadOrigin(NamedTuple):
+    """What a neuron head of a mixture-of-experts layer was: neuron ``index`` of expert ``expert`` (an index, or
+    ``"shared"``) of source layer ``layer``'s MLP, ``component`` its position in
+    ``neuron_heads(layer, index, expert=expert)``."""
+
+    kind: Literal["neuron"]
+    layer: int
+    index: int
+    component: int
+    expert: int | Literal["shared"]
 
 
 class Sublayer(NamedTuple):
@@ -123,7 +150,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
         (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
-        super().__init__(spec, lambda layer, mlp: NeuronMLP(mlp, fits[layer]))
+        super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]))
         attn0 = spec.layers[0].attn if spec.layers else None
         self.cfg = AOTConfig.of(
             spec,
@@ -359,9 +386,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         block = self.blocks[self._layer(layer)]
         if kind == "attention":
             return block.attn
-        if not block.has_mlp or not hasattr(block.mlp, name.rsplit(".", 1)[1]):
-            raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them")
-        return getattr(block.mlp, name.rsplit(".", 1)[1])
+        path = name.split(".mlp.", 1)[1]
+        try:
+            return block.mlp.get_submodule(path)  # heads, or experts.{e}.heads of a mixture of experts
+        except AttributeError:
+            raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them") from None
 
     def _head_modules(self) -> list[tuple[str, nn.Module]]:
         return [(sub.name, self.head_module(sub.name)) for sub in self.sublayers()]
@@ -381,24 +410,37 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
         return names[-1]
 
-    def neuron_heads(self, layer: int, neuron: int) -> list[HeadRef]:
+    def neuron_heads(self, layer: int, neuron: int, expert: Expert = None) -> list[HeadRef]:
         """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP.
 
         Plain MLPs: one head per term of the activation's fit. Gated MLPs: the gate heads (one per term of the gate
-        activation's fit), then the neuron's two product heads (``+``, ``−``).
+        activation's fit), then the neuron's two product heads (``+``, ``−``). Mixture-of-experts layers: neuron
+        ``neuron`` of expert ``expert`` (an index, or ``"shared"`` for the shared expert), whose heads' output is
+        scaled by the expert's router weight at each position.
         """
         block = self.blocks[self._layer(layer)]
         if not block.has_mlp:
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
+        prefix = f"blocks.{layer % len(self.blocks)}.mlp"
+        if isinstance(block.mlp, MoEMLP):
+            if expert is None:
+                raise InputError(
+                    f"source layer {layer}'s MLP is a mixture of {block.mlp.n_experts} experts: name the expert, "
+                    f"aot.neuron_heads({layer}, {neuron}, expert=e) with e in 0..{block.mlp.n_experts - 1}"
+                    + (" or 'shared'" if hasattr(block.mlp, "shared_expert") else "")
+                )
+            return [HeadRef(f"{prefix}.{attr}", head) for attr, head in block.mlp.neuron_heads(neuron, expert)]
+        if expert is not None:
+            raise InputError(f"source layer {layer}'s MLP is not a mixture of experts; leave expert unset")
         if not 0 <= neuron < block.mlp.d_mlp:
             raise IndexError(f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={block.mlp.d_mlp}")
-        prefix = f"blocks.{layer % len(self.blocks)}.mlp"
         return [HeadRef(f"{prefix}.{attr}", head) for attr, head in block.mlp.neuron_heads(neuron)]
 
-    def head_origin(self, name: str, head: int) -> HeadOrigin:
+    def head_origin(self, name: str, head: int) -> HeadOrigin | ExpertHeadOrigin:
         """Inverse of :meth:`neuron_heads`: what head ``head`` of module ``name`` (e.g. "blocks.3.mlp.heads") was.
 
-        For a neuron head, ``component`` is its position in ``neuron_heads(layer, index)``.
+        For a neuron head, ``component`` is its position in ``neuron_heads(layer, index)`` (``expert``: of that
+        expert, for a module of a mixture-of-experts layer such as "blocks.3.mlp.experts.5.gate_heads").
         """
         layer, kind = parse_module(name)
         module = self.head_module(name)
@@ -407,8 +449,12 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if kind == "attention":
             return HeadOrigin("attention", layer, head, 0)
         k = module.heads_per_neuron
-        offset = self.blocks[layer].mlp.gate_heads.heads_per_neuron if kind == "product" else 0
-        return HeadOrigin("neuron", layer, head // k, offset + head % k)
+        expert = module_expert(name)
+        mlp = self.blocks[layer].mlp if expert is None else self.blocks[layer].mlp.expert(expert)
+        offset = mlp.gate_heads.heads_per_neuron if kind == "product" else 0
+        if expert is None:
+            return HeadOrigin("neuron", layer, head // k, offset + head % k)
+        return ExpertHeadOrigin("neuron", layer, head // k, offset + head % k, expert)
 
     def neuron_activations(self, cache: ActivationCache | dict[str, Tensor], layer: int) -> Float[Tensor, "... d_mlp"]:
         """A source layer's MLP activations: ``cache["post", layer]`` (``blocks.{l}.mlp.hook_post``)."""

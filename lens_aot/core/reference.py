@@ -20,8 +20,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.components import MLP
+from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec import ModelSpec, MoESpec
 
 
 class MLPTransformerConfig(SourceConfig):
@@ -32,7 +33,9 @@ class MLPTransformer(SpecTransformer):
     """The standard transformer a :class:`~lens_aot.core.spec.ModelSpec` describes, with TransformerLens hook names."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__(spec, lambda layer, mlp: MLP(mlp))
+        super().__init__(
+            spec, lambda layer, mlp: MoEMLP(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp)
+        )
         self._spec_info = {
             "causal": spec.causal,
             "positions": spec.positions,

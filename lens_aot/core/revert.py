@@ -12,14 +12,14 @@ source can be rebuilt from it:
 * ``to="reference"``: :class:`lens_aot.core.reference.MLPTransformer`, the standard transformer the spec describes, with
   TransformerLens hook names; any spec (TransformerBridge sources, TransformerLens 4.x).
 * ``to="auto"``: ``"hooked"`` when the source was a HookedTransformer and TransformerLens has the class, else
-  ``"reference"``.
+  ``"reference"`` (always for mixtures of experts, which ``"hooked"`` refuses).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec import ModelSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl import has_hooked_transformer
 
@@ -41,8 +41,15 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
         weights and logits exactly.
     """
     spec = _spec_of(aot)
+    moe = any(isinstance(layer.mlp, MoESpec) for layer in spec.layers)
     if to == "auto":
-        to = "hooked" if spec.source_kind == "HookedTransformer" and has_hooked_transformer() else "reference"
+        hooked = spec.source_kind == "HookedTransformer" and has_hooked_transformer() and not moe
+        to = "hooked" if hooked else "reference"
+    if to == "hooked" and moe:
+        raise UnsupportedArchitectureError(
+            "revert(..., to='hooked') does not write mixture-of-experts layers back into a HookedTransformer yet. "
+            "Use to='reference' (an MLPTransformer with the source's router and experts; to='auto' picks it)."
+        )
     if to == "hooked":
         from lens_aot.tl.write_hooked import hooked_from_spec
 

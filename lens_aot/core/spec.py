@@ -107,7 +107,7 @@ class LayerSpec:
     ln1: NormSpec
     attn: AttentionSpec
     ln2: NormSpec | None = None
-    mlp: MLPSpec | None = None
+    mlp: MLPSpec | MoESpec | None = None
     parallel: bool = False
     # Sandwich norms (Gemma 2/3, TransformerLens ``use_normalization_before_and_after``): ``attn_out = ln1_post(attn)``
     # and ``mlp_out = ln2_post(mlp)`` before ``hook_attn_out`` / ``hook_mlp_out``.
@@ -191,3 +191,41 @@ class ModelSpec:
     @property
     def device(self) -> torch.device:
         return self.W_E.device
+
+
+@dataclass
+class MoESpec:
+    """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, OLMoE; TransformerLens's ``MoE``), read on ``ln2``'s output.
+
+    Per token: ``logits = x @ W_router (+ b_router)``; ``probs = softmax(logits)`` (computed in ``softmax_dtype``
+    when set, as the sources do in float32); the ``top_k`` largest ``probs`` are chosen (``torch.topk``, so ties
+    keep the lower expert index first, exactly as the source's own call), renormalised to sum 1 when
+    ``norm_topk_prob``, cast to the activation dtype, and each chosen expert's output is scaled by its weight and
+    summed in expert order. ``shared`` (Qwen2-MoE) is an always-on expert whose output is scaled by
+    ``sigmoid(x @ W_shared_gate)`` when that is set, and added after the routed experts.
+    """
+
+    W_router: Float[Tensor, "d_model n_experts"]
+    experts: list[MLPSpec]
+    top_k: int
+    norm_topk_prob: bool = True
+    softmax_dtype: torch.dtype | None = torch.float32
+    b_router: Float[Tensor, " n_experts"] | None = None
+    shared: MLPSpec | None = None
+    W_shared_gate: Float[Tensor, "d_model 1"] | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.experts)
+
+    @property
+    def gated(self) -> bool:
+        return self.experts[0].gated
+
+    @property
+    def act_fn(self) -> str:
+        return self.experts[0].act_fn
+
+    @property
+    def d_mlp(self) -> int:
+        return int(self.experts[0].W_in.shape[1])

@@ -70,11 +70,13 @@ CARRIED: dict[str, str] = {
     "default_prepend_bos": "ModelSpec.default_prepend_bos",
     "tokenizer_prepends_bos": "ModelSpec.extra",
     "model_name": "ModelSpec.model_name",
+    "num_experts": "MoESpec: one expert MLP per expert (lens_aot.tl.read_moe)",
+    "experts_per_token": "MoESpec.top_k",
+    "norm_topk_prob": "MoESpec.norm_topk_prob",
 }
 
 # field -> (a value lens_aot refuses, why): converting a model with it raises an error naming the field.
 REFUSED: dict[str, tuple[Any, str]] = {
-    "num_experts": (4, "mixture-of-experts MLP"),
     "load_in_4bit": (True, "4-bit quantised weights"),
     "n_devices": (2, "a model split across several devices (move it to one device first)"),
     "ungroup_grouped_query_attention": (True, "hook_k / hook_v expanded to n_heads, unlike the converted model's"),
@@ -91,8 +93,6 @@ IRRELEVANT: dict[str, str] = {
     "uses_rms_norm": "a TransformerBridge hint; HookedTransformer norms are read off their modules",
     "layer_norm_folding": "records folding; the folded norms and weights are read off the modules",
     "tie_word_embeddings": "W_U is read as stored",
-    "experts_per_token": "only read with num_experts (refused)",
-    "norm_topk_prob": "only read with num_experts (refused)",
     "quantization_method": "only read with load_in_4bit (refused)",
     "relative_attention_max_distance": "T5 relative biases (positional_embedding_type refused)",
     "relative_attention_num_buckets": "T5 relative biases (positional_embedding_type refused)",

@@ -29,8 +29,9 @@ from torch import Tensor, nn
 
 from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.mlp import MLP
+from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec import LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.bridge_attention import (
     AttentionReading,
@@ -49,7 +50,6 @@ from lens_aot.tl.bridge_components import (
     _copy,
     _embedding,
     _linear,
-    _mlp,
     _module_activation,
     _norm,
     _original,
@@ -59,6 +59,7 @@ from lens_aot.tl.bridge_components import (
 )
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
+from lens_aot.tl.read_moe import read_bridge_mlp
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -87,7 +88,6 @@ _EXTRA_BLOCK_PIECES = {
 }
 
 _MLP_REFUSALS = {
-    "MoEBridge": "a mixture-of-experts MLP",
     "BloomMLPBridge": "BLOOM's MLP with the residual added inside",
 }
 
@@ -213,7 +213,8 @@ def _verify(
             check_piece(layer, "attn", got, call, "the attention reading (scale, rotary, softmax)")
         call = calls.get((layer, "mlp"))
         if spec.mlp is not None and call is not None:
-            got = MLP(spec.mlp).to(call.input.device)(call.input)
+            mlp = MoEMLP(spec.mlp, lambda m, e: MLP(m)) if isinstance(spec.mlp, MoESpec) else MLP(spec.mlp)
+            got = mlp.to(call.input.device)(call.input)
             check_piece(layer, "mlp", got, call, f"the {'gated ' if spec.mlp.gated else ''}{spec.mlp.act_fn} MLP")
 
 
@@ -351,7 +352,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln1=ln1,
                 attn=attn,
                 ln2=ln2,
-                mlp=_mlp(mlp_bridge, dtype, act),
+                mlp=read_bridge_mlp(mlp_bridge, layer, dtype, act),
                 parallel=parallel,
                 ln1_post=_norm(post, dtype) if (post := _component(block, "ln1_post")) is not None else None,
                 ln2_post=_norm(post, dtype) if (post := _component(block, "ln2_post")) is not None else None,

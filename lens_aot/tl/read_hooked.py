@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from lens_aot.core.activations import canonical_activation
-from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.read_moe import read_hooked_moe
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
@@ -22,13 +23,13 @@ SUPPORTED = (
     "per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or sliding-"
     "window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; sequential or "
     "parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with activations silu, "
-    "relu, gelu, gelu_new, gelu_fast; attention-only models (see docs/variants.md)"
+    "relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; attention-only models "
+    "(see docs/variants.md)"
 )
 
 # cfg attribute -> (value meaning "off", what it is); any other value is refused, naming the field
 # (lens_aot.tl.config_fields lists every HookedTransformerConfig field as carried, refused or irrelevant).
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
-    "num_experts": (None, "a mixture-of-experts MLP"),
     "load_in_4bit": (False, "4-bit quantised weights"),
     "n_devices": (1, "a model split across several devices (move it to one device first)"),
     "ungroup_grouped_query_attention": (
@@ -266,8 +267,11 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
     act_fn = None if cfg.attn_only else str(cfg.act_fn)
     layers = []
     sandwich = bool(cfg.use_normalization_before_and_after)
-    for block, rotary in zip(model.blocks, layer_rotary, strict=True):
-        mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
+    for i, (block, rotary) in enumerate(zip(model.blocks, layer_rotary, strict=True)):
+        if getattr(cfg, "num_experts", None) and not cfg.attn_only:
+            mlp: MLPSpec | MoESpec | None = read_hooked_moe(block.mlp, act_fn or "", bool(cfg.norm_topk_prob), i)
+        else:
+            mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
         attn = _attention(block.attn, cfg)
         attn.rotary = rotary
         layers.append(

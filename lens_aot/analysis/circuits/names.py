@@ -107,7 +107,8 @@ def head_hook(ref: HeadRef | Sublayer, hook: str) -> str:
 
 
 def _from_label(aot: AttentionOnlyTransformer, label: str) -> HeadRef:
-    layer, kind, index, component, pair = core_names.parse_label(label)
+    parsed = core_names.parse_label(label)
+    layer, kind, index, component, pair = parsed[:5]
     if pair:
         raise InputError(
             f"{label} is a product pair (two heads, patched and attributed together), not one head; name one of them "
@@ -123,7 +124,7 @@ def _from_label(aot: AttentionOnlyTransformer, label: str) -> HeadRef:
             f"aot.neuron_heads({layer}, {index})"
         )
     try:
-        refs = aot.neuron_heads(layer, index)
+        refs = aot.neuron_heads(layer, index, expert=parsed.expert)
     except (IndexError, ValueError) as err:
         raise InputError(f"{label}: {err}") from None
     if not component < len(refs):
@@ -160,9 +161,10 @@ def head_origin(aot: AttentionOnlyTransformer, ref: HeadRef) -> HeadOrigin:
 
 def head_label(aot: AttentionOnlyTransformer, head: HeadLike) -> str:
     """The head's label: ``"L1H3"`` for head 3 of layer 1's attention, ``"L1N17.2"`` for head 2 of
-    ``aot.neuron_heads(1, 17)`` (always with the head's index, even for one head per neuron)."""
+    ``aot.neuron_heads(1, 17)`` (always with the head's index, even for one head per neuron); ``"L1E2N17.2"`` for
+    an expert's neuron (mixture-of-experts layers)."""
     ref = as_head_ref(aot, head)
     origin = head_origin(aot, ref)
     if origin.kind == "attention":
         return core_names.head_label(origin.layer, origin.index)
-    return core_names.neuron_label(origin.layer, origin.index, origin.component)
+    return core_names.neuron_label(origin.layer, origin.index, origin.component, expert=origin.expert)

@@ -343,6 +343,7 @@ def _in_unit(pair: PatchUnit, key: Any, modules: list[str]) -> bool:
         return (
             label.kind == "neuron"
             and not label.pair
+            and label.expert is None
             and (label.layer, label.index) == (pair.layer, pair.index)
             and label.component in (pair.component, (pair.component or 0) + 1)
         )

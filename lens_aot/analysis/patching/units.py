@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
-from lens_aot.core.names import head_label, module_name, neuron_label, parse_module
+from lens_aot.core.names import head_label, mlp_of, module_expert, neuron_label, parse_module
 from lens_aot.errors import InputError
 
 # rank of a head module within its layer, in forward order
@@ -89,9 +89,10 @@ class PatchUnit(NamedTuple):
             return self.name
         if self.kind == "attention":
             return head_label(self.layer, self.index)
+        expert = module_expert(self.heads[0].name) if self.heads else None
         if self.kind == "neuron":
-            return neuron_label(self.layer, self.index)
-        return neuron_label(self.layer, self.index, self.component, pair=self.product_pair is not None)
+            return neuron_label(self.layer, self.index, expert=expert)
+        return neuron_label(self.layer, self.index, self.component, self.product_pair is not None, expert)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -204,10 +205,12 @@ def _module_of_input(hook_name: str) -> str:
 def _output_hook(name: str) -> str:
     """The hook of what module ``name`` writes (``Σ_h z_h · W_O[h] + b_O``): ``hook_attn_out`` (attention),
     ``hook_mlp_out`` (neuron and product heads), or the product heads' ``hook_gate`` (gate heads: the MLP's
-    scratch)."""
+    scratch). A mixture-of-experts layer's expert: its ``hook_out`` (its output before its router weight)."""
     layer, kind = parse_module(name)
     if kind == "gate":
-        return f"{module_name(layer, 'product')}.hook_gate"
+        return f"{mlp_of(name)}.product_heads.hook_gate"
+    if kind != "attention" and module_expert(name) is not None:
+        return f"{mlp_of(name)}.hook_out"
     return f"blocks.{layer}.hook_{'attn' if kind == 'attention' else 'mlp'}_out"
 
 
@@ -215,11 +218,11 @@ def _state_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
     """The hooks from which every head output (``hook_z``) of module ``name`` follows: ``hook_z`` for the source's
     heads, the MLP's ``hook_pre`` for neuron/gate heads, its ``hook_pre_linear`` and the product heads' ``hook_gate``
     for product heads."""
-    layer, kind = parse_module(name)
+    kind = parse_module(name).kind
     if kind == "product":
-        return [f"blocks.{layer}.mlp.hook_pre_linear", f"{name}.hook_gate"]
+        return [f"{mlp_of(name)}.hook_pre_linear", f"{name}.hook_gate"]
     if kind in ("neuron", "gate"):
-        return [f"blocks.{layer}.mlp.hook_pre"]
+        return [f"{mlp_of(name)}.hook_pre"]
     return [_z_hook(name)]
 
 
@@ -280,7 +283,7 @@ def _reads_output_of(aot: AttentionOnlyTransformer, receiver: str | None, sender
     output reaches only its own layer's product heads; the others' reach the residual after them."""
     s_layer, s_kind = parse_module(sender)
     if s_kind == "gate":
-        return receiver is not None and receiver == module_name(s_layer, "product")
+        return receiver is not None and receiver == f"{mlp_of(sender)}.product_heads"
     if receiver is None:
         return True
     r_layer = _layer_of(receiver)
@@ -295,8 +298,7 @@ def _stop_after(names: Iterable[str]) -> int:
 def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
     """The product-head module that reads gate module ``name``'s output (its values, through ``hook_gate``); None if
     ``name`` holds no gate heads."""
-    layer, kind = parse_module(name)
-    return module_name(layer, "product") if kind == "gate" else None
+    return f"{mlp_of(name)}.product_heads" if _kind_of(name) == "gate" else None
 
 
 def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
@@ -498,7 +500,8 @@ class _Index:
         d_mlp: dict[int, int] = {}
         heads: dict[tuple[int, int], int] = {}
         for unit in units:
-            if unit.kind in ("neuron", "neuron_head"):
+            # an expert's neurons (mixture-of-experts layers) are addressed by label (``L3E5N17``), not by_neuron
+            if unit.kind in ("neuron", "neuron_head") and module_expert(unit.heads[0].name) is None:
                 d_mlp[unit.layer] = self.d_mlp(unit.layer)
                 heads[(unit.layer, unit.index)] = len(self.neuron_heads(unit.layer, unit.index))
         return d_mlp, heads

@@ -24,7 +24,7 @@ from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.soft_cap import SoftCap
-from lens_aot.core.spec import MLPSpec, ModelSpec
+from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -64,11 +64,16 @@ class SourceConfig:
     post_embedding_ln: bool = False
     use_attention_sinks: bool = False
     clip_qkv: float | None = None
+    num_experts: int | None = None  # mixture-of-experts sources (TransformerLens's names)
+    experts_per_token: int | None = None
 
     @classmethod
     def of(cls, spec: ModelSpec, **fields: Any) -> Self:
         """The config of a model built from ``spec``: the source's fields read off it, plus ``fields``."""
         mlp0 = next((layer.mlp for layer in spec.layers if layer.mlp is not None), None)
+        moe = next((layer.mlp for layer in spec.layers if isinstance(layer.mlp, MoESpec)), None)
+        if isinstance(mlp0, MoESpec):
+            mlp0 = mlp0.experts[0]
         return cls(
             n_layers=len(spec.layers),
             d_model=spec.d_model,
@@ -86,6 +91,8 @@ class SourceConfig:
             gated_mlp=mlp0 is not None and mlp0.gated,
             parallel_attn_mlp=any(layer.parallel for layer in spec.layers),
             **_variant_fields(spec),
+            num_experts=None if moe is None else moe.n_experts,
+            experts_per_token=None if moe is None else moe.top_k,
             **fields,
         )
 
@@ -120,7 +127,7 @@ class SpecTransformer(HookedRootModule):
     Each source layer becomes a :class:`TransformerBlock` of the source's norms and :class:`Attention` and the MLP
     module ``mlp_for(layer, mlp_spec)`` builds (the converted model's neuron heads, or the reference's plain MLP)."""
 
-    def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec], nn.Module]) -> None:
+    def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module]) -> None:
         blocks = []
         for layer, ls in enumerate(spec.layers):
             mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)

@@ -1,0 +1,197 @@
+"""A sparse mixture-of-experts MLP whose experts' neurons are neuron heads (Huben & Morris 2023, Theorem 3, per expert).
+
+``blocks.{l}.mlp`` of a converted MoE source (:class:`~lens_aot.core.spec.MoESpec`: Mixtral, Qwen2-MoE, OLMoE,
+TransformerLens's ``MoE``). Each expert is a neuron-wise (gated) MLP, so each is a
+:class:`~lens_aot.core.components.neuron_mlp.NeuronMLP` of neuron heads (gate heads and product heads, exactly the
+dense layers' construction), ``experts.{e}``; Qwen2-MoE's shared expert is ``shared_expert``. The router is kept as
+the source computes it, and each expert's output is scaled by its router weight at that position (0 where the
+expert is not chosen): ``out = Σ_e w_e(x)·expert_e(x) [+ σ(x·W_shared_gate)·shared(x)]``, summed in expert order like
+the source, so the sum is the source's MoE output.
+
+Cost follows top-k, as in the source: an expert runs on the tokens routed to it only (``index_select`` /
+``index_add``). While any hook point inside an expert is hooked (caching, patching, attribution), that expert runs
+on every position instead, so its hooks have the dense-MLP shapes ``[batch, pos, ...]`` (patchable between runs
+that route differently); its output at an unchosen position is multiplied by weight 0. The value at every chosen
+position is the same either way.
+
+Hooks (TransformerLens 3.9's ``MoE`` names where it has them, with its flat ``[batch·pos, ...]`` shapes):
+``hook_router_logits`` [batch·pos, n_experts], ``hook_expert_weights`` [batch·pos, n_experts] (the softmax over all
+experts, before top-k, as TransformerLens's), ``hook_expert_indices`` [batch·pos, top_k], ``hook_topk_weights``
+[batch·pos, top_k] (the chosen experts' weights, after renormalisation: what scales each expert); per expert
+``experts.{e}.hook_pre`` / ``hook_pre_linear`` / ``hook_post`` (the dense gated MLP's names: gate pre-activation,
+linear branch, product), ``experts.{e}.hook_out`` [.., d_model] (the expert's output before its router weight) and
+the neuron heads' own hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.spec import MLPSpec, MoESpec
+from lens_aot.errors import InputError
+from lens_aot.tl.hooks import hooked
+
+SHARED = "shared_expert"
+
+
+class MoEMLP(nn.Module):
+    """Router + experts (each built by ``build_expert(mlp_spec, expert)``: neuron heads in a converted model, a plain
+    :class:`~lens_aot.core.components.mlp.MLP` in the reference), with the source's routing and sum."""
+
+    def __init__(self, spec: MoESpec, build_expert: Callable[[MLPSpec, int | None], nn.Module]) -> None:
+        super().__init__()
+        self.top_k = int(spec.top_k)
+        self.n_experts = spec.n_experts
+        if not 1 <= self.top_k <= self.n_experts:
+            raise InputError(f"top_k must be in 1..{self.n_experts} (the number of experts); got {self.top_k}")
+        self.norm_topk_prob = bool(spec.norm_topk_prob)
+        self.softmax_dtype = spec.softmax_dtype
+        self.W_gate = parameter(spec.W_router)  # TransformerLens's name for the router, [d_model, n_experts]
+        self.b_gate = None if spec.b_router is None else parameter(spec.b_router)
+        self.d_mlp = spec.d_mlp
+        self.act_fn = spec.act_fn
+        self.gated = spec.gated
+        self.hook_router_logits = HookPoint()  # [batch·pos, n_experts]
+        self.hook_expert_weights = HookPoint()  # [batch·pos, n_experts]
+        self.hook_expert_indices = HookPoint()  # [batch·pos, top_k]
+        self.hook_topk_weights = HookPoint()  # [batch·pos, top_k]
+        self.experts = nn.ModuleList(build_expert(mlp, e) for e, mlp in enumerate(spec.experts))
+        for expert in self.experts:
+            expert.add_module("hook_out", HookPoint())  # [.., d_model]: the expert's output, before its weight
+        if spec.shared is not None:
+            self.shared_expert = build_expert(spec.shared, None)
+            self.shared_expert.add_module("hook_out", HookPoint())
+            self.W_shared_gate = None if spec.W_shared_gate is None else parameter(spec.W_shared_gate)
+
+    # ---- routing ----
+    def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
+        """The chosen experts ``[tokens, top_k]`` and their weights (activation dtype), through the router hooks.
+        Ties: ``torch.topk`` on the same probabilities as the source's own call, so the same experts are chosen."""
+        logits = flat @ self.W_gate
+        if self.b_gate is not None:
+            logits = logits + self.b_gate
+        logits = self.hook_router_logits(logits)
+        probs = torch.softmax(logits if self.softmax_dtype is None else logits.to(self.softmax_dtype), dim=-1)
+        probs = self.hook_expert_weights(probs)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        indices = self.hook_expert_indices(indices)
+        return indices, self.hook_topk_weights(weights.to(flat.dtype))
+
+    @staticmethod
+    def runs_densely(expert: nn.Module) -> bool:
+        """Whether ``expert`` runs on every position (a hook point inside it is hooked), not only its tokens."""
+        return hooked(*(m for m in expert.modules() if isinstance(m, HookPoint)))
+
+    # ---- forward ----
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        batch, pos, d_model = x.shape
+        flat = x.reshape(-1, d_model)
+        indices, weights = self.route(flat)
+        out = flat.new_zeros(flat.shape)
+        dense_weights: Tensor | None = None
+        for e, expert in enumerate(self.experts):
+            if self.runs_densely(expert):
+                if dense_weights is None:
+                    dense_weights = weights.new_zeros(flat.shape[0], self.n_experts).scatter(1, indices, weights)
+                y = expert.hook_out(expert(x)).reshape(-1, d_model)
+                out = out + y * dense_weights[:, e, None]
+                continue
+            slot, token = torch.where((indices == e).T)  # slot-major, as the source's one_hot(...).permute
+            if token.numel() == 0:
+                continue
+            y = expert.hook_out(expert(flat.index_select(0, token)[None]))[0]
+            out.index_add_(0, token, y * weights[token, slot, None])
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
+            if self.W_shared_gate is not None:
+                shared = torch.sigmoid(flat @ self.W_shared_gate) * shared
+            out = out + shared
+        return out.reshape(batch, pos, d_model)
+
+    # ---- the experts' parts, for the model's maps, the cache and revert ----
+    def expert_modules(self) -> list[tuple[str, nn.Module]]:
+        """``(attribute, expert)``: ``experts.{e}``, then ``shared_expert``."""
+        out = [(f"experts.{e}", expert) for e, expert in enumerate(self.experts)]
+        return out + ([(SHARED, self.shared_expert)] if hasattr(self, "shared_expert") else [])
+
+    def expert(self, expert: int | str | None) -> nn.Module:
+        """Expert ``expert`` (an index, or ``"shared"`` for the shared expert); raises for anything else."""
+        if expert == "shared":
+            if not hasattr(self, "shared_expert"):
+                raise InputError("this MoE layer has no shared expert")
+            return self.shared_expert
+        if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < self.n_experts:
+            raise InputError(
+                f"expert must be 0..{self.n_experts - 1}"
+                + (" or 'shared'" if hasattr(self, "shared_expert") else "")
+                + f" for an MoE layer; got {expert!r}"
+            )
+        return self.experts[expert]
+
+    def head_modules(self) -> list[tuple[str, nn.Module]]:
+        """``(attribute, module)`` of every expert's neuron-head modules (e.g. ``experts.3.gate_heads``)."""
+        return [
+            (f"{name}.{attr}", heads)
+            for name, expert in self.expert_modules()
+            for attr, heads in getattr(expert, "head_modules", list)()
+        ]
+
+    @property
+    def use_fused(self) -> bool:
+        return all(getattr(expert, "use_fused", False) for _, expert in self.expert_modules())
+
+    @use_fused.setter
+    def use_fused(self, value: bool) -> None:
+        for _, expert in self.expert_modules():
+            expert.use_fused = value
+
+    @property
+    def b_out(self) -> Float[Tensor, " d_model"]:
+        """The MoE's constant output: 0 (its experts have no output bias; a biased expert's bias is routed)."""
+        biases = [expert.b_out for _, expert in self.expert_modules()]
+        if any(bool(b.detach().ne(0).any()) for b in biases):
+            raise InputError("this MoE layer's experts have output biases, which are routed: it has no constant b_out")
+        return self.W_gate.new_zeros(self.W_gate.shape[0])
+
+    def internal_hooks(self) -> tuple[HookPoint, ...]:
+        return tuple(h for _, expert in self.expert_modules() for h in getattr(expert, "internal_hooks", tuple)())
+
+    def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
+        """For the compact cache: each expert's derivations, named relative to this MoE layer."""
+        return {
+            f"{name}.{hook}": (tuple(f"{name}.{x}" for x in inputs), how)
+            for name, expert in self.expert_modules()
+            for hook, (inputs, how) in getattr(expert, "derivations", dict)().items()
+        }
+
+    def neuron_heads(self, neuron: int, expert: int | str | None = None) -> list[tuple[str, int]]:
+        """``(attribute, head)`` of the heads computing ``neuron`` of ``expert`` (see :meth:`expert`)."""
+        module = self.expert(expert)
+        prefix = SHARED if expert == "shared" else f"experts.{expert}"
+        if not 0 <= neuron < module.d_mlp:
+            raise IndexError(f"neuron {neuron} out of range: the expert has d_mlp={module.d_mlp}")
+        return [(f"{prefix}.{attr}", head) for attr, head in module.neuron_heads(neuron)]
+
+    def spec(self) -> MoESpec:
+        """The :class:`MoESpec` this layer implements (experts with their original activation)."""
+        shared = getattr(self, "shared_expert", None)
+        shared_gate = getattr(self, "W_shared_gate", None)
+        return MoESpec(
+            exported(self.W_gate),
+            [expert.spec() for expert in self.experts],
+            self.top_k,
+            self.norm_topk_prob,
+            self.softmax_dtype,
+            None if self.b_gate is None else exported(self.b_gate),
+            None if shared is None else shared.spec(),
+            None if shared_gate is None else exported(shared_gate),
+        )

@@ -1,0 +1,177 @@
+"""Mixture-of-experts layers: how each expert's neurons become heads, and the error bound of the layer.
+
+Each expert of an MoE layer (:class:`~lens_aot.core.spec.MoESpec`) is an ordinary neuron-wise MLP, so it gets the
+dense construction: a Theorem-3 activation fit for a plain expert, a :class:`~lens_aot.core.gating.GatedFit` (gate
+heads + product heads, per-neuron scales from that expert's weights) for a gated one. Every neuron's error is then
+at most ``max_error`` over all inputs, and the layer's output error in channel ``j`` at most
+``max_error · c_j`` with ``c_j = max_e Σ_n |W_out^e[n, j]| + Σ_n |W_out^shared[n, j]|``: the chosen experts' router
+weights are non-negative and sum to at most 1 (exactly 1 when renormalised), the shared expert's sigmoid gate is at
+most 1, and the router itself is computed exactly as the source computes it. ``c`` is :attr:`MoEFit.output_scale`,
+the fallback of :func:`sensitivity_hooks`.
+
+The conversion's bound needs the source's response to every neuron off by ``±ε`` (its sensitivity ``S``,
+:mod:`lens_aot.core.faithfulness`). :func:`sensitivity_hooks` perturbs each expert's ``hook_post`` where the source
+has one (TransformerLens's ``MoE``); otherwise (a bridge over batched experts) it records the source's own routing
+at ``blocks.{l}.mlp.hook_expert_indices`` / ``hook_expert_weights`` and adds ``Σ_k w_k·(±ε per neuron)·W_out^{e_k}``
+at ``blocks.{l}.hook_mlp_out`` (the same perturbation, applied after the experts; without router hooks, the routing
+is computed from the MoE's input at ``blocks.{l}.ln2.hook_out`` as the source computes it, :func:`route`), and the
+shared expert's at its ``hook_post``; a source with none of these gets random corners of the box ``±ε·c``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.core.activations import ActivationFit, activation_fit
+from lens_aot.core.gating import GatedFit, gated_fit
+from lens_aot.core.spec import MLPSpec, MoESpec, NormSpec
+
+
+@dataclass(frozen=True)
+class MoEFit:
+    """How one MoE layer is built: a fit per expert (and for the shared expert), and the layer's output scale."""
+
+    experts: tuple[ActivationFit | GatedFit, ...]
+    shared: ActivationFit | GatedFit | None
+    output_scale: tuple[float, ...]  # c_j per output channel (module docstring)
+
+    def _all(self) -> list[ActivationFit | GatedFit]:
+        return [*self.experts, *([self.shared] if self.shared is not None else [])]
+
+    @property
+    def act_fn(self) -> str:
+        return self.experts[0].act_fn
+
+    @property
+    def gated(self) -> bool:
+        return isinstance(self.experts[0], GatedFit)
+
+    @property
+    def max_error(self) -> float:
+        """Bound on every neuron's ``|post − post_source|`` (the largest of the experts')."""
+        return max(f.max_error for f in self._all())
+
+    @property
+    def n_terms(self) -> int:
+        """Heads per neuron (the same for every expert of a layer)."""
+        return self.experts[0].n_terms
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        """Every gated expert's product scales ``ε_n``."""
+        return tuple(e for f in self._all() if isinstance(f, GatedFit) for e in f.scales)
+
+
+def expert_fit(
+    mlp: MLPSpec, norm: NormSpec, max_neuron_error: float | None, heads_per_neuron: int | None
+) -> ActivationFit | GatedFit:
+    """One expert's construction: exactly a dense MLP's (gated: :func:`gated_fit` on its weights)."""
+    if mlp.gated:
+        return gated_fit(mlp, norm, max_neuron_error, heads_per_neuron)
+    return activation_fit(mlp.act_fn, max_neuron_error, heads_per_neuron)
+
+
+def output_scale(spec: MoESpec) -> tuple[float, ...]:
+    """``c_j = max_e Σ_n |W_out^e[n, j]| (+ the shared expert's Σ_n |W_out[n, j]|)`` (module docstring)."""
+    routed = torch.stack([m.W_out.detach().to(torch.float64).abs().sum(0) for m in spec.experts]).amax(0)
+    if spec.shared is not None:
+        routed = routed + spec.shared.W_out.detach().to(torch.float64).abs().sum(0)
+    return tuple(float(c) for c in routed.cpu())
+
+
+def moe_fit(
+    spec: MoESpec, norm: NormSpec, max_neuron_error: float | None = None, heads_per_neuron: int | None = None
+) -> MoEFit:
+    """The fits of an MoE layer read after ``norm`` (every expert's neurons within ``max_neuron_error``)."""
+    experts = tuple(expert_fit(m, norm, max_neuron_error, heads_per_neuron) for m in spec.experts)
+    shared = None if spec.shared is None else expert_fit(spec.shared, norm, max_neuron_error, heads_per_neuron)
+    return MoEFit(experts, shared, output_scale(spec))
+
+
+Hook = tuple[str, Callable[..., Any]]
+
+
+def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float[Tensor, "tokens top_k"]]:
+    """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
+    same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks)."""
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ spec.W_router.to(flat.device)
+    if spec.b_router is not None:
+        logits = logits + spec.b_router.to(flat.device)
+    probs = torch.softmax(logits if spec.softmax_dtype is None else logits.to(spec.softmax_dtype), dim=-1)
+    weights, indices = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return indices, weights.to(flat.dtype)
+
+
+def _signs(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
+    return (torch.randint(0, 2, shape, generator=generator) * 2 - 1).to(dtype=like.dtype, device=like.device)
+
+
+def sensitivity_hooks(
+    names: set[str] | dict[str, Any], layer: int, fit: MoEFit, eps: float, spec: MoESpec | None = None
+) -> Callable[[torch.Generator], list[Hook]]:
+    """Hooks on a source (its hook names ``names``) putting every neuron of MoE layer ``layer`` off by ``±eps``
+    (random signs from the generator; module docstring), as a function of the generator. Without the layer's
+    ``spec`` (its experts' ``W_out``), a source without per-expert hooks gets the box corners."""
+    prefix = f"blocks.{layer}.mlp"
+    posts = [f"{prefix}.experts.{e}.hook_post" for e in range(len(fit.experts))]
+    shared = [f"{prefix}.shared_expert.hook_post"] if fit.shared is not None else []
+    routing = (f"{prefix}.hook_expert_indices", f"{prefix}.hook_expert_weights")
+
+    def add_signs(act: Tensor, hook: Any, generator: torch.Generator) -> Tensor:
+        return act + eps * _signs(tuple(act.shape), generator, act)
+
+    if all(n in names for n in posts + shared):
+        return lambda gen: [(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in posts + shared]
+    ln2 = f"blocks.{layer}.ln2.hook_out"
+    own_routing = all(n in names for n in routing)
+    if spec is not None and (own_routing or ln2 in names) and all(n in names for n in shared):
+        W_out = torch.stack([m.W_out for m in spec.experts])  # [n_experts, d_mlp, d_model]
+        moe = spec
+
+        def hooks(gen: torch.Generator) -> list[Hook]:
+            seen: dict[str, Tensor] = {}
+
+            def record(act: Tensor, hook: Any) -> None:
+                seen[hook.name.rsplit(".", 1)[1]] = act.detach()
+
+            def perturb(out: Tensor, hook: Any) -> Tensor:
+                if not own_routing:  # the routing of the MoE's input, recorded at ln2, as the source computes it
+                    seen["hook_expert_indices"], seen["hook_expert_weights"] = route(moe, seen["hook_out"])
+                indices, weights = seen["hook_expert_indices"], seen["hook_expert_weights"]
+                if weights.shape != indices.shape:  # the softmax over all experts (TransformerLens's meaning)
+                    weights = weights.reshape(-1, spec.n_experts).gather(1, indices.reshape(-1, spec.top_k))
+                    if spec.norm_topk_prob:
+                        weights = weights / weights.sum(-1, keepdim=True)
+                    weights = weights.reshape(indices.shape)
+                signs = _signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
+                rows = W_out.to(device=out.device, dtype=out.dtype)[indices.reshape(-1)]
+                step = torch.einsum(
+                    "tkn,tknd->td", signs * weights.to(out.dtype)[..., None], rows.view(*indices.shape, *rows.shape[1:])
+                )
+                return out + eps * step.reshape(out.shape)
+
+            return [
+                *([(routing[0], record), (routing[1], record)] if own_routing else [(ln2, record)]),
+                *[(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in shared],
+                (f"blocks.{layer}.hook_mlp_out", perturb),
+            ]
+
+        return hooks
+    scale = torch.tensor(fit.output_scale, dtype=torch.float64)
+
+    def corners(gen: torch.Generator) -> list[Hook]:
+        def perturb(out: Tensor, hook: Any) -> Tensor:
+            return out + eps * _signs(tuple(out.shape), gen, out) * scale.to(device=out.device, dtype=out.dtype)
+
+        return [(f"blocks.{layer}.hook_mlp_out", perturb)]
+
+    return corners
