@@ -13,7 +13,7 @@ import pytest
 import torch
 from factories_hooked import ACTIVATIONS, GATED_FAMILIES, PARALLEL_FAMILIES, make_hooked
 
-from lens_aot import UnsupportedActivationError, UnsupportedArchitectureError
+from lens_aot import UnsupportedActivationError
 from lens_aot.core.read import read_model
 from lens_aot.core.reference import MLPTransformer
 
@@ -94,11 +94,6 @@ def test_parallel_layout() -> None:
 
     spec = read_model(make_hooked("ln-standard", "silu"))
     assert not any(layer.parallel or (layer.mlp is not None and layer.mlp.gated) for layer in spec.layers)
-
-
-def test_moe_is_still_refused() -> None:
-    with pytest.raises(UnsupportedArchitectureError, match=r"mixture-of-experts MLP \(num_experts=4\).*Supported:"):
-        read_model(make_hooked("llama", "silu", num_experts=4, experts_per_token=2))
 
 
 @pytest.mark.parametrize(
