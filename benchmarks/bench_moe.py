@@ -1,8 +1,8 @@
 """Forward time of a converted mixture-of-experts model against its source, on CPU, as ratios measured in one process.
 
 Shape (random weights, float32): Mixtral-shaped, 4 layers, d_model 512, 8 heads (4 key/value heads), 8 experts of
-d_mlp 1024 with top-2 routing, vocab 32000 (--vocab), RMSNorm, rotary, SwiGLU experts; tokens 4 x 256. Sources: the Hugging
-Face model itself (``experts_implementation="eager"``: the per-expert loop over the routed tokens, and
+d_mlp 1024 with top-2 routing, vocab 32000, RMSNorm, rotary, SwiGLU experts; tokens 4 x 256 (``--vocab``,
+``--batch``, ``--pos`` change them). Sources: the Hugging Face model itself (``experts_implementation="eager"``: the per-expert loop over the routed tokens, and
 ``attn_implementation="sdpa"``) and the TransformerBridge over it (TransformerLens 4.x or 3.9; eager attention). The
 converted model is timed in its default mode and with ``set_use_fused_neurons(True)``. Each expert of the converted
 model computes only the tokens routed to it, as the source does, so the ratio does not grow with the number of
