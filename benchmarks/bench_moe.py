@@ -2,13 +2,14 @@
 
 Shape (random weights, float32): Mixtral-shaped, 4 layers, d_model 512, 8 heads (4 key/value heads), 8 experts of
 d_mlp 1024 with top-2 routing, vocab 32000, RMSNorm, rotary, SwiGLU experts; tokens 4 x 256 (``--vocab``,
-``--batch``, ``--pos`` change them). Sources: the Hugging Face model itself (``experts_implementation="eager"``: the per-expert loop over the routed tokens, and
-``attn_implementation="sdpa"``) and the TransformerBridge over it (TransformerLens 4.x or 3.9; eager attention). The
-converted model is timed in its default mode and with ``set_use_fused_neurons(True)``. Each expert of the converted
-model computes only the tokens routed to it, as the source does, so the ratio does not grow with the number of
-experts (``--experts`` changes it; ``--top-k`` the experts per token).
+``--batch``, ``--pos`` change them). Sources: the Hugging Face model itself (``experts_implementation="eager"``: the
+per-expert loop over the routed tokens, and ``attn_implementation="sdpa"``) and the TransformerBridge over it
+(TransformerLens 4.x or 3.9; eager attention). The converted model is timed in its default mode and with
+``set_use_fused_neurons(True)``. Each expert of the converted model computes only the tokens routed to it, as the
+source does, so the ratio does not grow with the number of experts (``--experts`` changes it; ``--top-k`` the
+experts per token).
 
-    python benchmarks/bench_moe.py [--repeats 7] [--threads N] [--experts 8] [--top-k 2] [--layers 4]
+    python benchmarks/bench_moe.py [--repeats 7] [--threads N] [--experts 8] [--top-k 2] [--layers 4] [--vocab V]
 """
 
 from __future__ import annotations
