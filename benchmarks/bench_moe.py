@@ -1,14 +1,15 @@
 """Forward time of a converted mixture-of-experts model against its source, on CPU, as ratios measured in one process.
 
 Shape (random weights, float32): Mixtral-shaped, 4 layers, d_model 512, 8 heads (4 key/value heads), 8 experts of
-d_mlp 1024 with top-2 routing, vocab 32000, RMSNorm, rotary, SwiGLU experts; tokens 4 x 256. Sources: the Hugging
-Face model itself (``experts_implementation="eager"``: the per-expert loop over the routed tokens, and
-``attn_implementation="sdpa"``) and the TransformerBridge over it (TransformerLens 4.x or 3.9; eager attention). The
-converted model is timed in its default mode and with ``set_use_fused_neurons(True)``. Each expert of the converted
-model computes only the tokens routed to it, as the source does, so the ratio does not grow with the number of
-experts (``--experts`` changes it; ``--top-k`` the experts per token).
+d_mlp 1024 with top-2 routing, vocab 32000, RMSNorm, rotary, SwiGLU experts; tokens 4 x 256 (``--vocab``,
+``--batch``, ``--pos`` change them). Sources: the Hugging Face model itself (``experts_implementation="eager"``: the
+per-expert loop over the routed tokens, and ``attn_implementation="sdpa"``) and the TransformerBridge over it
+(TransformerLens 4.x or 3.9; eager attention). The converted model is timed in its default mode and with
+``set_use_fused_neurons(True)``. Each expert of the converted model computes only the tokens routed to it, as the
+source does, so the ratio does not grow with the number of experts (``--experts`` changes it; ``--top-k`` the
+experts per token).
 
-    python benchmarks/bench_moe.py [--repeats 7] [--threads N] [--experts 8] [--top-k 2] [--layers 4]
+    python benchmarks/bench_moe.py [--repeats 7] [--threads N] [--experts 8] [--top-k 2] [--layers 4] [--vocab V]
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--pos", type=int, default=256)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,7 +55,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     cfg = MixtralConfig(
-        vocab_size=32000,
+        vocab_size=args.vocab,
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=args.layers,
@@ -65,12 +69,14 @@ def main() -> None:
     hf = MixtralForCausalLM(cfg).eval()
     hf.set_experts_implementation("eager")
     hf.set_attn_implementation("eager")
-    bridge = bridge_from_hf_module(hf, "MixtralForCausalLM", hf_config=hf.config, dtype=torch.float32).eval()
+    bridge = bridge_from_hf_module(
+        hf, "MixtralForCausalLM", hf_config=hf.config, dtype=torch.float32, model_name="mixtral-bench"
+    ).eval()
     start = time.perf_counter()
     aot = lens_aot.convert(bridge)
     convert_s = time.perf_counter() - start
     hf.set_attn_implementation("sdpa")
-    tokens = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.pos), generator=torch.Generator().manual_seed(1))
 
     runs: dict[str, Callable[[], object]] = {
         "HF model (sdpa, eager experts)": lambda: hf(tokens).logits,
@@ -89,7 +95,8 @@ def main() -> None:
             aot.set_use_fused_neurons(False)
     median = {name: statistics.median(t) for name, t in times.items()}
     print(
-        f"Mixtral-shaped, {args.layers} layers, {args.experts} experts top-{args.top_k}, tokens 4x256, "
+        f"Mixtral-shaped, {args.layers} layers, {args.experts} experts top-{args.top_k}, vocab {args.vocab}, "
+        f"tokens {args.batch}x{args.pos}, "
         f"{torch.get_num_threads()} threads; convert {convert_s:.1f} s; max |Δlogit| "
         f"{aot.report.max_abs_logit_error:.2e} (bound {aot.report.logit_bound:.2e})\n"
     )
