@@ -159,3 +159,41 @@ def test_variant_cached_and_padded_logits_match_source(name: str, one_thread: No
             expected = model(step, attention_mask=step_mask, past_kv_cache=tl_cache)
             got = aot(step, attention_mask=step_mask, past_kv_cache=cache)
             assert float((got - expected).abs().max()) <= 1e-10, f"{name}: positions {start}:{stop}"
+
+
+def test_circuits_of_post_norm_layers_read_the_raw_residual() -> None:
+    """In a post-norm layer ln1 / ln2 normalize the output: the heads read the residual itself, and circuit_input
+    gives exactly what the source's heads read (hook_q of layer 0 recomputed from it)."""
+    from lens_aot.analysis.circuits.qk_ov import circuit_input
+
+    model = make_variant("olmo2-post-norm")
+    aot = lens_aot.convert(model)
+    _, cache = aot.run_with_cache(_tokens())
+    x = circuit_input(aot, cache, "blocks.0.attn")
+    assert torch.equal(x, cache["blocks.0.hook_resid_pre"])
+    attn = aot.blocks[0].attn
+    q = torch.einsum("bpd,hde->bphe", x, attn.W_Q) + attn.b_Q
+    assert float((q - cache["blocks.0.attn.hook_q"]).abs().max()) <= 1e-12
+
+
+def test_standard_mask_mode_refuses_variants() -> None:
+    """Theorem 9's standard-mask construction covers plain layers only: a variant is refused by name."""
+    from factories_hooked import make_hooked
+
+    windowed = dict(attn_scores_soft_cap=2.0, use_local_attn=True, attn_types=["local", "global"], window_size=4)
+    with pytest.raises(UnsupportedArchitectureError, match="ALiBi, a post-embedding norm"):
+        lens_aot.convert(make_variant("alibi-embed-ln"), masks="weights")
+    with pytest.raises(UnsupportedArchitectureError, match="uses a sliding window, attention-score soft-capping"):
+        lens_aot.convert(make_hooked("ln-standard", "silu", **windowed), masks="weights")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "sinks-clip", "alibi-embed-ln"])
+def test_converted_config_carries_the_source_fields(name: str) -> None:
+    """The converted model's cfg has the source's variant fields, with TransformerLens's meaning."""
+    model = make_variant(name)
+    aot = lens_aot.convert(model)
+    for field in (
+        "use_qk_norm", "attn_scores_soft_cap", "output_logits_soft_cap", "use_normalization_before_and_after",
+        "use_local_attn", "window_size", "attn_types", "post_embedding_ln", "use_attention_sinks", "clip_qkv",
+    ):  # fmt: skip
+        assert getattr(aot.cfg, field) == getattr(model.cfg, field), field

@@ -304,6 +304,11 @@ def to_standard_mask_model(
             "jointly with both residuals, which no fixed W_QK over a residual with one-hot position channels can "
             f"write as a bilinear form. Use the default conversion (explicit masks) instead; {supported}."
         )
+    if spec.variant_names():
+        raise UnsupportedArchitectureError(
+            f"standard-mask mode covers the paper's plain layers; this model uses {', '.join(spec.variant_names())}. "
+            f"Use the default conversion (explicit masks); {supported}."
+        )
     if spec.positions not in ("standard", "none"):
         raise UnsupportedArchitectureError(f"position embedding {spec.positions!r} is not supported; {supported}.")
     if spec.dtype not in (torch.float32, torch.float64):

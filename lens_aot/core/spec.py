@@ -159,6 +159,31 @@ class ModelSpec:
     source_kind: str = "HookedTransformer"  # or "TransformerBridge"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def variant_names(self) -> list[str]:
+        """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
+        standard-mask construction) to refuse them by name."""
+        found: set[str] = set()
+        checks = {
+            "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
+            "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
+            "a sliding window": lambda a: a.window is not None,
+            "per-layer rotary tables": lambda a: a.rotary is not None,
+            "QKV clipping": lambda a: a.clip_qkv is not None,
+            "ALiBi": lambda a: a.alibi_slopes is not None,
+            "attention sinks": lambda a: a.sinks is not None,
+        }
+        for layer in self.layers:
+            found.update(name for name, check in checks.items() if check(layer.attn))
+            if layer.ln1_post is not None or layer.ln2_post is not None:
+                found.add("sandwich norms")
+            if layer.post_norm:
+                found.add("post-norm layers")
+        if self.embed_ln is not None:
+            found.add("a post-embedding norm")
+        if self.logits_soft_cap is not None:
+            found.add("logit soft-capping")
+        return sorted(found)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.W_E.dtype

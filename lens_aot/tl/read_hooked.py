@@ -131,7 +131,10 @@ def _qk_norms(attn: nn.Module, cfg: Any) -> dict[str, Any]:
     return dict(q_norm=_norm(q, cfg.eps), k_norm=_norm(k, cfg.eps), qk_norm_over=over)
 
 
-def _attention(attn: nn.Module, cfg: Any) -> AttentionSpec:
+def _attention(attn: nn.Module, cfg: Any = None) -> AttentionSpec:
+    """One attention layer with its variants (``cfg``: the model's config; default the module's own)."""
+    cfg = attn.cfg if cfg is None else cfg
+
     def get(name: str) -> torch.Tensor:
         # Grouped-query attention stores the kv heads as _W_K/_W_V (W_K/W_V are expanded views).
         grouped = getattr(attn, f"_{name}", None)
@@ -147,6 +150,10 @@ def _attention(attn: nn.Module, cfg: Any) -> AttentionSpec:
     if cfg.use_attention_sinks and sinks is None:
         raise _refuse("attention sinks (use_attention_sinks=True) without a sinks parameter (set after building)")
     local = getattr(attn, "attn_type", "global") == "local" and cfg.attention_dir == "causal"
+    # A window of at least n_ctx never hides a key from a query within the context (TransformerLens's Mistral configs:
+    # 4096 in 2048), and rotary or learned positions stop lens_aot at n_ctx: plain causal attention, exactly.
+    bounded = cfg.positional_embedding_type in ("standard", "rotary")
+    local = local and not (bounded and int(cfg.window_size) >= int(cfg.n_ctx))
     return AttentionSpec(
         W_Q=attn.W_Q.detach().clone(),
         W_K=get("W_K").detach().clone(),
@@ -210,8 +217,10 @@ def _rotary_tables(model: Any) -> tuple[RotarySpec, list[RotarySpec | None]]:
     return model_rotary, [None if same(t, model_rotary) else t for t in tables]
 
 
-def _rotary(model: Any, attn: Any) -> RotarySpec:
+def _rotary(model: Any, attn: Any = None) -> RotarySpec:
+    """The rotary tables of ``attn`` (default: the first layer's), as that layer computes them."""
     cfg = model.cfg
+    attn = model.blocks[0].attn if attn is None else attn
     dtype = attn.rotary_sin.dtype
     device = attn.rotary_sin.device
     sin, cos = attn.calculate_sin_cos_rotary(cfg.rotary_dim, cfg.n_ctx, base=attn._rotary_base(), dtype=dtype)

@@ -66,8 +66,11 @@ def n_heads(aot: AttentionOnlyTransformer, sub: Sublayer) -> int:
 
 
 def head_norm(aot: AttentionOnlyTransformer, sub: Sublayer) -> Any:
-    """The norm a sub-layer reads the residual through: ``ln1`` for attention, ``ln2`` for the MLP's heads."""
+    """The norm a sub-layer reads the residual through: ``ln1`` for attention, ``ln2`` for the MLP's heads; None in
+    post-norm layers (OLMo-2), whose ``ln1`` / ``ln2`` normalize the sublayer's output instead."""
     block = aot.blocks[sub.layer]
+    if getattr(block, "post_norm", False):
+        return None
     return block.ln1 if sub.kind == "attention" else block.ln2
 
 

@@ -62,6 +62,7 @@ from lens_aot.analysis.patching.runs import (
     _no_blocks,
     _pair,
     _patched_positions,
+    _require_linear_writes,
 )
 from lens_aot.analysis.patching.units import (
     HeadLike,
@@ -75,7 +76,6 @@ from lens_aot.analysis.patching.units import (
     _neuron_units,
     _order,
     _output_hook,
-    _require_linear_writes,
     _split_pairs,
     _state_hooks,
 )

@@ -20,6 +20,7 @@ from lens_aot.analysis.patching.runs import (
     _pair,
     _progress,
     _receiver_inputs,
+    _require_linear_writes,
     _Runs,
 )
 from lens_aot.analysis.patching.units import (
@@ -42,7 +43,6 @@ from lens_aot.analysis.patching.units import (
     _product_module,
     _reads_output_of,
     _receiver_hooks,
-    _require_linear_writes,
     _resid_in_hook,
     _state_hooks,
     _state_of,

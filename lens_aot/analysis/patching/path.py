@@ -30,6 +30,7 @@ from lens_aot.analysis.patching.runs import (
     _pair,
     _progress,
     _receiver_inputs,
+    _require_linear_writes,
     _run,
     _scalar,
 )
@@ -46,7 +47,6 @@ from lens_aot.analysis.patching.units import (
     _path_units,
     _receiver_hooks,
     _recomputed,
-    _require_linear_writes,
     _stop_after,
     _writes_linearly,
     _z_hook,

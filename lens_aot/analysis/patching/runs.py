@@ -271,3 +271,16 @@ def _integrated_grads(
             g = g.reshape(len(chunk), batch, *g.shape[1:]).sum(0)
             sums[name] = g if name not in sums else sums[name] + g
     return {name: g / steps for name, g in sums.items()}
+
+
+def _require_linear_writes(aot: AttentionOnlyTransformer, what: str) -> None:
+    """Refuse ``what`` (an algorithm that maps a head's output change or gradient through ``W_O`` to
+    ``hook_attn_out`` / ``hook_mlp_out``) on layers that normalize a sublayer's output before it reaches the residual
+    stream (sandwich norms ``ln1_post`` / ``ln2_post``: Gemma 2/3; post-norm: OLMo-2), where that map is not linear."""
+    for layer, block in enumerate(aot.blocks):
+        if block.post_norm or hasattr(block, "ln1_post") or hasattr(block, "ln2_post"):
+            raise InputError(
+                f"{what} treats hook_attn_out / hook_mlp_out as the sum of the heads' outputs, but layer {layer} "
+                f"normalizes its sublayers' outputs first (sandwich or post norms), so a head's change does not reach "
+                f"them linearly. Use activation patching (patch_heads / patch_neurons), which reruns the model."
+            )

@@ -248,22 +248,10 @@ def _input_of(aot: AttentionOnlyTransformer, name: str, acts: dict[str, Tensor])
 
 
 def _input_norm(aot: AttentionOnlyTransformer, name: str) -> torch.nn.Module:
-    """The norm between the residual stream and module ``name``'s heads (``ln1`` or ``ln2``)."""
+    """The norm between the residual stream and module ``name``'s heads (``ln1`` or ``ln2``; none in post-norm)."""
     layer, kind = parse_module(name)
-    return aot.blocks[layer].ln1 if kind == "attention" else aot.blocks[layer].ln2
-
-
-def _require_linear_writes(aot: AttentionOnlyTransformer, what: str) -> None:
-    """Refuse ``what`` (an algorithm that maps a head's output change or gradient through ``W_O`` to
-    ``hook_attn_out`` / ``hook_mlp_out``) on layers that normalize a sublayer's output before it reaches the residual
-    stream (sandwich norms ``ln1_post`` / ``ln2_post``: Gemma 2/3; post-norm: OLMo-2), where that map is not linear."""
-    for layer, block in enumerate(aot.blocks):
-        if block.post_norm or hasattr(block, "ln1_post") or hasattr(block, "ln2_post"):
-            raise InputError(
-                f"{what} treats hook_attn_out / hook_mlp_out as the sum of the heads' outputs, but layer {layer} "
-                f"normalizes its sublayers' outputs first (sandwich or post norms), so a head's change does not reach "
-                f"them linearly. Use activation patching (patch_heads / patch_neurons), which reruns the model."
-            )
+    block = aot.blocks[layer]
+    return torch.nn.Identity() if block.post_norm else block.ln1 if kind == "attention" else block.ln2
 
 
 def _final_resid_hook(aot: AttentionOnlyTransformer) -> str:

@@ -52,6 +52,18 @@ class SourceConfig:
     act_fn: str | None = None
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
+    # The variants (docs/variants.md), with TransformerLens's meaning and defaults: read off the spec's layers (the
+    # first layer that has one, for per-layer values).
+    use_qk_norm: bool = False
+    attn_scores_soft_cap: float = -1.0
+    output_logits_soft_cap: float = -1.0
+    use_normalization_before_and_after: bool = False
+    use_local_attn: bool = False
+    window_size: int | None = None
+    attn_types: list[str] | None = None
+    post_embedding_ln: bool = False
+    use_attention_sinks: bool = False
+    clip_qkv: float | None = None
 
     @classmethod
     def of(cls, spec: ModelSpec, **fields: Any) -> Self:
@@ -73,8 +85,32 @@ class SourceConfig:
             act_fn=None if mlp0 is None else mlp0.act_fn,
             gated_mlp=mlp0 is not None and mlp0.gated,
             parallel_attn_mlp=any(layer.parallel for layer in spec.layers),
+            **_variant_fields(spec),
             **fields,
         )
+
+
+def _variant_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The variant fields of :class:`SourceConfig` for ``spec``."""
+    attns = [layer.attn for layer in spec.layers]
+
+    def first(values: list[Any]) -> Any:
+        return next((v for v in values if v is not None), None)
+
+    window = first([a.window for a in attns])
+    cap = first([a.scores_soft_cap for a in attns])
+    return dict(
+        use_qk_norm=any(a.q_norm is not None and a.qk_norm_over == "head" for a in attns),
+        attn_scores_soft_cap=-1.0 if cap is None else float(cap),
+        output_logits_soft_cap=-1.0 if spec.logits_soft_cap is None else float(spec.logits_soft_cap),
+        use_normalization_before_and_after=any(la.ln1_post is not None for la in spec.layers),
+        use_local_attn=window is not None,
+        window_size=window,
+        attn_types=None if window is None else ["global" if a.window is None else "local" for a in attns],
+        post_embedding_ln=spec.embed_ln is not None,
+        use_attention_sinks=any(a.sinks is not None for a in attns),
+        clip_qkv=first([a.clip_qkv for a in attns]),
+    )
 
 
 class SpecTransformer(HookedRootModule):
