@@ -280,7 +280,7 @@ def test_spec_is_independent_of_later_bridge_edits() -> None:
     [
         ("native-softcap", r"soft-capping"),
         ("neox-rope-dynamic", r"rope scaling of type 'dynamic' beyond original_max_position_embeddings=16"),
-        ("bert", r"post-LN"),
+        ("bert", r"^layer 0 attn: attention computed by BertAttention\.forward"),
     ],
 )
 def test_refuses_unsupported_architectures(family: str, match: str) -> None:

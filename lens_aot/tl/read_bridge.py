@@ -82,6 +82,7 @@ _REFUSED_BLOCKS = {
 
 _EXTRA_BLOCK_PIECES = {
     "mixer": "a state-space / recurrent mixer",
+    "mamba": "a Mamba state-space mixer beside attention (hybrid block)",
     "conv": "a short convolution mixer",
     "linear_attn": "linear attention (a recurrent mixer)",
     "cross_attn": "cross-attention",
@@ -308,7 +309,17 @@ def read_bridge(bridge: Any) -> ModelSpec:
     if not native:
         for layer, block in enumerate(blocks):
             _check_block(layer, block)
-    calls = record(bridge, blocks, min(n_ctx, 12))
+    # Every refusal that needs no forward comes first (a source whose own forward is broken is then named too).
+    info = read_native(bridge, model, blocks, dtype) if native else _read_hf(bridge, model, blocks, dtype)
+    try:
+        calls = record(bridge, blocks, min(n_ctx, 12))
+    except Exception as error:  # the bridge's own forward fails: nothing can be read from it
+        raise refuse_piece(
+            None,
+            "model",
+            f"a forward pass that raises {type(error).__name__}: {error} (the bridge or its source is broken on this "
+            "transformers version; lens_aot reads how a block combines its pieces by running it once)",
+        ) from error
     finite = all(bool(c.input.isfinite().all() and c.output.isfinite().all()) for c in calls.values())
     attn_only = native and bool(getattr(cfg, "attn_only", False))
     layouts = [
@@ -319,7 +330,6 @@ def read_bridge(bridge: Any) -> ModelSpec:
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
     ]
-    info = read_native(bridge, model, blocks, dtype) if native else _read_hf(bridge, model, blocks, dtype)
 
     layers: list[LayerSpec] = []
     for layer, (block, (scale, softmax_dtype)) in enumerate(zip(blocks, info["attn"], strict=True)):
