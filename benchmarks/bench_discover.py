@@ -9,7 +9,7 @@ forward+backward over the same data** (forward, metric, ``backward()`` into ever
 * its extra peak memory (target ≤ 2 GB; peak resident memory above the resident memory before the call, Linux
   ``VmHWM`` reset through ``/proc/self/clear_refs``).
 
-    python benchmarks/bench_discover.py [--pairs 1024] [--tokens 16] [--batch 32] [--top-nodes 1000] [--layers 12]
+    python benchmarks/bench_discover.py [--pairs 1024] [--tokens 16] [--batch 8] [--top-nodes 1000] [--layers 12]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--top-nodes", type=int, default=1000)
     parser.add_argument("--layers", type=int, default=12, help="fewer for a quick run")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
