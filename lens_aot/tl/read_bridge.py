@@ -51,6 +51,7 @@ from lens_aot.tl.bridge_components import (
     _rotary_from_tables,
     _source_model,
 )
+from lens_aot.tl.hooked_model import source_config_fields
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -516,5 +517,6 @@ def read_bridge(bridge: Any) -> ModelSpec:
             "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
             "architecture": getattr(cfg, "architecture", None),
             "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
+            "source_config": source_config_fields(cfg),
         },
     )

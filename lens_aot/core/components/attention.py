@@ -83,6 +83,9 @@ class Attention(nn.Module):
         self.softmax_dtype = spec.softmax_dtype
         self.causal = causal
         self.use_attn_result = False
+        self.ungroup = (
+            False  # grouped-query attention: one key / value per query head (cfg.ungroup_grouped_query_attention)
+        )
         self.n_heads, self.d_model, self.d_head = spec.W_Q.shape
         self.n_kv = spec.W_K.shape[0]
         if self.n_heads % self.n_kv:
@@ -145,9 +148,13 @@ class Attention(nn.Module):
         """
         k_in = query_input if key_input is None else key_input
         v_in = query_input if value_input is None else value_input
+        group = self.n_heads // self.n_kv if self.ungroup else 1  # ungrouped: each query head's own key and value
+        W_K, b_K, W_V, b_V = self.W_K, self.b_K, self.W_V, self.b_V
+        if group > 1:
+            W_K, b_K, W_V, b_V = (w.repeat_interleave(group, dim=0) for w in (W_K, b_K, W_V, b_V))
         q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
-        k = self.hook_k(_project(k_in, self.W_K, self.b_K))
-        v = self.hook_v(_project(v_in, self.W_V, self.b_V))
+        k = self.hook_k(_project(k_in, W_K, b_K))
+        v = self.hook_v(_project(v_in, W_V, b_V))
         past = 0
         if past_kv_cache_entry is not None:
             past = past_kv_cache_entry.past_keys.shape[1]
@@ -161,9 +168,9 @@ class Attention(nn.Module):
         if self.rotary_dim:
             q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
-        if self.n_kv != self.n_heads:
+        if k.shape[2] != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=2)
+            v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
         mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
         if _hooked(self.hook_attn_scores, self.hook_pattern) or self.softmax_dtype not in (None, q.dtype):
             z = self._dense_z(q, k, v, mask)

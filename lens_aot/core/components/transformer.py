@@ -89,7 +89,9 @@ class SpecTransformer(HookedRootModule):
             ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
             attn = Attention(ls.attn, spec.causal, spec.rotary)
             blocks.append(TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, parallel=ls.parallel))
-        super().__init__()
+        # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
+        # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
+        HookedRootModule.__init__(self)
         self.embed = Embed(spec.W_E)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
