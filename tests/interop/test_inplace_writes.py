@@ -50,19 +50,36 @@ def _switch(model: Any, setter: str | None, on: bool) -> None:
         getattr(model, setter)(on)
 
 
-def _applies(pair: Pair, hook: str, setter: str | None) -> bool:
+def _applies(pair: Pair, hook: str, setter: str | None) -> str | None:
+    """Why ``hook`` cannot be written on this family's source, or None."""
     if hook == "hook_mlp_in" and not pair.has_mlp:
-        return False
+        return "no MLP"
+    if hook == "hook_mlp_in" and type(pair.source).__name__ == "TransformerBridge":
+        # A bridge's hook_mlp_in is the residual stream itself (returning a new tensor also replaces the skip
+        # connection, an in-place write reaches the attention output too); the converted model's is
+        # HookedTransformer's: a copy that feeds the MLP only (checked on the HookedTransformer families).
+        return "a TransformerBridge's hook_mlp_in is not HookedTransformer's MLP-only copy"
     if setter == "set_use_attn_in" and pair.aot.cfg.n_key_value_heads is not None:
-        return False  # TransformerLens refuses use_attn_in with grouped-query attention
-    return True
+        return "TransformerLens refuses use_attn_in with grouped-query attention"
+    if setter is not None:
+        try:
+            getattr(pair.source, setter)(True)
+        except NotImplementedError as e:  # a bridge whose attention has no such hook
+            return f"the source cannot: {e}"
+        finally:
+            try:
+                getattr(pair.source, setter)(False)
+            except NotImplementedError:
+                pass
+    return None
 
 
 @pytest.mark.parametrize("hook", list(HOOKS))
 def test_inplace_write_changes_one_head(pair: Pair, hook: str) -> None:
     setter, head = HOOKS[hook]
-    if not _applies(pair, hook, setter):
-        pytest.skip(f"{hook} does not exist for this family on the source either")
+    why = _applies(pair, hook, setter)
+    if why is not None:
+        pytest.skip(why)
     name = f"blocks.0.{hook}"
     if name not in pair.source.hook_dict and name.replace("blocks.0.", "blocks.0.attn.") not in pair.source.hook_dict:
         pytest.skip(f"the source ({type(pair.source).__name__}) has no {name}")
