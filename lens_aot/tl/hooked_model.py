@@ -7,7 +7,9 @@ a *last* base, built on first use: the converted model's own methods, weights an
 ``HookedTransformer`` methods it does not define either apply unchanged (``all_head_labels``, ``to_single_str_token``,
 ``get_token_position``, ``set_ungroup_grouped_query_attention``, ``all_composition_scores``, ...) or, where they
 would silently misbehave on neuron heads, raise :class:`~lens_aot.errors.InputError` naming what to do instead
-(:data:`INAPPLICABLE`). Under TransformerLens 4.x (no ``HookedTransformer``) the classes are returned unchanged.
+(:data:`INAPPLICABLE`). Under TransformerLens 4.x (no ``HookedTransformer``) the model class is returned
+unchanged and the config class gains ``TransformerLensConfig`` (the type of the ``TransformerLensModel`` protocol's
+``cfg``).
 
 Nothing here imports TransformerLens 3 names at module import time.
 """
@@ -92,18 +94,29 @@ def hooked_class(base: type) -> type:
     return type(base.__name__, (base, HookedTransformer), namespace)
 
 
+def _config_base() -> type | None:
+    """TransformerLens's config class a converted model's config also is: ``HookedTransformerConfig`` (3.x), else
+    ``TransformerLensConfig`` (4.x: what the ``TransformerLensModel`` protocol's ``cfg`` is typed as)."""
+    if _has_hooked_transformer():
+        from transformer_lens import HookedTransformerConfig
+
+        return HookedTransformerConfig
+    try:
+        from transformer_lens.config import TransformerLensConfig
+    except ImportError:
+        return None
+    return TransformerLensConfig
+
+
 @cache
 def hooked_config_class(base: type) -> type:
-    """``base`` (the converted model's config class) with ``HookedTransformerConfig`` as its last base under
-    TransformerLens 3.x (its fields' defaults then exist as class attributes); ``base`` itself under 4.x."""
-    if not _has_hooked_transformer():
-        return base
-    from transformer_lens import HookedTransformerConfig
-
-    if issubclass(base, HookedTransformerConfig):
+    """``base`` (the converted model's config class) with TransformerLens's config class (:func:`_config_base`) as
+    its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none."""
+    tl_config = _config_base()
+    if tl_config is None or issubclass(base, tl_config):
         return base
     namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-    return type(base.__name__, (base, HookedTransformerConfig), namespace)
+    return type(base.__name__, (base, tl_config), namespace)
 
 
 # Fields of a source's config that describe the run-time state of that model object, not the model: the converted
@@ -127,16 +140,15 @@ _STATE_FIELDS = frozenset(
 def source_config_fields(cfg: Any) -> dict[str, Any]:
     """The source config's HookedTransformerConfig-named fields holding plain JSON values (numbers, strings,
     booleans, None, lists of them), without the run-time switches: what the converted model's config repeats with
-    the source's meaning (``eps``, ``rotary_base``, ``original_architecture``, ``tokenizer_name``, ``n_params``, ...).
-    Empty under TransformerLens 4.x, where no consumer reads them."""
-    if not _has_hooked_transformer():
+    the source's meaning (``eps``, ``rotary_base``, ``original_architecture``, ``tokenizer_name``, ``n_params``, ...;
+    under TransformerLens 4.x, ``TransformerLensConfig``'s fields)."""
+    tl_config = _config_base()
+    if tl_config is None:
         return {}
     import dataclasses
 
-    from transformer_lens import HookedTransformerConfig
-
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(HookedTransformerConfig):
+    for f in dataclasses.fields(tl_config):
         if f.name in _STATE_FIELDS or not hasattr(cfg, f.name):
             continue
         value = getattr(cfg, f.name)
