@@ -154,8 +154,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             rotary_dim=None if spec.rotary is None else spec.rotary.rotary_dim,
             source_kind=spec.source_kind,
             activation_fits=dict(fits),
-            source_config={**_derived_source_fields(spec), **spec.extra.get("source_config", {})},
+            source_config=dict(spec.extra.get("source_config", {})),
         )
+        for name, value in _derived_source_fields(spec).items():  # where the source had no config of its own
+            if name not in self.cfg.source_config:
+                setattr(self.cfg, name, value)
         self.report: Any = None  # set by lens_aot.convert
         self._block_devices = self._devices_of_blocks()
         self.setup()

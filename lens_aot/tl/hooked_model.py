@@ -119,8 +119,8 @@ def hooked_config_class(base: type) -> type:
     return type(base.__name__, (base, tl_config), namespace)
 
 
-# Fields of a source's config that describe the run-time state of that model object, not the model: the converted
-# model has its own (its switches start off, its dtype and device are its own).
+# Fields of a source's config that describe the run-time state of that model object, or how it was built, not the
+# model: the converted model has its own (its switches start off, its dtype and device are its own).
 _STATE_FIELDS = frozenset(
     {
         "use_attn_result",
@@ -133,6 +133,11 @@ _STATE_FIELDS = frozenset(
         "n_devices",
         "model_name",
         "default_prepend_bos",
+        # how the source object's weights were initialised (a converted model's are never initialised)
+        "seed",
+        "init_weights",
+        "init_mode",
+        "initializer_range",
     }
 )
 
