@@ -17,8 +17,6 @@ to move between source neurons and heads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from dataclasses import fields as dataclass_fields
 from typing import Any, Literal, NamedTuple, overload
 
 import torch
@@ -31,7 +29,8 @@ from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
-from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
+from lens_aot.core.components.transformer import SpecTransformer
+from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
@@ -41,7 +40,7 @@ from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
-from lens_aot.tl.hooked_model import hooked_class, hooked_config_class, hooked_config_dict
+from lens_aot.tl.hooked_model import hooked_class
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -78,51 +77,6 @@ class Sublayer(NamedTuple):
     layer: int
 
 
-@dataclass(kw_only=True)
-class AOTConfig(SourceConfig):
-    """TransformerLens-style configuration of the converted model: the source's fields, with the source's meaning."""
-
-    n_heads: int  # heads of the source's attention
-    d_head: int
-    n_key_value_heads: int | None
-    default_prepend_bos: bool = True
-    tokenizer_prepends_bos: bool | None = None
-    rotary_dim: int | None = None
-    use_attn_result: bool = False
-    use_split_qkv_input: bool = False
-    use_hook_mlp_in: bool = False
-    use_attn_in: bool = False
-    ungroup_grouped_query_attention: bool = False
-    use_fused_neurons: bool = False  # skip unhooked per-head neuron tensors (the fast path)
-    original_architecture: str = "lens_aot.AttentionOnlyTransformer"
-    source_kind: str = "HookedTransformer"
-    activation_fits: dict[int, ActivationFit | GatedFit] = field(default_factory=dict)
-    # the source config's other fields (eps, rotary_base, n_params, ...), also set as attributes of this config
-    source_config: dict[str, Any] = field(default_factory=dict)
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> AOTConfig:
-        """Under TransformerLens 3.x an instance is also a ``HookedTransformerConfig``
-        (:func:`lens_aot.tl.hooked_model.hooked_config_class`), for code that checks the config's class."""
-        return object.__new__(hooked_config_class(cls))
-
-    def __post_init__(self) -> None:
-        own = {f.name for f in dataclass_fields(AOTConfig)} - {"original_architecture"}
-        for name, value in self.source_config.items():
-            if name not in own:
-                setattr(self, name, value)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as ``HookedTransformerConfig.to_dict`` gives a source's (TransformerLens 3.x: its fields, with
-        the source's meaning, so ``HookedTransformerConfig.from_dict(aot.cfg.to_dict())`` describes the source's
-        architecture, as ``HookedSAETransformer(aot.cfg)`` does: a fresh, randomly initialised model, as for the
-        source's config); under 4.x, :meth:`fields`."""
-        return hooked_config_dict(self) or self.fields()
-
-    def fields(self) -> dict[str, Any]:
-        """The fields as a dict (what ``HookedTransformerConfig.to_dict`` gives for a source's config)."""
-        return asdict(self)
-
-
 class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     """An attention-only hooked transformer whose former MLP neurons are attention heads.
 
@@ -156,7 +110,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             activation_fits=dict(fits),
             source_config=dict(spec.extra.get("source_config", {})),
         )
-        for name, value in _derived_source_fields(spec).items():  # where the source had no config of its own
+        for name, value in derived_source_fields(spec).items():  # where the source had no config of its own
             if name not in self.cfg.source_config:
                 setattr(self.cfg, name, value)
         self.report: Any = None  # set by lens_aot.convert
@@ -544,21 +498,6 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             source_kind=self.cfg.source_kind,
             extra=extra,
         )
-
-
-def _derived_source_fields(spec: ModelSpec) -> dict[str, Any]:
-    """HookedTransformerConfig fields read off the spec itself (a source's own config, when there is one, overrides
-    them): norm kind and epsilon, attention scale, rotary pairing."""
-    out: dict[str, Any] = {
-        "uses_rms_norm": spec.ln_final.kind in ("RMS", "RMSPre"),
-        "final_rms": spec.ln_final.kind in ("RMS", "RMSPre"),
-        "eps": spec.ln_final.eps,
-    }
-    if spec.layers:
-        out["attn_scale"] = float(spec.layers[0].attn.attn_scale)
-    if spec.rotary is not None:
-        out["rotary_adjacent_pairs"] = spec.rotary.adjacent_pairs
-    return out
 
 
 def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | None) -> Callable[[str], bool]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import einops
 import torch
 import torch.nn.functional as F
@@ -71,13 +73,16 @@ class Attention(nn.Module):
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
         super().__init__()
+        # TransformerLens's GroupedQueryAttention registers its key/value weights as _W_K, _W_V, _b_K, _b_V: so do
+        # these (the source's parameter names); W_K ... read them (__getattr__), with [n_kv, ...] shapes
+        kv = "_" if spec.W_K.shape[0] != spec.W_Q.shape[0] else ""
         self.W_Q = parameter(spec.W_Q)
-        self.W_K = parameter(spec.W_K)
-        self.W_V = parameter(spec.W_V)
+        self.register_parameter(kv + "W_K", parameter(spec.W_K))
+        self.register_parameter(kv + "W_V", parameter(spec.W_V))
         self.W_O = parameter(spec.W_O)
         self.b_Q = parameter(spec.b_Q)
-        self.b_K = parameter(spec.b_K)
-        self.b_V = parameter(spec.b_V)
+        self.register_parameter(kv + "b_K", parameter(spec.b_K))
+        self.register_parameter(kv + "b_V", parameter(spec.b_V))
         self.b_O = parameter(spec.b_O)
         self.attn_scale = float(spec.attn_scale)
         self.softmax_dtype = spec.softmax_dtype
@@ -108,6 +113,11 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("W_K", "W_V", "b_K", "b_V") and "_" + name in self._parameters:
+            return self._parameters["_" + name]
+        return super().__getattr__(name)
 
     def apply_rotary(
         self,
