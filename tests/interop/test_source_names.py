@@ -96,18 +96,24 @@ def test_tl_weight_functions_give_the_sources_results(pair: Pair) -> None:
     if labels is not None:  # a method on HookedTransformer; a TL 3.9 bridge has a list
         assert pair.aot.all_head_labels() == (labels() if callable(labels) else labels)
     for mode in "QKV":
+        got = pair.aot.all_composition_scores(mode)
         want = _composition(pair.source, mode)
-        assert_close(pair.aot.all_composition_scores(mode), want, 1e-5, f"all_composition_scores({mode})")
+        if want is not None:
+            assert_close(got, want, 1e-5, f"all_composition_scores({mode})")
     assert [i for i, _ in pair.aot.blocks_with("attn")] == list(range(pair.source.cfg.n_layers))
     assert [i for i, _ in pair.aot.blocks_with("mlp")] == (
         list(range(pair.source.cfg.n_layers)) if pair.has_mlp else []
     )
 
 
-def _composition(source: Any, mode: str) -> torch.Tensor:
-    if hasattr(source, "all_composition_scores"):
-        return source.all_composition_scores(mode)
-    pytest.skip("the source has no all_composition_scores")
+def _composition(source: Any, mode: str) -> torch.Tensor | None:
+    """The source's own scores, or None where it cannot compute them (TL 4.3's bridge exports its weights to numpy
+    without detaching them: BufferError)."""
+    try:
+        scores = source.all_composition_scores(mode)
+    except (AttributeError, BufferError):
+        return None
+    return getattr(scores, "scores", scores)  # TL 4.x's bridge wraps the tensor in CompositionScores
 
 
 def test_svd_interpreter(pair: Pair) -> None:
