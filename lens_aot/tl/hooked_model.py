@@ -91,6 +91,7 @@ def hooked_class(base: type) -> type:
     # torch's own device moves (TransformerLens's accept one argument only); the model keeps its config in step.
     namespace.update(to=nn.Module.to, cuda=nn.Module.cuda, cpu=nn.Module.cpu)
     namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, __doc__=base.__doc__)
+    namespace.update(__reduce_ex__=_reduce_as(base))
     return type(base.__name__, (base, HookedTransformer), namespace)
 
 
@@ -116,7 +117,26 @@ def hooked_config_class(base: type) -> type:
     if tl_config is None or issubclass(base, tl_config):
         return base
     namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+    namespace["__reduce_ex__"] = _reduce_as(base)
     return type(base.__name__, (base, tl_config), namespace)
+
+
+def _reduce_as(base: type) -> Callable[[Any, int], Any]:
+    """``__reduce_ex__`` that pickles an instance as one of ``base`` (the class importable by name; its ``__new__``
+    gives the TransformerLens-derived class back on unpickling)."""
+
+    def __reduce_ex__(self: Any, protocol: int) -> Any:  # noqa: N807
+        reduced = object.__reduce_ex__(self, protocol)
+        if isinstance(reduced, tuple) and len(reduced) > 2 and reduced[1][:1] == (type(self),):
+            reduced = (new_instance, (base,), *reduced[2:])
+        return reduced
+
+    return __reduce_ex__
+
+
+def new_instance(cls: type) -> Any:
+    """An empty instance of ``cls`` through its own ``__new__`` (the unpickling of :func:`_reduce_as`)."""
+    return cls.__new__(cls)
 
 
 # Fields of a source's config that describe the run-time state of that model object, or how it was built, not the

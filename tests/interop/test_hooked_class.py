@@ -125,3 +125,21 @@ def test_save_load_keeps_the_class_and_config(pair: Pair, tmp_path: Path) -> Non
     assert type(loaded) is type(pair.aot)
     assert loaded.cfg.source_config == pair.aot.cfg.source_config
     assert isinstance(loaded.cfg, type(pair.aot.cfg))
+
+
+def test_pickle_and_deepcopy_keep_the_class(pair: Pair) -> None:
+    """``torch.save(aot)`` / ``torch.load`` and ``copy.deepcopy`` give the same class, the same logits, and heads that
+    still read the MLP's own parameters."""
+    import copy
+    import io
+
+    if pair.name != "trained-modular-addition":
+        pytest.skip("one model is enough")
+    buffer = io.BytesIO()
+    torch.save(pair.aot, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(pair.aot)):
+        assert type(other) is type(pair.aot) and type(other.cfg) is type(pair.aot.cfg)
+        assert other.blocks[0].mlp.heads.W_in is other.blocks[0].mlp.W_in
+        with torch.no_grad():
+            assert torch.equal(other(pair.tokens), pair.aot(pair.tokens))
