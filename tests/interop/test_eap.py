@@ -29,8 +29,10 @@ import torch
 from torch import Tensor
 
 import lens_aot
+from lens_aot.tl import has_hooked_transformer
 
-pytest.importorskip("transformer_lens", reason="TransformerLens is required")
+if not has_hooked_transformer():
+    pytest.skip("EAP-IG needs TransformerLens 3.x (it imports HookedTransformer)", allow_module_level=True)
 eap_graph = pytest.importorskip("eap.graph", reason="EAP-IG needs TransformerLens 3.x (HookedTransformer)")
 from eap import attribute as eap_attribute  # noqa: E402
 from eap import attribute_node as eap_attribute_node  # noqa: E402
