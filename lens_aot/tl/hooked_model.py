@@ -153,11 +153,7 @@ _STATE_FIELDS = frozenset(
         "n_devices",
         "model_name",
         "default_prepend_bos",
-        # how the source object's weights were initialised (a converted model's are never initialised)
-        "seed",
-        "init_weights",
-        "init_mode",
-        "initializer_range",
+        "seed",  # the source object's random seed (a converted model's weights are never initialised)
     }
 )
 

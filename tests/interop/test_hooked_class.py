@@ -26,7 +26,7 @@ hooked_only = pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="HookedTrans
 # fields describing the model object's state rather than the model (lens_aot.tl.hooked_model._STATE_FIELDS)
 STATE = {"use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in", "ungroup_grouped_query_attention"}
 STATE |= {"dtype", "device", "n_devices", "model_name", "default_prepend_bos"}
-STATE |= {"seed", "init_weights", "init_mode", "initializer_range"}  # how the source was initialised
+STATE |= {"seed"}  # the source object's random seed
 
 
 def _hooked_source(pair: Pair) -> None:
