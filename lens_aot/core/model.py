@@ -17,21 +17,21 @@ to move between source neurons and heads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from transformer_lens import ActivationCache
+from transformer_lens import ActivationCache, HookedRootModule
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
-from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
+from lens_aot.core.components.transformer import SpecTransformer
+from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
@@ -41,6 +41,7 @@ from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec,
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
+from lens_aot.tl.hooked_model import hooked_class
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -103,49 +104,18 @@ class Sublayer(NamedTuple):
     layer: int
 
 
-@dataclass(kw_only=True)
-class AOTConfig(SourceConfig):
-    """TransformerLens-style configuration of the converted model: the source's fields, with the source's meaning."""
-
-    n_heads: int  # heads of the source's attention
-    d_head: int
-    n_key_value_heads: int | None
-    default_prepend_bos: bool = True
-    tokenizer_prepends_bos: bool | None = None
-    rotary_dim: int | None = None
-    use_attn_result: bool = False
-    use_split_qkv_input: bool = False
-    use_hook_mlp_in: bool = False
-    use_attn_in: bool = False
-    use_fused_neurons: bool = False  # skip unhooked per-head neuron tensors (the fast path)
-    original_architecture: str = "lens_aot.AttentionOnlyTransformer"
-    source_kind: str = "HookedTransformer"
-    activation_fits: dict[int, ActivationFit | GatedFit] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Refused: TransformerLens turns a config into a fresh ``HookedTransformer`` through ``to_dict``
-        (``HookedTransformerConfig.unwrap``, e.g. ``sae_lens.HookedSAETransformer(aot.cfg)``), and a
-        ``HookedTransformer`` cannot hold the converted model's neuron heads: it would silently be a different,
-        randomly initialised model. :meth:`fields` gives the fields as a dict."""
-        raise InputError(
-            "the converted model's config cannot build a HookedTransformer (e.g. HookedSAETransformer(aot.cfg)): a "
-            "HookedTransformer has no neuron heads. Run an SAE on the converted model itself with "
-            "aot.run_with_hooks(tokens, fwd_hooks=[(sae.cfg.metadata.hook_name, lambda act, hook: sae(act))]) (any "
-            "source hook name works); lens_aot.revert(aot) gives back a source model; aot.cfg.fields() gives this "
-            "config as a dict"
-        )
-
-    def fields(self) -> dict[str, Any]:
-        """The fields as a dict (what ``HookedTransformerConfig.to_dict`` gives for a source's config)."""
-        return asdict(self)
-
-
 class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     """An attention-only hooked transformer whose former MLP neurons are attention heads.
 
     Behaves like a TransformerLens model: ``model(tokens)``, ``run_with_cache``, ``run_with_hooks``, ``hooks()``,
     ``to_tokens`` / ``to_string`` (when the source had a tokenizer), the stacked weights (``W_Q`` … ``W_out``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> AttentionOnlyTransformer:
+        """Under TransformerLens 3.x an instance is also a ``HookedTransformer``
+        (:func:`lens_aot.tl.hooked_model.hooked_class`: ``isinstance(aot, HookedTransformer)`` holds, the
+        ``HookedTransformer`` methods that do not apply raise); under 4.x, this class itself."""
+        return object.__new__(hooked_class(cls))
 
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
@@ -165,7 +135,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             rotary_dim=None if spec.rotary is None else spec.rotary.rotary_dim,
             source_kind=spec.source_kind,
             activation_fits=dict(fits),
+            source_config=dict(spec.extra.get("source_config", {})),
         )
+        for name, value in derived_source_fields(spec).items():  # where the source had no config of its own
+            if name not in self.cfg.source_config:
+                setattr(self.cfg, name, value)
         self.report: Any = None  # set by lens_aot.convert
         self._block_devices = self._devices_of_blocks()
         self.setup()
@@ -214,6 +188,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         KeyValueCache`) continues from cached keys and values. Neuron heads attend only to their own position and
         the bias slot, so padding and the cache concern the source's attention alone.
         """
+        self._sync_switches()
         mask = None
         if start_at_layer is None:
             tokens = self._as_tokens(input, prepend_bos, padding_side)
@@ -298,7 +273,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
                     if wanted(f"{prefix}.{hook}"):
                         derived[f"{prefix}.{hook}"] = (tuple(f"{prefix}.{x}" for x in inputs), fn)
         sources = {src for srcs, _ in derived.values() for src in srcs}
-        out, cache_dict = super().run_with_cache(
+        # HookedRootModule's (a dict of entries): not HookedTransformer's, which wraps them in its own cache object
+        out, cache_dict = HookedRootModule.run_with_cache(
+            self,
             *model_args,
             names_filter=lambda name: (wanted(name) and name not in derived) or name in sources,
             incl_bwd=incl_bwd,
@@ -345,6 +322,26 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         self.cfg.use_hook_mlp_in = use_hook_mlp_in
         for block in self.blocks:
             block.use_hook_mlp_in = use_hook_mlp_in
+
+    def set_ungroup_grouped_query_attention(self, ungroup_grouped_query_attention: bool) -> None:
+        """Give grouped-query attention one key and value per query head (``hook_k`` / ``hook_v``, and with split
+        input ``hook_k_input`` / ``hook_v_input``, then have ``n_heads`` heads), as in TransformerLens; setting
+        ``cfg.ungroup_grouped_query_attention`` directly does the same."""
+        self.cfg.ungroup_grouped_query_attention = ungroup_grouped_query_attention
+
+    def _sync_switches(self) -> None:
+        """Apply the config's switches to the blocks, so that setting ``cfg.use_*`` directly acts as on a
+        HookedTransformer (whose components read the shared config on every forward)."""
+        cfg = self.cfg
+        for block in self.blocks:
+            block.use_split_qkv_input, block.use_attn_in = cfg.use_split_qkv_input, cfg.use_attn_in
+            block.use_hook_mlp_in = cfg.use_hook_mlp_in and block.has_mlp
+            block.attn.ungroup = cfg.ungroup_grouped_query_attention
+            block.attn.use_attn_result = cfg.use_attn_result
+            if block.has_mlp:
+                block.mlp.use_fused = cfg.use_fused_neurons
+                for _, heads in block.mlp.head_modules():
+                    heads.use_attn_result = cfg.use_attn_result
 
     def set_use_fused_neurons(self, use_fused_neurons: bool) -> None:
         """Skip the neuron heads' per-head tensors (``hook_q/k/v/z``) while none of them is hooked, computing each
@@ -528,6 +525,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         extra: dict[str, Any] = {}
         if self.cfg.tokenizer_prepends_bos is not None:
             extra["tokenizer_prepends_bos"] = self.cfg.tokenizer_prepends_bos
+        if self.cfg.source_config:
+            extra["source_config"] = dict(self.cfg.source_config)
         return ModelSpec(
             d_model=self.cfg.d_model,
             n_ctx=self.cfg.n_ctx,

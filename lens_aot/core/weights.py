@@ -103,3 +103,28 @@ class StackedWeights:
         if mlp_input:
             total = total + self.blocks[layer].attn.b_O.to(total.device)
         return total
+
+    # ---- HookedTransformer's / TransformerBridge's analysis helpers, with the source's results (both majors) ----
+    def all_head_labels(self) -> list[str]:
+        """``L{layer}H{h}`` for the source's attention heads, as on the source (neuron heads: ``lens_aot.labels``)."""
+        return [f"L{layer}H{h}" for layer in range(self.cfg.n_layers) for h in range(self.cfg.n_heads)]
+
+    def all_composition_scores(self, mode: str) -> Float[Tensor, "n_layers n_heads n_layers n_heads"]:
+        """Q-, K- or V-composition scores between every pair of the source's attention heads (Elhage et al. 2021),
+        as ``HookedTransformer.all_composition_scores``: zero unless the right head's layer is later."""
+        if mode not in ("Q", "K", "V"):
+            raise ValueError(f"mode must be one of ['Q', 'K', 'V'] not {mode}")
+        left = self.OV
+        right = {"Q": self.QK, "K": self.QK.T, "V": self.OV}[mode]
+        new_left = left.unsqueeze(2).unsqueeze(3).collapse_l()  # [L, H, 1, 1, ...] against [L, H, ...]
+        new_right = right.collapse_r()
+        comp = (new_left @ new_right).norm(dim=[-2, -1])
+        scores = comp / new_right.norm(dim=[-2, -1]) / new_left.norm(dim=[-2, -1])
+        layers = torch.arange(self.cfg.n_layers, device=scores.device)
+        mask = layers[:, None, None, None] < layers[None, None, :, None]
+        return torch.where(mask, scores, torch.zeros_like(scores))
+
+    def blocks_with(self, submodule: str) -> list[tuple[int, Any]]:
+        """``(index, block)`` for the blocks holding ``submodule`` (``"attn"``, ``"mlp"``), as
+        ``TransformerBridge.blocks_with``: every block has ``attn``; ``mlp`` where the source layer had one."""
+        return [(i, block) for i, block in enumerate(self.blocks) if submodule in block._modules]

@@ -58,6 +58,7 @@ from lens_aot.tl.bridge_components import (
     _subcomponents,
 )
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
+from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_moe import read_bridge_mlp
 
@@ -414,6 +415,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
             "architecture": getattr(cfg, "architecture", None),
             "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
+            "source_config": source_config_fields(cfg),
         },
     )
     if not finite:

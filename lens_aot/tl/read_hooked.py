@@ -15,6 +15,7 @@ from torch import nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_moe import read_hooked_moe
 
 SUPPORTED = (
@@ -309,5 +310,8 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         default_prepend_bos=bool(cfg.default_prepend_bos),
         model_name=str(cfg.model_name),
         source_kind="HookedTransformer",
-        extra={"tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None)},
+        extra={
+            "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
+            "source_config": source_config_fields(cfg),
+        },
     )

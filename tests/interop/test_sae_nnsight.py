@@ -60,9 +60,10 @@ def test_sae_at_a_source_hook_name(pair: Pair) -> None:
 
 
 def test_hooked_sae_transformer(pair: Pair) -> None:
-    """``HookedSAETransformer`` is a ``HookedTransformer`` subclass that rebuilds a model from its config: on the
-    source it runs (checked against the ``run_with_hooks`` route); on the converted model it is refused with a message
-    that names the working route (``run_with_hooks`` at the SAE's ``hook_name``)."""
+    """``HookedSAETransformer(cfg)`` builds a fresh, randomly initialised model from a config: the converted model's
+    config (a ``HookedTransformerConfig`` under TL 3.x) describes the source's architecture, so the model built from
+    it takes the source's weights and then gives the source's ``run_with_saes`` logits, as a model built from the
+    source's own config does."""
     sae_lens = pytest.importorskip("sae_lens", reason="sae-lens needs TransformerLens 3.x")
     from transformer_lens import HookedTransformer
 
@@ -72,15 +73,11 @@ def test_hooked_sae_transformer(pair: Pair) -> None:
     sae = _sae(pair, hook_name)
     with torch.no_grad():
         want = pair.source.run_with_hooks(pair.tokens, fwd_hooks=[(hook_name, lambda act, hook: sae(act))])
-    if SELFCHECK:
-        hooked = sae_lens.HookedSAETransformer(pair.source.cfg)
-        hooked.load_state_dict(pair.source.state_dict())
-        with torch.no_grad():
-            got = hooked.run_with_saes(pair.tokens, saes=[sae])
-        assert_close(got, want, pair.logit_bound, "HookedSAETransformer.run_with_saes")
-        return
-    with pytest.raises(Exception, match="run_with_hooks"):
-        sae_lens.HookedSAETransformer(pair.model.cfg)
+    hooked = sae_lens.HookedSAETransformer(pair.model.cfg)
+    hooked.load_state_dict(pair.source.state_dict())
+    with torch.no_grad():
+        got = hooked.run_with_saes(pair.tokens, saes=[sae])
+    assert_close(got, want, pair.logit_bound, "HookedSAETransformer(cfg).run_with_saes")
 
 
 def test_nnsight_sees_every_hook_point(pair: Pair) -> None:

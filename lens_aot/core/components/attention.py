@@ -5,6 +5,8 @@ rotary tables and QKV clipping."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import einops
 import torch
 import torch.nn.functional as F
@@ -84,13 +86,16 @@ class Attention(nn.Module):
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
         """``rotary``: the model's tables, unless the layer has its own (``spec.rotary``)."""
         super().__init__()
+        # TransformerLens's GroupedQueryAttention registers its key/value weights as _W_K, _W_V, _b_K, _b_V: so do
+        # these (the source's parameter names); W_K ... read them (__getattr__), with [n_kv, ...] shapes
+        kv = "_" if spec.W_K.shape[0] != spec.W_Q.shape[0] else ""
         self.W_Q = parameter(spec.W_Q)
-        self.W_K = parameter(spec.W_K)
-        self.W_V = parameter(spec.W_V)
+        self.register_parameter(kv + "W_K", parameter(spec.W_K))
+        self.register_parameter(kv + "W_V", parameter(spec.W_V))
         self.W_O = parameter(spec.W_O)
         self.b_Q = parameter(spec.b_Q)
-        self.b_K = parameter(spec.b_K)
-        self.b_V = parameter(spec.b_V)
+        self.register_parameter(kv + "b_K", parameter(spec.b_K))
+        self.register_parameter(kv + "b_V", parameter(spec.b_V))
         self.b_O = parameter(spec.b_O)
         self.attn_scale = float(spec.attn_scale)
         self.softmax_dtype = spec.softmax_dtype
@@ -102,6 +107,9 @@ class Attention(nn.Module):
         self.own_rotary = spec.rotary is not None
         rotary = spec.rotary if spec.rotary is not None else rotary
         self.use_attn_result = False
+        self.ungroup = (
+            False  # grouped-query attention: one key / value per query head (cfg.ungroup_grouped_query_attention)
+        )
         self.n_heads, self.d_model, self.d_head = spec.W_Q.shape
         self.n_kv = spec.W_K.shape[0]
         if self.n_heads % self.n_kv:
@@ -134,6 +142,11 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("W_K", "W_V", "b_K", "b_V") and "_" + name in self._parameters:
+            return self._parameters["_" + name]
+        return super().__getattr__(name)
 
     def apply_rotary(
         self,
@@ -174,9 +187,13 @@ class Attention(nn.Module):
         """
         k_in = query_input if key_input is None else key_input
         v_in = query_input if value_input is None else value_input
+        group = self.n_heads // self.n_kv if self.ungroup else 1  # ungrouped: each query head's own key and value
+        W_K, b_K, W_V, b_V = self.W_K, self.b_K, self.W_V, self.b_V
+        if group > 1:
+            W_K, b_K, W_V, b_V = (w.repeat_interleave(group, dim=0) for w in (W_K, b_K, W_V, b_V))
         q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
-        k = self.hook_k(_project(k_in, self.W_K, self.b_K))
-        v = self.hook_v(_project(v_in, self.W_V, self.b_V))
+        k = self.hook_k(_project(k_in, W_K, b_K))
+        v = self.hook_v(_project(v_in, W_V, b_V))
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
         if hasattr(self, "k_norm"):
@@ -196,9 +213,9 @@ class Attention(nn.Module):
         if self.rotary_dim:
             q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
-        if self.n_kv != self.n_heads:
+        if k.shape[2] != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=2)
+            v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
         mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
         if (
             self.needs_dense_scores

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import einops
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
@@ -114,14 +113,17 @@ class TransformerBlock(nn.Module):
             return x, x, x
 
         def per_head(n_heads: int) -> Tensor:
-            return einops.repeat(resid.clone(), "b p d -> b p h d", h=n_heads)
+            # one real copy per head (never an expanded view), so an in-place write to one head's slice changes that
+            # head only, as in TransformerLens
+            return resid[:, :, None, :].repeat(1, 1, n_heads, 1)
 
         if self.use_attn_in:
             x = ln1(self.hook_attn_in(per_head(self.attn.n_heads)))
             return x, x, x
         q = self.hook_q_input(per_head(self.attn.n_heads))
-        k = self.hook_k_input(per_head(self.attn.n_kv))
-        v = self.hook_v_input(per_head(self.attn.n_kv))
+        n_kv = self.attn.n_heads if self.attn.ungroup else self.attn.n_kv
+        k = self.hook_k_input(per_head(n_kv))
+        v = self.hook_v_input(per_head(n_kv))
         return ln1(q), ln1(k), ln1(v)
 
     def _mlp_input(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:

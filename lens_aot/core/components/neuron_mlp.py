@@ -56,11 +56,50 @@ class NeuronMLP(nn.Module):
         else:
             self.heads = NeuronAttention(mlp, fit)
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+        self._shared = self._source_names()
+        for name, (attr, weight) in self._shared.items():
+            self.register_parameter(name, getattr(self, attr)._parameters.pop(weight))
+        self._point_heads()
+
+    # ---- the source MLP's weights, under its names, one copy ----
+    def _source_names(self) -> dict[str, tuple[str, str]]:
+        """Source name (TransformerLens's ``MLP`` / ``GatedMLP``) -> (head module, its weight): ``W_in``, ``b_in``,
+        ``W_out``, ``b_out``, and for gated MLPs ``W_gate`` (the gate heads' ``W_in``); a gated ``b_in`` is added
+        after the product (the product heads' ``b_post``) or, without it, the linear branch's bias."""
+        if not self.gated:
+            return {"W_in": ("heads", "W_in"), "b_in": ("heads", "b_in"), "W_out": ("heads", "W_out"),
+                    "b_out": ("heads", "b_O")}  # fmt: skip
+        b_in = "b_in" if self.product_heads.b_post is None else "b_post"
+        return {"W_in": ("product_heads", "W_in"), "W_gate": ("gate_heads", "W_in"), "b_in": ("product_heads", b_in),
+                "W_out": ("product_heads", "W_out"), "b_out": ("product_heads", "b_out")}  # fmt: skip
+
+    def _point_heads(self) -> None:
+        """Have the head modules read this module's parameters (a plain attribute there: the parameter is registered
+        once, here, under the source's name, so ``named_parameters`` / ``state_dict`` hold the source's keys and an
+        update of ``mlp.W_in`` moves the heads)."""
+        for name, (attr, weight) in self._shared.items():
+            object.__setattr__(getattr(self, attr), weight, self._parameters[name])
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> NeuronMLP:
+        out = super()._apply(fn, *args, **kwargs)
+        self._point_heads()  # a conversion may have replaced the parameters
+        return out
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._point_heads()  # load_state_dict(assign=True) replaces them
+
+    def __getattr__(self, name: str) -> Any:
+        if (
+            name == "W_gate" and not self.gated
+        ):  # a plain MLP has no gate (as TransformerLens's ``W_gate`` stack reads it)
+            return None
+        return super().__getattr__(name)
 
     # ---- the source MLP's names ----
     @property
     def gated(self) -> bool:
-        return hasattr(self, "product_heads")
+        return "product_heads" in self._modules
 
     def head_modules(self) -> list[tuple[str, NeuronAttention | ProductAttention]]:
         """``(attribute, module)`` of the neuron-head modules, in forward order."""
@@ -69,33 +108,6 @@ class NeuronMLP(nn.Module):
     @property
     def _out_heads(self) -> NeuronAttention | ProductAttention:
         return self.product_heads if self.gated else self.heads
-
-    @property
-    def W_in(self) -> Float[Tensor, "d_model d_mlp"]:
-        return self._out_heads.W_in
-
-    @property
-    def b_in(self) -> Float[Tensor, " d_mlp"]:
-        """The source's ``b_in``: plain MLPs, the pre-activation bias; TransformerLens's ``GatedMLP`` adds its
-        ``b_in`` after the product (``act(x·W_gate) ⊙ (x·W_in) + b_in``), which the product heads hold as ``b_post``;
-        a gated source without it (Hugging Face's ``mlp_bias``) has the linear branch's bias here."""
-        heads = self._out_heads
-        b_post = getattr(heads, "b_post", None)
-        return heads.b_in if b_post is None else b_post
-
-    @property
-    def W_out(self) -> Float[Tensor, "d_mlp d_model"]:
-        W_out = self._out_heads.W_out
-        assert W_out is not None
-        return W_out
-
-    @property
-    def b_out(self) -> Float[Tensor, " d_model"]:
-        return self.product_heads.b_out if self.gated else self.heads.b_O
-
-    @property
-    def W_gate(self) -> Float[Tensor, "d_model d_mlp"] | None:
-        return self.gate_heads.W_in if self.gated else None
 
     @property
     def b_gate(self) -> Float[Tensor, " d_mlp"] | None:

@@ -138,7 +138,9 @@ class SpecTransformer(HookedRootModule):
             blocks.append(
                 TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm)
             )
-        super().__init__()
+        # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
+        # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
+        HookedRootModule.__init__(self)
         self.embed = Embed(spec.W_E, None if spec.embed_ln is None else Norm(spec.embed_ln))
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":

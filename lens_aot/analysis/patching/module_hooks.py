@@ -1,0 +1,190 @@
+"""Hook names, inputs and gradients of the converted model's head modules, for the patching code.
+
+Where a head module (``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` / ``gate_heads`` / ``product_heads``) sits in the
+forward pass, which hooks carry its per-head output, its inputs and its state, and how a gradient at its output maps
+to its heads. Used by :mod:`lens_aot.analysis.patching.units` and the patching modules it serves; it imports none of
+them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lens_aot.core.components import NeuronAttention, ProductAttention
+from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.names import mlp_of, module_expert, parse_module
+
+# rank of a head module within its layer, in forward order
+_RANK = {"attention": 0, "neuron": 1, "gate": 1, "product": 2}
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(name: str) -> tuple[int, int]:
+    """Position of head module ``name`` in the forward pass (sort key, the order of ``aot.sublayers()``: a module
+    reads only earlier ones' outputs)."""
+    layer, kind = parse_module(name)
+    return layer, _RANK[kind]
+
+
+def _layer_of(name: str) -> int:
+    return parse_module(name).layer
+
+
+def _kind_of(name: str) -> str:
+    return parse_module(name).kind
+
+
+def _head_module_names(aot: AttentionOnlyTransformer) -> list[str]:
+    """Every head module, in forward order."""
+    return [sub.name for sub in aot.sublayers()]
+
+
+def _head_module(aot: AttentionOnlyTransformer, name: str) -> torch.nn.Module:
+    """The module holding the heads of ``name`` (Attention, NeuronAttention or ProductAttention)."""
+    return aot.head_module(name)
+
+
+def _z_hook(name: str) -> str:
+    """The hook of the head outputs ``[batch, pos, head, d_head]`` of module ``name``."""
+    return f"{name}.hook_z"
+
+
+def _input_hook(name: str, x: str) -> str:
+    """The hook of input ``x`` ("q", "k" or "v") of module ``name``'s heads."""
+    return f"{name}.hook_{x}"
+
+
+def _module_of_input(hook_name: str) -> str:
+    """The head module whose input hook ``hook_name`` is (inverse of :func:`_input_hook`)."""
+    return hook_name.rpartition(".hook_")[0]
+
+
+def _output_hook(name: str) -> str:
+    """The hook of what module ``name`` writes (``Σ_h z_h · W_O[h] + b_O``): ``hook_attn_out`` (attention),
+    ``hook_mlp_out`` (neuron and product heads), or the product heads' ``hook_gate`` (gate heads: the MLP's
+    scratch). A mixture-of-experts layer's expert: its ``hook_out`` (its output before its router weight)."""
+    layer, kind = parse_module(name)
+    if kind == "gate":
+        return f"{mlp_of(name)}.product_heads.hook_gate"
+    if kind != "attention" and module_expert(name) is not None:
+        return f"{mlp_of(name)}.hook_out"
+    return f"blocks.{layer}.hook_{'attn' if kind == 'attention' else 'mlp'}_out"
+
+
+def _state_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
+    """The hooks from which every head output (``hook_z``) of module ``name`` follows: ``hook_z`` for the source's
+    heads, the MLP's ``hook_pre`` for neuron/gate heads, its ``hook_pre_linear`` and the product heads' ``hook_gate``
+    for product heads."""
+    kind = parse_module(name).kind
+    if kind == "product":
+        return [f"{mlp_of(name)}.hook_pre_linear", f"{name}.hook_gate"]
+    if kind in ("neuron", "gate"):
+        return [f"{mlp_of(name)}.hook_pre"]
+    return [_z_hook(name)]
+
+
+def _reads_mid(aot: AttentionOnlyTransformer, name: str) -> bool:
+    """Whether module ``name`` reads its layer's ``hook_resid_mid`` (the MLP's heads of a sequential layer)."""
+    layer, kind = parse_module(name)
+    return kind != "attention" and not aot.blocks[layer].parallel
+
+
+def _resid_in_hook(aot: AttentionOnlyTransformer, name: str) -> str:
+    """The residual-stream hook module ``name``'s heads read (through :func:`_input_norm`)."""
+    return f"blocks.{_layer_of(name)}.hook_resid_{'mid' if _reads_mid(aot, name) else 'pre'}"
+
+
+def _input_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
+    """The hooks that together are module ``name``'s input (:func:`_input_of`): its residual, and for product heads
+    the MLP's scratch (``hook_gate``)."""
+    scratch = [f"{name}.hook_gate"] if _kind_of(name) == "product" else []
+    return [_resid_in_hook(aot, name), *scratch]
+
+
+def _input_of(aot: AttentionOnlyTransformer, name: str, acts: dict[str, Tensor]) -> Float[Tensor, "batch pos d_in"]:
+    """Module ``name``'s input from recorded activations: the residual it reads, followed (product heads) by the
+    gate values it reads from the MLP's scratch."""
+    return torch.cat([acts[hook] for hook in _input_hooks(aot, name)], dim=-1)
+
+
+def _input_norm(aot: AttentionOnlyTransformer, name: str) -> torch.nn.Module:
+    """The norm between the residual stream and module ``name``'s heads (``ln1`` or ``ln2``; none in post-norm)."""
+    layer, kind = parse_module(name)
+    block = aot.blocks[layer]
+    return torch.nn.Identity() if block.post_norm else block.ln1 if kind == "attention" else block.ln2
+
+
+def _final_resid_hook(aot: AttentionOnlyTransformer) -> str:
+    """The residual stream the unembedding reads (through the final norm)."""
+    return f"blocks.{len(aot.blocks) - 1}.hook_resid_post"
+
+
+def _reads_output_of(aot: AttentionOnlyTransformer, receiver: str | None, sender: str) -> bool:
+    """Whether module ``sender``'s output is in the input of module ``receiver`` (None: the logits): a gate module's
+    output reaches only its own layer's product heads; the others' reach the residual after them."""
+    s_layer, s_kind = parse_module(sender)
+    if s_kind == "gate":
+        return receiver is not None and receiver == f"{mlp_of(sender)}.product_heads"
+    if receiver is None:
+        return True
+    r_layer = _layer_of(receiver)
+    return s_layer < r_layer or (s_layer == r_layer and s_kind == "attention" and _reads_mid(aot, receiver))
+
+
+def _stop_after(names: Iterable[str]) -> int:
+    """``stop_at_layer`` for a forward that must run (at least) the modules ``names``."""
+    return max(_layer_of(name) for name in names) + 1
+
+
+def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
+    """The product-head module that reads gate module ``name``'s output (its values, through ``hook_gate``); None if
+    ``name`` holds no gate heads."""
+    return f"{mlp_of(name)}.product_heads" if _kind_of(name) == "gate" else None
+
+
+def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
+    """Whether module ``name`` has an output hook and a ``W_O``, so its output is ``Σ_h z_h · W_O[h] + b_O`` and a
+    change of head outputs can be applied to its output directly."""
+    return _output_hook(name) in aot.hook_dict and isinstance(getattr(_head_module(aot, name), "W_O", None), Tensor)
+
+
+# ==================================================================================================== module inputs
+def _into_input(
+    aot: AttentionOnlyTransformer, receiver: str, sender: str, contrib: Float[Tensor, "... d_out"]
+) -> Float[Tensor, "... d_in"]:
+    """Place sender module ``sender``'s output change in receiver ``receiver``'s input (:func:`_input_of`): the
+    residual part, or (a gate module feeding its product heads) the scratch part after the residual."""
+    width = aot.cfg.d_model + (int(_head_module(aot, receiver).d_mlp) if _kind_of(receiver) == "product" else 0)
+    before = aot.cfg.d_model if _kind_of(sender) == "gate" else 0
+    return torch.nn.functional.pad(contrib, (before, width - before - contrib.shape[-1]))
+
+
+def _state_of(aot: AttentionOnlyTransformer, name: str, x: Float[Tensor, "... d_in"]) -> list[Tensor]:
+    """Neuron/gate/product module ``name``'s state (``hook_pre``, or ``u`` and ``h``) for a given input
+    (:func:`_input_of`): the pre-activation through its norm, and (product heads) the gate values of the scratch."""
+    attn = _head_module(aot, name)
+    d_model = aot.cfg.d_model
+    pre = _input_norm(aot, name)(x[..., :d_model]) @ attn.W_in + attn.b_in
+    if isinstance(attn, ProductAttention):
+        return [pre, x[..., d_model : d_model + attn.d_mlp]]
+    return [pre]
+
+
+def _head_grads(
+    attn: torch.nn.Module, grad_out: Float[Tensor, "*run batch pos d_out"]
+) -> Float[Tensor, "*run batch pos head d_head"]:
+    """``∂(grad_out · module output)/∂z_h = grad_out · W_O[h]`` for every head, without per-head ``W_O`` rows for neuron
+    modules (``grad_out`` at the module's :func:`_output_hook`): a neuron head's row is its neuron's ``W_out`` row
+    (gate heads: its scratch channel, the gradient at ``hook_gate``; product heads: ``±(2/ε)·W_out[n]``)."""
+    if isinstance(attn, ProductAttention):
+        main = grad_out @ attn.W_out.T * (2 / attn.scales)
+        return torch.stack((main, -main), dim=-1).flatten(-2)[..., None]
+    if isinstance(attn, NeuronAttention):
+        per_neuron = grad_out if attn.W_out is None else grad_out @ attn.W_out.T
+        return per_neuron.repeat_interleave(attn.heads_per_neuron, dim=-1)[..., None]
+    return torch.einsum("...d,hed->...he", grad_out, attn.W_O)

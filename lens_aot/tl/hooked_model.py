@@ -1,0 +1,195 @@
+"""The converted model as a ``HookedTransformer`` (TransformerLens 3.x), for code that checks the class.
+
+Third-party libraries written for TransformerLens 3 check ``isinstance(model, HookedTransformer)`` (EAP-IG's
+``Graph.from_model``, SAELens) and ``isinstance(model.cfg, HookedTransformerConfig)``. Under TransformerLens 3.x,
+:func:`hooked_class` gives the converted model's class (and its config's) with the TransformerLens class added as
+a *last* base, built on first use: the converted model's own methods, weights and forward come first; the
+``HookedTransformer`` methods it does not define either apply unchanged (``all_head_labels``, ``to_single_str_token``,
+``get_token_position``, ``set_ungroup_grouped_query_attention``, ``all_composition_scores``, ...) or, where they
+would silently misbehave on neuron heads, raise :class:`~lens_aot.errors.InputError` naming what to do instead
+(:data:`INAPPLICABLE`). Under TransformerLens 4.x (no ``HookedTransformer``) the model class is returned
+unchanged and the config class gains ``TransformerLensConfig`` (the type of the ``TransformerLensModel`` protocol's
+``cfg``).
+
+Nothing here imports TransformerLens 3 names at module import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any, NoReturn
+
+from lens_aot.errors import InputError
+
+__all__ = ["INAPPLICABLE", "hooked_class", "hooked_config_class", "hooked_config_dict", "source_config_fields"]
+
+_REBUILD = "convert the source again: lens_aot.convert(source)"
+
+# HookedTransformer methods that do not apply to a converted model: name -> what to do instead.
+INAPPLICABLE: dict[str, str] = {
+    "from_pretrained": "load the source (HookedTransformer.from_pretrained(name)), then lens_aot.convert(source)",
+    "from_pretrained_no_processing": "load the source with HookedTransformer.from_pretrained_no_processing(name), "
+    "then lens_aot.convert(source)",
+    "init_weights": f"a converted model's weights are its source's; to start from random weights, {_REBUILD} of a "
+    "freshly initialised source",
+    "_init_weights_gpt2": "see init_weights",
+    "_init_weights_xavier": "see init_weights",
+    "_init_weights_kaiming": "see init_weights",
+    "_init_weights_muP": "see init_weights",
+    "load_and_process_state_dict": "load weights into the source and convert it, or aot.load_state_dict(state) with "
+    "the converted model's keys (its state_dict holds the source's names)",
+    "fill_missing_keys": "see load_and_process_state_dict",
+    "process_weights_": f"fold or centre the source's weights (source.process_weights_(...)), then {_REBUILD}",
+    "fold_layer_norm": f"fold the source's norms (source.fold_layer_norm()), then {_REBUILD}",
+    "center_writing_weights": f"centre the source's weights (source.center_writing_weights()), then {_REBUILD}",
+    "center_unembed": f"centre the source's unembedding (source.center_unembed()), then {_REBUILD}",
+    "fold_value_biases": f"fold the source's value biases (source.fold_value_biases()), then {_REBUILD}",
+    "refactor_factored_attn_matrices": "refactor the source (source.refactor_factored_attn_matrices()), then "
+    + _REBUILD,
+    "get_residual": "run aot(tokens, stop_at_layer=0) for the residual stream before block 0",
+    "input_to_embed": "run aot(tokens, stop_at_layer=0) for the embedded input (hook_embed / hook_pos_embed hold "
+    "its parts)",
+    "generate_stream": "use aot.generate(...)",
+    "move_model_modules_to_device": "use aot.to(device), or aot.place(placement) for several devices",
+}
+
+
+def _refusing(name: str, instead: str) -> Callable[..., NoReturn]:
+    def refused(*args: Any, **kwargs: Any) -> NoReturn:
+        raise InputError(
+            f"HookedTransformer.{name} does not apply to a converted (attention-only) model: its MLPs are neuron "
+            f"heads reading the source's weights, which this method would rewrite or rebuild as a plain "
+            f"HookedTransformer. Instead: {instead}."
+        )
+
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = f"Refused on a converted model (raises InputError): {instead}."
+    return refused
+
+
+def _has_hooked_transformer() -> bool:
+    from lens_aot.tl import has_hooked_transformer
+
+    return has_hooked_transformer()
+
+
+@cache
+def hooked_class(base: type) -> type:
+    """``base`` (the converted model's class) with ``HookedTransformer`` as its last base under TransformerLens 3.x,
+    the inapplicable methods refused; ``base`` itself under 4.x."""
+    if not _has_hooked_transformer():
+        return base
+    from torch import nn
+    from transformer_lens import HookedTransformer
+
+    if issubclass(base, HookedTransformer):
+        return base
+    namespace: dict[str, Any] = {name: _refusing(name, instead) for name, instead in INAPPLICABLE.items()}
+    namespace["from_pretrained"] = classmethod(namespace["from_pretrained"])
+    namespace["from_pretrained_no_processing"] = classmethod(namespace["from_pretrained_no_processing"])
+    # torch's own device moves (TransformerLens's accept one argument only); the model keeps its config in step.
+    namespace.update(to=nn.Module.to, cuda=nn.Module.cuda, cpu=nn.Module.cpu)
+    namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, __doc__=base.__doc__)
+    namespace.update(__reduce_ex__=_reduce_as(base))
+    return type(base.__name__, (base, HookedTransformer), namespace)
+
+
+def _config_base() -> type | None:
+    """TransformerLens's config class a converted model's config also is: ``HookedTransformerConfig`` (3.x), else
+    ``TransformerLensConfig`` (4.x: what the ``TransformerLensModel`` protocol's ``cfg`` is typed as)."""
+    if _has_hooked_transformer():
+        from transformer_lens import HookedTransformerConfig
+
+        return HookedTransformerConfig
+    try:
+        from transformer_lens.config import TransformerLensConfig
+    except ImportError:
+        return None
+    return TransformerLensConfig
+
+
+@cache
+def hooked_config_class(base: type) -> type:
+    """``base`` (the converted model's config class) with TransformerLens's config class (:func:`_config_base`) as
+    its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none."""
+    tl_config = _config_base()
+    if tl_config is None or issubclass(base, tl_config):
+        return base
+    namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+    namespace["__reduce_ex__"] = _reduce_as(base)
+    return type(base.__name__, (base, tl_config), namespace)
+
+
+def _reduce_as(base: type) -> Callable[[Any, int], Any]:
+    """``__reduce_ex__`` that pickles an instance as one of ``base`` (the class importable by name; its ``__new__``
+    gives the TransformerLens-derived class back on unpickling)."""
+
+    def __reduce_ex__(self: Any, protocol: int) -> Any:  # noqa: N807
+        reduced = object.__reduce_ex__(self, protocol)
+        if isinstance(reduced, tuple) and len(reduced) > 2 and reduced[1][:1] == (type(self),):
+            reduced = (new_instance, (base,), *reduced[2:])
+        return reduced
+
+    return __reduce_ex__
+
+
+def new_instance(cls: type) -> Any:
+    """An empty instance of ``cls`` through its own ``__new__`` (the unpickling of :func:`_reduce_as`)."""
+    return cls.__new__(cls)
+
+
+# Fields of a source's config that describe the run-time state of that model object, or how it was built, not the
+# model: the converted model has its own (its switches start off, its dtype and device are its own).
+_STATE_FIELDS = frozenset(
+    {
+        "use_attn_result",
+        "use_split_qkv_input",
+        "use_hook_mlp_in",
+        "use_attn_in",
+        "ungroup_grouped_query_attention",
+        "dtype",
+        "device",
+        "n_devices",
+        "model_name",
+        "default_prepend_bos",
+        "seed",  # the source object's random seed (a converted model's weights are never initialised)
+    }
+)
+
+
+def source_config_fields(cfg: Any) -> dict[str, Any]:
+    """The source config's HookedTransformerConfig-named fields holding plain JSON values (numbers, strings,
+    booleans, None, lists of them), without the run-time switches: what the converted model's config repeats with
+    the source's meaning (``eps``, ``rotary_base``, ``original_architecture``, ``tokenizer_name``, ``n_params``, ...;
+    under TransformerLens 4.x, ``TransformerLensConfig``'s fields)."""
+    tl_config = _config_base()
+    if tl_config is None:
+        return {}
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(tl_config):
+        if f.name in _STATE_FIELDS or not hasattr(cfg, f.name):
+            continue
+        value = getattr(cfg, f.name)
+        if _plain(value):
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
+
+
+def hooked_config_dict(cfg: Any) -> dict[str, Any] | None:
+    """``cfg``'s HookedTransformerConfig fields as a dict (TransformerLens 3.x), or None under 4.x."""
+    if not _has_hooked_transformer():
+        return None
+    import dataclasses
+
+    from transformer_lens import HookedTransformerConfig
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(HookedTransformerConfig)}
