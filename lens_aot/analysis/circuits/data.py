@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.analysis.patching.runs import _tokens
+from lens_aot.analysis.patching.runs import _pair
 from lens_aot.errors import InputError
 
 Dataset = Iterable[tuple[Any, Any, Any]]
@@ -78,13 +78,10 @@ def batches(aot: Any, dataset: Dataset) -> Iterator[Batch]:
                 f"{type(item).__name__}{f' of length {len(item)}' if hasattr(item, '__len__') else ''}"
             )
         clean, corrupted, labels = item
-        clean_t, corrupted_t = _tokens(aot, clean, "clean"), _tokens(aot, corrupted, "corrupted")
-        if clean_t.shape != corrupted_t.shape:
-            raise InputError(
-                f"batch {index}: clean and corrupted tokens must have the same shape (an edge carries the corrupted "
-                f"activation at the same position); got clean {tuple(clean_t.shape)} and corrupted "
-                f"{tuple(corrupted_t.shape)}. Pad or trim them to the same length and batch size"
-            )
+        try:
+            clean_t, corrupted_t = _pair(aot, clean, corrupted)
+        except InputError as error:
+            raise InputError(f"batch {index}: {error}") from None
         if clean_t.shape[0] == 0:
             raise InputError(f"batch {index} has no examples")
         n = int(clean_t.shape[0])
