@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,13 @@ def test_render_rewrites_the_page_unchanged(tmp_path: Path) -> None:
     page.write_text(PAGE.read_text())
     assert main(["--render", "--page", str(page)]) == 0
     assert page.read_text() == PAGE.read_text()
+
+
+def test_readme_summary_is_the_generated_one() -> None:
+    """The README's "Supported architectures" summary is the generated page's, word for word (`make matrix`)."""
+    root = Path(__file__).resolve().parent.parent
+    pattern = re.compile(r"<!-- support-matrix:begin -->\n(.*?)<!-- support-matrix:end -->", re.S)
+    readme = pattern.search((root / "README.md").read_text(encoding="utf-8"))
+    page = pattern.search((root / "docs" / "support-matrix.md").read_text(encoding="utf-8"))
+    assert readme is not None and page is not None
+    assert readme.group(1) == page.group(1), "README summary differs from docs/support-matrix.md: copy it over"

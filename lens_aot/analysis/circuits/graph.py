@@ -191,6 +191,7 @@ class Graph:
         return self.cfg["granularity"]
 
     def node_kind(self, name: str) -> Literal["input", "attention", "mlp", "neuron", "logits"]:
+        """The kind of node ``name`` (EAP-IG's names: ``a{l}.h{h}`` attention, ``m{l}`` MLP, ``m{l}.n{i}`` neuron)."""
         if name in ("input", "logits"):
             return name  # type: ignore[return-value]
         return "attention" if name.startswith("a") else ("neuron" if ".n" in name else "mlp")
