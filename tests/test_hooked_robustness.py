@@ -80,8 +80,8 @@ def _nan_weight(model: Any) -> Any:
     return model
 
 
-def _rotary_differs_in_last_layer(model: Any) -> Any:
-    model.blocks[-1].attn.rotary_cos.mul_(1.001)
+def _logn_beyond_training(model: Any) -> Any:
+    model.cfg.use_logn_attn, model.cfg.train_seq_length = True, 4  # refused: scaling starts inside the context
     return model
 
 
@@ -97,8 +97,8 @@ FAILURES: dict[str, tuple[Callable[[], Any], dict[str, Any], Any]] = {
         {},
         InvalidWeightsError,
     ),
-    "rotary tables differ (found while reading positions)": (
-        lambda: _rotary_differs_in_last_layer(make_hooked("rms-rotary", "silu")),
+    "log-n scaling past its training length (found while reading the config)": (
+        lambda: _logn_beyond_training(make_hooked("rms-rotary", "silu")),
         {},
         UnsupportedArchitectureError,
     ),
