@@ -100,21 +100,10 @@ def _randomize_(model: nn.Module, seed: int) -> None:
 
 def tiny_tokenizer() -> Any:
     """An offline word-level tokenizer over the 97-token vocabulary (``<bos>`` = 0, ``<unk>`` = 1, ``w0``…``w94``)
-    that prepends ``<bos>``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    that prepends ``<bos>`` (the support matrix's, at this vocabulary size)."""
+    from lens_aot.matrix.families import tiny_tokenizer as word_level
 
-    vocab = {"<bos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(D_VOCAB - 2)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<bos>", unk_token="<unk>", pad_token="<bos>"
-    )
-    # TransformerLens re-loads a tokenizer by name unless it already adds BOS; say that it does.
-    tok.init_kwargs["name_or_path"] = "tiny-word-level"
-    tok.init_kwargs["add_bos_token"] = True
-    return tok
+    return word_level(D_VOCAB)
 
 
 # --- Hugging Face sources -----------------------------------------------------------------------------------------

@@ -265,18 +265,20 @@ def copy_as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model).to(dtype).eval()
 
 
-def tiny_tokenizer() -> Any:
-    """An offline word-level tokenizer over the :data:`VOCAB` tokens (``<bos>`` = 0) that prepends ``<bos>``."""
+def tiny_tokenizer(vocab_size: int = VOCAB) -> Any:
+    """An offline word-level tokenizer over ``vocab_size`` tokens (``<bos>`` = 0, ``<unk>`` = 1, ``w0``, ``w1``, ...)
+    that prepends ``<bos>``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<bos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(VOCAB - 2)}
+    vocab = {"<bos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(vocab_size - 2)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<bos>", unk_token="<unk>", pad_token="<bos>"
     )
+    # TransformerLens re-loads a tokenizer by name unless it already adds BOS; say that it does.
     tok.init_kwargs["name_or_path"] = "tiny-word-level"
     tok.init_kwargs["add_bos_token"] = True
     return tok
