@@ -1,0 +1,186 @@
+"""Per-family cost of the conversion: forward time, operations per forward and ``convert``'s peak memory, each
+against the source measured in the same run (issue 22's targets: ≤1.25× forward time, ≤2× operations, ≤1.5× the
+parameter bytes).
+
+Every family of the support matrix (TransformerBridge, TransformerLens 4.x; or those named with ``--families``) is
+built from its own ``transformers`` config class, as the matrix builds it (:mod:`lens_aot.matrix.families`), but at
+a benchmark shape instead of the matrix's tiny one: ``--layers`` layers (4), hidden ``--hidden`` (256), 8 heads of
+32 (4 key/value heads where the config has them), MLP 4 × hidden, vocabulary 2,000; mixtures of experts keep 4
+experts top-2, 64 wide. Random weights, float32, CPU, eager attention in the source (the bridge's), the converted
+model in its default (dense) attention. Families the conversion refuses get their refusal as their row.
+
+* **forward**: median of ``--repeats`` forwards of 1 × ``--tokens`` tokens after one warm-up, ``--threads`` CPU
+  threads (default 1), source (the TransformerBridge) and converted model alternating.
+* **ops**: ATen operations dispatched by one forward (:func:`lens_aot.core.opcount.count_ops`), converted / source.
+* **convert peak**: extra peak resident memory of ``lens_aot.convert`` (its agreement check included) in a fresh
+  process, over what the process held with the source built and run once (Linux ``VmHWM``, reset through
+  ``/proc/self/clear_refs``), as a multiple of the source's parameter bytes. ``--no-memory`` skips it.
+
+    python benchmarks/bench_families.py [--families GPT2LMHeadModel LlamaForCausalLM ...] [--threads 1]
+        [--repeats 5] [--tokens 256] [--layers 4] [--hidden 256] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's lens_aot
+
+import lens_aot  # noqa: E402
+from lens_aot.core.opcount import count_ops  # noqa: E402
+from lens_aot.errors import LensAOTError  # noqa: E402
+from lens_aot.matrix.measure import _source  # noqa: E402
+from lens_aot.tl.registry import bridge_architectures  # noqa: E402
+
+fam = importlib.import_module("lens_aot.matrix.families")  # the module (the package exports a function by its name)
+
+TARGETS = {"forward": 1.25, "ops": 2.0, "memory": 1.5}
+
+
+def shape(layers: int, hidden: int) -> dict[str, Any]:
+    """The benchmark shape, as overrides of :data:`lens_aot.matrix.families.TINY` / ``TINY_MOE`` values."""
+    heads, head_dim = 8, hidden // 8
+    return {
+        "vocab": 2000,
+        "hidden": hidden,
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": 4,
+        "head_dim": head_dim,
+        "mlp": 4 * hidden,
+        "q_lora_rank": hidden // 2,
+        "kv_lora_rank": hidden // 4,
+        "qk_nope_head_dim": head_dim,
+        "qk_rope_head_dim": head_dim // 2,
+        "v_head_dim": head_dim,
+        "expert_mlp": 64,
+        "shared_expert_mlp": 64,
+    }
+
+
+@contextmanager
+def benchmark_shape(values: dict[str, Any]) -> Iterator[None]:
+    """Build families at ``values`` instead of the matrix's tiny shape (restored on exit)."""
+    saved = dict(fam.TINY), dict(fam.TINY_MOE)
+    for table in (fam.TINY, fam.TINY_MOE):
+        for key, (_, names) in list(table.items()):
+            if key in values:
+                table[key] = (values[key], names)
+    try:
+        yield
+    finally:
+        fam.TINY.clear(), fam.TINY.update(saved[0])
+        fam.TINY_MOE.clear(), fam.TINY_MOE.update(saved[1])
+
+
+def build(name: str, values: dict[str, Any]) -> Any:
+    """The family's TransformerBridge source at the benchmark shape, float32, eval mode."""
+    family = next(f for f in fam.families(bridge_architectures()) if f.name == name)
+    with benchmark_shape(values):
+        model = fam.build_hf_model(family)
+    return _source(model, family, "bridge", torch.float32)
+
+
+def median_times(runs: list[Callable[[], Any]], repeats: int) -> list[float]:
+    """Median wall time of each run, the runs alternating so that drift in the machine's load hits them alike."""
+    for run in runs:
+        run()  # warm-up
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, out in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            run()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def peak_child(name: str, values: dict[str, Any]) -> None:
+    """In a fresh process: print ``convert``'s extra peak RSS and the source's parameter bytes as JSON."""
+    source = build(name, values)
+    params = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in source.parameters()}.values())
+    with torch.no_grad():
+        source(torch.zeros(1, 64, dtype=torch.long))
+    gc.collect()
+    base = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    lens_aot.convert(source)
+    print(json.dumps({"params": params, "extra": _status("VmHWM") - base}))
+
+
+def convert_peak(name: str, args: argparse.Namespace) -> float:
+    """``convert``'s extra peak resident memory over the source's parameter bytes, measured in a fresh process."""
+    command = [sys.executable, __file__, "--peak-child", name, "--layers", str(args.layers)]
+    out = subprocess.run([*command, "--hidden", str(args.hidden)], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["extra"] / result["params"]
+
+
+def row(name: str, args: argparse.Namespace) -> str:
+    """One markdown row: the family's figures, or its refusal."""
+    values = shape(args.layers, args.hidden)
+    try:
+        source = build(name, values)
+    except Exception as error:  # noqa: BLE001 - a family transformers or TransformerLens cannot build is a row
+        return f"| {name} | not built: {type(error).__name__} | | | | |"
+    try:
+        aot = lens_aot.convert(source).eval()
+    except LensAOTError as error:
+        return f"| {name} | refused: {str(error).splitlines()[0][:120]} | | | | |"
+    tokens = torch.randint(0, 2000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        source_s, aot_s = median_times([lambda: source(tokens), lambda: aot(tokens)], args.repeats)
+        ops = count_ops(lambda: aot(tokens)).total / count_ops(lambda: source(tokens)).total
+    memory = "" if args.no_memory else f"{convert_peak(name, args):.2f}×"
+    return (
+        f"| {name} | {source_s * 1e3:.1f} ms | {aot_s * 1e3:.1f} ms | {aot_s / source_s:.2f}× | {ops:.2f}× | {memory} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", nargs="*", default=None, metavar="NAME")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.peak_child:
+        peak_child(args.peak_child, shape(args.layers, args.hidden))
+        return
+    names = args.families or [f.name for f in fam.families(bridge_architectures()) if f.in_scope]
+    print(
+        f"TransformerBridge sources, float32, CPU, {torch.get_num_threads()} thread(s), 1 × {args.tokens} tokens, "
+        f"{args.layers} layers, hidden {args.hidden}; targets: forward ≤ {TARGETS['forward']}×, ops ≤ "
+        f"{TARGETS['ops']}×, convert peak ≤ {TARGETS['memory']}× the parameter bytes\n"
+    )
+    print("| family | source forward | converted forward | ratio | ops ratio | convert peak / params |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        print(row(name, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
