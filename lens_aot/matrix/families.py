@@ -239,7 +239,8 @@ def randomize_(model: nn.Module, seed: int = 0) -> None:
 
 
 def build_hf_model(family: Family, seed: int = 0) -> nn.Module:
-    """The family's tiny Hugging Face model in float32, eval mode, eager attention, random weights (seed ``seed``)."""
+    """The family's tiny Hugging Face model in float32, eval mode, eager attention and eager (per-expert loop) MoE
+    experts, random weights (seed ``seed``)."""
     import transformers
 
     model_class = getattr(transformers, family.architecture)
@@ -252,11 +253,14 @@ def build_hf_model(family: Family, seed: int = 0) -> nn.Module:
         torch.random.set_rng_state(torch_state)
     model = model.float().eval()
     randomize_(model, seed)
-    if hasattr(model, "set_attn_implementation"):
-        try:
-            model.set_attn_implementation("eager")
-        except (ValueError, NotImplementedError):
-            pass
+    for setter in ("set_attn_implementation", "set_experts_implementation"):
+        # Eager experts: transformers' default grouped_mm kernel refuses float64, so the float64 row could not run
+        # the source at all; the eager per-expert loop computes the same function in every dtype.
+        if hasattr(model, setter):
+            try:
+                getattr(model, setter)("eager")
+            except (ValueError, NotImplementedError):
+                pass
     return model
 
 
