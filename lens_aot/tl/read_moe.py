@@ -156,9 +156,10 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
         except Exception:  # noqa: BLE001 - e.g. a float64 source whose experts use grouped_mm: read_bridge refuses it
             return first
         want = want[0] if isinstance(want, tuple) else want
-        errors = [relative_error(MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe), want) for c in candidates]
+        outputs = [MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
+    errors = [relative_error(got, want) for got in outputs]
     best = min(range(len(candidates)), key=errors.__getitem__)
-    if not close(MoEMLP(candidates[best], lambda m, e: MLP(m)).to(device)(probe), want):
+    if not close(outputs[best], want):
         raise _refuse(
             layer,
             f"a router of type {type(_unwrap(block.gate)).__name__} whose routing lens_aot cannot reproduce (softmax "
