@@ -1,12 +1,17 @@
 """Read mixture-of-experts MLPs into a :class:`~lens_aot.core.spec.MoESpec`: TransformerLens 3.9's ``MoE`` (a
 HookedTransformer with ``num_experts``) and the Hugging Face sparse-MoE blocks a TransformerBridge wraps (Mixtral,
-Qwen2-MoE with its shared expert, OLMoE, and any block with the same parts).
+Qwen2/3-MoE with a shared expert, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, and any block with the same parts).
 
 A Hugging Face sparse-MoE block (transformers 5) holds a top-k router ``gate`` (``weight`` [n_experts, d_model],
-``top_k``, optionally ``norm_topk_prob``) and ``experts`` with batched parameters ``gate_up_proj`` [n_experts,
-2·d_mlp, d_model] (the gate's rows, then the linear branch's) and ``down_proj`` [n_experts, d_model, d_mlp], or
-their transposes when ``experts.is_transposed``. The routing it computes (softmax in float32, top-k, optional
-renormalisation) is :class:`~lens_aot.core.spec.MoESpec`'s; anything else is refused by name.
+``top_k``, optionally ``norm_topk_prob``, ``routed_scaling_factor``, ``norm_min`` and a score-correction bias on the
+router, the block or the router's ``moe_statics``) and ``experts`` with batched parameters ``gate_up_proj``
+[n_experts, 2·d_mlp, d_model] (the gate's rows, then the linear branch's) and ``down_proj`` [n_experts, d_model,
+d_mlp], or their transposes when ``experts.is_transposed``. The router is read by what it computes: its attributes
+fix the bias, renormalisation and scaling, and of the scoring rules (softmax over all experts or a sigmoid per
+expert, :mod:`lens_aot.core.components.moe_router`) and logit dtypes the one whose MoE output matches the block's
+own on a seeded probe input is taken; none matching is refused naming the layer. Group-limited routing, biased or
+clamped experts (GPT-OSS) and JetMoE's experts are refused by piece. A dense layer of an MoE model (an ``MoEBridge``
+around a gated ``gate_proj`` / ``up_proj`` / ``down_proj`` MLP) is read as a dense gated MLP.
 """
 
 from __future__ import annotations
@@ -33,16 +38,28 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
+# What GPT-OSS's mixture of experts computes beyond a softmax top-k router over bias-free gated experts.
+_GPT_OSS_PIECES = [
+    "a clamped SwiGLU (GPT-OSS: (clamp(up, ±limit) + 1)·g·σ(alpha·g) with g = min(gate, limit); its linear branch is "
+    "clamped, so it is not the product of an activation and a linear map)",
+    "experts with biases",
+    "a biased router that takes the top-k logits before its softmax",
+]
+
+
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
-        f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax top-k router (Mixtral, "
-        f"Qwen2-MoE, OLMoE, TransformerLens's MoE) whose experts are neuron-wise (gated) MLPs without biases."
+        f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
+        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, TransformerLens's MoE) whose experts are "
+        f"neuron-wise (gated) MLPs without biases."
     )
 
 
 def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: int) -> MoESpec:
     """TransformerLens 3.9's ``MoE``: ``W_gate`` (router, ``nn.Linear`` [d_model → n_experts]) and ``experts``
     (``MoEGatedMLP``: ``act(x·W_gate)·(x·W_in)`` then ``W_out``, all bias-free ``nn.Linear``)."""
+    if type(moe).__name__ == "GptOssMoE":  # TransformerLens 3.9's GPT-OSS MoE, named by its pieces
+        raise _refuse(layer, "; ".join(_GPT_OSS_PIECES))
     if type(moe).__name__ != "MoE":
         raise _refuse(layer, f"a mixture of experts of type {type(moe).__name__} (expected TransformerLens's MoE)")
     experts = []
@@ -225,14 +242,11 @@ def refuse_other_moe(module: nn.Module, layer: int) -> None:
     experts = _unwrap(getattr(module, "experts", None))
     router = _unwrap(getattr(module, "router", None))
     if experts is not None and router is not None and hasattr(experts, "limit") and hasattr(experts, "alpha"):
-        pieces = [
-            "a clamped SwiGLU (GPT-OSS: (clamp(up, ±limit) + 1)·g·σ(alpha·g) with g = min(gate, limit); its "
-            "linear branch is clamped, so it is not the product of an activation and a linear map)"
-        ]
+        pieces = _GPT_OSS_PIECES[:1]
         if getattr(experts, "gate_up_proj_bias", None) is not None:
-            pieces.append("experts with biases")
+            pieces.append(_GPT_OSS_PIECES[1])
         if getattr(router, "bias", None) is not None:
-            pieces.append("a biased router that takes the top-k logits before its softmax")
+            pieces.append(_GPT_OSS_PIECES[2])
         raise _refuse(layer, "; ".join(pieces))
     if router is not None and hasattr(module, "input_linear") and hasattr(module, "output_linear"):
         raise _refuse(
