@@ -103,12 +103,10 @@ Hook = tuple[str, Callable[..., Any]]
 def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float[Tensor, "tokens top_k"]]:
     """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
     same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks)."""
-    from lens_aot.core.components.moe_router import build_router
+    from lens_aot.core.components.moe_router import build_router, router_logits
 
     flat = x.reshape(-1, x.shape[-1])
-    W = spec.W_router.to(flat.device)
-    dtype = spec.logits_dtype
-    logits = flat @ W if dtype is None else flat.to(dtype) @ W.to(dtype)
+    logits = router_logits(flat, spec.W_router.to(flat.device), spec.logits_dtype)
     if spec.b_router is not None:
         logits = logits + spec.b_router.to(flat.device)
     router = build_router(spec).to(flat.device)

@@ -35,7 +35,8 @@ def _unwrap(module: Any) -> Any:
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
+    """A contiguous copy (a saved and loaded model then computes with the same memory layout, bit for bit)."""
+    return t.detach().clone(memory_format=torch.contiguous_format)
 
 
 # What GPT-OSS's mixture of experts computes beyond a softmax top-k router over bias-free gated experts.

@@ -33,7 +33,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.moe_router import build_router
+from lens_aot.core.components.moe_router import build_router, router_logits
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import InputError
@@ -77,8 +77,7 @@ class MoEMLP(nn.Module):
     def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
         """The chosen experts ``[tokens, top_k]`` and their weights (activation dtype), through the router hooks.
         Ties: ``torch.topk`` on the same probabilities as the source's own call, so the same experts are chosen."""
-        dtype = self.logits_dtype
-        logits = flat @ self.W_gate if dtype is None else flat.to(dtype) @ self.W_gate.to(dtype)
+        logits = router_logits(flat, self.W_gate, self.logits_dtype)
         if self.b_gate is not None:
             logits = logits + self.b_gate
         logits = self.hook_router_logits(logits)

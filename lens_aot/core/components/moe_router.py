@@ -20,10 +20,22 @@ from __future__ import annotations
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import InputError
+
+
+def router_logits(
+    x: Float[Tensor, "tokens d_model"], W_router: Float[Tensor, "d_model n_experts"], dtype: torch.dtype | None
+) -> Float[Tensor, "tokens n_experts"]:
+    """``x @ W_router`` (in ``dtype`` when set: GLM-4-MoE and ERNIE 4.5 compute it in float32), computed as every
+    source computes it, ``F.linear`` with the ``[n_experts, d_model]`` weight in row-major layout, so the rounding is
+    the source's whatever the layout ``W_router`` is stored in (a saved and loaded model included)."""
+    if dtype is not None:
+        x, W_router = x.to(dtype), W_router.to(dtype)
+    return F.linear(x, W_router.T.contiguous())
 
 
 class TopKRouter(nn.Module):
