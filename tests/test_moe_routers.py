@@ -173,3 +173,23 @@ def test_gpt_oss_and_jetmoe_experts_are_refused_by_piece() -> None:
         refuse_other_moe(jetmoe.model.layers[1].mlp, 1)
     with pytest.raises(UnsupportedArchitectureError, match="layer 0 attn: a mixture of attention heads"):
         lens_aot.convert(_bridge(jetmoe, "JetMoeForCausalLM", torch.float32))
+
+
+def test_a_router_no_candidate_reproduces_is_refused(bridges) -> None:
+    """The scoring rule is read by what the block computes: a block whose output no candidate matches is refused."""
+    from lens_aot.tl.read_moe import read_hf_moe
+
+    block = bridges[("MiniMaxM2ForCausalLM", torch.float64)].blocks[1].mlp.original_component
+    forward = type(block).forward
+    with mock.patch.object(type(block), "forward", lambda self, x: 1.01 * forward(self, x)):
+        with pytest.raises(UnsupportedArchitectureError, match="layer 1 mlp: a router of type MiniMaxM2TopKRouter"):
+            read_hf_moe(block, 1)
+
+
+def test_a_float64_source_with_grouped_mm_experts_is_refused_with_its_error() -> None:
+    """transformers' grouped_mm experts raise in float64: the source's forward fails, and convert says so."""
+    from factories_moe import moe_bridge
+
+    bridge = moe_bridge("mixtral", torch.float64, experts="grouped_mm")
+    with pytest.raises(UnsupportedArchitectureError, match="a forward pass that raises RuntimeError"):
+        lens_aot.convert(bridge)
