@@ -15,6 +15,7 @@ import torch
 from conftest import TOLERANCES
 
 import lens_aot
+from lens_aot.core.moe import sensitivity_hooks
 from lens_aot.core.read import read_model, run_source
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
@@ -136,12 +137,16 @@ def test_a_wrong_router_is_detected(bridges, architecture: str) -> None:
             lens_aot.convert(bridge)
 
 
-def test_the_sensitivity_covers_the_shared_experts_without_hooks(converted) -> None:
-    """GLM-4-MoE's shared experts have no hook_post in the bridge: their ±ε neurons are added after the experts, so
-    the bound is the per-neuron one, not the box fallback's."""
-    aot = converted[("Glm4MoeForCausalLM", torch.float64)]
-    fit = aot.cfg.activation_fits[1]
-    assert fit.shared is not None and aot.report.logit_bound < 0.05
+def test_the_sensitivity_covers_the_shared_experts_without_hooks(bridges, converted) -> None:
+    """GLM-4-MoE's shared experts have no hook_post in the bridge, and its router's hooks are not a softmax: the
+    routing is recomputed from ln2's output and the shared experts' ±ε neurons are added after the experts (the
+    per-neuron perturbation, not the box fallback's, which hooks hook_mlp_out alone)."""
+    bridge, aot = bridges[("Glm4MoeForCausalLM", torch.float64)], converted[("Glm4MoeForCausalLM", torch.float64)]
+    fit, spec = aot.cfg.activation_fits[1], read_model(bridge).layers[1].mlp
+    assert fit.shared is not None and "blocks.1.mlp.shared_experts.hook_post" not in bridge.hook_dict
+    hooks = sensitivity_hooks(set(bridge.hook_dict), 1, fit, 1e-4, spec)(torch.Generator().manual_seed(0))
+    assert [name for name, _ in hooks] == ["blocks.1.ln2.hook_out", "blocks.1.hook_mlp_out"]
+    assert aot.report.logit_bound < 0.05
 
 
 @pytest.mark.parametrize(
