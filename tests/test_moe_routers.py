@@ -198,3 +198,23 @@ def test_a_float64_source_with_grouped_mm_experts_is_refused_with_its_error() ->
     bridge = moe_bridge("mixtral", torch.float64, experts="grouped_mm")
     with pytest.raises(UnsupportedArchitectureError, match="a forward pass that raises RuntimeError"):
         lens_aot.convert(bridge)
+
+
+@pytest.mark.parametrize("architecture", ["Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"])
+def test_the_chosen_experts_and_weights_are_the_source_routers(bridges, converted, architecture: str) -> None:
+    """On the source's own MoE input, the converted router chooses the experts the source's router chooses (the
+    correction bias included) with the same weights (routed scaling included)."""
+    bridge, aot = bridges[(architecture, torch.float64)], converted[(architecture, torch.float64)]
+    block = bridge.blocks[1].mlp.original_component
+    router = block.gate.original_component if hasattr(block.gate, "original_component") else block.gate
+    _, cache = bridge.run_with_cache(_tokens(7, (4, 32)))
+    x = cache["blocks.1.ln2.hook_out"].reshape(-1, 64)
+    with torch.no_grad():
+        args = (x, block.e_score_correction_bias) if architecture == "MiniMaxM2ForCausalLM" else (x,)
+        _, want_weights, want_indices = router(*args)
+        indices, weights = aot.blocks[1].mlp.route(x)
+    order, want_order = indices.argsort(-1), want_indices.argsort(-1)
+    assert torch.equal(indices.gather(1, order), want_indices.gather(1, want_order))
+    torch.testing.assert_close(
+        weights.gather(1, order), want_weights.gather(1, want_order).to(weights.dtype), rtol=0, atol=1e-12
+    )
