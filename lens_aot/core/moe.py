@@ -5,8 +5,10 @@ dense construction: a Theorem-3 activation fit for a plain expert, a :class:`~le
 heads + product heads, per-neuron scales from that expert's weights) for a gated one. Every neuron's error is then
 at most ``max_error`` over all inputs, and the layer's output error in channel ``j`` at most
 ``max_error · c_j`` with ``c_j = max_e Σ_n |W_out^e[n, j]| + Σ_n |W_out^shared[n, j]|``: the chosen experts' router
-weights are non-negative and sum to at most 1 (exactly 1 when renormalised), the shared expert's sigmoid gate is at
-most 1, and the router itself is computed exactly as the source computes it. ``c`` is :attr:`MoEFit.output_scale`,
+weights are non-negative and sum to at most :attr:`~lens_aot.core.spec.MoESpec.max_routed_weight` (1 for softmax or
+renormalised weights, times the routed scaling factor; ``top_k`` for un-renormalised sigmoid scores), which
+multiplies the routed part of ``c``; the shared expert's sigmoid gate is at most 1, and the router itself is computed
+exactly as the source computes it (:mod:`lens_aot.core.components.moe_router`). ``c`` is :attr:`MoEFit.output_scale`,
 the fallback of :func:`sensitivity_hooks`.
 
 The conversion's bound needs the source's response to every neuron off by ``±ε`` (its sensitivity ``S``,
@@ -80,6 +82,7 @@ def expert_fit(
 def output_scale(spec: MoESpec) -> tuple[float, ...]:
     """``c_j = max_e Σ_n |W_out^e[n, j]| (+ the shared expert's Σ_n |W_out[n, j]|)`` (module docstring)."""
     routed = torch.stack([m.W_out.detach().to(torch.float64).abs().sum(0) for m in spec.experts]).amax(0)
+    routed = routed * spec.max_routed_weight  # the chosen weights' sum (1 for renormalised or softmax weights)
     if spec.shared is not None:
         routed = routed + spec.shared.W_out.detach().to(torch.float64).abs().sum(0)
     return tuple(float(c) for c in routed.cpu())
@@ -100,14 +103,14 @@ Hook = tuple[str, Callable[..., Any]]
 def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float[Tensor, "tokens top_k"]]:
     """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
     same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks)."""
+    from lens_aot.core.components.moe_router import build_router, router_logits
+
     flat = x.reshape(-1, x.shape[-1])
-    logits = flat @ spec.W_router.to(flat.device)
+    logits = router_logits(flat, spec.W_router.to(flat.device), spec.logits_dtype)
     if spec.b_router is not None:
         logits = logits + spec.b_router.to(flat.device)
-    probs = torch.softmax(logits if spec.softmax_dtype is None else logits.to(spec.softmax_dtype), dim=-1)
-    weights, indices = torch.topk(probs, spec.top_k, dim=-1)
-    if spec.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    router = build_router(spec).to(flat.device)
+    indices, weights = router.choose(router.scores(logits))
     return indices, weights.to(flat.dtype)
 
 
@@ -132,7 +135,16 @@ def sensitivity_hooks(
     if all(n in names for n in posts + shared):
         return lambda gen: [(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in posts + shared]
     ln2 = f"blocks.{layer}.ln2.hook_out"
-    own_routing = all(n in names for n in routing)
+    # The source's router hooks carry TransformerLens's softmax meaning; other routers are recomputed from ln2.
+    plain = spec is not None and spec.scoring == "softmax" and spec.e_score_correction_bias is None
+    plain = plain and spec is not None and spec.routed_scaling_factor == 1.0 and not spec.norm_min
+    own_routing = plain and all(n in names for n in routing)
+    # A shared expert without a hook_post in the source (GLM-4-MoE's ``shared_experts``) and without a gate is
+    # perturbed after the experts too: its ``±ε`` per neuron times its W_out, added at hook_mlp_out.
+    shared_after = spec is not None and spec.shared is not None and spec.W_shared_gate is None
+    shared_after = shared_after and not all(n in names for n in shared)
+    if shared_after:
+        shared = []
     if spec is not None and (own_routing or ln2 in names) and all(n in names for n in shared):
         W_out = torch.stack([m.W_out for m in spec.experts])  # [n_experts, d_mlp, d_model]
         moe = spec
@@ -157,6 +169,10 @@ def sensitivity_hooks(
                 step = torch.einsum(
                     "tkn,tknd->td", signs * weights.to(out.dtype)[..., None], rows.view(*indices.shape, *rows.shape[1:])
                 )
+                if shared_after:
+                    assert moe.shared is not None
+                    W_shared = moe.shared.W_out.to(device=out.device, dtype=out.dtype)
+                    step = step + _signs((indices.shape[0], W_shared.shape[0]), gen, out) @ W_shared
                 return out + eps * step.reshape(out.shape)
 
             return [

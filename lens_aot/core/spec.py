@@ -213,6 +213,21 @@ class MoESpec:
     b_router: Float[Tensor, " n_experts"] | None = None
     shared: MLPSpec | None = None
     W_shared_gate: Float[Tensor, "d_model 1"] | None = None
+    # Router variants (lens_aot/core/components/moe_router.py): the scores ("softmax" over all experts, or a
+    # per-expert "sigmoid", MiniMax-M2 / GLM-4-MoE), a correction bias added to the scores for the choice only, the
+    # dtype of the router logits (None: the activation dtype), the renormalisation's denominator clamp (ERNIE 4.5's
+    # moe_norm_min) and the routed scaling factor multiplying the chosen weights.
+    scoring: str = "softmax"
+    e_score_correction_bias: Float[Tensor, " n_experts"] | None = None
+    logits_dtype: torch.dtype | None = None
+    norm_min: float = 0.0
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def max_routed_weight(self) -> float:
+        """An upper bound on the sum of one token's chosen router weights (each is non-negative)."""
+        total = 1.0 if self.norm_topk_prob or self.scoring == "softmax" else float(self.top_k)
+        return total * abs(float(self.routed_scaling_factor))
 
     @property
     def n_experts(self) -> int:

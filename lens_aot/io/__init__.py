@@ -82,12 +82,6 @@ def _check_saveable(aot: Any) -> None:
     from lens_aot.core.model import AttentionOnlyTransformer
 
     if isinstance(aot, AttentionOnlyTransformer):
-        if aot.cfg.num_experts:
-            raise UnsupportedArchitectureError(
-                "saving a mixture-of-experts conversion is not supported yet (the file format has no router or "
-                "experts). Keep the source model and convert it again (lens_aot.convert(source)), or save "
-                "lens_aot.revert(aot, to='reference').state_dict() with torch.save."
-            )
         return
     if type(aot).__name__ == "StandardMaskTransformer":
         raise UnsupportedArchitectureError(

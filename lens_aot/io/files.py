@@ -204,7 +204,8 @@ def check_spec_shapes(spec: Any) -> None:
         expect(f"{p}.b_Q", a.b_Q, h, e)
         expect(f"{p}.b_O", a.b_O, d)
         m, p = layer.mlp, f"layers.{i}.mlp"
-        if m is not None:
+
+        def expect_mlp(m: Any, p: str) -> None:
             n = m.W_in.shape[-1]
             for name in ("W_in", "W_gate"):
                 expect(f"{p}.{name}", getattr(m, name, None), d, n)
@@ -212,6 +213,13 @@ def check_spec_shapes(spec: Any) -> None:
                 expect(f"{p}.{name}", getattr(m, name, None), n)
             expect(f"{p}.W_out", m.W_out, n, d)
             expect(f"{p}.b_out", m.b_out, d)
+
+        if hasattr(m, "experts"):  # a mixture of experts (lens_aot/io/schema_moe.py)
+            from lens_aot.io.schema_moe import moe_shape_problems
+
+            problems += moe_shape_problems(m, p, d, expect_mlp)
+        elif m is not None:
+            expect_mlp(m, p)
     for name, norm in norms:
         if norm is not None:
             expect(f"{name}.w", norm.w, d)

@@ -16,10 +16,11 @@ Schema (``?``: may be null)::
              [post_norm: true]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks]}
-    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?}
+    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
-             | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}]
+             | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
+             | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)]
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in}: bool
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
 
@@ -39,8 +40,10 @@ from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.gating import GatedFit
-from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.moe import MoEFit
+from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
 
 __all__ = [
     "FLAGS",
@@ -126,9 +129,11 @@ class Encoder:
                 out[name] = self.tensor(getattr(attn, name), f"{key}.{name}")
         return out
 
-    def mlp(self, mlp: MLPSpec | None, key: str) -> dict[str, Any] | None:
+    def mlp(self, mlp: MLPSpec | MoESpec | None, key: str) -> dict[str, Any] | None:
         if mlp is None:
             return None
+        if isinstance(mlp, MoESpec):
+            return encode_moe(self, mlp, key)
         out: dict[str, Any] = {"act_fn": mlp.act_fn}
         for name in (*_MLP_TENSORS, *_MLP_OPTIONAL):
             out[name] = self.tensor(getattr(mlp, name), f"{key}.{name}")
@@ -193,22 +198,28 @@ def _sigmoid_sum(fit: ActivationFit) -> dict[str, Any]:
     }
 
 
-def encode_fits(fits: dict[int, ActivationFit | GatedFit]) -> list[dict[str, Any]]:
-    """The per-layer activation fits (Theorem 3's sigmoid sums; gated MLPs' gate fit and product scales)."""
-    out: list[dict[str, Any]] = []
-    for layer, fit in sorted(fits.items()):
-        if isinstance(fit, GatedFit):
-            entry = {"kind": "gated", "act_fn": fit.act_fn, "gate": _sigmoid_sum(fit.gate)}
-            entry.update(scales=[float(s) for s in fit.scales], max_error=float(fit.max_error))
-        elif isinstance(fit, ActivationFit):
-            entry = {"kind": "sigmoid_sum", **_sigmoid_sum(fit)}
-        else:
-            raise UnsupportedArchitectureError(
-                f"cannot save the activation fit of layer {layer}: a {type(fit).__name__} is neither an ActivationFit "
-                f"nor a GatedFit. Save a model returned by lens_aot.convert."
-            )
-        out.append({"layer": int(layer), **entry})
-    return out
+def encode_fits(fits: dict[int, ActivationFit | GatedFit | MoEFit]) -> list[dict[str, Any]]:
+    """The per-layer activation fits (Theorem 3's sigmoid sums; gated MLPs' gate fit and product scales; an MoE
+    layer's per-expert fits, :mod:`lens_aot.io.schema_moe`)."""
+    return [
+        encode_moe_fit(fit, layer, _fit_entry) if isinstance(fit, MoEFit) else _fit_entry(fit, layer)
+        for layer, fit in sorted(fits.items())
+    ]
+
+
+def _fit_entry(fit: Any, layer: int) -> dict[str, Any]:
+    """One dense (or one expert's) activation fit, with its layer."""
+    if isinstance(fit, GatedFit):
+        entry = {"kind": "gated", "act_fn": fit.act_fn, "gate": _sigmoid_sum(fit.gate)}
+        entry.update(scales=[float(s) for s in fit.scales], max_error=float(fit.max_error))
+    elif isinstance(fit, ActivationFit):
+        entry = {"kind": "sigmoid_sum", **_sigmoid_sum(fit)}
+    else:
+        raise UnsupportedArchitectureError(
+            f"cannot save the activation fit of layer {layer}: a {type(fit).__name__} is neither an ActivationFit "
+            f"nor a GatedFit. Save a model returned by lens_aot.convert."
+        )
+    return {"layer": int(layer), **entry}
 
 
 def encode_report(report: Any) -> dict[str, Any] | None:
@@ -326,9 +337,11 @@ class Decoder:
             **variants,
         )
 
-    def mlp(self, obj: Any, path: str) -> MLPSpec | None:
+    def mlp(self, obj: Any, path: str) -> MLPSpec | MoESpec | None:
         if obj is None:
             return None
+        if is_moe_record(obj):
+            return decode_moe(self, obj, path)
         f = self.fields(obj, path, ("act_fn", *_MLP_TENSORS, *_MLP_OPTIONAL))
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _MLP_TENSORS}
         optional = {name: self.tensor(f[name], f"{path}.{name}") for name in _MLP_OPTIONAL}
@@ -389,14 +402,15 @@ class Decoder:
         terms = {name: tuple(float(v) for v in f[name]) for name in ("alpha", "beta", "b", "d")}
         return ActivationFit(act_fn=str(f["act_fn"]), **terms, max_error=float(f["max_error"]))
 
-    def fits(self, obj: Any, path: str = "activation_fits") -> dict[int, ActivationFit | GatedFit]:
+    def fits(self, obj: Any, path: str = "activation_fits") -> dict[int, ActivationFit | GatedFit | MoEFit]:
         if not isinstance(obj, list):
             raise LoadError(f"{self.where}: {path} is not a list; the file is corrupt. Save the model again.")
-        decoders: dict[str, Callable[[dict[str, Any], str], ActivationFit | GatedFit]] = {
+        decoders: dict[str, Callable[[dict[str, Any], str], ActivationFit | GatedFit | MoEFit]] = {
             "sigmoid_sum": lambda e, p: self._sigmoid_sum(e, p, ("layer", "kind")),
             "gated": self._gated,
+            "moe": lambda e, p: decode_moe_fit(e, p, self, self._expert_fit),
         }
-        out: dict[int, ActivationFit | GatedFit] = {}
+        out: dict[int, ActivationFit | GatedFit | MoEFit] = {}
         for i, entry in enumerate(obj):
             kind = entry.get("kind") if isinstance(entry, dict) else None
             if kind not in decoders:
@@ -406,6 +420,15 @@ class Decoder:
                 )
             out[int(entry["layer"])] = decoders[kind](entry, f"{path}.{i}")
         return out
+
+    def _expert_fit(self, obj: Any, path: str) -> ActivationFit | GatedFit:
+        """One expert's fit inside an MoE layer's entry (a dense layer's entry kind: sigmoid_sum or gated)."""
+        kind = obj.get("kind") if isinstance(obj, dict) else None
+        if kind == "gated":
+            return self._gated(obj, path)
+        if kind == "sigmoid_sum":
+            return self._sigmoid_sum(obj, path, ("layer", "kind"))
+        raise LoadError(f"{self.where}: {path} is an expert fit of kind {kind!r}; the file is corrupt or newer.")
 
     def _gated(self, obj: dict[str, Any], path: str) -> GatedFit:
         f = self.fields(obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"))

@@ -217,7 +217,9 @@ def randomize_(model: nn.Module, seed: int = 0) -> None:
     Matrices: N(0, 1/fan_in) (``nn.Linear``: ``[out, in]``; GPT-2's ``Conv1D``: ``[in, out]``; other matrices and
     expert stacks: fan-in = last dimension), embeddings N(0, 0.0625); vectors and scalars: their initial value + 0.1·
     N(0, 1), so norm scales stay near their neutral value (1, or 0 where a norm multiplies by 1 + w) and biases are
-    non-zero. Values come from a private float32 generator (the global RNG is untouched); tied parameters once.
+    non-zero; the MoE score-correction biases that are buffers (MiniMax-M2, GLM-4-MoE) likewise, so the routing they
+    steer is exercised. Values come from a private float32 generator (the global RNG is untouched); tied parameters
+    once.
     """
     gen = torch.Generator().manual_seed(seed)
     owners = dict(model.named_modules())
@@ -236,10 +238,15 @@ def randomize_(model: nn.Module, seed: int = 0) -> None:
                     std = 1.0 / math.sqrt(shape[-1])
                 values = std * torch.randn(shape, generator=gen)
             param.copy_(values.to(param.dtype))
+        for name, buffer in model.named_buffers():
+            if name.rpartition(".")[2] == "e_score_correction_bias":  # routing-bias buffers (MiniMax-M2, GLM-4-MoE)
+                values = buffer.detach().float().cpu() + 0.1 * torch.randn(tuple(buffer.shape), generator=gen)
+                buffer.copy_(values.to(buffer.dtype))
 
 
 def build_hf_model(family: Family, seed: int = 0) -> nn.Module:
-    """The family's tiny Hugging Face model in float32, eval mode, eager attention, random weights (seed ``seed``)."""
+    """The family's tiny Hugging Face model in float32, eval mode, eager attention and eager (per-expert loop) MoE
+    experts, random weights (seed ``seed``)."""
     import transformers
 
     model_class = getattr(transformers, family.architecture)
@@ -252,11 +259,14 @@ def build_hf_model(family: Family, seed: int = 0) -> nn.Module:
         torch.random.set_rng_state(torch_state)
     model = model.float().eval()
     randomize_(model, seed)
-    if hasattr(model, "set_attn_implementation"):
-        try:
-            model.set_attn_implementation("eager")
-        except (ValueError, NotImplementedError):
-            pass
+    for setter in ("set_attn_implementation", "set_experts_implementation"):
+        # Eager experts: transformers' default grouped_mm kernel refuses float64, so the float64 row could not run
+        # the source at all; the eager per-expert loop computes the same function in every dtype.
+        if hasattr(model, setter):
+            try:
+                getattr(model, setter)("eager")
+            except (ValueError, NotImplementedError):
+                pass
     return model
 
 

@@ -37,6 +37,8 @@ _EXTRA_COMPONENTS = {
     "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
     "k_norm": "QK-norm ('k_norm') outside a PositionEmbeddingsAttentionBridge",
     "gate": "an output gate (sigmoid(gate(x)) multiplies the attention output)",
+    "experts": "a mixture of attention heads (JetMoE's MoA: each token's query and output projections come from its "
+    "top-k routed attention experts)",
 }
 
 

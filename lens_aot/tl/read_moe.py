@@ -1,16 +1,22 @@
 """Read mixture-of-experts MLPs into a :class:`~lens_aot.core.spec.MoESpec`: TransformerLens 3.9's ``MoE`` (a
 HookedTransformer with ``num_experts``) and the Hugging Face sparse-MoE blocks a TransformerBridge wraps (Mixtral,
-Qwen2-MoE with its shared expert, OLMoE, and any block with the same parts).
+Qwen2/3-MoE with a shared expert, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, and any block with the same parts).
 
 A Hugging Face sparse-MoE block (transformers 5) holds a top-k router ``gate`` (``weight`` [n_experts, d_model],
-``top_k``, optionally ``norm_topk_prob``) and ``experts`` with batched parameters ``gate_up_proj`` [n_experts,
-2·d_mlp, d_model] (the gate's rows, then the linear branch's) and ``down_proj`` [n_experts, d_model, d_mlp], or
-their transposes when ``experts.is_transposed``. The routing it computes (softmax in float32, top-k, optional
-renormalisation) is :class:`~lens_aot.core.spec.MoESpec`'s; anything else is refused by name.
+``top_k``, optionally ``norm_topk_prob``, ``routed_scaling_factor``, ``norm_min`` and a score-correction bias on the
+router, the block or the router's ``moe_statics``) and ``experts`` with batched parameters ``gate_up_proj``
+[n_experts, 2·d_mlp, d_model] (the gate's rows, then the linear branch's) and ``down_proj`` [n_experts, d_model,
+d_mlp], or their transposes when ``experts.is_transposed``. The router is read by what it computes: its attributes
+fix the bias, renormalisation and scaling, and of the scoring rules (softmax over all experts or a sigmoid per
+expert, :mod:`lens_aot.core.components.moe_router`) and logit dtypes the one whose MoE output matches the block's
+own on a seeded probe input is taken; none matching is refused naming the layer. Group-limited routing, biased or
+clamped experts (GPT-OSS) and JetMoE's experts are refused by piece. A dense layer of an MoE model (an ``MoEBridge``
+around a gated ``gate_proj`` / ``up_proj`` / ``down_proj`` MLP) is read as a dense gated MLP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,19 +35,32 @@ def _unwrap(module: Any) -> Any:
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
+    """A contiguous copy (a saved and loaded model then computes with the same memory layout, bit for bit)."""
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+# What GPT-OSS's mixture of experts computes beyond a softmax top-k router over bias-free gated experts.
+_GPT_OSS_PIECES = [
+    "a clamped SwiGLU (GPT-OSS: (clamp(up, ±limit) + 1)·g·σ(alpha·g) with g = min(gate, limit); its linear branch is "
+    "clamped, so it is not the product of an activation and a linear map)",
+    "experts with biases",
+    "a biased router that takes the top-k logits before its softmax",
+]
 
 
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
-        f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax top-k router (Mixtral, "
-        f"Qwen2-MoE, OLMoE, TransformerLens's MoE) whose experts are neuron-wise (gated) MLPs without biases."
+        f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
+        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, TransformerLens's MoE) whose experts are "
+        f"neuron-wise (gated) MLPs without biases."
     )
 
 
 def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: int) -> MoESpec:
     """TransformerLens 3.9's ``MoE``: ``W_gate`` (router, ``nn.Linear`` [d_model → n_experts]) and ``experts``
     (``MoEGatedMLP``: ``act(x·W_gate)·(x·W_in)`` then ``W_out``, all bias-free ``nn.Linear``)."""
+    if type(moe).__name__ == "GptOssMoE":  # TransformerLens 3.9's GPT-OSS MoE, named by its pieces
+        raise _refuse(layer, "; ".join(_GPT_OSS_PIECES))
     if type(moe).__name__ != "MoE":
         raise _refuse(layer, f"a mixture of experts of type {type(moe).__name__} (expected TransformerLens's MoE)")
     experts = []
@@ -73,12 +92,13 @@ def _act_name(fn: Any, layer: int) -> str:
     return name
 
 
-def _hf_mlp(mlp: nn.Module, layer: int) -> MLPSpec:
-    """A Hugging Face gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``): the shared expert."""
+def _hf_mlp(mlp: nn.Module, layer: int, what: str = "a shared expert") -> MLPSpec:
+    """A Hugging Face gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``): a shared expert, or the dense
+    MLP of a layer before the first MoE layer (GLM-4-MoE's ``first_k_dense_replace``, ERNIE 4.5's start index)."""
     mlp = _unwrap(mlp)
     parts = [_unwrap(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
-        raise _refuse(layer, f"a shared expert of type {type(mlp).__name__} (expected a bias-free gated MLP)")
+        raise _refuse(layer, f"{what} of type {type(mlp).__name__} (expected a bias-free gated MLP)")
     gate, up, down = parts
     assert gate is not None and up is not None and down is not None
     d_mlp, d_model = up.weight.shape
@@ -97,14 +117,85 @@ def is_sparse_moe(module: nn.Module) -> bool:
     return hasattr(module, "experts") and hasattr(_unwrap(getattr(module, "gate", None)), "top_k")
 
 
+def is_dense_hf_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face gated MLP (``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+    return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _correction_bias(block: nn.Module, router: nn.Module) -> torch.Tensor | None:
+    """The score-correction bias [n_experts] of the router (GLM-4-MoE), of the block (MiniMax-M2), or of the router's
+    ``moe_statics`` (ERNIE 4.5), else None."""
+    for owner in (router, block, _unwrap(getattr(router, "moe_statics", None))):
+        bias = getattr(owner, "e_score_correction_bias", None) if owner is not None else None
+        if isinstance(bias, torch.Tensor):
+            return _copy(bias.reshape(-1))
+    return None
+
+
+def _check_groups(router: nn.Module, layer: int) -> None:
+    """Group-limited routing (DeepSeek-V3, GLM-4-MoE with ``n_group`` > ``topk_group``) is refused by name; with
+    every group kept (``topk_group == n_group``, e.g. one group) the group mask keeps every expert."""
+    groups = getattr(router, "num_group", getattr(router, "n_group", 1)) or 1
+    kept = getattr(router, "topk_group", groups) or groups
+    if int(kept) < int(groups):
+        raise _refuse(
+            layer,
+            f"group-limited routing (n_group={groups}, topk_group={kept}: only the best groups' experts may be chosen)",
+        )
+
+
+def _candidates(block: nn.Module, router: nn.Module, spec: MoESpec) -> list[MoESpec]:
+    """The router variants ``block`` may compute: its own attributes fix the correction bias, renormalisation,
+    ``norm_min`` and routed scaling; the scoring rule and the logits' dtype are the candidates, the likelier first
+    (a sigmoid where there is a correction bias and no softmax ``moe_statics``)."""
+    bias = spec.e_score_correction_bias
+    sigmoid_first = bias is not None and getattr(router, "moe_statics", None) is None
+    scorings = ["sigmoid", "softmax"] if sigmoid_first else ["softmax", "sigmoid"]
+    dtypes: list[torch.dtype | None] = [None] if spec.W_router.dtype == torch.float32 else [None, torch.float32]
+    return [dataclasses.replace(spec, scoring=s, logits_dtype=d) for s in scorings for d in dtypes]
+
+
+def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> MoESpec:
+    """The candidate whose MoE output is closest to the block's own on a seeded probe input, if it is close (the
+    router read by what it computes); the first candidate when the block cannot run here (the bridge's recorded
+    forward then checks the reading, :func:`lens_aot.tl.read_bridge._verify`)."""
+    from lens_aot.core.components.mlp import MLP
+    from lens_aot.core.components.moe_mlp import MoEMLP
+    from lens_aot.tl.bridge_probe import close, relative_error
+
+    first = candidates[0]
+    d_model, dtype = first.W_router.shape[0], first.W_router.dtype
+    device = first.W_router.device
+    probe = torch.randn(2, 6, d_model, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    probe = probe.to(dtype=dtype, device=device)
+    with torch.no_grad():
+        try:
+            want = block(probe)
+        except Exception:  # noqa: BLE001 - e.g. a float64 source whose experts use grouped_mm: read_bridge refuses it
+            return first
+        want = want[0] if isinstance(want, tuple) else want
+        outputs = [MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
+    errors = [relative_error(got, want) for got in outputs]
+    best = min(range(len(candidates)), key=errors.__getitem__)
+    if not close(outputs[best], want):
+        raise _refuse(
+            layer,
+            f"a router of type {type(_unwrap(block.gate)).__name__} whose routing lens_aot cannot reproduce (softmax "
+            f"or sigmoid scores, correction bias, renormalisation, routed scaling: relative error {errors[best]:.2e})",
+        )
+    return candidates[best]
+
+
 def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
-    """A Hugging Face sparse-MoE block (module docstring), with its ``shared_expert`` / ``shared_expert_gate``."""
+    """A Hugging Face sparse-MoE block (module docstring), with its ``shared_expert`` / ``shared_experts`` (and
+    ``shared_expert_gate``) and its router variant (:mod:`lens_aot.core.components.moe_router`)."""
     router, experts = _unwrap(block.gate), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
     W = getattr(router, "weight", None)
     if not isinstance(W, torch.Tensor) or W.ndim != 2 or getattr(router, "bias", None) is not None:
         raise _refuse(layer, f"a router of type {type(router).__name__} (expected a bias-free linear top-k router)")
+    _check_groups(router, layer)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
         raise _refuse(layer, f"experts of type {type(experts).__name__} (expected batched gate_up_proj / down_proj)")
@@ -126,10 +217,13 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
         for e in range(gate_up.shape[0])
     ]
     shared = _unwrap(getattr(block, "shared_expert", None))
+    if shared is None:
+        shared = _unwrap(getattr(block, "shared_experts", None))
     shared_gate = _unwrap(getattr(block, "shared_expert_gate", None))
     if shared_gate is not None and (not isinstance(shared_gate, nn.Linear) or shared_gate.bias is not None):
         raise _refuse(layer, "a shared-expert gate that is not a bias-free linear map")
-    return MoESpec(
+    scaling = getattr(router, "routed_scaling_factor", getattr(block, "routed_scaling_factor", 1.0))
+    spec = MoESpec(
         _copy(W.T),
         specs,
         int(router.top_k),
@@ -137,12 +231,41 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
         torch.float32,
         shared=None if shared is None else _hf_mlp(shared, layer),
         W_shared_gate=None if shared_gate is None else _copy(shared_gate.weight.T),
+        e_score_correction_bias=_correction_bias(block, router),
+        norm_min=float(getattr(router, "norm_min", 0.0) or 0.0),
+        routed_scaling_factor=float(1.0 if scaling is None else scaling),
     )
+    return _probe_router(block, _candidates(block, router, spec), layer)
+
+
+def refuse_other_moe(module: nn.Module, layer: int) -> None:
+    """Name the pieces of the mixtures of experts lens_aot does not read (GPT-OSS, JetMoE), by what they compute."""
+    experts = _unwrap(getattr(module, "experts", None))
+    router = _unwrap(getattr(module, "router", None))
+    if experts is not None and router is not None and hasattr(experts, "limit") and hasattr(experts, "alpha"):
+        pieces = _GPT_OSS_PIECES[:1]
+        if getattr(experts, "gate_up_proj_bias", None) is not None:
+            pieces.append(_GPT_OSS_PIECES[1])
+        if getattr(router, "bias", None) is not None:
+            pieces.append(_GPT_OSS_PIECES[2])
+        raise _refuse(layer, "; ".join(pieces))
+    if router is not None and hasattr(module, "input_linear") and hasattr(module, "output_linear"):
+        raise _refuse(
+            layer,
+            f"a mixture of experts of type {type(module).__name__} (JetMoE's ParallelExperts with an output bias "
+            "after the experts and its own top-k gating), which lens_aot does not read",
+        )
 
 
 def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str) -> MLPSpec | MoESpec:
-    """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), else the dense MLP."""
+    """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), a dense Hugging Face gated MLP that
+    an MoE bridge wraps in a dense layer (:func:`_hf_mlp`), else the dense MLP bridge."""
     from lens_aot.tl.bridge_components import _mlp
 
     module = _unwrap(mlp_bridge)
-    return read_hf_moe(module, layer) if is_sparse_moe(module) else _mlp(mlp_bridge, dtype, act_fn)
+    if is_sparse_moe(module):
+        return read_hf_moe(module, layer)
+    refuse_other_moe(module, layer)
+    if type(mlp_bridge).__name__ == "MoEBridge" and is_dense_hf_mlp(module):
+        return _hf_mlp(module, layer, "a dense MLP")
+    return _mlp(mlp_bridge, dtype, act_fn)

@@ -33,6 +33,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.moe_router import build_router, router_logits
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import InputError
@@ -54,6 +55,8 @@ class MoEMLP(nn.Module):
         self.norm_topk_prob = bool(spec.norm_topk_prob)
         self.softmax_dtype = spec.softmax_dtype
         self.W_gate = parameter(spec.W_router)  # TransformerLens's name for the router, [d_model, n_experts]
+        self.logits_dtype = spec.logits_dtype
+        self.router = build_router(spec)  # the scoring rule, choice and weights (components/moe_router.py)
         self.b_gate = None if spec.b_router is None else parameter(spec.b_router)
         self.d_mlp = spec.d_mlp
         self.act_fn = spec.act_fn
@@ -74,15 +77,12 @@ class MoEMLP(nn.Module):
     def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
         """The chosen experts ``[tokens, top_k]`` and their weights (activation dtype), through the router hooks.
         Ties: ``torch.topk`` on the same probabilities as the source's own call, so the same experts are chosen."""
-        logits = flat @ self.W_gate
+        logits = router_logits(flat, self.W_gate, self.logits_dtype)
         if self.b_gate is not None:
             logits = logits + self.b_gate
         logits = self.hook_router_logits(logits)
-        probs = torch.softmax(logits if self.softmax_dtype is None else logits.to(self.softmax_dtype), dim=-1)
-        probs = self.hook_expert_weights(probs)
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs = self.hook_expert_weights(self.router.scores(logits))
+        indices, weights = self.router.choose(probs)
         indices = self.hook_expert_indices(indices)
         return indices, self.hook_topk_weights(weights.to(flat.dtype))
 
@@ -186,12 +186,11 @@ class MoEMLP(nn.Module):
         shared = getattr(self, "shared_expert", None)
         shared_gate = getattr(self, "W_shared_gate", None)
         return MoESpec(
-            exported(self.W_gate),
-            [expert.spec() for expert in self.experts],
-            self.top_k,
-            self.norm_topk_prob,
-            self.softmax_dtype,
-            None if self.b_gate is None else exported(self.b_gate),
-            None if shared is None else shared.spec(),
-            None if shared_gate is None else exported(shared_gate),
+            W_router=exported(self.W_gate),
+            experts=[expert.spec() for expert in self.experts],
+            b_router=None if self.b_gate is None else exported(self.b_gate),
+            shared=None if shared is None else shared.spec(),
+            W_shared_gate=None if shared_gate is None else exported(shared_gate),
+            logits_dtype=self.logits_dtype,
+            **self.router.spec_fields(),  # type: ignore[arg-type]
         )

@@ -1,0 +1,122 @@
+"""The saved form of mixture-of-experts layers (:class:`~lens_aot.core.spec.MoESpec` and
+:class:`~lens_aot.core.moe.MoEFit`), part of :mod:`lens_aot.io.schema`'s format version 2.
+
+Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`)::
+
+    moe     {experts: [mlp], shared?: mlp, W_router, b_router?, W_shared_gate?, top_k, norm_topk_prob,
+             softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor}
+    fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
+
+A layer's ``mlp`` record is an ``moe`` record exactly when it has ``experts``; a lens_aot that does not know MoE
+layers refuses such a file by its unknown fields (it comes from a newer lens_aot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from lens_aot.core.moe import MoEFit
+from lens_aot.core.spec import MoESpec
+from lens_aot.errors import LoadError
+
+__all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_moe_record", "moe_shape_problems"]
+
+_TENSORS = ("W_router", "b_router", "W_shared_gate", "e_score_correction_bias")
+_SCALARS = ("top_k", "norm_topk_prob", "scoring", "norm_min", "routed_scaling_factor")
+_DTYPES = ("softmax_dtype", "logits_dtype")
+_FIELDS = ("experts", "shared", *_TENSORS, *_SCALARS, *_DTYPES)
+
+
+def is_moe_record(obj: Any) -> bool:
+    """Whether a layer's saved ``mlp`` record is a mixture of experts."""
+    return isinstance(obj, dict) and "experts" in obj
+
+
+def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
+    """``moe`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
+    from lens_aot.io.schema import dtype_name
+
+    out: dict[str, Any] = {
+        "experts": [encoder.mlp(m, f"{key}.experts.{e}") for e, m in enumerate(moe.experts)],
+        "shared": encoder.mlp(moe.shared, f"{key}.shared"),
+    }
+    out.update({name: encoder.tensor(getattr(moe, name), f"{key}.{name}") for name in _TENSORS})
+    out.update(
+        top_k=int(moe.top_k),
+        norm_topk_prob=bool(moe.norm_topk_prob),
+        scoring=str(moe.scoring),
+        norm_min=float(moe.norm_min),
+        routed_scaling_factor=float(moe.routed_scaling_factor),
+    )
+    out.update({name: None if getattr(moe, name) is None else dtype_name(getattr(moe, name)) for name in _DTYPES})
+    return out
+
+
+def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
+    """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
+    f = decoder.fields(obj, path, _FIELDS)
+    if not isinstance(f["experts"], list) or not f["experts"]:
+        raise LoadError(f"{decoder.where}: {path}.experts is not a non-empty list; the file is corrupt.")
+    experts = [decoder.mlp(m, f"{path}.experts.{e}") for e, m in enumerate(f["experts"])]
+    if any(m is None for m in experts):
+        raise LoadError(f"{decoder.where}: {path}.experts holds a null expert; the file is corrupt.")
+    router = decoder.required_tensor(f["W_router"], f"{path}.W_router")
+    tensors: dict[str, Tensor | None] = {n: decoder.tensor(f[n], f"{path}.{n}") for n in _TENSORS[1:]}
+    return MoESpec(
+        W_router=router,
+        experts=experts,
+        top_k=int(f["top_k"]),
+        norm_topk_prob=bool(f["norm_topk_prob"]),
+        softmax_dtype=decoder.dtype(f["softmax_dtype"], f"{path}.softmax_dtype"),
+        shared=decoder.mlp(f["shared"], f"{path}.shared"),
+        scoring=str(f["scoring"]),
+        logits_dtype=decoder.dtype(f["logits_dtype"], f"{path}.logits_dtype"),
+        norm_min=float(f["norm_min"]),
+        routed_scaling_factor=float(f["routed_scaling_factor"]),
+        **tensors,
+    )
+
+
+def encode_moe_fit(fit: MoEFit, layer: int, entry: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:
+    """An MoE layer's fits: each expert's (and the shared expert's) entry, as ``entry(fit, layer)`` writes it."""
+    return {
+        "layer": int(layer),
+        "kind": "moe",
+        "experts": [entry(f, layer) for f in fit.experts],
+        "shared": None if fit.shared is None else entry(fit.shared, layer),
+        "output_scale": [float(c) for c in fit.output_scale],
+    }
+
+
+def decode_moe_fit(obj: dict[str, Any], path: str, decoder: Any, one: Callable[[Any, str], Any]) -> MoEFit:
+    """The inverse of :func:`encode_moe_fit` (``one(entry, path)`` decodes an expert's entry)."""
+    f = decoder.fields(obj, path, ("layer", "kind", "experts", "shared", "output_scale"))
+    if not isinstance(f["experts"], list) or not f["experts"] or not isinstance(f["output_scale"], list):
+        raise LoadError(f"{decoder.where}: {path} has no expert fits or no output_scale list; the file is corrupt.")
+    experts = tuple(one(e, f"{path}.experts.{i}") for i, e in enumerate(f["experts"]))
+    shared = None if f["shared"] is None else one(f["shared"], f"{path}.shared")
+    return MoEFit(experts, shared, tuple(float(c) for c in f["output_scale"]))
+
+
+def moe_shape_problems(moe: MoESpec, path: str, d_model: int, expect_mlp: Callable[[Any, str], None]) -> list[str]:
+    """Shape disagreements of an MoE layer's router tensors (the experts go through ``expect_mlp(mlp, path)``)."""
+    problems: list[str] = []
+    n = len(moe.experts)
+    for name, t, shape in (
+        ("W_router", moe.W_router, (d_model, n)),
+        ("b_router", moe.b_router, (n,)),
+        ("e_score_correction_bias", moe.e_score_correction_bias, (n,)),
+        ("W_shared_gate", moe.W_shared_gate, (d_model, 1)),
+    ):
+        if t is not None and tuple(t.shape) != shape:
+            problems.append(f"{path}.{name} has shape {list(t.shape)}, expected {list(shape)}")
+    if not 1 <= moe.top_k <= n:
+        problems.append(f"{path}.top_k is {moe.top_k}, expected 1..{n}")
+    for e, mlp in enumerate(moe.experts):
+        expect_mlp(mlp, f"{path}.experts.{e}")
+    if moe.shared is not None:
+        expect_mlp(moe.shared, f"{path}.shared")
+    return problems
