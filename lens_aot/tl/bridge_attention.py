@@ -27,11 +27,12 @@ _REFUSED_BRIDGES = {
     "MLAAttentionBridge": "multi-head latent attention (DeepSeek MLA)",
     "GlmMoeDsaAttentionBridge": "multi-head latent attention with sparse index selection (GLM-MoE-DSA)",
     "ALiBiJointQKVAttentionBridge": "ALiBi position biases",
-    "MPTALiBiAttentionBridge": "ALiBi position biases (MPT)",
-    "BloomAttentionBridge": "ALiBi position biases (BLOOM)",
     "CodeGenAttentionBridge": "CodeGen's mp-sharded fused QKV with adjacent-pair rotary computed by its own forward",
     "T5Gemma2MergedAttentionBridge": "merged self/cross attention of an encoder-decoder",
 }
+
+# ALiBi attention bridges whose score computation lens_aot.tl.bridge_alibi reads.
+_ALIBI_BRIDGES = ("BloomAttentionBridge", "MPTALiBiAttentionBridge")
 
 _EXTRA_COMPONENTS = {
     "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
@@ -60,6 +61,9 @@ class AttentionReading:
     qk_norm_over: QKNormScope = "head"
     soft_cap: float | None = None
     window: int | None = None
+    alibi_slopes: Tensor | None = None  # ALiBi (BLOOM, MPT): lens_aot.tl.bridge_alibi
+    clip_qkv: float | None = None
+    alibi_key_origin: str | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -134,6 +138,8 @@ def read_attention(
 ) -> AttentionReading:
     """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring)."""
     cls = type(attn).__name__
+    if cls in _ALIBI_BRIDGES:  # BLOOM, MPT: lens_aot.tl.bridge_alibi
+        return _alibi_attention(layer, attn, hf_config, bridge_cfg, dtype, n_ctx)
     for name in _mro_names(attn):
         if name in _REFUSED_BRIDGES:
             raise refuse_piece(layer, "attn", _REFUSED_BRIDGES[name])
@@ -166,6 +172,28 @@ def read_attention(
             )
         return reader(layer, hf_attn, hf_config, dtype, n_ctx)
     raise refuse_piece(layer, "attn", f"an attention bridge of type {cls}")
+
+
+def _alibi_attention(
+    layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
+) -> AttentionReading:
+    """An ALiBi attention bridge whose ``_reconstruct_attention`` :mod:`lens_aot.tl.bridge_alibi` reads."""
+    from lens_aot.tl.bridge_alibi import alibi_reading_fields
+
+    hf_attn = _original(attn)
+    cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=False)
+    for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
+        if value is not None:
+            raise refuse_piece(layer, "attn", f"{what} ({value}) with ALiBi", "Only full causal attention is read.")
+    fields = alibi_reading_fields(layer, attn, hf_attn, bridge_cfg, dtype)
+    return AttentionReading(
+        fields["scale"],
+        fields["softmax_dtype"],
+        "none",
+        alibi_slopes=fields["alibi_slopes"],
+        clip_qkv=fields["clip_qkv"],
+        alibi_key_origin=fields["alibi_key_origin"],
+    )
 
 
 def _position_embeddings_attention(
