@@ -274,7 +274,8 @@ def _gpt_neo_attention(
     layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
 ) -> AttentionReading:
     """HF ``GPTNeoSelfAttention.forward``: unscaled scores ``q·kᵀ`` computed from float32 q and k (so only float32 is
-    exact), a causal mask, on ``local`` layers restricted to the last ``window_size`` positions."""
+    exact), a causal mask, on ``local`` layers (the module's ``attention_type``) a sliding window over the last
+    ``window_size`` positions (the config's; the spec's ``window``)."""
     if dtype != torch.float32:
         raise refuse_piece(
             layer,
@@ -282,16 +283,14 @@ def _gpt_neo_attention(
             f"GPT-Neo in {dtype}: GPTNeoSelfAttention casts q and k to float32 before q·kᵀ whatever the model dtype",
             "Read GPT-Neo in float32 (bridge.to(torch.float32)).",
         )
+    window = None
     if getattr(hf_attn, "attention_type", "global") == "local":
-        window = int(getattr(hf_config, "window_size", 0))
-        if window < n_ctx:
-            raise refuse_piece(
-                layer,
-                "attn",
-                f"local attention over the last window_size={window} < n_ctx={n_ctx} positions",
-                "Only full causal attention is supported.",
-            )
-    return AttentionReading(1.0, None, "none")
+        # GPTNeoSelfAttention's mask: tril(ones) xor tril(ones, -window_size), i.e. q - window_size < k <= q.
+        size = getattr(hf_config, "window_size", None)
+        if not isinstance(size, int) or size < 1:
+            raise refuse_piece(layer, "attn", f"local attention with window_size={size!r}", "Use window_size >= 1.")
+        window = size if size < n_ctx else None
+    return AttentionReading(1.0, None, "none", window=window)
 
 
 _DELEGATED = {"GPTJAttention": _gptj_attention, "GPTNeoSelfAttention": _gpt_neo_attention}
