@@ -293,7 +293,21 @@ def _gpt_neo_attention(
     return AttentionReading(1.0, None, "none", window=window)
 
 
-_DELEGATED = {"GPTJAttention": _gptj_attention, "GPTNeoSelfAttention": _gpt_neo_attention}
+def _delegated_standard(
+    layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
+) -> AttentionReading:
+    """A Hugging Face attention forward read by :mod:`lens_aot.tl.bridge_delegated` (OPT, XGLM)."""
+    from lens_aot.tl.bridge_delegated import read_delegated
+
+    return read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
+
+
+_DELEGATED = {
+    "GPTJAttention": _gptj_attention,
+    "GPTNeoSelfAttention": _gpt_neo_attention,
+    "OPTAttention": _delegated_standard,
+    "XGLMAttention": _delegated_standard,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -335,7 +335,8 @@ def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
     """The activation the wrapped MLP module applies: its activation module (``act_fn`` / ``act`` / ...), named by
     transformers' own table; failing that, the config's activation field. Canonical name, or
     :class:`~lens_aot.errors.UnsupportedActivationError` naming it."""
-    module = _original(mlp_bridge)
+    # A containerless MLP (OPT's fc1/fc2 on the decoder layer) wraps no module: its config names the activation.
+    module = getattr(mlp_bridge, "original_component", None)
     for attr in _ACTIVATION_ATTRS:
         fn = getattr(module, attr, None)
         if isinstance(fn, nn.Module):
@@ -355,7 +356,7 @@ def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
             return canonical_activation(name)
     from lens_aot.tl.bridge_activation import activation_by_values
 
-    by_values = activation_by_values(module)  # e.g. BLOOM's BloomGelu (lens_aot.tl.bridge_activation)
+    by_values = None if module is None else activation_by_values(module)  # BLOOM's BloomGelu (tl.bridge_activation)
     if by_values is not None:
         return by_values
     raise _refuse(f"layer {layer} mlp: an MLP whose activation lens_aot cannot find")

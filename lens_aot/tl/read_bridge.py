@@ -58,6 +58,13 @@ from lens_aot.tl.bridge_components import (
     _source_model,
     _subcomponents,
 )
+from lens_aot.tl.bridge_layout import (
+    check_embedding_projection,
+    containerless_mlp_hooks,
+    merge_containerless,
+    position_table,
+    unmapped_final_norm,
+)
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
@@ -307,6 +314,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     native = type(model).__name__ == "NativeModel"
     if not native:
         _check_source(bridge, model)
+        check_embedding_projection(getattr(model, "config", None))
     blocks = _blocks(bridge)
     if native:
         check_native_config(cfg)
@@ -319,7 +327,9 @@ def read_bridge(bridge: Any) -> ModelSpec:
     # Every refusal that needs no forward comes first (a source whose own forward is broken is then named too).
     info = read_native(bridge, model, blocks, dtype) if native else _read_hf(bridge, model, blocks, dtype)
     try:
-        calls = record(bridge, blocks, min(n_ctx, 12))
+        with containerless_mlp_hooks(blocks) as extra:
+            calls = record(bridge, blocks, min(n_ctx, 12))
+        merge_containerless(calls, extra, len(blocks))  # OPT's fc1/fc2 (lens_aot.tl.bridge_layout)
     except Exception as error:  # the bridge's own forward fails: nothing can be read from it
         raise refuse_piece(
             None,
@@ -390,12 +400,13 @@ def read_bridge(bridge: Any) -> ModelSpec:
         if pos is None:
             raise refuse_piece(None, "pos_embed", "no position information (neither learned positions nor rotary)")
         pos_module = _original(pos)
-        if type(pos_module) is not nn.Embedding and type(pos_module).__name__ != "Embedding":
+        W_pos = position_table(pos_module, n_ctx)  # OPT's rows from its offset (lens_aot.tl.bridge_layout)
+        if W_pos is None and type(pos_module) is not nn.Embedding and type(pos_module).__name__ != "Embedding":
             raise refuse_piece(None, "pos_embed", f"a position embedding of type {type(pos_module).__name__}")
         table = pos_module.weight
         if table.shape[0] < n_ctx:
             raise _refuse(f"a position table of {table.shape[0]} rows for n_ctx={n_ctx}")
-        W_pos = _copy(table[:n_ctx])
+        W_pos = _copy(table[:n_ctx]) if W_pos is None else W_pos
     elif _component(bridge, "pos_embed") is not None:
         raise _refuse("both rotary and absolute positions")
     unembed = _original(_component(bridge, "unembed"))
@@ -411,7 +422,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
         causal=bool(info["causal"]),
         W_E=W_E,
         layers=layers,
-        ln_final=_norm(_component(bridge, "ln_final"), dtype),
+        ln_final=unmapped_final_norm(bridge, model, calls, len(blocks), dtype)
+        or _norm(_component(bridge, "ln_final"), dtype),
         W_U=W_U,
         b_U=b_U,
         positions=info["positions"],
