@@ -140,3 +140,27 @@ def check_embedding_projection(hf_config: Any) -> None:
             f"projections between the embedding width {width} and the residual width {hidden} (project_in / "
             "project_out, word_embed_proj_dim != hidden_size)",
         )
+
+
+def unmapped_position_table(bridge: Any, model: nn.Module, n_ctx: int) -> Float[Tensor, "n_ctx d_model"] | None:
+    """The position table of a source module the adapter does not map (XGLM's sinusoidal
+    ``XGLMSinusoidalPositionalEmbedding``: rows ``position + offset`` of its public ``weights`` buffer), or None
+    when the source has no such module outside its blocks. The caller checks the first block's input against
+    token + position embedding, so a table read wrongly is refused."""
+    wrapped = {id(getattr(m, "original_component", None)) for m in bridge.modules()}
+    blocks = _component(bridge, "blocks")
+    inside = {id(m) for block in (blocks or []) for m in getattr(block, "original_component", block).modules()}
+    d_model = int(bridge.cfg.d_model)
+    found = []
+    for module in model.modules():
+        if id(module) in wrapped or id(module) in inside or isinstance(module, nn.Embedding):
+            continue
+        offset, table = getattr(module, "offset", None), getattr(module, "weights", None)
+        if isinstance(offset, int) and isinstance(table, Tensor) and table.ndim == 2 and table.shape[1] == d_model:
+            found.append((offset, table))
+    if len(found) != 1:
+        return None
+    offset, table = found[0]
+    if table.shape[0] < offset + n_ctx:
+        raise refuse_piece(None, "pos_embed", f"a position table of {table.shape[0] - offset} rows for n_ctx={n_ctx}")
+    return _copy(table[offset : offset + n_ctx])

@@ -64,6 +64,7 @@ from lens_aot.tl.bridge_layout import (
     merge_containerless,
     position_table,
     unmapped_final_norm,
+    unmapped_position_table,
 )
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.hooked_model import source_config_fields
@@ -397,8 +398,10 @@ def read_bridge(bridge: Any) -> ModelSpec:
     W_pos = None
     if info["positions"] == "standard":
         pos = _component(bridge, "pos_embed")
-        if pos is None:
+        W_pos = None if pos is not None else unmapped_position_table(bridge, model, n_ctx)  # XGLM's sinusoids
+        if pos is None and W_pos is None:
             raise refuse_piece(None, "pos_embed", "no position information (neither learned positions nor rotary)")
+    if info["positions"] == "standard" and W_pos is None:
         pos_module = _original(pos)
         W_pos = position_table(pos_module, n_ctx)  # OPT's rows from its offset (lens_aot.tl.bridge_layout)
         if W_pos is None and type(pos_module) is not nn.Embedding and type(pos_module).__name__ != "Embedding":
