@@ -21,7 +21,7 @@ from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, _random
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import bridge_alibi, bridge_attention
+from lens_aot.tl import bridge_alibi, bridge_attention, bridge_delegated
 from lens_aot.tl.read_bridge import read_bridge
 
 _NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
@@ -58,9 +58,40 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "attention_dropout": 0.0,
         },
     ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        {
+            "hidden_size": D_MODEL,
+            "num_hidden_layers": N_LAYERS,
+            "num_attention_heads": N_HEADS,
+            "ffn_dim": 2 * D_MODEL,
+            "max_position_embeddings": N_CTX,
+            "word_embed_proj_dim": D_MODEL,
+            "pad_token_id": 1,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+        },
+    ),
+    "xglm": (
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        {
+            "d_model": D_MODEL,
+            "num_layers": N_LAYERS,
+            "attention_heads": N_HEADS,
+            "ffn_dim": 2 * D_MODEL,
+            "max_position_embeddings": N_CTX,
+            "pad_token_id": 1,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+            "activation_dropout": 0.0,
+        },
+    ),
 }
-# The float64 forms the source computes partly in float32 (refused, naming the fix, in test_bridge_families).
-FLOAT32_ONLY = {"gpt_neo-local"}
+# gpt_neo: float64 refused, naming the fix, in test_bridge_families. xglm: transformers' own XGLMAttention cannot run
+# in float64 (torch.full of float64's min in float32), which convert reports (test below).
+FLOAT32_ONLY = {"gpt_neo-local", "xglm"}
 CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64) if d == torch.float32 or f not in FLOAT32_ONLY]
 
 
@@ -182,3 +213,57 @@ def test_bloom_residual_after_the_norm_is_refused_by_name() -> None:
     bridge.original_model.config.apply_residual_connection_post_layernorm = True
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 block: .*post_layernorm=True"):
         read_bridge(bridge)
+
+
+def test_opt_reads_its_layout() -> None:
+    bridge = make("opt", torch.float64)
+    spec = read_bridge(bridge)
+    decoder = bridge.original_model.model.decoder
+    assert torch.equal(spec.W_pos, decoder.embed_positions.weight[2 : 2 + N_CTX])  # OPT's offset 2
+    assert torch.equal(spec.ln_final.w, decoder.final_layer_norm.weight)
+    for layer in spec.layers:
+        assert layer.attn.attn_scale == 1 / decoder.layers[0].self_attn.scaling  # q_proj(x) · scaling
+        assert layer.attn.softmax_dtype == torch.float32
+        assert layer.mlp is not None and layer.mlp.act_fn == "relu" and not layer.parallel
+
+
+def test_opt_scale_perturbed_by_1e3_is_refused() -> None:
+    bridge = make("opt", torch.float64)
+
+    def scaled(*args: Any) -> Any:
+        reading = bridge_delegated.read_delegated(*args)
+        reading.scale *= 1 + 1e-3
+        return reading
+
+    with mock.patch.dict(bridge_attention._DELEGATED, {"OPTAttention": scaled}):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)
+
+
+@pytest.mark.parametrize("family", ["opt", "xglm"])
+def test_position_offset_off_by_one_is_refused(family: str) -> None:
+    """Rows from offset 1 instead of the source's 2 (OPT's learned table, XGLM's sinusoids) fail the probe."""
+    import lens_aot.tl.read_bridge as reader
+
+    bridge = make(family, torch.float32)
+    if family == "opt":
+        rows = bridge.original_model.model.decoder.embed_positions.weight
+        patch = mock.patch.object(reader, "position_table", lambda module, n: rows[1 : 1 + n].detach().clone())
+    else:
+        rows = bridge.original_model.model.embed_positions.weights
+        patch = mock.patch.object(reader, "unmapped_position_table", lambda b, m, n: rows[1 : 1 + n].clone())
+    assert rows.shape[0] >= 2 + N_CTX
+    with patch, pytest.raises(UnsupportedArchitectureError, match=r"embed: a first block input"):
+        read_bridge(bridge)
+
+
+def test_opt_embedding_projection_is_refused_by_name() -> None:
+    bridge = make("opt", torch.float32)
+    bridge.original_model.config.word_embed_proj_dim = D_MODEL // 2
+    with pytest.raises(UnsupportedArchitectureError, match=r"embed: projections between the embedding width"):
+        read_bridge(bridge)
+
+
+def test_xglm_float64_source_that_cannot_run_is_reported() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match=r"model: a forward pass that raises RuntimeError"):
+        lens_aot.convert(make("xglm", torch.float64))

@@ -6,11 +6,11 @@ source and checked against its recorded forward (OPT; :mod:`lens_aot.tl.read_bri
   ``out`` projection's output during the probe forward, and :func:`merge_containerless` turns them into the ``mlp``
   piece's call. OPT runs ``ln2`` and the MLP on ``[batch·pos, d_model]``; those calls are reshaped to the block's
   ``[batch, pos, d_model]``.
-* **A final norm the mapping omits** (OPT's ``decoder.final_layer_norm``): :func:`unmapped_final_norm` reads the one
-  LayerNorm of the source outside every block and bridge component, and keeps it only if it maps the last block's
-  output to what the unembedding received.
 * **Learned positions with an offset** (OPT's ``OPTLearnedPositionalEmbedding``: row ``position + offset``, the
-  module's public ``offset``, 2): :func:`position_table`.
+  module's public ``offset``, 2): :func:`position_table`; **positions the mapping omits** (XGLM's sinusoidal table,
+  a buffer): :func:`unmapped_position_table`.
+* **An embedding projection** (OPT's ``project_in`` / ``project_out``): refused by name
+  (:func:`check_embedding_projection`).
 """
 
 from __future__ import annotations
@@ -19,21 +19,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import NormSpec
 from lens_aot.tl.bridge_components import _component, _copy
-from lens_aot.tl.bridge_probe import Call, close, refuse_piece
+from lens_aot.tl.bridge_probe import Call, refuse_piece
 
 __all__ = [
     "check_embedding_projection",
     "containerless_mlp_hooks",
     "merge_containerless",
     "position_table",
-    "unmapped_final_norm",
+    "unmapped_position_table",
 ]
 
 
@@ -82,39 +79,6 @@ def merge_containerless(calls: dict[tuple[int, str], Call], extra: dict[tuple[in
             call = calls.get((layer, piece))
             if call is not None and call.input.ndim == 2 and call.input.shape[0] == shape[0] * shape[1]:
                 calls[(layer, piece)] = Call(call.input.reshape(*shape[:2], -1), call.output.reshape(*shape[:2], -1))
-
-
-def unmapped_final_norm(
-    bridge: Any, model: nn.Module, calls: dict[tuple[int, str], Call], n_layers: int, dtype: torch.dtype
-) -> NormSpec | None:
-    """The source's final LayerNorm when the adapter maps none (see the module docstring), or None when the last
-    block's output already reaches the unembedding unchanged."""
-    if _component(bridge, "ln_final") is not None:
-        return None
-    unembed, last = calls.get((-1, "unembed")), calls.get((n_layers - 1, "block"))
-    if unembed is None or last is None or close(last.output, unembed.input):
-        return None
-    wrapped = {id(getattr(m, "original_component", None)) for m in bridge.modules()}
-    blocks = _component(bridge, "blocks")
-    inside = {id(m) for block in (blocks or []) for m in getattr(block, "original_component", block).modules()}
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm) and id(m) not in wrapped and id(m) not in inside]
-    if len(norms) != 1:
-        raise refuse_piece(None, "ln_final", f"{len(norms)} unmapped norms between the last block and the unembedding")
-    (module,) = norms
-    if module.weight is None:
-        spec = NormSpec("LNPre", float(module.eps))
-    else:
-        bias = None if module.bias is None else _copy(module.bias)
-        spec = NormSpec("LN", float(module.eps), _copy(module.weight), bias)
-    with torch.no_grad():
-        if not close(Norm(spec).to(last.output.device)(last.output), unembed.input):
-            raise refuse_piece(
-                None,
-                "ln_final",
-                f"an unmapped {type(module).__name__} that does not map the last block's output to the unembedding's "
-                "input (e.g. an output projection after it)",
-            )
-    return spec
 
 
 def position_table(module: nn.Module, n_ctx: int) -> Float[Tensor, "n_ctx d_model"] | None:

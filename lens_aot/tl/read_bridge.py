@@ -63,7 +63,6 @@ from lens_aot.tl.bridge_layout import (
     containerless_mlp_hooks,
     merge_containerless,
     position_table,
-    unmapped_final_norm,
     unmapped_position_table,
 )
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
@@ -425,8 +424,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         causal=bool(info["causal"]),
         W_E=W_E,
         layers=layers,
-        ln_final=unmapped_final_norm(bridge, model, calls, len(blocks), dtype)
-        or _norm(_component(bridge, "ln_final"), dtype),
+        ln_final=_norm(_component(bridge, "ln_final"), dtype),
         W_U=W_U,
         b_U=b_U,
         positions=info["positions"],
