@@ -267,3 +267,39 @@ def test_opt_embedding_projection_is_refused_by_name() -> None:
 def test_xglm_float64_source_that_cannot_run_is_reported() -> None:
     with pytest.raises(UnsupportedArchitectureError, match=r"model: a forward pass that raises RuntimeError"):
         lens_aot.convert(make("xglm", torch.float64))
+
+
+def test_alibi_key_origin_is_saved(tmp_path: Any) -> None:
+    """BLOOM's key origin survives save / load (docs/variants.md): the loaded model gives the same logits."""
+    aot = lens_aot.convert(make("bloom", torch.float64))
+    lens_aot.save(aot, tmp_path / "bloom")
+    loaded = lens_aot.load(tmp_path / "bloom")
+    assert [b.attn.spec().alibi_key_origin for b in loaded.blocks] == ["first", "first"]
+    tokens = torch.randint(0, D_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), aot(tokens))
+
+
+def test_opt_post_norm_layout_is_refused() -> None:
+    bridge = make("opt", torch.float32)
+    for layer in bridge.original_model.model.decoder.layers:
+        layer.do_layer_norm_before = False  # OPT-350m: resid = ln(resid + sublayer(resid))
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: an input that is not ln1's output"):
+        read_bridge(bridge)
+
+
+def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
+    """TransformerLens's own permanent mirror hooks on OPT's fc1 / fc2 hook points do not block convert; a hook a
+    user attaches to the MLP's placeholder point still does."""
+    from lens_aot.errors import FaithfulnessError
+    from lens_aot.tl.hooks import attached_hooks
+
+    bridge = make("opt", torch.float32)
+    assert attached_hooks(bridge) == []
+    bridge.blocks[0].mlp.hook_in.add_hook(lambda tensor, hook: tensor)
+    try:
+        assert "blocks.0.mlp.in.hook_in" in attached_hooks(bridge)
+        with pytest.raises(FaithfulnessError, match=r"hooks attached"):
+            lens_aot.convert(bridge)
+    finally:
+        bridge.reset_hooks(including_permanent=False)
