@@ -24,6 +24,19 @@ from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl import bridge_alibi, bridge_attention, bridge_delegated
 from lens_aot.tl.read_bridge import read_bridge
 
+# Ministral 3's default rope, at the tiny length: llama_4_scaling_beta's query scale is exactly 1 below
+# original_max_position_embeddings, here n_ctx.
+_MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1e6,
+    "factor": 16.0,
+    "original_max_position_embeddings": N_CTX,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
 _NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bloom": (
@@ -88,6 +101,20 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "activation_dropout": 0.0,
         },
     ),
+    "ministral3": (
+        "Ministral3Config",
+        "Ministral3ForCausalLM",
+        {
+            "hidden_size": D_MODEL,
+            "intermediate_size": 2 * D_MODEL,
+            "num_hidden_layers": N_LAYERS,
+            "num_attention_heads": N_HEADS,
+            "num_key_value_heads": 2,
+            "head_dim": D_MODEL // N_HEADS,
+            "max_position_embeddings": N_CTX,
+            "rope_parameters": _MINISTRAL3_ROPE,
+        },
+    ),
 }
 # gpt_neo: float64 refused, naming the fix, in test_bridge_families. xglm: transformers' own XGLMAttention cannot run
 # in float64 (torch.full of float64's min in float32), which convert reports (test below).
@@ -124,7 +151,7 @@ def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread:
     bridge = make(family, dtype)
     aot = lens_aot.convert(bridge)
     err = _error(aot, bridge)
-    tol = TOLERANCES[(aot.cfg.act_fn, dtype)]
+    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
     assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
     assert aot.cfg.dtype == dtype
 
@@ -303,3 +330,14 @@ def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
             lens_aot.convert(bridge)
     finally:
         bridge.reset_hooks(including_permanent=False)
+
+
+def test_llama4_query_scaling_past_its_original_length_is_refused() -> None:
+    """Ministral 3's query scale 1 + beta·log(1 + floor(pos / original_max_position_embeddings)) is exactly 1 below
+    that length (carried: the family converts above) and not 1 past it (refused, naming the fix)."""
+    config = CONFIGS["ministral3"]
+    short = {**config[2], "rope_parameters": {**_MINISTRAL3_ROPE, "original_max_position_embeddings": N_CTX // 2}}
+    with mock.patch.dict(CONFIGS, {"ministral3": (config[0], config[1], short)}):
+        bridge = make("ministral3", torch.float32)
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: Llama-4 .* not 1 past"):
+        read_bridge(bridge)

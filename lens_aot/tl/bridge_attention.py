@@ -206,7 +206,16 @@ def _position_embeddings_attention(
         raise refuse_piece(layer, "attn", "a gated query projection (sigmoid output gate, Qwen3-Next)")
     rope = getattr(getattr(hf_attn, "config", None), "rope_parameters", None)
     if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
-        raise refuse_piece(layer, "attn", "Llama-4 position-dependent query scaling (llama_4_scaling_beta)")
+        # q · (1 + beta · log(1 + floor(pos / original_max_position_embeddings))): exactly q below that length.
+        original, n_ctx = rope.get("original_max_position_embeddings"), int(bridge_cfg.n_ctx)
+        if not isinstance(original, int) or n_ctx > original:
+            raise refuse_piece(
+                layer,
+                "attn",
+                f"Llama-4 position-dependent query scaling (llama_4_scaling_beta), which is not 1 past "
+                f"original_max_position_embeddings={original} < n_ctx={n_ctx}",
+                "Build the bridge with n_ctx <= original_max_position_embeddings (the scaling is then exactly 1).",
+            )
     interleaved = bool(getattr(bridge_cfg, "rotary_interleaved_cos_sin", False))
     adjacent = interleaved or bool(getattr(bridge_cfg, "rotary_adjacent_pairs", False))
     if adjacent and dtype != torch.float32:
