@@ -70,6 +70,9 @@ class AttentionSpec:
     alibi_slopes: Float[Tensor, " n_heads"] | None = None
     # Attention sinks (GPT-OSS): a learned per-head logit joins each softmax as an extra key with no value.
     sinks: Float[Tensor, " n_heads"] | None = None
+    # Where ALiBi counts key positions from (:mod:`lens_aot.core.components.alibi_keys`): None, TransformerLens's
+    # ``slope · min(k - q, 0)``; "first", ``slope · k`` (BLOOM); "last", ``slope · (k - last key)`` (MPT).
+    alibi_key_origin: str | None = None
 
 
 @dataclass

@@ -69,6 +69,7 @@ _ATTENTION_VARIANTS = (
     "window",
     "rotary",
     *_ATTENTION_VARIANT_TENSORS,
+    "alibi_key_origin",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap")
@@ -127,6 +128,8 @@ class Encoder:
         for name in _ATTENTION_VARIANT_TENSORS:
             if getattr(attn, name) is not None:
                 out[name] = self.tensor(getattr(attn, name), f"{key}.{name}")
+        if attn.alibi_key_origin is not None:
+            out["alibi_key_origin"] = str(attn.alibi_key_origin)
         return out
 
     def mlp(self, mlp: MLPSpec | MoESpec | None, key: str) -> dict[str, Any] | None:
@@ -334,6 +337,7 @@ class Decoder:
             qk_norm_over=over,
             window=None if f.get("window") is None else int(f["window"]),
             rotary=self.rotary(f.get("rotary"), f"{path}.rotary"),
+            alibi_key_origin=_alibi_key_origin(f.get("alibi_key_origin"), f"{self.where}: {path}"),
             **variants,
         )
 
@@ -465,3 +469,9 @@ def encode_spec(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Tensor]]:
 def decode_spec(value: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any = None) -> ModelSpec:
     """Inverse of :func:`encode_spec` (``tokenizer`` becomes the spec's tokenizer)."""
     return Decoder(tensors, "<memory>").spec(value, tokenizer)
+
+
+def _alibi_key_origin(value: Any, where: str) -> str | None:
+    if value not in (None, "first", "last"):
+        raise LoadError(f"{where}.alibi_key_origin is {value!r}, not 'first' or 'last'; corrupt.")
+    return value

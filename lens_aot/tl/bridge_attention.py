@@ -27,11 +27,12 @@ _REFUSED_BRIDGES = {
     "MLAAttentionBridge": "multi-head latent attention (DeepSeek MLA)",
     "GlmMoeDsaAttentionBridge": "multi-head latent attention with sparse index selection (GLM-MoE-DSA)",
     "ALiBiJointQKVAttentionBridge": "ALiBi position biases",
-    "MPTALiBiAttentionBridge": "ALiBi position biases (MPT)",
-    "BloomAttentionBridge": "ALiBi position biases (BLOOM)",
     "CodeGenAttentionBridge": "CodeGen's mp-sharded fused QKV with adjacent-pair rotary computed by its own forward",
     "T5Gemma2MergedAttentionBridge": "merged self/cross attention of an encoder-decoder",
 }
+
+# ALiBi attention bridges whose score computation lens_aot.tl.bridge_alibi reads.
+_ALIBI_BRIDGES = ("BloomAttentionBridge", "MPTALiBiAttentionBridge")
 
 _EXTRA_COMPONENTS = {
     "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
@@ -62,6 +63,9 @@ class AttentionReading:
     qk_norm_over: QKNormScope = "head"
     soft_cap: float | None = None
     window: int | None = None
+    alibi_slopes: Tensor | None = None  # ALiBi (BLOOM, MPT): lens_aot.tl.bridge_alibi
+    clip_qkv: float | None = None
+    alibi_key_origin: str | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -136,6 +140,8 @@ def read_attention(
 ) -> AttentionReading:
     """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring)."""
     cls = type(attn).__name__
+    if cls in _ALIBI_BRIDGES:  # BLOOM, MPT: lens_aot.tl.bridge_alibi
+        return _alibi_attention(layer, attn, hf_config, bridge_cfg, dtype, n_ctx)
     for name in _mro_names(attn):
         if name in _REFUSED_BRIDGES:
             raise refuse_piece(layer, "attn", _REFUSED_BRIDGES[name])
@@ -170,6 +176,28 @@ def read_attention(
     raise refuse_piece(layer, "attn", f"an attention bridge of type {cls}")
 
 
+def _alibi_attention(
+    layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
+) -> AttentionReading:
+    """An ALiBi attention bridge whose ``_reconstruct_attention`` :mod:`lens_aot.tl.bridge_alibi` reads."""
+    from lens_aot.tl.bridge_alibi import alibi_reading_fields
+
+    hf_attn = _original(attn)
+    cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=False)
+    for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
+        if value is not None:
+            raise refuse_piece(layer, "attn", f"{what} ({value}) with ALiBi", "Only full causal attention is read.")
+    fields = alibi_reading_fields(layer, attn, hf_attn, bridge_cfg, dtype)
+    return AttentionReading(
+        fields["scale"],
+        fields["softmax_dtype"],
+        "none",
+        alibi_slopes=fields["alibi_slopes"],
+        clip_qkv=fields["clip_qkv"],
+        alibi_key_origin=fields["alibi_key_origin"],
+    )
+
+
 def _position_embeddings_attention(
     layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
 ) -> AttentionReading:
@@ -180,7 +208,16 @@ def _position_embeddings_attention(
         raise refuse_piece(layer, "attn", "a gated query projection (sigmoid output gate, Qwen3-Next)")
     rope = getattr(getattr(hf_attn, "config", None), "rope_parameters", None)
     if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
-        raise refuse_piece(layer, "attn", "Llama-4 position-dependent query scaling (llama_4_scaling_beta)")
+        # q · (1 + beta · log(1 + floor(pos / original_max_position_embeddings))): exactly q below that length.
+        original, n_ctx = rope.get("original_max_position_embeddings"), int(bridge_cfg.n_ctx)
+        if not isinstance(original, int) or n_ctx > original:
+            raise refuse_piece(
+                layer,
+                "attn",
+                f"Llama-4 position-dependent query scaling (llama_4_scaling_beta), which is not 1 past "
+                f"original_max_position_embeddings={original} < n_ctx={n_ctx}",
+                "Build the bridge with n_ctx <= original_max_position_embeddings (the scaling is then exactly 1).",
+            )
     interleaved = bool(getattr(bridge_cfg, "rotary_interleaved_cos_sin", False))
     adjacent = interleaved or bool(getattr(bridge_cfg, "rotary_adjacent_pairs", False))
     if adjacent and dtype != torch.float32:
@@ -248,7 +285,8 @@ def _gpt_neo_attention(
     layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
 ) -> AttentionReading:
     """HF ``GPTNeoSelfAttention.forward``: unscaled scores ``q·kᵀ`` computed from float32 q and k (so only float32 is
-    exact), a causal mask, on ``local`` layers restricted to the last ``window_size`` positions."""
+    exact), a causal mask, on ``local`` layers (the module's ``attention_type``) a sliding window over the last
+    ``window_size`` positions (the config's; the spec's ``window``)."""
     if dtype != torch.float32:
         raise refuse_piece(
             layer,
@@ -256,19 +294,31 @@ def _gpt_neo_attention(
             f"GPT-Neo in {dtype}: GPTNeoSelfAttention casts q and k to float32 before q·kᵀ whatever the model dtype",
             "Read GPT-Neo in float32 (bridge.to(torch.float32)).",
         )
+    window = None
     if getattr(hf_attn, "attention_type", "global") == "local":
-        window = int(getattr(hf_config, "window_size", 0))
-        if window < n_ctx:
-            raise refuse_piece(
-                layer,
-                "attn",
-                f"local attention over the last window_size={window} < n_ctx={n_ctx} positions",
-                "Only full causal attention is supported.",
-            )
-    return AttentionReading(1.0, None, "none")
+        # GPTNeoSelfAttention's mask: tril(ones) xor tril(ones, -window_size), i.e. q - window_size < k <= q.
+        size = getattr(hf_config, "window_size", None)
+        if not isinstance(size, int) or size < 1:
+            raise refuse_piece(layer, "attn", f"local attention with window_size={size!r}", "Use window_size >= 1.")
+        window = size if size < n_ctx else None
+    return AttentionReading(1.0, None, "none", window=window)
 
 
-_DELEGATED = {"GPTJAttention": _gptj_attention, "GPTNeoSelfAttention": _gpt_neo_attention}
+def _delegated_standard(
+    layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
+) -> AttentionReading:
+    """A Hugging Face attention forward read by :mod:`lens_aot.tl.bridge_delegated` (OPT, XGLM)."""
+    from lens_aot.tl.bridge_delegated import read_delegated
+
+    return read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
+
+
+_DELEGATED = {
+    "GPTJAttention": _gptj_attention,
+    "GPTNeoSelfAttention": _gpt_neo_attention,
+    "OPTAttention": _delegated_standard,
+    "XGLMAttention": _delegated_standard,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -335,7 +335,8 @@ def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
     """The activation the wrapped MLP module applies: its activation module (``act_fn`` / ``act`` / ...), named by
     transformers' own table; failing that, the config's activation field. Canonical name, or
     :class:`~lens_aot.errors.UnsupportedActivationError` naming it."""
-    module = _original(mlp_bridge)
+    # A containerless MLP (OPT's fc1/fc2 on the decoder layer) wraps no module: its config names the activation.
+    module = getattr(mlp_bridge, "original_component", None)
     for attr in _ACTIVATION_ATTRS:
         fn = getattr(module, attr, None)
         if isinstance(fn, nn.Module):
@@ -353,6 +354,11 @@ def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
         name = getattr(hf_config, field, None)
         if isinstance(name, str):
             return canonical_activation(name)
+    from lens_aot.tl.bridge_activation import activation_by_values
+
+    by_values = None if module is None else activation_by_values(module)  # BLOOM's BloomGelu (tl.bridge_activation)
+    if by_values is not None:
+        return by_values
     raise _refuse(f"layer {layer} mlp: an MLP whose activation lens_aot cannot find")
 
 
@@ -361,7 +367,8 @@ def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     cls = type(mlp_bridge).__name__
     if cls in ("GatedMLPBridge", "JointGateUpMLPBridge"):
         return _gated_mlp(mlp_bridge, dtype, act_fn)
-    if cls != "MLPBridge" or _component(mlp_bridge, "gate") is not None:
+    # BloomMLPBridge: an MLPBridge that passes the residual its module adds (lens_aot.tl.bridge_alibi strips it).
+    if cls not in ("MLPBridge", "BloomMLPBridge") or _component(mlp_bridge, "gate") is not None:
         raise _refuse(
             f"an MLP bridge of type {cls}",
             "Only MLPBridge (act(x·W_in + b_in)) and GatedMLPBridge (act(x·W_gate)·(x·W_in)) MLPs are read.",

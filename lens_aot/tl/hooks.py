@@ -20,4 +20,27 @@ def attached_hooks(model: Any) -> list[str]:
     hook_dict = getattr(model, "hook_dict", None)
     if not isinstance(hook_dict, dict):
         return []
-    return [name for name, point in hook_dict.items() if getattr(point, "_forward_hooks", None)]
+    wired = _placeholder_mirrors(model)
+    return [
+        name
+        for name, point in hook_dict.items()
+        if len(getattr(point, "_forward_hooks", None) or ()) > wired.get(id(point), 0)
+    ]
+
+
+def _placeholder_mirrors(model: Any) -> dict[int, int]:
+    """The hook points on which TransformerLens itself wires one permanent mirror hook: a containerless bridge's
+    (OPT's and XGLM's fc1/fc2 MLP, ``_placeholder_hooks_wired``) ``in.hook_in`` / ``out.hook_out`` re-fire through the
+    placeholder's own ``hook_in`` / ``hook_out``, which leaves the tensor unchanged while those carry no hooks."""
+    mirrors: dict[int, int] = {}
+    for module in model.modules():
+        if not getattr(module, "_placeholder_hooks_wired", False):
+            continue
+        if any(getattr(getattr(module, n, None), "_forward_hooks", None) for n in ("hook_in", "hook_out")):
+            continue  # a hook on the placeholder reaches the model through the mirror: it counts
+        submodules = getattr(module, "submodules", None) or {}
+        for sub, point_name in (("in", "hook_in"), ("out", "hook_out")):
+            point = getattr(submodules.get(sub), point_name, None)
+            if isinstance(point, HookPoint):
+                mirrors[id(point)] = 1
+    return mirrors

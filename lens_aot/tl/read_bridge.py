@@ -33,6 +33,7 @@ from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.spec import LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import InvalidWeightsError
+from lens_aot.tl.bridge_alibi import strip_inner_residuals
 from lens_aot.tl.bridge_attention import (
     AttentionReading,
     check_rope_type,
@@ -57,6 +58,13 @@ from lens_aot.tl.bridge_components import (
     _source_model,
     _subcomponents,
 )
+from lens_aot.tl.bridge_layout import (
+    check_embedding_projection,
+    containerless_mlp_hooks,
+    merge_containerless,
+    position_table,
+    unmapped_position_table,
+)
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
@@ -72,7 +80,6 @@ _REFUSED_BLOCKS = {
     "ScaledResidualBlockBridge": "a scaled residual (residual_multiplier: resid + m·sublayer, Granite)",
     "MLABlockBridge": "multi-head latent attention (DeepSeek MLA)",
     "DelegatedAttentionBlockBridge": "attention delegated to another layer's key/value cache (shared-KV layers)",
-    "BloomBlockBridge": "ALiBi attention with BLOOM's residual layout",
     "SSMBlockBridge": "a state-space mixer (Mamba-style), not attention",
     "OpaqueBlockBridge": "a recurrent or hybrid mixer block (no attention/MLP pieces to read)",
     "AltUpBlockBridge": "AltUp alternating-updates blocks (Gemma 3n)",
@@ -89,9 +96,7 @@ _EXTRA_BLOCK_PIECES = {
     "cross_attn": "cross-attention",
 }
 
-_MLP_REFUSALS = {
-    "BloomMLPBridge": "BLOOM's MLP with the residual added inside",
-}
+_MLP_REFUSALS: dict[str, str] = {}
 
 
 def _check_dtype(model: nn.Module) -> torch.dtype:
@@ -267,11 +272,19 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         "readings": readings,
         "layer_rotary": layer_rotary,
         "logits_soft_cap": getattr(config, "final_logit_softcapping", None),
-        "positions": "rotary" if rotary is not None else "standard",
+        "positions": "rotary" if rotary is not None else _non_rotary_positions(readings),
         "causal": True,
         "rotary": rotary,
         "act_fn": None,
     }
+
+
+def _non_rotary_positions(readings: list[AttentionReading]) -> str:
+    """``"alibi"`` when every layer has ALiBi slopes (BLOOM, MPT), else learned absolute positions."""
+    alibi = [r.alibi_slopes is not None for r in readings]
+    if any(alibi) and not all(alibi):
+        raise refuse_piece(alibi.index(False), "attn", "a layer without ALiBi in a model whose other layers use it")
+    return "alibi" if alibi and all(alibi) else "standard"
 
 
 def _pieces(block: Any) -> set[str]:
@@ -301,6 +314,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     native = type(model).__name__ == "NativeModel"
     if not native:
         _check_source(bridge, model)
+        check_embedding_projection(getattr(model, "config", None))
     blocks = _blocks(bridge)
     if native:
         check_native_config(cfg)
@@ -313,7 +327,9 @@ def read_bridge(bridge: Any) -> ModelSpec:
     # Every refusal that needs no forward comes first (a source whose own forward is broken is then named too).
     info = read_native(bridge, model, blocks, dtype) if native else _read_hf(bridge, model, blocks, dtype)
     try:
-        calls = record(bridge, blocks, min(n_ctx, 12))
+        with containerless_mlp_hooks(blocks) as extra:
+            calls = record(bridge, blocks, min(n_ctx, 12))
+        merge_containerless(calls, extra, len(blocks))  # OPT's fc1/fc2 (lens_aot.tl.bridge_layout)
     except Exception as error:  # the bridge's own forward fails: nothing can be read from it
         raise refuse_piece(
             None,
@@ -321,6 +337,9 @@ def read_bridge(bridge: Any) -> ModelSpec:
             f"a forward pass that raises {type(error).__name__}: {error} (the bridge or its source is broken on this "
             "transformers version; lens_aot reads how a block combines its pieces by running it once)",
         ) from error
+    if not native:
+        for layer, block in enumerate(blocks):
+            strip_inner_residuals(layer, block, calls, getattr(model, "config", None))
     finite = all(bool(c.input.isfinite().all() and c.output.isfinite().all()) for c in calls.values())
     attn_only = native and bool(getattr(cfg, "attn_only", False))
     layouts = [
@@ -344,6 +363,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
             attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
             attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
             attn.rotary = info["layer_rotary"][layer]
+            attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
+            attn.alibi_key_origin = reading.alibi_key_origin
         mlp_bridge = _component(block, "mlp")
         ln1 = _norm(_component(block, "ln1"), dtype)
         if info.get("attn_only"):
@@ -376,15 +397,18 @@ def read_bridge(bridge: Any) -> ModelSpec:
     W_pos = None
     if info["positions"] == "standard":
         pos = _component(bridge, "pos_embed")
-        if pos is None:
+        W_pos = None if pos is not None else unmapped_position_table(bridge, model, n_ctx)  # XGLM's sinusoids
+        if pos is None and W_pos is None:
             raise refuse_piece(None, "pos_embed", "no position information (neither learned positions nor rotary)")
+    if info["positions"] == "standard" and W_pos is None:
         pos_module = _original(pos)
-        if type(pos_module) is not nn.Embedding and type(pos_module).__name__ != "Embedding":
+        W_pos = position_table(pos_module, n_ctx)  # OPT's rows from its offset (lens_aot.tl.bridge_layout)
+        if W_pos is None and type(pos_module) is not nn.Embedding and type(pos_module).__name__ != "Embedding":
             raise refuse_piece(None, "pos_embed", f"a position embedding of type {type(pos_module).__name__}")
         table = pos_module.weight
         if table.shape[0] < n_ctx:
             raise _refuse(f"a position table of {table.shape[0]} rows for n_ctx={n_ctx}")
-        W_pos = _copy(table[:n_ctx])
+        W_pos = _copy(table[:n_ctx]) if W_pos is None else W_pos
     elif _component(bridge, "pos_embed") is not None:
         raise _refuse("both rotary and absolute positions")
     unembed = _original(_component(bridge, "unembed"))
@@ -406,6 +430,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         positions=info["positions"],
         W_pos=W_pos,
         rotary=info["rotary"],
+        embed_ln=_norm(embed_ln, dtype) if (embed_ln := _component(bridge, "embed_ln")) is not None else None,
         logits_soft_cap=None if info.get("logits_soft_cap") is None else float(info["logits_soft_cap"]),
         tokenizer=tokenizer,
         default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
@@ -435,6 +460,8 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
         if not close(spec.W_E[tokens], embed.output):
             raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
         first = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
+        if spec.embed_ln is not None:  # BLOOM's word_embeddings_layernorm
+            first = Norm(spec.embed_ln).to(first.device)(first)
         if not close(first, calls[(0, "block")].input):
             raise refuse_piece(
                 None,

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.alibi import ALiBi
+from lens_aot.core.components.alibi_keys import KeyPositionALiBi
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.qk_norm import QKNorm
 from lens_aot.core.components.sinks import AttentionSinks
@@ -125,7 +126,9 @@ class Attention(nn.Module):
         if spec.scores_soft_cap is not None:
             self.scores_soft_cap = SoftCap(spec.scores_soft_cap)
         if spec.alibi_slopes is not None:
-            self.alibi = ALiBi(spec.alibi_slopes.to(spec.W_Q.device))
+            slopes = spec.alibi_slopes.to(spec.W_Q.device)
+            origin = spec.alibi_key_origin
+            self.alibi = ALiBi(slopes) if origin is None else KeyPositionALiBi(slopes, origin)  # type: ignore[arg-type]
         if spec.sinks is not None:
             self.sinks = AttentionSinks(spec.sinks)
         self.rotary_adjacent_pairs = False
@@ -321,6 +324,7 @@ class Attention(nn.Module):
             clip_qkv=self.clip_qkv,
             alibi_slopes=exported(self.alibi.slopes) if hasattr(self, "alibi") else None,
             sinks=self.sinks.values() if hasattr(self, "sinks") else None,
+            alibi_key_origin=getattr(self.alibi, "origin", None) if hasattr(self, "alibi") else None,
         )
 
     def _qk_norm_over(self) -> QKNormScope:

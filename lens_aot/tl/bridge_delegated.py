@@ -1,0 +1,52 @@
+"""Hugging Face attention forwards that a plain ``AttentionBridge`` calls (the bridge does not recompute them), read
+from the attention module itself when they are standard scaled dot-product attention.
+
+``OPTAttention.forward`` (OPT) and ``XGLMAttention.forward`` (XGLM): ``q = q_proj(x) · scaling`` (the module's public
+``scaling``, ``head_dim**-0.5``), ``k = k_proj(x)``, ``v = v_proj(x)``, scores ``q·kᵀ`` (OPT calls its attention
+function with ``scaling=1.0``), the additive causal mask, softmax (:data:`SOFTMAX_DTYPE`: OPT's eager
+``eager_attention_forward`` in float32 cast back to the activation dtype; XGLM's own ``bmm`` code in the activation
+dtype), ``out_proj``. The spec divides the scores by ``1 / scaling`` instead of scaling
+``q``: a power-of-two ``scaling`` (every ``head_dim`` a power of 4) makes the two exact; otherwise the bridge probe
+bounds the difference. No positions enter the attention (both add learned or sinusoidal positions to the embedding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lens_aot.tl.bridge_probe import refuse_piece
+
+__all__ = ["SOFTMAX_DTYPE", "read_delegated"]
+
+# The softmax precision of each attention forward read here (None: the activation dtype).
+SOFTMAX_DTYPE: dict[str, torch.dtype | None] = {"OPTAttention": torch.float32, "XGLMAttention": None}
+
+
+def read_delegated(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
+    """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a standard Hugging Face attention module."""
+    from lens_aot.tl.bridge_attention import AttentionReading
+
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        projection = getattr(hf_attn, name, None)  # a LinearBridge wrapping the nn.Linear, or the nn.Linear
+        if not isinstance(getattr(projection, "original_component", projection), nn.Linear):
+            raise refuse_piece(layer, "attn", f"a {type(hf_attn).__name__} without an nn.Linear {name!r}")
+    if bool(getattr(hf_attn, "is_decoder", True)) is False or bool(getattr(hf_attn, "is_causal", True)) is False:
+        raise refuse_piece(layer, "attn", "non-causal attention in a causal language model")
+    implementation = getattr(getattr(hf_attn, "config", hf_config), "_attn_implementation", "eager")
+    if implementation not in (None, "eager"):
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"attention computed by the {implementation!r} kernel (its rounding is not the eager softmax's)",
+            "Call model.set_attn_implementation('eager') before building the bridge.",
+        )
+    scaling = getattr(hf_attn, "scaling", None)
+    if not isinstance(scaling, float) or scaling <= 0:
+        raise refuse_piece(layer, "attn", f"a query scaling {scaling!r} lens_aot cannot read")
+    cls = type(hf_attn).__name__
+    if cls not in SOFTMAX_DTYPE:
+        raise refuse_piece(layer, "attn", f"attention computed by {cls}.forward, which lens_aot does not read")
+    return AttentionReading(1.0 / scaling, SOFTMAX_DTYPE[cls], "none")
