@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit, activation_fit
 from lens_aot.core.gating import GatedFit, gated_fit
+from lens_aot.core.moe_routers import router_logits, router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec, NormSpec
 
 
@@ -80,6 +81,8 @@ def expert_fit(
 def output_scale(spec: MoESpec) -> tuple[float, ...]:
     """``c_j = max_e Σ_n |W_out^e[n, j]| (+ the shared expert's Σ_n |W_out[n, j]|)`` (module docstring)."""
     routed = torch.stack([m.W_out.detach().to(torch.float64).abs().sum(0) for m in spec.experts]).amax(0)
+    if spec.router is not None:  # the chosen weights may sum to more than 1 (routed_scaling_factor, sigmoid)
+        routed = routed * spec.router.weight_bound(spec.top_k)
     if spec.shared is not None:
         routed = routed + spec.shared.W_out.detach().to(torch.float64).abs().sum(0)
     return tuple(float(c) for c in routed.cpu())
@@ -101,6 +104,10 @@ def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float
     """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
     same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks)."""
     flat = x.reshape(-1, x.shape[-1])
+    if spec.router is not None:  # a DeepSeek router: the source's own operations (lens_aot.core.moe_routers)
+        scores = router_scores(spec.router, router_logits(flat, spec.W_router.to(flat.device)))
+        indices, weights = select_experts(spec.router, scores, spec.top_k)
+        return indices, weights.to(flat.dtype)
     logits = flat @ spec.W_router.to(flat.device)
     if spec.b_router is not None:
         logits = logits + spec.b_router.to(flat.device)

@@ -19,6 +19,7 @@ from torch import nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.read_moe_router import read_group_router
 
 
 def _unwrap(module: Any) -> Any:
@@ -125,18 +126,20 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
         )
         for e in range(gate_up.shape[0])
     ]
-    shared = _unwrap(getattr(block, "shared_expert", None))
+    shared = _unwrap(getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None))
     shared_gate = _unwrap(getattr(block, "shared_expert_gate", None))
     if shared_gate is not None and (not isinstance(shared_gate, nn.Linear) or shared_gate.bias is not None):
         raise _refuse(layer, "a shared-expert gate that is not a bias-free linear map")
+    group_router = read_group_router(router, layer)
     return MoESpec(
         _copy(W.T),
         specs,
         int(router.top_k),
-        bool(getattr(router, "norm_topk_prob", True)),
+        bool(getattr(router, "norm_topk_prob", True)) and group_router is None,
         torch.float32,
         shared=None if shared is None else _hf_mlp(shared, layer),
         W_shared_gate=None if shared_gate is None else _copy(shared_gate.weight.T),
+        router=group_router,
     )
 
 
@@ -145,4 +148,9 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     from lens_aot.tl.bridge_components import _mlp
 
     module = _unwrap(mlp_bridge)
-    return read_hf_moe(module, layer) if is_sparse_moe(module) else _mlp(mlp_bridge, dtype, act_fn)
+    if is_sparse_moe(module):
+        return read_hf_moe(module, layer)
+    dense = all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    if type(mlp_bridge).__name__ == "MoEBridge" and dense:
+        return _hf_mlp(module, layer)  # a dense layer of a MoE model (DeepSeek's first_k_dense_replace layers)
+    return _mlp(mlp_bridge, dtype, act_fn)
