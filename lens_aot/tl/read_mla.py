@@ -111,9 +111,11 @@ def read_mla_layer(
         raise refuse_piece(layer, "attn", "MLA projections whose widths disagree with kv_lora_rank / head widths")
     kv_b = W_kv_b.reshape(kv_rank, n_heads, nope + d_v).permute(1, 0, 2)  # [head, kv_rank, nope + d_v]
     cos, sin, complex_table = tables
-    layout: RopeLayout = (
-        "complex" if complex_table else ("interleaved" if bool(getattr(config, "rope_interleave", False)) else "halves")
-    )
+    # the config's rope_interleave; GLM-MoE-DSA's attention (the one with an indexer) always interleaves
+    interleave = getattr(config, "rope_interleave", None)
+    interleave = indexer is not None if interleave is None else bool(interleave)
+    layout: RopeLayout = "complex" if complex_table else ("interleaved" if interleave else "halves")
+
     return MLASpec(
         W_Q=W_q.reshape(W_q.shape[0], n_heads, nope + rope).permute(1, 0, 2).contiguous(),
         W_kv_a=W_kv_a,
