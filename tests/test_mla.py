@@ -78,6 +78,7 @@ def test_mla_family_matches_source_forward(arch: str, dtype: torch.dtype) -> Non
     for hook in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
         assert f"blocks.1.attn.{hook}" in cache_
     assert cache_["blocks.1.attn.hook_pattern"].shape == (2, 4, tokens.shape[1], tokens.shape[1])
+    assert "blocks.1.attn.hook_kv_latent" in cache_
 
 
 def _attention_pair(arch: str, dtype: torch.dtype) -> tuple[MLASpec, nn.Module, nn.Module]:
@@ -167,3 +168,24 @@ def test_generate_and_reference_model_follow_the_source() -> None:
 
     with pytest.raises(UnsupportedArchitectureError, match="layers.0.attn: multi-head latent attention"):
         encode_spec(spec)  # what lens_aot.save writes: refused by name, not half-written
+
+
+def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:
+    """MLA has no per-head map from the residual stream: ``blocks[l].attn.W_Q`` (and W_K, W_V, b_Q, ...) raise naming
+    it (``aot.W_Q``: an AttributeError), and
+    per-head attention inputs (``use_split_qkv_input``) are refused in the forward."""
+    from lens_aot.core.components.mla_attention import MLAWeightError
+    from lens_aot.errors import InputError, LensAOTError
+
+    _, bridge = _bridge("YoutuForCausalLM", torch.float32)
+    aot = lens_aot.convert(bridge)
+    for name in ("W_Q", "W_K", "W_V", "b_Q"):
+        with pytest.raises(MLAWeightError, match=f"multi-head latent attention has no {name}"):
+            getattr(aot.blocks[0].attn, name)
+        with pytest.raises(AttributeError):  # the model's stacked weights: an AttributeError too
+            getattr(aot, name)
+    assert issubclass(MLAWeightError, LensAOTError)
+    assert aot.W_O.shape == (2, 4, 16, 64)  # the output map does read per head
+    aot.set_use_split_qkv_input(True)
+    with pytest.raises(InputError, match="per-head or separate query / key / value inputs"):
+        aot(tokens_for(seed=3))

@@ -9,6 +9,8 @@ them as any other head. Only the MLPs become neuron heads (Huben & Morris 2023, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
@@ -21,7 +23,13 @@ from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, LensAOTError
+
+_NO_RESIDUAL_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
+
+
+class MLAWeightError(LensAOTError, AttributeError):
+    """A residual-stream weight (``W_Q`` ...) read from multi-head latent attention, which has none."""
 
 
 def rotate_rope(
@@ -69,11 +77,13 @@ class MLAAttention(nn.Module):
 
     def __init__(self, spec: MLASpec, causal: bool) -> None:
         super().__init__()
-        self.W_Q = parameter(spec.W_Q)
+        # DeepSeek-V2's names (§2.1): W^UQ, W^UK, W^UV up-project the latents; no map reads the residual stream
+        # per head, so there is no W_Q / W_K / W_V here (reading them raises MLAWeightError)
+        self.W_UQ = parameter(spec.W_Q)
         self.W_kv_a = parameter(spec.W_kv_a)
         self.b_kv_a = None if spec.b_kv_a is None else parameter(spec.b_kv_a)
-        self.W_K = parameter(spec.W_K)
-        self.W_V = parameter(spec.W_V)
+        self.W_UK = parameter(spec.W_K)
+        self.W_UV = parameter(spec.W_V)
         self.W_O = parameter(spec.W_O)
         self.b_O = parameter(spec.b_O)
         self.kv_a_norm = Norm(spec.kv_a_norm)
@@ -114,6 +124,15 @@ class MLAAttention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _NO_RESIDUAL_MAPS:
+            raise MLAWeightError(
+                f"multi-head latent attention has no {name}: its queries, keys and values are computed from latents "
+                "(W_UQ reads the query latent, W_UK / W_UV the key-value latent; hook_q / hook_k / hook_v hold their "
+                "per-head values), so there is no per-head map from the residual stream to read or multiply."
+            )
+        return super().__getattr__(name)
 
     @property
     def attn_scale(self) -> float:
@@ -183,10 +202,10 @@ class MLAAttention(nn.Module):
                 "/ value inputs (use_attn_in, use_split_qkv_input) do not apply to it. Turn those switches off."
             )
         q_in, latent, k_pe = self.latents(query_input)
-        q = self.hook_q(einops.einsum(q_in, self.W_Q, "b p i, h i e -> b p h e"))
-        k_nope = einops.einsum(latent, self.W_K, "b p r, h r e -> b p h e")
+        q = self.hook_q(einops.einsum(q_in, self.W_UQ, "b p i, h i e -> b p h e"))
+        k_nope = einops.einsum(latent, self.W_UK, "b p r, h r e -> b p h e")
         k = self.hook_k(torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)), dim=-1))
-        v = self.hook_v(einops.einsum(latent, self.W_V, "b p r, h r e -> b p h e"))
+        v = self.hook_v(einops.einsum(latent, self.W_UV, "b p r, h r e -> b p h e"))
         past = 0
         if past_kv_cache_entry is not None:
             past = past_kv_cache_entry.past_keys.shape[1]
@@ -235,11 +254,11 @@ class MLAAttention(nn.Module):
         """The :class:`MLASpec` this module implements (used by ``revert`` / ``to_spec``)."""
         q_a = hasattr(self, "W_q_a")
         return MLASpec(
-            W_Q=exported(self.W_Q),
+            W_Q=exported(self.W_UQ),
             W_kv_a=exported(self.W_kv_a),
             kv_a_norm=self.kv_a_norm.spec(),
-            W_K=exported(self.W_K),
-            W_V=exported(self.W_V),
+            W_K=exported(self.W_UK),
+            W_V=exported(self.W_UV),
             W_O=exported(self.W_O),
             b_O=exported(self.b_O),
             scale=self.scale,
