@@ -32,6 +32,8 @@ from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit, activation_fit
 from lens_aot.core.gating import GatedFit, gated_fit
+from lens_aot.core.moe_routers import router_logits as group_router_logits
+from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec, NormSpec
 
 
@@ -82,7 +84,7 @@ def expert_fit(
 def output_scale(spec: MoESpec) -> tuple[float, ...]:
     """``c_j = max_e Σ_n |W_out^e[n, j]| (+ the shared expert's Σ_n |W_out[n, j]|)`` (module docstring)."""
     routed = torch.stack([m.W_out.detach().to(torch.float64).abs().sum(0) for m in spec.experts]).amax(0)
-    routed = routed * spec.max_routed_weight  # the chosen weights' sum (1 for renormalised or softmax weights)
+    routed = routed * (spec.max_routed_weight if spec.router is None else spec.router.weight_bound(spec.top_k))
     if spec.shared is not None:
         routed = routed + spec.shared.W_out.detach().to(torch.float64).abs().sum(0)
     return tuple(float(c) for c in routed.cpu())
@@ -106,6 +108,10 @@ def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float
     from lens_aot.core.components.moe_router import build_router, router_logits
 
     flat = x.reshape(-1, x.shape[-1])
+    if spec.router is not None:  # a DeepSeek router: the source's own operations (lens_aot.core.moe_routers)
+        scores = router_scores(spec.router, group_router_logits(flat, spec.W_router.to(flat.device)))
+        indices, weights = select_experts(spec.router, scores, spec.top_k)
+        return indices, weights.to(flat.dtype)
     logits = router_logits(flat, spec.W_router.to(flat.device), spec.logits_dtype)
     if spec.b_router is not None:
         logits = logits + spec.b_router.to(flat.device)

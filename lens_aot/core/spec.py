@@ -8,11 +8,15 @@ conversion needs. Nothing downstream of this file knows which TransformerLens ve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lens_aot.core.moe_routers import GroupRouterSpec
+    from lens_aot.core.spec_mla import MLASpec
 
 NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
 PositionKind = Literal["standard", "rotary", "alibi", "none"]
@@ -108,7 +112,7 @@ class LayerSpec:
     """
 
     ln1: NormSpec
-    attn: AttentionSpec
+    attn: AttentionSpec | MLASpec  # MLASpec: multi-head latent attention (lens_aot.core.spec_mla)
     ln2: NormSpec | None = None
     mlp: MLPSpec | MoESpec | None = None
     parallel: bool = False
@@ -176,6 +180,8 @@ class ModelSpec:
             "attention sinks": lambda a: a.sinks is not None,
         }
         for layer in self.layers:
+            if type(layer.attn).__name__ == "MLASpec":
+                found.add("multi-head latent attention")
             found.update(name for name, check in checks.items() if check(layer.attn))
             if layer.ln1_post is not None or layer.ln2_post is not None:
                 found.add("sandwich norms")
@@ -225,6 +231,9 @@ class MoESpec:
     logits_dtype: torch.dtype | None = None
     norm_min: float = 0.0
     routed_scaling_factor: float = 1.0
+    # A DeepSeek router (sigmoid or softmax scores, group-limited top-k, scaled weights; lens_aot.core.moe_routers)
+    # in place of the router fields above (whose norm_topk_prob / softmax_dtype / b_router it then ignores).
+    router: GroupRouterSpec | None = None
 
     @property
     def max_routed_weight(self) -> float:

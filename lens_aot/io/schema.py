@@ -111,6 +111,13 @@ class Encoder:
         }
 
     def attention(self, attn: AttentionSpec, key: str) -> dict[str, Any]:
+        if type(attn).__name__ == "MLASpec":
+            from lens_aot.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                f"{key}: multi-head latent attention (DeepSeek MLA) has no saved format yet; keep the source and "
+                "convert it again (lens_aot.convert) instead of saving the converted model."
+            )
         out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}
         out["attn_scale"] = float(attn.attn_scale)
         out["softmax_dtype"] = None if attn.softmax_dtype is None else dtype_name(attn.softmax_dtype)

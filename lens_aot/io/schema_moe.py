@@ -37,8 +37,14 @@ def is_moe_record(obj: Any) -> bool:
 
 def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
     """``moe`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
+    from lens_aot.errors import InputError
     from lens_aot.io.schema import dtype_name
 
+    if moe.router is not None:
+        raise InputError(
+            f"{key}: a DeepSeek group-limited router (lens_aot.core.moe_routers) has no save format yet; keep the "
+            "source and convert it again after loading it, or use torch.save(aot) for a same-version pickle."
+        )
     out: dict[str, Any] = {
         "experts": [encoder.mlp(m, f"{key}.experts.{e}") for e, m in enumerate(moe.experts)],
         "shared": encoder.mlp(moe.shared, f"{key}.shared"),

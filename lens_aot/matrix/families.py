@@ -84,6 +84,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "Gemma4TextConfig": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},  # 262144 x 256
     "Mamba2Config": {"head_dim": 32, "n_groups": 1},  # hidden 64 x expand 2 = heads 4 x head_dim; groups <= heads
     "GlmMoeDsaConfig": {"num_key_value_heads": 4},  # its attention has one key/value per query head
+    # MLA: one key / value per query head (the source's eager attention repeats kv heads heads/num_key_value_heads
+    # times, which breaks its own forward for any other value)
+    "DeepseekV2Config": {"num_key_value_heads": 4},
+    "DeepseekV3Config": {"num_key_value_heads": 4},
+    "Glm4MoeLiteConfig": {"num_key_value_heads": 4},
+    "YoutuConfig": {"num_key_value_heads": 4},
     "Lfm2MoeConfig": {"layer_types": ["conv", "full_attention"]},  # default None: the model cannot be built
     # Hybrids whose default layer pattern puts no attention layer in the first 2 layers (their 2-layer model then
     # cannot run its own forward): one mixer layer, then one attention layer.

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.bridge_alibi import strip_inner_residuals
 from lens_aot.tl.bridge_attention import (
@@ -68,6 +69,7 @@ from lens_aot.tl.bridge_layout import (
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
+from lens_aot.tl.read_mla import is_mla, read_mla
 from lens_aot.tl.read_moe import read_bridge_mlp
 
 __all__ = ["SUPPORTED", "read_bridge"]
@@ -78,7 +80,6 @@ _PLAIN_BLOCKS = ("BlockBridge", "ParallelBlockBridge")
 # Block bridges (and their pieces) lens_aot has no component for, each named in the refusal.
 _REFUSED_BLOCKS = {
     "ScaledResidualBlockBridge": "a scaled residual (residual_multiplier: resid + m·sublayer, Granite)",
-    "MLABlockBridge": "multi-head latent attention (DeepSeek MLA)",
     "DelegatedAttentionBlockBridge": "attention delegated to another layer's key/value cache (shared-KV layers)",
     "SSMBlockBridge": "a state-space mixer (Mamba-style), not attention",
     "OpaqueBlockBridge": "a recurrent or hybrid mixer block (no attention/MLP pieces to read)",
@@ -216,7 +217,7 @@ def _verify(
                 check_piece(layer, piece, Norm(norm)(call.input), call, f"the {norm.kind} reading")
         call = calls.get((layer, "attn"))
         if call is not None:
-            got = Attention(spec.attn, causal=causal, rotary=rotary).to(call.input.device)(call.input)
+            got = attention_module(spec.attn, causal, rotary).to(call.input.device)(call.input)
             check_piece(layer, "attn", got, call, "the attention reading (scale, rotary, softmax)")
         call = calls.get((layer, "mlp"))
         if spec.mlp is not None and call is not None:
@@ -325,7 +326,10 @@ def read_bridge(bridge: Any) -> ModelSpec:
         for layer, block in enumerate(blocks):
             _check_block(layer, block)
     # Every refusal that needs no forward comes first (a source whose own forward is broken is then named too).
-    info = read_native(bridge, model, blocks, dtype) if native else _read_hf(bridge, model, blocks, dtype)
+    if native:
+        info = read_native(bridge, model, blocks, dtype)
+    else:  # multi-head latent attention (DeepSeek) has its own reader
+        info = (read_mla if any(map(is_mla, blocks)) else _read_hf)(bridge, model, blocks, dtype)
     try:
         with containerless_mlp_hooks(blocks) as extra:
             calls = record(bridge, blocks, min(n_ctx, 12))
@@ -354,17 +358,21 @@ def read_bridge(bridge: Any) -> ModelSpec:
     layers: list[LayerSpec] = []
     for layer, (block, (scale, softmax_dtype)) in enumerate(zip(blocks, info["attn"], strict=True)):
         attn_bridge = _component(block, "attn")
-        if scale is None:
-            q_width = _linear(_original(_component(attn_bridge, "q")), dtype)[0].shape[1]
-            scale = math.sqrt(q_width // n_heads)
-        attn = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
-        if not native:
-            reading = info["readings"][layer]
-            attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
-            attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
-            attn.rotary = info["layer_rotary"][layer]
-            attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
-            attn.alibi_key_origin = reading.alibi_key_origin
+        attn: AttentionSpec | MLASpec
+        if "mla" in info:
+            attn = info["mla"][layer]
+        else:
+            if scale is None:
+                q_width = _linear(_original(_component(attn_bridge, "q")), dtype)[0].shape[1]
+                scale = math.sqrt(q_width // n_heads)
+            attn = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
+            if not native:
+                reading = info["readings"][layer]
+                attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
+                attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
+                attn.rotary = info["layer_rotary"][layer]
+                attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
+                attn.alibi_key_origin = reading.alibi_key_origin
         mlp_bridge = _component(block, "mlp")
         ln1 = _norm(_component(block, "ln1"), dtype)
         if info.get("attn_only"):

@@ -25,6 +25,7 @@ from torch import nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.read_moe_router import read_group_router
 
 
 def _unwrap(module: Any) -> Any:
@@ -132,16 +133,12 @@ def _correction_bias(block: nn.Module, router: nn.Module) -> torch.Tensor | None
     return None
 
 
-def _check_groups(router: nn.Module, layer: int) -> None:
-    """Group-limited routing (DeepSeek-V3, GLM-4-MoE with ``n_group`` > ``topk_group``) is refused by name; with
-    every group kept (``topk_group == n_group``, e.g. one group) the group mask keeps every expert."""
+def _group_limited(router: nn.Module) -> bool:
+    """Whether the router limits the choice to its best expert groups (DeepSeek-V2's ``topk_method``, or fewer groups
+    kept than there are): then :func:`lens_aot.tl.read_moe_router.read_group_router` reads it."""
     groups = getattr(router, "num_group", getattr(router, "n_group", 1)) or 1
     kept = getattr(router, "topk_group", groups) or groups
-    if int(kept) < int(groups):
-        raise _refuse(
-            layer,
-            f"group-limited routing (n_group={groups}, topk_group={kept}: only the best groups' experts may be chosen)",
-        )
+    return getattr(router, "topk_method", None) is not None or int(kept) < int(groups)
 
 
 def _candidates(block: nn.Module, router: nn.Module, spec: MoESpec) -> list[MoESpec]:
@@ -195,7 +192,6 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     W = getattr(router, "weight", None)
     if not isinstance(W, torch.Tensor) or W.ndim != 2 or getattr(router, "bias", None) is not None:
         raise _refuse(layer, f"a router of type {type(router).__name__} (expected a bias-free linear top-k router)")
-    _check_groups(router, layer)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
         raise _refuse(layer, f"experts of type {type(experts).__name__} (expected batched gate_up_proj / down_proj)")
@@ -222,19 +218,23 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     shared_gate = _unwrap(getattr(block, "shared_expert_gate", None))
     if shared_gate is not None and (not isinstance(shared_gate, nn.Linear) or shared_gate.bias is not None):
         raise _refuse(layer, "a shared-expert gate that is not a bias-free linear map")
+    group_router = read_group_router(router, layer) if _group_limited(router) else None
     scaling = getattr(router, "routed_scaling_factor", getattr(block, "routed_scaling_factor", 1.0))
     spec = MoESpec(
         _copy(W.T),
         specs,
         int(router.top_k),
-        bool(getattr(router, "norm_topk_prob", True)),
+        bool(getattr(router, "norm_topk_prob", True)) and group_router is None,
         torch.float32,
         shared=None if shared is None else _hf_mlp(shared, layer),
         W_shared_gate=None if shared_gate is None else _copy(shared_gate.weight.T),
-        e_score_correction_bias=_correction_bias(block, router),
+        e_score_correction_bias=None if group_router is not None else _correction_bias(block, router),
         norm_min=float(getattr(router, "norm_min", 0.0) or 0.0),
-        routed_scaling_factor=float(1.0 if scaling is None else scaling),
+        routed_scaling_factor=float(1.0 if scaling is None or group_router is not None else scaling),
+        router=group_router,
     )
+    if group_router is not None:  # DeepSeek's routers: the source's own operations (lens_aot.core.moe_routers)
+        return spec
     return _probe_router(block, _candidates(block, router, spec), layer)
 
 
@@ -267,5 +267,5 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
         return read_hf_moe(module, layer)
     refuse_other_moe(module, layer)
     if type(mlp_bridge).__name__ == "MoEBridge" and is_dense_hf_mlp(module):
-        return _hf_mlp(module, layer, "a dense MLP")
+        return _hf_mlp(module, layer, "a dense MLP")  # e.g. DeepSeek's first_k_dense_replace layers
     return _mlp(mlp_bridge, dtype, act_fn)

@@ -26,6 +26,7 @@ the neuron heads' own hooks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.moe_router import build_router, router_logits
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.moe_routers import router_logits as group_router_logits
+from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import InputError
 from lens_aot.tl.hooks import hooked
@@ -58,6 +61,10 @@ class MoEMLP(nn.Module):
         self.logits_dtype = spec.logits_dtype
         self.router = build_router(spec)  # the scoring rule, choice and weights (components/moe_router.py)
         self.b_gate = None if spec.b_router is None else parameter(spec.b_router)
+        # a DeepSeek router (lens_aot.core.moe_routers); its selection bias is a buffer, as in the source
+        self.group_router = None if spec.router is None else replace(spec.router, e_score_correction_bias=None)
+        if spec.router is not None and spec.router.e_score_correction_bias is not None:
+            self.register_buffer("e_score_correction_bias", spec.router.e_score_correction_bias.detach().clone())
         self.d_mlp = spec.d_mlp
         self.act_fn = spec.act_fn
         self.gated = spec.gated
@@ -77,6 +84,13 @@ class MoEMLP(nn.Module):
     def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
         """The chosen experts ``[tokens, top_k]`` and their weights (activation dtype), through the router hooks.
         Ties: ``torch.topk`` on the same probabilities as the source's own call, so the same experts are chosen."""
+        if self.group_router is not None:  # a DeepSeek router (lens_aot.core.moe_routers), its hooks at the same points
+            logits = self.hook_router_logits(group_router_logits(flat, self.W_gate))
+            scores = self.hook_expert_weights(router_scores(self.group_router, logits))
+            bias = getattr(self, "e_score_correction_bias", None)
+            router = replace(self.group_router, e_score_correction_bias=bias)
+            indices, weights = select_experts(router, scores, self.top_k)
+            return self.hook_expert_indices(indices), self.hook_topk_weights(weights.to(flat.dtype))
         logits = router_logits(flat, self.W_gate, self.logits_dtype)
         if self.b_gate is not None:
             logits = logits + self.b_gate
@@ -181,6 +195,10 @@ class MoEMLP(nn.Module):
             raise IndexError(f"neuron {neuron} out of range: the expert has d_mlp={module.d_mlp}")
         return [(f"{prefix}.{attr}", head) for attr, head in module.neuron_heads(neuron)]
 
+    def _bias_copy(self) -> Float[Tensor, " n_experts"] | None:
+        bias = getattr(self, "e_score_correction_bias", None)
+        return None if bias is None else bias.detach().clone()
+
     def spec(self) -> MoESpec:
         """The :class:`MoESpec` this layer implements (experts with their original activation)."""
         shared = getattr(self, "shared_expert", None)
@@ -192,5 +210,8 @@ class MoEMLP(nn.Module):
             shared=None if shared is None else shared.spec(),
             W_shared_gate=None if shared_gate is None else exported(shared_gate),
             logits_dtype=self.logits_dtype,
+            router=None
+            if self.group_router is None
+            else replace(self.group_router, e_score_correction_bias=self._bias_copy()),
             **self.router.spec_fields(),  # type: ignore[arg-type]
         )

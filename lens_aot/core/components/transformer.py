@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
+from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
@@ -132,7 +132,7 @@ class SpecTransformer(HookedRootModule):
         for layer, ls in enumerate(spec.layers):
             mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
             ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
-            attn = Attention(ls.attn, spec.causal, spec.rotary)
+            attn = attention_module(ls.attn, spec.causal, spec.rotary)
             ln1_post = None if ls.ln1_post is None else Norm(ls.ln1_post)
             ln2_post = None if ls.ln2_post is None or mlp is None else Norm(ls.ln2_post)
             blocks.append(

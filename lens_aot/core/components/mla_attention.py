@@ -1,0 +1,287 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA, :class:`~lens_aot.core.spec_mla.MLASpec`): the source's heads,
+carried over unchanged as attention heads with TransformerLens's hook points.
+
+MLA computes its queries, keys and values through low-rank latents (Liu et al. 2024, DeepSeek-V2, §2.1), but the
+heads themselves are plain softmax attention heads, so they keep ``hook_q`` / ``hook_k`` / ``hook_v`` /
+``hook_attn_scores`` / ``hook_pattern`` / ``hook_z`` / ``hook_result`` and patching, caching and attribution reach
+them as any other head. Only the MLPs become neuron heads (Huben & Morris 2023, Theorem 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import einops
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.norm import Norm
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
+from lens_aot.core.spec import AttentionSpec, RotarySpec
+from lens_aot.core.spec_mla import MLASpec
+from lens_aot.errors import InputError, LensAOTError
+
+_NO_RESIDUAL_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
+
+
+class MLAWeightError(LensAOTError, AttributeError):
+    """A residual-stream weight (``W_Q`` ...) read from multi-head latent attention, which has none."""
+
+
+def rotate_rope(
+    x: Float[Tensor, "batch pos head rope_dim"],
+    cos: Float[Tensor, "batch_or_1 pos 1 table_dim"],
+    sin: Float[Tensor, "batch_or_1 pos 1 table_dim"],
+    layout: str,
+) -> Float[Tensor, "batch pos head rope_dim"]:
+    """The source's rotation of the rotary channels, operation for operation (so rounding matches it):
+
+    * "halves": ``x·cos + rotate_half(x)·sin`` (transformers' ``apply_rotary_pos_emb``);
+    * "interleaved": pairs ``(x0, x1), (x2, x3), …`` rotated by the first half of the tables and written as
+      ``[evens, odds]`` (transformers' ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 ``rope_interleave``);
+    * "complex": pairs as complex numbers in float32 times the complex table ``cos + i·sin`` (DeepSeek-V2's
+      ``apply_rotary_emb``), cast back.
+    """
+    if layout == "halves":
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    if layout == "interleaved":
+        c, s = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    if layout == "complex":  # memory in the source's order ([batch, pos, head, ·]): its kernel paths, its rounding
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        table = torch.complex(cos.float(), sin.float())
+        return torch.view_as_real(torch.complex(pairs[..., 0], pairs[..., 1]) * table).flatten(-2).type_as(x)
+    raise ValueError(f"unknown rotary layout {layout!r}")
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention with TransformerLens's hook points (module docstring).
+
+    Hooks: ``hook_q_latent`` [batch, pos, q_rank] (the normed query latent; only with query compression),
+    ``hook_kv_latent`` [batch, pos, kv_rank] (the normed key-value latent), ``hook_q`` [batch, pos, head, d_qk],
+    ``hook_k`` [batch, pos, head, d_qk] (``[k_nope_h, k_pe]``: the shared rotary key repeated per head),
+    ``hook_v`` [batch, pos, head, d_v], ``hook_rot_q`` / ``hook_rot_k`` (the same after rotary),
+    ``hook_attn_scores`` / ``hook_pattern`` [batch, head, query, key], ``hook_z`` [batch, pos, head, d_v],
+    ``hook_result`` [batch, pos, head, d_model] (only when ``use_attn_result``).
+
+    Order of the forward, the source's: latents → per-head q, k, v (``hook_q/k/v``) → cache → rotary on the last
+    ``rope_dim`` channels of q and k (``hook_rot_q/k``) → ``q·k · scale`` → mask → ``hook_attn_scores`` → softmax
+    in float32, cast back → ``hook_pattern`` → ``z`` → ``W_O``.
+    """
+
+    def __init__(self, spec: MLASpec, causal: bool) -> None:
+        super().__init__()
+        # DeepSeek-V2's names (§2.1): W^UQ, W^UK, W^UV up-project the latents; no map reads the residual stream
+        # per head, so there is no W_Q / W_K / W_V here (reading them raises MLAWeightError)
+        self.W_UQ = parameter(spec.W_Q)
+        self.W_kv_a = parameter(spec.W_kv_a)
+        self.b_kv_a = None if spec.b_kv_a is None else parameter(spec.b_kv_a)
+        self.W_UK = parameter(spec.W_K)
+        self.W_UV = parameter(spec.W_V)
+        self.W_O = parameter(spec.W_O)
+        self.b_O = parameter(spec.b_O)
+        self.kv_a_norm = Norm(spec.kv_a_norm)
+        if spec.W_q_a is not None:
+            if spec.q_a_norm is None:
+                raise ValueError("query compression (W_q_a) needs its norm q_a_norm")
+            self.W_q_a = parameter(spec.W_q_a)
+            self.b_q_a = None if spec.b_q_a is None else parameter(spec.b_q_a)
+            self.q_a_norm = Norm(spec.q_a_norm)
+            self.hook_q_latent = HookPoint()
+        self.scale = float(spec.scale)
+        self.softmax_dtype = spec.softmax_dtype
+        self.causal = causal
+        self.window = None
+        self.rope_layout = spec.rope_layout
+        self.rope_dim = int(spec.rope_dim)
+        self.register_buffer("rope_cos", spec.cos.detach().to(spec.W_Q.device, copy=True))
+        self.register_buffer("rope_sin", spec.sin.detach().to(spec.W_Q.device, copy=True))
+        self.n_heads, _, self.d_head = spec.W_Q.shape
+        self.n_kv = self.n_heads  # every head has its own key and value (from the shared latent)
+        self.d_model = int(spec.W_O.shape[2])
+        self.kv_rank = int(spec.W_K.shape[1])
+        self.d_nope = int(spec.W_K.shape[2])
+        if self.d_nope + self.rope_dim != self.d_head:
+            raise ValueError(f"W_K's {self.d_nope} channels + rope_dim {self.rope_dim} != d_qk {self.d_head}")
+        self.use_attn_result = False
+        self.ungroup = False
+        # Attention's attributes that read "no such variant" for code that inspects every layer's attention
+        self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False
+        self.clip_qkv = None
+        self.hook_kv_latent = HookPoint()
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        self.hook_rot_q = HookPoint()
+        self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+        self.hook_result = HookPoint()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _NO_RESIDUAL_MAPS:
+            raise MLAWeightError(
+                f"multi-head latent attention has no {name}: its queries, keys and values are computed from latents "
+                "(W_UQ reads the query latent, W_UK / W_UV the key-value latent; hook_q / hook_k / hook_v hold their "
+                "per-head values), so there is no per-head map from the residual stream to read or multiply."
+            )
+        return super().__getattr__(name)
+
+    @property
+    def attn_scale(self) -> float:
+        """TransformerLens's divisor: scores are ``q·k / attn_scale`` with ``attn_scale = 1 / scale``."""
+        return 1.0 / self.scale
+
+    needs_dense_scores = True
+
+    def non_bilinear_score_variants(self) -> list[str]:
+        """MLA's scores are bilinear in the normed latents, not in the attention input: what a QK circuit over
+        ``x`` alone cannot reproduce."""
+        return ["multi-head latent attention"]
+
+    def latents(
+        self, x: Float[Tensor, "batch pos d_model"]
+    ) -> tuple[Float[Tensor, "batch pos q_in"], Float[Tensor, "batch pos kv_rank"], Float[Tensor, "batch pos rope"]]:
+        """The query input (the normed query latent, or ``x``), the normed key-value latent and the shared rotary
+        key, as the source computes them (``kv_a_proj_with_mqa`` split into ``[latent, k_pe]``)."""
+        if hasattr(self, "W_q_a"):
+            q_in = x @ self.W_q_a
+            if self.b_q_a is not None:
+                q_in = q_in + self.b_q_a
+            q_in = self.hook_q_latent(self.q_a_norm(q_in))
+        else:
+            q_in = x
+        kv = x @ self.W_kv_a
+        if self.b_kv_a is not None:
+            kv = kv + self.b_kv_a
+        latent, k_pe = kv[..., : self.kv_rank], kv[..., self.kv_rank :]
+        return q_in, self.hook_kv_latent(self.kv_a_norm(latent)), k_pe
+
+    def apply_rotary(
+        self,
+        x: Float[Tensor, "batch pos head d_qk"],
+        past_kv_pos_offset: int,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
+        shared: bool = False,
+    ) -> Float[Tensor, "batch pos head d_qk"]:
+        """Rotate the last ``rope_dim`` channels of each head (:func:`rotate_rope`) by its position's angles
+        (positions as :meth:`Attention.apply_rotary` counts them, left padding included). ``shared``: every head's
+        rotary channels are the same (MLA's one ``k_pe``): rotate them once."""
+        cos, sin = (
+            position_rows(table, x.shape[1], past_kv_pos_offset, attention_mask)[:, :, None, :]
+            for table in (self.rope_cos, self.rope_sin)
+        )
+        nope, rope = x[..., : self.d_nope], x[..., self.d_nope :]
+        if shared:  # the source rotates its one shared k_pe, then repeats it per head: so do these (same rounding)
+            rotated = rotate_rope(rope[:, :, :1], cos, sin, self.rope_layout).expand(-1, -1, x.shape[2], -1)
+        else:
+            rotated = rotate_rope(rope, cos, sin, self.rope_layout)
+        return torch.cat((nope, rotated), dim=-1)
+
+    def forward(
+        self,
+        query_input: Float[Tensor, "batch pos d_model"],
+        key_input: Float[Tensor, "batch pos d_model"] | None = None,
+        value_input: Float[Tensor, "batch pos d_model"] | None = None,
+        past_kv_cache_entry: KeyValueCacheEntry | None = None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The source's MLA forward (class docstring). Queries, keys and values all read ``query_input``: MLA's
+        key-value latent is shared by every head, so per-head or separate key / value inputs (``use_attn_in``,
+        ``use_split_qkv_input``) are refused."""
+        if query_input.ndim != 3 or any(t is not None and t is not query_input for t in (key_input, value_input)):
+            raise InputError(
+                "multi-head latent attention reads one shared input per position: per-head or separate query / key "
+                "/ value inputs (use_attn_in, use_split_qkv_input) do not apply to it. Turn those switches off."
+            )
+        q_in, latent, k_pe = self.latents(query_input)
+        q = self.hook_q(einops.einsum(q_in, self.W_UQ, "b p i, h i e -> b p h e"))
+        k_nope = einops.einsum(latent, self.W_UK, "b p r, h r e -> b p h e")
+        k = self.hook_k(torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)), dim=-1))
+        v = self.hook_v(einops.einsum(latent, self.W_UV, "b p r, h r e -> b p h e"))
+        past = 0
+        if past_kv_cache_entry is not None:
+            past = past_kv_cache_entry.past_keys.shape[1]
+            k, v = past_kv_cache_entry.append(k, v)
+        if attention_mask is not None and attention_mask.shape != (k.shape[0], k.shape[1]):
+            raise InputError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the keys cover {k.shape[0]} sequences "
+                f"of {k.shape[1]} positions ({past} cached + {q.shape[1]} new); pass one 1/0 entry per token."
+            )
+        q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
+        # cached keys are stored unrotated; k_pe is one key shared by every head unless a hook on hook_k edited it
+        rope = k[..., self.d_nope :]
+        shared = bool(torch.equal(rope, rope[:, :, :1].expand_as(rope)))
+        k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, shared=shared))
+        mask = Attention._mask(self, q.shape[1], k.shape[1], past, attention_mask, q.device)  # type: ignore[arg-type]
+        z = self.hook_z(self._z(q, k, v, mask))
+        if self.use_attn_result:
+            result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
+            return result.sum(dim=2) + self.b_O
+        return einops.einsum(z, self.W_O, "b p h e, h e d -> b p d") + self.b_O
+
+    def _z(
+        self,
+        q: Float[Tensor, "batch pos head d_qk"],
+        k: Float[Tensor, "batch key head d_qk"],
+        v: Float[Tensor, "batch key head d_v"],
+        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+    ) -> Float[Tensor, "batch pos head d_v"]:
+        """Scores ``q·k · scale`` (the source multiplies by its scale), masked with -inf, softmax in
+        ``softmax_dtype`` and cast back; a query that sees no key gets a zero pattern row."""
+        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") * self.scale
+        if mask is None and self.causal:
+            pos = scores.shape[-1]
+            future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        elif mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = self.hook_attn_scores(scores)
+        pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
+        if mask is not None:
+            pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
+        pattern = self.hook_pattern(pattern.to(v.dtype))
+        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+
+    def spec(self) -> MLASpec:
+        """The :class:`MLASpec` this module implements (used by ``revert`` / ``to_spec``)."""
+        q_a = hasattr(self, "W_q_a")
+        return MLASpec(
+            W_Q=exported(self.W_UQ),
+            W_kv_a=exported(self.W_kv_a),
+            kv_a_norm=self.kv_a_norm.spec(),
+            W_K=exported(self.W_UK),
+            W_V=exported(self.W_UV),
+            W_O=exported(self.W_O),
+            b_O=exported(self.b_O),
+            scale=self.scale,
+            rope_dim=self.rope_dim,
+            cos=exported(self.rope_cos),
+            sin=exported(self.rope_sin),
+            rope_layout=self.rope_layout,  # type: ignore[arg-type]
+            W_q_a=exported(self.W_q_a) if q_a else None,
+            b_q_a=exported(self.b_q_a) if q_a and self.b_q_a is not None else None,
+            q_a_norm=self.q_a_norm.spec() if q_a else None,
+            b_kv_a=None if self.b_kv_a is None else exported(self.b_kv_a),
+            softmax_dtype=self.softmax_dtype,
+        )
+
+
+def attention_module(
+    spec: AttentionSpec | MLASpec, causal: bool, rotary: RotarySpec | None = None
+) -> Attention | MLAAttention:
+    """The attention component for a layer's spec: :class:`MLAAttention` for multi-head latent attention, else
+    :class:`Attention`."""
+    if isinstance(spec, MLASpec):
+        return MLAAttention(spec, causal)
+    return Attention(spec, causal, rotary)
+
+
+__all__ = ["MLAAttention", "attention_module", "rotate_rope"]

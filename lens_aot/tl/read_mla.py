@@ -1,0 +1,158 @@
+"""Read multi-head latent attention (DeepSeek-V2/V3 MLA and the families built on it: GLM-4-MoE-Lite, GLM-MoE-DSA,
+Youtu) from a TransformerBridge into :class:`~lens_aot.core.spec_mla.MLASpec`, by structure.
+
+A block is MLA when its attention module has a joint ``kv_a_proj_with_mqa`` projection. Its pieces are read from the
+bridge's components (``q_proj`` or ``q_a_proj`` → ``q_a_layernorm`` → ``q_b_proj``; ``kv_a_proj_with_mqa`` →
+``kv_a_layernorm`` → ``kv_b_proj``; ``o``), its widths from the module's public attributes (``num_heads``,
+``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), its softmax scale from
+the module's ``scaling`` (YaRN's mscale² included, as the source computed it), the rotary layout from the config's
+``rope_interleave`` or the rotary module's output (a complex table: DeepSeek-V2), and the rotary tables from the
+source's own rotary module. The bridge probe then checks each layer's reading against its recorded forward.
+
+GLM-MoE-DSA's sparse-attention indexer (each query attends only to the ``index_topk`` keys its indexer scores
+highest) is carried where it is exactly the causal mask: when ``index_topk ≥ n_ctx`` every key is kept. Otherwise it
+is refused, naming the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lens_aot.core.spec import NormSpec
+from lens_aot.core.spec_mla import MLASpec, RopeLayout
+from lens_aot.tl.bridge_attention import check_rope_type
+from lens_aot.tl.bridge_components import _component, _copy, _linear, _native_norm_module, _norm, _original
+from lens_aot.tl.bridge_probe import refuse_piece
+
+
+def is_mla(block: Any) -> bool:
+    """Whether a bridge block's attention is multi-head latent attention (a joint ``kv_a_proj_with_mqa``)."""
+    attn = _component(block, "attn")
+    return attn is not None and isinstance(getattr(_original(attn), "kv_a_proj_with_mqa", None), nn.Module)
+
+
+def _projection(layer: int, attn_bridge: Any, name: str, dtype: torch.dtype, bias: bool) -> tuple[Any, Any]:
+    """``(W [in, out], b or None)`` of the attention's projection ``name`` (its bridge component, else the module's)."""
+    component = _component(attn_bridge, name)
+    module = _original(component) if component is not None else getattr(_original(attn_bridge), name, None)
+    if not isinstance(module, nn.Linear):
+        raise refuse_piece(layer, "attn", f"an MLA projection {name} of type {type(module).__name__}")
+    if module.bias is not None and not bias:
+        raise refuse_piece(layer, "attn", f"a bias on the MLA projection {name} (the source's MLA has none there)")
+    W, b = _linear(module, dtype)
+    return W, (b if module.bias is not None else None)
+
+
+def _tables(bridge: Any, model: nn.Module, n_ctx: int, dtype: torch.dtype) -> tuple[Any, Any, bool]:
+    """The source rotary module's tables for positions ``0..n_ctx-1``: ``(cos, sin, complex)``; a complex table
+    (DeepSeek-V2) gives its real and imaginary parts."""
+    rotary_bridge = _component(bridge, "rotary_emb")
+    inner = getattr(model, "model", None)
+    rotary = _original(rotary_bridge) if rotary_bridge is not None else getattr(inner, "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        raise refuse_piece(None, "rotary_emb", "multi-head latent attention without a rotary module")
+    device = next(model.parameters()).device
+    positions = torch.arange(n_ctx, device=device)[None]
+    with torch.no_grad():
+        out = rotary(torch.zeros(1, n_ctx, 1, dtype=dtype, device=device), positions)
+    if isinstance(out, torch.Tensor) and out.is_complex():
+        return _copy(out[0].real), _copy(out[0].imag), True
+    cos, sin = out
+    return _copy(cos[0]), _copy(sin[0]), False
+
+
+def _mla_norm(attn_bridge: Any, name: str, dtype: torch.dtype) -> NormSpec:
+    """The latent norm ``name``: its norm bridge, or (a plain component, whose wrapped module the MLA forward calls
+    directly) the wrapped Hugging Face norm itself."""
+    component = _component(attn_bridge, name)
+    if component is None or type(component).__name__ == "GeneralizedComponent":
+        module = _original(component) if component is not None else getattr(_original(attn_bridge), name, None)
+        if not isinstance(module, nn.Module):
+            raise refuse_piece(None, "attn", f"an MLA latent norm {name} that is not a module")
+        return _native_norm_module(module, dtype)
+    return _norm(component, dtype)
+
+
+def read_mla_layer(
+    layer: int, attn_bridge: Any, config: Any, dtype: torch.dtype, tables: tuple[Any, Any, bool], n_ctx: int
+) -> MLASpec:
+    """One layer's :class:`MLASpec` (module docstring)."""
+    module = _original(attn_bridge)
+    n_heads = int(module.num_heads)
+    nope, rope, d_v = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim), int(module.v_head_dim)
+    kv_rank = int(module.kv_lora_rank)
+    indexer = getattr(module, "indexer", None)
+    top_k = getattr(config, "index_topk", None)
+    if (indexer is not None or top_k is not None) and (top_k is None or int(top_k) < n_ctx):
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"a sparse-attention indexer keeping index_topk={top_k} of up to n_ctx={n_ctx} keys per query (DSA): the "
+            "keys it drops depend on its own scores, not a fixed mask",
+            f"Convert with n_ctx ≤ index_topk (then every key is kept and the indexer is the causal mask): e.g. "
+            f"set the bridge's cfg.n_ctx to {top_k}.",
+        )
+    q_a = getattr(module, "q_lora_rank", None) is not None
+    W_q_a = b_q_a = q_a_norm = None
+    if q_a:
+        W_q_a, b_q_a = _projection(layer, attn_bridge, "q_a_proj", dtype, bias=True)
+        q_a_norm = _mla_norm(attn_bridge, "q_a_layernorm", dtype)
+        W_q, _ = _projection(layer, attn_bridge, "q_b_proj", dtype, bias=False)
+    else:
+        W_q, _ = _projection(layer, attn_bridge, "q_proj", dtype, bias=False)
+    W_kv_a, b_kv_a = _projection(layer, attn_bridge, "kv_a_proj_with_mqa", dtype, bias=True)
+    W_kv_b, _ = _projection(layer, attn_bridge, "kv_b_proj", dtype, bias=False)
+    o_name = "o" if _component(attn_bridge, "o") is not None else "o_proj"
+    W_o, b_o = _projection(layer, attn_bridge, o_name, dtype, bias=True)
+    if W_kv_a.shape[1] != kv_rank + rope or W_kv_b.shape != (kv_rank, n_heads * (nope + d_v)):
+        raise refuse_piece(layer, "attn", "MLA projections whose widths disagree with kv_lora_rank / head widths")
+    kv_b = W_kv_b.reshape(kv_rank, n_heads, nope + d_v).permute(1, 0, 2)  # [head, kv_rank, nope + d_v]
+    cos, sin, complex_table = tables
+    # the config's rope_interleave; GLM-MoE-DSA's attention (the one with an indexer) always interleaves
+    interleave = getattr(config, "rope_interleave", None)
+    interleave = indexer is not None if interleave is None else bool(interleave)
+    layout: RopeLayout = "complex" if complex_table else ("interleaved" if interleave else "halves")
+
+    return MLASpec(
+        W_Q=W_q.reshape(W_q.shape[0], n_heads, nope + rope).permute(1, 0, 2).contiguous(),
+        W_kv_a=W_kv_a,
+        kv_a_norm=_mla_norm(attn_bridge, "kv_a_layernorm", dtype),
+        W_K=kv_b[..., :nope].contiguous(),
+        W_V=kv_b[..., nope:].contiguous(),
+        W_O=W_o.reshape(n_heads, d_v, W_o.shape[1]).contiguous(),
+        b_O=b_o if b_o is not None else torch.zeros(W_o.shape[1], dtype=W_o.dtype, device=W_o.device),
+        scale=float(module.scaling),
+        rope_dim=rope,
+        cos=cos,
+        sin=sin,
+        rope_layout=layout,
+        W_q_a=W_q_a,
+        b_q_a=b_q_a,
+        q_a_norm=q_a_norm,
+        b_kv_a=b_kv_a,
+    )
+
+
+def read_mla(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+    """What :func:`lens_aot.tl.read_bridge.read_bridge` reads off a Hugging Face source whose every block is MLA (the
+    same keys as its ``_read_hf``, plus ``"mla"``: each layer's :class:`MLASpec`)."""
+    config = getattr(model, "config", None)
+    n_ctx = int(bridge.cfg.n_ctx)
+    if not all(is_mla(block) for block in blocks):
+        raise refuse_piece(None, "attn", "multi-head latent attention in some layers only")
+    check_rope_type(config, n_ctx)
+    tables = _tables(bridge, model, n_ctx, dtype)
+    specs = [read_mla_layer(i, _component(b, "attn"), config, dtype, tables, n_ctx) for i, b in enumerate(blocks)]
+    return {
+        "attn": [(None, None)] * len(blocks),
+        "mla": specs,
+        "layer_rotary": [None] * len(blocks),
+        "logits_soft_cap": getattr(config, "final_logit_softcapping", None),
+        "positions": "rotary",
+        "causal": True,
+        "rotary": None,
+        "act_fn": None,
+    }

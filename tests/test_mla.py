@@ -1,0 +1,191 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA) and DeepSeek routers, against the sources' own forwards.
+
+Each MLA family is built tiny (lens_aot.matrix.families, the support matrix's builder), converted from a
+TransformerBridge in float32 and float64 and compared with the Hugging Face model's own forward, within the bound the
+conversion states. The pieces are also checked alone, tightly (float64: the component is exact to rounding), and a
+1e-3 change in the softmax scale, a latent norm's eps or the routed scaling factor is shown to fail those checks.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lens_aot
+from lens_aot.core.components.mla_attention import MLAAttention
+from lens_aot.core.components.mlp import MLP
+from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.spec_mla import MLASpec
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.matrix.families import Family, build_hf_model, copy_as
+from lens_aot.matrix.measure import _source, tokens_for
+from lens_aot.tl.bridge_components import _blocks, _component, _original, _source_model
+from lens_aot.tl.read_mla import read_mla
+from lens_aot.tl.read_moe import read_hf_moe
+
+MLA_FAMILIES = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM"]
+# Exercise the routers' group limits and the V3 selection bias (the matrix keeps one group).
+ROUTING = {
+    "DeepseekV2ForCausalLM": {"n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy"},
+    "DeepseekV3ForCausalLM": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
+    "Glm4MoeLiteForCausalLM": {"n_group": 2, "topk_group": 1},
+}
+
+
+def _eager_experts(model: nn.Module) -> nn.Module:
+    """The source with transformers' eager experts (its grouped_mm kernels refuse float64), via its public API."""
+    if hasattr(model, "set_experts_implementation"):
+        try:
+            model.set_experts_implementation("eager")
+        except ValueError:  # a model without experts
+            pass
+    return model
+
+
+@cache
+def _hf(arch: str) -> nn.Module:
+    model = _eager_experts(build_hf_model(Family(arch, fields=ROUTING.get(arch, {}))))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer the builder leaves at 0
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=gen))
+    return model
+
+
+def _bridge(arch: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    source = copy_as(_hf(arch), dtype)
+    return source, _source(copy_as(_hf(arch), dtype), Family(arch), "bridge", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("arch", MLA_FAMILIES)
+def test_mla_family_matches_source_forward(arch: str, dtype: torch.dtype) -> None:
+    source, bridge = _bridge(arch, dtype)
+    aot = lens_aot.convert(bridge)
+    tokens = tokens_for(seed=3)
+    with torch.no_grad():
+        error = (aot(tokens) - source(tokens).logits).abs().max().item()
+    bound = aot.report.logit_bound
+    assert bound is not None and error <= bound, (arch, dtype, error, bound)
+    heads = aot.blocks[0].attn
+    assert isinstance(heads, MLAAttention) and heads.n_heads == 4  # the source's heads stay attention heads
+    _, cache_ = aot.run_with_cache(tokens)
+    for hook in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
+        assert f"blocks.1.attn.{hook}" in cache_
+    assert cache_["blocks.1.attn.hook_pattern"].shape == (2, 4, tokens.shape[1], tokens.shape[1])
+    assert "blocks.1.attn.hook_kv_latent" in cache_
+
+
+def _attention_pair(arch: str, dtype: torch.dtype) -> tuple[MLASpec, nn.Module, nn.Module]:
+    """Layer 0's MLASpec, the source's attention module and rotary module."""
+    _, bridge = _bridge(arch, dtype)
+    model, blocks = _source_model(bridge), _blocks(bridge)
+    spec = read_mla(bridge, model, blocks, dtype)["mla"][0]
+    return spec, _original(_component(blocks[0], "attn")), model.model.rotary_emb
+
+
+def _source_attention(hf_attn: nn.Module, rotary: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    pos = x.shape[1]
+    mask = torch.full((pos, pos), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    with torch.no_grad():
+        return hf_attn(x, position_embeddings=rotary(x, torch.arange(pos)[None]), attention_mask=mask)[0]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch", MLA_FAMILIES)
+def test_mla_attention_is_exact_and_scale_or_eps_changes_fail(arch: str) -> None:
+    """float64: the component equals the source's attention to rounding (≤ 1e-12 relative); a 1e-3 relative change
+    of the softmax scale, or 1e-3 added to the key-value latent norm's eps, is ≥ 100x that."""
+    spec, hf_attn, rotary = _attention_pair(arch, torch.float64)
+    x = torch.randn(2, 10, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = _source_attention(hf_attn, rotary, x)
+    with torch.no_grad():
+        assert _relative(MLAAttention(spec, True)(x), want) <= 1e-12
+        scaled = MLASpec(**{**spec.__dict__, "scale": spec.scale * (1 + 1e-3)})
+        assert _relative(MLAAttention(scaled, True)(x), want) > 1e-10
+        norm = spec.kv_a_norm
+        eps = MLASpec(**{**spec.__dict__, "kv_a_norm": type(norm)(**{**norm.__dict__, "eps": norm.eps + 1e-3})})
+        assert _relative(MLAAttention(eps, True)(x), want) > 1e-10
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"])
+def test_deepseek_router_moe_is_exact_and_scaling_change_fails(arch: str) -> None:
+    """The MoE layer (group-limited router, shared experts) equals the source's in float64; a 1e-3 change of the
+    routed scaling factor does not."""
+    source = copy_as(_hf(arch), torch.float64)
+    layer = next(lay for lay in source.model.layers if hasattr(lay.mlp, "gate"))
+    spec = read_hf_moe(layer.mlp, 1)
+    assert spec.router is not None and spec.router.n_group == 2 and spec.router.topk_group == 1
+    x = torch.randn(3, 9, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = layer.mlp(x)
+        got = MoEMLP(spec, lambda m, e: MLP(m))(x)
+        assert _relative(got, want) <= 1e-12
+        spec.router.routed_scaling_factor *= 1 + 1e-3
+        assert _relative(MoEMLP(spec, lambda m, e: MLP(m))(x), want) > 1e-6
+
+
+def test_glm_moe_dsa_indexer_refused_by_layer_unless_it_keeps_every_key() -> None:
+    """GLM-MoE-DSA's sparse-attention indexer keeps index_topk keys per query: refused naming the layer while that is
+    fewer than n_ctx; with n_ctx ≤ index_topk it keeps every key (the causal mask) and the model converts."""
+    arch = "GlmMoeDsaForCausalLM"
+    source, bridge = _bridge(arch, torch.float32)
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: a sparse-attention indexer .*index_topk"):
+        lens_aot.convert(bridge)
+    bridge.cfg.n_ctx = int(source.config.index_topk)
+    aot = lens_aot.convert(bridge)
+    tokens = tokens_for(seed=3)
+    with torch.no_grad():
+        error = (aot(tokens) - source(tokens).logits).abs().max().item()
+    assert error <= aot.report.logit_bound
+
+
+def test_generate_and_reference_model_follow_the_source() -> None:
+    """Greedy generation through the converted model's key-value cache gives the source's tokens, and the reference
+    model rebuilt from ``aot.to_spec()`` (MLA kept as MLASpec) equals the source's logits; the save format refuses
+    MLA by name."""
+    from lens_aot.core.reference import MLPTransformer
+
+    source, bridge = _bridge("DeepseekV3ForCausalLM", torch.float64)
+    aot = lens_aot.convert(bridge)
+    tokens = tokens_for(seed=3)
+    with torch.no_grad():
+        want = source.generate(tokens[:1, :5], max_new_tokens=4, do_sample=False)
+        got = aot.generate(tokens[:1, :5], max_new_tokens=4, do_sample=False, verbose=False)
+        assert torch.equal(got, want)
+        spec = aot.to_spec()
+        assert isinstance(spec.layers[0].attn, MLASpec)
+        assert (MLPTransformer(spec)(tokens) - source(tokens).logits).abs().max().item() <= 1e-10
+    from lens_aot.io.schema import encode_spec
+
+    with pytest.raises(UnsupportedArchitectureError, match="layers.0.attn: multi-head latent attention"):
+        encode_spec(spec)  # what lens_aot.save writes: refused by name, not half-written
+
+
+def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:
+    """MLA has no per-head map from the residual stream: ``blocks[l].attn.W_Q`` (and W_K, W_V, b_Q, ...) raise naming
+    it (``aot.W_Q``: an AttributeError), and
+    per-head attention inputs (``use_split_qkv_input``) are refused in the forward."""
+    from lens_aot.core.components.mla_attention import MLAWeightError
+    from lens_aot.errors import InputError, LensAOTError
+
+    _, bridge = _bridge("YoutuForCausalLM", torch.float32)
+    aot = lens_aot.convert(bridge)
+    for name in ("W_Q", "W_K", "W_V", "b_Q"):
+        with pytest.raises(MLAWeightError, match=f"multi-head latent attention has no {name}"):
+            getattr(aot.blocks[0].attn, name)
+        with pytest.raises(AttributeError):  # the model's stacked weights: an AttributeError too
+            getattr(aot, name)
+    assert issubclass(MLAWeightError, LensAOTError)
+    assert aot.W_O.shape == (2, 4, 16, 64)  # the output map does read per head
+    aot.set_use_split_qkv_input(True)
+    with pytest.raises(InputError, match="per-head or separate query / key / value inputs"):
+        aot(tokens_for(seed=3))
