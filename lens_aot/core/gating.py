@@ -43,6 +43,8 @@ from lens_aot.core.spec import MLPSpec, NormSpec
 from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureError
 
 DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
+# The smallest product scale ε_n built (float32's normal range ends near 1.2e-38; u·ε/2 must stay far above it).
+MIN_PRODUCT_SCALE = 1e-24
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,14 @@ def gated_fit(
     denominator = (h_bound * u_bound.pow(3)).clamp_min(1e-300)
     scales = torch.sqrt(12.0 * budget / denominator).clamp(max=1.0)
     ranges: dict[str, object] = {}
+    if isinstance(norm, RangedInput) and float(scales.min()) < MIN_PRODUCT_SCALE:
+        raise UnsupportedArchitectureError(
+            f"layer {norm.layer} mlp: a gated MLP with no normalization before it reads residuals of norm up to "
+            f"{norm.radius:.3g} (certified from the weights), so its product heads would need a scale ε "
+            f"{float(scales.min()):.2g} below {MIN_PRODUCT_SCALE:g}, which float arithmetic cannot carry. Pass the "
+            f"residual norm you need as lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused "
+            f"at run time)."
+        )
     if isinstance(norm, RangedInput):
         ranges = dict(
             u_range=tuple(float(v) for v in u_bound.cpu()),
