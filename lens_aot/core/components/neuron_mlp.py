@@ -132,7 +132,7 @@ class NeuronMLP(nn.Module):
         """``post`` and the product heads' ``hook_z`` (None on the fused path)."""
         gate, product = self.gate_heads, self.product_heads
         pre = self.hook_pre(x @ gate.W_in + gate.b_in)
-        u = self.hook_pre_linear(x @ product.W_in + product.b_in)
+        u = self.hook_pre_linear(self._linear_branch(x, pre))
         if self._fused(gate):
             h = gate.activation(pre)
         else:
@@ -147,6 +147,10 @@ class NeuronMLP(nn.Module):
             post = product.product(u, h)
             return (post if product.b_post is None else post + product.b_post), z
         return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
+
+    def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
+        """``u = x·W_in + b_in``, the product heads' input (``pre``: the gate's pre-activation, already computed)."""
+        return x @ self.product_heads.W_in + self.product_heads.b_in
 
     def _fused(self, heads: NeuronAttention | ProductAttention) -> bool:
         return self.use_fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())

@@ -54,6 +54,11 @@ class SquaredReLUMLP(NeuronMLP):
     def b_gate(self) -> Float[Tensor, " d_mlp"] | None:
         return None
 
+    def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
+        """``u = z``: the gate's pre-activation (a copy, so a hook editing ``hook_pre_linear`` in place leaves the
+        gate's input alone), without a second projection."""
+        return pre.clone()
+
     def spec(self) -> MLPSpec:
         """The plain ``relu2`` MLP these heads implement."""
         return MLPSpec(*(exported(p) for p in (self.W_in, self.b_in, self.W_out, self.b_out)), self.act_fn)
