@@ -83,8 +83,9 @@ def test_squared_relu_is_a_plain_mlp_by_its_names(dtype: torch.dtype) -> None:
     # per neuron: |post − relu(z)²| ≤ the fit's bound (the gated bound with g = u = z), plus rounding
     slack = 64 * torch.finfo(dtype).eps * (1 + pre.abs().max()) ** 2
     assert float((post - torch.relu(pre) ** 2).abs().max()) <= aot.report.max_neuron_error + slack
-    zeroed = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 - 1)])
-    src = source.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 - 1)])
+    with torch.no_grad():
+        zeroed = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 - 1)])
+        src = source.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 - 1)])
     assert float((zeroed - src).abs().max()) <= TOLERANCES[("gated", dtype)]  # a patch of z reaches both factors
     with torch.no_grad():  # an edit of W_in moves both halves: the result is still relu(z)²
         mlp.W_in.mul_(1.5)
