@@ -17,7 +17,7 @@ import lens_aot
 from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.core.read import run_source
 from lens_aot.core.residual_bound import mlp_input_radii
-from lens_aot.errors import InputRangeError, UnsupportedActivationError
+from lens_aot.errors import InputRangeError, UnsupportedActivationError, UnsupportedArchitectureError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.build import bridge_from_hf_module
 
@@ -84,8 +84,8 @@ def test_squared_relu_is_a_plain_mlp_by_its_names(dtype: torch.dtype) -> None:
     slack = 64 * torch.finfo(dtype).eps * (1 + pre.abs().max()) ** 2
     assert float((post - torch.relu(pre) ** 2).abs().max()) <= aot.report.max_neuron_error + slack
     with torch.no_grad():
-        zeroed = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 - 1)])
-        src = source.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 - 1)])
+        zeroed = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 + 1)])
+        src = source.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 + 1)])
     assert float((zeroed - src).abs().max()) <= TOLERANCES[("gated", dtype)]  # a patch of z reaches both factors
     with torch.no_grad():  # an edit of W_in moves both halves: the result is still relu(z)²
         mlp.W_in.mul_(1.5)
@@ -149,3 +149,38 @@ def test_guard_survives_save_and_load(tmp_path: Any) -> None:
 def test_xielu_is_refused_with_its_reason() -> None:
     with pytest.raises(UnsupportedActivationError, match=r"'xielu' \(xIELU, Apertus.*certified shifted-logistic fit"):
         lens_aot.convert(bridge("ApertusForCausalLM"))
+
+
+def test_a_squared_relu_gate_is_refused() -> None:
+    from factories_spec import random_spec
+
+    with pytest.raises(UnsupportedActivationError, match=r"'relu2' as the gate of a gated MLP.*Supported gates"):
+        lens_aot.convert(random_spec(act_fn="relu2", gated=True))
+
+
+def test_plain_squared_relu_spec_matches_its_reference() -> None:
+    from factories_spec import random_spec
+
+    from lens_aot.core.reference import independent_logits
+
+    spec = random_spec(act_fn="relu2", gated=False, dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (
+            float((aot(tokens) - independent_logits(spec, tokens)).abs().max()) <= TOLERANCES[("gated", torch.float64)]
+        )
+
+
+def test_a_radius_too_large_for_float_arithmetic_is_refused() -> None:
+    from factories_spec import random_spec
+
+    from lens_aot.errors import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: .*below 1e-24.*max_residual_norm"):
+        lens_aot.convert(random_spec(norm=None), max_residual_norm=1e25)
+
+
+def test_bitnet_is_refused_naming_layer_and_piece() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn"):
+        lens_aot.convert(bridge("BitNetForCausalLM"))
