@@ -60,3 +60,22 @@ def test_post_norm_gated_config_is_bounded_by_its_residual_radius(dtype: torch.d
     with pytest.raises(InputRangeError, match=r"layer 0 mlp"):
         aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: x * 1e4)])
     assert not any(h.fwd_hooks for h in aot.hook_dict.values())
+
+
+def test_every_transformer_lens_act_fn_is_carried_or_refused_by_name() -> None:
+    """Each key of TransformerLens 3.9's SUPPORTED_ACTIVATIONS converts or raises an error that names it."""
+    from transformer_lens.utilities.activation_functions import SUPPORTED_ACTIVATIONS
+
+    from lens_aot.core.activations import canonical_activation
+
+    carried, refused = set(), set()
+    for name in SUPPORTED_ACTIVATIONS:
+        try:
+            canonical_activation(name)
+        except UnsupportedActivationError as error:
+            assert f"'{name}'" in str(error)
+            refused.add(name)
+        else:
+            carried.add(name)
+    assert {"relu2", "silu", "relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"} <= carried
+    assert refused == {"solu", "solu_ln", "xielu"}
