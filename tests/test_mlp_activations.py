@@ -194,3 +194,23 @@ def test_a_radius_too_large_for_float_arithmetic_is_refused() -> None:
 def test_bitnet_is_refused_naming_layer_and_piece() -> None:
     with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn"):
         lens_aot.convert(bridge("BitNetForCausalLM"))
+
+
+def test_attention_output_bound_is_the_exact_spectral_sum() -> None:
+    """``Σ_h ‖W_V^h W_O^h‖₂`` computed through a QR of W_V (grouped-query heads share their value head), and an
+    attention output never exceeds it."""
+    from lens_aot.core.residual_bound import attention_output_bound
+    from lens_aot.core.spec import AttentionSpec
+
+    g = torch.Generator().manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    W_V, W_O = torch.randn(2, 32, 8, generator=g, **f64), torch.randn(4, 8, 32, generator=g, **f64)
+    zeros = [torch.zeros(4, 32, 8, **f64), torch.zeros(2, 32, 8, **f64)]
+    attn = AttentionSpec(zeros[0], zeros[1], W_V, W_O, torch.zeros(4, 8, **f64), torch.zeros(2, 8, **f64),
+                         torch.zeros(2, 8, **f64), torch.zeros(32, **f64), 1.0)  # fmt: skip
+    exact = float(torch.linalg.matrix_norm(W_V[torch.arange(4) // 2] @ W_O, ord=2).sum())
+    assert attention_output_bound(attn, 2.0) == pytest.approx(2 * exact, rel=1e-12)
+    x = torch.randn(100, 32, generator=g, **f64)
+    x = 2.0 * x / x.norm(dim=-1, keepdim=True)  # ‖x‖ = 2; one-hot patterns: each head copies one value
+    out = torch.einsum("pd,hde,hem->pm", x, W_V[torch.arange(4) // 2], W_O)
+    assert float(out.norm(dim=-1).max()) <= attention_output_bound(attn, 2.0)

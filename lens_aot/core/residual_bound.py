@@ -52,7 +52,8 @@ def attention_output_bound(attn: AttentionSpec, radius: float) -> float:
     n_heads, n_kv = attn.W_Q.shape[0], attn.W_V.shape[0]
     kv = torch.arange(n_heads) // (n_heads // n_kv)
     W_V, b_V, W_O = _f64(attn.W_V)[kv], _f64(attn.b_V)[kv], _f64(attn.W_O)
-    OV = torch.linalg.matrix_norm(W_V @ W_O, ord=2)
+    # ‖W_V W_O‖₂ = ‖R W_O‖₂ with W_V = Q R (Q's columns orthonormal): d_head × d_model matrices, not d_model²
+    OV = torch.linalg.matrix_norm(torch.linalg.qr(W_V).R @ W_O, ord=2)
     bias = torch.einsum("hd,hdm->hm", b_V, W_O).norm(dim=-1)
     return float((OV * radius + bias).sum()) + float(_f64(attn.b_O).norm())
 
