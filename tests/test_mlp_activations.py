@@ -214,3 +214,10 @@ def test_attention_output_bound_is_the_exact_spectral_sum() -> None:
     x = 2.0 * x / x.norm(dim=-1, keepdim=True)  # ‖x‖ = 2; one-hot patterns: each head copies one value
     out = torch.einsum("pd,hde,hem->pm", x, W_V[torch.arange(4) // 2], W_O)
     assert float(out.norm(dim=-1).max()) <= attention_output_bound(attn, 2.0)
+
+
+def test_a_gelu_gate_beyond_its_fits_on_a_large_radius_names_the_option() -> None:
+    from factories_spec import random_spec
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: a gated gelu MLP without a norm.*Pass"):
+        lens_aot.convert(random_spec(norm=None, act_fn="gelu"), max_residual_norm=1e6)

@@ -149,6 +149,13 @@ def gated_fit(
         try:
             gate = activation_fit(act, max_neuron_error=target, heads_per_neuron=heads_per_neuron)
         except ValueError as err:
+            if isinstance(norm, RangedInput):
+                raise UnsupportedArchitectureError(
+                    f"layer {norm.layer} mlp: a gated {act} MLP without a normalization layer before it reads "
+                    f"residuals of norm up to {norm.radius:.3g} (certified from the weights, or max_residual_norm), so "
+                    f"|u| ≤ {u_max:.3g} and its gate's fit error δ must be ≤ {target:.2g}: {err} Pass a smaller "
+                    f"lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused at run time)."
+                ) from None
             raise ValueError(
                 f"gated {act}: the gate's fit error δ is multiplied by |u| ≤ {u_max:.3g} (this layer's linear-branch "
                 f"bound), so max_neuron_error={tol:g} needs δ ≤ {target:.2g}: {err}"
@@ -166,8 +173,8 @@ def gated_fit(
     ranges: dict[str, object] = {}
     if isinstance(norm, RangedInput) and float(scales.min()) < MIN_PRODUCT_SCALE:
         raise UnsupportedArchitectureError(
-            f"layer {norm.layer} mlp: a gated MLP with no normalization before it reads residuals of norm up to "
-            f"{norm.radius:.3g} (certified from the weights), so its product heads would need a scale ε "
+            f"layer {norm.layer} mlp: a gated MLP without a normalization layer before it reads residuals of norm "
+            f"up to {norm.radius:.3g} (certified from the weights), so its product heads would need a scale ε "
             f"{float(scales.min()):.2g} below {MIN_PRODUCT_SCALE:g}, which float arithmetic cannot carry. Pass the "
             f"residual norm you need as lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused "
             f"at run time)."
