@@ -42,3 +42,8 @@ class HookNameError(LensAOTError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else ""
+
+
+class InputRangeError(InputError):
+    """A converted gated MLP with no normalization before it was given an input outside the range its stated error
+    bound holds on (``convert``'s ``max_residual_norm``): raised instead of returning an output beyond that bound."""

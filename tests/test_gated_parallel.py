@@ -297,10 +297,17 @@ def test_gradients_match_the_reference() -> None:
     torch.testing.assert_close(got, ref.blocks[0].mlp.W_in.grad, rtol=1e-3, atol=1e-6)
 
 
-def test_gated_mlp_without_a_norm_is_refused() -> None:
-    spec = random_spec(norm=None)
-    with pytest.raises(UnsupportedArchitectureError, match="without a normalization layer"):
-        lens_aot.convert(spec)
+def test_gated_mlp_without_a_norm_converts_on_its_certified_range() -> None:
+    """No norm anywhere: the residual radius certified from the weights bounds the MLP inputs (docs/variants.md)."""
+    spec = random_spec(norm=None, dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    tokens = _tokens(spec, batch=2)
+    with torch.no_grad():
+        assert (
+            float((aot(tokens) - independent_logits(spec, tokens)).abs().max()) <= TOLERANCES[("gated", torch.float64)]
+        )
+    fit = aot.cfg.activation_fits[0]
+    assert fit.u_range is not None and fit.radius is not None and math.isfinite(fit.radius)
 
 
 def test_too_tight_a_bound_for_a_gelu_gate_names_the_fix() -> None:

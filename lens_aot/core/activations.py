@@ -9,6 +9,9 @@ such terms, one head each:
 * ReLU is one term ``(1, 0, a, 0)`` with a large sharpness ``a``: ``|z·σ(a·z) − relu(z)| ≤ 0.2785/a`` for all z.
 * GELU (erf), gelu_new and gelu_fast are minimax fits with K terms (``fits_table.json``, made by
   ``scripts/fit_activations.py``); the table stores each fit's measured sup-norm error over ℝ.
+* Squared ReLU (``relu2``: Nemotron, Arcee, Jais 2) is ``relu(z)·z``: a gated neuron whose gate and linear branch are
+  the same projection, built from a ReLU gate head and two product heads (:func:`lens_aot.core.gating.gated_fit`), not
+  from a sum of logistics alone (:data:`PRODUCT_ACTIVATIONS`).
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ from torch import Tensor
 
 from lens_aot.errors import UnsupportedActivationError
 
-SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_fast")
+SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_fast", "relu2")
+# Activations that are a product of the neuron's pre-activation with a gate of it: relu2(z) = relu(z)·z.
+PRODUCT_ACTIVATIONS = {"relu2": "relu"}
 FITTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast")
 DEFAULT_MAX_NEURON_ERROR = {"relu": 1e-6, "gelu": 1e-4, "gelu_new": 1e-4, "gelu_fast": 1e-4}
 # max over u > 0 of u·σ(−u), attained at u ≈ 1.27846: the ReLU error of z·σ(a·z) is at most this / a.
 RELU_ERROR_CONSTANT = 0.2784645427610738
 
-_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_new", "gelu_python": "gelu"}
+_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_new", "gelu_python": "gelu", "relu_2": "relu2",
+            "relu_squared": "relu2"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,13 @@ def canonical_activation(act_fn: str | None) -> str:
             f"neuron is not a function of its own pre-activation and has no neuron-head construction. "
             f"Supported activations: {', '.join(SUPPORTED_ACTIVATIONS)}."
         )
+    if name == "xielu":
+        raise UnsupportedActivationError(
+            f"activation {act_fn!r} (xIELU, Apertus: β·z + α_p·z² for z > 0, α_n·(expm1(min(z, eps)) − z) + β·z "
+            f"otherwise, with learned α_p, α_n, β) has no neuron-head construction: its negative branch needs a "
+            f"certified shifted-logistic fit that lens_aot does not have yet. Supported activations: "
+            f"{', '.join(SUPPORTED_ACTIVATIONS)}."
+        )
     raise UnsupportedActivationError(
         f"activation {act_fn!r} has no neuron-head construction. Supported activations: "
         f"{', '.join(SUPPORTED_ACTIVATIONS)} (SiLU exact, ReLU by a sharp logistic, GELU variants by a multi-head "
@@ -83,6 +96,8 @@ def reference_activation(act_fn: str, z: Float[Tensor, "*shape"]) -> Float[Tenso
         return F.silu(z)
     if name == "relu":
         return F.relu(z)
+    if name == "relu2":
+        return torch.square(F.relu(z))
     if name == "gelu":
         return F.gelu(z)
     if name == "gelu_new":
@@ -113,6 +128,11 @@ def activation_fit(
             fit). Overrides ``max_neuron_error``.
     """
     name = canonical_activation(act_fn)
+    if name in PRODUCT_ACTIVATIONS:
+        raise ValueError(
+            f"{name} is a product of the pre-activation with a {PRODUCT_ACTIVATIONS[name]} gate of it: its neurons "
+            f"are built by lens_aot.core.gating.gated_fit (gate heads and product heads), not by a sum of logistics."
+        )
     if name == "silu":
         if heads_per_neuron not in (None, 1):
             raise ValueError(f"SiLU is exact with one head per neuron; got heads_per_neuron={heads_per_neuron}.")

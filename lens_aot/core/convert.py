@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 import torch
 
-from lens_aot.core.activations import ActivationFit, activation_fit
+from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit
 from lens_aot.core.components.ownership import adopting
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
-from lens_aot.core.gating import GatedFit, gated_fit
+from lens_aot.core.gating import GatedFit, RangedInput, gated_fit
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
@@ -104,21 +104,34 @@ class ConversionReport:
 
 
 def _fits(
-    spec: ModelSpec, max_neuron_error: float | None, heads_per_neuron: int | None
+    spec: ModelSpec,
+    max_neuron_error: float | None,
+    heads_per_neuron: int | None,
+    max_residual_norm: float | None = None,
 ) -> dict[int, ActivationFit | GatedFit | MoEFit]:
     """How each MLP layer's neurons become heads: an activation fit (plain MLPs, Theorem 3), a gated construction
-    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.core.gating`), or per expert one of
-    those (mixtures of experts, :mod:`lens_aot.core.moe`)."""
+    (gate fit plus product scales chosen from the layer's weights, :mod:`lens_aot.core.gating`; squared ReLU too), or
+    per expert one of those (mixtures of experts, :mod:`lens_aot.core.moe`). A product layer with no norm before it
+    reads a :class:`RangedInput` of radius ``max_residual_norm`` (default: the certified
+    :func:`~lens_aot.core.residual_bound.mlp_input_radii`)."""
+    from lens_aot.core.residual_bound import mlp_input_radii, reads_unnormalized
+
     fits: dict[int, ActivationFit | GatedFit | MoEFit] = {}
+    radii: dict[int, float] | None = None
     for i, layer in enumerate(spec.layers):
         if layer.mlp is None:
             continue
+        products = layer.mlp.gated or layer.mlp.act_fn in PRODUCT_ACTIVATIONS
+        norm = layer.ln2 if layer.ln2 is not None else RangedInput(None)
+        if products and reads_unnormalized(layer):
+            if max_residual_norm is None and radii is None:
+                radii = mlp_input_radii(spec)
+            radius = max_residual_norm if max_residual_norm is not None else (radii or {})[i]
+            norm = RangedInput(None, radius=radius, layer=i)
         if isinstance(layer.mlp, MoESpec):
-            assert layer.ln2 is not None
-            fits[i] = moe_fit(layer.mlp, layer.ln2, max_neuron_error, heads_per_neuron)
-        elif layer.mlp.gated:
-            assert layer.ln2 is not None
-            fits[i] = gated_fit(layer.mlp, layer.ln2, max_neuron_error, heads_per_neuron)
+            fits[i] = moe_fit(layer.mlp, norm, max_neuron_error, heads_per_neuron)
+        elif products:
+            fits[i] = gated_fit(layer.mlp, norm, max_neuron_error, heads_per_neuron)
         else:
             fits[i] = activation_fit(layer.mlp.act_fn, max_neuron_error, heads_per_neuron)
     return fits
@@ -134,8 +147,16 @@ def _neuron_heads(mlp: MLPSpec | MoESpec | None, fit: ActivationFit | GatedFit |
     return int(mlp.W_in.shape[1]) * fit.n_terms
 
 
-def _check_options(max_neuron_error: Any, heads_per_neuron: Any) -> None:
+def _check_options(max_neuron_error: Any, heads_per_neuron: Any, max_residual_norm: Any = None) -> None:
     """Refuse option values that would silently give a wrong or meaningless model."""
+    if max_residual_norm is not None:
+        ok = isinstance(max_residual_norm, (int, float)) and not isinstance(max_residual_norm, bool)
+        if not ok or not math.isfinite(max_residual_norm) or max_residual_norm <= 0:
+            raise ValueError(
+                f"max_residual_norm must be a positive finite number (the largest ‖x‖ of a residual read by an MLP "
+                f"with no norm before it, e.g. 1e3); got {max_residual_norm!r}. Leave it unset for the bound "
+                f"certified from the weights."
+            )
     if max_neuron_error is not None:
         ok = isinstance(max_neuron_error, (int, float)) and not isinstance(max_neuron_error, bool)
         if not ok or not math.isfinite(max_neuron_error) or max_neuron_error <= 0:
@@ -308,6 +329,7 @@ def convert(
     omega: float = 1e6,
     check: bool | Literal["warn"] = True,
     check_tokens: torch.Tensor | None = None,
+    max_residual_norm: float | None = None,
 ) -> Any:
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
 
@@ -336,15 +358,23 @@ def convert(
             a source with hooks attached or active dropout (not carried over). ``"warn"``: warn instead of raising
             (for experts). False: skip the check (nothing measured, nothing refused).
         check_tokens: tokens for that check (default: 2 random sequences of up to 64 tokens, fixed seed).
+        max_residual_norm: gated (and squared-ReLU) MLPs with no normalization before them (post-norm blocks:
+            OLMo-2/3, FlexOLMo, EXAONE 4): the largest norm ``‖x‖₂`` of a residual such an MLP reads. Their bound
+            holds for inputs in that range, and their product heads raise
+            :class:`~lens_aot.errors.InputRangeError` on any input outside it. Default: the bound certified from the
+            weights (:func:`lens_aot.core.residual_bound.mlp_input_radii`: every token's residual is within it). A
+            smaller value gives a tighter construction for the range you use; a larger one widens what is accepted
+            (e.g. for interventions that write large vectors into the residual).
 
     Returns:
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
-    _check_options(max_neuron_error, heads_per_neuron)
+    _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
     half = half_dtype(model)
     if half is not None:
         options = dict(max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron, masks=masks, omega=omega)
+        options["max_residual_norm"] = max_residual_norm
         return _convert_half(model, half, check, check_tokens, **options)
     model_spec = model if isinstance(model, ModelSpec) else None
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
@@ -360,7 +390,7 @@ def convert(
         aot = to_standard_mask_model(spec, omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
     elif masks == "explicit":
-        fits = _fits(spec, max_neuron_error, heads_per_neuron)
+        fits = _fits(spec, max_neuron_error, heads_per_neuron, max_residual_norm)
         # The spec read from a source holds fresh tensors: the model takes them over rather than copying them (one
         # copy of the weights during conversion). A spec passed in by the caller is copied.
         with adopting(_tensors(model)) if spec is not model_spec else nullcontext():

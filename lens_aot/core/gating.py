@@ -16,6 +16,17 @@ with ``δ`` the gate fit's error (0 for SiLU). After LayerNorm or RMSNorm the no
 ``sqrt(d_model)``, so ``|u| ≤ U_n`` and ``|g| ≤ G_n`` with per-neuron constants read off the weights
 (:func:`normalized_input_bound`). :func:`gated_fit` picks the gate fit and a per-neuron ``ε_n`` so the bound is at most
 ``max_neuron_error`` over *all* inputs: half the budget for the fit (none for SiLU), the rest for the product.
+
+Squared ReLU (``relu2(z) = relu(z)·z``) is the gated neuron whose gate and linear branch are one projection
+(``W_gate = W_in``) with a ReLU gate: the same construction and bound with ``g = u``.
+
+**No normalization before the MLP** (OLMo-2/3, FlexOLMo, EXAONE 4: post-norm blocks). The input is then the raw
+residual, whose norm no normalization bounds. :class:`RangedInput` stands for the missing norm with a certified
+radius ``‖x‖ ≤ R`` of the MLP's input (:func:`lens_aot.core.residual_bound.mlp_input_radii`, or the caller's
+``max_residual_norm``), so ``|u_n| ≤ R·‖W_in[:, n]‖ + |b_in[n]| = U_n`` and likewise ``G_n``, and the bound above holds
+for every input in that range. The fit then records ``U_n`` and ``H_n = G_n + δ`` (:attr:`GatedFit.u_range`,
+:attr:`GatedFit.h_range`): the product heads check at run time that ``|u_n| ≤ U_n`` and ``|h_n| ≤ H_n`` and raise
+:class:`~lens_aot.errors.InputRangeError` otherwise, so no output beyond the stated bound is returned silently.
 """
 
 from __future__ import annotations
@@ -27,11 +38,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.activations import ActivationFit, activation_fit, canonical_activation
+from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit, canonical_activation
 from lens_aot.core.spec import MLPSpec, NormSpec
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureError
 
 DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
+# The smallest product scale ε_n built (float32's normal range ends near 1.2e-38; u·ε/2 must stay far above it).
+MIN_PRODUCT_SCALE = 1e-24
 
 
 @dataclass(frozen=True)
@@ -46,10 +59,27 @@ class GatedFit:
     gate: ActivationFit
     scales: tuple[float, ...]
     max_error: float
+    # Without a norm before the MLP (RangedInput): the certified input range per neuron, |u_n| ≤ u_range[n] and
+    # |h_n| ≤ h_range[n], which the product heads check at run time; the source layer and the residual radius R
+    # it came from (for the error message). None: the bound holds for every input (a norm bounds it).
+    u_range: tuple[float, ...] | None = None
+    h_range: tuple[float, ...] | None = None
+    layer: int | None = None
+    radius: float | None = None
 
     @property
     def n_terms(self) -> int:
         return self.gate.n_terms + 2
+
+
+@dataclass
+class RangedInput(NormSpec):
+    """No normalization before the MLP (``kind`` None), but an input of norm at most ``radius`` (``‖x‖₂`` of each
+    position's residual as the MLP reads it): certified from the weights, or the caller's ``max_residual_norm``.
+    ``layer`` is the source layer, for messages."""
+
+    radius: float = math.inf
+    layer: int | None = None
 
 
 def normalized_input_bound(
@@ -61,6 +91,10 @@ def normalized_input_bound(
     the bound is ``sqrt(d_model)·‖w ⊙ W[:, n]‖ + |b_norm·W[:, n] + b[n]|`` (for LayerNorm ``x̂ ⊥ 1``, so the mean of
     ``w ⊙ W[:, n]`` is removed first).
     """
+    if isinstance(norm, RangedInput) and math.isfinite(norm.radius):
+        W64 = W.detach().to(torch.float64)
+        bias = W64.new_zeros(W64.shape[1]) if b is None else b.detach().to(torch.float64).abs()
+        return norm.radius * W64.norm(dim=0) + bias
     if norm.kind is None:
         raise UnsupportedArchitectureError(
             "a gated MLP without a normalization layer before it has unbounded inputs, so its product heads have no "
@@ -90,6 +124,16 @@ def gated_fit(
         max_neuron_error: bound on ``|post − post_source|`` per neuron, over all inputs (default 1e-4).
         heads_per_neuron: GELU gates: use exactly this many gate heads per neuron.
     """
+    source_act = canonical_activation(mlp.act_fn)
+    if source_act in PRODUCT_ACTIVATIONS:
+        if mlp.gated:
+            raise UnsupportedActivationError(
+                f"activation {mlp.act_fn!r} as the gate of a gated MLP (act(g)·u = relu(g)²·u) has no neuron-head "
+                f"construction: the product heads multiply two factors, and this gate is itself a product. "
+                f"Supported gates: silu, relu, gelu, gelu_new, gelu_fast."
+            )
+        # relu2(z) = relu(z)·z: a gated neuron whose gate and linear branch are the same projection
+        mlp = MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, PRODUCT_ACTIVATIONS[source_act], mlp.W_in, mlp.b_in)
     assert mlp.W_gate is not None
     tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
     if not tol > 0:
@@ -105,6 +149,13 @@ def gated_fit(
         try:
             gate = activation_fit(act, max_neuron_error=target, heads_per_neuron=heads_per_neuron)
         except ValueError as err:
+            if isinstance(norm, RangedInput):
+                raise UnsupportedArchitectureError(
+                    f"layer {norm.layer} mlp: a gated {act} MLP without a normalization layer before it reads "
+                    f"residuals of norm up to {norm.radius:.3g} (certified from the weights, or max_residual_norm), so "
+                    f"|u| ≤ {u_max:.3g} and its gate's fit error δ must be ≤ {target:.2g}: {err} Pass a smaller "
+                    f"lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused at run time)."
+                ) from None
             raise ValueError(
                 f"gated {act}: the gate's fit error δ is multiplied by |u| ≤ {u_max:.3g} (this layer's linear-branch "
                 f"bound), so max_neuron_error={tol:g} needs δ ≤ {target:.2g}: {err}"
@@ -119,4 +170,31 @@ def gated_fit(
     h_bound = g_bound + delta
     denominator = (h_bound * u_bound.pow(3)).clamp_min(1e-300)
     scales = torch.sqrt(12.0 * budget / denominator).clamp(max=1.0)
-    return GatedFit(act, gate, tuple(float(s) for s in scales), tol)
+    ranges: dict[str, object] = {}
+    if isinstance(norm, RangedInput) and float(scales.min()) < MIN_PRODUCT_SCALE:
+        raise UnsupportedArchitectureError(
+            f"layer {norm.layer} mlp: a gated MLP without a normalization layer before it reads residuals of norm "
+            f"up to {norm.radius:.3g} (certified from the weights), so its product heads would need a scale ε "
+            f"{float(scales.min()):.2g} below {MIN_PRODUCT_SCALE:g}, which float arithmetic cannot carry. Pass the "
+            f"residual norm you need as lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused "
+            f"at run time)."
+        )
+    if isinstance(norm, RangedInput):
+        ranges = dict(
+            u_range=tuple(float(v) for v in u_bound.cpu()),
+            h_range=tuple(float(v) for v in h_bound.cpu()),
+            layer=norm.layer,
+            radius=float(norm.radius),
+        )
+    return GatedFit(source_act, gate, tuple(float(s) for s in scales), tol, **ranges)  # type: ignore[arg-type]
+
+
+def input_ranges(fit: GatedFit, like: Tensor) -> tuple[tuple[Tensor, Tensor] | None, str]:
+    """``(U_n, H_n)`` of a fit with a certified input range (as tensors like ``like``; None without one) and a
+    description of the range for :class:`~lens_aot.errors.InputRangeError`."""
+    if fit.u_range is None or fit.h_range is None:
+        return None, ""
+    ranges = tuple(torch.tensor(r, dtype=like.dtype, device=like.device) for r in (fit.u_range, fit.h_range))
+    layer = "" if fit.layer is None else f"layer {fit.layer} "
+    where = f"{layer}mlp (residual norm ≤ {fit.radius:.4g})"
+    return (ranges[0], ranges[1]), where

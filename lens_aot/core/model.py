@@ -28,8 +28,8 @@ from transformer_lens import ActivationCache, HookedRootModule
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
+from lens_aot.core.components.squared_relu_mlp import neuron_mlp
 from lens_aot.core.components.transformer import SpecTransformer
 from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
@@ -37,7 +37,7 @@ from lens_aot.core.generate import generate
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import Expert, HeadKind, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.placement import Placement
-from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
@@ -45,14 +45,6 @@ from lens_aot.tl.hooked_model import hooked_class
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
-
-
-def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
-    """A source MLP as neuron heads: a :class:`NeuronMLP`, or for a mixture of experts an :class:`MoEMLP` of them
-    (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
-    if isinstance(mlp, MoESpec):
-        return MoEMLP(mlp, lambda expert, e: NeuronMLP(expert, fit.shared if e is None else fit.experts[e]))
-    return NeuronMLP(mlp, fit)
 
 
 class HeadRef(NamedTuple):

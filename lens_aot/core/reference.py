@@ -120,6 +120,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             return x / (1 + torch.exp(-x))
         if name == "relu":
             return torch.clamp(x, min=0)
+        if name == "relu2":
+            return torch.clamp(x, min=0) ** 2
         if name == "gelu":
             return 0.5 * x * (1 + torch.erf(x / 2**0.5))
         if name in ("gelu_new", "gelu_pytorch_tanh"):

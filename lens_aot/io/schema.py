@@ -222,6 +222,9 @@ def _fit_entry(fit: Any, layer: int) -> dict[str, Any]:
     if isinstance(fit, GatedFit):
         entry = {"kind": "gated", "act_fn": fit.act_fn, "gate": _sigmoid_sum(fit.gate)}
         entry.update(scales=[float(s) for s in fit.scales], max_error=float(fit.max_error))
+        if fit.u_range is not None and fit.h_range is not None:  # no norm before the MLP: its checked range
+            entry.update(u_range=list(fit.u_range), h_range=list(fit.h_range), layer_index=fit.layer)
+            entry.update(radius=fit.radius)
     elif isinstance(fit, ActivationFit):
         entry = {"kind": "sigmoid_sum", **_sigmoid_sum(fit)}
     else:
@@ -442,12 +445,18 @@ class Decoder:
         raise LoadError(f"{self.where}: {path} is an expert fit of kind {kind!r}; the file is corrupt or newer.")
 
     def _gated(self, obj: dict[str, Any], path: str) -> GatedFit:
-        f = self.fields(obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"))
+        ranged = ("u_range", "h_range", "layer_index", "radius")
+        f = self.fields(obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"), ranged)
+        u_range, h_range = (None if f.get(k) is None else tuple(float(v) for v in f[k]) for k in ranged[:2])
         return GatedFit(
             act_fn=str(f["act_fn"]),
             gate=self._sigmoid_sum(f["gate"], f"{path}.gate"),
             scales=tuple(float(s) for s in f["scales"]),
             max_error=float(f["max_error"]),
+            u_range=u_range,
+            h_range=h_range,
+            layer=None if f.get("layer_index") is None else int(f["layer_index"]),
+            radius=None if f.get("radius") is None else float(f["radius"]),
         )
 
     def flags(self, obj: Any, path: str = "flags") -> dict[str, bool]:

@@ -182,6 +182,8 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
         if len(module.normalized_shape) != 1:
             raise _refuse(f"a LayerNorm over shape {tuple(module.normalized_shape)}")
         w = None if module.weight is None else _copy(module.weight)
+        if w is not None and name == "NemotronLayerNorm1P":  # F.layer_norm(x, shape, weight + 1, bias, eps)
+            w = _copy(module.weight + 1.0)
         b = None if module.bias is None else _copy(module.bias)
         return NormSpec("LN" if w is not None else "LNPre", float(module.eps), w, b)
     # TransformerLens-native norms (sources/native/model.py) compute their statistics in float32 whatever the

@@ -25,7 +25,8 @@ CARRIED: dict[str, str] = {
     "attn_only": "LayerSpec.mlp None",
     "gated_mlp": "MLPSpec.W_gate",
     "parallel_attn_mlp": "LayerSpec.parallel",
-    "act_fn": "MLPSpec.act_fn (activations that normalise across neurons, e.g. solu, refused by name)",
+    "act_fn": "MLPSpec.act_fn (relu2 as gate + product heads; xielu and activations that normalise across neurons, "
+    "e.g. solu, refused by name)",
     "normalization_type": "NormSpec.kind, read off each norm module",
     "final_rms": "ln_final's kind, read off the module",
     "eps": "NormSpec.eps",

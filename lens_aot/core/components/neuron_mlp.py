@@ -28,7 +28,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.product_attention import ProductAttention
-from lens_aot.core.gating import GatedFit
+from lens_aot.core.gating import GatedFit, input_ranges
 from lens_aot.core.names import NEURON_MODULES
 from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked
@@ -52,7 +52,7 @@ class NeuronMLP(nn.Module):
             self.gate_heads = NeuronAttention(gate, fit.gate, scratch=(0, self.d_mlp))
             self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
             scales = torch.tensor(fit.scales, dtype=mlp.W_in.dtype, device=mlp.W_in.device)
-            self.product_heads = ProductAttention(mlp, scales, self.d_mlp)
+            self.product_heads = ProductAttention(mlp, scales, self.d_mlp, *input_ranges(fit, mlp.W_in))
         else:
             self.heads = NeuronAttention(mlp, fit)
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
@@ -132,13 +132,14 @@ class NeuronMLP(nn.Module):
         """``post`` and the product heads' ``hook_z`` (None on the fused path)."""
         gate, product = self.gate_heads, self.product_heads
         pre = self.hook_pre(x @ gate.W_in + gate.b_in)
-        u = self.hook_pre_linear(x @ product.W_in + product.b_in)
+        u = self.hook_pre_linear(self._linear_branch(x, pre))
         if self._fused(gate):
             h = gate.activation(pre)
         else:
             z_gate = gate.attend(pre)
             h = gate.neuron_output(z_gate) + self._result_change(gate, z_gate)
         h = product.hook_gate(h)
+        product.check_range(u, h)
         z, standard = (None, True) if self._fused(product) else product.attend(u, h)
         if standard:
             # fused, or nothing written on the way (z is the standard z, its change 0): the closed form, without
@@ -146,6 +147,10 @@ class NeuronMLP(nn.Module):
             post = product.product(u, h)
             return (post if product.b_post is None else post + product.b_post), z
         return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
+
+    def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
+        """``u = x·W_in + b_in``, the product heads' input (``pre``: the gate's pre-activation, already computed)."""
+        return x @ self.product_heads.W_in + self.product_heads.b_in
 
     def _fused(self, heads: NeuronAttention | ProductAttention) -> bool:
         return self.use_fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())

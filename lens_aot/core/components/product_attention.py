@@ -17,6 +17,10 @@ TransformerLens-layout weights (``W_Q``, ``W_V``, ``W_O``, …) are over the inp
 (its ``hook_pre_linear``, TransformerLens's GatedMLP name), and each neuron's ``post`` from the heads' ``hook_z``
 (:meth:`ProductAttention.neuron_output`, without cancellation).
 
+Without a norm before the MLP (:class:`~lens_aot.core.gating.RangedInput`) the bound holds on a certified range of
+inputs only: :meth:`ProductAttention.check_range` raises :class:`~lens_aot.errors.InputRangeError` when ``|u_n|`` or
+``|h_n|`` leaves it (``u_range`` / ``h_range``), so no output beyond the stated bound is returned silently.
+
 Hooks: ``hook_gate`` [batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/``hook_k``/``hook_v``/``hook_z``
 [batch, pos, head, 1], ``hook_attn_scores``/``hook_pattern`` [batch, head, query, key], ``hook_result``
 [batch, pos, head, d_model].
@@ -35,6 +39,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MLPSpec
+from lens_aot.errors import InputRangeError
 
 
 class ProductAttention(SelfAndSlotHeads):
@@ -42,11 +47,26 @@ class ProductAttention(SelfAndSlotHeads):
 
     heads_per_neuron = 2
 
-    def __init__(self, mlp: MLPSpec, scales: Float[Tensor, " d_mlp"], d_scratch: int) -> None:
+    def __init__(
+        self,
+        mlp: MLPSpec,
+        scales: Float[Tensor, " d_mlp"],
+        d_scratch: int,
+        ranges: tuple[Tensor, Tensor] | None = None,
+        where: str = "",
+    ) -> None:
         """The product heads of gated ``mlp`` (its ``W_in``, ``b_in``, ``W_out``, ``b_out``, ``b_post``; the gate
         heads hold ``W_gate``), with per-neuron scales ``ε_n`` (:func:`~lens_aot.core.gating.gated_fit`), reading a
-        scratch of width ``d_scratch`` beside the normalized residual."""
+        scratch of width ``d_scratch`` beside the normalized residual. ``ranges``: ``(U_n, H_n)``, the certified
+        input range checked on every forward (no norm before the MLP); ``where`` describes it for the error."""
         super().__init__()
+        self.where = where
+        if ranges is None:
+            self.u_range: Tensor | None = None
+            self.h_range: Tensor | None = None
+        else:
+            self.register_buffer("u_range", ranges[0].detach().clone().to(mlp.W_in.dtype))
+            self.register_buffer("h_range", ranges[1].detach().clone().to(mlp.W_in.dtype))
         self.W_in = parameter(mlp.W_in)
         self.b_in = parameter(mlp.b_in)
         self.W_out = parameter(mlp.W_out)
@@ -161,6 +181,26 @@ class ProductAttention(SelfAndSlotHeads):
     ) -> Float[Tensor, "... pos d_mlp"]:
         """The pair's output in closed form, ``(2/ε)·h·tanh(ε·u/2) ≈ u·h``."""
         return h * torch.tanh(u * (self.scales / 2)) * (2 / self.scales)
+
+    def check_range(self, u: Float[Tensor, "... pos d_mlp"], h: Float[Tensor, "... pos d_mlp"]) -> None:
+        """Raise :class:`~lens_aot.errors.InputRangeError` if some ``|u_n| > U_n`` or ``|h_n| > H_n`` (the range the
+        stated bound holds on); nothing to check when a norm bounds the input (no ranges)."""
+        if self.u_range is None or self.h_range is None:
+            return
+        u_out = u.detach().abs() > self.u_range
+        h_out = h.detach().abs() > self.h_range
+        if not bool(u_out.any() | h_out.any()):
+            return
+        neurons = (u_out | h_out).reshape(-1, self.d_mlp).any(0)
+        first = int(neurons.nonzero()[0, 0])
+        ratio = float(torch.maximum(u.detach().abs() / self.u_range, h.detach().abs() / self.h_range).max())
+        raise InputRangeError(
+            f"{self.where or 'gated mlp'}: {int(neurons.sum())} of {self.d_mlp} neurons (first: neuron {first}) got an "
+            f"input outside the range the conversion's error bound holds on (|u_n| ≤ U_n, |gate_n| ≤ H_n; "
+            f"exceeded up to {ratio:.3g}×): this MLP has no normalization before it, so its bound is certified "
+            f"only for residuals read within the norm convert() used. Convert with a larger "
+            f"max_residual_norm (lens_aot.convert(model, max_residual_norm=...)) to widen the range."
+        )
 
     # ---- forward ----
     def attend(

@@ -1,0 +1,75 @@
+"""A squared-ReLU MLP (``post = relu(z)²``, Nemotron, Arcee, Jais 2) as gate and product heads.
+
+``relu(z)² = relu(z)·z``: a gated neuron whose gate and linear branch are the same pre-activation
+``z = LN(x)·W_in + b_in`` (:mod:`lens_aot.core.gating`, beyond the paper). Its gate heads (one sharp-logistic ReLU
+head per neuron, Theorem 3) write ``h ≈ relu(z)`` to the MLP's scratch and its two product heads per neuron turn
+``h`` and ``z`` into ``post ≈ h·z``, with the gated bound ``|z|·δ + (|z| + δ)·ε²|z|³/12`` per neuron.
+
+The module is the source's plain MLP by its names: ``W_in``, ``b_in``, ``W_out``, ``b_out`` (one copy, read by
+both the gate heads and the product heads; no ``W_gate``), ``hook_pre`` (``z``) and ``hook_post`` (``relu(z)²``);
+``hook_pre_linear`` is the product heads' copy of ``z``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from lens_aot.core.activations import PRODUCT_ACTIVATIONS
+from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.neuron_mlp import NeuronMLP
+from lens_aot.core.components.ownership import exported
+from lens_aot.core.gating import GatedFit
+from lens_aot.core.spec import MLPSpec, MoESpec
+
+
+class SquaredReLUMLP(NeuronMLP):
+    """A plain ``relu2`` MLP computed by one ReLU gate head and two product heads per neuron."""
+
+    def __init__(self, mlp: MLPSpec, fit: GatedFit) -> None:
+        if mlp.gated or mlp.act_fn not in PRODUCT_ACTIVATIONS or not isinstance(fit, GatedFit):
+            raise ValueError("SquaredReLUMLP builds a plain relu2 MLP from a GatedFit (lens_aot.core.gating)")
+        as_gated = MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn, W_gate=mlp.W_in, b_gate=mlp.b_in)
+        super().__init__(as_gated, fit)
+
+    def _source_names(self) -> dict[str, tuple[str, str]]:
+        """``W_in`` / ``b_in`` are the gate heads' (the product heads read the same parameters)."""
+        return {"W_in": ("gate_heads", "W_in"), "b_in": ("gate_heads", "b_in"),
+                "W_out": ("product_heads", "W_out"), "b_out": ("product_heads", "b_out")}  # fmt: skip
+
+    def _point_heads(self) -> None:
+        for name in ("W_in", "b_in"):
+            self.product_heads._parameters.pop(name, None)  # the product heads' own copy: replaced by the shared one
+            object.__setattr__(self.product_heads, name, self._parameters[name])
+        super()._point_heads()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "W_gate":  # the source MLP is plain: no gate (as TransformerLens's ``W_gate`` stack reads it)
+            return None
+        return super().__getattr__(name)
+
+    @property
+    def b_gate(self) -> Float[Tensor, " d_mlp"] | None:
+        return None
+
+    def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
+        """``u = z``: the gate's pre-activation (a copy, so a hook editing ``hook_pre_linear`` in place leaves the
+        gate's input alone), without a second projection."""
+        return pre.clone()
+
+    def spec(self) -> MLPSpec:
+        """The plain ``relu2`` MLP these heads implement."""
+        return MLPSpec(*(exported(p) for p in (self.W_in, self.b_in, self.W_out, self.b_out)), self.act_fn)
+
+
+def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
+    """A source MLP as neuron heads: a :class:`NeuronMLP`, a :class:`SquaredReLUMLP` (a plain MLP with a
+    :class:`GatedFit`: squared ReLU), or for a mixture of experts an :class:`MoEMLP` of them (``fit`` a
+    :class:`~lens_aot.core.moe.MoEFit`)."""
+    if isinstance(mlp, MoESpec):
+        return MoEMLP(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
+    if not mlp.gated and isinstance(fit, GatedFit):
+        return SquaredReLUMLP(mlp, fit)
+    return NeuronMLP(mlp, fit)

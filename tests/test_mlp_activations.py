@@ -1,0 +1,223 @@
+"""Squared ReLU and gated MLPs with no norm before them (issue 22, item 3): every neuron-wise activation.
+
+Built exactly as the support matrix builds them (tiny, random weights, offline) and checked against the bridge's own
+forward in float32 and float64: relu² (Arcee, Jais 2) as a ReLU gate head and two product heads per neuron; post-norm
+gated MLPs (OLMo-2, EXAONE 4, FlexOLMo) with a certified residual radius and a run-time range guard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import TL_MAJOR, TOLERANCES
+
+import lens_aot
+from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
+from lens_aot.core.read import run_source
+from lens_aot.core.residual_bound import mlp_input_radii
+from lens_aot.errors import InputRangeError, UnsupportedActivationError, UnsupportedArchitectureError
+from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
+from lens_aot.tl.build import bridge_from_hf_module
+
+_MODELS: dict[str, Any] = {}
+
+
+def bridge(architecture: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The matrix's tiny ``architecture`` as a TransformerBridge in ``dtype`` (the float32 model built once)."""
+    if architecture not in _MODELS:
+        _MODELS[architecture] = build_hf_model(Family(architecture))
+    model = copy_as(_MODELS[architecture], dtype)
+    return bridge_from_hf_module(
+        model, architecture, hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=dtype, model_name=architecture
+    ).eval()
+
+
+def _tokens(aot: Any, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, aot.cfg.d_vocab, (2, 20), generator=torch.Generator().manual_seed(seed))
+
+
+def _error(aot: Any, source: Any) -> float:
+    tokens = _tokens(aot)
+    with torch.no_grad():
+        return float((aot(tokens) - run_source(source, tokens)).abs().max())
+
+
+# TransformerLens 3.9's bridge maps post norms to ln1 / ln2 and is refused by the probe (tests/test_bridge_families.py);
+# TL 3.9's post-norm HookedTransformer configs are tested in tests/test_hooked_mlp_activations.py.
+POST_NORM = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 3.9's bridge reads post norms as pre-norms")
+POST_NORM_CASES = [
+    ("Olmo2ForCausalLM", torch.float32),
+    ("Olmo2ForCausalLM", torch.float64),
+    ("Exaone4ForCausalLM", torch.float64),
+    ("FlexOlmoForCausalLM", torch.float32),  # its float64 source forward fails inside transformers (grouped mm)
+]
+CASES = [
+    ("ArceeForCausalLM", torch.float32),
+    ("ArceeForCausalLM", torch.float64),
+    ("Jais2ForCausalLM", torch.float64),
+    ("NemotronForCausalLM", torch.float32),  # LayerNorm1P: F.layer_norm with weight + 1
+    *(POST_NORM_CASES if TL_MAJOR >= 4 else []),
+]
+
+
+@pytest.mark.parametrize(("architecture", "dtype"), CASES, ids=[f"{a}-{str(d)[-7:]}" for a, d in CASES])
+def test_family_converts_within_the_gated_bound(architecture: str, dtype: torch.dtype, one_thread: None) -> None:
+    source = bridge(architecture, dtype)
+    aot = lens_aot.convert(source)
+    assert aot.report.gated and aot.cfg.dtype == dtype
+    err = _error(aot, source)
+    assert err <= TOLERANCES[("gated", dtype)], f"{architecture}/{dtype}: max |Δlogit| {err:.3g}"
+    assert err <= aot.report.logit_bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_squared_relu_is_a_plain_mlp_by_its_names(dtype: torch.dtype) -> None:
+    """One copy of W_in (gate and product heads read it), no W_gate; hook_pre and hook_post are the source's."""
+    source = bridge("ArceeForCausalLM", dtype)
+    aot = lens_aot.convert(source)
+    mlp = aot.blocks[0].mlp
+    assert isinstance(mlp, SquaredReLUMLP) and mlp.act_fn == "relu2"
+    assert mlp.W_gate is None and mlp.b_gate is None
+    assert mlp.product_heads.W_in is mlp.W_in and mlp.gate_heads.W_in is mlp.W_in
+    assert {k.split(".")[-1] for k in mlp.state_dict() if k.count(".") == 0} == {"W_in", "b_in", "W_out", "b_out"}
+    assert mlp.spec().act_fn == "relu2" and not mlp.spec().gated
+    tokens = _tokens(aot)
+    _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.mlp.hook_"))
+    pre, post = cache["blocks.0.mlp.hook_pre"], cache["blocks.0.mlp.hook_post"]
+    # per neuron: |post − relu(z)²| ≤ the fit's bound (the gated bound with g = u = z), plus rounding
+    slack = 64 * torch.finfo(dtype).eps * (1 + pre.abs().max()) ** 2
+    assert float((post - torch.relu(pre) ** 2).abs().max()) <= aot.report.max_neuron_error + slack
+    with torch.no_grad():
+        zeroed = aot.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 + 1)])
+        src = source.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_pre", lambda z, hook: z * 0 + 1)])
+    assert float((zeroed - src).abs().max()) <= TOLERANCES[("gated", dtype)]  # a patch of z reaches both factors
+    with torch.no_grad():  # an edit of W_in moves both halves: the result is still relu(z)²
+        mlp.W_in.mul_(1.5)
+        _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.mlp.hook_"))
+    pre, post = cache["blocks.0.mlp.hook_pre"], cache["blocks.0.mlp.hook_post"]
+    assert float((post - torch.relu(pre) ** 2).abs().max()) <= 10 * aot.report.max_neuron_error + slack
+
+
+@POST_NORM
+def test_post_norm_radius_is_certified_and_recorded() -> None:
+    """The certified radius bounds every residual an MLP reads; the fit records the ranges the guard checks."""
+    source = bridge("Olmo2ForCausalLM", torch.float64)
+    aot = lens_aot.convert(source)
+    radii = mlp_input_radii(aot.to_spec())
+    tokens = torch.randint(0, aot.cfg.d_vocab, (8, 24), generator=torch.Generator().manual_seed(0))
+    _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_resid_pre"))
+    for layer, radius in radii.items():
+        assert float(cache[f"blocks.{layer}.hook_resid_pre"].norm(dim=-1).max()) < radius < float("inf")
+        fit = aot.cfg.activation_fits[layer]
+        assert fit.layer == layer and fit.radius == pytest.approx(radius)
+        assert fit.u_range is not None and len(fit.u_range) == aot.cfg.d_mlp
+
+
+@POST_NORM
+def test_guard_fires_names_the_fix_and_hooks_are_removed() -> None:
+    source = bridge("Olmo2ForCausalLM", torch.float32)
+    aot = lens_aot.convert(source)
+    tokens = _tokens(aot)
+
+    def blow_up(x: torch.Tensor, hook: Any) -> torch.Tensor:
+        return x * 1e4
+
+    with pytest.raises(InputRangeError, match=r"layer 1 mlp .*neurons.*max_residual_norm") as info:
+        aot.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_resid_mid", blow_up)])
+    assert "of 64 neurons" in str(info.value) or "neurons (first" in str(info.value)
+    assert not any(h.fwd_hooks for h in aot.hook_dict.values()), "hooks left attached after the error"
+    with torch.no_grad():  # and the model still works
+        assert float((aot(tokens) - run_source(source, tokens)).abs().max()) <= TOLERANCES[("gated", torch.float32)]
+
+
+@POST_NORM
+def test_a_narrow_range_is_refused_by_the_guard_at_convert_time() -> None:
+    """max_residual_norm below the residuals the check reads: the converted forward refuses them (never silently
+    beyond the bound); a wider one than certified is accepted and stated."""
+    source = bridge("Olmo2ForCausalLM", torch.float32)
+    with pytest.raises(InputRangeError, match=r"layer 0 mlp \(residual norm ≤ 0\.1\)"):
+        lens_aot.convert(source, max_residual_norm=0.1)
+    aot = lens_aot.convert(source, max_residual_norm=1e3)
+    assert aot.cfg.activation_fits[0].radius == 1e3
+    with pytest.raises(ValueError, match="max_residual_norm must be a positive finite number"):
+        lens_aot.convert(source, max_residual_norm=-1.0)
+
+
+@POST_NORM
+def test_guard_survives_save_and_load(tmp_path: Any) -> None:
+    source = bridge("Olmo2ForCausalLM", torch.float32)
+    aot = lens_aot.convert(source)
+    path = lens_aot.save(aot, tmp_path / "olmo2")
+    loaded = lens_aot.load(path)
+    assert loaded.cfg.activation_fits[1].u_range == aot.cfg.activation_fits[1].u_range
+    with pytest.raises(InputRangeError, match="layer 1 mlp"):
+        loaded.run_with_hooks(_tokens(aot), fwd_hooks=[("blocks.1.hook_resid_mid", lambda x, hook: x * 1e4)])
+
+
+def test_xielu_is_refused_with_its_reason() -> None:
+    with pytest.raises(UnsupportedActivationError, match=r"'xielu' \(xIELU, Apertus.*certified shifted-logistic fit"):
+        lens_aot.convert(bridge("ApertusForCausalLM"))
+
+
+def test_a_squared_relu_gate_is_refused() -> None:
+    from factories_spec import random_spec
+
+    with pytest.raises(UnsupportedActivationError, match=r"'relu2' as the gate of a gated MLP.*Supported gates"):
+        lens_aot.convert(random_spec(act_fn="relu2", gated=True))
+
+
+def test_plain_squared_relu_spec_matches_its_reference() -> None:
+    from factories_spec import random_spec
+
+    from lens_aot.core.reference import independent_logits
+
+    spec = random_spec(act_fn="relu2", gated=False, dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (
+            float((aot(tokens) - independent_logits(spec, tokens)).abs().max()) <= TOLERANCES[("gated", torch.float64)]
+        )
+
+
+def test_a_radius_too_large_for_float_arithmetic_is_refused() -> None:
+    from factories_spec import random_spec
+
+    from lens_aot.errors import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: .*below 1e-24.*max_residual_norm"):
+        lens_aot.convert(random_spec(norm=None), max_residual_norm=1e25)
+
+
+def test_bitnet_is_refused_naming_layer_and_piece() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn"):
+        lens_aot.convert(bridge("BitNetForCausalLM"))
+
+
+def test_attention_output_bound_is_the_exact_spectral_sum() -> None:
+    """``Σ_h ‖W_V^h W_O^h‖₂`` computed through a QR of W_V (grouped-query heads share their value head), and an
+    attention output never exceeds it."""
+    from lens_aot.core.residual_bound import attention_output_bound
+    from lens_aot.core.spec import AttentionSpec
+
+    g = torch.Generator().manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    W_V, W_O = torch.randn(2, 32, 8, generator=g, **f64), torch.randn(4, 8, 32, generator=g, **f64)
+    zeros = [torch.zeros(4, 32, 8, **f64), torch.zeros(2, 32, 8, **f64)]
+    attn = AttentionSpec(zeros[0], zeros[1], W_V, W_O, torch.zeros(4, 8, **f64), torch.zeros(2, 8, **f64),
+                         torch.zeros(2, 8, **f64), torch.zeros(32, **f64), 1.0)  # fmt: skip
+    exact = float(torch.linalg.matrix_norm(W_V[torch.arange(4) // 2] @ W_O, ord=2).sum())
+    assert attention_output_bound(attn, 2.0) == pytest.approx(2 * exact, rel=1e-12)
+    x = torch.randn(100, 32, generator=g, **f64)
+    x = 2.0 * x / x.norm(dim=-1, keepdim=True)  # ‖x‖ = 2; one-hot patterns: each head copies one value
+    out = torch.einsum("pd,hde,hem->pm", x, W_V[torch.arange(4) // 2], W_O)
+    assert float(out.norm(dim=-1).max()) <= attention_output_bound(attn, 2.0)
+
+
+def test_a_gelu_gate_beyond_its_fits_on_a_large_radius_names_the_option() -> None:
+    from factories_spec import random_spec
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: a gated gelu MLP without a norm.*Pass"):
+        lens_aot.convert(random_spec(norm=None, act_fn="gelu"), max_residual_norm=1e6)
