@@ -14,6 +14,7 @@ import torch
 from lens_aot.core.activations import ActivationFit, activation_fit
 from lens_aot.core.components.ownership import adopting
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
+from lens_aot.core.float32_steps import rounding_dtype
 from lens_aot.core.gating import GatedFit, gated_fit
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
@@ -223,7 +224,13 @@ def _check_agreement(
         got = aot(tokens)
         moe = {i: layer.mlp for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, MoESpec)}
         bound, sensitivity, rounding = conversion_bound(
-            model, tokens.to(spec.device), expected, fits, len(spec.layers), moe=moe
+            model,
+            tokens.to(spec.device),
+            expected,
+            fits,
+            len(spec.layers),
+            moe=moe,
+            rounding_dtype=rounding_dtype(spec),
         )
     max_err = float((got - expected).abs().max()) if got.numel() else 0.0
     argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())

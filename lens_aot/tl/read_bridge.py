@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.components.norm import Norm
 from lens_aot.core.spec import LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.bridge_attention import (
@@ -208,7 +208,7 @@ def _verify(
         for piece, norm in norms:
             call = calls.get((layer, piece))
             if norm is not None and call is not None:
-                check_piece(layer, piece, Norm(norm)(call.input), call, f"the {norm.kind} reading")
+                check_piece(layer, piece, make_norm(norm)(call.input), call, f"the {norm.kind} reading")
         call = calls.get((layer, "attn"))
         if call is not None:
             got = Attention(spec.attn, causal=causal, rotary=rotary).to(call.input.device)(call.input)
@@ -343,6 +343,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             reading = info["readings"][layer]
             attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
             attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
+            attn.scores_dtype = reading.scores_dtype
             attn.rotary = info["layer_rotary"][layer]
         mlp_bridge = _component(block, "mlp")
         ln1 = _norm(_component(block, "ln1"), dtype)
@@ -447,7 +448,7 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
                 raise refuse_piece(layer - 1, "block", "an output that is not the next block's input")
         final = calls[(n_layers - 1, "block")].output
         ln_final = calls.get((-1, "ln_final"))
-        normed = Norm(spec.ln_final).to(final.device)(final)
+        normed = make_norm(spec.ln_final).to(final.device)(final)
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
         out = normed @ spec.W_U + spec.b_U
