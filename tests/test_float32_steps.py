@@ -20,6 +20,7 @@ of gemma and gptj in test_bridge_convert.py; glm4 and ernie4_5 are tested here i
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -197,3 +198,19 @@ def test_save_load_keeps_the_float32_steps(family: str, tmp_path: Path) -> None:
     tokens = _tokens(aot.cfg.d_vocab, seed=2)
     with torch.no_grad():
         assert torch.equal(loaded(tokens), aot(tokens))
+
+
+def test_the_report_and_the_matrix_say_the_bound_is_float32s(one_thread: None) -> None:
+    """The report names R's dtype; the support matrix marks such a float64 bound (and reads the mark back)."""
+    from lens_aot.matrix.document import parse_table, render_table
+    from lens_aot.matrix.measure import FLOAT32_NOTE, Row
+
+    aot = lens_aot.convert(_bridge("gptj", torch.float64))
+    assert aot.report.rounding_dtype == "float32" and aot.report.dtype == "float64"
+    assert re.search(r"R \S+ of float32: the source computes some steps in float32\)", str(aot.report))
+    row = Row("GPTJForCausalLM", "decoder", "faithful", "", {"fp32": 1.1e-3, "fp64": 1.1e-3}, {"fp32": 8.9e-5})
+    row.error["fp64"], row.time_ratio, row.bound_note = 8.9e-5, 0.95, {"fp64": FLOAT32_NOTE}
+    table = render_table([row])
+    assert "| 1.1e-03 | 1.1e-03 (float32 steps) |" in table
+    parsed = parse_table(f"<!-- support-matrix:bridge:begin -->\n{table}\n<!-- support-matrix:bridge:end -->", "bridge")
+    assert parsed == [row]
