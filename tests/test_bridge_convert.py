@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOLERANCES
+from conftest import TL_MAJOR, TOLERANCES
 from factories_bridge import CONVERTIBLE, GATED_PARALLEL, make_bridge
 
 import lens_aot
@@ -38,6 +38,8 @@ GATED_PARALLEL_CASES = [
     for family in GATED_PARALLEL
     for dtype in (torch.float32, torch.float64)
     for compat in (False, True)
+    # TransformerLens 3.9's compatibility mode leaves a float64 GPT-J with float32 parameters (mixed dtypes, refused)
+    if not (TL_MAJOR < 4 and family == "gptj" and dtype == torch.float64 and compat)
 ]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TL_MAJOR
 from factories_bridge import GATED_PARALLEL, make_bridge
 from torch import Tensor
 
@@ -47,6 +48,8 @@ CASES = [
     for family in GATED_PARALLEL
     for dtype in (torch.float32, torch.float64)
     for compat in (False, True)
+    # TransformerLens 3.9's compatibility mode leaves a float64 GPT-J with float32 parameters (mixed dtypes, refused)
+    if not (TL_MAJOR < 4 and family == "gptj" and dtype == torch.float64 and compat)
 ]
 
 

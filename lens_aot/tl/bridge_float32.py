@@ -53,7 +53,12 @@ def carry_float32_step(module: nn.Module, spec: NormSpec, dtype: torch.dtype | N
     generator = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(2, 7, width, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
     with torch.no_grad():
-        want = module(x)
+        try:
+            want = module(x)
+        except Exception:  # a module that needs more than a hidden state: keep the reading; the piece check decides
+            return spec
+        if not isinstance(want, Tensor) or want.shape != x.shape:
+            return spec
         best, best_err = spec, float("inf")
         for form in _forms(spec):
             err = float((make_norm(form).to(device)(x) - want).abs().max())
