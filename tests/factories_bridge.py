@@ -326,8 +326,8 @@ _LLAMA3_ROPE = {
 }
 _YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
 
-# Families read by structure alone (issue 22): name -> builder. Each converts in float32; STRUCTURAL_FP64_REFUSED
-# lists those whose float64 forward computes a piece in float32 (refused in float64, with the fix named).
+# Families read by structure alone (issue 22): name -> builder. Each converts in float32 and float64 (those whose
+# float64 forward computes a piece in float32 carry that step: tests/test_float32_steps.py).
 STRUCTURAL: dict[str, Callable[[], Source]] = {
     "qwen2": _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
     "qwen2-yarn": _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, rope_parameters=_YARN_ROPE),
@@ -396,13 +396,6 @@ STRUCTURAL: dict[str, Callable[[], Source]] = {
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
     ),
-}
-STRUCTURAL_FP64_REFUSED = {
-    "gemma2": r"Gemma's RMSNorm in float64",
-    "gemma3": r"Gemma's RMSNorm in float64",
-    "olmo": r"OLMo's LayerNorm in float64",
-    "glm": r"layer 0 attn: adjacent-pair rotary computed in float32",
-    "gpt_neo": r"layer 0 attn: GPT-Neo in torch.float64",
 }
 
 

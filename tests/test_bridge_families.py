@@ -2,31 +2,25 @@
 
 Each family in ``factories_bridge.STRUCTURAL`` has no reader of its own: it converts because its pieces (norms,
 attention bridge, rotary module, MLP bridge, block layout) are all supported. Checked against the bridge's own forward
-in float32 and float64 (the float64 forms that compute a piece in float32 are refused, naming the layer, the piece and
-the fix). Unsupported pieces are refused naming the layer and the piece, never the family.
+in float32 and float64 (the float64 forms that compute a piece in float32 carry that step as the source computes it:
+tests/test_float32_steps.py). Unsupported pieces are refused naming the layer and the piece, never the family.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
 from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import FAMILIES, STRUCTURAL, STRUCTURAL_FP64_REFUSED, _hf, make_bridge
+from factories_bridge import FAMILIES, STRUCTURAL, _hf, make_bridge
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.read_bridge import read_bridge
 
-CASES = [
-    (family, dtype)
-    for family in STRUCTURAL
-    for dtype in (torch.float32, torch.float64)
-    if dtype == torch.float32 or family not in STRUCTURAL_FP64_REFUSED
-]
+CASES = [(family, dtype) for family in STRUCTURAL for dtype in (torch.float32, torch.float64)]
 
 
 def _error(aot: Any, bridge: Any, seed: int = 5) -> float:
@@ -43,18 +37,6 @@ def test_structural_family_converts(family: str, dtype: torch.dtype, one_thread:
     err = _error(aot, bridge)
     assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
     assert aot.cfg.dtype == dtype
-
-
-@pytest.mark.parametrize("family", sorted(STRUCTURAL_FP64_REFUSED))
-def test_structural_float64_refusals_name_the_fix(family: str) -> None:
-    bridge = make_bridge(family, torch.float64)
-    with pytest.raises(UnsupportedArchitectureError, match=STRUCTURAL_FP64_REFUSED[family] + r".*float32"):
-        lens_aot.convert(bridge)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        bridge.to(torch.float32)
-    aot = lens_aot.convert(bridge)  # the fix the message names works
-    assert aot.cfg.dtype == torch.float32
 
 
 def test_no_adapter_name_is_consulted() -> None:

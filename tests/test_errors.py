@@ -87,8 +87,6 @@ ARCHITECTURE_REFUSALS = {
     "bert": (torch.float32, (r"layer 0 attn: attention computed by BertAttention\.forward", r"does not read")),
     "neox-rope-dynamic": (torch.float32, (r"rope scaling of type 'dynamic'", r"Use n_ctx ≤ 16")),
     "native-softcap": (torch.float32, (r"attention-score soft-capping", r"Soft-capping \(tanh\) is not supported")),
-    "gemma": (torch.float64, (r"Gemma's RMSNorm in float64", r"bridge\.to\(torch\.float32\).*compatibility_mode")),
-    "gptj": (torch.float64, (r"GPT-J in torch\.float64", r"Read GPT-J in float32")),
 }
 
 

@@ -77,6 +77,7 @@ def verify_command(args: argparse.Namespace) -> int:
     max |Δlogit| exceeds the bound."""
     import lens_aot
     from lens_aot.core.faithfulness import conversion_bound
+    from lens_aot.core.float32_steps import rounding_dtype
     from lens_aot.core.read import read_model, run_source
     from lens_aot.io import read_config
 
@@ -112,7 +113,12 @@ def verify_command(args: argparse.Namespace) -> int:
             expected = run_source(model, tokens)
             got = aot(tokens)
             stated_bound, sensitivity, rounding = conversion_bound(
-                model.eval(), tokens, expected, aot.cfg.activation_fits, len(spec.layers)
+                model.eval(),
+                tokens,
+                expected,
+                aot.cfg.activation_fits,
+                len(spec.layers),
+                rounding_dtype=rounding_dtype(spec),
             )
             diff = (got - expected).abs()
             err, mean = float(diff.max()), float(diff.mean())

@@ -14,6 +14,7 @@ import torch
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit
 from lens_aot.core.components.ownership import adopting
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
+from lens_aot.core.float32_steps import rounding_dtype
 from lens_aot.core.gating import GatedFit, RangedInput, gated_fit
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
@@ -52,6 +53,7 @@ class ConversionReport:
     neuron_sensitivity: float | None = None  # S: the source's max |Δlogit| under ±ε per neuron
     rounding: float | None = None  # R: the rounding floor of the source's dtype at its logits' scale
     neuron_rounding: float = 0.0  # per-neuron rounding of the fit's evaluation in this dtype, per unit (1 + |z|)
+    rounding_dtype: str | None = None  # whose epsilon R uses: "float32" for float64 sources with float32 steps
 
     def __str__(self) -> str:
         if self.activation is None:
@@ -95,9 +97,15 @@ class ConversionReport:
             ok = self.max_abs_logit_error is not None and self.max_abs_logit_error <= self.logit_bound
             lines.append(
                 f"  bound           max |Δlogit| ≤ {self.logit_bound:.2e} ({'within' if ok else 'EXCEEDED'}; "
-                f"max(stated, 8·S + 4·R), S {self.neuron_sensitivity:.1e}, R {self.rounding:.1e})"
+                f"max(stated, 8·S + 4·R), S {self.neuron_sensitivity:.1e}, R {self.rounding:.1e}{self._float32_note()})"
             )
         return "\n".join(lines)
+
+    def _float32_note(self) -> str:
+        """Says when R is a narrower dtype's floor than the model's (a source that computes some steps in float32)."""
+        if self.rounding_dtype in (None, self.dtype):
+            return ""
+        return f" of {self.rounding_dtype}: the source computes some steps in {self.rounding_dtype}"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -244,7 +252,13 @@ def _check_agreement(
         got = aot(tokens)
         moe = {i: layer.mlp for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, MoESpec)}
         bound, sensitivity, rounding = conversion_bound(
-            model, tokens.to(spec.device), expected, fits, len(spec.layers), moe=moe
+            model,
+            tokens.to(spec.device),
+            expected,
+            fits,
+            len(spec.layers),
+            moe=moe,
+            rounding_dtype=rounding_dtype(spec),
         )
     max_err = float((got - expected).abs().max()) if got.numel() else 0.0
     argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
@@ -433,6 +447,7 @@ def convert(
         neuron_sensitivity=sensitivity,
         rounding=rounding,
         neuron_rounding=_neuron_rounding(fits, spec.dtype),
+        rounding_dtype=None if rounding is None else str(rounding_dtype(spec)).removeprefix("torch."),
     )
     if max_err is not None and bound is not None and not max_err <= bound:
         message = (

@@ -15,7 +15,9 @@ network, and floating-point rounding. The bound stated for a conversion is there
 * ``R``: rounding: the test suite measures it (the float32 source against its float64 copy); ``convert`` uses the
   floor derived from the dtype, :func:`rounding_floor` = ``ROUNDING_ULPS · n_layers · eps(dtype) · (1 + max |logit|)``
   (over 368 random models of the property tests, 1-3 layers, the SiLU / attention-only errors, where ``S = 0``,
-  stayed below 0.24 of ``4·R``).
+  stayed below 0.24 of ``4·R``). A float64 source that computes some steps in float32 (HF norms, Gemma's
+  RMSNorm, GPT-J's scores, adjacent-pair rotary) gets float32's floor: each such step may round the converted and the
+  source's slightly different inputs to neighbouring float32 values (:mod:`lens_aot.core.float32_steps`).
 
 Both terms are properties of the source, never of the converted model, so a wrong conversion cannot raise its own
 bound. ``convert`` raises :class:`~lens_aot.errors.FaithfulnessError` when its measured error exceeds the bound.
@@ -117,11 +119,14 @@ def conversion_bound(
     fits: dict[int, Any],
     n_layers: int,
     moe: dict[int, Any] | None = None,
+    rounding_dtype: torch.dtype | None = None,
 ) -> tuple[float, float, float]:
     """The bound stated for a conversion on ``tokens``: ``(bound, S, R)`` for the source (its logits ``expected``)
     and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit`` / ``MoEFit``, their ``max_error`` = ε_l;
     ``moe``: the :class:`~lens_aot.core.spec.MoESpec` of each mixture-of-experts layer, whose neurons are perturbed
-    as :func:`lens_aot.core.moe.sensitivity_hooks` says). Used by ``convert``'s check and ``lens-aot verify`` alike."""
+    as :func:`lens_aot.core.moe.sensitivity_hooks` says; ``rounding_dtype``: the narrowest dtype the source computes
+    in, :func:`lens_aot.core.float32_steps.rounding_dtype`, whose epsilon ``R`` uses: float32 for a float64 source
+    with float32 steps). Used by ``convert``'s check and ``lens-aot verify`` alike."""
     from lens_aot.core.gating import GatedFit
     from lens_aot.core.moe import sensitivity_hooks
 
@@ -136,5 +141,5 @@ def conversion_bound(
         if hasattr(fit, "output_scale") and eps[layer] > 0
     }
     sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom)
-    rounding = rounding_floor(expected.dtype, expected, n_layers)
+    rounding = rounding_floor(rounding_dtype or expected.dtype, expected, n_layers)
     return logit_bound(stated, sensitivity, rounding), sensitivity, rounding

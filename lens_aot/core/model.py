@@ -508,12 +508,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         first = next((a for a in attns if not a.own_rotary), attns[0] if attns else None)
         rotary = None
         if first is not None and first.rotary_dim:
-            rotary = RotarySpec(
-                first.rotary_dim,
-                exported(first.rotary_cos),
-                exported(first.rotary_sin),
-                first.rotary_adjacent_pairs,
-            )
+            cos, sin = exported(first.rotary_cos), exported(first.rotary_sin)
+            rotary = RotarySpec(first.rotary_dim, cos, sin, first.rotary_adjacent_pairs, *first.rotary_float32_step)
         extra: dict[str, Any] = {}
         if self.cfg.tokenizer_prepends_bos is not None:
             extra["tokenizer_prepends_bos"] = self.cfg.tokenizer_prepends_bos

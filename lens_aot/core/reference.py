@@ -108,12 +108,13 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         if n.kind in ("LN", "LNPre"):
             h = h - h.mean(-1, keepdim=True)
         h = h / torch.sqrt((h * h).mean(-1, keepdim=True) + n.eps)
-        h = h.to(dtype)
+        if not n.scale_in_compute_dtype:  # Gemma's RMSNorm scales in float32, then casts back
+            h = h.to(dtype)
         if n.kind in ("LN", "RMS") and n.w is not None:
-            h = h * n.w
+            h = h * n.w.to(h.dtype)
         if n.kind == "LN" and n.b is not None:
-            h = h + n.b
-        return h
+            h = h + n.b.to(h.dtype)
+        return h.to(dtype)
 
     def act(name: str, x: Tensor) -> Tensor:
         if name in ("silu", "swish"):
@@ -133,13 +134,17 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     def rotary(x: Tensor, pos: int, r: Any) -> Tensor:  # x [batch, pos, head, d_head]
         d = r.rotary_dim
         head, tail = x[..., :d], x[..., d:]
+        if r.input_dtype is not None:  # the bridge's adjacent-pair rotary: q.float() · cos + rotate(q).float() · sin
+            head = head.to(r.input_dtype)
         cos, sin = r.cos[:pos, None, :], r.sin[:pos, None, :]
+        if r.table_dtype is not None:  # ERNIE 4.5's float32 tables: the whole rotation in float32
+            cos, sin = cos.to(r.table_dtype), sin.to(r.table_dtype)
         if r.adjacent_pairs:
             partner = torch.empty_like(head)
             partner[..., 0::2], partner[..., 1::2] = -head[..., 1::2], head[..., 0::2]
         else:
             partner = torch.cat((-head[..., d // 2 :], head[..., : d // 2]), -1)
-        return torch.cat((head * cos + partner * sin, tail), -1)
+        return torch.cat(((head * cos + partner * sin).to(x.dtype), tail), -1)
 
     def attention(x: Tensor, a: Any) -> Tensor:
         pos = x.shape[1]
@@ -161,7 +166,12 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             q, k = rotary(q, pos, r), rotary(k, pos, r)
         group = a.W_Q.shape[0] // a.W_K.shape[0]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / a.attn_scale
+        if a.scores_dtype is not None:  # GPT-J / GPT-Neo: q·kᵀ of float32 q and k
+            scores = (torch.einsum("bqhd,bkhd->bhqk", q.to(a.scores_dtype), k.to(a.scores_dtype)) / a.attn_scale).to(
+                q.dtype
+            )
+        else:
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / a.attn_scale
         if a.scores_soft_cap is not None:
             scores = a.scores_soft_cap * torch.tanh(scores / a.scores_soft_cap)
         offsets = torch.arange(pos, device=x.device)[None, :] - torch.arange(pos, device=x.device)[:, None]  # k - q

@@ -36,6 +36,12 @@ class NormSpec:
     # ``x / sqrt(mean + eps)``. Mathematically identical; it only changes rounding, which matters when the
     # statistics are computed in float32 (``compute_dtype``) for a float64 model.
     rsqrt: bool = False
+    # Multiply by ``w`` (and add ``b``) in ``compute_dtype`` before casting back (HF GemmaRMSNorm's
+    # ``(x̂ · (1 + w)).type_as(x)``) instead of casting back first (Llama's ``w · x̂.to(dtype)``); see
+    # core/components/float32_norm.py.
+    scale_in_compute_dtype: bool = False
+    # Normalise with ``F.layer_norm`` in ``compute_dtype`` (OLMo's LayerNorm) instead of the explicit formula.
+    functional: bool = False
 
 
 @dataclass
@@ -77,6 +83,9 @@ class AttentionSpec:
     # Where ALiBi counts key positions from (:mod:`lens_aot.core.components.alibi_keys`): None, TransformerLens's
     # ``slope · min(k - q, 0)``; "first", ``slope · k`` (BLOOM); "last", ``slope · (k - last key)`` (MPT).
     alibi_key_origin: str | None = None
+    # q and k cast to this dtype before ``q·kᵀ / attn_scale`` (HF GPT-J / GPT-Neo eager attention: float32 whatever
+    # the model dtype); None: the activation dtype. See core/components/float32_attention.py.
+    scores_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -137,6 +146,12 @@ class RotarySpec:
     cos: Float[Tensor, "n_ctx rotary_dim"]
     sin: Float[Tensor, "n_ctx rotary_dim"]
     adjacent_pairs: bool = False
+    # The rotated channels of q and k are rounded to this dtype before the rotation (TransformerBridge's adjacent-pair
+    # rotary: ``q.float() · cos + rotate(q).float() · sin``); None: no rounding. See float32_attention.py.
+    input_dtype: torch.dtype | None = None
+    # The dtype of the tables the source multiplies those rounded channels by (its rotary module's output: float32 for
+    # ERNIE 4.5, whose products are then float32 too); None: the model dtype.
+    table_dtype: torch.dtype | None = None
 
 
 @dataclass

@@ -11,13 +11,14 @@ Schema (``?``: may be null)::
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
              extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
              [embed_ln: norm], [logits_soft_cap: float]}
-    norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt}
+    norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
-             [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks]}
+             [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
+             [alibi_key_origin], [scores_dtype]}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?} | moe (lens_aot/io/schema_moe.py)
-    rotary  {rotary_dim, cos, sin, adjacent_pairs}
+    rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
              | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)]
@@ -58,6 +59,8 @@ __all__ = [
 FLAGS = ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in")
 
 _NORM = ("kind", "eps", "w", "b", "compute_dtype", "rsqrt")
+_NORM_VARIANTS = ("scale_in_compute_dtype", "functional")  # float32-step norms, written only when set
+_ROTARY_VARIANTS = ("input_dtype", "table_dtype")  # float32-step rotary, written only when set
 # Variant fields, written only when set (not None / not False).
 _ATTENTION_NORMS = ("q_norm", "k_norm")
 _ATTENTION_FLOATS = ("scores_soft_cap", "clip_qkv")
@@ -70,6 +73,7 @@ _ATTENTION_VARIANTS = (
     "rotary",
     *_ATTENTION_VARIANT_TENSORS,
     "alibi_key_origin",
+    "scores_dtype",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap")
@@ -108,7 +112,7 @@ class Encoder:
             "b": self.tensor(norm.b, f"{key}.b"),
             "compute_dtype": None if norm.compute_dtype is None else dtype_name(norm.compute_dtype),
             "rsqrt": bool(norm.rsqrt),
-        }
+        } | {name: True for name in _NORM_VARIANTS if getattr(norm, name)}
 
     def attention(self, attn: AttentionSpec, key: str) -> dict[str, Any]:
         if type(attn).__name__ == "MLASpec":
@@ -137,6 +141,8 @@ class Encoder:
                 out[name] = self.tensor(getattr(attn, name), f"{key}.{name}")
         if attn.alibi_key_origin is not None:
             out["alibi_key_origin"] = str(attn.alibi_key_origin)
+        if attn.scores_dtype is not None:
+            out["scores_dtype"] = dtype_name(attn.scores_dtype)
         return out
 
     def mlp(self, mlp: MLPSpec | MoESpec | None, key: str) -> dict[str, Any] | None:
@@ -172,7 +178,7 @@ class Encoder:
             "cos": self.tensor(rotary.cos, f"{key}.cos"),
             "sin": self.tensor(rotary.sin, f"{key}.sin"),
             "adjacent_pairs": bool(rotary.adjacent_pairs),
-        }
+        } | {name: dtype_name(getattr(rotary, name)) for name in _ROTARY_VARIANTS if getattr(rotary, name) is not None}
 
     def spec(self, spec: ModelSpec, key: str = "spec") -> dict[str, Any]:
         """The spec's fields (its tokenizer is not encoded: it is saved beside the config)."""
@@ -320,7 +326,7 @@ class Decoder:
     def norm(self, obj: Any, path: str) -> NormSpec | None:
         if obj is None:
             return None
-        f = self.fields(obj, path, _NORM)
+        f = self.fields(obj, path, _NORM, _NORM_VARIANTS)
         return NormSpec(
             kind=f["kind"],
             eps=float(f["eps"]),
@@ -328,6 +334,8 @@ class Decoder:
             b=self.tensor(f["b"], f"{path}.b"),
             compute_dtype=self.dtype(f["compute_dtype"], f"{path}.compute_dtype"),
             rsqrt=bool(f["rsqrt"]),
+            scale_in_compute_dtype=bool(f.get("scale_in_compute_dtype", False)),
+            functional=bool(f.get("functional", False)),
         )
 
     def attention(self, obj: Any, path: str) -> AttentionSpec:
@@ -348,6 +356,7 @@ class Decoder:
             window=None if f.get("window") is None else int(f["window"]),
             rotary=self.rotary(f.get("rotary"), f"{path}.rotary"),
             alibi_key_origin=_alibi_key_origin(f.get("alibi_key_origin"), f"{self.where}: {path}"),
+            scores_dtype=self.dtype(f.get("scores_dtype"), f"{path}.scores_dtype"),
             **variants,
         )
 
@@ -380,12 +389,14 @@ class Decoder:
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:
         if obj is None:
             return None
-        f = self.fields(obj, path, ("rotary_dim", "cos", "sin", "adjacent_pairs"))
+        f = self.fields(obj, path, ("rotary_dim", "cos", "sin", "adjacent_pairs"), _ROTARY_VARIANTS)
         return RotarySpec(
             rotary_dim=int(f["rotary_dim"]),
             cos=self.required_tensor(f["cos"], f"{path}.cos"),
             sin=self.required_tensor(f["sin"], f"{path}.sin"),
             adjacent_pairs=bool(f["adjacent_pairs"]),
+            input_dtype=self.dtype(f.get("input_dtype"), f"{path}.input_dtype"),
+            table_dtype=self.dtype(f.get("table_dtype"), f"{path}.table_dtype"),
         )
 
     def spec(self, obj: Any, tokenizer: Any = None, path: str = "spec") -> ModelSpec:

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from lens_aot.matrix.families import OVERRIDES, TINY, TINY_MOE
-from lens_aot.matrix.measure import BATCH, POS, REPEATS, STATUSES, Row
+from lens_aot.matrix.measure import BATCH, FLOAT32_NOTE, POS, REPEATS, STATUSES, Row
 
 __all__ = ["COLUMNS", "parse_table", "render_page", "render_table", "summary", "write_page"]
 
@@ -57,8 +57,8 @@ def render_table(rows: list[Row]) -> str:
             r.scope,
             r.status,
             r.reason,
-            _number(r.bound.get("fp32")),
-            _number(r.bound.get("fp64")),
+            _number(r.bound.get("fp32")) + r.bound_note.get("fp32", ""),
+            _number(r.bound.get("fp64")) + r.bound_note.get("fp64", ""),
             _number(r.error.get("fp32")),
             _number(r.error.get("fp64")),
             ratio,
@@ -69,6 +69,11 @@ def render_table(rows: list[Row]) -> str:
 
 def _float(cell: str) -> float | None:
     return None if cell in ("—", "") else float(cell.rstrip("×"))
+
+
+def _note(cell: str) -> tuple[str, str]:
+    """A bound cell split into its number and :data:`~lens_aot.matrix.measure.FLOAT32_NOTE`, if it has one."""
+    return (cell.removesuffix(FLOAT32_NOTE), FLOAT32_NOTE) if cell.endswith(FLOAT32_NOTE) else (cell, "")
 
 
 def parse_table(text: str, backend: str) -> list[Row] | None:
@@ -91,7 +96,8 @@ def parse_table(text: str, backend: str) -> list[Row] | None:
                 scope,
                 status,
                 reason,
-                bound={"fp32": _float(b32), "fp64": _float(b64)},
+                bound={"fp32": _float(_note(b32)[0]), "fp64": _float(_note(b64)[0])},
+                bound_note={k: n for k, n in (("fp32", _note(b32)[1]), ("fp64", _note(b64)[1])) if n},
                 error={"fp32": _float(e32), "fp64": _float(e64)},
                 time_ratio=_float(ratio),
             )

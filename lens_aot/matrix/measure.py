@@ -64,6 +64,13 @@ class Row:
     bound: dict[str, float | None] = field(default_factory=dict)
     error: dict[str, float | None] = field(default_factory=dict)
     time_ratio: float | None = None
+    # per dtype, FLOAT32_NOTE when the bound's rounding term is float32's in a float64 model (docs/variants.md)
+    bound_note: dict[str, str] = field(default_factory=dict)
+
+
+# After a float64 bound whose rounding term is float32's (the source computes some steps in float32): that bound is
+# then the float32 one's.
+FLOAT32_NOTE = " (float32 steps)"
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -162,9 +169,15 @@ def time_ratio(aot: Any, source: Any, tokens: Int[Tensor, "batch pos"]) -> float
 
 
 def _one_dtype(
-    model: torch.nn.Module, family: Family, backend: Backend, dtype: torch.dtype, timing: bool
+    model: torch.nn.Module,
+    family: Family,
+    backend: Backend,
+    dtype: torch.dtype,
+    timing: bool,
+    bound_note: dict[str, str] | None = None,
 ) -> tuple[str, str, float | None, float | None, float | None]:
-    """(status, reason, bound, error, time ratio) of one dtype."""
+    """(status, reason, bound, error, time ratio) of one dtype; ``bound_note[dtype]`` gets :data:`FLOAT32_NOTE`
+    when the bound's rounding term is a narrower dtype's (a float64 source with float32 steps)."""
     import lens_aot
     from lens_aot.errors import LensAOTError
 
@@ -187,6 +200,8 @@ def _one_dtype(
     except Exception as e:
         return "crash", _describe(e), None, None, None
     bound = aot.report.logit_bound
+    if bound_note is not None and getattr(aot.report, "rounding_dtype", None) not in (None, aot.report.dtype):
+        bound_note[_short(dtype)] = FLOAT32_NOTE
     error = float((got.double() - expected.double()).abs().max()) if got.shape == expected.shape else math.nan
     if not (math.isfinite(error) and bound is not None and error <= bound):
         shape = "" if got.shape == expected.shape else f" (logits shape {tuple(got.shape)} ≠ {tuple(expected.shape)})"
@@ -212,7 +227,7 @@ def measure_family(family: Family, backend: Backend = "bridge", seed: int = 0, l
             worst: tuple[int, str] | None = None
             for dtype in DTYPES:
                 status, reason, bound, error, ratio = _one_dtype(
-                    copies[dtype], family, backend, dtype, timing=dtype == torch.float32
+                    copies[dtype], family, backend, dtype, timing=dtype == torch.float32, bound_note=row.bound_note
                 )
                 key = _short(dtype)
                 row.bound[key], row.error[key] = bound, error

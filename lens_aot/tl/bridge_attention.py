@@ -66,6 +66,11 @@ class AttentionReading:
     alibi_slopes: Tensor | None = None  # ALiBi (BLOOM, MPT): lens_aot.tl.bridge_alibi
     clip_qkv: float | None = None
     alibi_key_origin: str | None = None
+    # Float32 steps of the source whatever the model dtype (core/components/float32_attention.py): q and k cast to
+    # ``scores_dtype`` before q·kᵀ (GPT-J, GPT-Neo); rotated channels rounded to ``rotary_input_dtype`` first (the
+    # bridge's adjacent-pair rotary).
+    scores_dtype: torch.dtype | None = None
+    rotary_input_dtype: torch.dtype | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -202,7 +207,7 @@ def _position_embeddings_attention(
     layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
 ) -> AttentionReading:
     """``PositionEmbeddingsAttentionBridge.forward``: q/k/v projections, RoPE with the model rotary module's cos/sin
-    (rotate-half, or adjacent pairs computed in float32 under the config's ``rotary_adjacent_pairs`` /
+    (rotate-half, or adjacent pairs of q and k rounded to float32 under the config's ``rotary_adjacent_pairs`` /
     ``rotary_interleaved_cos_sin``), scores · ``hf_attn.scaling``, the causal mask, softmax in float32."""
     if bool(getattr(bridge_cfg, "gated_q_proj", False)):
         raise refuse_piece(layer, "attn", "a gated query projection (sigmoid output gate, Qwen3-Next)")
@@ -220,21 +225,16 @@ def _position_embeddings_attention(
             )
     interleaved = bool(getattr(bridge_cfg, "rotary_interleaved_cos_sin", False))
     adjacent = interleaved or bool(getattr(bridge_cfg, "rotary_adjacent_pairs", False))
-    if adjacent and dtype != torch.float32:
-        raise refuse_piece(
-            layer,
-            "attn",
-            f"adjacent-pair rotary computed in float32 whatever the model dtype ({dtype}), which the spec (rotary in "
-            "the model dtype) cannot express",
-            "Read the bridge in float32 (bridge.to(torch.float32)).",
-        )
     scaling = getattr(hf_attn, "scaling", None)
     if scaling is None:
         scaling = float(hf_attn.head_dim) ** -0.5
     use_rope = getattr(hf_attn, "use_rope", True)  # SmolLM3's NoPE layers (the bridge drops their rotary)
-    return AttentionReading(
+    reading = AttentionReading(
         1.0 / float(scaling), torch.float32, "model" if use_rope else "none", adjacent, adjacent and not interleaved
     )
+    # _apply_rotary_pos_emb_adjacent_pairs: q.float() · cos + rotate(q).float() · sin, whatever the model dtype
+    reading.rotary_input_dtype = torch.float32 if adjacent else None
+    return reading
 
 
 def _joint_qkv_attention(layer: int, bridge_cfg: Any, hf_config: Any, dtype: torch.dtype) -> AttentionReading:
@@ -257,16 +257,9 @@ def _joint_qkv_attention(layer: int, bridge_cfg: Any, hf_config: Any, dtype: tor
 
 def _gptj_attention(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
     """HF ``GPTJAttention.forward``: rotary on the first ``rotary_dim`` channels in adjacent pairs with GPT-J's
-    sinusoidal table, q and k cast to float32 before ``q·kᵀ`` (so only float32 is exact), scores times ``scaling``
-    (transformers ≥ 5.24; before: divided by ``scale_attn``), softmax in the activation dtype."""
-    if dtype != torch.float32:
-        raise refuse_piece(
-            layer,
-            "attn",
-            f"GPT-J in {dtype}: GPTJAttention casts q and k to float32 before q·kᵀ whatever the model dtype, which "
-            f"the spec (scores in the model dtype) cannot express",
-            "Read GPT-J in float32 (bridge.to(torch.float32)); its attention scores are float32-accurate either way.",
-        )
+    sinusoidal table, q and k cast to float32 before ``q·kᵀ`` whatever the model dtype (``scores_dtype``), scores
+    times ``scaling`` (transformers ≥ 5.24; before: divided by ``scale_attn``), then the additive mask in the model
+    dtype and the softmax in the activation dtype."""
     rotary_dim = getattr(hf_attn, "rotary_dim", None)
     head_dim = int(hf_attn.head_dim)
     if rotary_dim is None or int(rotary_dim) > head_dim or int(rotary_dim) % 2:
@@ -278,22 +271,16 @@ def _gptj_attention(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch
         )
     scale_attn = getattr(hf_attn, "scale_attn", None)
     scale = float(scale_attn) if scale_attn is not None else 1.0 / float(hf_attn.scaling)
-    return AttentionReading(scale, None, "gptj", adjacent=True)
+    return AttentionReading(scale, None, "gptj", adjacent=True, scores_dtype=torch.float32)
 
 
 def _gpt_neo_attention(
     layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
 ) -> AttentionReading:
-    """HF ``GPTNeoSelfAttention.forward``: unscaled scores ``q·kᵀ`` computed from float32 q and k (so only float32 is
-    exact), a causal mask, on ``local`` layers (the module's ``attention_type``) a sliding window over the last
-    ``window_size`` positions (the config's; the spec's ``window``)."""
-    if dtype != torch.float32:
-        raise refuse_piece(
-            layer,
-            "attn",
-            f"GPT-Neo in {dtype}: GPTNeoSelfAttention casts q and k to float32 before q·kᵀ whatever the model dtype",
-            "Read GPT-Neo in float32 (bridge.to(torch.float32)).",
-        )
+    """HF ``GPTNeoSelfAttention.forward``: unscaled scores ``q·kᵀ`` computed from float32 q and k whatever the model
+    dtype, a causal mask, then the additive mask in the model dtype (which promotes the scores back to it) and the
+    softmax; on ``local`` layers (the module's ``attention_type``) a sliding window over the last ``window_size``
+    positions (the config's; the spec's ``window``)."""
     window = None
     if getattr(hf_attn, "attention_type", "global") == "local":
         # GPTNeoSelfAttention's mask: tril(ones) xor tril(ones, -window_size), i.e. q - window_size < k <= q.
@@ -301,7 +288,7 @@ def _gpt_neo_attention(
         if not isinstance(size, int) or size < 1:
             raise refuse_piece(layer, "attn", f"local attention with window_size={size!r}", "Use window_size >= 1.")
         window = size if size < n_ctx else None
-    return AttentionReading(1.0, None, "none", window=window)
+    return AttentionReading(1.0, None, "none", window=window, scores_dtype=torch.float32)
 
 
 def _delegated_standard(
@@ -410,6 +397,8 @@ def model_rotary(
     positions = torch.arange(n_ctx, device=device).unsqueeze(0)
     with torch.no_grad():
         cos, sin = module(x, positions) if layer_type is None else module(x, positions, layer_type)
+    # the dtype the bridge multiplies float32-rounded q and k by (ERNIE 4.5's module keeps float32 tables)
+    table_dtype = cos.dtype if reading.rotary_input_dtype is not None and cos.dtype != dtype else None
     cos = cos.reshape(-1, cos.shape[-1])[:n_ctx].to(dtype)
     sin = sin.reshape(-1, sin.shape[-1])[:n_ctx].to(dtype)
     if cos.shape[0] != n_ctx:
@@ -422,7 +411,7 @@ def model_rotary(
         sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
     if width > head_dim or width % 2:
         raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
-    return RotarySpec(width, _copy(cos), _copy(sin), adjacent_pairs=reading.adjacent)
+    return RotarySpec(width, _copy(cos), _copy(sin), reading.adjacent, reading.rotary_input_dtype, table_dtype)
 
 
 def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:

@@ -9,6 +9,7 @@ is imported at module import time.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.bridge_float32 import carry_float32_step
 
 SUPPORTED = (
     "TransformerBridge architectures read by their structure (docs/families.md) — decoder-only pre-norm blocks, "
@@ -169,7 +171,7 @@ def _norm(norm_bridge: Any, dtype: torch.dtype | None = None) -> NormSpec:
         raise _refuse(f"a normalization bridge of type {cls}")
 
     if _native_autograd_norm(norm_bridge):
-        spec = _native_norm_module(module, dtype)
+        spec = carry_float32_step(module, _native_norm_module(module, dtype), dtype)
     else:
         spec = _python_norm(norm_bridge, module, cls)
     return _simplify_norm(spec)
@@ -190,13 +192,7 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     # input dtype — `x.to(torch.float32)`, normalize, `.to(input_dtype)` — and only then apply the scale.
     # NativeRMSNorm / NativeRMSNormPre multiply by torch.rsqrt(...); NativeLayerNormPre divides by (...).sqrt().
     # OLMo's parameter-free LayerNorm: F.layer_norm(x.float(), eps=1e-5).to(dtype) (eps fixed in its forward).
-    if name == "OlmoLayerNorm":
-        if dtype == torch.float64:
-            raise _refuse(
-                "OLMo's LayerNorm in float64: it normalises x.float() with F.layer_norm and casts back, which the "
-                "spec reproduces only to float32 rounding",
-                "Read the bridge in float32 (bridge.to(torch.float32)).",
-            )
+    if name == "OlmoLayerNorm":  # normalised by F.layer_norm (bridge_float32 reads that from its forward)
         return NormSpec("LNPre", 1e-5, compute_dtype=torch.float32)
     if name == "NativeRMSNorm":
         return NormSpec("RMS", float(module.eps), _copy(module.weight), None, torch.float32, rsqrt=True)
@@ -211,17 +207,10 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
         eps = float(module.variance_epsilon)
         return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
-    # back. For a float32 model that is exactly RMS with w = 1 + weight; for float64 the product is rounded to
-    # float32 before the cast, which the spec cannot express unless the scale is exactly 1 (folded weights).
+    # back (bridge_float32 reads where the scale is applied from the module's forward). 1 + weight is a float32
+    # value, exact in float64.
     if name.startswith("Gemma") and name.endswith("RMSNorm"):  # Gemma, Gemma 2, Gemma 3: the same forward
         scale = 1.0 + module.weight.detach().float()
-        if module.weight.dtype == torch.float64 and not _all_equal(scale, 1.0):
-            raise _refuse(
-                "Gemma's RMSNorm in float64: it multiplies by (1 + weight) in float32 before casting back, which the "
-                "spec (norm scale applied in the model dtype) reproduces only to float32 rounding",
-                "Read the bridge in float32 (bridge.to(torch.float32)), or call enable_compatibility_mode() first "
-                "(folding the norm weights leaves 1 + weight = 1, which is exact).",
-            )
         return NormSpec("RMS", float(module.eps), scale.to(module.weight.dtype), None, torch.float32, rsqrt=True)
     raise _refuse(f"a normalization module of type {name} called through its own forward")
 
@@ -256,7 +245,7 @@ def _simplify_norm(spec: NormSpec) -> NormSpec:
     """
     if spec.kind in ("LN", "RMS") and _all_equal(spec.w, 1.0) and (spec.b is None or _all_equal(spec.b, 0.0)):
         kind = "LNPre" if spec.kind == "LN" else "RMSPre"
-        return NormSpec(kind, spec.eps, None, None, spec.compute_dtype, rsqrt=spec.rsqrt)
+        return dataclasses.replace(spec, kind=kind, w=None, b=None)
     return spec
 
 

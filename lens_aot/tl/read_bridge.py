@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.components.norm import Norm
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import InvalidWeightsError
@@ -214,7 +214,7 @@ def _verify(
         for piece, norm in norms:
             call = calls.get((layer, piece))
             if norm is not None and call is not None:
-                check_piece(layer, piece, Norm(norm)(call.input), call, f"the {norm.kind} reading")
+                check_piece(layer, piece, make_norm(norm)(call.input), call, f"the {norm.kind} reading")
         call = calls.get((layer, "attn"))
         if call is not None:
             got = attention_module(spec.attn, causal, rotary).to(call.input.device)(call.input)
@@ -373,6 +373,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.rotary = info["layer_rotary"][layer]
                 attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
                 attn.alibi_key_origin = reading.alibi_key_origin
+                attn.scores_dtype = reading.scores_dtype
         mlp_bridge = _component(block, "mlp")
         ln1 = _norm(_component(block, "ln1"), dtype)
         if info.get("attn_only"):
@@ -469,7 +470,7 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
             raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
         first = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
         if spec.embed_ln is not None:  # BLOOM's word_embeddings_layernorm
-            first = Norm(spec.embed_ln).to(first.device)(first)
+            first = make_norm(spec.embed_ln).to(first.device)(first)
         if not close(first, calls[(0, "block")].input):
             raise refuse_piece(
                 None,
@@ -482,7 +483,7 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
                 raise refuse_piece(layer - 1, "block", "an output that is not the next block's input")
         final = calls[(n_layers - 1, "block")].output
         ln_final = calls.get((-1, "ln_final"))
-        normed = Norm(spec.ln_final).to(final.device)(final)
+        normed = make_norm(spec.ln_final).to(final.device)(final)
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
         out = normed @ spec.W_U + spec.b_U

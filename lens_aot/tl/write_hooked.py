@@ -83,6 +83,10 @@ def _attention_config(spec: ModelSpec) -> dict[str, Any]:
             )
         if a.softmax_dtype not in (None, spec.dtype):
             raise _refuse(f"layer {i} computes its attention softmax in {a.softmax_dtype}")
+        rotary = a.rotary or spec.rotary
+        for what, step in (("q·kᵀ", a.scores_dtype), ("its rotary", rotary.input_dtype if rotary else None)):
+            if step not in (None, spec.dtype):  # float32 steps of a float64 source (core/float32_steps.py)
+                raise _refuse(f"layer {i} computes {what} in {step}, which TransformerLens does not")
     kwargs: dict[str, Any] = {"n_heads": int(n_heads), "d_head": int(d_head)}
     kwargs["n_key_value_heads"] = None if n_kv == n_heads else int(n_kv)
     scales = [float(layer.attn.attn_scale) for layer in spec.layers]

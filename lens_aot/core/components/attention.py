@@ -16,8 +16,9 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.alibi import ALiBi
 from lens_aot.core.components.alibi_keys import KeyPositionALiBi
+from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
+from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.ownership import exported, parameter
-from lens_aot.core.components.qk_norm import QKNorm
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
@@ -25,13 +26,7 @@ from lens_aot.core.spec import AttentionSpec, QKNormScope, RotarySpec
 from lens_aot.errors import InputError
 from lens_aot.tl.hooks import hooked as _hooked
 
-
-def rotate(x: Float[Tensor, "... rotary_dim"], adjacent_pairs: bool) -> Float[Tensor, "... rotary_dim"]:
-    """The 90° partner of each rotary pair: GPT-J pairs (0,1),(2,3),… or GPT-NeoX / Llama halves."""
-    if adjacent_pairs:
-        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+__all__ = ["Attention", "fused_z", "rotate"]  # rotate: float32_attention.py's, re-exported
 
 
 def _project(
@@ -120,9 +115,9 @@ class Attention(nn.Module):
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
         if spec.q_norm is not None:
-            self.q_norm = QKNorm(spec.q_norm, spec.qk_norm_over)
+            self.q_norm = make_qk_norm(spec.q_norm, spec.qk_norm_over)
         if spec.k_norm is not None:
-            self.k_norm = QKNorm(spec.k_norm, spec.qk_norm_over)
+            self.k_norm = make_qk_norm(spec.k_norm, spec.qk_norm_over)
         if spec.scores_soft_cap is not None:
             self.scores_soft_cap = SoftCap(spec.scores_soft_cap)
         if spec.alibi_slopes is not None:
@@ -131,6 +126,8 @@ class Attention(nn.Module):
             self.alibi = ALiBi(slopes) if origin is None else KeyPositionALiBi(slopes, origin)  # type: ignore[arg-type]
         if spec.sinks is not None:
             self.sinks = AttentionSinks(spec.sinks)
+        if spec.scores_dtype is not None:
+            self.scores_in = ScoresInDtype(spec.scores_dtype)
         self.rotary_adjacent_pairs = False
         self.rotary_dim = 0
         if rotary is not None:
@@ -138,6 +135,8 @@ class Attention(nn.Module):
             self.hook_rot_k = HookPoint()
             self.rotary_dim = rotary.rotary_dim
             self.rotary_adjacent_pairs = rotary.adjacent_pairs
+            if rotary.input_dtype is not None:
+                self.rotary_input = RotationInDtype(rotary.input_dtype, rotary.table_dtype)
             # on this layer's device (a sharded source's layers are on several)
             self.register_buffer("rotary_cos", rotary.cos.detach().to(spec.W_Q.device, copy=True))
             self.register_buffer("rotary_sin", rotary.sin.detach().to(spec.W_Q.device, copy=True))
@@ -168,7 +167,10 @@ class Attention(nn.Module):
             for table in (self.rotary_cos, self.rotary_sin)
         )
         x_rot, x_pass = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x_rot = x_rot * cos + rotate(x_rot, self.rotary_adjacent_pairs) * sin
+        if hasattr(self, "rotary_input"):  # the source's float32 rotation (float32_attention.py)
+            x_rot = self.rotary_input(x_rot, cos, sin, self.rotary_adjacent_pairs)
+        else:
+            x_rot = x_rot * cos + rotate(x_rot, self.rotary_adjacent_pairs) * sin
         return torch.cat((x_rot, x_pass), dim=-1)
 
     def forward(
@@ -238,7 +240,10 @@ class Attention(nn.Module):
     def needs_dense_scores(self) -> bool:
         """Whether a variant changes the scores or the softmax (soft-cap, ALiBi, sinks), so that the fused
         ``scaled_dot_product_attention`` path cannot compute this layer."""
-        return any(hasattr(self, name) for name in ("scores_soft_cap", "alibi", "sinks"))
+        scores_in = getattr(self, "scores_in", None)  # float32 scores in a float64 model
+        return any(hasattr(self, name) for name in ("scores_soft_cap", "alibi", "sinks")) or (
+            scores_in is not None and scores_in.dtype != self.W_Q.dtype
+        )
 
     def non_bilinear_score_variants(self) -> list[str]:
         """The variants that make this layer's scores something other than the bilinear form ``x W_Q W_Kᵀ xᵀ``
@@ -287,7 +292,10 @@ class Attention(nn.Module):
 
         Masked scores are -inf (as in TransformerLens); a row with every key masked softmaxes to NaN, which is set
         to 0 as TransformerLens does."""
-        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") / self.attn_scale
+        if hasattr(self, "scores_in") and self.scores_in.dtype != q.dtype:
+            scores = self.scores_in(q, k, self.attn_scale).to(q.dtype)
+        else:
+            scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") / self.attn_scale
         if hasattr(self, "scores_soft_cap"):
             scores = self.scores_soft_cap(scores)
         if hasattr(self, "alibi"):
@@ -325,6 +333,7 @@ class Attention(nn.Module):
             alibi_slopes=exported(self.alibi.slopes) if hasattr(self, "alibi") else None,
             sinks=self.sinks.values() if hasattr(self, "sinks") else None,
             alibi_key_origin=getattr(self.alibi, "origin", None) if hasattr(self, "alibi") else None,
+            scores_dtype=self.scores_in.dtype if hasattr(self, "scores_in") else None,
         )
 
     def _qk_norm_over(self) -> QKNormScope:
@@ -336,4 +345,10 @@ class Attention(nn.Module):
         if not self.own_rotary:
             return None
         cos, sin = exported(self.rotary_cos), exported(self.rotary_sin)
-        return RotarySpec(self.rotary_dim, cos, sin, self.rotary_adjacent_pairs)
+        return RotarySpec(self.rotary_dim, cos, sin, self.rotary_adjacent_pairs, *self.rotary_float32_step)
+
+    @property
+    def rotary_float32_step(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """``(RotarySpec.input_dtype, RotarySpec.table_dtype)`` of this layer's rotation ((None, None): none)."""
+        step = getattr(self, "rotary_input", None)
+        return (None, None) if step is None else (step.input_dtype, step.table_dtype)

@@ -28,6 +28,8 @@ class Norm(nn.Module):
         self.eps = float(spec.eps)
         self.compute_dtype = spec.compute_dtype
         self.rsqrt = spec.rsqrt
+        self.scale_in_compute_dtype = spec.scale_in_compute_dtype  # float32_norm.py's variants read these two
+        self.functional = spec.functional
         self.w = parameter(spec.w) if spec.w is not None else None
         self.b = parameter(spec.b) if spec.b is not None else None
         if self.kind is not None:
@@ -37,6 +39,19 @@ class Norm(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.kind is None:
             return x
+        normalized, dtype = self.normalized(x)
+        x = normalized.to(dtype)
+        if self.w is not None:
+            x = x * self.w
+        if self.b is not None:
+            x = x + self.b
+        return x
+
+    def normalized(
+        self, x: Float[Tensor, "batch pos d_model"]
+    ) -> tuple[Float[Tensor, "batch pos d_model"], torch.dtype]:
+        """``x`` centred (LayerNorm) and divided by its scale, through ``hook_scale`` / ``hook_normalized``, in the
+        precision the statistics are computed in; and the input's dtype to cast back to."""
         dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
@@ -51,12 +66,7 @@ class Norm(nn.Module):
             x = x * torch.rsqrt(mean_square)
         else:
             x = x / hooked_scale
-        x = self.hook_normalized(x).to(dtype)
-        if self.w is not None:
-            x = x * self.w
-        if self.b is not None:
-            x = x + self.b
-        return x
+        return self.hook_normalized(x), dtype
 
     def spec(self) -> NormSpec:
         """The :class:`NormSpec` this module implements (used by ``revert``)."""
@@ -67,4 +77,6 @@ class Norm(nn.Module):
             None if self.b is None else exported(self.b),
             self.compute_dtype,
             self.rsqrt,
+            self.scale_in_compute_dtype,
+            self.functional,
         )

@@ -21,8 +21,8 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
+from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mla_attention import attention_module
-from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 
@@ -131,24 +131,26 @@ class SpecTransformer(HookedRootModule):
         blocks = []
         for layer, ls in enumerate(spec.layers):
             mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
-            ln2 = None if ls.ln2 is None or mlp is None else Norm(ls.ln2)
+            ln2 = None if ls.ln2 is None or mlp is None else make_norm(ls.ln2)
             attn = attention_module(ls.attn, spec.causal, spec.rotary)
-            ln1_post = None if ls.ln1_post is None else Norm(ls.ln1_post)
-            ln2_post = None if ls.ln2_post is None or mlp is None else Norm(ls.ln2_post)
+            ln1_post = None if ls.ln1_post is None else make_norm(ls.ln1_post)
+            ln2_post = None if ls.ln2_post is None or mlp is None else make_norm(ls.ln2_post)
             blocks.append(
-                TransformerBlock(Norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm)
+                TransformerBlock(
+                    make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm
+                )
             )
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
         # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
         HookedRootModule.__init__(self)
-        self.embed = Embed(spec.W_E, None if spec.embed_ln is None else Norm(spec.embed_ln))
+        self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln))
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
             assert spec.W_pos is not None
             self.pos_embed = PosEmbed(spec.W_pos)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(blocks)
-        self.ln_final = Norm(spec.ln_final)
+        self.ln_final = make_norm(spec.ln_final)
         self.unembed = Unembed(spec.W_U, spec.b_U)
         if spec.logits_soft_cap is not None:
             self.logits_soft_cap = SoftCap(spec.logits_soft_cap)
