@@ -61,6 +61,13 @@ from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_pi
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_moe import read_bridge_mlp
+from lens_aot.tl.read_multipliers import (
+    embedding_multiplier,
+    fold_residual_multiplier,
+    logit_multiplier,
+    residual_multiplier,
+    scaled,
+)
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -69,7 +76,6 @@ _PLAIN_BLOCKS = ("BlockBridge", "ParallelBlockBridge")
 
 # Block bridges (and their pieces) lens_aot has no component for, each named in the refusal.
 _REFUSED_BLOCKS = {
-    "ScaledResidualBlockBridge": "a scaled residual (residual_multiplier: resid + m·sublayer, Granite)",
     "MLABlockBridge": "multi-head latent attention (DeepSeek MLA)",
     "DelegatedAttentionBlockBridge": "attention delegated to another layer's key/value cache (shared-KV layers)",
     "BloomBlockBridge": "ALiBi attention with BLOOM's residual layout",
@@ -140,11 +146,14 @@ def _check_block(layer: int, block: Any) -> None:
                 raise refuse_piece(layer, "mlp", _MLP_REFUSALS[name])
 
 
-def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tuple[bool, bool]:
+def _layout(
+    layer: int, calls: dict[tuple[int, str], Call], has: set[str], multiplier: float | None = None
+) -> tuple[bool, bool]:
     """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
 
     ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through
-    ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these).
+    ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these), then are multiplied
+    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``).
     """
     block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
     ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
@@ -158,7 +167,7 @@ def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tu
             "an input that is not ln1's output: post-LN blocks (BERT-style: resid = ln(resid + sublayer(resid)))",
             "Only pre-norm blocks (resid += sublayer(ln(resid))) are supported.",
         )
-    a_out = _post(layer, "ln1_post", attn.output, calls, has)
+    a_out = scaled(_post(layer, "ln1_post", attn.output, calls, has), multiplier)
     if "mlp" not in has:
         if not close(block.output, x + a_out):
             raise refuse_piece(layer, "block", "an output that is not input + attention (a residual multiplier?)")
@@ -180,7 +189,7 @@ def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tu
                 layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
             )
         shared = False
-    if not close(block.output, x + a_out + _post(layer, "ln2_post", mlp.output, calls, has)):
+    if not close(block.output, x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)):
         raise refuse_piece(
             layer,
             "block",
@@ -323,10 +332,13 @@ def read_bridge(bridge: Any) -> ModelSpec:
         ) from error
     finite = all(bool(c.input.isfinite().all() and c.output.isfinite().all()) for c in calls.values())
     attn_only = native and bool(getattr(cfg, "attn_only", False))
+    multipliers = [
+        None if native else residual_multiplier(layer, _original(block)) for layer, block in enumerate(blocks)
+    ]
     layouts = [
         None
         if attn_only
-        else _layout(layer, calls, _pieces(block))
+        else _layout(layer, calls, _pieces(block), multipliers[layer])
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
@@ -370,9 +382,12 @@ def read_bridge(bridge: Any) -> ModelSpec:
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
+        fold_residual_multiplier(layer, spec, multipliers[layer])
         layers.append(spec)
 
-    W_E = _embedding(_component(bridge, "embed"))
+    hf_config = None if native else getattr(model, "config", None)
+    embed_multiplier = embedding_multiplier(hf_config)
+    W_E = scaled(_embedding(_component(bridge, "embed")), embed_multiplier)
     W_pos = None
     if info["positions"] == "standard":
         pos = _component(bridge, "pos_embed")
@@ -407,6 +422,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         W_pos=W_pos,
         rotary=info["rotary"],
         logits_soft_cap=None if info.get("logits_soft_cap") is None else float(info["logits_soft_cap"]),
+        logits_scale=None if native else logit_multiplier(hf_config, calls, info.get("logits_soft_cap")),
         tokenizer=tokenizer,
         default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
         model_name=str(getattr(cfg, "model_name", "unnamed")),
@@ -416,15 +432,22 @@ def read_bridge(bridge: Any) -> ModelSpec:
             "architecture": getattr(cfg, "architecture", None),
             "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
             "source_config": source_config_fields(cfg),
+            "multipliers": {
+                "embedding": embed_multiplier,
+                "residual": multipliers,
+                "attention": [None if native else r.scale for r in info.get("readings", [])],
+            },
         },
     )
     if not finite:
         _refuse_non_finite(spec, calls)
-    _verify_model(spec, calls, len(blocks))
+    _verify_model(spec, calls, len(blocks), embed_multiplier)
     return spec
 
 
-def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers: int) -> None:
+def _verify_model(
+    spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers: int, embed_multiplier: float | None = None
+) -> None:
     """Check what lies around the blocks against the recorded forward: the embeddings feed the first block, each
     block feeds the next, the final norm feeds the unembedding, and the logits are the unembedding's output."""
     logits, embed = calls.get((-1, "logits")), calls.get((-1, "embed"))
@@ -432,7 +455,7 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
         raise refuse_piece(None, "model", "a forward pass whose embedding, blocks or logits could not be recorded")
     tokens = logits.input
     with torch.no_grad():
-        if not close(spec.W_E[tokens], embed.output):
+        if not close(spec.W_E[tokens], scaled(embed.output, embed_multiplier)):
             raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
         first = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
         if not close(first, calls[(0, "block")].input):
@@ -451,6 +474,8 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
         out = normed @ spec.W_U + spec.b_U
+        if spec.logits_scale is not None:
+            out = out * spec.logits_scale
         if spec.logits_soft_cap is not None:
             out = spec.logits_soft_cap * torch.tanh(out / spec.logits_soft_cap)
         if not close(out, logits.output):
