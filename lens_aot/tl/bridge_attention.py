@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
 from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_probe import refuse_piece
+from lens_aot.tl.read_nope import bridge_skips_rope
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
 _REFUSED_BRIDGES = {
@@ -193,6 +194,7 @@ def _position_embeddings_attention(
     if scaling is None:
         scaling = float(hf_attn.head_dim) ** -0.5
     use_rope = getattr(hf_attn, "use_rope", True)  # SmolLM3's NoPE layers (the bridge drops their rotary)
+    use_rope = use_rope and not bridge_skips_rope(attn)  # Cohere2's full-attention layers (lens_aot.tl.read_nope)
     return AttentionReading(
         1.0 / float(scaling), torch.float32, "model" if use_rope else "none", adjacent, adjacent and not interleaved
     )

@@ -68,6 +68,7 @@ from lens_aot.tl.read_multipliers import (
     residual_multiplier,
     scaled,
 )
+from lens_aot.tl.read_nope import no_rotary
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -240,10 +241,12 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
     readings: list[AttentionReading] = []
     for layer, block in enumerate(blocks):
         readings.append(read_attention(layer, _component(block, "attn"), config, bridge.cfg, dtype, n_ctx))
-    ropes = {(r.rope, r.adjacent, r.relayout) for r in readings}
-    if len(ropes) != 1:
-        raise refuse_piece(None, "rotary_emb", "different rotary layouts in different layers (e.g. NoPE layers)")
-    first = readings[0]
+    # NoPE layers beside rotary ones (lens_aot.tl.read_nope) get tables of width 0 below
+    nope = [r.rope == "none" for r in readings] if {r.rope for r in readings} == {"model", "none"} else []
+    roped = [r for r in readings if not (nope and r.rope == "none")]
+    if len({(r.rope, r.adjacent, r.relayout) for r in roped}) != 1:
+        raise refuse_piece(None, "rotary_emb", "different rotary layouts in different layers")
+    first = roped[0]
     device = next(model.parameters()).device
     rotary = None
     layer_rotary: list[RotarySpec | None] = [None] * len(blocks)
@@ -266,6 +269,7 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         rotary = layer_rotary[0]
         # Layers whose type has other tables (Gemma 3's local layers) carry their own.
         layer_rotary = [None if table is rotary else table for table in layer_rotary]
+        layer_rotary = [no_rotary(rotary) if nope and nope[i] else t for i, t in enumerate(layer_rotary)]
     elif first.rope == "gptj":
         rotary_dim = int(_original(_component(blocks[0], "attn")).rotary_dim)
         if int(getattr(config, "max_position_embeddings", n_ctx)) < n_ctx:
