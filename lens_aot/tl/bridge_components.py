@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 
 SUPPORTED = (
     "TransformerBridge architectures read by their structure (docs/families.md) — decoder-only pre-norm blocks, "
@@ -211,7 +212,7 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
     # back. For a float32 model that is exactly RMS with w = 1 + weight; for float64 the product is rounded to
     # float32 before the cast, which the spec cannot express unless the scale is exactly 1 (folded weights).
-    if name.startswith("Gemma") and name.endswith("RMSNorm"):  # Gemma, Gemma 2, Gemma 3: the same forward
+    if computes_gemma_rmsnorm(module):  # Gemma, Gemma 2, Gemma 3, VaultGemma: the same forward
         scale = 1.0 + module.weight.detach().float()
         if module.weight.dtype == torch.float64 and not _all_equal(scale, 1.0):
             raise _refuse(

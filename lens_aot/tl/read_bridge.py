@@ -51,7 +51,6 @@ from lens_aot.tl.bridge_components import (
     _embedding,
     _linear,
     _module_activation,
-    _norm,
     _original,
     _refuse,
     _source_model,
@@ -69,6 +68,7 @@ from lens_aot.tl.read_multipliers import (
     scaled,
 )
 from lens_aot.tl.read_nope import no_rotary
+from lens_aot.tl.read_norms import named_norm, optional_norm
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -361,7 +361,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
             attn.rotary = info["layer_rotary"][layer]
         mlp_bridge = _component(block, "mlp")
-        ln1 = _norm(_component(block, "ln1"), dtype)
+        ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):
             if mlp_bridge is not None:
                 raise _refuse("an attn_only config with MLP components")
@@ -373,7 +373,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             assert layout is not None
             parallel, shared = layout
             # One norm feeding both sublayers (GPT-J, Phi, Falcon): the spec's ln2 is the same NormSpec object.
-            ln2: NormSpec = ln1 if shared else _norm(_component(block, "ln2"), dtype)
+            ln2: NormSpec = ln1 if shared else named_norm(layer, "ln2", _component(block, "ln2"), dtype)
             act = info["act_fn"] if native else _module_activation(layer, mlp_bridge, getattr(model, "config", None))
             spec = LayerSpec(
                 ln1=ln1,
@@ -381,8 +381,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln2=ln2,
                 mlp=read_bridge_mlp(mlp_bridge, layer, dtype, act),
                 parallel=parallel,
-                ln1_post=_norm(post, dtype) if (post := _component(block, "ln1_post")) is not None else None,
-                ln2_post=_norm(post, dtype) if (post := _component(block, "ln2_post")) is not None else None,
+                ln1_post=optional_norm(layer, "ln1_post", block, dtype),
+                ln2_post=optional_norm(layer, "ln2_post", block, dtype),
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
@@ -419,7 +419,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         causal=bool(info["causal"]),
         W_E=W_E,
         layers=layers,
-        ln_final=_norm(_component(bridge, "ln_final"), dtype),
+        ln_final=named_norm(None, "ln_final", _component(bridge, "ln_final"), dtype),
         W_U=W_U,
         b_U=b_U,
         positions=info["positions"],

@@ -94,12 +94,18 @@ def _hf_mlp(mlp: nn.Module, layer: int) -> MLPSpec:
 
 def is_sparse_moe(module: nn.Module) -> bool:
     """Whether ``module`` (unwrapped from its bridge) is a sparse-MoE block: a router ``gate`` and ``experts``."""
-    return hasattr(module, "experts") and hasattr(_unwrap(getattr(module, "gate", None)), "top_k")
+    return hasattr(module, "experts") and hasattr(_router(module), "top_k")
+
+
+def _router(block: Any) -> Any:
+    """The block's top-k router: ``gate`` (Mixtral, Qwen2-MoE, OLMoE) or ``router`` (GraniteMoe), unwrapped."""
+    gate = _unwrap(getattr(block, "gate", None))
+    return gate if hasattr(gate, "top_k") else _unwrap(getattr(block, "router", None))
 
 
 def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     """A Hugging Face sparse-MoE block (module docstring), with its ``shared_expert`` / ``shared_expert_gate``."""
-    router, experts = _unwrap(block.gate), _unwrap(block.experts)
+    router, experts = _router(block), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
     W = getattr(router, "weight", None)
