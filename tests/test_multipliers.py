@@ -150,3 +150,40 @@ def test_a_logit_multiplier_survives_save_and_load(tmp_path, one_thread) -> None
     loaded = lens_aot.load(tmp_path / "m")
     assert loaded.logits_scale.multiplier == 0.0625
     assert error(loaded, bridge) <= GATED[torch.float32]
+
+
+def test_granite_moe_converts_in_float32_and_names_the_float64_fix(one_thread: None) -> None:
+    """GraniteMoe: Granite's multipliers (the residual one folded into every expert's W_out) around a top-k MoE whose
+    router is read by the existing MoE reader; in float64 its routing is refused naming the fix."""
+    bridge = bridge_of("granitemoe", torch.float32)
+    aot = lens_aot.convert(bridge)
+    assert error(aot, bridge) <= GATED[torch.float32]
+    assert aot.cfg.num_experts == 4 and aot.cfg.experts_per_token == 2
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: a router that takes the top-k.*float32"):
+        lens_aot.convert(bridge_of("granitemoe", torch.float64))
+
+
+def test_vaultgemma_norm_is_read_as_gemmas(one_thread: None) -> None:
+    bridge = bridge_of("vaultgemma", torch.float32)
+    aot = lens_aot.convert(bridge)
+    assert error(aot, bridge) <= GATED[torch.float32]
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 ln1: .*Gemma's RMSNorm in float64.*float32"):
+        lens_aot.convert(bridge_of("vaultgemma", torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("layout", ["sequential", "new-decoder"])
+def test_falcon_layouts_convert(layout: str, dtype: torch.dtype, one_thread: None) -> None:
+    """Falcon's other layouts: sequential (parallel_attn=False) and the new decoder architecture (ln_attn for the
+    attention, ln_mlp for the MLP, in parallel); the default parallel layout with one LN is in test_bridge_families."""
+    bridge = bridge_of(f"falcon-{layout}", dtype)
+    aot = lens_aot.convert(bridge)
+    assert error(aot, bridge) <= TOLERANCES[("gelu", dtype)]
+    spec = read_bridge(bridge)
+    parallel = layout != "sequential"
+    assert all(layer.parallel is parallel and (layer.ln2 is layer.ln1) is False for layer in spec.layers)
+
+
+def test_falcon_alibi_is_refused_naming_layer_and_piece() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn: ALiBi position biases"):
+        lens_aot.convert(bridge_of("falcon-alibi", torch.float32))

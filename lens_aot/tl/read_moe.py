@@ -119,6 +119,13 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     if getattr(experts, "is_transposed", False):  # [E, d_model, 2·d_mlp] and [E, d_mlp, d_model]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     act = _act_name(experts.act_fn, layer)
+    if router is not _unwrap(getattr(block, "gate", None)) and gate_up.dtype == torch.float64:
+        raise UnsupportedArchitectureError(
+            f"layer {layer} mlp: a router that takes the top-k of its float32 logits, then a softmax over those k "
+            "(GraniteMoe's 'router'), in a float64 model: the spec's routing (softmax over every expert, top-k, "
+            "renormalised) is the same function but reproduces those weights only to float32 rounding. Read the "
+            "bridge in float32 (bridge.to(torch.float32))."
+        )
     d_mlp = gate_up.shape[1] // 2
     specs = [
         MLPSpec(
