@@ -37,7 +37,7 @@ _REFUSED_BRIDGES = {
 _EXTRA_COMPONENTS = {
     "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
     "k_norm": "QK-norm ('k_norm') outside a PositionEmbeddingsAttentionBridge",
-    "gate": "an output gate (sigmoid(gate(x)) multiplies the attention output)",
+    "gate": "an output gate (act(gate(x)) multiplies the attention output: AFMoE sigmoid, Laguna softplus)",
 }
 
 
