@@ -211,3 +211,12 @@ def test_attention_output_gates_are_refused_naming_layer_and_piece(architecture:
     )
     with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn: an output gate \(act\(gate\(x\)\)"):
         lens_aot.convert(bridge)
+
+
+def test_revert_to_hooked_refuses_a_logit_multiplier(one_thread: None) -> None:
+    """The HookedTransformer config writer that ``revert(aot, to="hooked")`` uses names the logit multiplier."""
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    spec = read_bridge(bridge_of("granite", torch.float32))
+    with pytest.raises(UnsupportedArchitectureError, match="logit multiplier"):
+        variant_config(spec, 1e-5)
