@@ -439,7 +439,6 @@ def read_bridge(bridge: Any) -> ModelSpec:
             "multipliers": {
                 "embedding": embed_multiplier,
                 "residual": multipliers,
-                "attention": [None if native else r.scale for r in info.get("readings", [])],
             },
         },
     )
