@@ -92,14 +92,6 @@ REFUSED = {
         _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", num_key_value_heads=2, head_dim=8),
         r"^layer 0 attn: QK-norm applied after rotary",
     ),
-    "granite": (
-        _hf("GraniteConfig", "GraniteForCausalLM", num_key_value_heads=2),
-        r"^layer 0 block: a scaled residual",
-    ),
-    "cohere": (
-        _hf("CohereConfig", "CohereForCausalLM", num_key_value_heads=2),
-        r"^unembed: logits that are not unembed\(ln_final\(resid\)\)",
-    ),
     "bloom": (
         # ALiBi converts (tests/test_bridge_attention_variants.py); a residual taken after the norm does not.
         _hf("BloomConfig", "BloomForCausalLM", n_layer=2, n_head=4, apply_residual_connection_post_layernorm=True),

@@ -162,7 +162,10 @@ def sensitivity_hooks(
                 seen[hook.name.rsplit(".", 1)[1]] = act.detach()
 
             def perturb(out: Tensor, hook: Any) -> Tensor:
-                if not own_routing:  # the routing of the MoE's input, recorded at ln2, as the source computes it
+                # the routing of the MoE's input, recorded at ln2, as the source computes it: without routing hooks,
+                # or when they do not carry the indices (TransformerLens 4.3's GraniteMoe router hooks read the wrong
+                # elements of the router's output on transformers 5)
+                if not own_routing or seen["hook_expert_indices"].is_floating_point():
                     seen["hook_expert_indices"], seen["hook_expert_weights"] = route(moe, seen["hook_out"])
                 indices, weights = seen["hook_expert_indices"], seen["hook_expert_weights"]
                 if weights.shape != indices.shape:  # the softmax over all experts (TransformerLens's meaning)
@@ -182,7 +185,8 @@ def sensitivity_hooks(
                 return out + eps * step.reshape(out.shape)
 
             return [
-                *([(routing[0], record), (routing[1], record)] if own_routing else [(ln2, record)]),
+                *([(routing[0], record), (routing[1], record)] if own_routing else []),
+                *([(ln2, record)] if ln2 in names else []),
                 *[(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in shared],
                 (f"blocks.{layer}.hook_mlp_out", perturb),
             ]

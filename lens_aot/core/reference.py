@@ -224,6 +224,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
         resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
     logits = norm(resid, spec.ln_final) @ spec.W_U + spec.b_U
+    if spec.logits_scale is not None:
+        logits = logits * spec.logits_scale
     if spec.logits_soft_cap is not None:
         logits = spec.logits_soft_cap * torch.tanh(logits / spec.logits_soft_cap)
     return logits

@@ -180,6 +180,8 @@ class ModelSpec:
     model_name: str = "unnamed"
     source_kind: str = "HookedTransformer"  # or "TransformerBridge"
     extra: dict[str, Any] = field(default_factory=dict)
+    # Cohere ``logit_scale``, Granite ``1 / logits_scaling``: ``logits = multiplier · unembed(...)``, before the cap.
+    logits_scale: float | None = None
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
@@ -206,6 +208,8 @@ class ModelSpec:
             found.add("a post-embedding norm")
         if self.logits_soft_cap is not None:
             found.add("logit soft-capping")
+        if self.logits_scale is not None:
+            found.add("a logit multiplier")
         return sorted(found)
 
     @property

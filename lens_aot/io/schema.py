@@ -10,7 +10,7 @@ Schema (``?``: may be null)::
 
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
              extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
-             [embed_ln: norm], [logits_soft_cap: float]}
+             [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float]}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true]}
@@ -76,7 +76,7 @@ _ATTENTION_VARIANTS = (
     "scores_dtype",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm")
-_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap")
+_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
 _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
@@ -196,6 +196,8 @@ class Encoder:
             out["embed_ln"] = self.norm(spec.embed_ln, f"{key}.embed_ln")
         if spec.logits_soft_cap is not None:
             out["logits_soft_cap"] = float(spec.logits_soft_cap)
+        if spec.logits_scale is not None:
+            out["logits_scale"] = float(spec.logits_scale)
         return out
 
 
@@ -420,6 +422,7 @@ class Decoder:
             extra=dict(f["extra"]),
             embed_ln=self.norm(f.get("embed_ln"), f"{path}.embed_ln"),
             logits_soft_cap=_float_or_none(f.get("logits_soft_cap")),
+            logits_scale=_float_or_none(f.get("logits_scale")),
         )
 
     def _sigmoid_sum(self, obj: Any, path: str, extra: tuple[str, ...] = ()) -> ActivationFit:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
 from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_probe import refuse_piece
+from lens_aot.tl.read_nope import bridge_skips_rope
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
 _REFUSED_BRIDGES = {
@@ -37,7 +38,7 @@ _ALIBI_BRIDGES = ("BloomAttentionBridge", "MPTALiBiAttentionBridge")
 _EXTRA_COMPONENTS = {
     "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
     "k_norm": "QK-norm ('k_norm') outside a PositionEmbeddingsAttentionBridge",
-    "gate": "an output gate (sigmoid(gate(x)) multiplies the attention output)",
+    "gate": "an output gate (act(gate(x)) multiplies the attention output: AFMoE sigmoid, Laguna softplus)",
     "experts": "a mixture of attention heads (JetMoE's MoA: each token's query and output projections come from its "
     "top-k routed attention experts)",
 }
@@ -229,6 +230,7 @@ def _position_embeddings_attention(
     if scaling is None:
         scaling = float(hf_attn.head_dim) ** -0.5
     use_rope = getattr(hf_attn, "use_rope", True)  # SmolLM3's NoPE layers (the bridge drops their rotary)
+    use_rope = use_rope and not bridge_skips_rope(attn)  # Cohere2's full-attention layers (lens_aot.tl.read_nope)
     reading = AttentionReading(
         1.0 / float(scaling), torch.float32, "model" if use_rope else "none", adjacent, adjacent and not interleaved
     )

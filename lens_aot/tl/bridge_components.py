@@ -20,6 +20,7 @@ from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_float32 import carry_float32_step
+from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 
 SUPPORTED = (
     "TransformerBridge architectures read by their structure (docs/families.md) — decoder-only pre-norm blocks, "
@@ -209,7 +210,7 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
     # back (bridge_float32 reads where the scale is applied from the module's forward). 1 + weight is a float32
     # value, exact in float64.
-    if name.startswith("Gemma") and name.endswith("RMSNorm"):  # Gemma, Gemma 2, Gemma 3: the same forward
+    if computes_gemma_rmsnorm(module):  # Gemma, Gemma 2, Gemma 3, VaultGemma: the same forward
         scale = 1.0 + module.weight.detach().float()
         return NormSpec("RMS", float(module.eps), scale.to(module.weight.dtype), None, torch.float32, rsqrt=True)
     raise _refuse(f"a normalization module of type {name} called through its own forward")

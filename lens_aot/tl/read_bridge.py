@@ -53,7 +53,6 @@ from lens_aot.tl.bridge_components import (
     _embedding,
     _linear,
     _module_activation,
-    _norm,
     _original,
     _refuse,
     _source_model,
@@ -71,6 +70,15 @@ from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_mla import is_mla, read_mla
 from lens_aot.tl.read_moe import read_bridge_mlp
+from lens_aot.tl.read_multipliers import (
+    embedding_multiplier,
+    fold_residual_multiplier,
+    logit_multiplier,
+    residual_multiplier,
+    scaled,
+)
+from lens_aot.tl.read_nope import no_rotary
+from lens_aot.tl.read_norms import named_norm, optional_norm
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -79,7 +87,6 @@ _PLAIN_BLOCKS = ("BlockBridge", "ParallelBlockBridge")
 
 # Block bridges (and their pieces) lens_aot has no component for, each named in the refusal.
 _REFUSED_BLOCKS = {
-    "ScaledResidualBlockBridge": "a scaled residual (residual_multiplier: resid + m·sublayer, Granite)",
     "DelegatedAttentionBlockBridge": "attention delegated to another layer's key/value cache (shared-KV layers)",
     "SSMBlockBridge": "a state-space mixer (Mamba-style), not attention",
     "OpaqueBlockBridge": "a recurrent or hybrid mixer block (no attention/MLP pieces to read)",
@@ -146,11 +153,14 @@ def _check_block(layer: int, block: Any) -> None:
                 raise refuse_piece(layer, "mlp", _MLP_REFUSALS[name])
 
 
-def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tuple[bool, bool]:
+def _layout(
+    layer: int, calls: dict[tuple[int, str], Call], has: set[str], multiplier: float | None = None
+) -> tuple[bool, bool]:
     """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
 
     ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through
-    ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these).
+    ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these), then are multiplied
+    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``).
     """
     block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
     ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
@@ -164,7 +174,7 @@ def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tu
             "an input that is not ln1's output: post-LN blocks (BERT-style: resid = ln(resid + sublayer(resid)))",
             "Only pre-norm blocks (resid += sublayer(ln(resid))) are supported.",
         )
-    a_out = _post(layer, "ln1_post", attn.output, calls, has)
+    a_out = scaled(_post(layer, "ln1_post", attn.output, calls, has), multiplier)
     if "mlp" not in has:
         if not close(block.output, x + a_out):
             raise refuse_piece(layer, "block", "an output that is not input + attention (a residual multiplier?)")
@@ -186,7 +196,7 @@ def _layout(layer: int, calls: dict[tuple[int, str], Call], has: set[str]) -> tu
                 layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
             )
         shared = False
-    if not close(block.output, x + a_out + _post(layer, "ln2_post", mlp.output, calls, has)):
+    if not close(block.output, x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)):
         raise refuse_piece(
             layer,
             "block",
@@ -237,10 +247,12 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
     readings: list[AttentionReading] = []
     for layer, block in enumerate(blocks):
         readings.append(read_attention(layer, _component(block, "attn"), config, bridge.cfg, dtype, n_ctx))
-    ropes = {(r.rope, r.adjacent, r.relayout) for r in readings}
-    if len(ropes) != 1:
-        raise refuse_piece(None, "rotary_emb", "different rotary layouts in different layers (e.g. NoPE layers)")
-    first = readings[0]
+    # NoPE layers beside rotary ones (lens_aot.tl.read_nope) get tables of width 0 below
+    nope = [r.rope == "none" for r in readings] if {r.rope for r in readings} == {"model", "none"} else []
+    roped = [r for r in readings if not (nope and r.rope == "none")]
+    if len({(r.rope, r.adjacent, r.relayout) for r in roped}) != 1:
+        raise refuse_piece(None, "rotary_emb", "different rotary layouts in different layers")
+    first = roped[0]
     device = next(model.parameters()).device
     rotary = None
     layer_rotary: list[RotarySpec | None] = [None] * len(blocks)
@@ -263,6 +275,7 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         rotary = layer_rotary[0]
         # Layers whose type has other tables (Gemma 3's local layers) carry their own.
         layer_rotary = [None if table is rotary else table for table in layer_rotary]
+        layer_rotary = [no_rotary(rotary) if nope and nope[i] else t for i, t in enumerate(layer_rotary)]
     elif first.rope == "gptj":
         rotary_dim = int(_original(_component(blocks[0], "attn")).rotary_dim)
         if int(getattr(config, "max_position_embeddings", n_ctx)) < n_ctx:
@@ -346,10 +359,13 @@ def read_bridge(bridge: Any) -> ModelSpec:
             strip_inner_residuals(layer, block, calls, getattr(model, "config", None))
     finite = all(bool(c.input.isfinite().all() and c.output.isfinite().all()) for c in calls.values())
     attn_only = native and bool(getattr(cfg, "attn_only", False))
+    multipliers = [
+        None if native else residual_multiplier(layer, _original(block)) for layer, block in enumerate(blocks)
+    ]
     layouts = [
         None
         if attn_only
-        else _layout(layer, calls, _pieces(block))
+        else _layout(layer, calls, _pieces(block), multipliers[layer])
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
@@ -375,7 +391,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.alibi_key_origin = reading.alibi_key_origin
                 attn.scores_dtype = reading.scores_dtype
         mlp_bridge = _component(block, "mlp")
-        ln1 = _norm(_component(block, "ln1"), dtype)
+        ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):
             if mlp_bridge is not None:
                 raise _refuse("an attn_only config with MLP components")
@@ -387,7 +403,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             assert layout is not None
             parallel, shared = layout
             # One norm feeding both sublayers (GPT-J, Phi, Falcon): the spec's ln2 is the same NormSpec object.
-            ln2: NormSpec = ln1 if shared else _norm(_component(block, "ln2"), dtype)
+            ln2: NormSpec = ln1 if shared else named_norm(layer, "ln2", _component(block, "ln2"), dtype)
             act = info["act_fn"] if native else _module_activation(layer, mlp_bridge, getattr(model, "config", None))
             spec = LayerSpec(
                 ln1=ln1,
@@ -395,14 +411,17 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln2=ln2,
                 mlp=read_bridge_mlp(mlp_bridge, layer, dtype, act),
                 parallel=parallel,
-                ln1_post=_norm(post, dtype) if (post := _component(block, "ln1_post")) is not None else None,
-                ln2_post=_norm(post, dtype) if (post := _component(block, "ln2_post")) is not None else None,
+                ln1_post=optional_norm(layer, "ln1_post", block, dtype),
+                ln2_post=optional_norm(layer, "ln2_post", block, dtype),
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
+        fold_residual_multiplier(layer, spec, multipliers[layer])
         layers.append(spec)
 
-    W_E = _embedding(_component(bridge, "embed"))
+    hf_config = None if native else getattr(model, "config", None)
+    embed_multiplier = embedding_multiplier(hf_config)
+    W_E = scaled(_embedding(_component(bridge, "embed")), embed_multiplier)
     W_pos = None
     if info["positions"] == "standard":
         pos = _component(bridge, "pos_embed")
@@ -433,14 +452,17 @@ def read_bridge(bridge: Any) -> ModelSpec:
         causal=bool(info["causal"]),
         W_E=W_E,
         layers=layers,
-        ln_final=_norm(_component(bridge, "ln_final"), dtype),
+        ln_final=named_norm(None, "ln_final", _component(bridge, "ln_final"), dtype),
         W_U=W_U,
         b_U=b_U,
         positions=info["positions"],
         W_pos=W_pos,
         rotary=info["rotary"],
-        embed_ln=_norm(embed_ln, dtype) if (embed_ln := _component(bridge, "embed_ln")) is not None else None,
+        embed_ln=named_norm(None, "embed_ln", embed_ln, dtype)
+        if (embed_ln := _component(bridge, "embed_ln")) is not None
+        else None,
         logits_soft_cap=None if info.get("logits_soft_cap") is None else float(info["logits_soft_cap"]),
+        logits_scale=None if native else logit_multiplier(hf_config, calls, info.get("logits_soft_cap")),
         tokenizer=tokenizer,
         default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
         model_name=str(getattr(cfg, "model_name", "unnamed")),
@@ -450,15 +472,21 @@ def read_bridge(bridge: Any) -> ModelSpec:
             "architecture": getattr(cfg, "architecture", None),
             "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
             "source_config": source_config_fields(cfg),
+            "multipliers": {
+                "embedding": embed_multiplier,
+                "residual": multipliers,
+            },
         },
     )
     if not finite:
         _refuse_non_finite(spec, calls)
-    _verify_model(spec, calls, len(blocks))
+    _verify_model(spec, calls, len(blocks), embed_multiplier)
     return spec
 
 
-def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers: int) -> None:
+def _verify_model(
+    spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers: int, embed_multiplier: float | None = None
+) -> None:
     """Check what lies around the blocks against the recorded forward: the embeddings feed the first block, each
     block feeds the next, the final norm feeds the unembedding, and the logits are the unembedding's output."""
     logits, embed = calls.get((-1, "logits")), calls.get((-1, "embed"))
@@ -466,7 +494,7 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
         raise refuse_piece(None, "model", "a forward pass whose embedding, blocks or logits could not be recorded")
     tokens = logits.input
     with torch.no_grad():
-        if not close(spec.W_E[tokens], embed.output):
+        if not close(spec.W_E[tokens], scaled(embed.output, embed_multiplier)):
             raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
         first = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
         if spec.embed_ln is not None:  # BLOOM's word_embeddings_layernorm
@@ -487,6 +515,8 @@ def _verify_model(spec: ModelSpec, calls: dict[tuple[int, str], Call], n_layers:
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
         out = normed @ spec.W_U + spec.b_U
+        if spec.logits_scale is not None:
+            out = out * spec.logits_scale
         if spec.logits_soft_cap is not None:
             out = spec.logits_soft_cap * torch.tanh(out / spec.logits_soft_cap)
         if not close(out, logits.output):

@@ -115,7 +115,13 @@ def _hf_mlp(mlp: nn.Module, layer: int, what: str = "a shared expert") -> MLPSpe
 
 def is_sparse_moe(module: nn.Module) -> bool:
     """Whether ``module`` (unwrapped from its bridge) is a sparse-MoE block: a router ``gate`` and ``experts``."""
-    return hasattr(module, "experts") and hasattr(_unwrap(getattr(module, "gate", None)), "top_k")
+    return hasattr(module, "experts") and hasattr(_router(module), "top_k")
+
+
+def _router(block: Any) -> Any:
+    """The block's top-k router: ``gate`` (Mixtral, Qwen2-MoE, OLMoE) or ``router`` (GraniteMoe), unwrapped."""
+    gate = _unwrap(getattr(block, "gate", None))
+    return gate if hasattr(gate, "top_k") else _unwrap(getattr(block, "router", None))
 
 
 def is_dense_hf_mlp(module: nn.Module) -> bool:
@@ -186,7 +192,7 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
 def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     """A Hugging Face sparse-MoE block (module docstring), with its ``shared_expert`` / ``shared_experts`` (and
     ``shared_expert_gate``) and its router variant (:mod:`lens_aot.core.components.moe_router`)."""
-    router, experts = _unwrap(block.gate), _unwrap(block.experts)
+    router, experts = _router(block), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
     W = getattr(router, "weight", None)
@@ -200,6 +206,13 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     if getattr(experts, "is_transposed", False):  # [E, d_model, 2·d_mlp] and [E, d_mlp, d_model]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     act = _act_name(experts.act_fn, layer)
+    if router is not _unwrap(getattr(block, "gate", None)) and gate_up.dtype == torch.float64:
+        raise UnsupportedArchitectureError(
+            f"layer {layer} mlp: a router that takes the top-k of its float32 logits, then a softmax over those k "
+            "(GraniteMoe's 'router'), in a float64 model: the spec's routing (softmax over every expert, top-k, "
+            "renormalised) is the same function but reproduces those weights only to float32 rounding. Read the "
+            "bridge in float32 (bridge.to(torch.float32))."
+        )
     d_mlp = gate_up.shape[1] // 2
     specs = [
         MLPSpec(

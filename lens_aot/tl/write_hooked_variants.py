@@ -72,6 +72,8 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
     cap = _uniform(spec, "attention-score soft-cap", lambda layer: layer.attn.scores_soft_cap)
     if cap is not None:
         kwargs["attn_scores_soft_cap"] = float(cap)
+    if spec.logits_scale is not None:
+        raise _refuse("it multiplies its logits by a constant (a logit multiplier; TransformerLens has none)")
     if spec.logits_soft_cap is not None:
         kwargs["output_logits_soft_cap"] = float(spec.logits_soft_cap)
     clip = _uniform(spec, "QKV clipping", lambda layer: layer.attn.clip_qkv)

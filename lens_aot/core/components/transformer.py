@@ -22,6 +22,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.float32_norm import make_norm
+from lens_aot.core.components.logit_scale import LogitScale
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
@@ -152,14 +153,19 @@ class SpecTransformer(HookedRootModule):
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = make_norm(spec.ln_final)
         self.unembed = Unembed(spec.W_U, spec.b_U)
+        if spec.logits_scale is not None:
+            self.logits_scale = LogitScale(spec.logits_scale)
         if spec.logits_soft_cap is not None:
             self.logits_soft_cap = SoftCap(spec.logits_soft_cap)
         self.tokenizer = spec.tokenizer
 
     def logits(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab_out"]:
-        """``unembed(ln_final(resid))``, soft-capped when the source caps its logits (after ``unembed.hook_out``, as
-        TransformerLens's ``output_logits_soft_cap``)."""
+        """``unembed(ln_final(resid))``, times the source's logit multiplier if it has one (Cohere, Granite), then
+        soft-capped when the source caps its logits (both after ``unembed.hook_out``, as TransformerLens's
+        ``output_logits_soft_cap``)."""
         logits = self.unembed(self.ln_final(resid))
+        if hasattr(self, "logits_scale"):
+            logits = self.logits_scale(logits)
         return self.logits_soft_cap(logits) if hasattr(self, "logits_soft_cap") else logits
 
     def variant_specs(self) -> dict[str, Any]:
@@ -167,4 +173,5 @@ class SpecTransformer(HookedRootModule):
         return {
             "embed_ln": self.embed.ln.spec() if self.embed.ln is not None else None,
             "logits_soft_cap": self.logits_soft_cap.cap if hasattr(self, "logits_soft_cap") else None,
+            "logits_scale": self.logits_scale.multiplier if hasattr(self, "logits_scale") else None,
         }

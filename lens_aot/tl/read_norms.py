@@ -1,0 +1,55 @@
+"""Norm modules read by what their forward computes, and norm refusals that name the layer and the piece.
+
+A Hugging Face RMSNorm is recognised as Gemma's (``x.float() · rsqrt(mean(x²) + eps) · (1 + weight.float())``, cast
+back) by its class name or, for the families that copy it under another name (VaultGemma's ``VaultGemmaRMSNorm``),
+by having exactly the bytecode of transformers' own ``GemmaRMSNorm`` (``forward`` and ``_norm``); the bridge probe then
+checks the reading against the norm's recorded output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lens_aot.core.spec import NormSpec
+from lens_aot.errors import UnsupportedArchitectureError
+
+
+def _code(cls: type, name: str) -> bytes | None:
+    fn = getattr(cls, name, None)
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode())
+
+
+def computes_gemma_rmsnorm(module: nn.Module) -> bool:
+    """Whether ``module`` is a Gemma RMSNorm: by name (Gemma, Gemma 2, Gemma 3) or by the same code (VaultGemma)."""
+    name = type(module).__name__
+    if name.startswith("Gemma") and name.endswith("RMSNorm"):
+        return True
+    try:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    except ImportError:  # pragma: no cover - transformers ships Gemma in every supported version
+        return False
+    return all(
+        _code(type(module), attr) is not None and _code(type(module), attr) == _code(GemmaRMSNorm, attr)
+        for attr in ("forward", "_norm")
+    )
+
+
+def named_norm(layer: int | None, piece: str, norm_bridge: Any, dtype: Any) -> NormSpec:
+    """``bridge_components._norm`` of the block piece ``piece`` (``layer`` None: a model-level norm), its refusal
+    prefixed with the layer and the piece (``layer 0 ln1: this TransformerBridge uses ...``)."""
+    from lens_aot.tl.bridge_components import _norm
+
+    try:
+        return _norm(norm_bridge, dtype)
+    except UnsupportedArchitectureError as error:
+        where = piece if layer is None else f"layer {layer} {piece}"
+        raise type(error)(f"{where}: {error}") from error
+
+
+def optional_norm(layer: int, piece: str, block: Any, dtype: Any) -> NormSpec | None:
+    """The block's norm ``piece`` (``ln1_post`` / ``ln2_post``) read by :func:`named_norm`, or None without one."""
+    component = getattr(block, "_modules", {}).get(piece)
+    return None if component is None else named_norm(layer, piece, component, dtype)
