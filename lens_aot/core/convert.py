@@ -19,7 +19,8 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
-from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
+from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
+from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target
 from lens_aot.tl.hooks import attached_hooks
 
 
@@ -308,6 +309,7 @@ def convert(
     omega: float = 1e6,
     check: bool | Literal["warn"] = True,
     check_tokens: torch.Tensor | None = None,
+    into: type | None = None,
 ) -> Any:
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
 
@@ -336,11 +338,26 @@ def convert(
             a source with hooks attached or active dropout (not carried over). ``"warn"``: warn instead of raising
             (for experts). False: skip the check (nothing measured, nothing refused).
         check_tokens: tokens for that check (default: 2 random sequences of up to 64 tokens, fixed seed).
+        into: the class of the result (:func:`lens_aot.tl.hooked_sae.conversion_target`). None (default): the converted
+            class, or SAELens's ``HookedSAETransformer`` for a ``HookedSAETransformer`` source, whose attached SAEs
+            are carried over (detached from the source while it is converted and checked, then re-attached to both).
+            ``sae_lens.HookedSAETransformer``: one, from any source. ``HookedTransformer``: the converted class.
 
     Returns:
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
+    target = conversion_target(model, into)
+    if target is not None:  # SAELens's HookedSAETransformer (tl/hooked_sae.py)
+        if masks != "explicit":
+            raise InputError(
+                f"into=HookedSAETransformer needs masks='explicit' (got {masks!r}): pass into="
+                "transformer_lens.HookedTransformer to convert a HookedSAETransformer source otherwise"
+            )
+        options = dict(max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron, omega=omega)
+        with carrying_saes(model) as saes:
+            aot = convert(model, check=check, check_tokens=check_tokens, into=AttentionOnlyTransformer, **options)
+        return as_hooked_sae_transformer(aot, saes)
     _check_options(max_neuron_error, heads_per_neuron)
     half = half_dtype(model)
     if half is not None:
