@@ -23,6 +23,7 @@ Nothing here imports TransformerLens 3 or SAELens names at module import time.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,10 @@ def _sae_transformer_class() -> type | None:
 
 
 def is_hooked_sae_transformer(model: Any) -> bool:
-    """Whether ``model`` is an SAELens ``HookedSAETransformer`` (False where sae-lens cannot be imported)."""
+    """Whether ``model`` is an SAELens ``HookedSAETransformer`` (False where sae-lens is not imported: a model of that
+    class imported it; a plain conversion does not pay for importing sae-lens)."""
+    if "sae_lens" not in sys.modules:
+        return False
     cls = _sae_transformer_class()
     return cls is not None and isinstance(model, cls)
 
