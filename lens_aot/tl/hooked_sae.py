@@ -37,6 +37,7 @@ __all__ = [
     "as_hooked_sae_transformer",
     "carrying_saes",
     "conversion_target",
+    "has_attached_saes",
     "hooked_sae_class",
     "is_hooked_sae_transformer",
 ]
@@ -58,6 +59,11 @@ def is_hooked_sae_transformer(model: Any) -> bool:
         return False
     cls = _sae_transformer_class()
     return cls is not None and isinstance(model, cls)
+
+
+def has_attached_saes(model: Any) -> bool:
+    """Whether ``model`` is a ``HookedSAETransformer`` with SAEs attached (its forward runs them)."""
+    return is_hooked_sae_transformer(model) and bool(getattr(model, "_acts_to_saes", {}))
 
 
 def conversion_target(model: Any, into: type | None) -> type | None:

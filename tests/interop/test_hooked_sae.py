@@ -152,7 +152,8 @@ def _spliced_reference(pair: Pair, sae: Any) -> tuple[torch.Tensor, torch.Tensor
 
 def test_add_sae_reset_saes_and_error_term() -> None:
     """``add_sae`` stays attached across forwards until ``reset_saes``; ``use_error_term=True`` gives the model's
-    own logits back; the plain forward afterwards is the conversion's."""
+    own logits back; the plain forward afterwards is the conversion's; ``exclude_special_tokens`` bypasses the SAE
+    at the given tokens, as on the source."""
     pair = sae_pair("sae-ln-gelu-fp64")
     sae = make_sae("blocks.0.hook_resid_post", int(pair.source.cfg.d_model), torch.float64, "jumprelu")
     bound = sae_bound(pair, sae)
@@ -172,6 +173,13 @@ def test_add_sae_reset_saes_and_error_term() -> None:
         with_error = pair.aot.run_with_saes(pair.tokens, saes=[sae], use_error_term=True)
     assert_close(plain, plain_want, pair.logit_bound, "forward after reset_saes")
     assert_close(with_error, plain, 1e-12, "run_with_saes(use_error_term=True) = the model's own logits")
+    excluded = [int(pair.tokens[0, 0])]  # the SAE is bypassed where this token stands
+    with torch.no_grad():
+        want = pair.source.run_with_saes(pair.tokens, saes=[sae], exclude_special_tokens=excluded)
+        got = pair.aot.run_with_saes(pair.tokens, saes=[sae], exclude_special_tokens=excluded)
+        everywhere = pair.aot.run_with_saes(pair.tokens, saes=[sae])
+    assert_close(got, want, bound, "run_with_saes(exclude_special_tokens=[...])")
+    assert float((got - everywhere).abs().max()) > 1e3 * bound, "the exclusion changed nothing"
 
 
 def test_attached_saes_are_carried() -> None:
@@ -190,6 +198,20 @@ def test_attached_saes_are_carried() -> None:
     with torch.no_grad():
         want, got = source(tokens), aot(tokens)
     assert_close(got, want, bound, "carried SAE, forward")
+
+
+def test_attached_saes_into_a_plain_model() -> None:
+    """``into=HookedTransformer``: the plain converted model, checked against the source without its SAEs, which the
+    source keeps."""
+    from transformer_lens import HookedTransformer
+
+    source = _source("sae", "ln-standard", "gelu", torch.float64)
+    sae = make_sae("blocks.1.hook_resid_pre", int(source.cfg.d_model), torch.float64, "standard")
+    source.add_sae(sae)
+    aot = lens_aot.convert(source, into=HookedTransformer)
+    assert not isinstance(aot, sae_lens.HookedSAETransformer)
+    assert aot.report.max_abs_logit_error <= aot.report.logit_bound
+    assert source.acts_to_saes == {"blocks.1.hook_resid_pre": sae}
 
 
 def test_attached_saes_restored_when_conversion_fails() -> None:
