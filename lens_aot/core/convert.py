@@ -20,7 +20,8 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
-from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
+from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
+from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
 from lens_aot.tl.hooks import attached_hooks
 
 
@@ -344,6 +345,7 @@ def convert(
     check: bool | Literal["warn"] = True,
     check_tokens: torch.Tensor | None = None,
     max_residual_norm: float | None = None,
+    into: type | None = None,
 ) -> Any:
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
 
@@ -379,11 +381,33 @@ def convert(
             weights (:func:`lens_aot.core.residual_bound.mlp_input_radii`: every token's residual is within it). A
             smaller value gives a tighter construction for the range you use; a larger one widens what is accepted
             (e.g. for interventions that write large vectors into the residual).
+        into: the class of the result (:func:`lens_aot.tl.hooked_sae.conversion_target`). None (default): the converted
+            class, or SAELens's ``HookedSAETransformer`` for a ``HookedSAETransformer`` source, whose attached SAEs
+            are carried over (detached from the source while it is converted and checked, then re-attached to both).
+            ``sae_lens.HookedSAETransformer``: one, from any source. ``HookedTransformer``: the converted class (a
+            ``HookedSAETransformer`` source's SAEs are detached for the conversion, then re-attached to it only).
 
     Returns:
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
+    target = conversion_target(model, into)
+    if target is not None or has_attached_saes(model):  # SAELens's HookedSAETransformer (tl/hooked_sae.py)
+        if target is not None and masks != "explicit":
+            raise InputError(
+                f"into=HookedSAETransformer needs masks='explicit' (got {masks!r}): pass into="
+                "transformer_lens.HookedTransformer to convert a HookedSAETransformer source otherwise"
+            )
+        options = dict(
+            max_neuron_error=max_neuron_error,
+            heads_per_neuron=heads_per_neuron,
+            masks=masks,
+            omega=omega,
+            max_residual_norm=max_residual_norm,
+        )
+        with carrying_saes(model) as saes:  # the check compares the models without the source's SAEs
+            aot = convert(model, check=check, check_tokens=check_tokens, into=AttentionOnlyTransformer, **options)
+        return aot if target is None else as_hooked_sae_transformer(aot, saes)
     _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
     half = half_dtype(model)
     if half is not None:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 import lens_aot
 from lens_aot.core.faithfulness import SENSITIVITY_FACTOR, neuron_sensitivity, rounding_floor
+from lens_aot.errors import UnsupportedArchitectureError
 
 SELFCHECK = os.environ.get("LENS_AOT_INTEROP_SELFCHECK", "") not in ("", "0")
 
@@ -50,6 +51,25 @@ HOOKED_FAMILIES = {
 }
 FAMILY_NAMES = [*BRIDGE_FAMILIES, *(HOOKED_FAMILIES if HAS_HOOKED_TRANSFORMER else {}), "trained-modular-addition"]
 BATCH, POS = 2, 8
+# Issue 22 item 8: the interop matrix's cheapest cells (tests/interop/test_new_families.py) on the new families,
+# name -> (builder, dtype). TransformerBridge (TL 3.9 and 4.3): Gemma-2 (soft-caps, sandwich norms, windows; float32:
+# its float64 RMSNorm is refused), Qwen3 (QK-norm, float64), Mixtral and Qwen2-MoE (shared expert), OLMo-2 (post
+# norms; skipped while its conversion is refused); HookedTransformer (TL 3.9): Gemma-2 (the Gemma Scope SAE through
+# HookedSAETransformer) and OLMo-2 as configs (the bridges cover Qwen3 and the MoEs under 3.9 too).
+NEW_BRIDGE_FAMILIES = {
+    "bridge-gemma2": ("gemma2", torch.float32),
+    "bridge-qwen3": ("qwen3", torch.float64),
+    "bridge-mixtral": ("moe:mixtral", torch.float32),
+    "bridge-qwen2-moe": ("moe:qwen2_moe", torch.float32),
+    "bridge-olmo2": ("olmo2", torch.float32),
+}
+NEW_HOOKED_FAMILIES = {
+    "hooked-gemma2": ("variant:gemma2", torch.float64),
+    "hooked-olmo2": ("variant:olmo2-post-norm", torch.float64),
+}
+NEW_FAMILY_NAMES = [*NEW_BRIDGE_FAMILIES, *(NEW_HOOKED_FAMILIES if HAS_HOOKED_TRANSFORMER else {})]
+# Families whose conversion may still be refused on this branch (the tests skip, naming the refusal).
+PENDING_FAMILIES = {"bridge-olmo2"}
 # Functions that only combine ones the matrix runs on every family (``*_every``, ``dest_src_pos``) run on these: the
 # trained model (one layer, 4 heads, neurons) is the cheapest pair, under both TransformerLens majors.
 WRAPPER_FAMILIES = ["trained-modular-addition"]
@@ -117,7 +137,30 @@ def _tokens(vocab: int, seed: int) -> tuple[Tensor, Tensor]:
     return tokens, corrupted
 
 
+def _new_family_source(name: str) -> Any:
+    """A source of :data:`NEW_BRIDGE_FAMILIES` / :data:`NEW_HOOKED_FAMILIES` (the tests' factories)."""
+    builder, dtype = {**NEW_BRIDGE_FAMILIES, **NEW_HOOKED_FAMILIES}[name]
+    if builder.startswith("variant:"):
+        from variants_hooked import make_variant
+
+        return make_variant(builder.removeprefix("variant:"), dtype).eval()
+    if builder.startswith("moe:"):
+        from factories_moe import moe_bridge
+
+        return moe_bridge(builder.removeprefix("moe:"), dtype)
+    from factories_bridge import make_bridge
+
+    if builder == "olmo2":  # not (yet) in factories_bridge: built as test_bridge_families builds it
+        from factories_bridge import FAMILIES, _hf
+
+        FAMILIES.setdefault("olmo2", _hf("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2))
+    return make_bridge(builder, dtype=dtype, tokenizer=True)
+
+
 def _build_source(name: str) -> tuple[Any, Tensor, Tensor]:
+    if name in NEW_BRIDGE_FAMILIES or name in NEW_HOOKED_FAMILIES:
+        source = _new_family_source(name)
+        return (source, *_tokens(int(source.cfg.d_vocab), 0))
     if name in BRIDGE_FAMILIES:
         from factories_bridge import make_bridge
 
@@ -144,6 +187,7 @@ def _build_source(name: str) -> tuple[Any, Tensor, Tensor]:
 
 
 _CACHE: dict[str, Pair] = {}
+_REFUSED: dict[str, str] = {}  # pending family -> why its conversion was refused
 # (test id, what, max |Δ|, bound) of every comparison: printed after the run (conftest), the docs' figures
 FIGURES: list[tuple[str, str, float, float]] = []
 
@@ -153,10 +197,18 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     """One (source, converted) pair per family, built once per session (tests must not change either model;
     switches set with ``set_use_*`` are restored by the test that sets them)."""
     name: str = request.param
+    if name in _REFUSED:
+        pytest.skip(_REFUSED[name])
     if name not in _CACHE:
         torch.manual_seed(0)
         source, tokens, corrupted = _build_source(name)
-        aot = lens_aot.convert(source, check_tokens=torch.cat([tokens, corrupted]))
+        try:
+            aot = lens_aot.convert(source, check_tokens=torch.cat([tokens, corrupted]))
+        except UnsupportedArchitectureError as e:
+            if name not in PENDING_FAMILIES:
+                raise
+            _REFUSED[name] = f"{name} does not convert on this branch yet: {e}"
+            pytest.skip(_REFUSED[name])
         _CACHE[name] = Pair(name, source, source if SELFCHECK else aot, aot, tokens, corrupted)
     return _CACHE[name]
 
