@@ -228,7 +228,7 @@ def discover(
     """
     granularity = _granularity(granularity)
     alphas = _method(method, steps)
-    check_supported(aot)
+    check_supported(aot, granularity)
     if top_nodes is not None and (isinstance(top_nodes, bool) or not isinstance(top_nodes, int) or top_nodes < 1):
         raise InputError(f"top_nodes must be a positive int or None (keep every neuron); got {top_nodes!r}")
     data = list(batches(aot, dataset))

@@ -98,11 +98,13 @@ class Graph:
         cls, aot: Any, granularity: Granularity = "neuron", *, neurons: dict[int, Sequence[int]] | None = None
     ) -> Graph:
         """Every node and edge of ``aot`` at ``granularity`` (``"neuron"``: every neuron, or only ``neurons``, a
-        ``{layer: [neuron, ...]}`` subset). Raises :class:`InputError` for grouped-query attention (a k/v input is
-        shared by several heads, so it cannot be one head's edge) or when the edges would exceed ``MAX_EDGES``."""
+        ``{layer: [neuron, ...]}`` subset). Under grouped-query attention each query head has its own k and v input
+        (EAP-IG's ``ungroup_grouped_query_attention``), so ``a{l}.h{h}<k>`` is one head's edge. Raises
+        :class:`InputError` for mixture-of-experts layers at ``"neuron"`` granularity or when the edges would exceed
+        ``MAX_EDGES``."""
         granularity = _granularity(granularity)
         cfg = model_cfg(aot, granularity)
-        check_supported(aot)
+        check_supported(aot, granularity)
         return cls._build(cfg, neurons)
 
     @classmethod
