@@ -42,3 +42,13 @@ class HookNameError(LensAOTError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else ""
+
+
+def one_of(name: str, value: object, options: dict[str, str]) -> str:
+    """``value`` when it is one of ``options`` (``{choice: what it means}``), else an :class:`InputError` naming the
+    argument and explaining each choice (``"method must be 'EAP' (…) or 'EAP-IG' (…); got 'x'"``)."""
+    if isinstance(value, str) and value in options:
+        return value
+    spelled = [f"{choice!r}" + (f" ({meaning})" if meaning else "") for choice, meaning in options.items()]
+    listed = spelled[0] if len(spelled) == 1 else ", ".join(spelled[:-1]) + " or " + spelled[-1]
+    raise InputError(f"{name} must be {listed}; got {value!r}")

@@ -38,7 +38,7 @@ from lens_aot.analysis.circuits.layout import (
     record,
     split_inputs,
 )
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, one_of
 
 DiscoverMethod = Literal["EAP", "EAP-IG"]
 _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
@@ -46,11 +46,11 @@ _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
 
 def _method(method: str, steps: int) -> list[float | None]:
     """The interpolation points of the gradient runs: None (the clean run, EAP) or ``k / steps`` (EAP-IG)."""
-    if method not in ("EAP", "EAP-IG"):
-        raise InputError(
-            f"method must be 'EAP' (one gradient on the clean run) or 'EAP-IG' (gradients averaged over `steps` "
-            f"inputs interpolated from corrupted to clean); got {method!r}"
-        )
+    options = {
+        "EAP": "one gradient on the clean run",
+        "EAP-IG": "gradients averaged over `steps` inputs interpolated from corrupted to clean",
+    }
+    one_of("method", method, options)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive int (interpolation points for method='EAP-IG'); got {steps!r}")
     return [None] if method == "EAP" else [k / steps for k in range(steps)]

@@ -28,7 +28,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lens_aot.analysis.circuits.layout import check_supported
-from lens_aot.errors import InputError, LoadError
+from lens_aot.errors import InputError, LoadError, one_of
 
 Granularity = Literal["mlp", "neuron"]
 QKV = ("", "q", "k", "v")  # code 0: a receiver without q/k/v (an MLP, a neuron, the logits)
@@ -37,12 +37,8 @@ MAX_EDGES = 20_000_000
 
 
 def _granularity(granularity: str) -> Granularity:
-    if granularity not in ("mlp", "neuron"):
-        raise InputError(
-            f"granularity must be 'mlp' (one node per MLP, EAP-IG's graph) or 'neuron' (one node per MLP neuron); "
-            f"got {granularity!r}"
-        )
-    return granularity  # type: ignore[return-value]
+    options = {"mlp": "one node per MLP, EAP-IG's graph", "neuron": "one node per MLP neuron"}
+    return one_of("granularity", granularity, options)  # type: ignore[return-value]
 
 
 def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
