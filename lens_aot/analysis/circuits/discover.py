@@ -42,6 +42,7 @@ from lens_aot.errors import InputError, one_of
 
 DiscoverMethod = Literal["EAP", "EAP-IG"]
 _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _method(method: str, steps: int) -> list[float | None]:
@@ -206,11 +207,31 @@ def _neuron_input_grads(
     for start in range(0, len(neurons), step):
         c = cols[start : start + step]
         v = sum(grads[pm.hook][:, :, c, None] * pm.W[:, c].T for pm in maps)  # [b, p, k, d]
-        with torch.enable_grad():
-            xe = x[:, :, None].expand(-1, -1, len(c), -1).clone().requires_grad_(True)
-            (g,) = torch.autograd.grad(aot.blocks[layer].ln2(xe), xe, v)
-        out.append(g)
+        out.append(_norm_backward(aot.blocks[layer].ln2, x, v))
     return torch.cat(out, dim=2)
+
+
+def _norm_backward(
+    norm: Any, x: Float[Tensor, "batch pos d_model"], v: Float[Tensor, "batch pos k d_model"]
+) -> Float[Tensor, "batch pos k d_model"]:
+    """``v``'s pull-back through ``norm`` at ``x``, for ``k`` upstream gradients at once (one per neuron). LayerNorm
+    and RMSNorm in closed form (``x_c`` = ``x`` centred for LN; ``s = sqrt(mean(x_c²) + eps)``; ``u = v·w``):
+    ``∂/∂x_c = u/s − x_c·(x_c·u)/(d·s³)``, then centred again for LN. Other norms (a compute dtype of their own,
+    half precision): autograd on ``k`` copies of ``x``."""
+    kind = getattr(norm, "kind", "other")
+    if kind is None:
+        return v
+    if kind not in ("LN", "LNPre", "RMS", "RMSPre") or norm.compute_dtype is not None or x.dtype in _HALF:
+        with torch.enable_grad():
+            xe = x[:, :, None].expand(-1, -1, v.shape[2], -1).clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(norm(xe), xe, v)
+        return g
+    xc = x - x.mean(-1, keepdim=True) if kind in ("LN", "LNPre") else x
+    s = (xc.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # [b, p, 1]
+    u = v * norm.w if norm.w is not None else v
+    dot = torch.einsum("bpkd,bpd->bpk", u, xc)[..., None]  # [b, p, k, 1]
+    g = u / s[:, :, None] - xc[:, :, None] * (dot / (xc.shape[-1] * s.pow(3)[:, :, None]))
+    return g - g.mean(-1, keepdim=True) if kind in ("LN", "LNPre") else g
 
 
 def _neuron_scores(aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[float | None]) -> list[Tensor]:
