@@ -32,9 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_shapes import SHAPES, build_source, default_source_kind  # noqa: E402
+from bench_shapes import SHAPES, gpt2_pair  # noqa: E402
 
-import lens_aot  # noqa: E402
 from lens_aot import patching as P  # noqa: E402
 from lens_aot.core.read import run_source  # noqa: E402
 
@@ -73,10 +72,7 @@ def main() -> None:
     parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kind = default_source_kind() if args.source == "auto" else args.source
-    SHAPES["gpt2"]["n_layers"] = args.layers
-    source = build_source("gpt2", kind, "cpu")
-    aot = lens_aot.convert(source, check=False).eval()
+    source, aot = gpt2_pair(args.layers, args.source)
     gen = torch.Generator().manual_seed(0)
     vocab = SHAPES["gpt2"]["d_vocab"]
     clean = torch.randint(0, vocab, (1, args.tokens), generator=gen)

@@ -25,9 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attribution import peak_extra  # noqa: E402
-from bench_shapes import SHAPES, build_source, default_source_kind  # noqa: E402
+from bench_shapes import SHAPES, gpt2_pair  # noqa: E402
 
-import lens_aot  # noqa: E402
 from lens_aot.circuits import discover  # noqa: E402
 from lens_aot.core.read import run_source  # noqa: E402
 
@@ -44,10 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    kind = default_source_kind() if args.source == "auto" else args.source
-    SHAPES["gpt2"]["n_layers"] = args.layers
-    source = build_source("gpt2", kind, "cpu")
-    aot = lens_aot.convert(source, check=False).eval()
+    source, aot = gpt2_pair(args.layers, args.source)
     gen = torch.Generator().manual_seed(0)
     vocab = SHAPES["gpt2"]["d_vocab"]
     clean = torch.randint(0, vocab, (args.pairs, args.tokens), generator=gen)

@@ -163,6 +163,15 @@ def default_source_kind() -> str:
     return "hooked" if has_hooked_transformer() else "bridge"
 
 
+def gpt2_pair(n_layers: int, source_kind: str = "auto") -> tuple[Any, lens_aot.AttentionOnlyTransformer]:
+    """The GPT-2-small-shaped source with ``n_layers`` layers (random weights, CPU; ``source_kind`` "hooked",
+    "bridge" or "auto") and its conversion (``check=False``: the benchmarks time work, not the check)."""
+    kind = default_source_kind() if source_kind == "auto" else source_kind
+    SHAPES["gpt2"]["n_layers"] = n_layers
+    source = build_source("gpt2", kind, "cpu")
+    return source, lens_aot.convert(source, check=False).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")

@@ -47,3 +47,13 @@ class HookNameError(LensAOTError, KeyError):
 class InputRangeError(InputError):
     """A converted gated MLP with no normalization before it was given an input outside the range its stated error
     bound holds on (``convert``'s ``max_residual_norm``): raised instead of returning an output beyond that bound."""
+
+
+def one_of(name: str, value: object, options: dict[str, str]) -> str:
+    """``value`` when it is one of ``options`` (``{choice: what it means}``), else an :class:`InputError` naming the
+    argument and explaining each choice (``"method must be 'EAP' (…) or 'EAP-IG' (…); got 'x'"``)."""
+    if isinstance(value, str) and value in options:
+        return value
+    spelled = [f"{choice!r}" + (f" ({meaning})" if meaning else "") for choice, meaning in options.items()]
+    listed = spelled[0] if len(spelled) == 1 else ", ".join(spelled[:-1]) + " or " + spelled[-1]
+    raise InputError(f"{name} must be {listed}; got {value!r}")

@@ -32,6 +32,8 @@ def prepare(model: Any) -> Any:
     model.set_use_split_qkv_input(True)
     model.set_use_attn_result(True)
     model.set_use_hook_mlp_in(True)
+    if model.cfg.n_key_value_heads is not None:
+        model.set_ungroup_grouped_query_attention(True)  # one k and v input per query head, as EAP-IG requires
     return model
 
 

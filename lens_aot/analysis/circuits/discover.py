@@ -38,19 +38,20 @@ from lens_aot.analysis.circuits.layout import (
     record,
     split_inputs,
 )
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, one_of
 
 DiscoverMethod = Literal["EAP", "EAP-IG"]
 _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _method(method: str, steps: int) -> list[float | None]:
     """The interpolation points of the gradient runs: None (the clean run, EAP) or ``k / steps`` (EAP-IG)."""
-    if method not in ("EAP", "EAP-IG"):
-        raise InputError(
-            f"method must be 'EAP' (one gradient on the clean run) or 'EAP-IG' (gradients averaged over `steps` "
-            f"inputs interpolated from corrupted to clean); got {method!r}"
-        )
+    options = {
+        "EAP": "one gradient on the clean run",
+        "EAP-IG": "gradients averaged over `steps` inputs interpolated from corrupted to clean",
+    }
+    one_of("method", method, options)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive int (interpolation points for method='EAP-IG'); got {steps!r}")
     return [None] if method == "EAP" else [k / steps for k in range(steps)]
@@ -132,9 +133,24 @@ class _Scorer:
                 layer, n = name[1:].split(".n")
                 self.neurons.setdefault(int(layer), []).append(int(n))
                 self.neuron_nodes.setdefault(int(layer), []).append(i)
+        # dense senders (input, then per layer its heads and, at mlp granularity, its MLP): how many precede a
+        # receiver of each layer. Later senders are not in its input, so they are never scored.
+        self.before_attn: list[int] = []
+        self.before_mlp: list[int] = []
+        count = 1
+        for layer in range(len(aot.blocks)):
+            self.before_attn.append(count)
+            count += aot.cfg.n_heads
+            self.before_mlp.append(self.before_attn[-1] if aot.blocks[layer].parallel else count)
+            count += int(graph.granularity == "mlp" and has_mlp(aot, layer))
+        self.n_dense = count
+        self._dense: tuple[dict[str, Tensor], list[int], Tensor] | None = None
 
     def _dense_senders(self, diff: dict[str, Tensor]) -> tuple[list[int], Tensor]:
-        """Every non-neuron sender's change ``[b, p, s, d]`` (input, heads, MLPs) and its node index."""
+        """Every non-neuron sender's change ``[b, p, s, d]`` (input, heads, MLPs) and its node index (computed once
+        per batch: ``diff`` is the batch's)."""
+        if self._dense is not None and self._dense[0] is diff:
+            return self._dense[1], self._dense[2]
         g, aot = self.graph, self.aot
         idx, parts = [g.node_index["input"]], [diff["blocks.0.hook_resid_pre"][:, :, None]]
         for layer in range(len(aot.blocks)):
@@ -143,19 +159,33 @@ class _Scorer:
             if g.granularity == "mlp" and has_mlp(aot, layer):
                 idx.append(g.node_index[f"m{layer}"])
                 parts.append(diff[f"blocks.{layer}.hook_mlp_out"][:, :, None])
-        return idx, torch.cat(parts, dim=2)
+        self._dense = (diff, idx, torch.cat(parts, dim=2))
+        return self._dense[1], self._dense[2]
 
-    def add(self, diff: dict[str, Tensor], receivers: list[tuple[int, int]], G: Tensor, weight: float) -> None:
-        """Add ``weight · Σ_{b,p} Δ_s · G_r`` for receivers ``(node, qkv)`` with input gradients ``G [b,p,r,d]``."""
+    def add(
+        self,
+        diff: dict[str, Tensor],
+        receivers: list[tuple[int, int]],
+        G: Tensor,
+        weight: float,
+        where: tuple[str, int] = ("logits", -1),
+    ) -> None:
+        """Add ``weight · Σ_{b,p} Δ_s · G_r`` for receivers ``(node, qkv)`` with input gradients ``G [b,p,r,d]``,
+        over the senders before them: ``where`` is ("attn" | "mlp", layer) or ("logits", -1)."""
         cols = torch.tensor([self.slots[r] for r in receivers if r in self.slots], dtype=torch.long)
         keep = torch.tensor([r in self.slots for r in receivers])
         if not len(cols):
             return
         G = G[:, :, keep]
+        kind, at = where
+        n_dense = {"attn": self.before_attn, "mlp": self.before_mlp}[kind][at] if kind != "logits" else self.n_dense
+        last = len(self.aot.blocks) if kind == "logits" else at  # neurons of earlier layers only
         idx, dense = self._dense_senders(diff)
-        block = torch.einsum("bpsd,bprd->sr", dense, G).double()
-        self.T[torch.tensor(idx)[:, None], cols[None, :]] += weight * block.cpu()
+        block = torch.einsum("bpsd,bprd->sr", dense[:, :, :n_dense], G).double()
+        self.T[torch.tensor(idx[:n_dense])[:, None], cols[None, :]] += weight * block.cpu()
         for layer, neurons in self.neurons.items():
+            if layer >= last:
+                continue
             dpost = diff[f"blocks.{layer}.mlp.hook_post"][:, :, neurons]  # [b, p, k]
             w_out = self.aot.blocks[layer].mlp.W_out[neurons]  # [k, d]
             step = max(1, _CHUNK // max(1, G.shape[0] * G.shape[1] * len(neurons)))
@@ -177,11 +207,31 @@ def _neuron_input_grads(
     for start in range(0, len(neurons), step):
         c = cols[start : start + step]
         v = sum(grads[pm.hook][:, :, c, None] * pm.W[:, c].T for pm in maps)  # [b, p, k, d]
-        with torch.enable_grad():
-            xe = x[:, :, None].expand(-1, -1, len(c), -1).clone().requires_grad_(True)
-            (g,) = torch.autograd.grad(aot.blocks[layer].ln2(xe), xe, v)
-        out.append(g)
+        out.append(_norm_backward(aot.blocks[layer].ln2, x, v))
     return torch.cat(out, dim=2)
+
+
+def _norm_backward(
+    norm: Any, x: Float[Tensor, "batch pos d_model"], v: Float[Tensor, "batch pos k d_model"]
+) -> Float[Tensor, "batch pos k d_model"]:
+    """``v``'s pull-back through ``norm`` at ``x``, for ``k`` upstream gradients at once (one per neuron). LayerNorm
+    and RMSNorm in closed form (``x_c`` = ``x`` centred for LN; ``s = sqrt(mean(x_c²) + eps)``; ``u = v·w``):
+    ``∂/∂x_c = u/s − x_c·(x_c·u)/(d·s³)``, then centred again for LN. Other norms (a compute dtype of their own,
+    half precision): autograd on ``k`` copies of ``x``."""
+    kind = getattr(norm, "kind", "other")
+    if kind is None:
+        return v
+    if kind not in ("LN", "LNPre", "RMS", "RMSPre") or norm.compute_dtype is not None or x.dtype in _HALF:
+        with torch.enable_grad():
+            xe = x[:, :, None].expand(-1, -1, v.shape[2], -1).clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(norm(xe), xe, v)
+        return g
+    xc = x - x.mean(-1, keepdim=True) if kind in ("LN", "LNPre") else x
+    s = (xc.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # [b, p, 1]
+    u = v * norm.w if norm.w is not None else v
+    dot = torch.einsum("bpkd,bpd->bpk", u, xc)[..., None]  # [b, p, k, 1]
+    g = u / s[:, :, None] - xc[:, :, None] * (dot / (xc.shape[-1] * s.pow(3)[:, :, None]))
+    return g - g.mean(-1, keepdim=True) if kind in ("LN", "LNPre") else g
 
 
 def _neuron_scores(aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[float | None]) -> list[Tensor]:
@@ -228,7 +278,7 @@ def discover(
     """
     granularity = _granularity(granularity)
     alphas = _method(method, steps)
-    check_supported(aot)
+    check_supported(aot, granularity)
     if top_nodes is not None and (isinstance(top_nodes, bool) or not isinstance(top_nodes, int) or top_nodes < 1):
         raise InputError(f"top_nodes must be a positive int or None (keep every neuron); got {top_nodes!r}")
     data = list(batches(aot, dataset))
@@ -297,15 +347,16 @@ def _score_batch(
         for layer in range(n_layers):
             for code, x in enumerate("qkv", start=1):
                 recv = [(ni[f"a{layer}.h{h}"], code) for h in range(aot.cfg.n_heads)]
-                scorer.add(ends.diff, recv, grads[f"blocks.{layer}.hook_{x}_input"], w)
+                scorer.add(ends.diff, recv, grads[f"blocks.{layer}.hook_{x}_input"], w, ("attn", layer))
             if not has_mlp(aot, layer):
                 continue
             if granularity == "mlp":
-                scorer.add(ends.diff, [(ni[f"m{layer}"], 0)], grads[f"blocks.{layer}.hook_mlp_in"][:, :, None], w)
+                G = grads[f"blocks.{layer}.hook_mlp_in"][:, :, None]
+                scorer.add(ends.diff, [(ni[f"m{layer}"], 0)], G, w, ("mlp", layer))
             elif scorer.neurons.get(layer):
                 neurons = scorer.neurons[layer]
                 G = _neuron_input_grads(aot, layer, neurons, values[f"blocks.{layer}.hook_mlp_in"], grads)
-                scorer.add(ends.diff, [(i, 0) for i in scorer.neuron_nodes[layer]], G, w)
+                scorer.add(ends.diff, [(i, 0) for i in scorer.neuron_nodes[layer]], G, w, ("mlp", layer))
         scorer.add(ends.diff, [(len(graph.nodes) - 1, 0)], grads[final_resid(aot)][:, :, None], w)
         # node scores: Δout · ∂metric/∂out
         ns = scorer.node_scores

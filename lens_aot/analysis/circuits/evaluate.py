@@ -64,7 +64,7 @@ def _check_graph(aot: Any, graph: Graph) -> None:
     if not isinstance(graph, Graph):
         raise InputError(f"graph must be a lens_aot.circuits.Graph; got {type(graph).__name__}")
     check_model(graph.cfg, aot)
-    check_supported(aot)
+    check_supported(aot, graph.granularity)
 
 
 class _Runner:

@@ -21,7 +21,7 @@ from typing import Any
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
 from lens_aot.analysis.circuits.evaluate import evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.graph import Graph
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, one_of
 
 MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -115,8 +115,7 @@ def faithfulness_curve(
     as edge counts instead of fractions (counts above the graph's edges are clipped to it); ``selection`` "topn"
     (MIB: the top edges by ``|score|``, then pruned) or "greedy" (EAP-IG's ``apply_greedy``: grown from the logits, so
     every edge is connected). ``graph``'s own circuit is left as it was."""
-    if selection not in ("topn", "greedy"):
-        raise InputError(f"selection must be 'topn' or 'greedy'; got {selection!r}")
+    one_of("selection", selection, {"topn": "the top edges, pruned", "greedy": "grown from the logits"})
     total = len(graph.src)
     if n_edges is None:
         fr = [float(s) for s in sizes]

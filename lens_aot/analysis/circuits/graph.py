@@ -28,7 +28,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lens_aot.analysis.circuits.layout import check_supported
-from lens_aot.errors import InputError, LoadError
+from lens_aot.errors import InputError, LoadError, one_of
 
 Granularity = Literal["mlp", "neuron"]
 QKV = ("", "q", "k", "v")  # code 0: a receiver without q/k/v (an MLP, a neuron, the logits)
@@ -37,12 +37,8 @@ MAX_EDGES = 20_000_000
 
 
 def _granularity(granularity: str) -> Granularity:
-    if granularity not in ("mlp", "neuron"):
-        raise InputError(
-            f"granularity must be 'mlp' (one node per MLP, EAP-IG's graph) or 'neuron' (one node per MLP neuron); "
-            f"got {granularity!r}"
-        )
-    return granularity  # type: ignore[return-value]
+    options = {"mlp": "one node per MLP, EAP-IG's graph", "neuron": "one node per MLP neuron"}
+    return one_of("granularity", granularity, options)  # type: ignore[return-value]
 
 
 def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
@@ -98,11 +94,13 @@ class Graph:
         cls, aot: Any, granularity: Granularity = "neuron", *, neurons: dict[int, Sequence[int]] | None = None
     ) -> Graph:
         """Every node and edge of ``aot`` at ``granularity`` (``"neuron"``: every neuron, or only ``neurons``, a
-        ``{layer: [neuron, ...]}`` subset). Raises :class:`InputError` for grouped-query attention (a k/v input is
-        shared by several heads, so it cannot be one head's edge) or when the edges would exceed ``MAX_EDGES``."""
+        ``{layer: [neuron, ...]}`` subset). Under grouped-query attention each query head has its own k and v input
+        (EAP-IG's ``ungroup_grouped_query_attention``), so ``a{l}.h{h}<k>`` is one head's edge. Raises
+        :class:`InputError` for mixture-of-experts layers at ``"neuron"`` granularity or when the edges would exceed
+        ``MAX_EDGES``."""
         granularity = _granularity(granularity)
         cfg = model_cfg(aot, granularity)
-        check_supported(aot)
+        check_supported(aot, granularity)
         return cls._build(cfg, neurons)
 
     @classmethod

@@ -4,10 +4,11 @@ Senders write into the residual stream: ``input`` (``blocks.0.hook_resid_pre``, 
 position part is the same on clean and corrupted inputs), attention head ``h`` of layer ``l`` (``hook_z[..., h, :] @
 W_O[h]``; ``b_O`` belongs to no head), MLP ``l`` (``hook_mlp_out``) or its neuron ``i`` (``hook_post[..., i] *
 W_out[i]``; ``b_out`` belongs to no neuron). Receivers read it: head ``h``'s q/k/v input (``hook_{q,k,v}_input``
-with ``use_split_qkv_input``), MLP ``l``'s input (``hook_mlp_in``), neuron ``i``'s own input (its columns of
-``hook_pre``, and of ``hook_pre_linear`` in a gated MLP, recomputed through ``ln2`` from its own copy of the residual:
-each neuron is a head with its own input, Huben & Morris 2023 Theorem 3), and the logits (the last
-``hook_resid_post``).
+with ``use_split_qkv_input``; under grouped-query attention with ``ungroup_grouped_query_attention`` too, so each
+query head has its own k and v input, as EAP-IG requires), MLP ``l``'s input (``hook_mlp_in``), neuron ``i``'s own
+input (its columns of ``hook_pre``, and of ``hook_pre_linear`` in a gated MLP, recomputed through ``ln2`` from its
+own copy of the residual: each neuron is a head with its own input, Huben & Morris 2023 Theorem 3), and the logits
+(the last ``hook_resid_post``).
 """
 
 from __future__ import annotations
@@ -64,29 +65,41 @@ def head_out(
     return torch.einsum("bphe,hed->bphd", z, aot.blocks[layer].attn.W_O)
 
 
-def check_supported(aot: Any) -> None:
-    """Refuse models whose edges this module cannot cut one by one."""
-    if int(getattr(aot.cfg, "n_key_value_heads", None) or aot.cfg.n_heads) != int(aot.cfg.n_heads):
+def is_moe(aot: Any, layer: int) -> bool:
+    """Whether layer ``layer``'s MLP is a mixture of experts (a router and experts, :mod:`lens_aot.core.moe`)."""
+    return has_mlp(aot, layer) and hasattr(aot.blocks[layer].mlp, "experts")
+
+
+def check_supported(aot: Any, granularity: str = "mlp") -> None:
+    """Refuse models whose edges this module cannot cut one by one: at ``"neuron"`` granularity, mixture-of-experts
+    layers (their expert neurons are not graph nodes yet). Grouped-query attention is supported: circuits run with
+    ``ungroup_grouped_query_attention`` on (:func:`split_inputs`), so each query head has its own k and v input, as
+    in EAP-IG."""
+    moe = [layer for layer in range(len(aot.blocks)) if is_moe(aot, layer)]
+    if granularity == "neuron" and moe:
         raise InputError(
-            "circuits over a model with grouped-query attention are not supported yet: its heads share key and value "
-            "inputs, so an edge into one head's k or v cannot be cut alone (EAP-IG needs "
-            "ungroup_grouped_query_attention for the same reason)"
+            f"layer {moe[0]} mlp: mixture-of-experts layers have no neuron nodes yet (m{{l}}.e{{e}}.n{{i}}); use "
+            f"granularity='mlp' (one node per MoE layer), or patch expert neurons with lens_aot.patching"
         )
 
 
 @contextlib.contextmanager
 def split_inputs(aot: Any) -> Iterator[None]:
-    """Per-head q/k/v inputs and ``hook_mlp_in`` on, restored afterwards (hooks removed even when a forward raises)."""
+    """Per-head q/k/v inputs (under grouped-query attention one k and v input per query head, EAP-IG's
+    ``ungroup_grouped_query_attention``) and ``hook_mlp_in`` on, restored afterwards (even when a forward raises)."""
     old_split = bool(getattr(aot.cfg, "use_split_qkv_input", False))
     old_mlp_in = bool(getattr(aot.cfg, "use_hook_mlp_in", False))
+    old_ungroup = bool(getattr(aot.cfg, "ungroup_grouped_query_attention", False))
     any_mlp = any(has_mlp(aot, layer) for layer in range(len(aot.blocks)))
     aot.set_use_split_qkv_input(True)
+    aot.set_ungroup_grouped_query_attention(True)  # grouped-query attention: one k and v input per query head
     if any_mlp:
         aot.set_use_hook_mlp_in(True)
     try:
         yield
     finally:
         aot.set_use_split_qkv_input(old_split)
+        aot.set_ungroup_grouped_query_attention(old_ungroup)
         if any_mlp:
             aot.set_use_hook_mlp_in(old_mlp_in)
 

@@ -82,7 +82,7 @@ from lens_aot.analysis.patching.units import (
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.names import neuron_label
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, one_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -94,11 +94,11 @@ __all__ = ["Method", "attribute_heads", "attribute_neurons", "attribute_units"]
 
 # ==================================================================================================== checks
 def _method(method: str, steps: int) -> Method:
-    if method not in ("atp", "ig"):
-        raise InputError(
-            f"method must be 'atp' (attribution patching: one forward+backward and one forward) or 'ig' "
-            f"(EAP-IG: gradients averaged over `steps` interpolated inputs); got {method!r}"
-        )
+    options = {
+        "atp": "attribution patching: one forward+backward and one forward",
+        "ig": "EAP-IG: gradients averaged over `steps` interpolated inputs",
+    }
+    one_of("method", method, options)
     if method == "ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise InputError(f"steps must be a positive int (interpolation points for method='ig'); got {steps!r}")
     return method  # type: ignore[return-value]

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lens_aot.analysis.patching.options import Direction, Method, Metric, ReceiverInput, TokensLike
 from lens_aot.core.model import AttentionOnlyTransformer
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, one_of
 
 Hook: TypeAlias = tuple[str, Callable[..., Any]]
 
@@ -78,12 +78,11 @@ def _no_blocks(options: dict[str, Any]) -> None:
 
 
 def _direction(direction: str) -> Direction:
-    if direction not in ("denoise", "noise"):
-        raise InputError(
-            f"direction must be 'denoise' (run corrupted, patch in clean values) or 'noise' (run clean, patch in "
-            f"corrupted values); got {direction!r}"
-        )
-    return direction  # type: ignore[return-value]
+    options = {
+        "denoise": "run corrupted, patch in clean values",
+        "noise": "run clean, patch in corrupted values",
+    }
+    return one_of("direction", direction, options)  # type: ignore[return-value]
 
 
 def _positions(positions: int | Iterable[int] | None, n_pos: int) -> list[int] | None:
