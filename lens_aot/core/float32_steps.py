@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from lens_aot.core.spec import AttentionSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec_mla import MLASpec
 
 Step = tuple[str, torch.dtype]  # (what, the narrower dtype it is computed in)
 
@@ -45,11 +46,14 @@ def _rotary_steps(where: str, rotary: RotarySpec | None, dtype: torch.dtype) -> 
     return [(f"{where}: q and k rounded to {rotary.input_dtype} before the rotation{in_table}", rotary.input_dtype)]
 
 
-def _attention_steps(where: str, attn: AttentionSpec, dtype: torch.dtype) -> list[Step]:
-    steps = _norm_steps(f"{where}.q_norm", attn.q_norm, dtype) + _norm_steps(f"{where}.k_norm", attn.k_norm, dtype)
+def _attention_steps(where: str, attn: AttentionSpec | MLASpec, dtype: torch.dtype) -> list[Step]:
+    steps: list[Step] = []
+    for name in ("q_norm", "k_norm", "q_a_norm", "kv_a_norm"):  # the last two: multi-head latent attention's
+        steps += _norm_steps(f"{where}.{name}", getattr(attn, name, None), dtype)
     steps += _rotary_steps(where, attn.rotary, dtype)
-    if attn.scores_dtype is not None and _narrower(attn.scores_dtype, dtype):
-        steps.append((f"{where}: q·kᵀ in {attn.scores_dtype}", attn.scores_dtype))
+    scores_dtype = getattr(attn, "scores_dtype", None)
+    if scores_dtype is not None and _narrower(scores_dtype, dtype):
+        steps.append((f"{where}: q·kᵀ in {scores_dtype}", scores_dtype))
     if attn.softmax_dtype is not None and _narrower(attn.softmax_dtype, dtype):
         steps.append((f"{where}: softmax in {attn.softmax_dtype}", attn.softmax_dtype))
     return steps
