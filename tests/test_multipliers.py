@@ -12,6 +12,7 @@ from conftest import TL_MAJOR, TOLERANCES
 from multiplier_helpers import GRANITE, bridge_of, error, mutated_error
 
 import lens_aot
+from lens_aot.core.float32_steps import float32_steps
 from lens_aot.core.spec import ModelSpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_probe import PROBE_TOLERANCE
@@ -78,15 +79,14 @@ def test_cohere_converts_with_its_logit_scale(family: str, one_thread: None) -> 
         assert [layer.attn.window for layer in spec.layers] == [8, None]
 
 
-def test_cohere_float64_is_refused_naming_layer_and_piece(one_thread: None) -> None:
-    """TransformerLens 4.3's bridge computes Cohere's interleaved rotary in float32 (refused in float64, naming the
-    layer, the piece and the fix); 3.9's computes it in the model dtype, which converts."""
-    if TL_MAJOR < 4:
-        bridge = bridge_of("cohere", torch.float64)
-        assert error(lens_aot.convert(bridge), bridge) <= GATED[torch.float64]
-        return
-    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: adjacent-pair rotary computed in float32"):
-        lens_aot.convert(bridge_of("cohere", torch.float64))
+def test_cohere_float64_carries_the_bridges_float32_rotary(one_thread: None) -> None:
+    """TransformerLens 4.3's bridge computes Cohere's interleaved rotary in float32 whatever the model dtype; the
+    converted model computes it the same way (docs/variants.md, "Sources that compute in float32"). 3.9's bridge
+    computes it in the model dtype."""
+    bridge = bridge_of("cohere", torch.float64)
+    assert error(lens_aot.convert(bridge), bridge) <= GATED[torch.float64]
+    rotated_in_float32 = any("before the rotation" in step for step in float32_steps(read_bridge(bridge)))
+    assert rotated_in_float32 == (TL_MAJOR >= 4)
 
 
 def _scale_layer(factor: float):
@@ -177,8 +177,9 @@ def test_vaultgemma_norm_is_read_as_gemmas(one_thread: None) -> None:
     bridge = bridge_of("vaultgemma", torch.float32)
     aot = lens_aot.convert(bridge)
     assert error(aot, bridge) <= GATED[torch.float32]
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 ln1: .*Gemma's RMSNorm in float64.*float32"):
-        lens_aot.convert(bridge_of("vaultgemma", torch.float64))
+    bridge64 = bridge_of("vaultgemma", torch.float64)  # Gemma's norm: scaled in float32, then cast back
+    assert error(lens_aot.convert(bridge64), bridge64) <= GATED[torch.float64]
+    assert any(step.startswith("blocks.0.ln1:") for step in float32_steps(read_bridge(bridge64)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
