@@ -65,6 +65,28 @@ def fused_z(
     return torch.where(sees_a_key, z, 0.0).transpose(1, 2)
 
 
+def with_cached(
+    entry: KeyValueCacheEntry | None,
+    k: Float[Tensor, "batch pos kv_head d_head"],
+    v: Float[Tensor, "batch pos kv_head d_head"],
+    attention_mask: Int[Tensor, "batch key"] | None,
+    n_new: int,
+) -> tuple[Float[Tensor, "batch key kv_head d_head"], Float[Tensor, "batch key kv_head d_head"], int]:
+    """The keys and values with the cached ones before them (the entry is extended), and how many were cached; the
+    attention mask must give one 1/0 entry per key."""
+    past = 0
+    if entry is not None:
+        past = entry.past_keys.shape[1]
+        k, v = entry.append(k, v)
+    if attention_mask is not None and attention_mask.shape != (k.shape[0], k.shape[1]):
+        raise InputError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but the keys cover {k.shape[0]} sequences "
+            f"of {k.shape[1]} positions ({past} cached + {n_new} new); pass one 1/0 entry per token, "
+            "cached tokens included."
+        )
+    return k, v, past
+
+
 class Attention(nn.Module):
     """Multi-head (or grouped-query) attention with TransformerLens's hook points.
 
@@ -205,16 +227,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
-        past = 0
-        if past_kv_cache_entry is not None:
-            past = past_kv_cache_entry.past_keys.shape[1]
-            k, v = past_kv_cache_entry.append(k, v)
-        if attention_mask is not None and attention_mask.shape != (k.shape[0], k.shape[1]):
-            raise InputError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but the keys cover {k.shape[0]} sequences "
-                f"of {k.shape[1]} positions ({past} cached + {q.shape[1]} new); pass one 1/0 entry per token, "
-                "cached tokens included."
-            )
+        k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
         if self.rotary_dim:
             q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
@@ -231,6 +244,10 @@ class Attention(nn.Module):
         else:  # same computation, fused: the [query, key] tensors never exist
             z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
         z = self.hook_z(z)
+        return self.write_out(z)
+
+    def write_out(self, z: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos d_model"]:
+        """``z·W_O + b_O``, through ``hook_result`` (one row per head) when ``use_attn_result`` is on."""
         if self.use_attn_result:
             result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
             return result.sum(dim=2) + self.b_O

@@ -17,7 +17,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.attention import Attention, with_cached
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
@@ -206,15 +206,7 @@ class MLAAttention(nn.Module):
         k_nope = einops.einsum(latent, self.W_UK, "b p r, h r e -> b p h e")
         k = self.hook_k(torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)), dim=-1))
         v = self.hook_v(einops.einsum(latent, self.W_UV, "b p r, h r e -> b p h e"))
-        past = 0
-        if past_kv_cache_entry is not None:
-            past = past_kv_cache_entry.past_keys.shape[1]
-            k, v = past_kv_cache_entry.append(k, v)
-        if attention_mask is not None and attention_mask.shape != (k.shape[0], k.shape[1]):
-            raise InputError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but the keys cover {k.shape[0]} sequences "
-                f"of {k.shape[1]} positions ({past} cached + {q.shape[1]} new); pass one 1/0 entry per token."
-            )
+        k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
         q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
         # cached keys are stored unrotated; k_pe is one key shared by every head unless a hook on hook_k edited it
         rope = k[..., self.d_nope :]
@@ -222,10 +214,7 @@ class MLAAttention(nn.Module):
         k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, shared=shared))
         mask = Attention._mask(self, q.shape[1], k.shape[1], past, attention_mask, q.device)  # type: ignore[arg-type]
         z = self.hook_z(self._z(q, k, v, mask))
-        if self.use_attn_result:
-            result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
-            return result.sum(dim=2) + self.b_O
-        return einops.einsum(z, self.W_O, "b p h e, h e d -> b p d") + self.b_O
+        return Attention.write_out(self, z)  # type: ignore[arg-type]
 
     def _z(
         self,
