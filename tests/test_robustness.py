@@ -154,8 +154,12 @@ FAILURES: dict[str, tuple[Callable[[], Any], dict[str, Any], Any]] = {
         InvalidWeightsError,
     ),
     "unsupported attention option (found by the architecture reader)": (_gpt2_upcast, {}, UnsupportedArchitectureError),
-    "unsupported float64 norm (found while reading norms)": (
-        lambda: make_bridge("gemma", torch.float64),
+    "unsupported block layout (found while reading the blocks)": (
+        lambda: _custom_bridge(
+            factories_bridge._hf(
+                "BloomConfig", "BloomForCausalLM", n_layer=2, n_head=4, apply_residual_connection_post_layernorm=True
+            )
+        ),
         {},
         UnsupportedArchitectureError,
     ),
@@ -173,6 +177,12 @@ FAILURES: dict[str, tuple[Callable[[], Any], dict[str, Any], Any]] = {
         UnsupportedArchitectureError,
     ),
 }
+
+
+def _custom_bridge(build: Callable[[], Any]) -> Any:
+    """A bridge of a family built by ``build`` (a :func:`factories_bridge._hf` builder), not in FAMILIES."""
+    with mock.patch.dict(FAMILIES, {"custom": build}):
+        return make_bridge("custom", torch.float32)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])

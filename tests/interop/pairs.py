@@ -38,7 +38,6 @@ from torch import Tensor
 
 import lens_aot
 from lens_aot.core.faithfulness import SENSITIVITY_FACTOR, neuron_sensitivity, rounding_floor
-from lens_aot.errors import UnsupportedArchitectureError
 
 SELFCHECK = os.environ.get("LENS_AOT_INTEROP_SELFCHECK", "") not in ("", "0")
 
@@ -68,8 +67,6 @@ NEW_HOOKED_FAMILIES = {
     "hooked-olmo2": ("variant:olmo2-post-norm", torch.float64),
 }
 NEW_FAMILY_NAMES = [*NEW_BRIDGE_FAMILIES, *(NEW_HOOKED_FAMILIES if HAS_HOOKED_TRANSFORMER else {})]
-# Families whose conversion may still be refused on this branch (the tests skip, naming the refusal).
-PENDING_FAMILIES = {"bridge-olmo2"}
 # Functions that only combine ones the matrix runs on every family (``*_every``, ``dest_src_pos``) run on these: the
 # trained model (one layer, 4 heads, neurons) is the cheapest pair, under both TransformerLens majors.
 WRAPPER_FAMILIES = ["trained-modular-addition"]
@@ -150,7 +147,7 @@ def _new_family_source(name: str) -> Any:
         return moe_bridge(builder.removeprefix("moe:"), dtype)
     from factories_bridge import make_bridge
 
-    if builder == "olmo2":  # not (yet) in factories_bridge: built as test_bridge_families builds it
+    if builder == "olmo2":  # not in factories_bridge: built as test_bridge_families builds it
         from factories_bridge import FAMILIES, _hf
 
         FAMILIES.setdefault("olmo2", _hf("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2))
@@ -187,7 +184,6 @@ def _build_source(name: str) -> tuple[Any, Tensor, Tensor]:
 
 
 _CACHE: dict[str, Pair] = {}
-_REFUSED: dict[str, str] = {}  # pending family -> why its conversion was refused
 # (test id, what, max |Δ|, bound) of every comparison: printed after the run (conftest), the docs' figures
 FIGURES: list[tuple[str, str, float, float]] = []
 
@@ -197,18 +193,10 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     """One (source, converted) pair per family, built once per session (tests must not change either model;
     switches set with ``set_use_*`` are restored by the test that sets them)."""
     name: str = request.param
-    if name in _REFUSED:
-        pytest.skip(_REFUSED[name])
     if name not in _CACHE:
         torch.manual_seed(0)
         source, tokens, corrupted = _build_source(name)
-        try:
-            aot = lens_aot.convert(source, check_tokens=torch.cat([tokens, corrupted]))
-        except UnsupportedArchitectureError as e:
-            if name not in PENDING_FAMILIES:
-                raise
-            _REFUSED[name] = f"{name} does not convert on this branch yet: {e}"
-            pytest.skip(_REFUSED[name])
+        aot = lens_aot.convert(source, check_tokens=torch.cat([tokens, corrupted]))
         _CACHE[name] = Pair(name, source, source if SELFCHECK else aot, aot, tokens, corrupted)
     return _CACHE[name]
 

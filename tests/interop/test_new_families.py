@@ -32,8 +32,13 @@ def test_cache_decompositions(pair: Pair) -> None:
     """``decompose_resid`` (attention, MLP / experts, embeddings; with ``apply_ln``) and, but for the mixtures of
     experts, ``stack_head_results``."""
     test_tl_cache.test_decompose_resid(pair)
-    if not _moe(pair):  # the mixtures of experts' attention is plain: their cells are the MLP's
-        test_tl_cache.test_stack_head_results(pair)
+    if _moe(pair):  # the mixtures of experts' attention is plain: their cells are the MLP's
+        return
+    if pair.name == "bridge-olmo2":  # post-norm blocks: no ln1, so TL's stack_head_results(apply_ln=True) raises on
+        # the source itself (KeyError 'blocks.1.ln1.hook_scale'); the stack without it is compared
+        test_tl_cache._compare(pair, lambda c: c.stack_head_results(return_labels=True), "stack_head_results")
+        return
+    test_tl_cache.test_stack_head_results(pair)
 
 
 @every_family
