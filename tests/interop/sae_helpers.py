@@ -65,3 +65,18 @@ def sae_bound(pair: Pair, sae: Any) -> float:
     """The bound for the SAE's input, its reconstruction and the logits downstream:
     ``max(logit bound, 8·S_q + 4·R_q)``."""
     return max(pair.logit_bound, pair.bound_for(spliced(sae, pair.tokens)))
+
+
+def with_sae(model: Any, pair: Pair, sae: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits, reconstruction and latents of ``model`` with ``sae`` spliced in by hook name (its own ``encode`` /
+    ``decode``: what SAELens's ``run_with_saes`` does, without SAELens's model class)."""
+    seen: dict[str, Tensor] = {}
+
+    def splice(act: Tensor, hook: Any) -> Tensor:
+        seen["acts"] = sae.encode(act)
+        seen["recon"] = sae.decode(seen["acts"])
+        return seen["recon"]
+
+    with torch.no_grad():
+        logits = model.run_with_hooks(pair.tokens, fwd_hooks=[(sae.cfg.metadata.hook_name, splice)])
+    return logits, seen["recon"], seen["acts"]

@@ -17,7 +17,7 @@ import torch
 
 import lens_aot
 from interop.pairs import SELFCHECK, Pair, _tokens, assert_close
-from interop.sae_helpers import make_sae, sae_bound
+from interop.sae_helpers import make_sae, sae_bound, with_sae
 from lens_aot.errors import InputError
 
 sae_lens = pytest.importorskip("sae_lens", reason="sae-lens needs TransformerLens 3.x")
@@ -124,7 +124,7 @@ def test_run_with_saes(name: str) -> None:
         if isinstance(pair.source, sae_lens.HookedSAETransformer):
             want = _run_cached(pair.source, pair, sae)
         else:  # a plain source: the SAE spliced in by hook name (what run_with_saes does)
-            want = _spliced_reference(pair, sae)
+            want = with_sae(pair.source, pair, sae)
         got = _run_cached(pair.aot, pair, sae)
         assert_close(got[0], want[0], bound, f"run_with_cache_with_saes logits, {kind} SAE at {hook}")
         assert_close(got[1], want[1], bound, f"run_with_cache_with_saes SAE output, {kind} SAE at {hook}")
@@ -135,19 +135,6 @@ def test_run_with_saes(name: str) -> None:
                 logits = pair.aot.run_with_saes(pair.tokens, saes=[sae])
             assert_close(logits, want[0], bound, f"run_with_saes logits, {kind} SAE at {hook}")
         assert pair.aot.acts_to_saes == {}, "run_with_saes left an SAE attached"
-
-
-def _spliced_reference(pair: Pair, sae: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seen: dict[str, torch.Tensor] = {}
-
-    def splice(act: torch.Tensor, hook: Any) -> torch.Tensor:
-        seen["acts"] = sae.encode(act)
-        seen["out"] = sae.decode(seen["acts"])
-        return seen["out"]
-
-    with torch.no_grad():
-        logits = pair.source.run_with_hooks(pair.tokens, fwd_hooks=[(sae.cfg.metadata.hook_name, splice)])
-    return logits, seen["out"], seen["acts"]
 
 
 def test_add_sae_reset_saes_and_error_term() -> None:

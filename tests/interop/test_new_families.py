@@ -13,15 +13,13 @@ NEW_HOOKED_FAMILIES` (TL 3.9).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from transformer_lens import patching
 
 from interop import test_sae_nnsight, test_tl_cache, test_tl_model, test_tl_patching
 from interop.pairs import NEW_FAMILY_NAMES, SELFCHECK, Pair, assert_close
-from interop.sae_helpers import make_sae, sae_bound
+from interop.sae_helpers import make_sae, sae_bound, with_sae
 
 every_family = pytest.mark.parametrize("pair", NEW_FAMILY_NAMES, indirect=True)
 gemma2 = pytest.mark.parametrize("pair", [name for name in NEW_FAMILY_NAMES if "gemma2" in name], indirect=True)
@@ -83,27 +81,13 @@ def test_gemma_scope_jumprelu_sae(pair: Pair) -> None:
         hook = f"blocks.{layer}.hook_resid_post"
         sae = make_sae(hook, d_model, pair.source.cfg.dtype, "jumprelu", expansion=8)
         bound = sae_bound(pair, sae)
-        want, got = (_with_sae(model, pair, sae) for model in (pair.source, pair.model))
+        want, got = (with_sae(model, pair, sae) for model in (pair.source, pair.model))
         assert_close(got[0], want[0], bound, f"Gemma Scope JumpReLU at {hook}: logits downstream")
         assert_close(got[1], want[1], bound, f"Gemma Scope JumpReLU at {hook}: reconstruction")
         lipschitz = float(sae.W_enc.detach().abs().sum(0).max())
         assert_close(got[2], want[2], bound * lipschitz, f"Gemma Scope JumpReLU at {hook}: latents")
         assert torch.equal(got[2] > 0, want[2] > 0), f"{hook}: different latents fire"
         assert int((want[2] > 0).sum()) > 0, "no latent fires: the test would not exercise the threshold"
-
-
-def _with_sae(model: Any, pair: Pair, sae: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits, reconstruction and latents with ``sae`` spliced in by hook name (its own ``encode`` / ``decode``)."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def splice(act: torch.Tensor, hook: Any) -> torch.Tensor:
-        seen["acts"] = sae.encode(act)
-        seen["recon"] = sae.decode(seen["acts"])
-        return seen["recon"]
-
-    with torch.no_grad():
-        logits = model.run_with_hooks(pair.tokens, fwd_hooks=[(sae.cfg.metadata.hook_name, splice)])
-    return logits, seen["recon"], seen["acts"]
 
 
 @pytest.mark.skipif(SELFCHECK, reason="builds its own converted model")
@@ -118,7 +102,7 @@ def test_gemma_scope_through_hooked_sae_transformer(pair: Pair) -> None:
     hook = "blocks.1.hook_resid_post"
     sae = make_sae(hook, int(pair.source.cfg.d_model), pair.source.cfg.dtype, "jumprelu", expansion=8)
     bound = sae_bound(pair, sae)
-    want = _with_sae(pair.source, pair, sae)
+    want = with_sae(pair.source, pair, sae)
     with torch.no_grad():
         logits, cache = aot.run_with_cache_with_saes(pair.tokens, saes=[sae], names_filter=lambda n: n.startswith(hook))
     assert_close(logits, want[0], bound, f"HookedSAETransformer, Gemma Scope JumpReLU at {hook}: logits")
