@@ -92,6 +92,7 @@ bench: .venv-tl4/.ready
 matrix: .venv-tl3/.ready .venv-tl4/.ready
 	.venv-tl4/bin/python -m lens_aot.matrix --write --quiet
 	.venv-tl3/bin/python -m lens_aot.matrix --write --quiet
+	.venv-tl3/bin/python -m lens_aot.matrix --write --quiet --backend bridge
 
 clean:
 	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .pytest_cache .ruff_cache site .cache

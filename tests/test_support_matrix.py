@@ -13,8 +13,9 @@ than CI's budget for one file, so each run checks:
 
 ``LENS_AOT_MATRIX=all`` regenerates every row instead of the subset (run it after regenerating the page).
 
-The page's bridge table is TransformerLens 4.x's registry (3.9's bridge registry is smaller): it is checked under
-4.x and skipped under 3.9; the HookedTransformer table is checked under 3.9 (HookedTransformer does not exist in 4.x).
+The page has a bridge table per TransformerLens major: 4.x's registry (checked under 4.x, skipped under 3.9) and
+3.9's own registry (``bridge-tl3``, checked under 3.9); the HookedTransformer table is checked under 3.9
+(HookedTransformer does not exist in 4.x).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.matrix import matrix_families, run_matrix
-from lens_aot.matrix.document import parse_table, read_page, render_page, render_table, summary
+from lens_aot.matrix.document import page_key, parse_table, read_page, render_page, render_table, summary
 from lens_aot.matrix.families import Family
 from lens_aot.matrix.measure import Row, measure_family
 from lens_aot.tl import has_hooked_transformer, tl_version
@@ -44,6 +45,7 @@ ALWAYS = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM (sequential
 needs_tl4 = pytest.mark.skipif(
     TL_MAJOR < 4, reason="the page's bridge table is TransformerLens 4.x's registry (3.9 bridges fewer families)"
 )
+needs_tl3 = pytest.mark.skipif(TL_MAJOR >= 4, reason="the page's second bridge table is TransformerLens 3.9's registry")
 needs_hooked = pytest.mark.skipif(
     not has_hooked_transformer(), reason="the HookedTransformer table needs TransformerLens 3.x (removed in 4.0)"
 )
@@ -81,9 +83,16 @@ def _assert_row_matches(new: Row, old: Row) -> None:
             assert 0.5 <= new.bound[dtype] / old.bound[dtype] <= 2.0, (dtype, new.bound, old.bound)
 
 
-def test_page_exists_with_both_tables() -> None:
-    assert set(TABLES) == {"bridge", "hooked"}, f"regenerate {PAGE} under TL 4.3 and 3.9 (python -m lens_aot.matrix)"
+def test_page_exists_with_every_table() -> None:
+    assert set(TABLES) == {"bridge", "bridge-tl3", "hooked"}, (
+        f"regenerate {PAGE} under TL 4.3 and 3.9 (python -m lens_aot.matrix --write [--backend bridge])"
+    )
     assert all(rows for _, rows in TABLES.values())
+    assert TABLES["bridge"][0].startswith("4.") and TABLES["bridge-tl3"][0].startswith("3.")
+
+
+def test_page_key_follows_the_major() -> None:
+    assert (page_key("bridge", 4), page_key("bridge", 3), page_key("hooked", 3)) == ("bridge", "bridge-tl3", "hooked")
 
 
 def test_summary_is_the_tables_summary() -> None:
@@ -104,6 +113,20 @@ def test_bridge_enumeration_matches_the_page() -> None:
 @pytest.mark.parametrize("name", _subset("bridge"))
 def test_bridge_row_regenerates(name: str, one_thread: None) -> None:
     old = next(r for r in _rows("bridge") if r.family == name)
+    _assert_row_matches(measure_family(_family(name), "bridge"), old)
+
+
+@needs_tl3
+def test_tl3_bridge_enumeration_matches_the_page() -> None:
+    families = matrix_families("bridge")
+    assert [r.family for r in _rows("bridge-tl3")] == [f.name for f in families]
+    assert [r.scope == "decoder" for r in _rows("bridge-tl3")] == [f.in_scope for f in families]
+
+
+@needs_tl3
+@pytest.mark.parametrize("name", _subset("bridge-tl3"))
+def test_tl3_bridge_row_regenerates(name: str, one_thread: None) -> None:
+    old = next(r for r in _rows("bridge-tl3") if r.family == name)
     _assert_row_matches(measure_family(_family(name), "bridge"), old)
 
 

@@ -2,9 +2,9 @@
 
 Without ``--write`` the table is printed; ``--render`` re-renders the page from the tables on it (after a change to
 the page's text, no measuring); with ``--write``, ``docs/support-matrix.md`` (or ``--page``) gets this backend's
-table and a new summary (the other backend's table is kept). ``--backend`` defaults to "hooked" where
+table and a new summary (the other tables are kept). ``--backend`` defaults to "hooked" where
 HookedTransformer exists (TransformerLens 3.x) and "bridge" otherwise; ``--backend bridge`` under 3.9 measures 3.9's
-bridge registry (printed only: the page's bridge table is TransformerLens 4.x's).
+bridge registry, the page's second bridge table (:func:`lens_aot.matrix.document.page_key`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from lens_aot.matrix import _print_row, run_matrix
-from lens_aot.matrix.document import read_page, render_page, render_table, write_page
+from lens_aot.matrix.document import page_key, read_page, render_page, render_table, write_page
 from lens_aot.tl import has_hooked_transformer, tl_version
 
 PAGE = Path("docs/support-matrix.md")
@@ -37,12 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or ("hooked" if has_hooked_transformer() else "bridge")
     if args.write and args.only:
         parser.error("--write regenerates the whole table: leave out --only")
-    if args.write and backend == "bridge" and has_hooked_transformer():
-        parser.error("the page's bridge table is TransformerLens 4.x's: write it under 4.x (or leave out --write)")
     rows = run_matrix(backend, only=args.only, limit_s=args.limit, progress=None if args.quiet else _print_row)
     if args.write:
-        write_page(args.page, backend, tl_version(), rows)
-        print(f"wrote {args.page} ({len(rows)} {backend} rows)")
+        key = page_key(backend, int(tl_version().split(".")[0]))
+        write_page(args.page, key, tl_version(), rows)
+        print(f"wrote {args.page} ({len(rows)} {key} rows)")
     else:
         print(render_table(rows))
     return 0

@@ -1,9 +1,10 @@
 """The support matrix page (``docs/support-matrix.md``): render rows to markdown tables, read them back, and write
 the one-paragraph summary between ``<!-- support-matrix:begin -->`` and ``<!-- support-matrix:end -->``.
 
-The page has one table per backend (TransformerBridge, generated under the installed TransformerLens; the 3.9
-HookedTransformer table, generated under 3.9). Regenerating one backend keeps the other's table as it is on the page,
-and the summary is recomputed from both.
+The page has one table per backend and TransformerLens major (:data:`TABLES`): TransformerBridge under 4.x
+(``bridge``), TransformerBridge under 3.9 (``bridge-tl3``: 3.9's own bridge registry, the same families as 4.x
+users study, through 3.9's adapters) and HookedTransformer under 3.9 (``hooked``). Regenerating one table keeps the
+others as they are on the page, and the summary is recomputed from all of them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from lens_aot.matrix.families import OVERRIDES, TINY, TINY_MOE
 from lens_aot.matrix.measure import BATCH, FLOAT32_NOTE, POS, REPEATS, STATUSES, Row
 
-__all__ = ["COLUMNS", "parse_table", "render_page", "render_table", "summary", "write_page"]
+__all__ = ["COLUMNS", "TABLES", "page_key", "parse_table", "render_page", "render_table", "summary", "write_page"]
 
 SUMMARY_BEGIN, SUMMARY_END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 COLUMNS = (
@@ -31,8 +32,16 @@ COLUMNS = (
 )
 TITLES = {
     "bridge": "TransformerBridge (TransformerLens {version})",
+    "bridge-tl3": "TransformerBridge (TransformerLens {version}, its own bridge registry)",
     "hooked": "HookedTransformer (TransformerLens {version}, the same families as TransformerLens configs)",
 }
+TABLES = tuple(TITLES)  # the page's tables, in page order
+
+
+def page_key(backend: str, tl_major: int) -> str:
+    """The page table a ``backend`` run under TransformerLens ``tl_major`` writes: the bridge has one table per
+    major (``bridge`` for 4.x, ``bridge-tl3`` for 3.x), HookedTransformer exists under 3.x only."""
+    return "bridge-tl3" if backend == "bridge" and tl_major < 4 else backend
 
 
 def _markers(backend: str) -> tuple[str, str]:
@@ -139,7 +148,7 @@ def summary(tables: dict[str, tuple[str, list[Row]]]) -> str:
     """One paragraph: per backend, the counts over the in-scope (decoder-only text) rows, the worst error of a
     faithful row, the most common refusals, and the out-of-scope rows' counts."""
     parts = []
-    for backend in ("bridge", "hooked"):
+    for backend in TABLES:
         if backend not in tables:
             continue
         version, rows = tables[backend]
@@ -147,7 +156,7 @@ def summary(tables: dict[str, tuple[str, list[Row]]]) -> str:
         other = [r for r in rows if r.scope != "decoder"]
         faithful = [r for r in decoder if r.status == "faithful"]
         worst = max((e for r in faithful for e in r.error.values() if e is not None), default=None)
-        if backend == "bridge":
+        if backend.startswith("bridge"):
             text = f"TransformerBridge (TransformerLens {version}), {len(decoder)} decoder-only text families"
         else:
             text = f"HookedTransformer (TransformerLens {version}), the {len(decoder)} of them it has a config for"
@@ -162,7 +171,19 @@ def summary(tables: dict[str, tuple[str, list[Row]]]) -> str:
             text += f". Out of scope (encoder, multimodal, state-space / recurrent / hybrid), {len(other)}: "
             text += _counts(other)
         parts.append(text + ".")
+    if "bridge-tl3" in tables and "hooked" in tables:
+        parts.append(_tl3_either(tables["bridge-tl3"][1], tables["hooked"][1]))
     return " ".join(parts)
+
+
+def _tl3_either(bridge: list[Row], hooked: list[Row]) -> str:
+    """TransformerLens 3.9 users' reach: the decoder families faithful through its bridge or its HookedTransformer."""
+    decoder = [r.family for r in bridge if r.scope == "decoder"]
+    faithful = {r.family for r in bridge + hooked if r.status == "faithful" and r.scope == "decoder"}
+    return (
+        f"Under TransformerLens 3.9, through either route, {len(faithful & set(decoder))} of its {len(decoder)} "
+        "decoder-only text families convert faithfully."
+    )
 
 
 def _method() -> str:
@@ -171,8 +192,10 @@ def _method() -> str:
     return f"""## How it is made
 
 `python -m lens_aot.matrix --write` (or `scripts/support_matrix.py --write`) regenerates this page under the
-installed TransformerLens: the TransformerBridge table under any version, the HookedTransformer table under 3.9
-(the other table is kept as it is). `tests/test_support_matrix.py` fails when the page and the generator disagree.
+installed TransformerLens: under 4.x the first TransformerBridge table; under 3.9 (`--backend bridge` or
+`--backend hooked`) the second TransformerBridge table, 3.9's own bridge registry, or the HookedTransformer table
+(the other tables are kept as they are). `tests/test_support_matrix.py` fails when the page and the generator
+disagree.
 
 - **Families**: TransformerLens's bridge registry (`SUPPORTED_ARCHITECTURES`) intersected with transformers'
   causal-LM classes (`AutoModelForCausalLM`), plus GPT-NeoX's sequential layout (`use_parallel_residual=False`).
@@ -207,7 +230,7 @@ Per-family config fields beyond the tiny shape (only what makes the family tiny 
 def render_page(tables: dict[str, tuple[str, list[Row]]]) -> str:
     """The whole page from each backend's (TransformerLens version, rows)."""
     sections = []
-    for backend in ("bridge", "hooked"):
+    for backend in TABLES:
         if backend not in tables:
             continue
         version, rows = tables[backend]
@@ -226,7 +249,7 @@ def read_page(path: Path) -> dict[str, tuple[str, list[Row]]]:
         return {}
     text = path.read_text()
     tables = {}
-    for backend in ("bridge", "hooked"):
+    for backend in TABLES:
         rows = parse_table(text, backend)
         if rows is not None:
             match = re.search(rf"{re.escape(_markers(backend)[0])}\n<!-- tl-version: (\S+) -->", text)
