@@ -79,6 +79,7 @@ from lens_aot.tl.read_multipliers import (
 )
 from lens_aot.tl.read_nope import no_rotary
 from lens_aot.tl.read_norms import named_norm, optional_norm
+from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -146,6 +147,7 @@ def _check_block(layer: int, block: Any) -> None:
         raise refuse_piece(layer, "block", _EXTRA_BLOCK_PIECES.get(name, f"an extra block piece {name!r}"))
     if _component(block, "attn") is None:
         raise refuse_piece(layer, "block", "no 'attn' piece (not an attention block)")
+    refuse_sub_norms(layer, block)  # norms across neurons / heads, BitNet quantisation (lens_aot.tl.read_sub_norms)
     mlp = _component(block, "mlp")
     if mlp is not None:
         for name in [c.__name__ for c in type(mlp).__mro__]:
