@@ -33,6 +33,7 @@ from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
+from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.bridge_alibi import strip_inner_residuals
 from lens_aot.tl.bridge_attention import (
@@ -79,6 +80,7 @@ from lens_aot.tl.read_multipliers import (
 )
 from lens_aot.tl.read_nope import no_rotary
 from lens_aot.tl.read_norms import named_norm, optional_norm
+from lens_aot.tl.read_routed import is_routed, read_routed
 from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
 __all__ = ["SUPPORTED", "read_bridge"]
@@ -344,7 +346,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
     if native:
         info = read_native(bridge, model, blocks, dtype)
     else:  # multi-head latent attention (DeepSeek) has its own reader
-        info = (read_mla if any(map(is_mla, blocks)) else _read_hf)(bridge, model, blocks, dtype)
+        reader = read_mla if any(map(is_mla, blocks)) else read_routed if any(map(is_routed, blocks)) else _read_hf
+        info = reader(bridge, model, blocks, dtype)  # MLA, a mixture of attention heads (lens_aot.tl.read_routed)
     try:
         with containerless_mlp_hooks(blocks) as extra:
             calls = record(bridge, blocks, min(n_ctx, 12))
@@ -376,9 +379,9 @@ def read_bridge(bridge: Any) -> ModelSpec:
     layers: list[LayerSpec] = []
     for layer, (block, (scale, softmax_dtype)) in enumerate(zip(blocks, info["attn"], strict=True)):
         attn_bridge = _component(block, "attn")
-        attn: AttentionSpec | MLASpec
-        if "mla" in info:
-            attn = info["mla"][layer]
+        attn: AttentionSpec | MLASpec | RoutedAttentionSpec
+        if "mla" in info or "routed" in info:
+            attn = (info["mla"] if "mla" in info else info["routed"])[layer]
         else:
             if scale is None:
                 q_width = _linear(_original(_component(attn_bridge, "q")), dtype)[0].shape[1]

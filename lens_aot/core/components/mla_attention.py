@@ -270,6 +270,10 @@ def attention_module(
     :class:`Attention`."""
     if isinstance(spec, MLASpec):
         return MLAAttention(spec, causal)
+    if type(spec).__name__ == "RoutedAttentionSpec":  # a mixture of attention heads (JetMoE's MoA)
+        from lens_aot.core.components.routed_attention import RoutedAttention
+
+        return RoutedAttention(spec, causal)  # type: ignore[arg-type,return-value]
     return Attention(spec, causal, rotary)
 
 
