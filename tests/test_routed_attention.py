@@ -125,3 +125,12 @@ def test_jetmoe_converts_within_its_bound_and_save_is_refused_by_name(tmp_path: 
     assert torch.equal(got, want)
     with pytest.raises(UnsupportedArchitectureError, match=r"layers.0.attn: a mixture of attention heads"):
         lens_aot.save(aot, tmp_path / "jetmoe")
+
+
+def test_deepseek_v4_hyper_connections_are_refused_by_piece() -> None:
+    """DeepSeek-V4's ``attn_hc`` (mHC) widens the residual stream to hc_mult streams mixed by input-dependent weights:
+    refused naming the layer, the piece and why, before anything is read."""
+    from test_mlp_activations import bridge
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: 'attn_hc', hyper-connections .*hc_mult"):
+        lens_aot.convert(bridge("DeepseekV4ForCausalLM"))

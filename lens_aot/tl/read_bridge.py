@@ -99,12 +99,22 @@ _REFUSED_BLOCKS = {
     "T5Gemma2DecoderBlockBridge": "an encoder-decoder block (T5Gemma 2)",
 }
 
+_HYPER_CONNECTIONS = (
+    "hyper-connections (DeepSeek-V4's mHC: the residual stream is hc_mult parallel streams [batch, pos, hc_mult, "
+    "d_model], hc_mult times d_model wide; each sublayer reads a weighted sum of the streams and writes to each "
+    "stream with weights, and the streams are remixed by a Sinkhorn-normalised matrix, all three computed per token "
+    "from an RMS norm across every stream, so the block is not resid + sublayer(resid) on one residual stream)"
+)
+
 _EXTRA_BLOCK_PIECES = {
     "mixer": "a state-space / recurrent mixer",
     "mamba": "a Mamba state-space mixer beside attention (hybrid block)",
     "conv": "a short convolution mixer",
     "linear_attn": "linear attention (a recurrent mixer)",
     "cross_attn": "cross-attention",
+    # DeepSeek-V4's manifold-constrained hyper-connections (mHC, Xie et al. 2026), one before each sublayer
+    "attn_hc": f"'attn_hc', {_HYPER_CONNECTIONS}",
+    "ffn_hc": f"'ffn_hc', {_HYPER_CONNECTIONS}",
 }
 
 _MLP_REFUSALS: dict[str, str] = {}
