@@ -134,3 +134,22 @@ def test_deepseek_v4_hyper_connections_are_refused_by_piece() -> None:
 
     with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: 'attn_hc', hyper-connections .*hc_mult"):
         lens_aot.convert(bridge("DeepseekV4ForCausalLM"))
+
+
+def test_jetmoe_moe_survives_the_saved_format() -> None:
+    """JetMoE's MoE layer (``MoESpec.b_out``, the ``topk_softmax`` router) is written and read back by the MoE record
+    of the saved format (``b_out`` written only when set, so other MoE files keep their format) and computes the same
+    after loading; the attention is what refuses saving a JetMoE model (test above)."""
+    from lens_aot.io.schema import Decoder, Encoder
+
+    spec = read_parallel_experts_moe(copy_as(_hf(), torch.float64).model.layers[0].mlp, 0)
+    encoder = Encoder()
+    record = encoder.mlp(spec, "layers.0.mlp")
+    back = Decoder(encoder.tensors, "<memory>").mlp(record, "layers.0.mlp")
+    assert back is not None and back.b_out is not None and torch.equal(back.b_out, spec.b_out)
+    assert back.scoring == "topk_softmax" and back.softmax_dtype == torch.float32 and not back.norm_topk_prob
+    plain = Encoder().mlp(dataclasses.replace(spec, b_out=None), "layers.0.mlp")
+    assert plain is not None and "b_out" not in plain
+    x = _x(torch.float64)
+    with torch.no_grad():
+        assert torch.equal(MoEMLP(back, lambda m, e: MLP(m))(x), MoEMLP(spec, lambda m, e: MLP(m))(x))
