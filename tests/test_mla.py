@@ -133,21 +133,6 @@ def test_deepseek_router_moe_is_exact_and_scaling_change_fails(arch: str) -> Non
         assert _relative(MoEMLP(spec, lambda m, e: MLP(m))(x), want) > 1e-6
 
 
-def test_glm_moe_dsa_indexer_refused_by_layer_unless_it_keeps_every_key() -> None:
-    """GLM-MoE-DSA's sparse-attention indexer keeps index_topk keys per query: refused naming the layer while that is
-    fewer than n_ctx; with n_ctx ≤ index_topk it keeps every key (the causal mask) and the model converts."""
-    arch = "GlmMoeDsaForCausalLM"
-    source, bridge = _bridge(arch, torch.float32)
-    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: a sparse-attention indexer .*index_topk"):
-        lens_aot.convert(bridge)
-    bridge.cfg.n_ctx = int(source.config.index_topk)
-    aot = lens_aot.convert(bridge)
-    tokens = tokens_for(seed=3)
-    with torch.no_grad():
-        error = (aot(tokens) - source(tokens).logits).abs().max().item()
-    assert error <= aot.report.logit_bound
-
-
 def test_generate_and_reference_model_follow_the_source() -> None:
     """Greedy generation through the converted model's key-value cache gives the source's tokens, and the reference
     model rebuilt from ``aot.to_spec()`` (MLA kept as MLASpec) equals the source's logits; the save format refuses

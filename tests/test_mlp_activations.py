@@ -192,8 +192,25 @@ def test_a_radius_too_large_for_float_arithmetic_is_refused() -> None:
 
 
 def test_bitnet_is_refused_naming_layer_and_piece() -> None:
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn"):
+    """BitNet's ``ffn_sub_norm`` (an RMSNorm across the MLP's neurons) is named first; without it, the attention's
+    ``attn_sub_norm`` (across heads); BitNet-quantised linear layers are named too (lens_aot.tl.read_sub_norms)."""
+    from transformers.integrations.bitnet import AutoBitLinear
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: ffn_sub_norm normalises across neurons"):
         lens_aot.convert(bridge("BitNetForCausalLM"))
+    source = bridge("BitNetForCausalLM")
+    hf_mlp = source.blocks[0].mlp.original_component
+    hf_mlp.up_proj = AutoBitLinear(hf_mlp.up_proj.in_features, hf_mlp.up_proj.out_features, False, online_quant=True)
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: ffn_sub_norm .*also BitNet-quantised"):
+        lens_aot.convert(source)
+    hf_mlp.ffn_sub_norm = torch.nn.Identity()
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: linear layers \(up_proj\) are Bit"):
+        lens_aot.convert(source)
+    for block in source.blocks:
+        block.mlp.original_component.ffn_sub_norm = torch.nn.Identity()
+    hf_mlp.up_proj = torch.nn.Linear(64, 128, bias=False)
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn: attn_sub_norm normalises across heads"):
+        lens_aot.convert(source)
 
 
 def test_attention_output_bound_is_the_exact_spectral_sum() -> None:

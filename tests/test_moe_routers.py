@@ -171,9 +171,7 @@ def test_gpt_oss_and_jetmoe_experts_are_refused_by_piece() -> None:
     assert "experts with biases" in str(info.value) and "top-k logits before its softmax" in str(info.value)
     jetmoe = build_hf_model(Family("JetMoeForCausalLM"))
     with pytest.raises(UnsupportedArchitectureError, match="layer 1 mlp: a mixture of experts of type JetMoeMoE"):
-        refuse_other_moe(jetmoe.model.layers[1].mlp, 1)
-    with pytest.raises(UnsupportedArchitectureError, match="layer 0 attn: a mixture of attention heads"):
-        lens_aot.convert(_bridge(jetmoe, "JetMoeForCausalLM", torch.float32))
+        refuse_other_moe(jetmoe.model.layers[1].mlp, 1)  # JetMoE converts (tests/test_routed_attention.py): not here
 
 
 def test_a_router_no_candidate_reproduces_is_refused(bridges) -> None:

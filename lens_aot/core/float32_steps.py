@@ -54,6 +54,9 @@ def _attention_steps(where: str, attn: AttentionSpec | MLASpec, dtype: torch.dty
     scores_dtype = getattr(attn, "scores_dtype", None)
     if scores_dtype is not None and _narrower(scores_dtype, dtype):
         steps.append((f"{where}: q·kᵀ in {scores_dtype}", scores_dtype))
+    router_dtype = getattr(attn, "router_dtype", None)  # a mixture of attention heads' router (JetMoE)
+    if router_dtype is not None and _narrower(router_dtype, dtype):
+        steps.append((f"{where}: router logits in {router_dtype}", router_dtype))
     if attn.softmax_dtype is not None and _narrower(attn.softmax_dtype, dtype):
         steps.append((f"{where}: softmax in {attn.softmax_dtype}", attn.softmax_dtype))
     return steps

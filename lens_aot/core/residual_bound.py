@@ -67,7 +67,8 @@ def mlp_output_bound(mlp: MLPSpec | MoESpec, radius: float) -> float:
     """The largest norm ``mlp``'s output can have for inputs of norm at most ``radius`` (module docstring)."""
     if isinstance(mlp, MoESpec):
         routed = max(mlp_output_bound(e, radius) for e in mlp.experts)
-        return routed + (0.0 if mlp.shared is None else mlp_output_bound(mlp.shared, radius))
+        bias = 0.0 if mlp.b_out is None else float(_f64(mlp.b_out).norm())
+        return routed + bias + (0.0 if mlp.shared is None else mlp_output_bound(mlp.shared, radius))
     u = _pre_bound(mlp.W_in, mlp.b_in, radius)
     if mlp.W_gate is not None:
         post = _pre_bound(mlp.W_gate, mlp.b_gate, radius) * u

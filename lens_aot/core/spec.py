@@ -199,6 +199,8 @@ class ModelSpec:
         for layer in self.layers:
             if type(layer.attn).__name__ == "MLASpec":
                 found.add("multi-head latent attention")
+            if type(layer.attn).__name__ == "RoutedAttentionSpec":
+                found.add("a mixture of attention heads")
             found.update(name for name, check in checks.items() if check(layer.attn))
             if layer.ln1_post is not None or layer.ln2_post is not None:
                 found.add("sandwich norms")
@@ -253,6 +255,8 @@ class MoESpec:
     # A DeepSeek router (sigmoid or softmax scores, group-limited top-k, scaled weights; lens_aot.core.moe_routers)
     # in place of the router fields above (whose norm_topk_prob / softmax_dtype / b_router it then ignores).
     router: GroupRouterSpec | None = None
+    # A constant added to the layer's output after the routed and shared experts (JetMoE's MoE ``bias``).
+    b_out: Float[Tensor, " d_model"] | None = None
 
     @property
     def max_routed_weight(self) -> float:

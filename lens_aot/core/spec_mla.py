@@ -19,6 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.spec import NormSpec, QKNormScope
+from lens_aot.core.spec_dsa import IndexerSpec
 
 # How the source rotates the rotary channels: "halves" (rotate_half, GPT-NeoX layout), "interleaved" (DeepSeek-V3's
 # rope_interleave: channel pairs (0,1), (2,3), ... rotated and written back as [evens, odds]), "complex" (DeepSeek-V2:
@@ -63,6 +64,8 @@ class MLASpec:
     alibi_slopes: Tensor | None = None
     sinks: Tensor | None = None
     rotary: None = None
+    # DeepSeek Sparse Attention's indexer (GLM-MoE-DSA): each query keeps only its top-k keys (lens_aot.core.spec_dsa)
+    indexer: IndexerSpec | None = None
 
     @property
     def n_heads(self) -> int:

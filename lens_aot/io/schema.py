@@ -115,11 +115,13 @@ class Encoder:
         } | {name: True for name in _NORM_VARIANTS if getattr(norm, name)}
 
     def attention(self, attn: AttentionSpec, key: str) -> dict[str, Any]:
-        if type(attn).__name__ == "MLASpec":
+        unsaved = {"MLASpec": "multi-head latent attention (DeepSeek MLA)", "RoutedAttentionSpec": "a mixture of "
+                   "attention heads (JetMoE's MoA)"}.get(type(attn).__name__)  # fmt: skip
+        if unsaved is not None:
             from lens_aot.errors import UnsupportedArchitectureError
 
             raise UnsupportedArchitectureError(
-                f"{key}: multi-head latent attention (DeepSeek MLA) has no saved format yet; keep the source and "
+                f"{key}: {unsaved} has no saved format yet; keep the source and "
                 "convert it again (lens_aot.convert) instead of saving the converted model."
             )
         out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}

@@ -4,7 +4,8 @@
 Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`)::
 
     moe     {experts: [mlp], shared?: mlp, W_router, b_router?, W_shared_gate?, top_k, norm_topk_prob,
-             softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor}
+             softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor,
+             b_out (optional: JetMoE's output bias, written only when set)}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
 A layer's ``mlp`` record is an ``moe`` record exactly when it has ``experts``; a lens_aot that does not know MoE
@@ -58,12 +59,14 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
         routed_scaling_factor=float(moe.routed_scaling_factor),
     )
     out.update({name: None if getattr(moe, name) is None else dtype_name(getattr(moe, name)) for name in _DTYPES})
+    if moe.b_out is not None:
+        out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
     return out
 
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS)
+    f = decoder.fields(obj, path, _FIELDS, ("b_out",))
     if not isinstance(f["experts"], list) or not f["experts"]:
         raise LoadError(f"{decoder.where}: {path}.experts is not a non-empty list; the file is corrupt.")
     experts = [decoder.mlp(m, f"{path}.experts.{e}") for e, m in enumerate(f["experts"])]
@@ -82,6 +85,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         logits_dtype=decoder.dtype(f["logits_dtype"], f"{path}.logits_dtype"),
         norm_min=float(f["norm_min"]),
         routed_scaling_factor=float(f["routed_scaling_factor"]),
+        b_out=decoder.tensor(f["b_out"], f"{path}.b_out") if "b_out" in f else None,
         **tensors,
     )
 
@@ -116,6 +120,7 @@ def moe_shape_problems(moe: MoESpec, path: str, d_model: int, expect_mlp: Callab
         ("b_router", moe.b_router, (n,)),
         ("e_score_correction_bias", moe.e_score_correction_bias, (n,)),
         ("W_shared_gate", moe.W_shared_gate, (d_model, 1)),
+        ("b_out", moe.b_out, (d_model,)),
     ):
         if t is not None and tuple(t.shape) != shape:
             problems.append(f"{path}.{name} has shape {list(t.shape)}, expected {list(shape)}")

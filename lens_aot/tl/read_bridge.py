@@ -33,6 +33,7 @@ from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
+from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.bridge_alibi import strip_inner_residuals
 from lens_aot.tl.bridge_attention import (
@@ -79,6 +80,8 @@ from lens_aot.tl.read_multipliers import (
 )
 from lens_aot.tl.read_nope import no_rotary
 from lens_aot.tl.read_norms import named_norm, optional_norm
+from lens_aot.tl.read_routed import is_routed, read_routed
+from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -96,12 +99,22 @@ _REFUSED_BLOCKS = {
     "T5Gemma2DecoderBlockBridge": "an encoder-decoder block (T5Gemma 2)",
 }
 
+_HYPER_CONNECTIONS = (
+    "hyper-connections (DeepSeek-V4's mHC: the residual stream is hc_mult parallel streams [batch, pos, hc_mult, "
+    "d_model], hc_mult times d_model wide; each sublayer reads a weighted sum of the streams and writes to each "
+    "stream with weights, and the streams are remixed by a Sinkhorn-normalised matrix, all three computed per token "
+    "from an RMS norm across every stream, so the block is not resid + sublayer(resid) on one residual stream)"
+)
+
 _EXTRA_BLOCK_PIECES = {
     "mixer": "a state-space / recurrent mixer",
     "mamba": "a Mamba state-space mixer beside attention (hybrid block)",
     "conv": "a short convolution mixer",
     "linear_attn": "linear attention (a recurrent mixer)",
     "cross_attn": "cross-attention",
+    # DeepSeek-V4's manifold-constrained hyper-connections (mHC, Xie et al. 2026), one before each sublayer
+    "attn_hc": f"'attn_hc', {_HYPER_CONNECTIONS}",
+    "ffn_hc": f"'ffn_hc', {_HYPER_CONNECTIONS}",
 }
 
 _MLP_REFUSALS: dict[str, str] = {}
@@ -146,6 +159,7 @@ def _check_block(layer: int, block: Any) -> None:
         raise refuse_piece(layer, "block", _EXTRA_BLOCK_PIECES.get(name, f"an extra block piece {name!r}"))
     if _component(block, "attn") is None:
         raise refuse_piece(layer, "block", "no 'attn' piece (not an attention block)")
+    refuse_sub_norms(layer, block)  # norms across neurons / heads, BitNet quantisation (lens_aot.tl.read_sub_norms)
     mlp = _component(block, "mlp")
     if mlp is not None:
         for name in [c.__name__ for c in type(mlp).__mro__]:
@@ -342,7 +356,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
     if native:
         info = read_native(bridge, model, blocks, dtype)
     else:  # multi-head latent attention (DeepSeek) has its own reader
-        info = (read_mla if any(map(is_mla, blocks)) else _read_hf)(bridge, model, blocks, dtype)
+        reader = read_mla if any(map(is_mla, blocks)) else read_routed if any(map(is_routed, blocks)) else _read_hf
+        info = reader(bridge, model, blocks, dtype)  # MLA, a mixture of attention heads (lens_aot.tl.read_routed)
     try:
         with containerless_mlp_hooks(blocks) as extra:
             calls = record(bridge, blocks, min(n_ctx, 12))
@@ -374,9 +389,9 @@ def read_bridge(bridge: Any) -> ModelSpec:
     layers: list[LayerSpec] = []
     for layer, (block, (scale, softmax_dtype)) in enumerate(zip(blocks, info["attn"], strict=True)):
         attn_bridge = _component(block, "attn")
-        attn: AttentionSpec | MLASpec
-        if "mla" in info:
-            attn = info["mla"][layer]
+        attn: AttentionSpec | MLASpec | RoutedAttentionSpec
+        if "mla" in info or "routed" in info:
+            attn = (info["mla"] if "mla" in info else info["routed"])[layer]
         else:
             if scale is None:
                 q_width = _linear(_original(_component(attn_bridge, "q")), dtype)[0].shape[1]

@@ -10,8 +10,8 @@ the module's ``scaling`` (YaRN's mscale² included, as the source computed it), 
 source's own rotary module. The bridge probe then checks each layer's reading against its recorded forward.
 
 GLM-MoE-DSA's sparse-attention indexer (each query attends only to the ``index_topk`` keys its indexer scores
-highest) is carried where it is exactly the causal mask: when ``index_topk ≥ n_ctx`` every key is kept. Otherwise it
-is refused, naming the layer.
+highest) is carried as its own component (:mod:`lens_aot.core.components.dsa_indexer`), for any ``n_ctx``; a layer
+that reuses an earlier layer's selection (``indexer_types`` "shared") is refused, naming the layer.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from lens_aot.core.spec import NormSpec
+from lens_aot.core.spec_dsa import IndexerSpec
 from lens_aot.core.spec_mla import MLASpec, RopeLayout
 from lens_aot.tl.bridge_attention import check_rope_type
 from lens_aot.tl.bridge_components import _component, _copy, _linear, _native_norm_module, _norm, _original
 from lens_aot.tl.bridge_probe import refuse_piece
+from lens_aot.tl.read_moe import _unwrap
 
 
 def is_mla(block: Any) -> bool:
@@ -84,16 +86,14 @@ def read_mla_layer(
     n_heads = int(module.num_heads)
     nope, rope, d_v = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim), int(module.v_head_dim)
     kv_rank = int(module.kv_lora_rank)
-    indexer = getattr(module, "indexer", None)
-    top_k = getattr(config, "index_topk", None)
-    if (indexer is not None or top_k is not None) and (top_k is None or int(top_k) < n_ctx):
+    indexer = _unwrap(getattr(module, "indexer", None))
+    types = getattr(config, "indexer_types", None)
+    if indexer is None and getattr(config, "index_topk", None) is not None and types and types[layer] == "shared":
         raise refuse_piece(
             layer,
             "attn",
-            f"a sparse-attention indexer keeping index_topk={top_k} of up to n_ctx={n_ctx} keys per query (DSA): the "
-            "keys it drops depend on its own scores, not a fixed mask",
-            f"Convert with n_ctx ≤ index_topk (then every key is kept and the indexer is the causal mask): e.g. "
-            f"set the bridge's cfg.n_ctx to {top_k}.",
+            "a sparse-attention layer that reuses an earlier layer's top-k key selection (indexer_types 'shared')",
+            "Only layers with their own indexer ('full') are read.",
         )
     q_a = getattr(module, "q_lora_rank", None) is not None
     W_q_a = b_q_a = q_a_norm = None
@@ -133,6 +133,29 @@ def read_mla_layer(
         b_q_a=b_q_a,
         q_a_norm=q_a_norm,
         b_kv_a=b_kv_a,
+        indexer=None if indexer is None else read_indexer(layer, indexer, q_a, dtype),
+    )
+
+
+def read_indexer(layer: int, indexer: nn.Module, q_a: bool, dtype: torch.dtype) -> IndexerSpec:
+    """A DSA indexer (``wq_b`` on the normed query latent, ``wk`` + ``k_norm``, ``weights_proj``, ``index_topk``:
+    transformers' ``GlmMoeDsaIndexer``) as :class:`IndexerSpec`, by its public attributes."""
+    parts = [_unwrap(getattr(indexer, n, None)) for n in ("wq_b", "wk", "weights_proj")]
+    if not q_a or not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
+        raise refuse_piece(layer, "attn", f"a sparse-attention indexer of type {type(indexer).__name__}")
+    wq_b, wk, weights = parts
+    n_heads, d_head = int(indexer.n_heads), int(indexer.head_dim)
+    W_q, _ = _linear(wq_b, dtype)
+    return IndexerSpec(
+        W_q=W_q.reshape(W_q.shape[0], n_heads, d_head).contiguous(),
+        W_k=_linear(wk, dtype)[0],
+        k_norm=_native_norm_module(_unwrap(indexer.k_norm), dtype),
+        W_weights=_linear(weights, dtype)[0],
+        top_k=int(indexer.index_topk),
+        rope_dim=int(indexer.qk_rope_head_dim),
+        rope_layout="interleaved",  # GLM-MoE-DSA's indexer: apply_rotary_pos_emb_interleave
+        softmax_scale=float(indexer.softmax_scale),
+        weights_scale=float(n_heads) ** -0.5,
     )
 
 

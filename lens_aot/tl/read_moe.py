@@ -278,6 +278,10 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     module = _unwrap(mlp_bridge)
     if is_sparse_moe(module):
         return read_hf_moe(module, layer)
+    from lens_aot.tl.read_moe_parallel import is_parallel_experts_moe, read_parallel_experts_moe
+
+    if is_parallel_experts_moe(module):  # JetMoE
+        return read_parallel_experts_moe(module, layer)
     refuse_other_moe(module, layer)
     if type(mlp_bridge).__name__ == "MoEBridge" and is_dense_hf_mlp(module):
         return _hf_mlp(module, layer, "a dense MLP")  # e.g. DeepSeek's first_k_dense_replace layers

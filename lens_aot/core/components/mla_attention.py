@@ -124,6 +124,10 @@ class MLAAttention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
+        if spec.indexer is not None:  # DSA: each query keeps only its top-k keys (components/dsa_indexer.py)
+            from lens_aot.core.components.dsa_indexer import SparseIndexer
+
+            self.indexer = SparseIndexer(spec.indexer)
 
     def __getattr__(self, name: str) -> Any:
         if name in _NO_RESIDUAL_MAPS:
@@ -213,8 +217,30 @@ class MLAAttention(nn.Module):
         shared = bool(torch.equal(rope, rope[:, :, :1].expand_as(rope)))
         k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, shared=shared))
         mask = Attention._mask(self, q.shape[1], k.shape[1], past, attention_mask, q.device)  # type: ignore[arg-type]
+        if hasattr(self, "indexer"):
+            mask = self._index_mask(query_input, q_in, past, mask, attention_mask)
         z = self.hook_z(self._z(q, k, v, mask))
         return Attention.write_out(self, z)  # type: ignore[arg-type]
+
+    def _index_mask(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        q_in: Float[Tensor, "batch pos q_rank"],
+        past: int,
+        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
+    ) -> Bool[Tensor, "batch 1 query key"]:
+        """The causal (and padding) mask restricted to the keys the sparse-attention indexer keeps."""
+        if past:
+            raise InputError(
+                "a sparse-attention indexer (DSA) layer scores every cached key with its own key projection, which the "
+                "key-value cache does not keep: run without it (generate(..., use_past_kv_cache=False))."
+            )
+        pos = x.shape[1]
+        if mask is None:
+            mask = torch.ones(pos, pos, dtype=torch.bool, device=x.device).tril()[None, None]
+        cos, sin = (position_rows(t, pos, 0, attention_mask)[:, :, None, :] for t in (self.rope_cos, self.rope_sin))
+        return self.indexer(x, q_in, cos, sin, mask)
 
     def _z(
         self,
@@ -260,6 +286,7 @@ class MLAAttention(nn.Module):
             q_a_norm=self.q_a_norm.spec() if q_a else None,
             b_kv_a=None if self.b_kv_a is None else exported(self.b_kv_a),
             softmax_dtype=self.softmax_dtype,
+            indexer=self.indexer.spec() if hasattr(self, "indexer") else None,
         )
 
 
@@ -270,6 +297,10 @@ def attention_module(
     :class:`Attention`."""
     if isinstance(spec, MLASpec):
         return MLAAttention(spec, causal)
+    if type(spec).__name__ == "RoutedAttentionSpec":  # a mixture of attention heads (JetMoE's MoA)
+        from lens_aot.core.components.routed_attention import RoutedAttention
+
+        return RoutedAttention(spec, causal)  # type: ignore[arg-type,return-value]
     return Attention(spec, causal, rotary)
 
 

@@ -79,6 +79,7 @@ class MoEMLP(nn.Module):
             self.shared_expert = build_expert(spec.shared, None)
             self.shared_expert.add_module("hook_out", HookPoint())
             self.W_shared_gate = None if spec.W_shared_gate is None else parameter(spec.W_shared_gate)
+        self.b_moe = None if spec.b_out is None else parameter(spec.b_out)  # JetMoE's output bias
 
     # ---- routing ----
     def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
@@ -129,7 +130,8 @@ class MoEMLP(nn.Module):
             if self.W_shared_gate is not None:
                 shared = torch.sigmoid(flat @ self.W_shared_gate) * shared
             out = out + shared
-        return out.reshape(batch, pos, d_model)
+        out = out.reshape(batch, pos, d_model)
+        return out if self.b_moe is None else out + self.b_moe
 
     # ---- the experts' parts, for the model's maps, the cache and revert ----
     def expert_modules(self) -> list[tuple[str, nn.Module]]:
@@ -170,11 +172,12 @@ class MoEMLP(nn.Module):
 
     @property
     def b_out(self) -> Float[Tensor, " d_model"]:
-        """The MoE's constant output: 0 (its experts have no output bias; a biased expert's bias is routed)."""
+        """The MoE's constant output: its output bias (JetMoE's), else 0 (its experts have no output bias; a biased
+        expert's bias is routed)."""
         biases = [expert.b_out for _, expert in self.expert_modules()]
         if any(bool(b.detach().ne(0).any()) for b in biases):
             raise InputError("this MoE layer's experts have output biases, which are routed: it has no constant b_out")
-        return self.W_gate.new_zeros(self.W_gate.shape[0])
+        return self.W_gate.new_zeros(self.W_gate.shape[0]) if self.b_moe is None else self.b_moe
 
     def internal_hooks(self) -> tuple[HookPoint, ...]:
         return tuple(h for _, expert in self.expert_modules() for h in getattr(expert, "internal_hooks", tuple)())
@@ -214,4 +217,5 @@ class MoEMLP(nn.Module):
             if self.group_router is None
             else replace(self.group_router, e_score_correction_bias=self._bias_copy()),
             **self.router.spec_fields(),  # type: ignore[arg-type]
+            b_out=None if self.b_moe is None else exported(self.b_moe),
         )

@@ -109,7 +109,27 @@ class SigmoidTopK(TopKRouter):
         return torch.sigmoid(self._in_score_dtype(logits))
 
 
-ROUTERS: dict[str, type[TopKRouter]] = {"softmax": SoftmaxTopK, "sigmoid": SigmoidTopK}
+class TopKThenSoftmax(TopKRouter):
+    """The top-k logits, then a softmax over those k (JetMoE's ``JetMoeTopKGating``, GraniteMoe's router): the
+    scores are the logits in ``score_dtype`` (the source's ``.float()`` after its projection), and the chosen
+    experts' weights the softmax over their scores (so they sum to 1 without renormalising)."""
+
+    scoring = "topk_softmax"
+
+    def scores(self, logits: Float[Tensor, "tokens n_experts"]) -> Float[Tensor, "tokens n_experts"]:
+        return self._in_score_dtype(logits)
+
+    def choose(
+        self, scores: Float[Tensor, "tokens n_experts"]
+    ) -> tuple[Int[Tensor, "tokens top_k"], Float[Tensor, "tokens top_k"]]:
+        top, indices = torch.topk(scores, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return indices, weights
+
+
+ROUTERS: dict[str, type[TopKRouter]] = {"softmax": SoftmaxTopK, "sigmoid": SigmoidTopK, "topk_softmax": TopKThenSoftmax}
 
 
 def build_router(spec: MoESpec) -> TopKRouter:

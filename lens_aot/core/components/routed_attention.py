@@ -1,0 +1,211 @@
+"""A mixture of attention heads (JetMoE's MoA, :class:`~lens_aot.core.spec_routed.RoutedAttentionSpec`): the source's
+routed heads, carried over unchanged as attention heads with TransformerLens's hook points and router hooks.
+
+Attention is still attention: each token's ``top_k`` chosen experts give it ``top_k · n_kv`` query heads (the *slot*
+heads, ``j·n_kv + h`` for slot ``j`` and key-value head ``h``), which attend over keys and values shared by every
+expert; each slot's output projection is its expert's, scaled by the slot's router weight. This module computes that
+as the source does (Shen et al. 2024, JetMoE §2; transformers' ``JetMoeAttention`` / ``JetMoeMoA``); only the MLPs
+become neuron heads (Huben & Morris 2023, Theorem 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import einops
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+from torch.nn import functional as F
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.core.components.attention import Attention, with_cached
+from lens_aot.core.components.mla_attention import rotate_rope
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
+from lens_aot.core.spec_routed import RoutedAttentionSpec
+from lens_aot.errors import InputError, LensAOTError
+
+_NO_PER_HEAD_MAPS = ("W_Q", "b_Q", "b_K", "b_V")
+
+
+class RoutedWeightError(LensAOTError, AttributeError):
+    """A per-head query map read from a mixture of attention heads, whose query maps are per expert."""
+
+
+class RoutedAttention(nn.Module):
+    """JetMoE's mixture of attention heads with TransformerLens's hook points (module docstring).
+
+    Hooks: ``hook_router_logits`` [batch, pos, n_experts] (in ``router_dtype``), ``hook_expert_indices``
+    [batch, pos, top_k] (the chosen experts, slot order), ``hook_expert_weights`` [batch, pos, top_k] (their router
+    weights, the softmax over the chosen logits), ``hook_q`` [batch, pos, head, d_head] (head ``j·n_kv + h``: slot
+    ``j``'s expert, key-value head ``h``), ``hook_k`` / ``hook_v`` [batch, pos, n_kv, d_head], ``hook_rot_q`` /
+    ``hook_rot_k`` (after rotary), ``hook_attn_scores`` / ``hook_pattern`` [batch, head, query, key], ``hook_z``
+    [batch, pos, head, d_head], ``hook_result`` [batch, pos, head, d_model] (each slot head's output through its
+    expert's ``W_O``, times its router weight; only when ``use_attn_result``).
+    """
+
+    needs_dense_scores = True
+
+    def __init__(self, spec: RoutedAttentionSpec, causal: bool) -> None:
+        super().__init__()
+        self.W_router = parameter(spec.W_router)
+        self.W_Q_experts = parameter(spec.W_Q)
+        self.W_K = parameter(spec.W_K)
+        self.W_V = parameter(spec.W_V)
+        self.W_O_experts = parameter(spec.W_O)
+        self.b_O = parameter(spec.b_O)
+        self.top_k = int(spec.top_k)
+        self.n_experts, self.n_kv, self.d_model, self.d_head = spec.W_Q.shape
+        if not 1 <= self.top_k <= self.n_experts:
+            raise InputError(f"top_k must be in 1..{self.n_experts} (the attention experts); got {self.top_k}")
+        self.n_heads = self.top_k * self.n_kv
+        self.scale = float(spec.scale)
+        self.router_dtype = spec.router_dtype
+        self.softmax_dtype = spec.softmax_dtype
+        self.register_buffer("rope_cos", spec.cos.detach().to(spec.W_Q.device, copy=True))
+        self.register_buffer("rope_sin", spec.sin.detach().to(spec.W_Q.device, copy=True))
+        self.causal = causal
+        self.window = None
+        self.use_attn_result = False
+        self.ungroup = False
+        # Attention's attributes that read "no such variant" for code that inspects every layer's attention
+        self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False
+        self.clip_qkv = None
+        for name in ("router_logits", "expert_indices", "expert_weights", "q", "k", "v", "rot_q", "rot_k"):
+            self.add_module(f"hook_{name}", HookPoint())
+        for name in ("attn_scores", "pattern", "z", "result"):
+            self.add_module(f"hook_{name}", HookPoint())
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _NO_PER_HEAD_MAPS or name == "W_O":
+            raise RoutedWeightError(
+                f"a mixture of attention heads has no {name}: each token's query and output maps are those of the "
+                "experts its router chose (W_Q_experts [expert, kv_head, d_model, d_head], W_O_experts [expert, "
+                "kv_head, d_head, d_model]; hook_expert_indices names them per token), so there is no fixed per-head "
+                "map to read or multiply."
+            )
+        return super().__getattr__(name)
+
+    @property
+    def attn_scale(self) -> float:
+        """TransformerLens's divisor: scores are ``q·k / attn_scale`` with ``attn_scale = 1 / scale``."""
+        return 1.0 / self.scale
+
+    def non_bilinear_score_variants(self) -> list[str]:
+        """The query map depends on the token's routing: what a QK circuit over ``x`` alone cannot reproduce."""
+        return ["a mixture of attention heads (routed query projections)"]
+
+    def route(
+        self, x: Float[Tensor, "batch pos d_model"]
+    ) -> tuple[Int[Tensor, "batch pos top_k"], Float[Tensor, "batch pos top_k"]]:
+        """The chosen experts and their weights, as ``JetMoeTopKGating`` computes them: ``F.linear`` with the
+        ``[n_experts, d_model]`` weight, cast to ``router_dtype``, ``topk``, softmax over the chosen logits, cast
+        back to the activation dtype."""
+        logits = F.linear(x, self.W_router.T.contiguous())
+        logits = self.hook_router_logits(logits if self.router_dtype is None else logits.to(self.router_dtype))
+        top, indices = logits.topk(self.top_k, dim=-1)
+        indices = self.hook_expert_indices(indices)
+        return indices, self.hook_expert_weights(torch.softmax(top, dim=-1).to(x.dtype))
+
+    def _rotate(
+        self, x: Float[Tensor, "batch pos head d_head"], past: int, attention_mask: Int[Tensor, "b k"] | None
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        tables = (self.rope_cos, self.rope_sin)
+        cos, sin = (position_rows(t, x.shape[1], past, attention_mask)[:, :, None, :] for t in tables)
+        return rotate_rope(x, cos, sin, "halves")
+
+    def forward(
+        self,
+        query_input: Float[Tensor, "batch pos d_model"],
+        key_input: Float[Tensor, "batch pos d_model"] | None = None,
+        value_input: Float[Tensor, "batch pos d_model"] | None = None,
+        past_kv_cache_entry: KeyValueCacheEntry | None = None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The source's forward (class docstring). One input per position: the routing reads it, so per-head or
+        separate query / key / value inputs are refused."""
+        if query_input.ndim != 3 or any(t is not None and t is not query_input for t in (key_input, value_input)):
+            raise InputError(
+                "a mixture of attention heads routes each position's one input: per-head or separate query / key / "
+                "value inputs (use_attn_in, use_split_qkv_input) do not apply to it. Turn those switches off."
+            )
+        x = query_input
+        batch, pos, _ = x.shape
+        indices, weights = self.route(x)
+        every = einops.einsum(x, self.W_Q_experts, "b p d, e h d f -> b p e h f")
+        slots = indices[..., None, None].expand(-1, -1, -1, self.n_kv, self.d_head)
+        q = self.hook_q(every.gather(2, slots).reshape(batch, pos, self.n_heads, self.d_head))
+        k = self.hook_k(einops.einsum(x, self.W_K, "b p d, h d f -> b p h f"))
+        v = self.hook_v(einops.einsum(x, self.W_V, "b p d, h d f -> b p h f"))
+        k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, pos)
+        q = self.hook_rot_q(self._rotate(q, past, attention_mask))
+        k = self.hook_rot_k(self._rotate(k, 0, attention_mask))
+        # slot j's head h reads key-value head h (the source's key_states.repeat(1, top_k, 1, 1))
+        k, v = k.repeat(1, 1, self.top_k, 1), v.repeat(1, 1, self.top_k, 1)
+        mask = Attention._mask(self, pos, k.shape[1], past, attention_mask, x.device)  # type: ignore[arg-type]
+        z = self.hook_z(self._z(q, k, v, mask))
+        return self.write_out(z, indices, weights)
+
+    def _z(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch key head d_head"],
+        v: Float[Tensor, "batch key head d_head"],
+        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        """Scores ``q·k · scale``, masked with -inf, softmax in ``softmax_dtype`` and cast back."""
+        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") * self.scale
+        if mask is None and self.causal:
+            n = scores.shape[-1]
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        elif mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = self.hook_attn_scores(scores)
+        pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
+        if mask is not None:
+            pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
+        pattern = self.hook_pattern(pattern.to(v.dtype))
+        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+
+    def write_out(
+        self,
+        z: Float[Tensor, "batch pos head d_head"],
+        indices: Int[Tensor, "batch pos top_k"],
+        weights: Float[Tensor, "batch pos top_k"],
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """``Σ_j w_j Σ_h z[j·n_kv + h] W_O[e_j, h] + b_O``: each slot through its chosen expert's output map (only the
+        chosen experts run, as in the source), through ``hook_result`` per slot head when ``use_attn_result``."""
+        batch, pos = z.shape[:2]
+        slots = z.reshape(batch, pos, self.top_k, self.n_kv, self.d_head)
+        per_head = self.use_attn_result
+        out = z.new_zeros(batch, pos, self.top_k, *((self.n_kv,) if per_head else ()), self.d_model)
+        for e in range(self.n_experts):
+            chosen = indices == e
+            if bool(chosen.any()):
+                pattern = "n h f, h f d -> n h d" if per_head else "n h f, h f d -> n d"
+                out[chosen] = einops.einsum(slots[chosen], self.W_O_experts[e], pattern)
+        if per_head:
+            result = self.hook_result((out * weights[..., None, None]).reshape(batch, pos, self.n_heads, self.d_model))
+            return result.sum(dim=2) + self.b_O
+        return (out * weights[..., None]).sum(dim=2) + self.b_O
+
+    def spec(self) -> RoutedAttentionSpec:
+        """The :class:`RoutedAttentionSpec` this module implements (used by ``revert`` / ``to_spec``)."""
+        return RoutedAttentionSpec(
+            W_router=exported(self.W_router),
+            top_k=self.top_k,
+            W_Q=exported(self.W_Q_experts),
+            W_K=exported(self.W_K),
+            W_V=exported(self.W_V),
+            W_O=exported(self.W_O_experts),
+            b_O=exported(self.b_O),
+            scale=self.scale,
+            cos=exported(self.rope_cos),
+            sin=exported(self.rope_sin),
+            router_dtype=self.router_dtype,
+            softmax_dtype=self.softmax_dtype,
+        )
+
+
+__all__ = ["RoutedAttention", "RoutedWeightError"]
