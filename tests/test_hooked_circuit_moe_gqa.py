@@ -4,12 +4,12 @@ Grouped-query attention: circuits run with ``ungroup_grouped_query_attention`` o
 and v input (EAP-IG's requirement); the float64 comparisons with brute force on the source and with the hand-written
 EAP / EAP-IG reference are the ``llama`` cases of ``test_hooked_circuit_evaluate`` / ``test_hooked_circuit_discover``.
 Here: the edges are per query head and the model's switches come back. Mixture of experts: whole MoE layers are
-``m{l}`` nodes at mlp granularity (brute force on the source, float64); expert neurons are refused by name.
+``m{l}`` nodes at mlp granularity (brute force on the source, float64); expert neurons ``m{l}.e{e}.n{i}`` (neuron
+granularity) are tested against the Hugging Face source in ``test_circuit_moe``.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from factories_hooked import make_hooked
 from factories_moe import D_VOCAB, hooked_moe
@@ -17,7 +17,6 @@ from test_hooked_circuit_evaluate import _metric, _random_circuit, _reference, _
 
 import lens_aot
 from lens_aot.circuits import Graph, discover, evaluate, evaluate_baseline
-from lens_aot.errors import InputError
 
 
 def _data(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -47,16 +46,6 @@ def test_grouped_query_attention_has_one_k_and_v_edge_per_query_head(one_thread)
     assert float((got - evaluate_baseline(aot, data, _metric).clean).abs().max()) > 10 * tol, "the k input matters"
     discover(aot, _data(50), _metric, granularity="mlp")
     assert not aot.cfg.ungroup_grouped_query_attention and not aot.cfg.use_split_qkv_input
-
-
-def test_moe_expert_neurons_are_refused_naming_the_layer(one_thread) -> None:
-    aot = lens_aot.convert(hooked_moe(torch.float64))
-    for call in (
-        lambda: Graph.from_model(aot, "neuron"),
-        lambda: discover(aot, _data(D_VOCAB), _metric, granularity="neuron"),
-    ):
-        with pytest.raises(InputError, match=r"layer 0 mlp: mixture-of-experts .*granularity='mlp'"):
-            call()
 
 
 def test_moe_layers_are_mlp_nodes_and_evaluate_equals_brute_force(one_thread) -> None:

@@ -72,15 +72,27 @@ def is_moe(aot: Any, layer: int) -> bool:
 
 def check_supported(aot: Any, granularity: str = "mlp") -> None:
     """Refuse models whose edges this module cannot cut one by one: at ``"neuron"`` granularity, mixture-of-experts
-    layers (their expert neurons are not graph nodes yet). Grouped-query attention is supported: circuits run with
-    ``ungroup_grouped_query_attention`` on (:func:`split_inputs`), so each query head has its own k and v input, as
-    in EAP-IG."""
-    moe = [layer for layer in range(len(aot.blocks)) if is_moe(aot, layer)]
-    if granularity == "neuron" and moe:
-        raise InputError(
-            f"layer {moe[0]} mlp: mixture-of-experts layers have no neuron nodes yet (m{{l}}.e{{e}}.n{{i}}); use "
-            f"granularity='mlp' (one node per MoE layer), or patch expert neurons with lens_aot.patching"
-        )
+    layers whose experts are not neuron heads with ``hook_pre`` maps or have output biases (routed, so they belong to
+    no neuron). Expert neurons are nodes ``m{l}.e{e}.n{i}`` (:mod:`lens_aot.analysis.circuits.moe`).
+    Grouped-query attention is supported: circuits run with ``ungroup_grouped_query_attention`` on
+    (:func:`split_inputs`), so each query head has its own k and v input, as in EAP-IG."""
+    if granularity != "neuron":
+        return
+    for layer in range(len(aot.blocks)):
+        if not is_moe(aot, layer):
+            continue
+        for name, module in aot.blocks[layer].mlp.expert_modules():
+            what = name.replace("experts.", "expert ").replace("_", " ")
+            if not (hasattr(module, "heads") or hasattr(module, "gate_heads")) or not hasattr(module, "W_out"):
+                raise InputError(
+                    f"layer {layer} mlp: {what} ({type(module).__name__}) has no neuron heads with per-neuron "
+                    f"pre-activations, so its neurons cannot be graph nodes; use granularity='mlp'"
+                )
+            if bool(module.b_out.detach().ne(0).any()):
+                raise InputError(
+                    f"layer {layer} mlp: {what} has an output bias, which the router scales, so it belongs to no "
+                    f"neuron node; use granularity='mlp' (one node per MoE layer)"
+                )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,139 @@
+"""lens_aot.circuits on mixture-of-experts models at neuron granularity: expert neurons ``m{l}.e{e}.n{i}`` (issue 24).
+
+Sources: the tiny Mixtral and Qwen2-MoE (shared expert) TransformerBridges of ``factories_moe`` (both TransformerLens
+majors), float64. References are on the Hugging Face source itself (``circuit_moe_helpers``: a layer-by-layer run
+where every receiver reads its own copy of the residual and every expert neuron routes its own copy), never another
+lens_aot path: evaluate equals brute force at several densities (empty = corrupted, full = clean), discover's EAP
+scores equal autograd through per-receiver perturbations of the source.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from circuit_moe_helpers import SourceReference, brute_force_evaluate, hf_moe
+from factories_moe import D_VOCAB, N_EXPERTS, moe_bridge
+
+import lens_aot
+from lens_aot.circuits import Graph, discover, evaluate, evaluate_baseline
+from lens_aot.errors import InputError
+
+
+def _tolerance(aot: lens_aot.AttentionOnlyTransformer) -> float:
+    """|Δmetric| allowed: SiLU experts are exact (Theorem 3), so what remains is rounding, and both sources compute
+    their router softmax in float32 whatever the model dtype (a float32 floor, docs/variants.md). The metric is a
+    difference of two logits: 10 × the conversion's own measured max |Δlogit| against the source's forward
+    (``aot.report``, 1.5e-6 for Mixtral; far below the stated bound, which covers the float32 worst case)."""
+    return max(1e-10, 10 * float(aot.report.max_abs_logit_error))
+
+
+DENSITIES = (0.0, 0.05, 0.3, 0.8, 1.0)
+
+
+def _metric(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    last = logits[:, -1]
+    return last.gather(-1, labels[:, None])[:, 0] - last.mean(-1)
+
+
+def _data(seed: int = 0, batches: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, D_VOCAB, (2, 6), generator=g),
+            torch.randint(0, D_VOCAB, (2, 6), generator=g),
+            torch.randint(0, D_VOCAB, (2,), generator=g),
+        )
+        for _ in range(batches)
+    ]
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def source(request) -> tuple[str, lens_aot.AttentionOnlyTransformer, object]:
+    family = request.param
+    return family, lens_aot.convert(moe_bridge(family, torch.float64)), hf_moe(family, torch.float64)
+
+
+def _edges(graph: Graph) -> dict[tuple[str, str, str], bool]:
+    rows = zip(graph.src.tolist(), graph.dst.tolist(), graph.qkv.tolist(), graph.in_graph.tolist(), strict=True)
+    return {(graph.nodes[s], graph.nodes[d], " qkv"[q].strip()): keep for s, d, q, keep in rows}
+
+
+def test_expert_neurons_are_nodes_and_graph_operations_work(source, tmp_path) -> None:
+    family, aot, _ = source
+    graph = Graph.from_model(aot, "neuron")
+    experts = [n for n in graph.nodes if ".e" in n]
+    assert len(experts) == len(aot.blocks) * N_EXPERTS * 16 and "m1.e3.n15" in experts and "m0.e4.n0" not in experts
+    shared = [n for n in graph.nodes if n.startswith("m") and ".e" not in n]
+    assert shared == ([f"m{layer}.n{i}" for layer in range(2) for i in range(32)] if family == "qwen2_moe" else [])
+    assert "m0.e1.n2->m1.e0.n3" in graph.edge_names and "m0.e1.n2->a1.h0<k>" in graph.edge_names
+    assert "m0.e1.n2->m0.e0.n3" not in graph.edge_names and "a0.h1->m0.e2.n7" in graph.edge_names
+    keys = {0: [(1, 2), (3, 5)], 1: [(0, 0)] + ([4] if family == "qwen2_moe" else [])}
+    sub = Graph.from_model(aot, "neuron", neurons=keys)
+    assert [n for n in sub.nodes if n.startswith("m")] == ["m0.e1.n2", "m0.e3.n5", "m1.e0.n0"] + (
+        ["m1.n4"] if family == "qwen2_moe" else []
+    )
+    sub.scores = torch.randn(len(sub.src), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sub.apply_topn(15, prune=False)
+    sub.to_json(tmp_path / "g.json")
+    back = Graph.from_json(tmp_path / "g.json", model=aot, granularity="neuron")
+    assert back.nodes == sub.nodes and back.edge_names == sub.edge_names and torch.equal(back.in_graph, sub.in_graph)
+    assert back.count()["neuron"] == sub.count()["neuron"] and back.n_edges == 15
+    for select in (lambda g: g.apply_greedy(10), lambda g: g.apply_threshold(1.0)):
+        select(back)
+        e = back.in_graph
+        assert back.nodes_in_graph[back.src[e]].all() and back.nodes_in_graph[back.dst[e]].all()
+    back.scores[:] = 0
+    for name in ("input->m0.e1.n2", "m0.e1.n2->m1.e0.n0", "m1.e0.n0->logits"):
+        back.scores[back.edge_index(name)] = 1.0
+    assert back.apply_topn(3).n_edges == 3  # a path to the logits survives pruning
+    back.draw().save(tmp_path / "c.svg")
+    assert "m0.e1.n2" in (tmp_path / "c.svg").read_text() and "m1.e0.n0" in (tmp_path / "c.svg").read_text()
+    with pytest.raises(InputError, match=r"layer 0 mlp: \(7, 0\) is no neuron of this mixture-of-experts layer"):
+        Graph.from_model(aot, "neuron", neurons={0: [(7, 0)]})
+    if family == "mixtral":
+        with pytest.raises(InputError, match=r"layer 0 mlp: 3 is no neuron .*it has no shared expert"):
+            Graph.from_model(aot, "neuron", neurons={0: [3]})
+
+
+def test_evaluate_equals_brute_force_on_the_source(source, one_thread) -> None:
+    family, aot, hf = source
+    data = _data(1)
+    base = evaluate_baseline(aot, data, _metric)
+    tol = _tolerance(aot)
+    print(f"{family}: bound {aot.report.logit_bound:.2e}, measured {aot.report.max_abs_logit_error:.2e}")
+    assert float((base.clean - base.corrupted).abs().min()) > 20 * tol
+    graph = Graph.from_model(aot, "neuron")
+    ref = SourceReference(hf, graph.nodes)
+    for k, density in enumerate(DENSITIES):
+        graph.in_graph[:] = torch.rand(len(graph.src), generator=torch.Generator().manual_seed(k)) < density
+        got = evaluate(aot, graph, data, _metric)
+        edges = _edges(graph)
+        want = torch.cat([_metric(brute_force_evaluate(ref, edges, c, x), lab) for c, x, lab in data])
+        err = float((got - want).abs().max())
+        print(f"{family} density {density}: max |Δmetric| {err:.2e} (tolerance {tol:.1e})")
+        assert err <= tol, f"{family} density {density}: max |Δmetric| {err:.2e} > {tol:.1e}"
+        if density == 0.0:
+            torch.testing.assert_close(got, base.corrupted, rtol=0, atol=tol)
+        if density == 1.0:
+            torch.testing.assert_close(got, base.clean, rtol=0, atol=tol)
+        if 0 < density < 1:
+            assert float((got - base.clean).abs().max()) > 20 * tol, "a partial circuit must change the metric"
+
+
+def test_experts_with_output_biases_are_refused_naming_the_layer_and_expert(source) -> None:
+    family, aot, _ = source
+    heads = aot.blocks[1].mlp.experts[2].product_heads
+    saved = heads.b_out.detach().clone()
+    try:
+        with torch.no_grad():
+            heads.b_out.add_(0.5)
+        for call in (
+            lambda: Graph.from_model(aot, "neuron"),
+            lambda: discover(aot, _data(), _metric, granularity="neuron"),
+        ):
+            with pytest.raises(InputError, match=r"layer 1 mlp: expert 2 has an output bias.*granularity='mlp'"):
+                call()
+        assert Graph.from_model(aot, "mlp").nodes[-2] == "m1"  # one node per MoE layer still works
+    finally:
+        with torch.no_grad():
+            heads.b_out.copy_(saved)
