@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from circuit_moe_helpers import SourceReference, brute_force_evaluate, hf_moe
+from circuit_moe_helpers import SourceReference, brute_force_evaluate, hf_moe, reference_edge_scores
 from factories_moe import D_VOCAB, N_EXPERTS, moe_bridge
 
 import lens_aot
@@ -137,3 +137,33 @@ def test_experts_with_output_biases_are_refused_naming_the_layer_and_expert(sour
     finally:
         with torch.no_grad():
             heads.b_out.copy_(saved)
+
+
+def _key(name: str) -> tuple[str, str, str]:
+    s, r = name.split("->")
+    return (s, r[:-3], r[-2]) if r.endswith(">") else (s, r, "")
+
+
+def test_discover_scores_match_a_reference_on_the_source(source, one_thread) -> None:
+    family, aot, hf = source
+    data = _data(2)
+    for method in ["EAP"] + (["EAP-IG"] if family == "qwen2_moe" else []):  # EAP-IG once: the file stays fast
+        _check_discover(family, aot, hf, data, method)
+
+
+def _check_discover(family, aot, hf, data, method) -> None:
+    graph = discover(aot, data, _metric, method=method, granularity="neuron", steps=3, top_nodes=None)
+    assert graph.cfg["neurons_kept"] == graph.cfg["neurons_scored"] == sum(1 for n in graph.nodes if ".n" in n)
+    ref = reference_edge_scores(SourceReference(hf, graph.nodes), data, _metric, 3 if method == "EAP-IG" else None)
+    mine = graph.scores
+    theirs = torch.tensor([ref[_key(n)] for n in graph.edge_names], dtype=torch.float64)
+    r = float(torch.corrcoef(torch.stack([mine, theirs]))[0, 1])
+    top_mine = set(torch.argsort(mine.abs(), descending=True)[:20].tolist())
+    top_ref = set(torch.argsort(theirs.abs(), descending=True)[:20].tolist())
+    rel = float((mine - theirs).abs().max() / theirs.abs().max())
+    print(f"{family} {method}: r {r:.8f}, top-20 shared {len(top_mine & top_ref)}, max rel error {rel:.1e}")
+    assert r >= 0.99 and len(top_mine & top_ref) >= 18, (r, len(top_mine & top_ref))
+    # a gated neuron's product is a finite difference (error O(ε²), ε ~ 1e-3), as for dense SwiGLU layers
+    assert rel <= 1e-5, rel
+    experts = [i for i, n in enumerate(graph.edge_names) if ".e" in n.split("->")[1]]
+    assert float(theirs[experts].abs().max()) > 0, "expert neurons' input edges are scored"
