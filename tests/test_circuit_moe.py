@@ -9,6 +9,8 @@ scores equal autograd through per-receiver perturbations of the source.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from circuit_moe_helpers import SourceReference, brute_force_evaluate, hf_moe, reference_edge_scores
@@ -47,10 +49,14 @@ def _data(seed: int = 0, batches: int = 2) -> list[tuple[torch.Tensor, torch.Ten
     ]
 
 
+@functools.cache
+def _source(family: str) -> tuple[str, lens_aot.AttentionOnlyTransformer, object]:
+    return family, lens_aot.convert(moe_bridge(family, torch.float64)), hf_moe(family, torch.float64)
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
 def source(request) -> tuple[str, lens_aot.AttentionOnlyTransformer, object]:
-    family = request.param
-    return family, lens_aot.convert(moe_bridge(family, torch.float64)), hf_moe(family, torch.float64)
+    return _source(request.param)
 
 
 def _edges(graph: Graph) -> dict[tuple[str, str, str], bool]:
@@ -167,3 +173,33 @@ def _check_discover(family, aot, hf, data, method) -> None:
     assert rel <= 1e-5, rel
     experts = [i for i, n in enumerate(graph.edge_names) if ".e" in n.split("->")[1]]
     assert float(theirs[experts].abs().max()) > 0, "expert neurons' input edges are scored"
+    if method != "EAP":
+        return
+    # a node's score is the sum of its outgoing edges' scores; top_nodes keeps the largest and scores their edges
+    out = torch.zeros(len(graph.nodes), dtype=torch.float64).index_add_(0, graph.src, graph.scores)
+    neurons = [i for i, n in enumerate(graph.nodes) if ".n" in n]
+    # (the edges' side differentiates the router, whose softmax both sources compute in float32)
+    scale = float(out[neurons].abs().max())
+    torch.testing.assert_close(graph.node_scores[neurons], out[neurons], rtol=0, atol=1e-5 * scale)
+    part = discover(aot, data, _metric, method="EAP", granularity="neuron", top_nodes=10)
+    best = {graph.nodes[i] for i in sorted(neurons, key=lambda i: -abs(float(out[i])))[:10]}
+    assert best == {n for n in part.nodes if ".n" in n} and any(".e" in n for n in best)
+    same = torch.tensor([float(graph.scores[graph.edge_index(name)]) for name in part.edge_names], dtype=torch.float64)
+    torch.testing.assert_close(part.scores, same, rtol=0, atol=1e-5 * float(same.abs().max()))  # float32 router
+
+
+def test_faithfulness_curve_and_granularity_comparison_with_expert_neurons(one_thread) -> None:
+    from lens_aot.circuits import compare_granularities, faithfulness_curve
+
+    _, aot, _ = _source("qwen2_moe")  # routed and shared experts
+    data = _data(3)
+    cmp = compare_granularities(aot, data, _metric, "EAP", n_edges=[10, 100, 1000], top_nodes=24)
+    assert cmp.neuron.cfg["neurons_kept"] == 24 and all(0 < n <= 1000 for n in cmp.neuron_curve.n_edges)
+    named = [name for shares in cmp.shares.values() for name, _ in shares]
+    assert any(".e" in n for n in named) and set(named) <= set(cmp.neuron.nodes)
+    # the curve's points are evaluate's metric on the pruned top circuits (a 24-neuron graph: the other neurons
+    # always carry their corrupted outputs, so f < 1 even with all its edges)
+    curve = faithfulness_curve(aot, cmp.neuron, data, _metric, n_edges=[100])
+    cmp.neuron.apply_topn(100)
+    assert curve.metric[0] == pytest.approx(float(evaluate(aot, cmp.neuron, data, _metric).mean()), abs=1e-12)
+    assert cmp.neuron.count()["neuron"] == curve.n_units[0] - cmp.neuron.count()["attention"]
