@@ -64,3 +64,28 @@ def test_moe_layers_are_mlp_nodes_and_evaluate_equals_brute_force(one_thread) ->
         assert err <= tol, f"density {density}: max |Δmetric| {err:.2e} > {tol:.1e}"
         if 0 < density < 1:
             assert float((got - base.clean).abs().max()) > 20 * tol, "a partial circuit must change the metric"
+
+
+def test_moe_expert_neurons_sharing_the_mlps_edges_evaluate_as_the_mlp_node(one_thread) -> None:
+    """TransformerLens 3.9's own MoE (softmax over all experts, top-k, renormalised): at neuron granularity, when
+    every expert neuron of a layer has its MLP node's edges, each neuron's own copy (and own routing) is the MLP's,
+    so the circuit is the mlp-granularity circuit, which equals brute force on the source."""
+    model = hooked_moe(torch.float64, norm_topk_prob=True)
+    aot = lens_aot.convert(model)
+    data = _data(D_VOCAB, 2)
+    tol = _tolerance(aot)
+    mlp = _random_circuit(Graph.from_model(aot, "mlp"), 0.5, seed=3)
+    neuron = Graph.from_model(aot, "neuron")
+    assert "m1.e3.n15" in neuron.nodes and "m1.n0" not in neuron.nodes  # no shared expert
+    coarse = lambda n: n.split(".")[0] if n.startswith("m") else n  # noqa: E731
+    for i, name in enumerate(neuron.edge_names):
+        s, r = name.split("->")
+        neuron.in_graph[i] = mlp.in_graph[mlp.edge_index(f"{coarse(s)}->{r if '<' in r else coarse(r)}")]
+    got = evaluate(aot, neuron, data, _metric)
+    torch.testing.assert_close(got, _reference(model, mlp, data), rtol=0, atol=tol)
+    base = evaluate_baseline(aot, data, _metric)
+    assert float((got - base.clean).abs().max()) > 20 * tol and float((got - base.corrupted).abs().max()) > 20 * tol
+    neuron.in_graph[:] = False
+    torch.testing.assert_close(evaluate(aot, neuron, data, _metric), base.corrupted, rtol=0, atol=tol)
+    neuron.in_graph[:] = True
+    torch.testing.assert_close(evaluate(aot, neuron, data, _metric), base.clean, rtol=0, atol=tol)
