@@ -27,22 +27,12 @@ from lens_aot.errors import InputError
 
 @dataclass(frozen=True)
 class PreMap:
-    """One pre-activation hook of an MLP and the map into it: ``hook = ln2(x) @ W + b``."""
+    """One pre-activation hook of an MLP (or expert) and the map into it: ``hook = ln2(x) @ W + b``
+    (:meth:`~lens_aot.analysis.circuits.moe.NeuronGroup.pre_maps`)."""
 
     hook: str
     W: Float[Tensor, "d_model d_mlp"]
     b: Float[Tensor, " d_mlp"]
-
-
-def pre_maps(aot: Any, layer: int) -> list[PreMap]:
-    """The pre-activation hooks of layer ``layer``'s MLP (gated: the gate's and the linear branch's)."""
-    mlp = aot.blocks[layer].mlp
-    if getattr(mlp, "gated", False):
-        return [
-            PreMap(f"blocks.{layer}.mlp.hook_pre", mlp.gate_heads.W_in, mlp.gate_heads.b_in),
-            PreMap(f"blocks.{layer}.mlp.hook_pre_linear", mlp.product_heads.W_in, mlp.product_heads.b_in),
-        ]
-    return [PreMap(f"blocks.{layer}.mlp.hook_pre", mlp.heads.W_in, mlp.heads.b_in)]
 
 
 def has_mlp(aot: Any, layer: int) -> bool:
