@@ -260,7 +260,9 @@ class _Runner:
         return self._inputs([(node, 0)], self.cor[hook.name])[:, :, 0].to(x.dtype)
 
 
-def _corrupted_hooks(aot: Any, graph: Graph) -> list[str]:
+def _corrupted_hooks(aot: Any, graph: Graph, posts: set[str]) -> list[str]:
+    """What the intervened run reads of the corrupted one; ``posts``: the neuron groups holding graph nodes (an MoE
+    layer's other experts keep running sparsely)."""
     hooks = ["blocks.0.hook_resid_pre", final_resid(aot)]
     for layer in range(len(aot.blocks)):
         hooks += [f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_z"]
@@ -269,14 +271,14 @@ def _corrupted_hooks(aot: Any, graph: Graph) -> list[str]:
             if graph.granularity == "mlp":
                 hooks.append(f"blocks.{layer}.hook_mlp_out")
             else:
-                hooks += [group.post_hook for group in neuron_groups(aot, layer)]
+                hooks += [group.post_hook for group in neuron_groups(aot, layer) if group.post_hook in posts]
     return sorted(set(hooks))
 
 
-def _record_corrupted(aot: Any, graph: Graph, tokens: Tensor) -> dict[str, Tensor]:
+def _record_corrupted(aot: Any, graph: Graph, tokens: Tensor, posts: set[str]) -> dict[str, Tensor]:
     """The corrupted run's values; at neuron granularity each MoE group's ``hook_post`` holds its outputs
     ``gate·post`` (:func:`~.moe.gated_outputs`)."""
-    _, cor = record(aot, tokens, _corrupted_hooks(aot, graph))
+    _, cor = record(aot, tokens, _corrupted_hooks(aot, graph, posts))
     if graph.granularity == "neuron":
         for layer in range(len(aot.blocks)):
             if has_mlp(aot, layer):
@@ -297,9 +299,10 @@ def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) ->
     _check_graph(aot, graph)
     results = []
     runner = _Runner(aot, graph)
+    posts = {group.post_hook for group, _ in runner.groups.values()}
     with split_inputs(aot):
         for batch in batches(aot, dataset):
-            cor = _record_corrupted(aot, graph, batch.corrupted)
+            cor = _record_corrupted(aot, graph, batch.corrupted, posts)
             clean_logits = aot(batch.clean) if needs_clean_logits(metric) else None
             runner.cor = cor
             logits = aot.run_with_hooks(batch.clean, fwd_hooks=runner.hooks())
