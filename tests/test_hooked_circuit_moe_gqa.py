@@ -4,12 +4,12 @@ Grouped-query attention: circuits run with ``ungroup_grouped_query_attention`` o
 and v input (EAP-IG's requirement); the float64 comparisons with brute force on the source and with the hand-written
 EAP / EAP-IG reference are the ``llama`` cases of ``test_hooked_circuit_evaluate`` / ``test_hooked_circuit_discover``.
 Here: the edges are per query head and the model's switches come back. Mixture of experts: whole MoE layers are
-``m{l}`` nodes at mlp granularity (brute force on the source, float64); expert neurons are refused by name.
+``m{l}`` nodes at mlp granularity (brute force on the source, float64); expert neurons ``m{l}.e{e}.n{i}`` (neuron
+granularity) are tested against the Hugging Face source in ``test_circuit_moe``.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from factories_hooked import make_hooked
 from factories_moe import D_VOCAB, hooked_moe
@@ -17,7 +17,6 @@ from test_hooked_circuit_evaluate import _metric, _random_circuit, _reference, _
 
 import lens_aot
 from lens_aot.circuits import Graph, discover, evaluate, evaluate_baseline
-from lens_aot.errors import InputError
 
 
 def _data(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -49,16 +48,6 @@ def test_grouped_query_attention_has_one_k_and_v_edge_per_query_head(one_thread)
     assert not aot.cfg.ungroup_grouped_query_attention and not aot.cfg.use_split_qkv_input
 
 
-def test_moe_expert_neurons_are_refused_naming_the_layer(one_thread) -> None:
-    aot = lens_aot.convert(hooked_moe(torch.float64))
-    for call in (
-        lambda: Graph.from_model(aot, "neuron"),
-        lambda: discover(aot, _data(D_VOCAB), _metric, granularity="neuron"),
-    ):
-        with pytest.raises(InputError, match=r"layer 0 mlp: mixture-of-experts .*granularity='mlp'"):
-            call()
-
-
 def test_moe_layers_are_mlp_nodes_and_evaluate_equals_brute_force(one_thread) -> None:
     model = hooked_moe(torch.float64, norm_topk_prob=True)
     aot = lens_aot.convert(model)
@@ -75,3 +64,28 @@ def test_moe_layers_are_mlp_nodes_and_evaluate_equals_brute_force(one_thread) ->
         assert err <= tol, f"density {density}: max |Δmetric| {err:.2e} > {tol:.1e}"
         if 0 < density < 1:
             assert float((got - base.clean).abs().max()) > 20 * tol, "a partial circuit must change the metric"
+
+
+def test_moe_expert_neurons_sharing_the_mlps_edges_evaluate_as_the_mlp_node(one_thread) -> None:
+    """TransformerLens 3.9's own MoE (softmax over all experts, top-k, renormalised): at neuron granularity, when
+    every expert neuron of a layer has its MLP node's edges, each neuron's own copy (and own routing) is the MLP's,
+    so the circuit is the mlp-granularity circuit, which equals brute force on the source."""
+    model = hooked_moe(torch.float64, norm_topk_prob=True)
+    aot = lens_aot.convert(model)
+    data = _data(D_VOCAB, 2)
+    tol = _tolerance(aot)
+    mlp = _random_circuit(Graph.from_model(aot, "mlp"), 0.5, seed=3)
+    neuron = Graph.from_model(aot, "neuron")
+    assert "m1.e3.n15" in neuron.nodes and "m1.n0" not in neuron.nodes  # no shared expert
+    coarse = lambda n: n.split(".")[0] if n.startswith("m") else n  # noqa: E731
+    for i, name in enumerate(neuron.edge_names):
+        s, r = name.split("->")
+        neuron.in_graph[i] = mlp.in_graph[mlp.edge_index(f"{coarse(s)}->{r if '<' in r else coarse(r)}")]
+    got = evaluate(aot, neuron, data, _metric)
+    torch.testing.assert_close(got, _reference(model, mlp, data), rtol=0, atol=tol)
+    base = evaluate_baseline(aot, data, _metric)
+    assert float((got - base.clean).abs().max()) > 20 * tol and float((got - base.corrupted).abs().max()) > 20 * tol
+    neuron.in_graph[:] = False
+    torch.testing.assert_close(evaluate(aot, neuron, data, _metric), base.corrupted, rtol=0, atol=tol)
+    neuron.in_graph[:] = True
+    torch.testing.assert_close(evaluate(aot, neuron, data, _metric), base.clean, rtol=0, atol=tol)

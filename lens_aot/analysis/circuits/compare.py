@@ -109,7 +109,7 @@ def compare_granularities(
     shares: dict[str, list[tuple[str, float]]] = {}
     assert neuron.node_scores is not None
     for layer in range(len(aot.blocks)):
-        idx = [i for i, name in enumerate(neuron.nodes) if name.startswith(f"m{layer}.n")]
+        idx = [i for i, name in enumerate(neuron.nodes) if name.startswith((f"m{layer}.n", f"m{layer}.e"))]
         if not idx:
             continue
         mass = neuron.node_scores[idx].abs()

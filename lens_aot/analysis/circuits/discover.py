@@ -7,7 +7,12 @@ gradient over ``steps`` runs whose token embeddings are ``e_corrupted + (k / ste
 ``k = 0 … steps − 1``. A receiver's input is read before its norm: a head's q, k or v input, an MLP's input, a
 neuron's own input (each neuron is a head with its own copy of the residual and its own ``ln2``: Huben & Morris 2023,
 Theorem 3; the gradient of its pre-activation(s) is pulled back through ``ln2`` for that neuron alone), or the final
-residual (logits).
+residual (logits). In a mixture-of-experts layer an expert neuron ``m{l}.e{e}.n{i}`` (and a shared-expert neuron)
+sends ``gate·post·W_out[i]`` and computes its pre-activation and its gate (router weight or shared sigmoid gate) from
+its own input (:mod:`lens_aot.analysis.circuits.moe`), so its input gradient has two parts pulled back through ``ln2``:
+the pre-activations' (``∂metric/∂pre · W_in``, the gate already inside) and the gate's
+(``(∂metric/∂mlp_out · W_out[i]) · post · ∂gate/∂y``; 0 where the expert is not chosen, the top-k choice being locally
+constant).
 
 At neuron granularity the edge set is quadratic in neurons (GPT-2 small: 36,864), so discover first scores every
 node (a node's score is the sum of its outgoing edges' scores, ``Δout · ∂metric/∂out``), keeps the ``top_nodes``
@@ -34,10 +39,12 @@ from lens_aot.analysis.circuits.layout import (
     final_resid,
     has_mlp,
     head_out,
-    pre_maps,
+    is_moe,
+    mlp_reads,
     record,
     split_inputs,
 )
+from lens_aot.analysis.circuits.moe import NeuronGroup, gate_jacobians, gated_outputs, group_of, neuron_groups
 from lens_aot.errors import InputError, one_of
 
 DiscoverMethod = Literal["EAP", "EAP-IG"]
@@ -71,16 +78,36 @@ def _sender_hooks(aot: Any, granularity: Granularity) -> list[str]:
     hooks = ["hook_embed", "blocks.0.hook_resid_pre"]
     for layer in range(len(aot.blocks)):
         hooks.append(f"blocks.{layer}.attn.hook_z")
-        if has_mlp(aot, layer):
-            hooks.append(f"blocks.{layer}.{'hook_mlp_out' if granularity == 'mlp' else 'mlp.hook_post'}")
+        if not has_mlp(aot, layer):
+            continue
+        if granularity == "mlp":
+            hooks.append(f"blocks.{layer}.hook_mlp_out")
+        else:
+            hooks += [group.post_hook for group in neuron_groups(aot, layer)]
     return hooks
+
+
+def _gate_hooks(aot: Any, granularity: Granularity) -> list[str]:
+    """The residuals MoE layers read (their gates are computed from them), at neuron granularity."""
+    if granularity != "neuron":
+        return []
+    return [mlp_reads(aot, layer) for layer in range(len(aot.blocks)) if is_moe(aot, layer)]
+
+
+def _record_outputs(aot: Any, tokens: Tensor, granularity: Granularity) -> tuple[Tensor, dict[str, Tensor]]:
+    """A run's senders' outputs: at neuron granularity each MoE group's ``hook_post`` holds ``gate·post``."""
+    logits, acts = record(aot, tokens, _sender_hooks(aot, granularity) + _gate_hooks(aot, granularity))
+    for layer in range(len(aot.blocks)):
+        if granularity == "neuron" and is_moe(aot, layer):
+            gated_outputs(aot, layer, acts, mlp_reads(aot, layer))
+    return logits, acts
 
 
 @torch.no_grad()
 def _endpoints(aot: Any, batch: Batch, granularity: Granularity, metric: CircuitMetric) -> _Endpoints:
     hooks = _sender_hooks(aot, granularity)
-    _, cor = record(aot, batch.corrupted, hooks)
-    clean_logits, clean = record(aot, batch.clean, hooks)
+    _, cor = _record_outputs(aot, batch.corrupted, granularity)
+    clean_logits, clean = _record_outputs(aot, batch.clean, granularity)
     ends = _Endpoints(cor, clean, clean_logits if needs_clean_logits(metric) else None)
     ends.diff = {name: cor[name] - clean[name] for name in hooks if name != "hook_embed"}
     return ends
@@ -126,13 +153,15 @@ class _Scorer:
             self.slots.setdefault((d, q), len(self.slots))
         self.T = torch.zeros(len(graph.nodes), len(self.slots), dtype=torch.float64)
         self.node_scores = torch.zeros(len(graph.nodes), dtype=torch.float64)
-        self.neurons: dict[int, list[int]] = {}  # layer -> kept neuron indices (graph order)
-        self.neuron_nodes: dict[int, list[int]] = {}
+        self.groups: dict[Any, NeuronGroup] = {}  # (layer, expert) -> the group of kept neurons
+        self.neurons: dict[Any, list[int]] = {}  # (layer, expert) -> kept neuron indices (graph order)
+        self.neuron_nodes: dict[Any, list[int]] = {}
         for i, name in enumerate(graph.nodes):
             if ".n" in name:
-                layer, n = name[1:].split(".n")
-                self.neurons.setdefault(int(layer), []).append(int(n))
-                self.neuron_nodes.setdefault(int(layer), []).append(i)
+                group, n = group_of(aot, name)
+                self.groups.setdefault(group.key, group)
+                self.neurons.setdefault(group.key, []).append(n)
+                self.neuron_nodes.setdefault(group.key, []).append(i)
         # dense senders (input, then per layer its heads and, at mlp granularity, its MLP): how many precede a
         # receiver of each layer. Later senders are not in its input, so they are never scored.
         self.before_attn: list[int] = []
@@ -183,32 +212,51 @@ class _Scorer:
         idx, dense = self._dense_senders(diff)
         block = torch.einsum("bpsd,bprd->sr", dense[:, :, :n_dense], G).double()
         self.T[torch.tensor(idx[:n_dense])[:, None], cols[None, :]] += weight * block.cpu()
-        for layer, neurons in self.neurons.items():
-            if layer >= last:
+        for key, neurons in self.neurons.items():
+            group = self.groups[key]
+            if group.layer >= last:
                 continue
-            dpost = diff[f"blocks.{layer}.mlp.hook_post"][:, :, neurons]  # [b, p, k]
-            w_out = self.aot.blocks[layer].mlp.W_out[neurons]  # [k, d]
+            dpost = diff[group.post_hook][:, :, neurons]  # [b, p, k]: the outputs' change (gate·post in MoE)
+            w_out = group.W_out[neurons]  # [k, d]
             step = max(1, _CHUNK // max(1, G.shape[0] * G.shape[1] * len(neurons)))
             for start in range(0, G.shape[2], step):
                 proj = G[:, :, start : start + step] @ w_out.T  # [b, p, r, k]
                 part = torch.einsum("bprk,bpk->kr", proj, dpost).double().cpu()
-                rows = torch.tensor(self.neuron_nodes[layer])[:, None]
+                rows = torch.tensor(self.neuron_nodes[key])[:, None]
                 self.T[rows, cols[None, start : start + step]] += weight * part
 
 
 def _neuron_input_grads(
-    aot: Any, layer: int, neurons: list[int], x: Tensor, grads: dict[str, Tensor]
+    aot: Any,
+    group: NeuronGroup,
+    neurons: list[int],
+    values: dict[str, Tensor],
+    grads: dict[str, Tensor],
+    jac: dict[Any, Tensor],
 ) -> Float[Tensor, "batch pos neuron d_model"]:
-    """``∂metric/∂(neuron n's own input)``: its pre-activation gradients pulled back through ``ln2`` at ``x``."""
+    """``∂metric/∂(neuron n's own input)``: its pre-activation gradients (and, in an MoE layer, its gate's: ``jac``
+    holds ``∂gate/∂y``) pulled back through ``ln2`` at the MLP's input."""
+    x = values[f"blocks.{group.layer}.hook_mlp_in"]
     cols = torch.tensor(neurons, device=x.device)
     out = []
     step = max(1, _CHUNK // max(1, x.shape[0] * x.shape[1] * x.shape[2]))
-    maps = pre_maps(aot, layer)
+    maps = group.pre_maps()
     for start in range(0, len(neurons), step):
         c = cols[start : start + step]
         v = sum(grads[pm.hook][:, :, c, None] * pm.W[:, c].T for pm in maps)  # [b, p, k, d]
-        out.append(_norm_backward(aot.blocks[layer].ln2, x, v))
+        if group.gated_by_moe:
+            g_out = grads[f"blocks.{group.layer}.hook_mlp_out"] @ group.W_out[c].T  # ∂metric/∂(gate·post) [b, p, k]
+            v = v + (g_out * values[group.post_hook][:, :, c])[..., None] * jac[group.expert][:, :, None]
+        out.append(_norm_backward(aot.blocks[group.layer].ln2, x, v))
     return torch.cat(out, dim=2)
+
+
+def _output_grads(group: NeuronGroup, grads: dict[str, Tensor], cols: list[int]) -> Tensor:
+    """``∂metric/∂(output)`` of neurons ``cols`` ``[b, p, k]``: ``∂/∂post`` in a dense MLP, and ``∂metric/∂mlp_out ·
+    W_out[i]`` for an MoE group (whose output is ``gate·post``)."""
+    if not group.gated_by_moe:
+        return grads[group.post_hook][:, :, cols]
+    return grads[f"blocks.{group.layer}.hook_mlp_out"] @ group.W_out[cols].T
 
 
 def _norm_backward(
@@ -234,24 +282,32 @@ def _norm_backward(
     return g - g.mean(-1, keepdim=True) if kind in ("LN", "LNPre") else g
 
 
-def _neuron_scores(aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[float | None]) -> list[Tensor]:
-    """Every neuron's score ``Σ Δpost · ∂metric/∂post`` (the sum of its outgoing edges' scores), summed over positions
-    and averaged over examples and gradient runs; one ``[d_mlp]`` tensor per layer (empty without an MLP)."""
-    layers = [layer for layer in range(len(aot.blocks)) if has_mlp(aot, layer)]
-    wanted = [f"blocks.{layer}.mlp.hook_post" for layer in layers]
-    totals = {
-        name: torch.zeros(aot.blocks[layer].mlp.d_mlp, dtype=torch.float64)
-        for layer, name in zip(layers, wanted, strict=True)
-    }
+def _neuron_scores(
+    aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[float | None]
+) -> list[tuple[float, int, int | tuple[int, int]]]:
+    """Every neuron's score ``Σ Δout · ∂metric/∂out`` (the sum of its outgoing edges' scores; ``out`` is ``post``, or
+    ``gate·post`` in an MoE layer), summed over positions and averaged over examples and gradient runs, as
+    ``(score, layer, neuron)`` with ``neuron`` an index or, for a routed expert's, ``(expert, index)``."""
+    groups = [g for layer in range(len(aot.blocks)) if has_mlp(aot, layer) for g in neuron_groups(aot, layer)]
+    wanted = sorted(
+        {g.post_hook if not g.gated_by_moe else f"blocks.{g.layer}.hook_mlp_out" for g in groups}
+        | {g.post_hook for g in groups}
+    )
+    totals = [torch.zeros(g.d_mlp, dtype=torch.float64) for g in groups]
     n = 0
     for batch in data:
         ends = _endpoints(aot, batch, "neuron", metric)
         for alpha in alphas:
             grads, _ = _grad_run(aot, batch, ends, metric, alpha, wanted)
-            for name in wanted:
-                totals[name] += (ends.diff[name] * grads[name]).sum(dim=(0, 1)).double().cpu() / len(alphas)
+            for g, total in zip(groups, totals, strict=True):
+                g_out = _output_grads(g, grads, list(range(g.d_mlp)))
+                total += (ends.diff[g.post_hook] * g_out).sum(dim=(0, 1)).double().cpu() / len(alphas)
         n += len(batch)
-    return [totals.get(f"blocks.{layer}.mlp.hook_post", torch.zeros(0)) / n for layer in range(len(aot.blocks))]
+    return [
+        (float(v) / n, g.layer, (g.expert, j) if isinstance(g.expert, int) else j)
+        for g, total in zip(groups, totals, strict=True)
+        for j, v in enumerate(total.tolist())
+    ]
 
 
 @torch.no_grad()
@@ -285,11 +341,9 @@ def discover(
     n_examples = sum(len(b) for b in data)
     with split_inputs(aot):
         kept: dict[int, list[int]] | None = None
-        n_neurons = sum(int(b.mlp.d_mlp) for i, b in enumerate(aot.blocks) if has_mlp(aot, i))
+        n_neurons = sum(g.d_mlp for i in range(len(aot.blocks)) if has_mlp(aot, i) for g in neuron_groups(aot, i))
         if granularity == "neuron" and top_nodes is not None and top_nodes < n_neurons:
-            scores = _neuron_scores(aot, data, metric, alphas)
-            flat = [(float(v), layer, j) for layer, s in enumerate(scores) for j, v in enumerate(s.abs().tolist())]
-            flat.sort(key=lambda t: -t[0])
+            flat = sorted(_neuron_scores(aot, data, metric, alphas), key=lambda t: -abs(t[0]))
             kept = {}
             for _, layer, j in flat[:top_nodes]:
                 kept.setdefault(layer, []).append(j)
@@ -333,12 +387,17 @@ def _score_batch(
     ends = _endpoints(aot, batch, granularity, metric)
     n_layers = len(aot.blocks)
     wanted = [h for h in _sender_hooks(aot, granularity) if h != "hook_embed"]
+    by_layer: dict[int, list[Any]] = {}  # layer -> its groups with kept neurons
+    for key, group in scorer.groups.items():
+        by_layer.setdefault(group.layer, []).append(key)
     for layer in range(n_layers):
         wanted += [f"blocks.{layer}.hook_{x}_input" for x in "qkv"]
         if has_mlp(aot, layer):
             wanted.append(f"blocks.{layer}.hook_mlp_in")
-            if granularity == "neuron":
-                wanted += [pm.hook for pm in pre_maps(aot, layer)]
+            for key in by_layer.get(layer, []):
+                wanted += [pm.hook for pm in scorer.groups[key].pre_maps()]
+            if granularity == "neuron" and is_moe(aot, layer):
+                wanted.append(f"blocks.{layer}.hook_mlp_out")
     wanted.append(final_resid(aot))
     ni = graph.node_index
     w = 1.0 / len(alphas)
@@ -353,10 +412,16 @@ def _score_batch(
             if granularity == "mlp":
                 G = grads[f"blocks.{layer}.hook_mlp_in"][:, :, None]
                 scorer.add(ends.diff, [(ni[f"m{layer}"], 0)], G, w, ("mlp", layer))
-            elif scorer.neurons.get(layer):
-                neurons = scorer.neurons[layer]
-                G = _neuron_input_grads(aot, layer, neurons, values[f"blocks.{layer}.hook_mlp_in"], grads)
-                scorer.add(ends.diff, [(i, 0) for i in scorer.neuron_nodes[layer]], G, w, ("mlp", layer))
+                continue
+            keys = by_layer.get(layer, [])
+            jac: dict[Any, Tensor] = {}
+            if keys and is_moe(aot, layer):
+                y = aot.blocks[layer].ln2(values[f"blocks.{layer}.hook_mlp_in"])
+                jac = gate_jacobians(aot, layer, y, [k[1] for k in keys])
+            for key in keys:
+                group, neurons = scorer.groups[key], scorer.neurons[key]
+                G = _neuron_input_grads(aot, group, neurons, values, grads, jac)
+                scorer.add(ends.diff, [(i, 0) for i in scorer.neuron_nodes[key]], G, w, ("mlp", layer))
         scorer.add(ends.diff, [(len(graph.nodes) - 1, 0)], grads[final_resid(aot)][:, :, None], w)
         # node scores: Δout · ∂metric/∂out
         ns = scorer.node_scores
@@ -370,8 +435,9 @@ def _score_batch(
             if granularity == "mlp":
                 name = f"blocks.{layer}.hook_mlp_out"
                 ns[ni[f"m{layer}"]] += w * float((ends.diff[name] * grads[name]).sum())
-            elif scorer.neurons.get(layer):
-                name = f"blocks.{layer}.mlp.hook_post"
-                cols = scorer.neurons[layer]
-                per = (ends.diff[name][:, :, cols] * grads[name][:, :, cols]).sum(dim=(0, 1)).double().cpu()
-                ns[torch.tensor(scorer.neuron_nodes[layer])] += w * per
+                continue
+            for key in by_layer.get(layer, []):
+                group, cols = scorer.groups[key], scorer.neurons[key]
+                g_out = _output_grads(group, grads, cols)
+                per = (ends.diff[group.post_hook][:, :, cols] * g_out).sum(dim=(0, 1)).double().cpu()
+                ns[torch.tensor(scorer.neuron_nodes[key])] += w * per

@@ -7,6 +7,10 @@ corrupted run's residual plus ``Σ_{s -> r in circuit} (out_s − out_s^corrupte
 not with the model. At neuron granularity each neuron is a receiver with its own copy of its input, through its own
 ``ln2`` (each neuron is a head with its own input: Huben & Morris 2023, Theorem 3); neurons whose in-edges in the
 circuit are the same share one copy. The empty circuit gives the corrupted run's metric, the full one the clean run's.
+In a mixture-of-experts layer an expert neuron ``m{l}.e{e}.n{i}`` (and a shared-expert neuron ``m{l}.n{i}``) computes
+its pre-activation *and its gate* (its router weight, or the shared expert's sigmoid gate) from its own copy, and
+sends ``gate·post·W_out[i]`` (:mod:`lens_aot.analysis.circuits.moe`); one routing is computed per copy, so only
+neurons whose in-circuit senders differ cost an extra router call.
 
 >>> g = discover(aot, data, metric).apply_topn(200)
 >>> evaluate(aot, g, data, metric).mean(), evaluate_baseline(aot, data, metric)
@@ -28,14 +32,15 @@ from lens_aot.analysis.circuits.layout import (
     final_resid,
     has_mlp,
     head_out,
+    is_moe,
     mlp_reads,
-    pre_maps,
     record,
     split_inputs,
 )
+from lens_aot.analysis.circuits.moe import NeuronGroup, gate_values, gated_outputs, group_of, neuron_groups
 from lens_aot.errors import InputError
 
-_NAME = re.compile(r"^(?:a(\d+)\.h(\d+)|m(\d+)(?:\.n(\d+))?)$")
+_NAME = re.compile(r"^(?:a(\d+)\.h(\d+)|m(\d+)(?:(?:\.e\d+)?\.n(\d+))?)$")
 
 
 class Baseline(NamedTuple):
@@ -47,12 +52,15 @@ class Baseline(NamedTuple):
 
 def node_address(name: str) -> tuple[str, int, int]:
     """``(kind, layer, index)`` of a node name: ("input", -1, 0), ("attention", l, h), ("mlp", l, 0),
-    ("neuron", l, i), ("logits", -1, 0)."""
+    ("neuron", l, i) (``m{l}.n{i}`` and an expert's ``m{l}.e{e}.n{i}``: :func:`~.moe.group_of` names the expert),
+    ("logits", -1, 0)."""
     if name in ("input", "logits"):
         return name, -1, 0
     m = _NAME.match(name)
     if m is None:
-        raise InputError(f"{name!r} is not a node name (input, a{{l}}.h{{h}}, m{{l}}, m{{l}}.n{{i}}, logits)")
+        raise InputError(
+            f"{name!r} is not a node name (input, a{{l}}.h{{h}}, m{{l}}, m{{l}}.n{{i}}, m{{l}}.e{{e}}.n{{i}}, logits)"
+        )
     if m.group(1) is not None:
         return "attention", int(m.group(1)), int(m.group(2))
     if m.group(4) is None:
@@ -75,13 +83,18 @@ class _Runner:
         self.cor: dict[str, Tensor] = {}
         self.addr = [node_address(n) for n in graph.nodes]
         self.delta: dict[int, Tensor] = {}  # per layer: [b, p, H, d] heads' out − corrupted
-        self.dmlp: dict[int, Tensor] = {}  # per layer: mlp out change [b, p, d] or post change [b, p, d_mlp]
+        self.dmlp: dict[int, Tensor] = {}  # per layer: mlp out change [b, p, d]
+        self.dpost: dict[str, Tensor] = {}  # per neuron group's post hook: output change [b, p, d_mlp]
+        self.groups: dict[int, tuple[NeuronGroup, int]] = {}  # neuron node -> its group and index
+        if graph.granularity == "neuron":
+            self.groups = {i: group_of(aot, name) for i, name in enumerate(graph.nodes) if self.addr[i][0] == "neuron"}
         self.d_input: Tensor | None = None
         e = graph.in_graph
         self.into: dict[tuple[int, int], list[int]] = {}  # receiver (node, qkv) -> its in-circuit senders
         for s, d, q in zip(graph.src[e].tolist(), graph.dst[e].tolist(), graph.qkv[e].tolist(), strict=True):
             self.into.setdefault((d, q), []).append(s)
-        self.pending: dict[str, tuple[list[int], Tensor]] = {}
+        self.pending: dict[str, tuple[list[int], Tensor]] = {}  # pre hook -> columns, values
+        self.gates: dict[str, tuple[list[int], Tensor]] = {}  # MoE group's post hook -> columns, own gates
 
     # ---- sender changes
     def _sender_deltas(self, senders: list[int]) -> Float[Tensor, "batch pos sender d_model"]:
@@ -96,7 +109,8 @@ class _Runner:
             elif kind == "mlp":
                 out.append(self.dmlp[layer])
             else:
-                out.append(self.dmlp[layer][:, :, index, None] * self.aot.blocks[layer].mlp.W_out[index])
+                group, i = self.groups[s]
+                out.append(self.dpost[group.post_hook][:, :, i, None] * group.W_out[i])
         return torch.stack(out, dim=2)
 
     def _inputs(self, receivers: list[tuple[int, int]], base: Tensor) -> Float[Tensor, "batch pos receiver d_model"]:
@@ -128,9 +142,9 @@ class _Runner:
                 out.append((f"blocks.{layer}.hook_mlp_out", self._out_hook(layer, f"blocks.{layer}.hook_mlp_out")))
             else:
                 out.append((f"blocks.{layer}.hook_mlp_in", self._neuron_in_hook(layer)))
-                for pm in pre_maps(aot, layer):
-                    out.append((pm.hook, self._pre_hook(pm.hook)))
-                out.append((f"blocks.{layer}.mlp.hook_post", self._out_hook(layer, f"blocks.{layer}.mlp.hook_post")))
+                for group in self._used_groups(layer):
+                    out += [(pm.hook, self._pre_hook(pm.hook)) for pm in group.pre_maps()]
+                    out.append((group.post_hook, self._post_hook(group)))
         out.append((final_resid(aot), self._logits_hook))
         return out
 
@@ -161,6 +175,29 @@ class _Runner:
 
         return hook
 
+    def _used_groups(self, layer: int) -> list[NeuronGroup]:
+        """Layer ``layer``'s neuron groups with a node in the graph (an MoE layer's other experts run sparsely)."""
+        used = {g.key for g, _ in self.groups.values() if g.layer == layer}
+        return [g for g in neuron_groups(self.aot, layer) if g.key in used]
+
+    def _post_hook(self, group: NeuronGroup) -> Any:
+        """Record the group's output change: ``post − post_cor`` (dense), ``gate·post − (gate·post)_cor`` at the
+        columns whose own gates were computed (MoE; the other columns are read by no edge)."""
+        name = group.post_hook
+
+        def hook(x: Tensor, hook: Any) -> Tensor:
+            if not group.gated_by_moe:
+                self.dpost[name] = x - self.cor[name]
+                return x
+            d = torch.zeros_like(x)
+            if name in self.gates:
+                cols, gate = self.gates.pop(name)
+                d[..., cols] = gate.to(x.dtype) * x[..., cols] - self.cor[name][..., cols]
+            self.dpost[name] = d
+            return x
+
+        return hook
+
     def _mlp_in_hook(self, layer: int) -> Any:
         node = self.graph.node_index[f"m{layer}"]
 
@@ -174,25 +211,35 @@ class _Runner:
         has_out = torch.zeros(len(g.nodes), dtype=torch.bool)
         has_out[g.src[g.in_graph]] = True
         nodes = [i for i, (k, lay, _) in enumerate(self.addr) if k == "neuron" and lay == layer and has_out[i]]
-        maps = pre_maps(self.aot, layer)
+        moe = is_moe(self.aot, layer)
 
         def hook(x: Tensor, hook: Any) -> Tensor:
             if not nodes:
                 return x
-            # group neurons by their set of in-circuit senders: each group shares one copy of the input
-            groups: dict[tuple[int, ...], list[int]] = {}
+            # group neurons by their set of in-circuit senders: each group shares one copy of the input (and, in an
+            # MoE layer, one routing of that copy)
+            copies_of: dict[tuple[int, ...], list[int]] = {}
             for n in nodes:
-                groups.setdefault(tuple(self.into.get((n, 0), ())), []).append(n)
-            reps = [members[0] for members in groups.values()]
+                copies_of.setdefault(tuple(self.into.get((n, 0), ())), []).append(n)
+            reps = [members[0] for members in copies_of.values()]
             copies = self._inputs([(n, 0) for n in reps], self.cor[mlp_reads(self.aot, layer)])
-            normed = self.aot.blocks[layer].ln2(copies)  # [b, p, group, d]
-            for pm in maps:
-                cols_all, vals_all = [], []
-                for j, members in enumerate(groups.values()):
-                    cols = torch.tensor([self.addr[n][2] for n in members], device=x.device)
-                    cols_all.append(cols)
-                    vals_all.append(normed[:, :, j] @ pm.W[:, cols] + pm.b[cols])
-                self.pending[pm.hook] = (torch.cat(cols_all).tolist(), torch.cat(vals_all, dim=-1))
+            normed = self.aot.blocks[layer].ln2(copies)  # [b, p, copy, d]
+            gates = gate_values(self.aot, layer, normed) if moe else {}
+            per_group: dict[str, tuple[NeuronGroup, list[int], list[int]]] = {}  # post hook -> (group, cols, copy)
+            for j, members in enumerate(copies_of.values()):
+                for n in members:
+                    group, i = self.groups[n]
+                    entry = per_group.setdefault(group.post_hook, (group, [], []))
+                    entry[1].append(i)
+                    entry[2].append(j)
+            for group, cols, where in per_group.values():
+                idx = torch.tensor(where, device=x.device)
+                c = torch.tensor(cols, device=x.device)
+                y = normed[:, :, idx]  # [b, p, k, d]: each neuron's own normalized copy
+                for pm in group.pre_maps():
+                    self.pending[pm.hook] = (cols, torch.einsum("bpkd,dk->bpk", y, pm.W[:, c]) + pm.b[c])
+                if group.gated_by_moe:
+                    self.gates[group.post_hook] = (cols, gates[group.expert][:, :, idx])
             return x
 
         return hook
@@ -213,15 +260,30 @@ class _Runner:
         return self._inputs([(node, 0)], self.cor[hook.name])[:, :, 0].to(x.dtype)
 
 
-def _corrupted_hooks(aot: Any, graph: Graph) -> list[str]:
+def _corrupted_hooks(aot: Any, graph: Graph, posts: set[str]) -> list[str]:
+    """What the intervened run reads of the corrupted one; ``posts``: the neuron groups holding graph nodes (an MoE
+    layer's other experts keep running sparsely)."""
     hooks = ["blocks.0.hook_resid_pre", final_resid(aot)]
     for layer in range(len(aot.blocks)):
         hooks += [f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_z"]
         if has_mlp(aot, layer):
             hooks.append(mlp_reads(aot, layer))
-            out = "hook_mlp_out" if graph.granularity == "mlp" else "mlp.hook_post"
-            hooks.append(f"blocks.{layer}.{out}")
+            if graph.granularity == "mlp":
+                hooks.append(f"blocks.{layer}.hook_mlp_out")
+            else:
+                hooks += [group.post_hook for group in neuron_groups(aot, layer) if group.post_hook in posts]
     return sorted(set(hooks))
+
+
+def _record_corrupted(aot: Any, graph: Graph, tokens: Tensor, posts: set[str]) -> dict[str, Tensor]:
+    """The corrupted run's values; at neuron granularity each MoE group's ``hook_post`` holds its outputs
+    ``gate·post`` (:func:`~.moe.gated_outputs`)."""
+    _, cor = record(aot, tokens, _corrupted_hooks(aot, graph, posts))
+    if graph.granularity == "neuron":
+        for layer in range(len(aot.blocks)):
+            if has_mlp(aot, layer):
+                gated_outputs(aot, layer, cor, mlp_reads(aot, layer))
+    return cor
 
 
 @torch.no_grad()
@@ -237,9 +299,10 @@ def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) ->
     _check_graph(aot, graph)
     results = []
     runner = _Runner(aot, graph)
+    posts = {group.post_hook for group, _ in runner.groups.values()}
     with split_inputs(aot):
         for batch in batches(aot, dataset):
-            _, cor = record(aot, batch.corrupted, _corrupted_hooks(aot, graph))
+            cor = _record_corrupted(aot, graph, batch.corrupted, posts)
             clean_logits = aot(batch.clean) if needs_clean_logits(metric) else None
             runner.cor = cor
             logits = aot.run_with_hooks(batch.clean, fwd_hooks=runner.hooks())

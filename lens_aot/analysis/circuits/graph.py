@@ -4,7 +4,10 @@ EAP-IG (Hanna et al. 2024, MIB's baseline) writes a circuit as nodes ``input``, 
 ``m{l}`` (whole MLPs) and ``logits``, and edges ``sender->receiver`` (``<q>``, ``<k>`` or ``<v>`` after an attention
 receiver). A converted model makes every MLP neuron a head with its own input (Huben & Morris 2023, Theorem 3), so
 :class:`Graph` also has granularity ``"neuron"``: ``m{l}`` is replaced by one node ``m{l}.n{i}`` per source neuron
-(a gated neuron's gate head and product pair are one node).
+(a gated neuron's gate head and product pair are one node). In a mixture-of-experts layer each routed expert's neuron
+is a node ``m{l}.e{e}.n{i}`` and the shared expert's neurons are ordinary neuron nodes ``m{l}.n{i}``
+(:mod:`lens_aot.analysis.circuits.moe`: each expert neuron sends ``router weight · post · W_out`` and computes its
+pre-activation and its own routing from its own copy of the residual).
 
 An edge ``s->r`` exists when ``s``'s output is in ``r``'s input: ``input`` feeds everything, a layer's attention heads
 feed its MLP (sequential blocks only) and every later layer, and every node feeds ``logits``. Edges are stored as
@@ -32,7 +35,8 @@ from lens_aot.errors import InputError, LoadError, one_of
 
 Granularity = Literal["mlp", "neuron"]
 QKV = ("", "q", "k", "v")  # code 0: a receiver without q/k/v (an MLP, a neuron, the logits)
-_NODE = re.compile(r"^(?:input|logits|a(\d+)\.h(\d+)|m(\d+)(?:\.n(\d+))?)$")
+_NODE = re.compile(r"^(?:input|logits|a(\d+)\.h(\d+)|m(\d+)(?:(?:\.e(\d+))?\.n(\d+))?)$")
+NeuronKey = int | tuple[int, int]  # a dense or shared-expert neuron i, or routed expert e's neuron (e, i)
 MAX_EDGES = 20_000_000
 
 
@@ -47,7 +51,11 @@ def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
     parallel = any(bool(getattr(block, "parallel", False)) for block in aot.blocks)
     has_mlp = [bool(getattr(block, "has_mlp", True)) for block in aot.blocks]
     d_mlp = [int(block.mlp.d_mlp) if h else 0 for block, h in zip(aot.blocks, has_mlp, strict=True)]
-    return {
+    moe = [
+        _moe_cfg(block.mlp) if h and hasattr(block.mlp, "experts") else None
+        for block, h in zip(aot.blocks, has_mlp, strict=True)
+    ]
+    out = {
         "n_layers": int(cfg.n_layers),
         "n_heads": int(cfg.n_heads),
         "parallel_attn_mlp": parallel,
@@ -56,6 +64,39 @@ def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
         "d_mlp": d_mlp,
         "model_name": str(getattr(cfg, "model_name", "") or ""),
     }
+    if any(m is not None for m in moe):  # mixture-of-experts layers: their experts' widths (dense cfgs unchanged)
+        out["moe"] = moe
+    return out
+
+
+def _moe_cfg(mlp: Any) -> dict[str, Any]:
+    shared = getattr(mlp, "shared_expert", None)
+    return {"d_experts": [int(e.d_mlp) for e in mlp.experts], "d_shared": 0 if shared is None else int(shared.d_mlp)}
+
+
+def _moe_names(layer: int, moe: dict[str, Any], chosen: Sequence[NeuronKey] | None) -> list[str]:
+    """The neuron nodes of MoE layer ``layer``: routed experts' ``m{l}.e{e}.n{i}`` (expert-major), then the shared
+    expert's ``m{l}.n{i}``; all of them, or those in ``chosen`` (``(e, i)`` routed, ``i`` shared), checked."""
+    widths, shared = list(moe["d_experts"]), int(moe["d_shared"])
+    if chosen is None:
+        return [f"m{layer}.e{e}.n{i}" for e, d in enumerate(widths) for i in range(d)] + [
+            f"m{layer}.n{i}" for i in range(shared)
+        ]
+    routed: set[tuple[int, int]] = set()
+    plain: set[int] = set()
+    for key in chosen:
+        pair = isinstance(key, tuple) and len(key) == 2 and 0 <= int(key[0]) < len(widths)
+        if pair and 0 <= int(key[1]) < widths[int(key[0])]:
+            routed.add((int(key[0]), int(key[1])))
+        elif not isinstance(key, tuple) and 0 <= int(key) < shared:
+            plain.add(int(key))
+        else:
+            raise InputError(
+                f"layer {layer} mlp: {key!r} is no neuron of this mixture-of-experts layer; name routed expert e's "
+                f"neuron i as (e, i) with e in 0..{len(widths) - 1} and i below {widths[0]}"
+                + (f", or shared-expert neuron i (an int below {shared})" if shared else " (it has no shared expert)")
+            )
+    return [f"m{layer}.e{e}.n{i}" for e, i in sorted(routed)] + [f"m{layer}.n{i}" for i in sorted(plain)]
 
 
 class Graph:
@@ -91,23 +132,24 @@ class Graph:
     # ------------------------------------------------------------------------------------------------ building
     @classmethod
     def from_model(
-        cls, aot: Any, granularity: Granularity = "neuron", *, neurons: dict[int, Sequence[int]] | None = None
+        cls, aot: Any, granularity: Granularity = "neuron", *, neurons: dict[int, Sequence[NeuronKey]] | None = None
     ) -> Graph:
         """Every node and edge of ``aot`` at ``granularity`` (``"neuron"``: every neuron, or only ``neurons``, a
-        ``{layer: [neuron, ...]}`` subset). Under grouped-query attention each query head has its own k and v input
-        (EAP-IG's ``ungroup_grouped_query_attention``), so ``a{l}.h{h}<k>`` is one head's edge. Raises
-        :class:`InputError` for mixture-of-experts layers at ``"neuron"`` granularity or when the edges would exceed
-        ``MAX_EDGES``."""
+        ``{layer: [neuron, ...]}`` subset; in a mixture-of-experts layer routed expert ``e``'s neuron ``i`` is
+        ``(e, i)`` and a shared-expert neuron an int). Under grouped-query attention each query head has its own k
+        and v input (EAP-IG's ``ungroup_grouped_query_attention``), so ``a{l}.h{h}<k>`` is one head's edge. Raises
+        :class:`InputError` when the edges would exceed ``MAX_EDGES``."""
         granularity = _granularity(granularity)
         cfg = model_cfg(aot, granularity)
         check_supported(aot, granularity)
         return cls._build(cfg, neurons)
 
     @classmethod
-    def _build(cls, cfg: dict[str, Any], neurons: dict[int, Sequence[int]] | None = None) -> Graph:
+    def _build(cls, cfg: dict[str, Any], neurons: dict[int, Sequence[NeuronKey]] | None = None) -> Graph:
         n_layers, n_heads = cfg["n_layers"], cfg["n_heads"]
         d_mlp = cfg.get("d_mlp") or [1] * n_layers
         parallel = bool(cfg["parallel_attn_mlp"])
+        moe = cfg.get("moe") or [None] * n_layers
         names: list[str] = ["input"]
         rank: list[int] = [-1]  # senders: position in the forward order
         reads: list[int] = [-1]  # receivers: reads senders of rank < reads
@@ -122,7 +164,11 @@ class Graph:
                 continue
             if cfg.get("granularity", "mlp") == "mlp":
                 mlp_names = [f"m{layer}"]
+            elif moe[layer] is not None:
+                mlp_names = _moe_names(layer, moe[layer], None if neurons is None else neurons.get(layer, ()))
             else:
+                if neurons is not None and any(isinstance(k, tuple) for k in neurons.get(layer, ())):
+                    raise InputError(f"layer {layer} mlp: not a mixture of experts; name its neurons by index (ints)")
                 chosen = range(d_mlp[layer]) if neurons is None else sorted(set(neurons.get(layer, ())))
                 mlp_names = [f"m{layer}.n{i}" for i in chosen]
             names += mlp_names
@@ -332,13 +378,14 @@ class Graph:
             )
         if model is not None:
             check_model(cfg, model, str(path))
-        neurons: dict[int, list[int]] | None = None
+        neurons: dict[int, list[NeuronKey]] | None = None
         if cfg["granularity"] == "neuron":
             neurons = {}
             for name in d["nodes"]:
                 m = _NODE.match(name)
-                if m and m.group(4) is not None:
-                    neurons.setdefault(int(m.group(3)), []).append(int(m.group(4)))
+                if m and m.group(5) is not None:
+                    key = int(m.group(5)) if m.group(4) is None else (int(m.group(4)), int(m.group(5)))
+                    neurons.setdefault(int(m.group(3)), []).append(key)
         if cfg.get("d_mlp") is None:
             cfg["d_mlp"] = [1] * int(cfg["n_layers"])
         graph = cls._build(cfg, neurons)
@@ -378,9 +425,11 @@ def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None
     keys = ["n_layers", "n_heads", "d_model", "parallel_attn_mlp"]
     if cfg.get("granularity") == "neuron" or cfg.get("d_mlp") not in (None, [1] * mine["n_layers"]):
         keys.append("d_mlp")
+    if cfg.get("granularity") == "neuron" and (cfg.get("moe") or mine.get("moe")):
+        keys.append("moe")
     if cfg.get("model_name") and mine["model_name"]:  # EAP-IG's files name no model
         keys.append("model_name")
-    diff = {k: (cfg.get(k), mine[k]) for k in keys if cfg.get(k) != mine[k]}
+    diff = {k: (cfg.get(k), mine.get(k)) for k in keys if cfg.get(k) != mine.get(k)}
     if diff:
         raise InputError(
             f"{where} is of another model: "

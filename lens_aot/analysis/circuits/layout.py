@@ -27,22 +27,12 @@ from lens_aot.errors import InputError
 
 @dataclass(frozen=True)
 class PreMap:
-    """One pre-activation hook of an MLP and the map into it: ``hook = ln2(x) @ W + b``."""
+    """One pre-activation hook of an MLP (or expert) and the map into it: ``hook = ln2(x) @ W + b``
+    (:meth:`~lens_aot.analysis.circuits.moe.NeuronGroup.pre_maps`)."""
 
     hook: str
     W: Float[Tensor, "d_model d_mlp"]
     b: Float[Tensor, " d_mlp"]
-
-
-def pre_maps(aot: Any, layer: int) -> list[PreMap]:
-    """The pre-activation hooks of layer ``layer``'s MLP (gated: the gate's and the linear branch's)."""
-    mlp = aot.blocks[layer].mlp
-    if getattr(mlp, "gated", False):
-        return [
-            PreMap(f"blocks.{layer}.mlp.hook_pre", mlp.gate_heads.W_in, mlp.gate_heads.b_in),
-            PreMap(f"blocks.{layer}.mlp.hook_pre_linear", mlp.product_heads.W_in, mlp.product_heads.b_in),
-        ]
-    return [PreMap(f"blocks.{layer}.mlp.hook_pre", mlp.heads.W_in, mlp.heads.b_in)]
 
 
 def has_mlp(aot: Any, layer: int) -> bool:
@@ -72,15 +62,27 @@ def is_moe(aot: Any, layer: int) -> bool:
 
 def check_supported(aot: Any, granularity: str = "mlp") -> None:
     """Refuse models whose edges this module cannot cut one by one: at ``"neuron"`` granularity, mixture-of-experts
-    layers (their expert neurons are not graph nodes yet). Grouped-query attention is supported: circuits run with
-    ``ungroup_grouped_query_attention`` on (:func:`split_inputs`), so each query head has its own k and v input, as
-    in EAP-IG."""
-    moe = [layer for layer in range(len(aot.blocks)) if is_moe(aot, layer)]
-    if granularity == "neuron" and moe:
-        raise InputError(
-            f"layer {moe[0]} mlp: mixture-of-experts layers have no neuron nodes yet (m{{l}}.e{{e}}.n{{i}}); use "
-            f"granularity='mlp' (one node per MoE layer), or patch expert neurons with lens_aot.patching"
-        )
+    layers whose experts are not neuron heads with ``hook_pre`` maps or have output biases (routed, so they belong to
+    no neuron). Expert neurons are nodes ``m{l}.e{e}.n{i}`` (:mod:`lens_aot.analysis.circuits.moe`).
+    Grouped-query attention is supported: circuits run with ``ungroup_grouped_query_attention`` on
+    (:func:`split_inputs`), so each query head has its own k and v input, as in EAP-IG."""
+    if granularity != "neuron":
+        return
+    for layer in range(len(aot.blocks)):
+        if not is_moe(aot, layer):
+            continue
+        for name, module in aot.blocks[layer].mlp.expert_modules():
+            what = name.replace("experts.", "expert ").replace("_", " ")
+            if not (hasattr(module, "heads") or hasattr(module, "gate_heads")) or not hasattr(module, "W_out"):
+                raise InputError(
+                    f"layer {layer} mlp: {what} ({type(module).__name__}) has no neuron heads with per-neuron "
+                    f"pre-activations, so its neurons cannot be graph nodes; use granularity='mlp'"
+                )
+            if bool(module.b_out.detach().ne(0).any()):
+                raise InputError(
+                    f"layer {layer} mlp: {what} has an output bias, which the router scales, so it belongs to no "
+                    f"neuron node; use granularity='mlp' (one node per MoE layer)"
+                )
 
 
 @contextlib.contextmanager
