@@ -167,7 +167,7 @@ def read_attention(
         # _reconstruct_attention: rotate-half on the first cos.shape[-1] channels, scores · head_dim**-0.5, softmax
         # in the activation dtype.
         return AttentionReading(None, None, "model")
-    if cls == "JointQKVAttentionBridge":
+    if cls in ("JointQKVAttentionBridge", "_OpenAIGPTJointQKVAttentionBridge"):  # GPT-1's: returns a list
         return _joint_qkv_attention(layer, bridge_cfg, hf_config, dtype)
     if cls == "AttentionBridge":
         reader = _DELEGATED.get(type(hf_attn).__name__)

@@ -65,6 +65,7 @@ from lens_aot.tl.bridge_layout import (
     position_table,
     unmapped_position_table,
 )
+from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
@@ -362,9 +363,12 @@ def read_bridge(bridge: Any) -> ModelSpec:
     multipliers = [
         None if native else residual_multiplier(layer, _original(block)) for layer, block in enumerate(blocks)
     ]
+    post_ln = [finite and not native and is_post_ln(i, calls, _pieces(b)) for i, b in enumerate(blocks)]  # GPT-1
     layouts = [
         None
         if attn_only
+        else (False, False)
+        if post_ln[layer]
         else _layout(layer, calls, _pieces(block), multipliers[layer])
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
@@ -413,6 +417,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 parallel=parallel,
                 ln1_post=optional_norm(layer, "ln1_post", block, dtype),
                 ln2_post=optional_norm(layer, "ln2_post", block, dtype),
+                residual_norm=post_ln[layer],
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
