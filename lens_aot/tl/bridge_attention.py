@@ -160,6 +160,10 @@ def read_attention(
         reading.q_norm, reading.k_norm, reading.qk_norm_over = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
         reading.soft_cap, reading.window = cap, window
         return reading
+    if cls == "AttentionBridge" and type(hf_attn).__name__ == "ModernBertDecoderAttention" and cap is None:
+        from lens_aot.tl.bridge_delegated_rotary import read_modernbert_decoder  # rotary, per-layer windows
+
+        return read_modernbert_decoder(layer, hf_attn, hf_config, dtype, n_ctx, window)
     for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
         if value is not None:
             raise refuse_piece(layer, "attn", f"{what} ({value}) in a {cls}", "Only full causal attention is read.")

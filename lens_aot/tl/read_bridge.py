@@ -60,6 +60,7 @@ from lens_aot.tl.bridge_components import (
 )
 from lens_aot.tl.bridge_layout import (
     check_embedding_projection,
+    check_prediction_head,
     containerless_mlp_hooks,
     merge_containerless,
     position_table,
@@ -424,6 +425,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
         fold_residual_multiplier(layer, spec, multipliers[layer])
         layers.append(spec)
 
+    if not native:
+        check_prediction_head(bridge)  # ModernBERT-decoder's dense → GELU → LayerNorm head (lens_aot.tl.bridge_layout)
     hf_config = None if native else getattr(model, "config", None)
     embed_multiplier = embedding_multiplier(hf_config)
     W_E = scaled(_embedding(_component(bridge, "embed")), embed_multiplier)
