@@ -129,3 +129,38 @@ def test_fused_glu_halves_swapped_is_refused() -> None:
     with mock.patch.object(bridge_components, "_mlp", swapped):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: the gated gelu MLP"):
             _blocks_only(bridge)
+
+
+def _matrix_bridge(architecture: str, fields: dict[str, Any] | None = None) -> Any:
+    """The support matrix's tiny ``architecture`` (random weights, float32) as a bridge."""
+    from lens_aot.matrix.families import Family, build_hf_model, tiny_tokenizer
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_hf_model(Family(architecture, "test" if fields else "", fields or {}), 0)
+        return bridge_from_hf_module(
+            model, architecture, hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=torch.float32, model_name="t"
+        ).eval()
+
+
+def test_gemma4_layers_are_refused_naming_their_pieces() -> None:
+    """Gemma 4's blocks are refused naming what each layer holds: per-layer input embeddings and the value norm on
+    every layer, and the shared keys / values on the layers that reuse an earlier layer's."""
+    from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
+
+    types = ["sliding_attention", "full_attention"] * 2  # layers 2, 3 reuse layers 0, 1's keys and values
+    bridge = _matrix_bridge(
+        "Gemma4ForCausalLM", {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": types}
+    )
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: a layer with per-layer input embeddings"):
+        read_bridge(bridge)
+    message = str(refuse_delegated_block(3, bridge.blocks[3]))
+    assert message.startswith("layer 3 block: a layer with per-layer input embeddings (hidden_size_per_layer_input=16")
+    assert "keys and values shared from an earlier layer" in message and "v_norm" not in message
+    first = str(refuse_delegated_block(0, bridge.blocks[0]))
+    assert "keys and values shared" not in first and "a value norm (v_norm" in first
+    layer = bridge.blocks[0].original_component
+    with torch.no_grad():
+        layer.layer_scalar.fill_(0.5)
+    assert "layer_scalar=[0.5]" in str(refuse_delegated_block(0, bridge.blocks[0]))

@@ -68,6 +68,7 @@ from lens_aot.tl.bridge_layout import (
 )
 from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
+from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_mla import is_mla, read_mla
@@ -140,6 +141,8 @@ def _check_source(bridge: Any, model: nn.Module) -> None:
 def _check_block(layer: int, block: Any) -> None:
     kind = type(block).__name__
     for name in [c.__name__ for c in type(block).__mro__]:
+        if name == "DelegatedAttentionBlockBridge":  # Gemma 4: name what the layer holds (lens_aot.tl.bridge_shared_kv)
+            raise refuse_delegated_block(layer, block)
         if name in _REFUSED_BLOCKS:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
