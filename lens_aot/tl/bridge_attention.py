@@ -306,11 +306,19 @@ def _delegated_standard(
     return read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
 
 
+def _refuse_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
+    """Llama 4's attention, refused naming its pieces (:func:`lens_aot.tl.bridge_delegated_rotary.refuse_llama4`)."""
+    from lens_aot.tl.bridge_delegated_rotary import refuse_llama4
+
+    return refuse_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
+
+
 _DELEGATED = {
     "GPTJAttention": _gptj_attention,
     "GPTNeoSelfAttention": _gpt_neo_attention,
     "OPTAttention": _delegated_standard,
     "XGLMAttention": _delegated_standard,
+    "Llama4TextAttention": _refuse_llama4,  # refused naming its pieces
 }
 
 
