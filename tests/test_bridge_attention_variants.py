@@ -115,6 +115,20 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rope_parameters": _MINISTRAL3_ROPE,
         },
     ),
+    # the original GPT: post-LN blocks (resid = ln(resid + sublayer(resid))), joint QKV Conv1D, no final norm
+    "openai_gpt": (
+        "OpenAIGPTConfig",
+        "OpenAIGPTLMHeadModel",
+        {
+            "n_embd": D_MODEL,
+            "n_layer": N_LAYERS,
+            "n_head": N_HEADS,
+            "n_positions": N_CTX,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
 }
 # gpt_neo: float64 refused, naming the fix, in test_bridge_families. xglm: transformers' own XGLMAttention cannot run
 # in float64 (torch.full of float64's min in float32), which convert reports (test below).
@@ -307,12 +321,15 @@ def test_alibi_key_origin_is_saved(tmp_path: Any) -> None:
         assert torch.equal(loaded(tokens), aot(tokens))
 
 
-def test_opt_post_norm_layout_is_refused() -> None:
-    bridge = make("opt", torch.float32)
+def test_opt_post_ln_layout_converts() -> None:
+    """OPT-350m's layout, ``resid = ln(resid + sublayer(resid))``, is read as post-LN blocks (GPT-1's, below)."""
+    dtype = torch.float64
+    bridge = make("opt", dtype)
     for layer in bridge.original_model.model.decoder.layers:
-        layer.do_layer_norm_before = False  # OPT-350m: resid = ln(resid + sublayer(resid))
-    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: an input that is not ln1's output"):
-        read_bridge(bridge)
+        layer.do_layer_norm_before = False
+    aot = lens_aot.convert(bridge)
+    assert [layer.residual_norm for layer in aot.to_spec().layers] == [True] * N_LAYERS
+    assert _error(aot, bridge) <= TOLERANCES[("relu", dtype)]
 
 
 def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
@@ -341,3 +358,65 @@ def test_llama4_query_scaling_past_its_original_length_is_refused() -> None:
         bridge = make("ministral3", torch.float32)
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: Llama-4 .* not 1 past"):
         read_bridge(bridge)
+
+
+def test_openai_gpt_reads_post_ln_blocks() -> None:
+    """GPT-1: every layer post-LN, no final norm; the converted model's block hooks are the bridge's (hook_resid_mid
+    is ``ln1(resid_pre + attn_out)``, the bridge's ``mlp.hook_in``; hook_resid_post is ``ln2``'s output)."""
+    from lens_aot.core.components.post_ln_block import PostLNBlock
+
+    bridge = make("openai_gpt", torch.float64)
+    aot = lens_aot.convert(bridge)
+    spec = aot.to_spec()
+    assert all(layer.residual_norm and not layer.post_norm for layer in spec.layers)
+    assert spec.ln_final.kind is None and "post-LN residual norms" in spec.variant_names()
+    assert all(isinstance(block, PostLNBlock) for block in aot.blocks)
+    tokens = torch.randint(0, D_VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    _, want = bridge.run_with_cache(tokens)
+    _, got = aot.run_with_cache(tokens)
+    pairs = {"hook_resid_pre": "hook_resid_pre", "hook_attn_out": "hook_attn_out", "hook_resid_mid": "hook_resid_mid"}
+    pairs["hook_resid_post"] = "ln2.hook_out"  # the bridge caches the block's output as its ln2's
+    for layer in range(N_LAYERS):
+        for ours, theirs in pairs.items():
+            ours_act, theirs_act = got[f"blocks.{layer}.{ours}"], want[f"blocks.{layer}.{theirs}"]
+            torch.testing.assert_close(ours_act, theirs_act, atol=2e-3, rtol=0)
+
+
+def test_openai_gpt_norm_eps_perturbed_by_1e3_is_refused() -> None:
+    """A post-LN norm's epsilon 1e-3 off fails the probe (float64: the norm's output moves by ~1e-8 relative)."""
+    import lens_aot.tl.read_bridge as reader
+
+    bridge = make("openai_gpt", torch.float64)
+
+    def edit(norm: Any) -> Any:
+        norm.eps *= 1 + 1e-3
+        return norm
+
+    with _perturbed(reader, "named_norm", edit):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 ln1: the LN reading"):
+            read_bridge(bridge)
+
+
+def test_post_ln_layout_read_as_pre_norm_is_refused() -> None:
+    """Without the post-LN reading the probe refuses GPT-1's blocks naming the attention's input."""
+    import lens_aot.tl.read_bridge as reader
+
+    with mock.patch.object(reader, "is_post_ln", lambda *args: False):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: an input that is not ln1's output"):
+            read_bridge(make("openai_gpt", torch.float32))
+
+
+def test_post_ln_blocks_are_saved_and_refused_by_hooked_transformer(tmp_path: Any) -> None:
+    """``residual_norm`` survives save / load (same logits); a HookedTransformer, which has no post-LN block, refuses
+    it by name."""
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    aot = lens_aot.convert(make("openai_gpt", torch.float64))
+    lens_aot.save(aot, tmp_path / "gpt1")
+    loaded = lens_aot.load(tmp_path / "gpt1")
+    assert [layer.residual_norm for layer in loaded.to_spec().layers] == [True] * N_LAYERS
+    tokens = torch.randint(0, D_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), aot(tokens))
+    with pytest.raises(UnsupportedArchitectureError, match=r"post-LN"):
+        variant_config(aot.to_spec(), 1e-5)

@@ -216,6 +216,11 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         return out if post is None else norm(out, post)
 
     for layer in spec.layers:
+        if layer.residual_norm:  # post-LN (the original GPT): the norms act on the residual itself
+            assert layer.mlp is not None and layer.ln2 is not None
+            resid = norm(resid + attention(resid, a=layer.attn), layer.ln1)
+            resid = norm(resid + mlp(resid, m=layer.mlp), layer.ln2)
+            continue
         attn_out = sublayer(resid, layer.ln1, layer.ln1_post, partial(attention, a=layer.attn), layer.post_norm)
         if layer.mlp is None:
             resid = resid + attn_out

@@ -6,7 +6,8 @@ output whose norm is bounded in terms of what it reads:
 
 * a normalization's output ``x̂·w + b`` (LayerNorm or RMSNorm; ``‖x̂‖ ≤ sqrt(d_model)`` whatever ``x``) has norm at most
   ``sqrt(d_model)·max|w| + ‖b‖`` (post-norm blocks, sandwich norms, a post-embedding norm: this is why a post-norm model
-  has a bounded residual although no norm precedes its MLPs);
+  has a bounded residual although no norm precedes its MLPs; in a post-LN block, ``LayerSpec.residual_norm``, the
+  residual after each norm is that norm's output);
 * attention writes, per head, a convex combination (a sub-convex one with sinks) of its values, so
   ``‖out‖ ≤ Σ_h (‖W_V^h W_O^h‖₂·X + ‖b_V^h W_O^h‖) + ‖b_O‖`` for inputs ``‖x‖ ≤ X`` (every variant of the scores:
   rotary, ALiBi, soft-caps, windows, QK-norm, only changes the weights; QKV clipping only shrinks the values);
@@ -100,6 +101,12 @@ def mlp_input_radii(spec: ModelSpec) -> dict[int, float]:
     radius = embedding_bound(spec)
     radii: dict[int, float] = {}
     for i, layer in enumerate(spec.layers):
+        if layer.residual_norm and layer.ln2 is not None:  # post-LN: each norm's output is the next residual
+            radius = norm_output_bound(layer.ln1, d)
+            if layer.mlp is not None:
+                radii[i] = radius * (1 + RADIUS_MARGIN)
+            radius = norm_output_bound(layer.ln2, d)
+            continue
         attn_in = radius if layer.post_norm else _read(layer.ln1, radius, d)
         attn_post = layer.ln1 if layer.post_norm else layer.ln1_post
         attn_out = _sublayer(attention_output_bound(layer.attn, attn_in), attn_post, d)
@@ -117,4 +124,4 @@ def mlp_input_radii(spec: ModelSpec) -> dict[int, float]:
 
 def reads_unnormalized(layer: LayerSpec) -> bool:
     """Whether ``layer``'s MLP reads the raw residual (post-norm blocks, or no norm before it)."""
-    return layer.post_norm or layer.ln2 is None or layer.ln2.kind is None
+    return layer.post_norm or layer.residual_norm or layer.ln2 is None or layer.ln2.kind is None

@@ -132,6 +132,10 @@ class LayerSpec:
     # Post-norm layers (OLMo-2; TransformerLens's POST_NORM_ARCHITECTURES): ``ln1`` / ``ln2`` normalize the
     # sublayer's output instead of its input: ``resid_mid = resid_pre + ln1(attn(resid_pre))``.
     post_norm: bool = False
+    # Post-LN residual norms (the original GPT, BERT): the norms act on the residual stream itself,
+    # ``resid_mid = ln1(resid_pre + attn(resid_pre))``, ``resid_post = ln2(resid_mid + mlp(resid_mid))``
+    # (core/components/post_ln_block.py).
+    residual_norm: bool = False
 
 
 @dataclass
@@ -206,6 +210,8 @@ class ModelSpec:
                 found.add("sandwich norms")
             if layer.post_norm:
                 found.add("post-norm layers")
+            if layer.residual_norm:
+                found.add("post-LN residual norms")
         if self.embed_ln is not None:
             found.add("a post-embedding norm")
         if self.logits_soft_cap is not None:

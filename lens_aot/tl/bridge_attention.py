@@ -160,6 +160,10 @@ def read_attention(
         reading.q_norm, reading.k_norm, reading.qk_norm_over = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
         reading.soft_cap, reading.window = cap, window
         return reading
+    if cls == "AttentionBridge" and type(hf_attn).__name__ == "ModernBertDecoderAttention" and cap is None:
+        from lens_aot.tl.bridge_delegated_rotary import read_modernbert_decoder  # rotary, per-layer windows
+
+        return read_modernbert_decoder(layer, hf_attn, hf_config, dtype, n_ctx, window)
     for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
         if value is not None:
             raise refuse_piece(layer, "attn", f"{what} ({value}) in a {cls}", "Only full causal attention is read.")
@@ -167,7 +171,7 @@ def read_attention(
         # _reconstruct_attention: rotate-half on the first cos.shape[-1] channels, scores · head_dim**-0.5, softmax
         # in the activation dtype.
         return AttentionReading(None, None, "model")
-    if cls == "JointQKVAttentionBridge":
+    if cls in ("JointQKVAttentionBridge", "_OpenAIGPTJointQKVAttentionBridge"):  # GPT-1's: returns a list
         return _joint_qkv_attention(layer, bridge_cfg, hf_config, dtype)
     if cls == "AttentionBridge":
         reader = _DELEGATED.get(type(hf_attn).__name__)
@@ -302,11 +306,19 @@ def _delegated_standard(
     return read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
 
 
+def _refuse_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
+    """Llama 4's attention, refused naming its pieces (:func:`lens_aot.tl.bridge_delegated_rotary.refuse_llama4`)."""
+    from lens_aot.tl.bridge_delegated_rotary import refuse_llama4
+
+    return refuse_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
+
+
 _DELEGATED = {
     "GPTJAttention": _gptj_attention,
     "GPTNeoSelfAttention": _gpt_neo_attention,
     "OPTAttention": _delegated_standard,
     "XGLMAttention": _delegated_standard,
+    "Llama4TextAttention": _refuse_llama4,  # refused naming its pieces
 }
 
 

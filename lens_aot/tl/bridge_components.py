@@ -374,6 +374,12 @@ def _mlp(mlp_bridge: Any, dtype: torch.dtype, act_fn: str) -> MLPSpec:
     )
     W_in, b_in = _linear(_original(_component(mlp_bridge, "in")), dtype)
     W_out, b_out = _linear(_original(_component(mlp_bridge, "out")), dtype)
+    d_mlp = int(W_out.shape[0])
+    if W_in.shape[1] == 2 * d_mlp:  # a GLU fused in one projection, first half activated (ModernBERT-decoder's Wi:
+        # ``input, gate = Wi(x).chunk(2); act(input) · gate``); the probe checks it against the MLP's recorded output
+        halves = (W_in[:, :d_mlp], W_in[:, d_mlp:], b_in[:d_mlp], b_in[d_mlp:])
+        W_gate, W_in, b_gate, b_in = (_copy(t) for t in halves)
+        return MLPSpec(W_in, b_in, W_out, b_out, act_fn, W_gate=W_gate, b_gate=b_gate)
     return MLPSpec(W_in, b_in, W_out, b_out, act_fn)
 
 

@@ -61,12 +61,15 @@ from lens_aot.tl.bridge_components import (
 )
 from lens_aot.tl.bridge_layout import (
     check_embedding_projection,
+    check_prediction_head,
     containerless_mlp_hooks,
     merge_containerless,
     position_table,
     unmapped_position_table,
 )
+from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
+from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_mla import is_mla, read_mla
@@ -151,6 +154,8 @@ def _check_source(bridge: Any, model: nn.Module) -> None:
 def _check_block(layer: int, block: Any) -> None:
     kind = type(block).__name__
     for name in [c.__name__ for c in type(block).__mro__]:
+        if name == "DelegatedAttentionBlockBridge":  # Gemma 4: name what the layer holds (lens_aot.tl.bridge_shared_kv)
+            raise refuse_delegated_block(layer, block)
         if name in _REFUSED_BLOCKS:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
@@ -377,9 +382,12 @@ def read_bridge(bridge: Any) -> ModelSpec:
     multipliers = [
         None if native else residual_multiplier(layer, _original(block)) for layer, block in enumerate(blocks)
     ]
+    post_ln = [finite and not native and is_post_ln(i, calls, _pieces(b)) for i, b in enumerate(blocks)]  # GPT-1
     layouts = [
         None
         if attn_only
+        else (False, False)
+        if post_ln[layer]
         else _layout(layer, calls, _pieces(block), multipliers[layer])
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
@@ -428,12 +436,15 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 parallel=parallel,
                 ln1_post=optional_norm(layer, "ln1_post", block, dtype),
                 ln2_post=optional_norm(layer, "ln2_post", block, dtype),
+                residual_norm=post_ln[layer],
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
         fold_residual_multiplier(layer, spec, multipliers[layer])
         layers.append(spec)
 
+    if not native:
+        check_prediction_head(bridge)  # ModernBERT-decoder's dense → GELU → LayerNorm head (lens_aot.tl.bridge_layout)
     hf_config = None if native else getattr(model, "config", None)
     embed_multiplier = embedding_multiplier(hf_config)
     W_E = scaled(_embedding(_component(bridge, "embed")), embed_multiplier)

@@ -1,0 +1,38 @@
+"""Post-LN blocks (the original GPT, ``OpenAIGPTLMHeadModel``) recognised from a bridge's recorded forward.
+
+GPT-1's ``Block.forward``: ``n = ln_1(x + attn(x))``, ``h = ln_2(n + mlp(n))``. The bridge maps ``ln_1`` / ``ln_2``
+to ``ln1`` / ``ln2`` like a pre-norm block's, so the layout is read from what each piece was given in one recorded
+forward (:mod:`lens_aot.tl.bridge_probe`): attention reads the block's input, ``ln1`` the block's input plus the
+attention's output, the MLP ``ln1``'s output, ``ln2`` that plus the MLP's output, and the block returns ``ln2``'s
+output. Every one of those must hold for the block to be read as post-LN (:attr:`LayerSpec.residual_norm
+<lens_aot.core.spec.LayerSpec.residual_norm>`, :class:`~lens_aot.core.components.post_ln_block.PostLNBlock`);
+anything else falls through to the pre-norm reading, which refuses what it cannot read.
+"""
+
+from __future__ import annotations
+
+from lens_aot.tl.bridge_probe import Call, close
+
+__all__ = ["is_post_ln"]
+
+
+def is_post_ln(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str]) -> bool:
+    """Whether layer ``layer``'s recorded forward is ``ln2(n + mlp(n))`` with ``n = ln1(x + attn(x))``.
+
+    ``pieces``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp (a block with sandwich norms, or without
+    an MLP or either norm, is not one)."""
+    if pieces != {"ln1", "ln2", "mlp"}:
+        return False
+    block, attn, mlp = calls.get((layer, "block")), calls.get((layer, "attn")), calls.get((layer, "mlp"))
+    ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
+    if block is None or attn is None or mlp is None or ln1 is None or ln2 is None:
+        return False
+    x = block.input
+    return (
+        close(attn.input, x)
+        and not close(attn.input, ln1.output)
+        and close(ln1.input, x + attn.output)
+        and close(mlp.input, ln1.output)
+        and close(ln2.input, ln1.output + mlp.output)
+        and close(block.output, ln2.output)
+    )

@@ -1,0 +1,61 @@
+"""What a ``DelegatedAttentionBlockBridge`` layer (Gemma 4) really holds, named in its refusal.
+
+TransformerLens wraps every Gemma 4 decoder layer in a ``DelegatedAttentionBlockBridge`` (the layer's own forward
+runs, because some layers read another layer's keys and values). Whether or not a layer shares its keys and values,
+Gemma 4's ``Gemma4TextDecoderLayer`` / ``Gemma4TextAttention`` hold pieces lens_aot's spec has no place for; each
+is found by the module's public attributes (never by class name) and all of a layer's are named at once:
+
+* **per-layer input embeddings** (``hidden_size_per_layer_input``): after the MLP,
+  ``resid += norm(W_proj(act(W_gate·resid) ⊙ per_layer_input))``, where ``per_layer_input`` is a second token
+  embedding (``embed_tokens_per_layer``) mixed with a projection of the first: a gated MLP-like sublayer with a
+  per-token input outside the residual stream;
+* **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
+  attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
+* **a value norm** (``v_norm``: a weightless RMSNorm of each head's values, on the layers that compute their own),
+  which the spec's attention lacks;
+* **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
+* **a layer scalar** (``layer_scalar`` ≠ 1): the whole residual stream is multiplied after the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.bridge_probe import refuse_piece
+
+__all__ = ["refuse_delegated_block"]
+
+
+def _pieces(layer_module: Any) -> list[str]:
+    found = []
+    per_layer = getattr(layer_module, "hidden_size_per_layer_input", None)
+    if per_layer and getattr(layer_module, "per_layer_input_gate", None) is not None:
+        found.append(
+            f"per-layer input embeddings (hidden_size_per_layer_input={per_layer}: resid += norm(W_proj(act(W_gate·"
+            "resid) ⊙ per_layer_input)) after the MLP, per_layer_input from a second token embedding)"
+        )
+    attn = getattr(layer_module, "self_attn", None)
+    attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
+    if bool(getattr(attn, "is_kv_shared_layer", False)):
+        found.append("keys and values shared from an earlier layer (is_kv_shared_layer: no k_proj / v_proj)")
+    if getattr(attn, "v_norm", None) is not None:
+        found.append("a value norm (v_norm: an RMSNorm of each head's values)")
+    if bool(getattr(layer_module, "enable_moe_block", False)):
+        found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
+    scalar = getattr(layer_module, "layer_scalar", None)
+    if isinstance(scalar, torch.Tensor) and not bool((scalar == 1).all()):
+        found.append(f"a layer scalar multiplying the residual stream (layer_scalar={scalar.flatten().tolist()})")
+    return found
+
+
+def refuse_delegated_block(layer: int, block: Any) -> UnsupportedArchitectureError:
+    """The refusal of layer ``layer``'s ``DelegatedAttentionBlockBridge``, naming every piece of the layer that
+    lens_aot has no component for (the module docstring), or the shared key/value cache when none is found."""
+    module = getattr(block, "original_component", block)
+    found = _pieces(module)
+    if not found:
+        return refuse_piece(layer, "block", "attention delegated to another layer's key/value cache (shared-KV layers)")
+    return refuse_piece(layer, "block", "a layer with " + "; ".join(found))

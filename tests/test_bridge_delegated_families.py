@@ -1,0 +1,176 @@
+"""Issue 22: families whose attention the bridge delegates to the source's own code, read from the Hugging Face
+modules themselves (lens_aot.tl.bridge_delegated_rotary), or refused naming the piece that blocks them.
+
+ModernBERT-decoder: rotary attention with per-layer-type tables and sliding windows, a layer-0 identity norm, a
+post-embedding LayerNorm and a GLU fused in one projection are read and checked piece by piece against the source's
+recorded forward (float32 and float64); its prediction head (dense → GELU → LayerNorm before the unembedding) is
+then refused by name. A scale 1e-3 off, or a window one position off, is refused by the probe.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from factories_bridge import D_MODEL, D_VOCAB, N_LAYERS, _randomize_
+
+import lens_aot.tl.read_bridge as reader
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl import bridge_delegated_rotary
+from lens_aot.tl.read_bridge import read_bridge
+
+WINDOW = 4  # ModernBERT's sliding_window = local_attention // 2: binding on the probe's 12 tokens
+# head_dim 16: a power of 4, so scaling = head_dim**-0.5 is a power of two and the spec's ``q·k / (1 / scaling)`` is
+# the source's ``q·k · scaling`` exactly (else they differ by an ulp, which the float32 softmax can expose in float64)
+HEADS = D_MODEL // 16
+
+
+def make_modernbert(dtype: torch.dtype) -> Any:
+    """A tiny random ModernBERT-decoder bridge (layer 0 global, layer 1 sliding) in ``dtype``, eager attention."""
+    import transformers
+
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    config = transformers.ModernBertDecoderConfig(
+        vocab_size=D_VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=2 * D_MODEL,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=HEADS,
+        local_attention=2 * WINDOW,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.ModernBertDecoderForCausalLM(config).eval()
+        _randomize_(model, 0)
+        model.to(dtype)
+        model.set_attn_implementation("eager")
+        return bridge_from_hf_module(
+            model, "ModernBertDecoderForCausalLM", hf_config=model.config, dtype=dtype, model_name="mbd"
+        ).eval()
+
+
+def _blocks_only(bridge: Any) -> Any:
+    """The spec of ``bridge``'s blocks: every piece read and checked, the prediction head's refusal and the final
+    logits check (which it fails) skipped."""
+    with mock.patch.object(reader, "check_prediction_head", lambda b: None):
+        with mock.patch.object(reader, "_verify_model", lambda *args: None):
+            return read_bridge(bridge)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_modernbert_decoder_blocks_are_read_and_its_head_refused(dtype: torch.dtype) -> None:
+    bridge = make_modernbert(dtype)
+    with pytest.raises(UnsupportedArchitectureError, match=r"^prediction_head: a prediction head .*Linear → "):
+        read_bridge(bridge)
+    spec = _blocks_only(bridge)
+    hf = bridge.original_model.model
+    assert [layer.attn.window for layer in spec.layers] == [None, WINDOW]
+    assert spec.layers[0].ln1.kind is None and spec.layers[1].ln1.kind == "LN"  # layer 0's attn_norm is Identity
+    assert spec.embed_ln is not None and spec.embed_ln.kind == "LN"
+    assert spec.layers[1].attn.rotary is not None  # the sliding layers' own table (local rope_theta)
+    for layer, spec_layer in enumerate(spec.layers):
+        mlp = spec_layer.mlp
+        Wi = hf.layers[layer].mlp.Wi.weight  # [2·d_mlp, d_model]: input (activated) then gate
+        assert mlp is not None and mlp.W_gate is not None
+        assert torch.equal(mlp.W_gate, Wi[: 2 * D_MODEL].T) and torch.equal(mlp.W_in, Wi[2 * D_MODEL :].T)
+        assert spec_layer.attn.attn_scale == 1 / hf.layers[layer].attn.scaling  # head_dim**-0.5
+        assert spec_layer.attn.softmax_dtype == torch.float32
+
+
+def _perturbed_reading(edit: Any) -> Any:
+    original = bridge_delegated_rotary.read_modernbert_decoder
+
+    def patched(*args: Any) -> Any:
+        reading = original(*args)
+        edit(reading)
+        return reading
+
+    return mock.patch.object(bridge_delegated_rotary, "read_modernbert_decoder", patched)
+
+
+def test_modernbert_decoder_scale_perturbed_by_1e3_is_refused() -> None:
+    def edit(reading: Any) -> None:
+        reading.scale *= 1 + 1e-3
+
+    with _perturbed_reading(edit), pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention"):
+        _blocks_only(make_modernbert(torch.float64))
+
+
+def test_modernbert_decoder_window_off_by_one_is_refused() -> None:
+    def edit(reading: Any) -> None:
+        reading.window = None if reading.window is None else reading.window + 1
+
+    with _perturbed_reading(edit), pytest.raises(UnsupportedArchitectureError, match=r"layer 1 attn: the attention"):
+        _blocks_only(make_modernbert(torch.float64))
+
+
+def test_fused_glu_halves_swapped_is_refused() -> None:
+    """The fused projection's first half is the activated one (``act(input) · gate``); the other order fails the
+    probe, naming the MLP."""
+    from lens_aot.tl import bridge_components
+
+    bridge = make_modernbert(torch.float64)
+
+    original = bridge_components._mlp
+
+    def swapped(*args: Any) -> Any:
+        mlp = original(*args)
+        mlp.W_gate, mlp.W_in = mlp.W_in, mlp.W_gate
+        return mlp
+
+    with mock.patch.object(bridge_components, "_mlp", swapped):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: the gated gelu MLP"):
+            _blocks_only(bridge)
+
+
+def _matrix_bridge(architecture: str, fields: dict[str, Any] | None = None) -> Any:
+    """The support matrix's tiny ``architecture`` (random weights, float32) as a bridge."""
+    from lens_aot.matrix.families import Family, build_hf_model, tiny_tokenizer
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_hf_model(Family(architecture, "test" if fields else "", fields or {}), 0)
+        return bridge_from_hf_module(
+            model, architecture, hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=torch.float32, model_name="t"
+        ).eval()
+
+
+def test_gemma4_layers_are_refused_naming_their_pieces() -> None:
+    """Gemma 4's blocks are refused naming what each layer holds: per-layer input embeddings and the value norm on
+    every layer, and the shared keys / values on the layers that reuse an earlier layer's."""
+    from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
+
+    types = ["sliding_attention", "full_attention"] * 2  # layers 2, 3 reuse layers 0, 1's keys and values
+    bridge = _matrix_bridge(
+        "Gemma4ForCausalLM", {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": types}
+    )
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: a layer with per-layer input embeddings"):
+        read_bridge(bridge)
+    message = str(refuse_delegated_block(3, bridge.blocks[3]))
+    assert message.startswith("layer 3 block: a layer with per-layer input embeddings (hidden_size_per_layer_input=16")
+    assert "keys and values shared from an earlier layer" in message and "v_norm" not in message
+    first = str(refuse_delegated_block(0, bridge.blocks[0]))
+    assert "keys and values shared" not in first and "a value norm (v_norm" in first
+    layer = bridge.blocks[0].original_component
+    with torch.no_grad():
+        layer.layer_scalar.fill_(0.5)
+    assert "layer_scalar=[0.5]" in str(refuse_delegated_block(0, bridge.blocks[0]))
+
+
+def test_llama4_attention_is_refused_naming_its_pieces() -> None:
+    bridge = _matrix_bridge("Llama4ForCausalLM")
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match=r"^layer 0 attn: attention computed by Llama4TextAttention.forward: rotary as a float32 complex product "
+        r"\(freqs_cis\), a weightless L2 QK-norm after the rotary; .*mixture of experts",
+    ):
+        read_bridge(bridge)
