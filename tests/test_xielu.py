@@ -176,3 +176,15 @@ def test_xielu_without_a_norm_is_refused_by_layer() -> None:
     spec = XIELUSpec(W, torch.zeros(16), W.T.clone(), torch.zeros(8), "xielu", alpha_p=0.8, alpha_n=0.8, beta=0.5)
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 3 mlp: an xIELU MLP with no normalization"):
         xielu_fit(spec, RangedInput(None, radius=10.0, layer=3), layer=3)
+
+
+def test_save_and_load_round_trip_bitwise(tmp_path: Any) -> None:
+    """The scalars and every head coefficient load exactly; the loaded model computes the same logits."""
+    aot = _converted_float64()
+    loaded = lens_aot.load(lens_aot.save(aot, tmp_path / "apertus"))
+    assert loaded.cfg.activation_fits == aot.cfg.activation_fits
+    assert isinstance(loaded.blocks[1].mlp, XIELUMLP)
+    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), aot(tokens), rtol=0, atol=0)
+    assert loaded.to_spec().layers[1].mlp.alpha_p == aot.cfg.activation_fits[1].alpha_p
