@@ -95,3 +95,18 @@ def test_every_transformer_lens_act_fn_is_carried_or_refused_by_name() -> None:
             carried.add(name)
     assert {"relu2", "silu", "relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"} <= carried
     assert refused == {"solu", "solu_ln"} and "xielu" in carried
+
+
+def test_xielu_reverts_to_the_reference_and_refuses_hooked_by_layer() -> None:
+    from lens_aot.errors import UnsupportedArchitectureError
+
+    model = make_hooked("rms-rotary", "xielu", torch.float64)
+    with torch.no_grad():
+        model.blocks[0].mlp.act_fn.alpha_p.add_(0.3)
+    aot = lens_aot.convert(model)
+    back = lens_aot.revert(aot)  # auto: the reference MLPTransformer, with the scalars
+    tokens = _tokens()
+    with torch.no_grad():
+        assert float((back(tokens) - model(tokens)).abs().max()) <= 1e-12
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: revert\(\.\.\., to='hooked'\).*xIELU"):
+        lens_aot.revert(aot, to="hooked")
