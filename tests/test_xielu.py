@@ -50,7 +50,7 @@ def test_reference_is_transformers_xielu(dtype: torch.dtype) -> None:
 
 def test_negative_fits_are_certified() -> None:
     """Each stored fit stays within its certified error on a dense grid, and the error is attained (not vacuous)."""
-    z = torch.cat([torch.linspace(-60, 20, 200001), torch.linspace(-1e-3, 1e-3, 2001)]).double()
+    z = torch.cat([torch.linspace(-60, 20, 80001), torch.linspace(-1e-3, 1e-3, 2001)]).double()
     for k, (err, terms) in NEGATIVE_FITS.items():
         fit = sum((a * z + b) * torch.sigmoid(s * z + d) for a, b, s, d in terms)
         measured = float((fit - _negative(z)).abs().max())
@@ -188,3 +188,17 @@ def test_save_and_load_round_trip_bitwise(tmp_path: Any) -> None:
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens), aot(tokens), rtol=0, atol=0)
     assert loaded.to_spec().layers[1].mlp.alpha_p == aot.cfg.activation_fits[1].alpha_p
+
+
+def test_cached_heads_add_up_to_the_neurons() -> None:
+    """``hook_post`` is the direct heads' ``hook_z`` summed per neuron plus the product pair's ``(2/ε)(z₊ − z₋)``."""
+    aot = _converted_float64()
+    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, cache = aot.run_with_cache(tokens)
+    mlp = aot.blocks[1].mlp
+    direct = cache["blocks.1.mlp.heads.hook_z"].squeeze(-1).unflatten(-1, (mlp.d_mlp, -1)).sum(-1)
+    pair = cache["blocks.1.mlp.product_heads.hook_z"].squeeze(-1).unflatten(-1, (mlp.d_mlp, 2))
+    product = (pair[..., 0] - pair[..., 1]) * (2 / mlp.product_heads.scales)
+    torch.testing.assert_close(direct + product, cache["blocks.1.mlp.hook_post"], rtol=0, atol=1e-8)
+    assert [attr for attr, _ in mlp.neuron_heads(0)] == ["heads"] * 7 + ["gate_heads"] + ["product_heads"] * 2
