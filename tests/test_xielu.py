@@ -202,3 +202,13 @@ def test_cached_heads_add_up_to_the_neurons() -> None:
     product = (pair[..., 0] - pair[..., 1]) * (2 / mlp.product_heads.scales)
     torch.testing.assert_close(direct + product, cache["blocks.1.mlp.hook_post"], rtol=0, atol=1e-8)
     assert [attr for attr, _ in mlp.neuron_heads(0)] == ["heads"] * 7 + ["gate_heads"] + ["product_heads"] * 2
+
+
+def test_an_unnamed_activation_module_is_still_unnamed() -> None:
+    """Matching an activation module by its values skips xIELU (its values depend on learned scalars), so a module
+    that matches nothing is left unnamed rather than crashing on xIELU's reference."""
+    from lens_aot.tl.bridge_activation import activation_by_values
+
+    holder = torch.nn.Module()
+    holder.act = torch.nn.Tanh()
+    assert activation_by_values(holder) is None
