@@ -195,7 +195,8 @@ def main() -> None:
         fits.append({"heads": k, "error": err, "terms": terms})
     doc = {
         "format": "lens_aot xielu negative-branch fits 1",
-        "generated_by": f"scripts/fit_xielu.py (deterministic: float64, one thread, fixed seeds; took "
+        "generated_by": f"scripts/fit_xielu.py (deterministic: float64, one thread, fixed seeds; "
+        f"{'certified from a saved search checkpoint' if args.from_checkpoint else 'search and certification'}, "
         f"{time.time() - start:.0f}s); do not edit by hand",
         "meaning": "N(z) = (expm1(z) - z)*[z <= 0] ~= sum_k (alpha_k z + beta_k) sigmoid(b_k z + d_k); terms are "
         "[alpha, beta, b, d]; error is a certified bound on the sup over all real z",
