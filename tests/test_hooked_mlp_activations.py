@@ -1,5 +1,5 @@
-"""TransformerLens 3.9 HookedTransformer act_fns 'relu2' and 'xielu', and OLMo-3's post-norm gated MLPs as a
-HookedTransformerConfig (issue 22, item 6: every act_fn carried or refused by name)."""
+"""TransformerLens 3.9 HookedTransformer act_fns 'relu2' and 'xielu' (learned scalars), and OLMo-3's post-norm gated
+MLPs as a HookedTransformerConfig (issue 22, item 6: every act_fn carried or refused by name)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,25 @@ def test_relu2_converts_and_reverts(dtype: torch.dtype) -> None:
         torch.testing.assert_close(back(tokens), model(tokens), rtol=0, atol=0)
 
 
-def test_xielu_is_refused_by_name() -> None:
-    with pytest.raises(UnsupportedActivationError, match=r"'xielu' \(xIELU.*no neuron-head construction"):
-        lens_aot.convert(make_hooked("rms-rotary", "xielu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_xielu_converts_with_its_learned_scalars(dtype: torch.dtype) -> None:
+    """TransformerLens 3.9's trainable ``XIELU`` module (its scalars moved off their initial values, so reading the
+    defaults would fail): direct, gate and product heads within the stated bound."""
+    from lens_aot.core.components.xielu_mlp import XIELUMLP
+
+    model = make_hooked("rms-rotary", "xielu", dtype)
+    with torch.no_grad():
+        for i, block in enumerate(model.blocks):
+            block.mlp.act_fn.alpha_p.add_(0.1 * (i + 1))
+            block.mlp.act_fn.alpha_n.sub_(0.2)
+            block.mlp.act_fn.beta.fill_(0.4 + 0.05 * i)
+    aot = lens_aot.convert(model)
+    assert isinstance(aot.blocks[1].mlp, XIELUMLP)
+    assert aot.cfg.activation_fits[1].beta == pytest.approx(0.45)
+    tokens = _tokens()
+    with torch.no_grad():
+        err = float((aot(tokens) - model(tokens)).abs().max())
+    assert err <= aot.report.logit_bound, (err, aot.report.logit_bound)
 
 
 def _olmo3(dtype: torch.dtype) -> Any:
@@ -78,4 +94,19 @@ def test_every_transformer_lens_act_fn_is_carried_or_refused_by_name() -> None:
         else:
             carried.add(name)
     assert {"relu2", "silu", "relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"} <= carried
-    assert refused == {"solu", "solu_ln", "xielu"}
+    assert refused == {"solu", "solu_ln"} and "xielu" in carried
+
+
+def test_xielu_reverts_to_the_reference_and_refuses_hooked_by_layer() -> None:
+    from lens_aot.errors import UnsupportedArchitectureError
+
+    model = make_hooked("rms-rotary", "xielu", torch.float64)
+    with torch.no_grad():
+        model.blocks[0].mlp.act_fn.alpha_p.add_(0.3)
+    aot = lens_aot.convert(model)
+    back = lens_aot.revert(aot)  # auto: the reference MLPTransformer, with the scalars
+    tokens = _tokens()
+    with torch.no_grad():
+        assert float((back(tokens) - model(tokens)).abs().max()) <= 1e-12
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: revert\(\.\.\., to='hooked'\).*xIELU"):
+        lens_aot.revert(aot, to="hooked")

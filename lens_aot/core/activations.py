@@ -12,6 +12,8 @@ such terms, one head each:
 * Squared ReLU (``relu2``: Nemotron, Arcee, Jais 2) is ``relu(z)·z``: a gated neuron whose gate and linear branch are
   the same projection, built from a ReLU gate head and two product heads (:func:`lens_aot.core.gating.gated_fit`), not
   from a sum of logistics alone (:data:`PRODUCT_ACTIVATIONS`).
+* xIELU (Apertus) has learned per-layer scalars: direct heads, a ReLU gate head and product heads per neuron
+  (:func:`lens_aot.core.xielu.xielu_fit`), with its certified bound.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from torch import Tensor
 
 from lens_aot.errors import UnsupportedActivationError
 
-SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_fast", "relu2")
+SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_fast", "relu2", "xielu")
+# Activations with learned scalars, built from the layer's own values (lens_aot.core.xielu), not from a name alone.
+PARAMETRISED_ACTIVATIONS = ("xielu",)
 # Activations that are a product of the neuron's pre-activation with a gate of it: relu2(z) = relu(z)·z.
 PRODUCT_ACTIVATIONS = {"relu2": "relu"}
 FITTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast")
@@ -75,13 +79,6 @@ def canonical_activation(act_fn: str | None) -> str:
             f"neuron is not a function of its own pre-activation and has no neuron-head construction. "
             f"Supported activations: {', '.join(SUPPORTED_ACTIVATIONS)}."
         )
-    if name == "xielu":
-        raise UnsupportedActivationError(
-            f"activation {act_fn!r} (xIELU, Apertus: β·z + α_p·z² for z > 0, α_n·(expm1(min(z, eps)) − z) + β·z "
-            f"otherwise, with learned α_p, α_n, β) has no neuron-head construction: its negative branch needs a "
-            f"certified shifted-logistic fit that lens_aot does not have yet. Supported activations: "
-            f"{', '.join(SUPPORTED_ACTIVATIONS)}."
-        )
     raise UnsupportedActivationError(
         f"activation {act_fn!r} has no neuron-head construction. Supported activations: "
         f"{', '.join(SUPPORTED_ACTIVATIONS)} (SiLU exact, ReLU by a sharp logistic, GELU variants by a multi-head "
@@ -92,6 +89,8 @@ def canonical_activation(act_fn: str | None) -> str:
 def reference_activation(act_fn: str, z: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
     """The activation as TransformerLens computes it, for measuring fits."""
     name = canonical_activation(act_fn)
+    if name in PARAMETRISED_ACTIVATIONS:
+        raise ValueError(f"{name} has learned scalars: evaluate it with lens_aot.core.xielu.xielu (the layer's values)")
     if name == "silu":
         return F.silu(z)
     if name == "relu":
@@ -128,6 +127,11 @@ def activation_fit(
             fit). Overrides ``max_neuron_error``.
     """
     name = canonical_activation(act_fn)
+    if name in PARAMETRISED_ACTIVATIONS:
+        raise ValueError(
+            f"{name} has learned per-layer scalars: its neurons are built by lens_aot.core.xielu.xielu_fit from the "
+            f"layer's spec (an XIELUSpec), not from its name."
+        )
     if name in PRODUCT_ACTIVATIONS:
         raise ValueError(
             f"{name} is a product of the pre-activation with a {PRODUCT_ACTIVATIONS[name]} gate of it: its neurons "

@@ -124,6 +124,7 @@ def _fits(
     reads a :class:`RangedInput` of radius ``max_residual_norm`` (default: the certified
     :func:`~lens_aot.core.residual_bound.mlp_input_radii`)."""
     from lens_aot.core.residual_bound import mlp_input_radii, reads_unnormalized
+    from lens_aot.core.xielu import XIELUSpec, xielu_fit
 
     fits: dict[int, ActivationFit | GatedFit | MoEFit] = {}
     radii: dict[int, float] | None = None
@@ -137,7 +138,9 @@ def _fits(
                 radii = mlp_input_radii(spec)
             radius = max_residual_norm if max_residual_norm is not None else (radii or {})[i]
             norm = RangedInput(None, radius=radius, layer=i)
-        if isinstance(layer.mlp, MoESpec):
+        if isinstance(layer.mlp, XIELUSpec):
+            fits[i] = xielu_fit(layer.mlp, norm, max_neuron_error, heads_per_neuron, layer=i)
+        elif isinstance(layer.mlp, MoESpec):
             fits[i] = moe_fit(layer.mlp, norm, max_neuron_error, heads_per_neuron)
         elif products:
             fits[i] = gated_fit(layer.mlp, norm, max_neuron_error, heads_per_neuron)

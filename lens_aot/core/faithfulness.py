@@ -43,6 +43,8 @@ STATED_LOGIT_ERROR: dict[tuple[str | None, torch.dtype], float] = {  # the docs'
     ("gelu_new", torch.float64): 1e-3,
     ("gelu_fast", torch.float32): 1e-3,
     ("gelu_fast", torch.float64): 1e-3,
+    ("xielu", torch.float32): 1e-4,  # direct + gate + product heads (per-neuron bound 1e-4 by default)
+    ("xielu", torch.float64): 1e-4,
     ("gated", torch.float32): 1e-4,  # gated MLPs, any gate activation (per-neuron bound 1e-4 by default)
     ("gated", torch.float64): 1e-4,
     (None, torch.float32): 1e-5,  # attention-only sources

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lens_aot.core.spec import ModelSpec, MoESpec
+from lens_aot.core.xielu import XIELUSpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl import has_hooked_transformer
 
@@ -42,9 +43,16 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
     """
     spec = _spec_of(aot)
     moe = any(isinstance(layer.mlp, MoESpec) for layer in spec.layers)
+    xielu = next((i for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, XIELUSpec)), None)
     if to == "auto":
-        hooked = spec.source_kind == "HookedTransformer" and has_hooked_transformer() and not moe
+        hooked = spec.source_kind == "HookedTransformer" and has_hooked_transformer() and not moe and xielu is None
         to = "hooked" if hooked else "reference"
+    if to == "hooked" and xielu is not None:
+        raise UnsupportedArchitectureError(
+            f"layer {xielu} mlp: revert(..., to='hooked') does not write xIELU's learned scalars back into "
+            f"TransformerLens's XIELU module (its pre-softplus parameters) yet. Use to='reference' (an MLPTransformer "
+            f"with the source's xIELU scalars; to='auto' picks it)."
+        )
     if to == "hooked" and moe:
         raise UnsupportedArchitectureError(
             "revert(..., to='hooked') does not write mixture-of-experts layers back into a HookedTransformer yet. "

@@ -17,11 +17,12 @@ Schema (``?``: may be null)::
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
              [alibi_key_origin], [scores_dtype]}
-    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?} | moe (lens_aot/io/schema_moe.py)
+    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu]} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
-             | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)]
+             | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)
+             | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error} (schema_xielu.py)]
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in}: bool
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
 
@@ -43,8 +44,10 @@ from lens_aot.core.activations import ActivationFit
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.moe import MoEFit
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
+from lens_aot.io.schema_xielu import decode_xielu_fit, encode_xielu_fit, xielu_record, xielu_spec
 
 __all__ = [
     "FLAGS",
@@ -155,7 +158,7 @@ class Encoder:
         out: dict[str, Any] = {"act_fn": mlp.act_fn}
         for name in (*_MLP_TENSORS, *_MLP_OPTIONAL):
             out[name] = self.tensor(getattr(mlp, name), f"{key}.{name}")
-        return out
+        return out | xielu_record(mlp)  # xIELU's learned scalars (lens_aot.io.schema_xielu)
 
     def layer(self, layer: LayerSpec, key: str) -> dict[str, Any]:
         out = {
@@ -239,6 +242,8 @@ def _fit_entry(fit: Any, layer: int) -> dict[str, Any]:
             entry.update(radius=fit.radius)
     elif isinstance(fit, ActivationFit):
         entry = {"kind": "sigmoid_sum", **_sigmoid_sum(fit)}
+    elif isinstance(fit, XIELUFit):
+        entry = encode_xielu_fit(fit, _sigmoid_sum)
     else:
         raise UnsupportedArchitectureError(
             f"cannot save the activation fit of layer {layer}: a {type(fit).__name__} is neither an ActivationFit "
@@ -371,10 +376,10 @@ class Decoder:
             return None
         if is_moe_record(obj):
             return decode_moe(self, obj, path)
-        f = self.fields(obj, path, ("act_fn", *_MLP_TENSORS, *_MLP_OPTIONAL))
+        f = self.fields(obj, path, ("act_fn", *_MLP_TENSORS, *_MLP_OPTIONAL), ("xielu",))
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _MLP_TENSORS}
         optional = {name: self.tensor(f[name], f"{path}.{name}") for name in _MLP_OPTIONAL}
-        return MLPSpec(**tensors, act_fn=str(f["act_fn"]), **optional)
+        return xielu_spec(self, MLPSpec(**tensors, act_fn=str(f["act_fn"]), **optional), f.get("xielu"), path)
 
     def layer(self, obj: Any, path: str) -> LayerSpec:
         f = self.fields(obj, path, ("ln1", "attn", "ln2", "mlp", "parallel"), _LAYER_VARIANTS)
@@ -438,9 +443,10 @@ class Decoder:
     def fits(self, obj: Any, path: str = "activation_fits") -> dict[int, ActivationFit | GatedFit | MoEFit]:
         if not isinstance(obj, list):
             raise LoadError(f"{self.where}: {path} is not a list; the file is corrupt. Save the model again.")
-        decoders: dict[str, Callable[[dict[str, Any], str], ActivationFit | GatedFit | MoEFit]] = {
+        decoders: dict[str, Callable[[dict[str, Any], str], Any]] = {
             "sigmoid_sum": lambda e, p: self._sigmoid_sum(e, p, ("layer", "kind")),
             "gated": self._gated,
+            "xielu": lambda e, p: decode_xielu_fit(self, e, p),
             "moe": lambda e, p: decode_moe_fit(e, p, self, self._expert_fit),
         }
         out: dict[int, ActivationFit | GatedFit | MoEFit] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lens_aot.core.activations import SUPPORTED_ACTIVATIONS, reference_activation
+from lens_aot.core.activations import PARAMETRISED_ACTIVATIONS, SUPPORTED_ACTIVATIONS, reference_activation
 
 __all__ = ["VALUE_TOLERANCE", "activation_by_values"]
 
@@ -43,6 +43,8 @@ def activation_by_values(mlp: nn.Module) -> str | None:
     if not isinstance(got, torch.Tensor) or got.shape != z.shape or got.dtype != torch.float64:
         return None
     for name in SUPPORTED_ACTIVATIONS:
+        if name in PARAMETRISED_ACTIVATIONS:  # learned scalars: read from the module (lens_aot.tl.read_xielu), not here
+            continue
         if float((got - reference_activation(name, z)).abs().max()) <= VALUE_TOLERANCE:
             return name
     return None

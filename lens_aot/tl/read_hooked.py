@@ -273,6 +273,10 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
             mlp: MLPSpec | MoESpec | None = read_hooked_moe(block.mlp, act_fn or "", bool(cfg.norm_topk_prob), i)
         else:
             mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
+            if act_fn == "xielu" and isinstance(mlp, MLPSpec):  # TL's trainable XIELU module: its learned scalars
+                from lens_aot.tl.read_xielu import read_xielu
+
+                mlp = read_xielu(mlp, block.mlp, i)
         attn = _attention(block.attn, cfg)
         attn.rotary = rotary
         layers.append(

@@ -285,4 +285,8 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     refuse_other_moe(module, layer)
     if type(mlp_bridge).__name__ == "MoEBridge" and is_dense_hf_mlp(module):
         return _hf_mlp(module, layer, "a dense MLP")  # e.g. DeepSeek's first_k_dense_replace layers
+    if act_fn == "xielu":  # learned scalars on the activation module (Apertus)
+        from lens_aot.tl.read_xielu import read_xielu
+
+        return read_xielu(_mlp(mlp_bridge, dtype, act_fn), module, layer)
     return _mlp(mlp_bridge, dtype, act_fn)

@@ -8,6 +8,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import reference_activation
 from lens_aot.core.spec import MLPSpec
+from lens_aot.core.xielu import XIELUSpec, xielu
 
 
 class MLP(nn.Module):
@@ -36,10 +37,17 @@ class MLP(nn.Module):
             self.hook_pre_linear = HookPoint()
         self.hook_pre = HookPoint()
         self.hook_post = HookPoint()
+        # xIELU's learned scalars (lens_aot.core.xielu.XIELUSpec); None for activations named alone
+        self.xielu = None
+        if isinstance(spec, XIELUSpec):
+            self.xielu = (spec.alpha_p, spec.alpha_n, spec.beta, spec.eps)
+
+    def _act(self, z: Tensor) -> Tensor:
+        return reference_activation(self.act_fn, z) if self.xielu is None else xielu(z, *self.xielu)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.W_gate is None:
-            post = self.hook_post(reference_activation(self.act_fn, self.hook_pre(x @ self.W_in + self.b_in)))
+            post = self.hook_post(self._act(self.hook_pre(x @ self.W_in + self.b_in)))
         else:
             gate = reference_activation(self.act_fn, self.hook_pre(x @ self.W_gate + self.b_gate))
             post = gate * self.hook_pre_linear(x @ self.W_in + self.b_in)
@@ -52,6 +60,10 @@ class MLP(nn.Module):
         def copy(p: Tensor | None) -> Tensor | None:
             return None if p is None else p.detach().clone()
 
+        if self.xielu is not None:
+            tensors = (p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out))
+            alpha_p, alpha_n, beta, eps = self.xielu
+            return XIELUSpec(*tensors, self.act_fn, alpha_p=alpha_p, alpha_n=alpha_n, beta=beta, eps=eps)
         return MLPSpec(
             *(p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)),
             self.act_fn,

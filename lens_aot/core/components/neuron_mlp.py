@@ -128,10 +128,13 @@ class NeuronMLP(nn.Module):
         z = heads.attend(pre)
         return heads.neuron_output(z), z
 
-    def _gated_post(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor | None]:
-        """``post`` and the product heads' ``hook_z`` (None on the fused path)."""
+    def _gated_post(
+        self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``post`` and the product heads' ``hook_z`` (None on the fused path); ``pre``: the gate's pre-activation,
+        already through ``hook_pre`` (xIELU's heads share it)."""
         gate, product = self.gate_heads, self.product_heads
-        pre = self.hook_pre(x @ gate.W_in + gate.b_in)
+        pre = self.hook_pre(x @ gate.W_in + gate.b_in) if pre is None else pre
         u = self.hook_pre_linear(self._linear_branch(x, pre))
         if self._fused(gate):
             h = gate.activation(pre)

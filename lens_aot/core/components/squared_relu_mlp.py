@@ -66,10 +66,16 @@ class SquaredReLUMLP(NeuronMLP):
 
 def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
     """A source MLP as neuron heads: a :class:`NeuronMLP`, a :class:`SquaredReLUMLP` (a plain MLP with a
-    :class:`GatedFit`: squared ReLU), or for a mixture of experts an :class:`MoEMLP` of them (``fit`` a
-    :class:`~lens_aot.core.moe.MoEFit`)."""
+    :class:`GatedFit`: squared ReLU), an :class:`~lens_aot.core.components.xielu_mlp.XIELUMLP` (xIELU), or for a
+    mixture of experts an :class:`MoEMLP` of them (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
     if isinstance(mlp, MoESpec):
         return MoEMLP(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
+    from lens_aot.core.xielu import XIELUFit
+
+    if isinstance(fit, XIELUFit):
+        from lens_aot.core.components.xielu_mlp import XIELUMLP
+
+        return XIELUMLP(mlp, fit)  # type: ignore[arg-type]
     if not mlp.gated and isinstance(fit, GatedFit):
         return SquaredReLUMLP(mlp, fit)
     return NeuronMLP(mlp, fit)

@@ -1,0 +1,53 @@
+"""Read an xIELU activation module's learned scalars (transformers' ``XIELUActivation``: Apertus) into an
+:class:`~lens_aot.core.xielu.XIELUSpec`.
+
+The module stores ``alpha_p`` and ``alpha_n`` pre-softplus and ``beta`` / ``eps`` as buffers; its Python forward uses
+``α_p = softplus(alpha_p)`` and ``α_n = beta + softplus(alpha_n)``, computed in the parameters' dtype. They are read
+here by the same operations in that dtype, so the spec holds exactly the values the source multiplies by.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lens_aot.core.spec import MLPSpec
+from lens_aot.core.xielu import XIELUSpec
+from lens_aot.errors import UnsupportedArchitectureError
+
+_ACTIVATION_ATTRS = ("act_fn", "act", "activation_fn", "activation")
+
+
+def xielu_module(module: Any) -> Any:
+    """The xIELU activation module held by an MLP module (``act_fn`` / ``act`` / ...), or None."""
+    for attr in _ACTIVATION_ATTRS:
+        fn = getattr(module, attr, None)
+        if all(hasattr(fn, name) for name in ("alpha_p", "alpha_n", "beta", "eps")):
+            return fn
+    return None
+
+
+def xielu_scalars(act: Any) -> dict[str, float]:
+    """``alpha_p``, ``alpha_n``, ``beta``, ``eps`` as the module's forward computes them (module docstring)."""
+    with torch.no_grad():
+        beta = act.beta.detach()
+        return {
+            "alpha_p": float(F.softplus(act.alpha_p.detach()).reshape(-1)[0]),
+            "alpha_n": float((beta + F.softplus(act.alpha_n.detach())).reshape(-1)[0]),
+            "beta": float(beta.reshape(-1)[0]),
+            "eps": float(act.eps.detach().reshape(-1)[0]),
+        }
+
+
+def read_xielu(spec: MLPSpec, module: Any, layer: int) -> XIELUSpec:
+    """``spec`` (a plain MLP read with activation ``xielu``) with the scalars of ``module``'s xIELU activation."""
+    act = xielu_module(module)
+    if spec.gated or act is None:
+        what = "a gated MLP" if spec.gated else f"an MLP module of type {type(module).__name__} with no xIELU module"
+        raise UnsupportedArchitectureError(
+            f"layer {layer} mlp: activation 'xielu' in {what}: lens_aot reads xIELU's learned scalars (alpha_p, "
+            f"alpha_n, beta, eps) from the activation module of a plain MLP (Apertus's act_fn) only."
+        )
+    return XIELUSpec(spec.W_in, spec.b_in, spec.W_out, spec.b_out, "xielu", **xielu_scalars(act))
