@@ -23,6 +23,7 @@ from lens_aot.core.faithfulness import neuron_sensitivity
 from lens_aot.core.model import ExpertHeadOrigin
 from lens_aot.core.moe import MoEFit, sensitivity_hooks
 from lens_aot.core.names import parse_label
+from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import read_model, run_source
 from lens_aot.core.reference import MLPTransformer
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
@@ -242,3 +243,21 @@ def test_unsupported_moe_pieces_are_refused_by_name(converted) -> None:
     spec.layers[0].mlp.top_k = N_EXPERTS + 1
     with pytest.raises(InputError, match="top_k must be in 1..4"):
         lens_aot.convert(spec)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_operations_per_forward_at_most_twice_the_source(converted, family: str) -> None:
+    """Issue 22: the converted MoE forward dispatches ≤ 2× the source's ATen operations (deterministic counts, both
+    modes), with no more host-device syncs than the source's own routing loop."""
+    bridge, aot = converted[(family, torch.float32)]
+    tokens = _tokens(8, (2, 24))
+    try:
+        with torch.no_grad():
+            src = count_ops(lambda: run_source(bridge, tokens))
+            for fused in (False, True):
+                aot.set_use_fused_neurons(fused)
+                conv = count_ops(lambda: aot(tokens))
+                assert conv.total <= 2 * src.total, (fused, conv.total, src.total, conv.counts.most_common(8))
+                assert conv.syncs <= src.syncs, (fused, conv.syncs, src.syncs)
+    finally:
+        aot.set_use_fused_neurons(False)

@@ -9,10 +9,10 @@ expert is not chosen): ``out = Σ_e w_e(x)·expert_e(x) [+ σ(x·W_shared_gate)�
 the source, so the sum is the source's MoE output.
 
 Cost follows top-k, as in the source: an expert runs on the tokens routed to it only (``index_select`` /
-``index_add``). While any hook point inside an expert is hooked (caching, patching, attribution), that expert runs
-on every position instead, so its hooks have the dense-MLP shapes ``[batch, pos, ...]`` (patchable between runs
-that route differently); its output at an unchosen position is multiplied by weight 0. The value at every chosen
-position is the same either way.
+``index_add``; the tokens are grouped by expert with one sort, :meth:`MoEMLP.token_groups`). While any hook point
+inside an expert is hooked (caching, patching, attribution), that expert runs on every position instead, so its
+hooks have the dense-MLP shapes ``[batch, pos, ...]`` (patchable between runs that route differently); its output at
+an unchosen position is multiplied by weight 0. The value at every chosen position is the same either way.
 
 Hooks (TransformerLens 3.9's ``MoE`` names where it has them, with its flat ``[batch·pos, ...]`` shapes):
 ``hook_router_logits`` [batch·pos, n_experts], ``hook_expert_weights`` [batch·pos, n_experts] (the softmax over all
@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
@@ -106,6 +106,20 @@ class MoEMLP(nn.Module):
         """Whether ``expert`` runs on every position (a hook point inside it is hooked), not only its tokens."""
         return hooked(*(m for m in expert.modules() if isinstance(m, HookPoint)))
 
+    def token_groups(
+        self, indices: Int[Tensor, "tokens top_k"], weights: Float[Tensor, "tokens top_k"]
+    ) -> tuple[tuple[Int[Tensor, " routed"], ...], tuple[Float[Tensor, " routed"], ...]]:
+        """Per expert, the tokens routed to it and their router weights, slot-major (the order of the source's
+        ``one_hot(...).permute`` / ``torch.where``, so ``index_add_`` sums in the source's order): one stable sort of
+        the ``top_k·tokens`` choices by expert and one host read of the counts, instead of a mask and a
+        ``nonzero`` (a sync on a GPU) per expert."""
+        n_tokens = indices.shape[0]
+        choice = indices.T.reshape(-1)  # slot-major: entry s·tokens + t is (token t, slot s)
+        order = torch.sort(choice, stable=True).indices
+        counts = torch.bincount(choice, minlength=self.n_experts).tolist()
+        tokens = (order % n_tokens).split(counts)
+        return tokens, weights.T.reshape(-1).index_select(0, order).split(counts)
+
     # ---- forward ----
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos, d_model = x.shape
@@ -113,6 +127,7 @@ class MoEMLP(nn.Module):
         indices, weights = self.route(flat)
         out = flat.new_zeros(flat.shape)
         dense_weights: Tensor | None = None
+        groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
         for e, expert in enumerate(self.experts):
             if self.runs_densely(expert):
                 if dense_weights is None:
@@ -120,11 +135,13 @@ class MoEMLP(nn.Module):
                 y = expert.hook_out(expert(x)).reshape(-1, d_model)
                 out = out + y * dense_weights[:, e, None]
                 continue
-            slot, token = torch.where((indices == e).T)  # slot-major, as the source's one_hot(...).permute
+            if groups is None:
+                groups = self.token_groups(indices, weights)
+            token, weight = groups[0][e], groups[1][e]
             if token.numel() == 0:
                 continue
             y = expert.hook_out(expert(flat.index_select(0, token)[None]))[0]
-            out.index_add_(0, token, y * weights[token, slot, None])
+            out.index_add_(0, token, y * weight[:, None])
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
             if self.W_shared_gate is not None:

@@ -242,6 +242,8 @@ class NeuronAttention(SelfAndSlotHeads):
 
     def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"]) -> Float[Tensor, "... pos d_mlp"]:
         """Each neuron's activation from its heads' ``hook_z`` (the sum over its terms)."""
+        if self.heads_per_neuron == 1:  # one term (SiLU): the sum is the term itself (a copy, not a view of hook_z)
+            return z.squeeze(-1).clone()
         # a matrix-vector product with ones: the same sum, several times faster than a reduction over K ≤ 8 on CPU
         terms = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron))
         return terms @ terms.new_ones(self.heads_per_neuron)

@@ -117,7 +117,8 @@ class NeuronMLP(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         post, z = self._gated_post(x) if self.gated else self._plain_post(x)
         out = self.hook_post(post) @ self.W_out + self.b_out
-        return out + self._result_change(self._out_heads, z)
+        change = self._result_change(self._out_heads, z)
+        return out if isinstance(change, float) else out + change
 
     def _plain_post(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor | None]:
         """``post`` and the heads' ``hook_z`` (None on the fused path)."""
@@ -140,7 +141,9 @@ class NeuronMLP(nn.Module):
             h = gate.activation(pre)
         else:
             z_gate = gate.attend(pre)
-            h = gate.neuron_output(z_gate) + self._result_change(gate, z_gate)
+            h = gate.neuron_output(z_gate)
+            change = self._result_change(gate, z_gate)
+            h = h if isinstance(change, float) else h + change
         h = product.hook_gate(h)
         product.check_range(u, h)
         z, standard = (None, True) if self._fused(product) else product.attend(u, h)
