@@ -75,11 +75,12 @@ def _has_hooked_transformer() -> bool:
 
 
 @cache
-def hooked_class(base: type) -> type:
+def hooked_class(base: type, source_kind: str | None = None) -> type:
     """``base`` (the converted model's class) with ``HookedTransformer`` as its last base under TransformerLens 3.x,
-    the inapplicable methods refused; ``base`` itself under 4.x."""
+    the inapplicable methods refused; under 4.x, with ``TransformerBridge`` as its last base when the source was one
+    (:func:`lens_aot.tl.bridge_model.bridge_class`), else ``base`` itself."""
     if not _has_hooked_transformer():
-        return base
+        return _bridge_or(base, source_kind, "bridge_class")
     from torch import nn
     from transformer_lens import HookedTransformer
 
@@ -109,10 +110,26 @@ def _config_base() -> type | None:
     return TransformerLensConfig
 
 
+def _bridge_or(base: type, source_kind: str | None, derive: str) -> type:
+    """Under TransformerLens 4.x, ``base`` with the bridge's class as last base for a TransformerBridge's
+    conversion (:mod:`lens_aot.tl.bridge_model`); ``base`` otherwise."""
+    from lens_aot.tl import bridge_model
+
+    if source_kind != "TransformerBridge" or not bridge_model.has_transformer_bridge():
+        return base
+    derived: type = getattr(bridge_model, derive)(base)
+    return derived
+
+
 @cache
-def hooked_config_class(base: type) -> type:
+def hooked_config_class(base: type, source_kind: str | None = None) -> type:
     """``base`` (the converted model's config class) with TransformerLens's config class (:func:`_config_base`) as
-    its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none."""
+    its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none. Under
+    4.x, a TransformerBridge's conversion gets ``TransformerBridgeConfig`` (a ``TransformerLensConfig`` too)."""
+    if not _has_hooked_transformer() and source_kind == "TransformerBridge":
+        derived = _bridge_or(base, source_kind, "bridge_config_class")
+        if derived is not base:
+            return derived
     tl_config = _config_base()
     if tl_config is None or issubclass(base, tl_config):
         return base
