@@ -38,6 +38,7 @@ __all__ = [
     "INAPPLICABLE",
     "INSTANCE",
     "TORCH",
+    "REFUSED_ATTRIBUTES",
     "BridgeAttributeError",
     "bridge_class",
     "bridge_config_class",
@@ -117,6 +118,10 @@ INAPPLICABLE: dict[str, str] = {
     "to_sentence_pair_tokens": "a converted model is decoder-only",
     "prepare_multimodal_inputs": "a converted model reads text tokens only",
 }
+
+
+# INAPPLICABLE names that are attributes of a bridge (instance attributes or properties), not methods.
+REFUSED_ATTRIBUTES = frozenset({"original_model", "adapter"})
 
 
 class BridgeAttributeError(InputError, AttributeError):
@@ -259,7 +264,7 @@ def bridge_class(base: type) -> type:
             namespace[name] = getattr(nn.Module, name)
         elif name.startswith("_"):
             continue  # dunders the converted model does not need, and the bridge methods' private helpers
-        elif name in INSTANCE or isinstance(bridge.get(name), property):
+        elif name in INSTANCE or name in REFUSED_ATTRIBUTES or isinstance(bridge.get(name), property):
             namespace[name] = _Absent()  # an instance value, else __getattr__ (a refused name: its message)
         else:
             namespace[name] = _refusing(name)

@@ -179,25 +179,31 @@ def source_config_fields(cfg: Any) -> dict[str, Any]:
     """The source config's HookedTransformerConfig-named fields holding plain JSON values (numbers, strings,
     booleans, None, lists of them), without the run-time switches: what the converted model's config repeats with
     the source's meaning (``eps``, ``rotary_base``, ``original_architecture``, ``tokenizer_name``, ``n_params``, ...;
-    under TransformerLens 4.x, ``TransformerLensConfig``'s fields)."""
+    under TransformerLens 4.x, ``TransformerLensConfig``'s fields and every other public attribute of the source's
+    config: a ``TransformerBridgeConfig``'s ``architecture``, ``rope_parameters``, ...)."""
     tl_config = _config_base()
     if tl_config is None:
         return {}
     import dataclasses
 
+    names = [f.name for f in dataclasses.fields(tl_config)]
+    if not _has_hooked_transformer():  # a TransformerBridgeConfig keeps most of its fields as plain attributes
+        names += [name for name in getattr(cfg, "__dict__", {}) if not name.startswith("_") and name not in names]
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(tl_config):
-        if f.name in _STATE_FIELDS or not hasattr(cfg, f.name):
+    for name in names:
+        if name in _STATE_FIELDS or not hasattr(cfg, name):
             continue
-        value = getattr(cfg, f.name)
+        value = getattr(cfg, name)
         if _plain(value):
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
 def _plain(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
+    if isinstance(value, dict):  # e.g. a bridge config's rope_parameters
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
     return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
 
 
