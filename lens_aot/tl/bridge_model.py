@@ -84,7 +84,7 @@ APPLIES: dict[str, str] = {
     "would list the hook points the converted model registers as submodules)",
     "block_submodules": "blocks[l]'s computing submodules (the converted model's own, as layer_types)",
     "mps": "torch's Module.to('mps')",
-    "n_params_total": "the converted model's parameters (the source's weights, one copy)",
+    "n_params_total": "the converted model's own parameters (the source's weights; an untied W_U, a zero b_U)",
     "stack_params_for": "the blocks' parameters",
     "tl_named_parameters": "the stacked weights",
     "tl_parameters": "the stacked weights",
@@ -193,7 +193,8 @@ def _module_init(self: Any, *args: Any, **kwargs: Any) -> None:
 
 def _n_params_total(self: Any) -> int:
     """Number of parameters, each counted once (``TransformerBridge.n_params_total``): the source's weights, which
-    the neuron heads read without a copy."""
+    the neuron heads read without a copy, plus an untied ``unembed.W_U`` where the source ties it to ``W_E`` and the
+    zero ``b_U`` where it has none (GPT-2's test bridge: 24,481 against the source's 21,280)."""
     return sum(p.numel() for p in nn.Module.parameters(self))
 
 

@@ -206,3 +206,24 @@ def test_direct_logit_attribution_gives_the_sources_result(bpair: Pair) -> None:
     assert aot.compatibility_mode is True
     folded = Pair("gpt2-compat", source, aot, aot, bpair.tokens, bpair.corrupted)
     assert_close(run(aot, []), run(source, []), folded.bound_for(run), "direct_logit_attribution(unit='head')")
+
+
+def test_pickle_deepcopy_and_load_keep_the_bridge_class(bpair: Pair, tmp_path: Any) -> None:
+    """``torch.save`` / ``torch.load``, ``copy.deepcopy`` and ``lens_aot.save`` / ``load`` give the same class (still a
+    TransformerBridge, with a TransformerBridgeConfig), its compatibility mode and the same logits."""
+    import copy
+    import io
+
+    if bpair.name != "gpt2":
+        pytest.skip("one family is enough")
+    buffer = io.BytesIO()
+    torch.save(bpair.aot, buffer)
+    buffer.seek(0)
+    lens_aot.save(bpair.aot, tmp_path / "m")
+    copies = (torch.load(buffer, weights_only=False), copy.deepcopy(bpair.aot), lens_aot.load(tmp_path / "m"))
+    for other in copies:
+        assert type(other) is type(bpair.aot) and type(other.cfg) is type(bpair.aot.cfg)
+        assert other.compatibility_mode is bpair.aot.compatibility_mode
+        assert other.cfg.source_config == bpair.aot.cfg.source_config
+        with torch.no_grad():
+            assert torch.equal(other(bpair.tokens), bpair.aot(bpair.tokens))
