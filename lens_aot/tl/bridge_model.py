@@ -259,10 +259,10 @@ def bridge_class(base: type) -> type:
     # reach nn.Module, never the bridge's versions.
     namespace: dict[str, Any] = {"__init__": _module_init}
     for name in sorted(set(bridge) | set(INAPPLICABLE)):
-        if name in own or name in APPLIES:
-            continue
-        if name in TORCH:
+        if name in TORCH:  # also where the converted model defines it: its super() calls land here
             namespace[name] = getattr(nn.Module, name)
+        elif name in own or name in APPLIES:
+            continue
         elif name.startswith("_"):
             continue  # dunders the converted model does not need, and the bridge methods' private helpers
         elif name in INSTANCE or name in REFUSED_ATTRIBUTES or isinstance(bridge.get(name), property):
