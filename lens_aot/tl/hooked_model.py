@@ -74,13 +74,17 @@ def _has_hooked_transformer() -> bool:
     return has_hooked_transformer()
 
 
-@cache
 def hooked_class(base: type, source_kind: str | None = None) -> type:
     """``base`` (the converted model's class) with ``HookedTransformer`` as its last base under TransformerLens 3.x,
     the inapplicable methods refused; under 4.x, with ``TransformerBridge`` as its last base when the source was one
-    (:func:`lens_aot.tl.bridge_model.bridge_class`), else ``base`` itself."""
+    (:func:`lens_aot.tl.bridge_model.bridge_class`), else ``base`` itself. One class per ``base`` and major."""
     if not _has_hooked_transformer():
         return _bridge_or(base, source_kind, "bridge_class")
+    return _hooked_class(base)
+
+
+@cache
+def _hooked_class(base: type) -> type:
     from torch import nn
     from transformer_lens import HookedTransformer
 
@@ -121,7 +125,6 @@ def _bridge_or(base: type, source_kind: str | None, derive: str) -> type:
     return derived
 
 
-@cache
 def hooked_config_class(base: type, source_kind: str | None = None) -> type:
     """``base`` (the converted model's config class) with TransformerLens's config class (:func:`_config_base`) as
     its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none. Under
@@ -130,6 +133,11 @@ def hooked_config_class(base: type, source_kind: str | None = None) -> type:
         derived = _bridge_or(base, source_kind, "bridge_config_class")
         if derived is not base:
             return derived
+    return _hooked_config_class(base)
+
+
+@cache
+def _hooked_config_class(base: type) -> type:
     tl_config = _config_base()
     if tl_config is None or issubclass(base, tl_config):
         return base
