@@ -43,8 +43,9 @@ class AOTConfig(SourceConfig):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> AOTConfig:
         """Under TransformerLens 3.x an instance is also a ``HookedTransformerConfig``
-        (:func:`lens_aot.tl.hooked_model.hooked_config_class`), for code that checks the config's class."""
-        return object.__new__(hooked_config_class(cls))
+        (:func:`lens_aot.tl.hooked_model.hooked_config_class`; under 4.x a TransformerBridge's conversion has a
+        ``TransformerBridgeConfig``), for code that checks the config's class."""
+        return object.__new__(hooked_config_class(cls, kwargs.get("source_kind")))
 
     def __post_init__(self) -> None:
         own = {f.name for f in dataclass_fields(AOTConfig)} - {"original_architecture"}

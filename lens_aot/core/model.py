@@ -106,8 +106,10 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def __new__(cls, *args: Any, **kwargs: Any) -> AttentionOnlyTransformer:
         """Under TransformerLens 3.x an instance is also a ``HookedTransformer``
         (:func:`lens_aot.tl.hooked_model.hooked_class`: ``isinstance(aot, HookedTransformer)`` holds, the
-        ``HookedTransformer`` methods that do not apply raise); under 4.x, this class itself."""
-        return object.__new__(hooked_class(cls))
+        ``HookedTransformer`` methods that do not apply raise); under 4.x, a ``TransformerBridge`` when the source was
+        one (:func:`lens_aot.tl.bridge_model.bridge_class`), else this class itself."""
+        spec = args[0] if args else kwargs.get("spec")
+        return object.__new__(hooked_class(cls, getattr(spec, "source_kind", None)))
 
     def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
@@ -133,6 +135,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             if name not in self.cfg.source_config:
                 setattr(self.cfg, name, value)
         self.report: Any = None  # set by lens_aot.convert
+        self.compatibility_mode = bool(spec.extra.get("compatibility_mode", False))  # the source bridge's
         self._block_devices = self._devices_of_blocks()
         self.setup()
 
@@ -515,6 +518,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             extra["tokenizer_prepends_bos"] = self.cfg.tokenizer_prepends_bos
         if self.cfg.source_config:
             extra["source_config"] = dict(self.cfg.source_config)
+        if self.compatibility_mode:
+            extra["compatibility_mode"] = True
         return ModelSpec(
             d_model=self.cfg.d_model,
             n_ctx=self.cfg.n_ctx,

@@ -74,12 +74,17 @@ def _has_hooked_transformer() -> bool:
     return has_hooked_transformer()
 
 
-@cache
-def hooked_class(base: type) -> type:
+def hooked_class(base: type, source_kind: str | None = None) -> type:
     """``base`` (the converted model's class) with ``HookedTransformer`` as its last base under TransformerLens 3.x,
-    the inapplicable methods refused; ``base`` itself under 4.x."""
+    the inapplicable methods refused; under 4.x, with ``TransformerBridge`` as its last base when the source was one
+    (:func:`lens_aot.tl.bridge_model.bridge_class`), else ``base`` itself. One class per ``base`` and major."""
     if not _has_hooked_transformer():
-        return base
+        return _bridge_or(base, source_kind, "bridge_class")
+    return _hooked_class(base)
+
+
+@cache
+def _hooked_class(base: type) -> type:
     from torch import nn
     from transformer_lens import HookedTransformer
 
@@ -109,10 +114,30 @@ def _config_base() -> type | None:
     return TransformerLensConfig
 
 
-@cache
-def hooked_config_class(base: type) -> type:
+def _bridge_or(base: type, source_kind: str | None, derive: str) -> type:
+    """Under TransformerLens 4.x, ``base`` with the bridge's class as last base for a TransformerBridge's
+    conversion (:mod:`lens_aot.tl.bridge_model`); ``base`` otherwise."""
+    from lens_aot.tl import bridge_model
+
+    if source_kind != "TransformerBridge" or not bridge_model.has_transformer_bridge():
+        return base
+    derived: type = getattr(bridge_model, derive)(base)
+    return derived
+
+
+def hooked_config_class(base: type, source_kind: str | None = None) -> type:
     """``base`` (the converted model's config class) with TransformerLens's config class (:func:`_config_base`) as
-    its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none."""
+    its last base, whose fields' defaults then exist as class attributes; ``base`` itself when there is none. Under
+    4.x, a TransformerBridge's conversion gets ``TransformerBridgeConfig`` (a ``TransformerLensConfig`` too)."""
+    if not _has_hooked_transformer() and source_kind == "TransformerBridge":
+        derived = _bridge_or(base, source_kind, "bridge_config_class")
+        if derived is not base:
+            return derived
+    return _hooked_config_class(base)
+
+
+@cache
+def _hooked_config_class(base: type) -> type:
     tl_config = _config_base()
     if tl_config is None or issubclass(base, tl_config):
         return base
@@ -162,25 +187,31 @@ def source_config_fields(cfg: Any) -> dict[str, Any]:
     """The source config's HookedTransformerConfig-named fields holding plain JSON values (numbers, strings,
     booleans, None, lists of them), without the run-time switches: what the converted model's config repeats with
     the source's meaning (``eps``, ``rotary_base``, ``original_architecture``, ``tokenizer_name``, ``n_params``, ...;
-    under TransformerLens 4.x, ``TransformerLensConfig``'s fields)."""
+    under TransformerLens 4.x, ``TransformerLensConfig``'s fields and every other public attribute of the source's
+    config: a ``TransformerBridgeConfig``'s ``architecture``, ``rope_parameters``, ...)."""
     tl_config = _config_base()
     if tl_config is None:
         return {}
     import dataclasses
 
+    names = [f.name for f in dataclasses.fields(tl_config)]
+    if not _has_hooked_transformer():  # a TransformerBridgeConfig keeps most of its fields as plain attributes
+        names += [name for name in getattr(cfg, "__dict__", {}) if not name.startswith("_") and name not in names]
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(tl_config):
-        if f.name in _STATE_FIELDS or not hasattr(cfg, f.name):
+    for name in names:
+        if name in _STATE_FIELDS or not hasattr(cfg, name):
             continue
-        value = getattr(cfg, f.name)
+        value = getattr(cfg, name)
         if _plain(value):
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
 def _plain(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
+    if isinstance(value, dict):  # e.g. a bridge config's rope_parameters
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
     return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
 
 
