@@ -158,12 +158,16 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             flat = t.reshape(*t.shape[:2], -1) if a.qk_norm_over == "projection" else t
             return norm(flat, n).reshape(t.shape)
 
-        q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        after = bool(getattr(a, "qk_norm_after_rotary", False))  # HunYuan, NanoChat: norm(rope(q))
+        if not after:
+            q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
         if a.clip_qkv is not None:
             q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":
             r = a.rotary if a.rotary is not None else spec.rotary
             q, k = rotary(q, pos, r), rotary(k, pos, r)
+        if after:
+            q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
         group = a.W_Q.shape[0] // a.W_K.shape[0]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         if a.scores_dtype is not None:  # GPT-J / GPT-Neo: q·kᵀ of float32 q and k

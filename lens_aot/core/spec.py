@@ -86,6 +86,9 @@ class AttentionSpec:
     # q and k cast to this dtype before ``q·kᵀ / attn_scale`` (HF GPT-J / GPT-Neo eager attention: float32 whatever
     # the model dtype); None: the activation dtype. See core/components/float32_attention.py.
     scores_dtype: torch.dtype | None = None
+    # HunYuan, NanoChat: q_norm / k_norm run on the rotated q and k (after rotary) instead of before it
+    # (:mod:`lens_aot.core.components.qk_norm_after_rotary`).
+    qk_norm_after_rotary: bool = False
 
 
 @dataclass
@@ -189,6 +192,7 @@ class ModelSpec:
         found: set[str] = set()
         checks = {
             "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
+            "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
             "per-layer rotary tables": lambda a: a.rotary is not None,

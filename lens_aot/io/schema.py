@@ -16,7 +16,7 @@ Schema (``?``: may be null)::
              [post_norm: true]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
-             [alibi_key_origin], [scores_dtype]}
+             [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true]}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
@@ -74,6 +74,7 @@ _ATTENTION_VARIANTS = (
     *_ATTENTION_VARIANT_TENSORS,
     "alibi_key_origin",
     "scores_dtype",
+    "qk_norm_after_rotary",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale")
@@ -143,6 +144,8 @@ class Encoder:
             out["alibi_key_origin"] = str(attn.alibi_key_origin)
         if attn.scores_dtype is not None:
             out["scores_dtype"] = dtype_name(attn.scores_dtype)
+        if attn.qk_norm_after_rotary:
+            out["qk_norm_after_rotary"] = True
         return out
 
     def mlp(self, mlp: MLPSpec | MoESpec | None, key: str) -> dict[str, Any] | None:
@@ -359,6 +362,7 @@ class Decoder:
             rotary=self.rotary(f.get("rotary"), f"{path}.rotary"),
             alibi_key_origin=_alibi_key_origin(f.get("alibi_key_origin"), f"{self.where}: {path}"),
             scores_dtype=self.dtype(f.get("scores_dtype"), f"{path}.scores_dtype"),
+            qk_norm_after_rotary=_true_flag(f.get("qk_norm_after_rotary", False), f"{self.where}: {path}"),
             **variants,
         )
 
@@ -505,3 +509,10 @@ def _alibi_key_origin(value: Any, where: str) -> str | None:
     if value not in (None, "first", "last"):
         raise LoadError(f"{where}.alibi_key_origin is {value!r}, not 'first' or 'last'; corrupt.")
     return value
+
+
+def _true_flag(value: Any, where: str) -> bool:
+    """A variant flag written only when set (so ``true`` when present)."""
+    if value not in (True, False):
+        raise LoadError(f"{where}.qk_norm_after_rotary is {value!r}, not true; corrupt.")
+    return bool(value)

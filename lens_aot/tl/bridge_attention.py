@@ -72,6 +72,8 @@ class AttentionReading:
     # bridge's adjacent-pair rotary).
     scores_dtype: torch.dtype | None = None
     rotary_input_dtype: torch.dtype | None = None
+    # q_norm / k_norm on the rotated q and k (HunYuan, NanoChat; core/components/qk_norm_after_rotary.py)
+    qk_norm_after_rotary: bool = False
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -118,15 +120,14 @@ def _check_common(
 
 def _qk_norms(
     layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
-) -> tuple[NormSpec | None, NormSpec | None, QKNormScope]:
-    """The bridge's ``q_norm`` / ``k_norm`` (applied after the projections, before rotary): over each head when the
-    norm's weight has ``head_dim`` entries, over the whole projection when it has ``n_heads · head_dim`` (OLMo-2),
-    as ``PositionEmbeddingsAttentionBridge`` decides from the same shapes."""
+) -> tuple[NormSpec | None, NormSpec | None, QKNormScope, bool]:
+    """The bridge's ``q_norm`` / ``k_norm`` (applied after the projections): over each head when the norm's weight
+    has ``head_dim`` entries, over the whole projection when it has ``n_heads · head_dim`` (OLMo-2), as
+    ``PositionEmbeddingsAttentionBridge`` decides from the same shapes; and whether they run after rotary (the bridge
+    config's ``qk_norm_after_rope``, HunYuan, which the bridge honours for per-head norms only)."""
     q_bridge, k_bridge = _component(attn, "q_norm"), _component(attn, "k_norm")
     if q_bridge is None and k_bridge is None:
-        return None, None, "head"
-    if bool(getattr(bridge_cfg, "qk_norm_after_rope", False)):
-        raise refuse_piece(layer, "attn", "QK-norm applied after rotary (HunYuan)")
+        return None, None, "head", False
     head_dim = int(hf_attn.head_dim)
     weight = getattr(_original(q_bridge), "weight", None) if q_bridge is not None else None
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else ()
@@ -138,7 +139,11 @@ def _qk_norms(
         raise refuse_piece(layer, "attn", f"a QK-norm weight of shape {shape} (per-head weights, Cohere)")
     q_norm = _norm(q_bridge, dtype) if q_bridge is not None else None
     k_norm = _norm(k_bridge, dtype) if k_bridge is not None else None
-    return q_norm, k_norm, over
+    after = over == "head" and bool(getattr(bridge_cfg, "qk_norm_after_rope", False))
+    for norm in (q_norm, k_norm):
+        if after and norm is not None and (norm.functional or norm.scale_in_compute_dtype):
+            raise refuse_piece(layer, "attn", "a QK-norm after rotary that scales in float32 (a Gemma-style norm)")
+    return q_norm, k_norm, over, after
 
 
 def read_attention(
@@ -157,7 +162,8 @@ def read_attention(
     cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=position_embeddings)
     if position_embeddings:
         reading = _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
-        reading.q_norm, reading.k_norm, reading.qk_norm_over = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
+        norms = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
+        reading.q_norm, reading.k_norm, reading.qk_norm_over, reading.qk_norm_after_rotary = norms
         reading.soft_cap, reading.window = cap, window
         return reading
     for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):

@@ -46,6 +46,8 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
     qk = _uniform(spec, "QK-norm", lambda layer: (layer.attn.q_norm is not None, layer.attn.k_norm is not None))
     over = _uniform(spec, "QK-norm scope", lambda layer: layer.attn.qk_norm_over if any(qk) else "head")
     post_norm = _uniform(spec, "post-norm placement", lambda layer: layer.post_norm)
+    if any(getattr(layer.attn, "qk_norm_after_rotary", False) for layer in spec.layers):
+        raise _refuse("it normalizes queries and keys after rotary (HunYuan, NanoChat); TransformerLens's runs before")
     if qk == (True, True):
         if over == "head":
             kwargs["use_qk_norm"] = True

@@ -97,8 +97,9 @@ class Attention(nn.Module):
     run after ``hook_q`` / ``hook_k`` as in TransformerLens.
 
     Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
-    (``hook_rot_q/k``) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal, sliding window, padding) →
-    ``hook_attn_scores`` → softmax (with the sink column) → ``hook_pattern`` → ``z`` → ``W_O``.
+    (``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan, NanoChat) → ``q·k / attn_scale`` → soft-cap →
+    ALiBi → mask (causal, sliding window, padding) → ``hook_attn_scores`` → softmax (with the sink column) →
+    ``hook_pattern`` → ``z`` → ``W_O``.
     """
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
@@ -136,10 +137,11 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
+        after = spec.qk_norm_after_rotary  # HunYuan, NanoChat: PostRotaryQKNorm (qk_norm_after_rotary.py)
         if spec.q_norm is not None:
-            self.q_norm = make_qk_norm(spec.q_norm, spec.qk_norm_over)
+            self.q_norm = make_qk_norm(spec.q_norm, spec.qk_norm_over, after)
         if spec.k_norm is not None:
-            self.k_norm = make_qk_norm(spec.k_norm, spec.qk_norm_over)
+            self.k_norm = make_qk_norm(spec.k_norm, spec.qk_norm_over, after)
         if spec.scores_soft_cap is not None:
             self.scores_soft_cap = SoftCap(spec.scores_soft_cap)
         if spec.alibi_slopes is not None:
@@ -221,16 +223,14 @@ class Attention(nn.Module):
         q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
         k = self.hook_k(_project(k_in, W_K, b_K))
         v = self.hook_v(_project(v_in, W_V, b_V))
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-        if hasattr(self, "k_norm"):
-            k = self.k_norm(k)
+        q, k = self._qk_norm(q, k, after_rotary=False)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
         if self.rotary_dim:
             q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
+        q, k = self._qk_norm(q, k, after_rotary=True)
         if k.shape[2] != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
             v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
@@ -245,6 +245,19 @@ class Attention(nn.Module):
             z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
         z = self.hook_z(z)
         return self.write_out(z)
+
+    def _qk_norm(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch key kv_head d_head"],
+        after_rotary: bool,
+    ) -> tuple[Float[Tensor, "batch pos head d_head"], Float[Tensor, "batch key kv_head d_head"]]:
+        """q and k through ``q_norm`` / ``k_norm`` if those run at this point (before or after rotary)."""
+        if hasattr(self, "q_norm") and self.q_norm.after_rotary == after_rotary:
+            q = self.q_norm(q)
+        if hasattr(self, "k_norm") and self.k_norm.after_rotary == after_rotary:
+            k = self.k_norm(k)
+        return q, k
 
     def write_out(self, z: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos d_model"]:
         """``z·W_O + b_O``, through ``hook_result`` (one row per head) when ``use_attn_result`` is on."""
@@ -343,6 +356,7 @@ class Attention(nn.Module):
             q_norm=self.q_norm.spec() if hasattr(self, "q_norm") else None,
             k_norm=self.k_norm.spec() if hasattr(self, "k_norm") else None,
             qk_norm_over=self._qk_norm_over(),
+            qk_norm_after_rotary=any(getattr(self, n).after_rotary for n in ("q_norm", "k_norm") if hasattr(self, n)),
             scores_soft_cap=self.scores_soft_cap.cap if hasattr(self, "scores_soft_cap") else None,
             window=self.window,
             rotary=self._own_rotary_spec(),

@@ -1,0 +1,160 @@
+"""Issue 22: attention pieces that were refused become small components (docs/variants.md).
+
+* QK-norm after rotary (HunYuan-Dense: ``norm(rope(q))``, read from the bridge config's ``qk_norm_after_rope``):
+  :class:`~lens_aot.core.components.qk_norm_after_rotary.PostRotaryQKNorm`.
+
+Each family is tiny (2 layers, hidden 32, 4 heads), random, and checked against the bridge's own forward in float32
+and float64 within the stated bound. Each piece is then perturbed in the reading (its epsilon or weight by 1e-3, or
+its order) and the bridge probe must refuse it in float64 (probe tolerance 1e-9): a wrong piece is never converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from conftest import TL_MAJOR, TOLERANCES
+from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, _randomize_
+
+import lens_aot
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.io import load, save
+from lens_aot.tl import bridge_attention
+from lens_aot.tl.read_bridge import read_bridge
+
+# TransformerLens 3.9's bridge normalises HunYuan's q and k before rotary (unlike HF; lens_aot follows the bridge's
+# forward, so the family converts there too): the order's own tests need 4.x, whose bridge computes what HF does.
+tl4 = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 4's bridge applies HunYuan's QK-norm after rotary")
+
+_COMMON = {
+    "hidden_size": D_MODEL,
+    "intermediate_size": 2 * D_MODEL,
+    "num_hidden_layers": N_LAYERS,
+    "num_attention_heads": N_HEADS,
+    "num_key_value_heads": 2,
+    "head_dim": D_MODEL // N_HEADS,
+    "max_position_embeddings": N_CTX,
+}
+CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", _COMMON),
+}
+CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64)]
+
+
+def make(family: str, dtype: torch.dtype) -> Any:
+    """A tiny random bridge of ``family`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, eager attention."""
+    import transformers
+
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    config_cls, model_cls, fields = CONFIGS[family]
+    config = getattr(transformers, config_cls)(vocab_size=D_VOCAB, bos_token_id=0, eos_token_id=0, **fields)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, model_cls)(config).eval()
+        _randomize_(model, 0)
+        model.to(dtype)
+        model.set_attn_implementation("eager")
+        bridge = bridge_from_hf_module(model, model_cls, hf_config=model.config, dtype=dtype, model_name=family)
+    return bridge.eval()
+
+
+def _error(aot: Any, bridge: Any) -> float:
+    tokens = torch.randint(0, D_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return float((aot(tokens) - lens_aot.core.read.run_source(bridge, tokens)).abs().max())
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
+def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread: None) -> None:
+    bridge = make(family, dtype)
+    aot = lens_aot.convert(bridge)
+    err = _error(aot, bridge)
+    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
+    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    assert err <= aot.report.logit_bound
+
+
+def _edited_reading(edit: Any) -> Any:
+    """Patch ``read_attention`` so that every layer's reading goes through ``edit``."""
+    original = bridge_attention.read_attention
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return edit(original(*args, **kwargs))
+
+    return mock.patch("lens_aot.tl.read_bridge.read_attention", patched)
+
+
+def _norm_edit(field: str, change: Any) -> Any:
+    """The reading with ``q_norm.<field>`` replaced by ``change(value)``."""
+
+    def edit(reading: Any) -> Any:
+        reading.q_norm = dataclasses.replace(reading.q_norm, **{field: change(getattr(reading.q_norm, field))})
+        return reading
+
+    return edit
+
+
+@tl4
+def test_hunyuan_reads_qk_norm_after_rotary() -> None:
+    aot = lens_aot.convert(make("hunyuan", torch.float64))
+    attn = aot.blocks[0].attn
+    assert type(attn.q_norm).__name__ == "PostRotaryQKNorm" and attn.q_norm.after_rotary
+    assert all(layer.attn.qk_norm_after_rotary for layer in aot.to_spec().layers)
+    assert "QK-norm after rotary" in aot.to_spec().variant_names()
+    # the norm runs on what hook_rot_q saw: its hook_scale is the RMS of the rotated query
+    _, cache = aot.run_with_cache(torch.tensor([[1, 2, 3, 4]]))
+    rot_q = cache["blocks.0.attn.hook_rot_q"]
+    rms = (rot_q.float().pow(2).mean(-1, keepdim=True) + attn.q_norm.eps).sqrt()  # HF: in float32
+    torch.testing.assert_close(cache["blocks.0.attn.q_norm.hook_scale"].reshape(rms.shape), rms)
+
+
+@tl4
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _norm_edit("eps", lambda eps: eps + 1e-3),  # 1e-5 + 1e-3 (the norm runs in float32: 1e-8 is below rounding)
+        _norm_edit("w", lambda w: w * (1 + 1e-3)),
+        lambda r: dataclasses.replace(r, qk_norm_after_rotary=False),
+    ],
+    ids=["eps", "weight", "order"],
+)
+def test_hunyuan_qk_norm_perturbed_is_refused(edit: Any) -> None:
+    bridge = make("hunyuan", torch.float64)
+    with _edited_reading(edit):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)
+
+
+@tl4
+def test_qk_norm_after_rotary_round_trips_save_and_load(tmp_path: Any) -> None:
+    bridge = make("hunyuan", torch.float32)
+    aot = lens_aot.convert(bridge)
+    save(aot, tmp_path / "m")
+    loaded = load(tmp_path / "m")
+    assert all(layer.attn.qk_norm_after_rotary for layer in loaded.to_spec().layers)
+    tokens = torch.randint(0, D_VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), aot(tokens), rtol=0, atol=0)
+
+
+@tl4
+def test_qk_norm_after_rotary_reverts_to_the_reference_and_is_refused_by_hooked() -> None:
+    """The reference model (and its independent plain-torch forward) carries the order; a HookedTransformer, whose
+    QK-norm runs before rotary, cannot hold it and says so."""
+    from lens_aot.core.reference import independent_logits
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    bridge = make("hunyuan", torch.float64)
+    aot = lens_aot.convert(bridge)
+    tokens = torch.randint(0, D_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = lens_aot.core.read.run_source(bridge, tokens)
+        assert float((lens_aot.revert(aot, to="reference")(tokens) - want).abs().max()) < 1e-5
+        assert float((independent_logits(aot.to_spec(), tokens) - want).abs().max()) < 1e-5
+    with pytest.raises(UnsupportedArchitectureError, match="after rotary"):
+        variant_config(aot.to_spec(), 1e-5)
