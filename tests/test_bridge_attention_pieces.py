@@ -2,6 +2,9 @@
 
 * QK-norm after rotary (HunYuan-Dense: ``norm(rope(q))``, read from the bridge config's ``qk_norm_after_rope``):
   :class:`~lens_aot.core.components.qk_norm_after_rotary.PostRotaryQKNorm`.
+* The same in an attention the bridge delegates to Hugging Face (NanoChat, whose ``rotate_half`` also turns the
+  other way): read by :mod:`lens_aot.tl.bridge_delegated_rotary`, which keeps the candidate reading that reproduces
+  the module on a probe input.
 
 Each family is tiny (2 layers, hidden 32, 4 heads), random, and checked against the bridge's own forward in float32
 and float64 within the stated bound. Each piece is then perturbed in the reading (its epsilon or weight by 1e-3, or
@@ -41,6 +44,13 @@ _COMMON = {
 }
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", _COMMON),
+    # a delegated attention (the bridge calls NanoChatAttention.forward): weightless QK-norm after a rotary turning
+    # the other way; the final norm also normalises the embeddings; relu² MLP; soft-capped logits
+    "nanochat": (
+        "NanoChatConfig",
+        "NanoChatForCausalLM",
+        {k: v for k, v in _COMMON.items() if k != "head_dim"} | {"final_logit_softcapping": 15.0},
+    ),
 }
 CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64)]
 
@@ -74,7 +84,8 @@ def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread:
     bridge = make(family, dtype)
     aot = lens_aot.convert(bridge)
     err = _error(aot, bridge)
-    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
+    gated = aot.cfg.gated_mlp or aot.report.gated  # relu² (NanoChat) is built from product heads
+    tol = TOLERANCES[("gated" if gated else aot.cfg.act_fn, dtype)]
     assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
     assert err <= aot.report.logit_bound
 
@@ -158,3 +169,35 @@ def test_qk_norm_after_rotary_reverts_to_the_reference_and_is_refused_by_hooked(
         assert float((independent_logits(aot.to_spec(), tokens) - want).abs().max()) < 1e-5
     with pytest.raises(UnsupportedArchitectureError, match="after rotary"):
         variant_config(aot.to_spec(), 1e-5)
+
+
+def _reading_edit(**fields: Any) -> Any:
+    return lambda reading: dataclasses.replace(reading, **fields)
+
+
+@tl4
+def test_nanochat_reads_its_delegated_attention() -> None:
+    spec = read_bridge(make("nanochat", torch.float64))
+    for layer in spec.layers:
+        assert layer.attn.qk_norm_after_rotary and layer.attn.q_norm is not None and layer.attn.q_norm.w is None
+    assert spec.embed_ln is spec.ln_final  # the same weightless norm before the first block
+    bridge_rotary = make("nanochat", torch.float64).rotary_emb.original_component
+    _, sin = bridge_rotary(torch.zeros(1, spec.n_ctx, 1, dtype=torch.float64), torch.arange(spec.n_ctx)[None])
+    assert spec.rotary is not None and torch.equal(spec.rotary.sin, -sin[0])  # its rotate_half turns the other way
+
+
+@tl4
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _norm_edit("eps", lambda eps: eps + 1e-3),
+        _reading_edit(qk_norm_after_rotary=False),
+        _reading_edit(rotary_sign=1),
+    ],
+    ids=["eps", "order", "sign"],
+)
+def test_nanochat_attention_perturbed_is_refused(edit: Any) -> None:
+    bridge = make("nanochat", torch.float64)
+    with _edited_reading(edit):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
 from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
+from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
 
@@ -74,6 +75,9 @@ class AttentionReading:
     rotary_input_dtype: torch.dtype | None = None
     # q_norm / k_norm on the rotated q and k (HunYuan, NanoChat; core/components/qk_norm_after_rotary.py)
     qk_norm_after_rotary: bool = False
+    # -1: the source's rotate_half turns the other way (NanoChat's cat(x2, -x1)): its tables are carried with sin
+    # negated (lens_aot.tl.bridge_delegated_rotary)
+    rotary_sign: int = 1
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -147,9 +151,16 @@ def _qk_norms(
 
 
 def read_attention(
-    layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
+    layer: int,
+    attn: Any,
+    hf_config: Any,
+    bridge_cfg: Any,
+    dtype: torch.dtype,
+    n_ctx: int,
+    rotary_bridge: Any = None,
 ) -> AttentionReading:
-    """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring)."""
+    """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring); ``rotary_bridge``: the
+    model's ``rotary_emb`` component, which a delegated rotary attention is probed with."""
     cls = type(attn).__name__
     if cls in _ALIBI_BRIDGES:  # BLOOM, MPT: lens_aot.tl.bridge_alibi
         return _alibi_attention(layer, attn, hf_config, bridge_cfg, dtype, n_ctx)
@@ -159,7 +170,16 @@ def read_attention(
     hf_attn = _original(attn)
     names = _mro_names(attn)
     position_embeddings = "PositionEmbeddingsAttentionBridge" in names
-    cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=position_embeddings)
+    # a plain AttentionBridge around a Llama-shaped rotary forward (NanoChat): lens_aot.tl.bridge_delegated_rotary
+    delegated_rotary = cls == "AttentionBridge" and type(hf_attn).__name__ not in _DELEGATED
+    delegated_rotary = delegated_rotary and is_delegated_rotary(hf_attn)
+    cap, window = _check_common(
+        layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=position_embeddings or delegated_rotary
+    )
+    if delegated_rotary:
+        reading = read_delegated_rotary(layer, attn, hf_attn, hf_config, bridge_cfg, dtype, rotary_bridge, cap, window)
+        reading.soft_cap, reading.window = cap, window
+        return reading
     if position_embeddings:
         reading = _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
         norms = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
@@ -414,6 +434,8 @@ def model_rotary(
     width = int(cos.shape[-1])
     if not reading.adjacent and width * 2 == head_dim and pct == 1.0:
         cos, sin, width = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1), head_dim
+    if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
+        sin = -sin
     if reading.relayout:
         cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)

@@ -78,7 +78,7 @@ from lens_aot.tl.read_multipliers import (
     scaled,
 )
 from lens_aot.tl.read_nope import no_rotary
-from lens_aot.tl.read_norms import named_norm, optional_norm
+from lens_aot.tl.read_norms import final_norm_on_embeddings, named_norm, optional_norm
 
 __all__ = ["SUPPORTED", "read_bridge"]
 
@@ -246,11 +246,12 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
     n_ctx = int(bridge.cfg.n_ctx)
     readings: list[AttentionReading] = []
     for layer, block in enumerate(blocks):
-        readings.append(read_attention(layer, _component(block, "attn"), config, bridge.cfg, dtype, n_ctx))
+        attn, rotary_emb = _component(block, "attn"), _component(bridge, "rotary_emb")
+        readings.append(read_attention(layer, attn, config, bridge.cfg, dtype, n_ctx, rotary_emb))
     # NoPE layers beside rotary ones (lens_aot.tl.read_nope) get tables of width 0 below
     nope = [r.rope == "none" for r in readings] if {r.rope for r in readings} == {"model", "none"} else []
     roped = [r for r in readings if not (nope and r.rope == "none")]
-    if len({(r.rope, r.adjacent, r.relayout) for r in roped}) != 1:
+    if len({(r.rope, r.adjacent, r.relayout, r.rotary_sign) for r in roped}) != 1:
         raise refuse_piece(None, "rotary_emb", "different rotary layouts in different layers")
     first = roped[0]
     device = next(model.parameters()).device
@@ -481,6 +482,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
     )
     if not finite:
         _refuse_non_finite(spec, calls)
+    if not native:  # NanoChat: the final norm on the embeddings too (lens_aot.tl.read_norms)
+        spec.embed_ln = spec.embed_ln or final_norm_on_embeddings(spec, calls)
     _verify_model(spec, calls, len(blocks), embed_multiplier)
     return spec
 

@@ -1,0 +1,135 @@
+"""Hugging Face rotary attention forwards that a plain ``AttentionBridge`` calls (the bridge does not recompute
+them), read by their structure and by what they compute.
+
+Recognised by structure (:func:`is_delegated_rotary`): ``nn.Linear`` projections ``q_proj`` / ``k_proj`` /
+``v_proj`` / ``o_proj``, a float ``scaling``, an ``int`` ``head_dim``, a forward that takes ``position_embeddings``,
+eager attention, and optional ``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms). The scale
+is the module's ``scaling``, the softmax float32 (transformers' ``eager_attention_forward``).
+
+What cannot be read off a module without running it is where its QK-norm sits (NanoChat normalises the rotated q
+and k, ``norm(rope(q))``, :mod:`lens_aot.core.components.qk_norm_after_rotary`) and which way its ``rotate_half``
+turns (NanoChat's is ``cat(x2, -x1)``, the transpose of Llama's ``cat(-x2, x1)``: carried as the source's own tables
+with ``sin`` negated, which is exactly what its rotation computes). :func:`read_delegated_rotary` runs the module once
+on a seeded probe input with the model rotary module's tables and a causal mask, and keeps the one candidate reading
+(norm before / after rotary, either rotation sign) whose attention reproduces it within the bridge probe's tolerance;
+none: refused naming the layer and the piece. :mod:`lens_aot.tl.read_bridge` then checks the chosen reading against
+the recorded forward as for every piece.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lens_aot.core.spec import RotarySpec
+from lens_aot.tl.bridge_components import _attention, _component, _norm, _original
+from lens_aot.tl.bridge_probe import close, refuse_piece
+
+__all__ = ["is_delegated_rotary", "read_delegated_rotary"]
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_PROBE_POSITIONS = 8
+
+
+def _linear(module: Any) -> Any:
+    return getattr(module, "original_component", module)
+
+
+def is_delegated_rotary(hf_attn: nn.Module) -> bool:
+    """Whether ``hf_attn`` has the structure this module reads (module docstring)."""
+    if not all(isinstance(_linear(getattr(hf_attn, name, None)), nn.Linear) for name in _PROJECTIONS):
+        return False
+    if not isinstance(getattr(hf_attn, "scaling", None), float) or not isinstance(
+        getattr(hf_attn, "head_dim", None), int
+    ):
+        return False
+    try:
+        parameters = inspect.signature(hf_attn.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "position_embeddings" in parameters
+
+
+def _probe_tables(rotary_module: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The model rotary module's ``cos`` / ``sin`` over positions ``0..n-1`` ([1, n, width], as the decoder passes
+    them to each attention layer)."""
+    x = torch.zeros(1, n, 1, dtype=dtype, device=device)
+    with torch.no_grad():
+        cos, sin = rotary_module(x, torch.arange(n, device=device)[None])
+    return cos, sin
+
+
+def read_delegated_rotary(
+    layer: int,
+    attn_bridge: Any,
+    hf_attn: nn.Module,
+    hf_config: Any,
+    bridge_cfg: Any,
+    dtype: torch.dtype,
+    rotary_bridge: Any,
+    soft_cap: float | None = None,
+    window: int | None = None,
+) -> Any:
+    """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a delegated rotary attention (module
+    docstring): scale, float32 softmax, QK-norms and their order, and the rotation's sign (``rotary_sign``)."""
+    from lens_aot.core.components.attention import Attention
+    from lens_aot.tl.bridge_attention import AttentionReading
+
+    implementation = getattr(getattr(hf_attn, "config", hf_config), "_attn_implementation", "eager")
+    if implementation not in (None, "eager"):
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"attention computed by the {implementation!r} kernel (its rounding is not the eager softmax's)",
+            "Call model.set_attn_implementation('eager') before building the bridge.",
+        )
+    if rotary_bridge is None:
+        raise refuse_piece(layer, "attn", "a delegated rotary attention in a model without a 'rotary_emb' component")
+    head_dim = int(hf_attn.head_dim)
+    q_bridge, k_bridge = _component(attn_bridge, "q_norm"), _component(attn_bridge, "k_norm")
+    for bridge in (q_bridge, k_bridge):
+        weight = getattr(_original(bridge), "weight", None) if bridge is not None else None
+        if isinstance(weight, Tensor) and tuple(weight.shape) != (head_dim,):
+            raise refuse_piece(
+                layer, "attn", f"a QK-norm weight of shape {tuple(weight.shape)} in a delegated attention"
+            )
+    q_norm = _norm(q_bridge, dtype) if q_bridge is not None else None
+    k_norm = _norm(k_bridge, dtype) if k_bridge is not None else None
+    scale, softmax_dtype = 1.0 / float(hf_attn.scaling), torch.float32
+    n_heads = int(bridge_cfg.n_heads)
+    spec = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
+    spec.q_norm, spec.k_norm, spec.scores_soft_cap, spec.window = q_norm, k_norm, soft_cap, window
+
+    device = spec.W_Q.device
+    n = _PROBE_POSITIONS
+    cos, sin = _probe_tables(_original(rotary_bridge), n, dtype, device)
+    x = torch.randn(1, n, spec.W_Q.shape[1], generator=torch.Generator().manual_seed(layer), dtype=dtype).to(device)
+    offsets = torch.arange(n, device=device)[None, :] - torch.arange(n, device=device)[:, None]  # key - query
+    hidden = (offsets > 0) | (offsets <= -window if window is not None else torch.zeros_like(offsets, dtype=torch.bool))
+    mask = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)[None, None]
+    with torch.no_grad():
+        want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
+    want = want[0] if isinstance(want, tuple) else want
+    width = int(cos.shape[-1])
+    candidates = [(after, sign, "model") for after in (False, True) for sign in (1, -1)] + [(False, 1, "none")]
+    for after, sign, rope in candidates:
+        if (q_norm is None and k_norm is None) and after:
+            continue
+        spec.qk_norm_after_rotary = after
+        table = RotarySpec(width if rope == "model" else 0, cos[0].to(dtype), (sign * sin[0]).to(dtype))
+        with torch.no_grad():
+            got = Attention(spec, True, table).to(device)(x)
+        if close(got, want):
+            reading = AttentionReading(scale, softmax_dtype, rope)
+            reading.q_norm, reading.k_norm, reading.qk_norm_after_rotary = q_norm, k_norm, after
+            reading.rotary_sign = sign
+            return reading
+    raise refuse_piece(
+        layer,
+        "attn",
+        f"a delegated {type(hf_attn).__name__}.forward that matches no reading lens_aot has (QK-norm before or after "
+        "rotary, either rotation sign, or no rotary)",
+    )
