@@ -193,6 +193,13 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         else:
             pattern = torch.softmax(scores.to(dtype), -1).to(scores.dtype)
         z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        gate_spec = getattr(a, "output_gate", None)
+        if gate_spec is not None:  # AFMoE, Laguna: z · act(x @ W_gate), per head or per channel
+            W = gate_spec.W_gate
+            g = torch.einsum("bpm,hm->bph", x, W)[..., None] if W.ndim == 2 else torch.einsum("bpm,hmd->bphd", x, W)
+            g = g.to(gate_spec.dtype) if gate_spec.dtype is not None else g
+            g = torch.sigmoid(g) if gate_spec.act == "sigmoid" else torch.nn.functional.softplus(g)
+            z = z * g.to(z.dtype)
         return torch.einsum("bqhd,hdm->bqm", z, a.W_O) + a.b_O
 
     def mlp(x: Tensor, m: Any) -> Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
+from lens_aot.core.spec import NormSpec, OutputGateSpec, QKNormScope, RotarySpec
 from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
@@ -78,6 +78,11 @@ class AttentionReading:
     # -1: the source's rotate_half turns the other way (NanoChat's cat(x2, -x1)): its tables are carried with sin
     # negated (lens_aot.tl.bridge_delegated_rotary)
     rotary_sign: int = 1
+    # AFMoE, Laguna: z · act(x @ W_gate) before W_O (core/components/output_gate.py)
+    output_gate: OutputGateSpec | None = None
+    # PositionEmbeddingsAttentionBridge duplicates a half-width table when pct is 1 (GPT-OSS); a delegated forward
+    # rotates the first cos.shape[-1] channels as given (Laguna's partial rotary factor per layer type)
+    duplicate_half_tables: bool = True
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -100,11 +105,12 @@ def _sliding_window(layer: int, hf_attn: nn.Module, hf_config: Any) -> int | Non
 
 
 def _check_common(
-    layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int, qk_norm_ok: bool
+    layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int, qk_norm_ok: bool, gate_ok: bool = False
 ) -> tuple[float | None, int | None]:
     """Refuse, naming the layer, every attention feature the spec's attention cannot express; return the layer's
     score soft-cap and binding sliding window (None when absent or not binding at ``n_ctx``)."""
     allowed = {"q", "k", "v", "o", "qkv"} | ({"q_norm", "k_norm"} if qk_norm_ok else set())
+    allowed |= {"gate"} if gate_ok else set()  # an output gate: lens_aot.tl.bridge_delegated_rotary
     for name in sorted(_subcomponents(attn) - allowed):
         raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))
     for attr, what in (
@@ -174,7 +180,7 @@ def read_attention(
     delegated_rotary = cls == "AttentionBridge" and type(hf_attn).__name__ not in _DELEGATED
     delegated_rotary = delegated_rotary and is_delegated_rotary(hf_attn)
     cap, window = _check_common(
-        layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=position_embeddings or delegated_rotary
+        layer, attn, hf_attn, hf_config, n_ctx, position_embeddings or delegated_rotary, delegated_rotary
     )
     if delegated_rotary:
         reading = read_delegated_rotary(layer, attn, hf_attn, hf_config, bridge_cfg, dtype, rotary_bridge, cap, window)
@@ -432,7 +438,7 @@ def model_rotary(
     if cos.shape[0] != n_ctx:
         raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
     width = int(cos.shape[-1])
-    if not reading.adjacent and width * 2 == head_dim and pct == 1.0:
+    if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables:
         cos, sin, width = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1), head_dim
     if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
         sin = -sin

@@ -19,13 +19,15 @@ the recorded forward as for every piece.
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.spec import RotarySpec
-from lens_aot.tl.bridge_components import _attention, _component, _norm, _original
+from lens_aot.core.components.output_gate import GATES
+from lens_aot.core.spec import OutputGateSpec, RotarySpec
+from lens_aot.tl.bridge_components import _attention, _component, _linear, _norm, _original
 from lens_aot.tl.bridge_probe import close, refuse_piece
 
 __all__ = ["is_delegated_rotary", "read_delegated_rotary"]
@@ -34,13 +36,13 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _PROBE_POSITIONS = 8
 
 
-def _linear(module: Any) -> Any:
+def _projection(module: Any) -> Any:
     return getattr(module, "original_component", module)
 
 
 def is_delegated_rotary(hf_attn: nn.Module) -> bool:
     """Whether ``hf_attn`` has the structure this module reads (module docstring)."""
-    if not all(isinstance(_linear(getattr(hf_attn, name, None)), nn.Linear) for name in _PROJECTIONS):
+    if not all(isinstance(_projection(getattr(hf_attn, name, None)), nn.Linear) for name in _PROJECTIONS):
         return False
     if not isinstance(getattr(hf_attn, "scaling", None), float) or not isinstance(
         getattr(hf_attn, "head_dim", None), int
@@ -53,12 +55,15 @@ def is_delegated_rotary(hf_attn: nn.Module) -> bool:
     return "position_embeddings" in parameters
 
 
-def _probe_tables(rotary_module: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+def _probe_tables(
+    rotary_module: nn.Module, layer_type: str | None, n: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """The model rotary module's ``cos`` / ``sin`` over positions ``0..n-1`` ([1, n, width], as the decoder passes
-    them to each attention layer)."""
+    them to each attention layer; ``layer_type``: the layer's, for a module with one table per type)."""
     x = torch.zeros(1, n, 1, dtype=dtype, device=device)
+    positions = torch.arange(n, device=device)[None]
     with torch.no_grad():
-        cos, sin = rotary_module(x, torch.arange(n, device=device)[None])
+        cos, sin = rotary_module(x, positions) if layer_type is None else rotary_module(x, positions, layer_type)
     return cos, sin
 
 
@@ -102,10 +107,13 @@ def read_delegated_rotary(
     n_heads = int(bridge_cfg.n_heads)
     spec = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
     spec.q_norm, spec.k_norm, spec.scores_soft_cap, spec.window = q_norm, k_norm, soft_cap, window
+    gate_weight = _gate_weight(layer, attn_bridge, spec.W_Q.shape[0], spec.W_Q.shape[2], dtype)
 
     device = spec.W_Q.device
     n = _PROBE_POSITIONS
-    cos, sin = _probe_tables(_original(rotary_bridge), n, dtype, device)
+    rotary_module = _original(rotary_bridge)
+    types = getattr(hf_config, "layer_types", None) if getattr(rotary_module, "layer_types", None) else None
+    cos, sin = _probe_tables(rotary_module, str(types[layer]) if types else None, n, dtype, device)
     x = torch.randn(1, n, spec.W_Q.shape[1], generator=torch.Generator().manual_seed(layer), dtype=dtype).to(device)
     offsets = torch.arange(n, device=device)[None, :] - torch.arange(n, device=device)[:, None]  # key - query
     hidden = (offsets > 0) | (offsets <= -window if window is not None else torch.zeros_like(offsets, dtype=torch.bool))
@@ -114,22 +122,44 @@ def read_delegated_rotary(
         want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
     want = want[0] if isinstance(want, tuple) else want
     width = int(cos.shape[-1])
-    candidates = [(after, sign, "model") for after in (False, True) for sign in (1, -1)] + [(False, 1, "none")]
-    for after, sign, rope in candidates:
+    positions = [(after, sign, "model") for after in (False, True) for sign in (1, -1)] + [(False, 1, "none")]
+    gates: list[OutputGateSpec | None] = [None]
+    if gate_weight is not None:  # AFMoE: sigmoid; Laguna: softplus of a float32 copy
+        gates = [OutputGateSpec(gate_weight, act, gate_dtype) for act in GATES for gate_dtype in (None, torch.float32)]
+    for (after, sign, rope), gate in itertools.product(positions, gates):
         if (q_norm is None and k_norm is None) and after:
             continue
-        spec.qk_norm_after_rotary = after
+        spec.qk_norm_after_rotary, spec.output_gate = after, gate
         table = RotarySpec(width if rope == "model" else 0, cos[0].to(dtype), (sign * sin[0]).to(dtype))
         with torch.no_grad():
             got = Attention(spec, True, table).to(device)(x)
         if close(got, want):
             reading = AttentionReading(scale, softmax_dtype, rope)
             reading.q_norm, reading.k_norm, reading.qk_norm_after_rotary = q_norm, k_norm, after
-            reading.rotary_sign = sign
+            reading.rotary_sign, reading.output_gate = sign, gate
+            reading.duplicate_half_tables = False  # the module rotates cos.shape[-1] channels as given
             return reading
     raise refuse_piece(
         layer,
         "attn",
         f"a delegated {type(hf_attn).__name__}.forward that matches no reading lens_aot has (QK-norm before or after "
-        "rotary, either rotation sign, or no rotary)",
+        "rotary, either rotation sign, or no rotary"
+        + (", with a sigmoid or softplus output gate)" if gate_weight is not None else ")"),
     )
+
+
+def _gate_weight(layer: int, attn_bridge: Any, n_heads: int, d_head: int, dtype: torch.dtype) -> Tensor | None:
+    """The bridge's ``gate`` projection as :class:`OutputGateSpec`'s ``W_gate``: [head, d_model] for a gate per head
+    (its width is ``n_heads``), [head, d_model, d_head] for one per channel (``n_heads · d_head``); None without one."""
+    gate = _component(attn_bridge, "gate")
+    if gate is None:
+        return None
+    W, b = _linear(_original(gate), dtype)
+    if bool(b.ne(0).any()):
+        raise refuse_piece(layer, "attn", "an output gate projection with a bias")
+    d_model, width = W.shape
+    if width == n_heads:
+        return W.T.contiguous()
+    if width == n_heads * d_head:
+        return W.reshape(d_model, n_heads, d_head).permute(1, 0, 2).contiguous()
+    raise refuse_piece(layer, "attn", f"an output gate of width {width} for {n_heads} heads of {d_head} channels")

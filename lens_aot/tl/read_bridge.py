@@ -391,7 +391,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
                 attn.alibi_key_origin = reading.alibi_key_origin
                 attn.scores_dtype = reading.scores_dtype
-                attn.qk_norm_after_rotary = reading.qk_norm_after_rotary
+                attn.qk_norm_after_rotary, attn.output_gate = reading.qk_norm_after_rotary, reading.output_gate
         mlp_bridge = _component(block, "mlp")
         ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):

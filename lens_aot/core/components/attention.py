@@ -18,6 +18,7 @@ from lens_aot.core.components.alibi import ALiBi
 from lens_aot.core.components.alibi_keys import KeyPositionALiBi
 from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import make_qk_norm
+from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
@@ -99,7 +100,7 @@ class Attention(nn.Module):
     Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
     (``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan, NanoChat) → ``q·k / attn_scale`` → soft-cap →
     ALiBi → mask (causal, sliding window, padding) → ``hook_attn_scores`` → softmax (with the sink column) →
-    ``hook_pattern`` → ``z`` → ``W_O``.
+    ``hook_pattern`` → ``z`` → output gate (``output_gate.hook_gate``; AFMoE, Laguna) → ``hook_z`` → ``W_O``.
     """
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
@@ -150,6 +151,8 @@ class Attention(nn.Module):
             self.alibi = ALiBi(slopes) if origin is None else KeyPositionALiBi(slopes, origin)  # type: ignore[arg-type]
         if spec.sinks is not None:
             self.sinks = AttentionSinks(spec.sinks)
+        if spec.output_gate is not None:  # AFMoE, Laguna: output_gate.py
+            self.output_gate = make_output_gate(spec.output_gate)
         if spec.scores_dtype is not None:
             self.scores_in = ScoresInDtype(spec.scores_dtype)
         self.rotary_adjacent_pairs = False
@@ -243,6 +246,8 @@ class Attention(nn.Module):
             z = self._dense_z(q, k, v, mask)
         else:  # same computation, fused: the [query, key] tensors never exist
             z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
+        if hasattr(self, "output_gate"):
+            z = self.output_gate(query_input, z)
         z = self.hook_z(z)
         return self.write_out(z)
 
@@ -365,6 +370,7 @@ class Attention(nn.Module):
             sinks=self.sinks.values() if hasattr(self, "sinks") else None,
             alibi_key_origin=getattr(self.alibi, "origin", None) if hasattr(self, "alibi") else None,
             scores_dtype=self.scores_in.dtype if hasattr(self, "scores_in") else None,
+            output_gate=self.output_gate.spec() if hasattr(self, "output_gate") else None,
         )
 
     def _qk_norm_over(self) -> QKNormScope:
