@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,6 +54,17 @@ def is_delegated_rotary(hf_attn: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return "position_embeddings" in parameters
+
+
+def rotary_component(bridge: Any, model: nn.Module) -> Any:
+    """The bridge's ``rotary_emb`` component; else, when the adapter maps none (AFMoE, whose attention the bridge
+    delegates), the source's own single ``rotary_emb`` module (the one its decoder computes ``position_embeddings``
+    with), wrapped as a component; None if there is no single one."""
+    component = _component(bridge, "rotary_emb")
+    if component is not None:
+        return component
+    found = [module for name, module in model.named_modules() if name.rpartition(".")[2] == "rotary_emb"]
+    return SimpleNamespace(original_component=found[0]) if len(found) == 1 else None
 
 
 def _probe_tables(

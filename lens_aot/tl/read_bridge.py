@@ -58,6 +58,7 @@ from lens_aot.tl.bridge_components import (
     _source_model,
     _subcomponents,
 )
+from lens_aot.tl.bridge_delegated_rotary import rotary_component
 from lens_aot.tl.bridge_layout import (
     check_embedding_projection,
     containerless_mlp_hooks,
@@ -246,7 +247,7 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
     n_ctx = int(bridge.cfg.n_ctx)
     readings: list[AttentionReading] = []
     for layer, block in enumerate(blocks):
-        attn, rotary_emb = _component(block, "attn"), _component(bridge, "rotary_emb")
+        attn, rotary_emb = _component(block, "attn"), rotary_component(bridge, model)
         readings.append(read_attention(layer, attn, config, bridge.cfg, dtype, n_ctx, rotary_emb))
     # NoPE layers beside rotary ones (lens_aot.tl.read_nope) get tables of width 0 below
     nope = [r.rope == "none" for r in readings] if {r.rope for r in readings} == {"model", "none"} else []
@@ -266,7 +267,7 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         check_rope_type(config, n_ctx)
         attn0 = _component(blocks[0], "attn")
         pct = rotary_pct(getattr(attn0, "config", None) or bridge.cfg)
-        rotary_bridge = _component(bridge, "rotary_emb")
+        rotary_bridge = rotary_component(bridge, model)
         layer_types = _rotary_layer_types(rotary_bridge, config, len(blocks))
         tables: dict[str | None, RotarySpec] = {}
         for layer, layer_type in enumerate(layer_types):
