@@ -166,6 +166,10 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         if spec.positions == "rotary":
             r = a.rotary if a.rotary is not None else spec.rotary
             q, k = rotary(q, pos, r), rotary(k, pos, r)
+            if getattr(a, "query_scale_beta", None) is not None:  # Ministral 3: in float32 from integer positions
+                p = torch.arange(pos, device=x.device)
+                s = 1 + a.query_scale_beta * torch.log(1 + torch.floor(p / a.query_scale_length))
+                q = q * s[None, :, None, None].to(q.dtype)
         if after:
             q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
         group = a.W_Q.shape[0] // a.W_K.shape[0]

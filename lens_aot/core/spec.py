@@ -91,6 +91,10 @@ class AttentionSpec:
     qk_norm_after_rotary: bool = False
     # AFMoE, Laguna: z · act(x @ W_gate) before W_O (:mod:`lens_aot.core.components.output_gate`).
     output_gate: OutputGateSpec | None = None
+    # Ministral 3 (Llama-4 scaling): the rotated query at position p times 1 + beta · log(1 + floor(p / length))
+    # (:mod:`lens_aot.core.components.query_scale`); None: no scaling.
+    query_scale_beta: float | None = None
+    query_scale_length: int | None = None
 
 
 @dataclass
@@ -207,6 +211,7 @@ class ModelSpec:
             "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
             "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
             "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
+            "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
             "per-layer rotary tables": lambda a: a.rotary is not None,

@@ -16,7 +16,8 @@ Schema (``?``: may be null)::
              [post_norm: true]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
-             [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate]}
+             [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
+             [query_scale_beta], [query_scale_length]}
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
@@ -86,6 +87,8 @@ _ATTENTION_VARIANTS = (
     "scores_dtype",
     "qk_norm_after_rotary",
     "output_gate",
+    "query_scale_beta",
+    "query_scale_length",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale")
@@ -157,6 +160,9 @@ class Encoder:
             out["scores_dtype"] = dtype_name(attn.scores_dtype)
         if attn.qk_norm_after_rotary:
             out["qk_norm_after_rotary"] = True
+        if attn.query_scale_beta is not None:
+            out["query_scale_beta"] = float(attn.query_scale_beta)
+            out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
         if attn.output_gate is not None:
             gate = attn.output_gate
             dtype = None if gate.dtype is None else dtype_name(gate.dtype)
@@ -380,6 +386,8 @@ class Decoder:
             scores_dtype=self.dtype(f.get("scores_dtype"), f"{path}.scores_dtype"),
             qk_norm_after_rotary=_true_flag(f.get("qk_norm_after_rotary", False), f"{self.where}: {path}"),
             output_gate=self.output_gate(f.get("output_gate"), f"{path}.output_gate"),
+            query_scale_beta=_float_or_none(f.get("query_scale_beta")),
+            query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
             **variants,
         )
 

@@ -83,6 +83,8 @@ class AttentionReading:
     # PositionEmbeddingsAttentionBridge duplicates a half-width table when pct is 1 (GPT-OSS); a delegated forward
     # rotates the first cos.shape[-1] channels as given (Laguna's partial rotary factor per layer type)
     duplicate_half_tables: bool = True
+    # Ministral 3's Llama-4 query scaling (beta, original_max_position_embeddings), where it binds below n_ctx
+    query_scale: tuple[float, int] | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -245,17 +247,20 @@ def _position_embeddings_attention(
     if bool(getattr(bridge_cfg, "gated_q_proj", False)):
         raise refuse_piece(layer, "attn", "a gated query projection (sigmoid output gate, Qwen3-Next)")
     rope = getattr(getattr(hf_attn, "config", None), "rope_parameters", None)
+    query_scale: tuple[float, int] | None = None
     if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
-        # q · (1 + beta · log(1 + floor(pos / original_max_position_embeddings))): exactly q below that length.
-        original, n_ctx = rope.get("original_max_position_embeddings"), int(bridge_cfg.n_ctx)
-        if not isinstance(original, int) or n_ctx > original:
+        # q · (1 + beta · log(1 + floor(pos / original_max_position_embeddings))) after rotary, as the bridge
+        # computes it (core/components/query_scale.py); carried only where it is not 1 (past that length)
+        original, beta = rope.get("original_max_position_embeddings"), rope["llama_4_scaling_beta"]
+        if not isinstance(original, int) or original < 1 or not isinstance(beta, int | float):
             raise refuse_piece(
                 layer,
                 "attn",
-                f"Llama-4 position-dependent query scaling (llama_4_scaling_beta), which is not 1 past "
-                f"original_max_position_embeddings={original} < n_ctx={n_ctx}",
-                "Build the bridge with n_ctx <= original_max_position_embeddings (the scaling is then exactly 1).",
+                f"Llama-4 query scaling with beta={beta!r} and original_max_position_embeddings={original!r}",
+                "Set both: a number and a positive integer.",
             )
+        if int(bridge_cfg.n_ctx) > original and float(beta) != 0.0:
+            query_scale = (float(beta), original)
     interleaved = bool(getattr(bridge_cfg, "rotary_interleaved_cos_sin", False))
     adjacent = interleaved or bool(getattr(bridge_cfg, "rotary_adjacent_pairs", False))
     scaling = getattr(hf_attn, "scaling", None)
@@ -268,6 +273,7 @@ def _position_embeddings_attention(
     )
     # _apply_rotary_pos_emb_adjacent_pairs: q.float() · cos + rotate(q).float() · sin, whatever the model dtype
     reading.rotary_input_dtype = torch.float32 if adjacent else None
+    reading.query_scale = query_scale
     return reading
 
 

@@ -393,6 +393,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.alibi_key_origin = reading.alibi_key_origin
                 attn.scores_dtype = reading.scores_dtype
                 attn.qk_norm_after_rotary, attn.output_gate = reading.qk_norm_after_rotary, reading.output_gate
+                attn.query_scale_beta, attn.query_scale_length = reading.query_scale or (None, None)
         mlp_bridge = _component(block, "mlp")
         ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):

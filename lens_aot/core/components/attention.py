@@ -20,6 +20,7 @@ from lens_aot.core.components.float32_attention import RotationInDtype, ScoresIn
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.query_scale import PositionQueryScale
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
@@ -98,9 +99,10 @@ class Attention(nn.Module):
     run after ``hook_q`` / ``hook_k`` as in TransformerLens.
 
     Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
-    (``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan, NanoChat) → ``q·k / attn_scale`` → soft-cap →
-    ALiBi → mask (causal, sliding window, padding) → ``hook_attn_scores`` → softmax (with the sink column) →
-    ``hook_pattern`` → ``z`` → output gate (``output_gate.hook_gate``; AFMoE, Laguna) → ``hook_z`` → ``W_O``.
+    (query scaling by position, Ministral 3; ``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan,
+    NanoChat) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal, sliding window, padding) →
+    ``hook_attn_scores`` → softmax (with the sink column) → ``hook_pattern`` → ``z`` → output gate
+    (``output_gate.hook_gate``; AFMoE, Laguna) → ``hook_z`` → ``W_O``.
     """
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
@@ -153,6 +155,10 @@ class Attention(nn.Module):
             self.sinks = AttentionSinks(spec.sinks)
         if spec.output_gate is not None:  # AFMoE, Laguna: output_gate.py
             self.output_gate = make_output_gate(spec.output_gate)
+        if spec.query_scale_beta is not None:  # Ministral 3: query_scale.py
+            if rotary is None or spec.query_scale_length is None:
+                raise ValueError("position-dependent query scaling needs rotary positions and a length")
+            self.query_scale = PositionQueryScale(spec.query_scale_beta, spec.query_scale_length)
         if spec.scores_dtype is not None:
             self.scores_in = ScoresInDtype(spec.scores_dtype)
         self.rotary_adjacent_pairs = False
@@ -231,7 +237,10 @@ class Attention(nn.Module):
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
         if self.rotary_dim:
-            q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
+            q = self.apply_rotary(q, past, attention_mask)
+            if hasattr(self, "query_scale"):
+                q = self.query_scale(q, self.rotary_cos.shape[0], past, attention_mask)
+            q = self.hook_rot_q(q)
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
         q, k = self._qk_norm(q, k, after_rotary=True)
         if k.shape[2] != self.n_heads:
@@ -371,6 +380,8 @@ class Attention(nn.Module):
             alibi_key_origin=getattr(self.alibi, "origin", None) if hasattr(self, "alibi") else None,
             scores_dtype=self.scores_in.dtype if hasattr(self, "scores_in") else None,
             output_gate=self.output_gate.spec() if hasattr(self, "output_gate") else None,
+            query_scale_beta=self.query_scale.beta if hasattr(self, "query_scale") else None,
+            query_scale_length=self.query_scale.length if hasattr(self, "query_scale") else None,
         )
 
     def _qk_norm_over(self) -> QKNormScope:
