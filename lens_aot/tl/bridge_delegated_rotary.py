@@ -125,14 +125,24 @@ def read_delegated_rotary(
     n = _PROBE_POSITIONS
     rotary_module = _original(rotary_bridge)
     types = getattr(hf_config, "layer_types", None) if getattr(rotary_module, "layer_types", None) else None
-    cos, sin = _probe_tables(rotary_module, str(types[layer]) if types else None, n, dtype, device)
     x = torch.randn(1, n, spec.W_Q.shape[1], generator=torch.Generator().manual_seed(layer), dtype=dtype).to(device)
     offsets = torch.arange(n, device=device)[None, :] - torch.arange(n, device=device)[:, None]  # key - query
     hidden = (offsets > 0) | (offsets <= -window if window is not None else torch.zeros_like(offsets, dtype=torch.bool))
     mask = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)[None, None]
-    with torch.no_grad():
-        want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
-    want = want[0] if isinstance(want, tuple) else want
+    try:
+        cos, sin = _probe_tables(rotary_module, str(types[layer]) if types else None, n, dtype, device)
+        with torch.no_grad():
+            want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
+        want = want[0] if isinstance(want, tuple) else want
+        if not isinstance(want, Tensor) or want.shape != x.shape[:2] + (spec.W_O.shape[-1],):
+            raise TypeError(f"an output of type {type(want).__name__}")
+    except Exception as error:  # not (cos, sin) tables, or a forward that needs other arguments (Llama 4)
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"attention computed by {type(hf_attn).__name__}.forward, which does not run on (cos, sin) rotary tables "
+            f"and a causal mask as a Llama-shaped attention does ({type(error).__name__}: {error})",
+        ) from error
     width = int(cos.shape[-1])
     positions = [(after, sign, "model") for after in (False, True) for sign in (1, -1)] + [(False, 1, "none")]
     gates: list[OutputGateSpec | None] = [None]
