@@ -30,7 +30,8 @@ class PositionQueryScale(nn.Module):
         past: int = 0,
         attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
     ) -> Float[Tensor, "batch pos head d_head"]:
-        positions = torch.arange(n_ctx, device=q.device)[:, None]
+        # the positions up to the last one used (position_rows refuses more than n_ctx, as the rotary does)
+        positions = torch.arange(min(n_ctx, past + q.shape[1]), device=q.device)[:, None]
         rows = position_rows(positions, q.shape[1], past, attention_mask)  # [batch_or_1, pos, 1], integers
         scale = 1 + self.beta * torch.log(1 + torch.floor(rows / self.length))  # float32, as the source
         return q * scale[:, :, None, :].to(q.dtype)
