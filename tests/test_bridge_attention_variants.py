@@ -349,15 +349,55 @@ def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
         bridge.reset_hooks(including_permanent=False)
 
 
-def test_llama4_query_scaling_past_its_original_length_is_refused() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_llama4_query_scaling_past_its_original_length_converts(dtype: torch.dtype) -> None:
     """Ministral 3's query scale 1 + beta·log(1 + floor(pos / original_max_position_embeddings)) is exactly 1 below
-    that length (carried: the family converts above) and not 1 past it (refused, naming the fix)."""
+    that length and not past it: carried by core/components/query_scale.py, checked on 24 tokens past a length of 8
+    (the bridge probe's 12 tokens already cross it)."""
     config = CONFIGS["ministral3"]
-    short = {**config[2], "rope_parameters": {**_MINISTRAL3_ROPE, "original_max_position_embeddings": N_CTX // 2}}
+    short = {**config[2], "rope_parameters": {**_MINISTRAL3_ROPE, "original_max_position_embeddings": 8}}
     with mock.patch.dict(CONFIGS, {"ministral3": (config[0], config[1], short)}):
-        bridge = make("ministral3", torch.float32)
-    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: Llama-4 .* not 1 past"):
-        read_bridge(bridge)
+        bridge = make("ministral3", dtype)
+    aot = lens_aot.convert(bridge)
+    scale = aot.blocks[0].attn.query_scale
+    assert (scale.beta, scale.length) == (0.1, 8)
+    assert _error(aot, bridge) <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound)
+    if dtype == torch.float64:  # beta perturbed by 1e-3 in the reading: the probe refuses it
+        with _perturbed(bridge_attention, "_position_embeddings_attention", _query_beta(1 + 1e-3)):
+            with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+                read_bridge(bridge)
+
+
+def _query_beta(factor: float) -> Callable[[Any], Any]:
+    def edit(reading: Any) -> Any:
+        beta, length = reading.query_scale
+        reading.query_scale = (beta * factor, length)
+        return reading
+
+    return edit
+
+
+def test_llama4_query_scaling_is_saved_and_in_the_independent_forward(tmp_path: Any) -> None:
+    from lens_aot.core.reference import independent_logits
+
+    config = CONFIGS["ministral3"]
+    short = {**config[2], "rope_parameters": {**_MINISTRAL3_ROPE, "original_max_position_embeddings": 8}}
+    with mock.patch.dict(CONFIGS, {"ministral3": (config[0], config[1], short)}):
+        bridge = make("ministral3", torch.float64)
+    aot = lens_aot.convert(bridge)
+    lens_aot.save(aot, tmp_path / "m")
+    loaded = lens_aot.load(tmp_path / "m")
+    layer = loaded.to_spec().layers[1].attn
+    assert (layer.query_scale_beta, layer.query_scale_length) == (0.1, 8)
+    tokens = torch.randint(0, D_VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), aot(tokens), rtol=0, atol=0)
+        want = lens_aot.core.read.run_source(bridge, tokens)
+        assert float((independent_logits(aot.to_spec(), tokens) - want).abs().max()) < 1e-5
+        unscaled = aot.to_spec()
+        for spec_layer in unscaled.layers:
+            spec_layer.attn.query_scale_beta = spec_layer.attn.query_scale_length = None
+        assert float((independent_logits(unscaled, tokens) - want).abs().max()) > 1e-5  # the scaling matters
 
 
 def test_openai_gpt_reads_post_ln_blocks() -> None:

@@ -1,5 +1,5 @@
 """Issue 22: families whose attention the bridge delegates to the source's own code, read from the Hugging Face
-modules themselves (lens_aot.tl.bridge_delegated_rotary), or refused naming the piece that blocks them.
+modules themselves (lens_aot.tl.bridge_modernbert), or refused naming the piece that blocks them.
 
 ModernBERT-decoder: rotary attention with per-layer-type tables and sliding windows, a layer-0 identity norm, a
 post-embedding LayerNorm and a GLU fused in one projection are read and checked piece by piece against the source's
@@ -19,7 +19,7 @@ from factories_bridge import D_MODEL, D_VOCAB, N_LAYERS, _randomize_
 
 import lens_aot.tl.read_bridge as reader
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import bridge_delegated_rotary
+from lens_aot.tl import bridge_modernbert
 from lens_aot.tl.read_bridge import read_bridge
 
 WINDOW = 4  # ModernBERT's sliding_window = local_attention // 2: binding on the probe's 12 tokens
@@ -86,14 +86,14 @@ def test_modernbert_decoder_blocks_are_read_and_its_head_refused(dtype: torch.dt
 
 
 def _perturbed_reading(edit: Any) -> Any:
-    original = bridge_delegated_rotary.read_modernbert_decoder
+    original = bridge_modernbert.read_modernbert_decoder
 
     def patched(*args: Any) -> Any:
         reading = original(*args)
         edit(reading)
         return reading
 
-    return mock.patch.object(bridge_delegated_rotary, "read_modernbert_decoder", patched)
+    return mock.patch.object(bridge_modernbert, "read_modernbert_decoder", patched)
 
 
 def test_modernbert_decoder_scale_perturbed_by_1e3_is_refused() -> None:

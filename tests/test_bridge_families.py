@@ -88,10 +88,6 @@ REFUSED = {
             )
         }
     ),  # fmt: skip
-    "hunyuan": (
-        _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", num_key_value_heads=2, head_dim=8),
-        r"^layer 0 attn: QK-norm applied after rotary",
-    ),
     "bloom": (
         # ALiBi converts (tests/test_bridge_attention_variants.py); a residual taken after the norm does not.
         _hf("BloomConfig", "BloomForCausalLM", n_layer=2, n_head=4, apply_residual_connection_post_layernorm=True),
@@ -105,11 +101,6 @@ def test_unsupported_pieces_are_named_with_their_layer(family: str) -> None:
     build, message = REFUSED[family]
     with mock.patch.dict(FAMILIES, {"custom": build}):
         bridge = make_bridge("custom", torch.float32)
-    if family == "hunyuan" and TL_MAJOR < 4:
-        # TL 3.9's bridge normalises HunYuan's q/k before rotary (unlike HF): lens_aot follows the bridge's forward.
-        aot = lens_aot.convert(bridge)
-        assert _error(aot, bridge) <= TOLERANCES[("gated", torch.float32)]
-        return
     with pytest.raises(UnsupportedArchitectureError, match=message):
         lens_aot.convert(bridge)
 

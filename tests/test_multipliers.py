@@ -200,17 +200,17 @@ def test_falcon_alibi_is_refused_naming_layer_and_piece() -> None:
         lens_aot.convert(bridge_of("falcon-alibi", torch.float32))
 
 
-@pytest.mark.parametrize("architecture", ["AfmoeForCausalLM", "LagunaForCausalLM"])
-def test_attention_output_gates_are_refused_naming_layer_and_piece(architecture: str) -> None:
-    """AFMoE's sigmoid and Laguna's softplus output gates (not carried yet, docs/variants.md): refused by name."""
+def test_afmoe_gated_attention_is_read_and_its_router_refused_naming_layer_and_piece() -> None:
+    """AFMoE's sigmoid output gate is carried (tests/test_bridge_attention_pieces.py); its token-choice router is
+    not, and is refused naming the layer and the piece."""
     from lens_aot.matrix.families import Family, build_hf_model
     from lens_aot.tl.build import bridge_from_hf_module
 
-    model = build_hf_model(Family(architecture))
+    model = build_hf_model(Family("AfmoeForCausalLM"))
     bridge = bridge_from_hf_module(
-        model, architecture, hf_config=model.config, dtype=torch.float32, model_name=architecture
+        model, "AfmoeForCausalLM", hf_config=model.config, dtype=torch.float32, model_name="AfmoeForCausalLM"
     )
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn: an output gate \(act\(gate\(x\)\)"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 mlp: a router of type AfmoeTokenChoiceRouter"):
         lens_aot.convert(bridge)
 
 

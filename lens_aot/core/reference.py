@@ -158,12 +158,20 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             flat = t.reshape(*t.shape[:2], -1) if a.qk_norm_over == "projection" else t
             return norm(flat, n).reshape(t.shape)
 
-        q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        after = bool(getattr(a, "qk_norm_after_rotary", False))  # HunYuan, NanoChat: norm(rope(q))
+        if not after:
+            q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
         if a.clip_qkv is not None:
             q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":
             r = a.rotary if a.rotary is not None else spec.rotary
             q, k = rotary(q, pos, r), rotary(k, pos, r)
+            if getattr(a, "query_scale_beta", None) is not None:  # Ministral 3: in float32 from integer positions
+                p = torch.arange(pos, device=x.device)
+                s = 1 + a.query_scale_beta * torch.log(1 + torch.floor(p / a.query_scale_length))
+                q = q * s[None, :, None, None].to(q.dtype)
+        if after:
+            q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
         group = a.W_Q.shape[0] // a.W_K.shape[0]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         if a.scores_dtype is not None:  # GPT-J / GPT-Neo: q·kᵀ of float32 q and k
@@ -189,6 +197,13 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         else:
             pattern = torch.softmax(scores.to(dtype), -1).to(scores.dtype)
         z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        gate_spec = getattr(a, "output_gate", None)
+        if gate_spec is not None:  # AFMoE, Laguna: z · act(x @ W_gate), per head or per channel
+            W = gate_spec.W_gate
+            g = torch.einsum("bpm,hm->bph", x, W)[..., None] if W.ndim == 2 else torch.einsum("bpm,hmd->bphd", x, W)
+            g = g.to(gate_spec.dtype) if gate_spec.dtype is not None else g
+            g = torch.sigmoid(g) if gate_spec.act == "sigmoid" else torch.nn.functional.softplus(g)
+            z = z * g.to(z.dtype)
         return torch.einsum("bqhd,hdm->bqm", z, a.W_O) + a.b_O
 
     def mlp(x: Tensor, m: Any) -> Tensor:

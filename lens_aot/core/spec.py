@@ -86,6 +86,26 @@ class AttentionSpec:
     # q and k cast to this dtype before ``q·kᵀ / attn_scale`` (HF GPT-J / GPT-Neo eager attention: float32 whatever
     # the model dtype); None: the activation dtype. See core/components/float32_attention.py.
     scores_dtype: torch.dtype | None = None
+    # HunYuan, NanoChat: q_norm / k_norm run on the rotated q and k (after rotary) instead of before it
+    # (:mod:`lens_aot.core.components.qk_norm_after_rotary`).
+    qk_norm_after_rotary: bool = False
+    # AFMoE, Laguna: z · act(x @ W_gate) before W_O (:mod:`lens_aot.core.components.output_gate`).
+    output_gate: OutputGateSpec | None = None
+    # Ministral 3 (Llama-4 scaling): the rotated query at position p times 1 + beta · log(1 + floor(p / length))
+    # (:mod:`lens_aot.core.components.query_scale`); None: no scaling.
+    query_scale_beta: float | None = None
+    query_scale_length: int | None = None
+
+
+@dataclass
+class OutputGateSpec:
+    """An output gate: each head's ``z`` times ``act(x @ W_gate)`` (``x``: the attention's input), one gate per head
+    (``W_gate`` [n_heads, d_model]) or per channel ([n_heads, d_model, d_head]); ``act`` "sigmoid" or "softplus",
+    computed in ``dtype`` when set (the source's float32 step) and cast back."""
+
+    W_gate: Float[Tensor, "n_heads d_model"] | Float[Tensor, "n_heads d_model d_head"]
+    act: str
+    dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -193,6 +213,9 @@ class ModelSpec:
         found: set[str] = set()
         checks = {
             "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
+            "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
+            "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
+            "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
             "per-layer rotary tables": lambda a: a.rotary is not None,

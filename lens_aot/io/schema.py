@@ -16,7 +16,9 @@ Schema (``?``: may be null)::
              [post_norm: true], [residual_norm: true]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
-             [alibi_key_origin], [scores_dtype]}
+             [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
+             [query_scale_beta], [query_scale_length]}
+    gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu]} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
@@ -43,7 +45,16 @@ from torch import Tensor
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.moe import MoEFit
-from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec import (
+    AttentionSpec,
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NormSpec,
+    OutputGateSpec,
+    RotarySpec,
+)
 from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
@@ -77,6 +88,10 @@ _ATTENTION_VARIANTS = (
     *_ATTENTION_VARIANT_TENSORS,
     "alibi_key_origin",
     "scores_dtype",
+    "qk_norm_after_rotary",
+    "output_gate",
+    "query_scale_beta",
+    "query_scale_length",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale")
@@ -148,6 +163,16 @@ class Encoder:
             out["alibi_key_origin"] = str(attn.alibi_key_origin)
         if attn.scores_dtype is not None:
             out["scores_dtype"] = dtype_name(attn.scores_dtype)
+        if attn.qk_norm_after_rotary:
+            out["qk_norm_after_rotary"] = True
+        if attn.query_scale_beta is not None:
+            out["query_scale_beta"] = float(attn.query_scale_beta)
+            out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
+        if attn.output_gate is not None:
+            gate = attn.output_gate
+            dtype = None if gate.dtype is None else dtype_name(gate.dtype)
+            out["output_gate"] = {"W_gate": self.tensor(gate.W_gate, f"{key}.output_gate.W_gate"), "act": gate.act}
+            out["output_gate"]["dtype"] = dtype
         return out
 
     def mlp(self, mlp: MLPSpec | MoESpec | None, key: str) -> dict[str, Any] | None:
@@ -368,8 +393,21 @@ class Decoder:
             rotary=self.rotary(f.get("rotary"), f"{path}.rotary"),
             alibi_key_origin=_alibi_key_origin(f.get("alibi_key_origin"), f"{self.where}: {path}"),
             scores_dtype=self.dtype(f.get("scores_dtype"), f"{path}.scores_dtype"),
+            qk_norm_after_rotary=_true_flag(f.get("qk_norm_after_rotary", False), f"{self.where}: {path}"),
+            output_gate=self.output_gate(f.get("output_gate"), f"{path}.output_gate"),
+            query_scale_beta=_float_or_none(f.get("query_scale_beta")),
+            query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
             **variants,
         )
+
+    def output_gate(self, obj: Any, path: str) -> OutputGateSpec | None:
+        if obj is None:
+            return None
+        f = self.fields(obj, path, ("W_gate", "act", "dtype"))
+        if f["act"] not in ("sigmoid", "softplus"):
+            raise LoadError(f"{self.where}: {path}.act is {f['act']!r}, not 'sigmoid' or 'softplus'; corrupt.")
+        W = self.required_tensor(f["W_gate"], f"{path}.W_gate")
+        return OutputGateSpec(W, str(f["act"]), self.dtype(f["dtype"], f"{path}.dtype"))
 
     def mlp(self, obj: Any, path: str) -> MLPSpec | MoESpec | None:
         if obj is None:
@@ -516,3 +554,10 @@ def _alibi_key_origin(value: Any, where: str) -> str | None:
     if value not in (None, "first", "last"):
         raise LoadError(f"{where}.alibi_key_origin is {value!r}, not 'first' or 'last'; corrupt.")
     return value
+
+
+def _true_flag(value: Any, where: str) -> bool:
+    """A variant flag written only when set (so ``true`` when present)."""
+    if value not in (True, False):
+        raise LoadError(f"{where}.qk_norm_after_rotary is {value!r}, not true; corrupt.")
+    return bool(value)

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
+from lens_aot.core.spec import NormSpec, OutputGateSpec, QKNormScope, RotarySpec
 from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
+from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
 
@@ -72,6 +73,18 @@ class AttentionReading:
     # bridge's adjacent-pair rotary).
     scores_dtype: torch.dtype | None = None
     rotary_input_dtype: torch.dtype | None = None
+    # q_norm / k_norm on the rotated q and k (HunYuan, NanoChat; core/components/qk_norm_after_rotary.py)
+    qk_norm_after_rotary: bool = False
+    # -1: the source's rotate_half turns the other way (NanoChat's cat(x2, -x1)): its tables are carried with sin
+    # negated (lens_aot.tl.bridge_delegated_rotary)
+    rotary_sign: int = 1
+    # AFMoE, Laguna: z · act(x @ W_gate) before W_O (core/components/output_gate.py)
+    output_gate: OutputGateSpec | None = None
+    # PositionEmbeddingsAttentionBridge duplicates a half-width table when pct is 1 (GPT-OSS); a delegated forward
+    # rotates the first cos.shape[-1] channels as given (Laguna's partial rotary factor per layer type)
+    duplicate_half_tables: bool = True
+    # Ministral 3's Llama-4 query scaling (beta, original_max_position_embeddings), where it binds below n_ctx
+    query_scale: tuple[float, int] | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -94,11 +107,12 @@ def _sliding_window(layer: int, hf_attn: nn.Module, hf_config: Any) -> int | Non
 
 
 def _check_common(
-    layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int, qk_norm_ok: bool
+    layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int, qk_norm_ok: bool, gate_ok: bool = False
 ) -> tuple[float | None, int | None]:
     """Refuse, naming the layer, every attention feature the spec's attention cannot express; return the layer's
     score soft-cap and binding sliding window (None when absent or not binding at ``n_ctx``)."""
     allowed = {"q", "k", "v", "o", "qkv"} | ({"q_norm", "k_norm"} if qk_norm_ok else set())
+    allowed |= {"gate"} if gate_ok else set()  # an output gate: lens_aot.tl.bridge_delegated_rotary
     for name in sorted(_subcomponents(attn) - allowed):
         raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))
     for attr, what in (
@@ -118,15 +132,14 @@ def _check_common(
 
 def _qk_norms(
     layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
-) -> tuple[NormSpec | None, NormSpec | None, QKNormScope]:
-    """The bridge's ``q_norm`` / ``k_norm`` (applied after the projections, before rotary): over each head when the
-    norm's weight has ``head_dim`` entries, over the whole projection when it has ``n_heads · head_dim`` (OLMo-2),
-    as ``PositionEmbeddingsAttentionBridge`` decides from the same shapes."""
+) -> tuple[NormSpec | None, NormSpec | None, QKNormScope, bool]:
+    """The bridge's ``q_norm`` / ``k_norm`` (applied after the projections): over each head when the norm's weight
+    has ``head_dim`` entries, over the whole projection when it has ``n_heads · head_dim`` (OLMo-2), as
+    ``PositionEmbeddingsAttentionBridge`` decides from the same shapes; and whether they run after rotary (the bridge
+    config's ``qk_norm_after_rope``, HunYuan, which the bridge honours for per-head norms only)."""
     q_bridge, k_bridge = _component(attn, "q_norm"), _component(attn, "k_norm")
     if q_bridge is None and k_bridge is None:
-        return None, None, "head"
-    if bool(getattr(bridge_cfg, "qk_norm_after_rope", False)):
-        raise refuse_piece(layer, "attn", "QK-norm applied after rotary (HunYuan)")
+        return None, None, "head", False
     head_dim = int(hf_attn.head_dim)
     weight = getattr(_original(q_bridge), "weight", None) if q_bridge is not None else None
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else ()
@@ -138,13 +151,24 @@ def _qk_norms(
         raise refuse_piece(layer, "attn", f"a QK-norm weight of shape {shape} (per-head weights, Cohere)")
     q_norm = _norm(q_bridge, dtype) if q_bridge is not None else None
     k_norm = _norm(k_bridge, dtype) if k_bridge is not None else None
-    return q_norm, k_norm, over
+    after = over == "head" and bool(getattr(bridge_cfg, "qk_norm_after_rope", False))
+    for norm in (q_norm, k_norm):
+        if after and norm is not None and (norm.functional or norm.scale_in_compute_dtype):
+            raise refuse_piece(layer, "attn", "a QK-norm after rotary that scales in float32 (a Gemma-style norm)")
+    return q_norm, k_norm, over, after
 
 
 def read_attention(
-    layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
+    layer: int,
+    attn: Any,
+    hf_config: Any,
+    bridge_cfg: Any,
+    dtype: torch.dtype,
+    n_ctx: int,
+    rotary_bridge: Any = None,
 ) -> AttentionReading:
-    """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring)."""
+    """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring); ``rotary_bridge``: the
+    model's ``rotary_emb`` component, which a delegated rotary attention is probed with."""
     cls = type(attn).__name__
     if cls in _ALIBI_BRIDGES:  # BLOOM, MPT: lens_aot.tl.bridge_alibi
         return _alibi_attention(layer, attn, hf_config, bridge_cfg, dtype, n_ctx)
@@ -154,14 +178,24 @@ def read_attention(
     hf_attn = _original(attn)
     names = _mro_names(attn)
     position_embeddings = "PositionEmbeddingsAttentionBridge" in names
-    cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=position_embeddings)
+    # a plain AttentionBridge around a Llama-shaped rotary forward (NanoChat): lens_aot.tl.bridge_delegated_rotary
+    delegated_rotary = cls == "AttentionBridge" and type(hf_attn).__name__ not in _DELEGATED
+    delegated_rotary = delegated_rotary and is_delegated_rotary(hf_attn)
+    cap, window = _check_common(
+        layer, attn, hf_attn, hf_config, n_ctx, position_embeddings or delegated_rotary, delegated_rotary
+    )
+    if delegated_rotary:
+        reading = read_delegated_rotary(layer, attn, hf_attn, hf_config, bridge_cfg, dtype, rotary_bridge, cap, window)
+        reading.soft_cap, reading.window = cap, window
+        return reading
     if position_embeddings:
         reading = _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
-        reading.q_norm, reading.k_norm, reading.qk_norm_over = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
+        norms = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
+        reading.q_norm, reading.k_norm, reading.qk_norm_over, reading.qk_norm_after_rotary = norms
         reading.soft_cap, reading.window = cap, window
         return reading
     if cls == "AttentionBridge" and type(hf_attn).__name__ == "ModernBertDecoderAttention" and cap is None:
-        from lens_aot.tl.bridge_delegated_rotary import read_modernbert_decoder  # rotary, per-layer windows
+        from lens_aot.tl.bridge_modernbert import read_modernbert_decoder  # rotary, per-layer windows
 
         return read_modernbert_decoder(layer, hf_attn, hf_config, dtype, n_ctx, window)
     for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
@@ -217,17 +251,20 @@ def _position_embeddings_attention(
     if bool(getattr(bridge_cfg, "gated_q_proj", False)):
         raise refuse_piece(layer, "attn", "a gated query projection (sigmoid output gate, Qwen3-Next)")
     rope = getattr(getattr(hf_attn, "config", None), "rope_parameters", None)
+    query_scale: tuple[float, int] | None = None
     if isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None:
-        # q · (1 + beta · log(1 + floor(pos / original_max_position_embeddings))): exactly q below that length.
-        original, n_ctx = rope.get("original_max_position_embeddings"), int(bridge_cfg.n_ctx)
-        if not isinstance(original, int) or n_ctx > original:
+        # q · (1 + beta · log(1 + floor(pos / original_max_position_embeddings))) after rotary, as the bridge
+        # computes it (core/components/query_scale.py); carried only where it is not 1 (past that length)
+        original, beta = rope.get("original_max_position_embeddings"), rope["llama_4_scaling_beta"]
+        if not isinstance(original, int) or original < 1 or not isinstance(beta, int | float):
             raise refuse_piece(
                 layer,
                 "attn",
-                f"Llama-4 position-dependent query scaling (llama_4_scaling_beta), which is not 1 past "
-                f"original_max_position_embeddings={original} < n_ctx={n_ctx}",
-                "Build the bridge with n_ctx <= original_max_position_embeddings (the scaling is then exactly 1).",
+                f"Llama-4 query scaling with beta={beta!r} and original_max_position_embeddings={original!r}",
+                "Set both: a number and a positive integer.",
             )
+        if int(bridge_cfg.n_ctx) > original and float(beta) != 0.0:
+            query_scale = (float(beta), original)
     interleaved = bool(getattr(bridge_cfg, "rotary_interleaved_cos_sin", False))
     adjacent = interleaved or bool(getattr(bridge_cfg, "rotary_adjacent_pairs", False))
     scaling = getattr(hf_attn, "scaling", None)
@@ -240,6 +277,7 @@ def _position_embeddings_attention(
     )
     # _apply_rotary_pos_emb_adjacent_pairs: q.float() · cos + rotate(q).float() · sin, whatever the model dtype
     reading.rotary_input_dtype = torch.float32 if adjacent else None
+    reading.query_scale = query_scale
     return reading
 
 
@@ -307,8 +345,8 @@ def _delegated_standard(
 
 
 def _refuse_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
-    """Llama 4's attention, refused naming its pieces (:func:`lens_aot.tl.bridge_delegated_rotary.refuse_llama4`)."""
-    from lens_aot.tl.bridge_delegated_rotary import refuse_llama4
+    """Llama 4's attention, refused naming its pieces (:func:`lens_aot.tl.bridge_modernbert.refuse_llama4`)."""
+    from lens_aot.tl.bridge_modernbert import refuse_llama4
 
     return refuse_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
 
@@ -418,8 +456,10 @@ def model_rotary(
     if cos.shape[0] != n_ctx:
         raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
     width = int(cos.shape[-1])
-    if not reading.adjacent and width * 2 == head_dim and pct == 1.0:
+    if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables:
         cos, sin, width = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1), head_dim
+    if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
+        sin = -sin
     if reading.relayout:
         cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)

@@ -213,6 +213,10 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     if computes_gemma_rmsnorm(module):  # Gemma, Gemma 2, Gemma 3, VaultGemma: the same forward
         scale = 1.0 + module.weight.detach().float()
         return NormSpec("RMS", float(module.eps), scale.to(module.weight.dtype), None, torch.float32, rsqrt=True)
+    # A weightless HF RMSNorm (NanoChat's: x.float() · rsqrt(mean(x²) + eps), cast back); the probe confirms it.
+    weightless = not any(True for _ in module.parameters())
+    if name.endswith("RMSNorm") and weightless and isinstance(getattr(module, "eps", None), float):
+        return NormSpec("RMSPre", float(module.eps), compute_dtype=torch.float32, rsqrt=True)
     raise _refuse(f"a normalization module of type {name} called through its own forward")
 
 
@@ -254,7 +258,8 @@ def _attention(
     attn_bridge: Any, n_heads: int, dtype: torch.dtype, attn_scale: float, softmax_dtype: torch.dtype | None
 ) -> AttentionSpec:
     """Q/K/V/O from the bridge's ``q``/``k``/``v``/``o`` LinearBridges (split from fused QKV by the bridge itself)."""
-    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv", "q_norm", "k_norm"}  # QK-norm: bridge_attention
+    # QK-norm and output gates: read (or refused) by bridge_attention
+    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv", "q_norm", "k_norm", "gate"}
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
     parts = {}

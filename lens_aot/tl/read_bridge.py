@@ -59,6 +59,7 @@ from lens_aot.tl.bridge_components import (
     _source_model,
     _subcomponents,
 )
+from lens_aot.tl.bridge_delegated_rotary import rotary_component
 from lens_aot.tl.bridge_layout import (
     check_embedding_projection,
     check_prediction_head,
@@ -82,7 +83,7 @@ from lens_aot.tl.read_multipliers import (
     scaled,
 )
 from lens_aot.tl.read_nope import no_rotary
-from lens_aot.tl.read_norms import named_norm, optional_norm
+from lens_aot.tl.read_norms import final_norm_on_embeddings, named_norm, optional_norm
 from lens_aot.tl.read_routed import is_routed, read_routed
 from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
@@ -265,11 +266,12 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
     n_ctx = int(bridge.cfg.n_ctx)
     readings: list[AttentionReading] = []
     for layer, block in enumerate(blocks):
-        readings.append(read_attention(layer, _component(block, "attn"), config, bridge.cfg, dtype, n_ctx))
+        attn, rotary_emb = _component(block, "attn"), rotary_component(bridge, model)
+        readings.append(read_attention(layer, attn, config, bridge.cfg, dtype, n_ctx, rotary_emb))
     # NoPE layers beside rotary ones (lens_aot.tl.read_nope) get tables of width 0 below
     nope = [r.rope == "none" for r in readings] if {r.rope for r in readings} == {"model", "none"} else []
     roped = [r for r in readings if not (nope and r.rope == "none")]
-    if len({(r.rope, r.adjacent, r.relayout) for r in roped}) != 1:
+    if len({(r.rope, r.adjacent, r.relayout, r.rotary_sign) for r in roped}) != 1:
         raise refuse_piece(None, "rotary_emb", "different rotary layouts in different layers")
     first = roped[0]
     device = next(model.parameters()).device
@@ -284,7 +286,7 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         check_rope_type(config, n_ctx)
         attn0 = _component(blocks[0], "attn")
         pct = rotary_pct(getattr(attn0, "config", None) or bridge.cfg)
-        rotary_bridge = _component(bridge, "rotary_emb")
+        rotary_bridge = rotary_component(bridge, model)
         layer_types = _rotary_layer_types(rotary_bridge, config, len(blocks))
         tables: dict[str | None, RotarySpec] = {}
         for layer, layer_type in enumerate(layer_types):
@@ -413,6 +415,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
                 attn.alibi_key_origin = reading.alibi_key_origin
                 attn.scores_dtype = reading.scores_dtype
+                attn.qk_norm_after_rotary, attn.output_gate = reading.qk_norm_after_rotary, reading.output_gate
+                attn.query_scale_beta, attn.query_scale_length = reading.query_scale or (None, None)
         mlp_bridge = _component(block, "mlp")
         ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):
@@ -506,6 +510,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
     )
     if not finite:
         _refuse_non_finite(spec, calls)
+    if not native:  # NanoChat: the final norm on the embeddings too (lens_aot.tl.read_norms)
+        spec.embed_ln = spec.embed_ln or final_norm_on_embeddings(spec, calls)
     _verify_model(spec, calls, len(blocks), embed_multiplier)
     return spec
 

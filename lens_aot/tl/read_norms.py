@@ -53,3 +53,25 @@ def optional_norm(layer: int, piece: str, block: Any, dtype: Any) -> NormSpec | 
     """The block's norm ``piece`` (``ln1_post`` / ``ln2_post``) read by :func:`named_norm`, or None without one."""
     component = getattr(block, "_modules", {}).get(piece)
     return None if component is None else named_norm(layer, piece, component, dtype)
+
+
+def final_norm_on_embeddings(spec: Any, calls: dict[tuple[int, str], Any]) -> NormSpec | None:
+    """The final norm, when the source also applies it to the embeddings before the first block (NanoChat's
+    ``hidden_states = self.norm(inputs_embeds)``, the same weightless ``model.norm`` module as after the last block),
+    read from the recorded forward: the first block's input is ``ln_final(embedding)`` and not the embedding itself.
+    None otherwise (the model-level check then refuses any other first-block input, naming it)."""
+    import torch
+
+    from lens_aot.core.components.float32_norm import make_norm
+    from lens_aot.tl.bridge_probe import close
+
+    logits, first = calls.get((-1, "logits")), calls.get((0, "block"))
+    if spec.embed_ln is not None or logits is None or first is None or spec.ln_final.kind is None:
+        return None
+    tokens = logits.input
+    with torch.no_grad():
+        embedded = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
+        if close(embedded, first.input):
+            return None
+        normed = make_norm(spec.ln_final).to(embedded.device)(embedded)
+    return spec.ln_final if close(normed, first.input) else None

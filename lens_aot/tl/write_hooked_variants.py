@@ -48,6 +48,12 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
     post_norm = _uniform(spec, "post-norm placement", lambda layer: layer.post_norm)
     if any(layer.residual_norm for layer in spec.layers):
         raise _refuse("its blocks are post-LN (norms act on the residual stream; TransformerLens has no such block)")
+    if any(getattr(layer.attn, "qk_norm_after_rotary", False) for layer in spec.layers):
+        raise _refuse("it normalizes queries and keys after rotary (HunYuan, NanoChat); TransformerLens's runs before")
+    if any(getattr(layer.attn, "query_scale_beta", None) is not None for layer in spec.layers):
+        raise _refuse("it scales its queries by position (Llama-4 scaling, Ministral 3); TransformerLens does not")
+    if any(getattr(layer.attn, "output_gate", None) is not None for layer in spec.layers):
+        raise _refuse("its attention output is gated (AFMoE, Laguna); TransformerLens's attention has no gate")
     if qk == (True, True):
         if over == "head":
             kwargs["use_qk_norm"] = True

@@ -18,7 +18,9 @@ from lens_aot.core.components.alibi import ALiBi
 from lens_aot.core.components.alibi_keys import KeyPositionALiBi
 from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import make_qk_norm
+from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.query_scale import PositionQueryScale
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
@@ -97,8 +99,10 @@ class Attention(nn.Module):
     run after ``hook_q`` / ``hook_k`` as in TransformerLens.
 
     Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
-    (``hook_rot_q/k``) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal, sliding window, padding) →
-    ``hook_attn_scores`` → softmax (with the sink column) → ``hook_pattern`` → ``z`` → ``W_O``.
+    (query scaling by position, Ministral 3; ``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan,
+    NanoChat) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal, sliding window, padding) →
+    ``hook_attn_scores`` → softmax (with the sink column) → ``hook_pattern`` → ``z`` → output gate
+    (``output_gate.hook_gate``; AFMoE, Laguna) → ``hook_z`` → ``W_O``.
     """
 
     def __init__(self, spec: AttentionSpec, causal: bool, rotary: RotarySpec | None = None) -> None:
@@ -136,10 +140,11 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
+        after = spec.qk_norm_after_rotary  # HunYuan, NanoChat: PostRotaryQKNorm (qk_norm_after_rotary.py)
         if spec.q_norm is not None:
-            self.q_norm = make_qk_norm(spec.q_norm, spec.qk_norm_over)
+            self.q_norm = make_qk_norm(spec.q_norm, spec.qk_norm_over, after)
         if spec.k_norm is not None:
-            self.k_norm = make_qk_norm(spec.k_norm, spec.qk_norm_over)
+            self.k_norm = make_qk_norm(spec.k_norm, spec.qk_norm_over, after)
         if spec.scores_soft_cap is not None:
             self.scores_soft_cap = SoftCap(spec.scores_soft_cap)
         if spec.alibi_slopes is not None:
@@ -148,6 +153,12 @@ class Attention(nn.Module):
             self.alibi = ALiBi(slopes) if origin is None else KeyPositionALiBi(slopes, origin)  # type: ignore[arg-type]
         if spec.sinks is not None:
             self.sinks = AttentionSinks(spec.sinks)
+        if spec.output_gate is not None:  # AFMoE, Laguna: output_gate.py
+            self.output_gate = make_output_gate(spec.output_gate)
+        if spec.query_scale_beta is not None:  # Ministral 3: query_scale.py
+            if rotary is None or spec.query_scale_length is None:
+                raise ValueError("position-dependent query scaling needs rotary positions and a length")
+            self.query_scale = PositionQueryScale(spec.query_scale_beta, spec.query_scale_length)
         if spec.scores_dtype is not None:
             self.scores_in = ScoresInDtype(spec.scores_dtype)
         self.rotary_adjacent_pairs = False
@@ -221,16 +232,17 @@ class Attention(nn.Module):
         q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
         k = self.hook_k(_project(k_in, W_K, b_K))
         v = self.hook_v(_project(v_in, W_V, b_V))
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-        if hasattr(self, "k_norm"):
-            k = self.k_norm(k)
+        q, k = self._qk_norm(q, k, after_rotary=False)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
         if self.rotary_dim:
-            q = self.hook_rot_q(self.apply_rotary(q, past, attention_mask))
+            q = self.apply_rotary(q, past, attention_mask)
+            if hasattr(self, "query_scale"):
+                q = self.query_scale(q, self.rotary_cos.shape[0], past, attention_mask)
+            q = self.hook_rot_q(q)
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
+        q, k = self._qk_norm(q, k, after_rotary=True)
         if k.shape[2] != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
             v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
@@ -243,8 +255,23 @@ class Attention(nn.Module):
             z = self._dense_z(q, k, v, mask)
         else:  # same computation, fused: the [query, key] tensors never exist
             z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
+        if hasattr(self, "output_gate"):
+            z = self.output_gate(query_input, z)
         z = self.hook_z(z)
         return self.write_out(z)
+
+    def _qk_norm(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch key kv_head d_head"],
+        after_rotary: bool,
+    ) -> tuple[Float[Tensor, "batch pos head d_head"], Float[Tensor, "batch key kv_head d_head"]]:
+        """q and k through ``q_norm`` / ``k_norm`` if those run at this point (before or after rotary)."""
+        if hasattr(self, "q_norm") and self.q_norm.after_rotary == after_rotary:
+            q = self.q_norm(q)
+        if hasattr(self, "k_norm") and self.k_norm.after_rotary == after_rotary:
+            k = self.k_norm(k)
+        return q, k
 
     def write_out(self, z: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos d_model"]:
         """``z·W_O + b_O``, through ``hook_result`` (one row per head) when ``use_attn_result`` is on."""
@@ -343,6 +370,7 @@ class Attention(nn.Module):
             q_norm=self.q_norm.spec() if hasattr(self, "q_norm") else None,
             k_norm=self.k_norm.spec() if hasattr(self, "k_norm") else None,
             qk_norm_over=self._qk_norm_over(),
+            qk_norm_after_rotary=any(getattr(self, n).after_rotary for n in ("q_norm", "k_norm") if hasattr(self, n)),
             scores_soft_cap=self.scores_soft_cap.cap if hasattr(self, "scores_soft_cap") else None,
             window=self.window,
             rotary=self._own_rotary_spec(),
@@ -351,6 +379,9 @@ class Attention(nn.Module):
             sinks=self.sinks.values() if hasattr(self, "sinks") else None,
             alibi_key_origin=getattr(self.alibi, "origin", None) if hasattr(self, "alibi") else None,
             scores_dtype=self.scores_in.dtype if hasattr(self, "scores_in") else None,
+            output_gate=self.output_gate.spec() if hasattr(self, "output_gate") else None,
+            query_scale_beta=self.query_scale.beta if hasattr(self, "query_scale") else None,
+            query_scale_length=self.query_scale.length if hasattr(self, "query_scale") else None,
         )
 
     def _qk_norm_over(self) -> QKNormScope:

@@ -25,6 +25,7 @@ from torch import Tensor
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import through_hook
 from lens_aot.core.components.qk_norm import QKNorm
+from lens_aot.core.components.qk_norm_after_rotary import PostRotaryQKNorm
 from lens_aot.core.spec import NormSpec, QKNormScope
 
 
@@ -80,8 +81,13 @@ def make_norm(spec: NormSpec) -> Norm:
     return Norm(spec)
 
 
-def make_qk_norm(spec: NormSpec, over: QKNormScope = "head") -> QKNorm:
-    """The QK-norm component ``spec`` describes (:class:`QKNorm` unless a float32-step variant is set)."""
+def make_qk_norm(spec: NormSpec, over: QKNormScope = "head", after_rotary: bool = False) -> QKNorm:
+    """The QK-norm component ``spec`` describes (:class:`QKNorm` unless a float32-step variant is set;
+    :class:`PostRotaryQKNorm` when it runs after rotary, which no source combines with a float32-step norm)."""
+    if after_rotary:
+        if spec.functional or spec.scale_in_compute_dtype:
+            raise ValueError("a QK-norm after rotary with a float32-scale or functional norm (no source has one)")
+        return PostRotaryQKNorm(spec, over)
     if spec.functional:
         return FunctionalQKNorm(spec, over)
     if spec.scale_in_compute_dtype:

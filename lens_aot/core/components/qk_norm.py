@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from jaxtyping import Float
 from torch import Tensor
 
@@ -13,7 +15,10 @@ class QKNorm(Norm):
     """A :class:`Norm` over each head's ``d_head`` channels (``over="head"``: TransformerLens's ``use_qk_norm``,
     which normalizes ``q.reshape(-1, d_head)``, so ``hook_scale`` is [batch·pos·head, 1]) or over all heads' channels
     of a position at once (``over="projection"``: OLMo-2's ``q_norm`` / ``k_norm`` over ``n_heads·d_head``;
-    ``hook_scale`` [batch, pos, 1]). Lives at ``blocks.{l}.attn.q_norm`` / ``k_norm``, as in TransformerLens."""
+    ``hook_scale`` [batch, pos, 1]). Lives at ``blocks.{l}.attn.q_norm`` / ``k_norm``, as in TransformerLens.
+    ``after_rotary`` False: applied before rotary (:class:`~.qk_norm_after_rotary.PostRotaryQKNorm`: after it)."""
+
+    after_rotary: ClassVar[bool] = False
 
     def __init__(self, spec: NormSpec, over: QKNormScope = "head") -> None:
         super().__init__(spec)

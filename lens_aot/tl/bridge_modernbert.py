@@ -1,0 +1,71 @@
+"""ModernBERT-decoder's attention forward, which a plain ``AttentionBridge`` calls (the bridge does not recompute it),
+read from the attention module itself; and Llama 4's, refused naming its pieces.
+
+``ModernBertDecoderAttention.forward`` (ModernBERT-decoder): ``q_proj`` / ``k_proj`` / ``v_proj`` (``nn.Linear``),
+rotate-half rotary of q and k rounded to float32 first (``q.float()``; the products then in the wider of float32 and
+the model dtype, :class:`~lens_aot.core.components.float32_attention.RotationInDtype`) with the model rotary module's
+table for the layer's type (``layer_types``: a local and a global
+``rope_theta``; :func:`lens_aot.tl.bridge_attention.model_rotary`), scores ``q·kᵀ · scaling`` (the module's public
+``scaling``, ``head_dim**-0.5``), the additive causal mask (with the layer's ``sliding_window`` on
+``sliding_attention`` layers: key ``k`` is visible to query ``q`` iff ``q - window < k <= q``), softmax in float32
+cast back to the activation dtype, then ``Wo``. The bridge probe checks the reading against the module's recorded
+output, so a wrong scale, window or table is refused naming the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lens_aot.tl.bridge_probe import refuse_piece
+
+__all__ = ["read_modernbert_decoder"]
+
+
+def read_modernbert_decoder(
+    layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int, window: int | None
+) -> Any:
+    """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a ``ModernBertDecoderAttention``; ``window``:
+    the layer's binding sliding window (``_check_common``'s), or None."""
+    from lens_aot.tl.bridge_attention import AttentionReading
+
+    for name in ("q_proj", "k_proj", "v_proj", "Wo"):
+        projection = getattr(hf_attn, name, None)
+        if not isinstance(getattr(projection, "original_component", projection), nn.Linear):
+            raise refuse_piece(layer, "attn", f"a {type(hf_attn).__name__} without an nn.Linear {name!r}")
+    implementation = getattr(getattr(hf_attn, "config", hf_config), "_attn_implementation", "eager")
+    if implementation not in (None, "eager"):
+        raise refuse_piece(
+            layer,
+            "attn",
+            f"attention computed by the {implementation!r} kernel (its rounding is not the eager softmax's)",
+            "Call model.set_attn_implementation('eager') before building the bridge.",
+        )
+    scaling = getattr(hf_attn, "scaling", None)
+    if not isinstance(scaling, float) or scaling <= 0:
+        raise refuse_piece(layer, "attn", f"a query scaling {scaling!r} lens_aot cannot read")
+    # apply_rotary_pos_emb: (q.float() · cos) + (rotate_half(q.float()) · sin), cast back, whatever the model dtype
+    return AttentionReading(1.0 / scaling, torch.float32, "model", window=window, rotary_input_dtype=torch.float32)
+
+
+def refuse_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
+    """Refuse ``Llama4TextAttention.forward`` naming what it computes beyond the spec's attention: rotary as a
+    complex product in float32 (``view_as_complex(q.float())`` times ``freqs_cis``, adjacent pairs), a weightless
+    L2 QK-norm applied after the rotation (``qk_norm``), and on NoPE layers (``use_rope`` False) a query temperature
+    ``1 + attn_scale · log1p(floor((pos + 1) / floor_scale))`` (``attn_temperature_tuning``). Llama 4's mixture of
+    experts (``Llama4TextMoe``) would block it next: its router's sigmoid scores multiply each expert's *input*
+    (``expert(score · x)``), not its output."""
+    pieces = ["rotary as a float32 complex product (freqs_cis)" if bool(getattr(hf_attn, "use_rope", True)) else ""]
+    if getattr(hf_attn, "qk_norm", None) is not None:
+        pieces.append("a weightless L2 QK-norm after the rotary")
+    if not bool(getattr(hf_attn, "use_rope", True)) and bool(getattr(hf_attn, "attn_temperature_tuning", False)):
+        pieces.append(f"NoPE-layer query temperature tuning (floor_scale={getattr(hf_attn, 'floor_scale', None)})")
+    raise refuse_piece(
+        layer,
+        "attn",
+        f"attention computed by {type(hf_attn).__name__}.forward: " + ", ".join(p for p in pieces if p),
+        "lens_aot does not read it yet; its mixture of experts (router scores scale the experts' inputs) would be "
+        "refused next.",
+    )
