@@ -42,14 +42,11 @@ from eap import utils as eap_utils  # noqa: E402
 Graph = eap_graph.Graph
 TOLERANCE_FACTOR = 20.0
 FAMILIES = ["ln-gelu", "rms-rotary-gqa-gated", "bidirectional", "trained-modular-addition"]
-# what runs on every family / on the cheapest one only (exact patching evaluates the graph once per edge)
-METHODS = [("EAP", "patching"), ("EAP", "zero"), ("EAP", "mean"), ("EAP", "mean-positional")]
-METHODS += [("EAP-IG-inputs", "patching"), ("clean-corrupted", "patching"), ("EAP-IG-activations", "patching")]
-METHODS += [("information-flow-routes", "patching")]
-CHEAPEST_ONLY = [("EAP-IG-activations", "zero"), ("EAP-IG-activations", "mean"), ("exact", "patching")]
-# every method and intervention on the first family and the trained model; on the others the core ones (cost)
-FULL_MATRIX = ("ln-gelu", "trained-modular-addition")
-CORE = [("EAP", "patching"), ("EAP", "mean-positional"), ("EAP-IG-inputs", "patching")]
+# every method with every intervention it accepts, on every family (EAP-IG refuses any intervention but "patching"
+# for EAP-IG-inputs and clean-corrupted; information-flow-routes takes none)
+INTERVENTIONS = ("patching", "zero", "mean", "mean-positional")
+METHODS = [(method, i) for method in ("EAP", "EAP-IG-activations", "exact") for i in INTERVENTIONS]
+METHODS += [("EAP-IG-inputs", "patching"), ("clean-corrupted", "patching"), ("information-flow-routes", "patching")]
 FIGURES: dict[str, dict[str, float]] = {}
 
 
@@ -205,12 +202,8 @@ def test_graph_from_model_accepts_the_converted_model(family: Family) -> None:
     assert list(src.nodes) == list(aot.nodes) and list(src.edges) == list(aot.edges)
 
 
-@pytest.mark.parametrize(("method", "intervention"), METHODS + CHEAPEST_ONLY)
+@pytest.mark.parametrize(("method", "intervention"), METHODS)
 def test_attribute_scores_agree(family: Family, method: str, intervention: str) -> None:
-    if (method, intervention) in CHEAPEST_ONLY and family.name != "trained-modular-addition":
-        pytest.skip("run on the one-layer trained model only (cost)")
-    if family.name not in FULL_MATRIX and (method, intervention) not in CORE:
-        pytest.skip("the full method matrix runs on ln-gelu and the trained model (cost)")
     src, aot = (_scores(m, family, method, intervention) for m in family.models())
     mask = src.real_edge_mask
     _compare_scores(family, src.scores[mask], aot.scores[mask], f"{method}/{intervention}")
@@ -223,8 +216,6 @@ def test_attribute_node_scores_agree(family: Family) -> None:
 
 @pytest.mark.parametrize("select", ["topn", "greedy"])
 def test_circuits_and_faithfulness_agree(family: Family, select: str) -> None:
-    if select == "greedy" and family.name not in FULL_MATRIX:
-        pytest.skip("greedy selection runs on ln-gelu and the trained model (cost)")
     graphs = [_scores(m, family, "EAP-IG-inputs", "patching") for m in family.models()]
     n = 12
     for g in graphs:
