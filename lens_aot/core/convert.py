@@ -252,8 +252,12 @@ def _check_agreement(
     the source's sensitivity to its neurons' error: (max |Δlogit|, argmax agreement, bound, S, R), see
     :mod:`lens_aot.core.faithfulness`."""
     with _eval_mode(model), torch.no_grad():
-        expected = run_source(model, tokens.to(spec.device))
+        # the converted model first, while nothing else is held: its forward's activations are the check's largest
         got = aot(tokens)
+        expected = run_source(model, tokens.to(spec.device))
+        max_err = float(torch.sub(got, expected).abs_().max()) if got.numel() else 0.0
+        argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+        del got  # freed before the source's perturbed forwards
         moe = {i: layer.mlp for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, MoESpec)}
         bound, sensitivity, rounding = conversion_bound(
             model,
@@ -264,9 +268,6 @@ def _check_agreement(
             moe=moe,
             rounding_dtype=rounding_dtype(spec),
         )
-    max_err = float((got - expected).abs().max()) if got.numel() else 0.0
-    argmax = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
-
     return max_err, argmax, bound, sensitivity, rounding
 
 

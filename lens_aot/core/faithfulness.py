@@ -71,7 +71,8 @@ def rounding_floor(dtype: torch.dtype, logits: Tensor, n_layers: int) -> float:
     layers in ``dtype`` may leave in logits of that scale (0 for integer dtypes)."""
     if not dtype.is_floating_point:
         return 0.0
-    scale = float(logits.detach().abs().max()) if logits.numel() else 0.0
+    lo, hi = logits.detach().aminmax() if logits.numel() else (torch.zeros(()), torch.zeros(()))
+    scale = max(float(hi), -float(lo))  # max |logit|, without a copy of the logits
     return ROUNDING_ULPS * max(1, n_layers) * torch.finfo(dtype).eps * (1.0 + scale)
 
 
@@ -102,15 +103,16 @@ def neuron_sensitivity(
 
         def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
             layer = int(hook.name.split(".")[1])
-            signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype) * 2 - 1
-            return act + eps[layer] * signs.to(act.device)
+            signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype).mul_(2).sub_(1)
+            return act + signs.mul_(eps[layer]).to(act.device)  # ±eps exactly; one temporary of act's size
 
         hooks = []
         for layer in sorted(eps):
             hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
         with torch.no_grad():
             out = run_with_hooks(tokens, fwd_hooks=hooks)
-        worst = max(worst, float((getattr(out, "logits", out) - base).abs().max()))
+            worst = max(worst, float(torch.sub(getattr(out, "logits", out), base).abs_().max()))
+            del out  # one trial's logits at a time
     return worst
 
 

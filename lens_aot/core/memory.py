@@ -1,7 +1,9 @@
-"""Measuring memory: bytes of new tensor storage allocated by torch operations (any device, CPU included)."""
+"""Measuring memory: bytes of new tensor storage allocated by torch operations (any device, CPU included): their
+total (:class:`AllocationMeter`) and the most held at once (:class:`PeakMeter`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import Tensor
@@ -44,3 +46,40 @@ def _has_storage(t: Any) -> bool:
     except (RuntimeError, NotImplementedError):  # wrapper tensors (lazy cache entries) hold no storage
         return False
     return True
+
+
+class PeakMeter(TorchDispatchMode):
+    """Within ``with PeakMeter() as meter:``, ``meter.peak`` is the largest number of bytes held at once by the
+    storages that torch operations created in the block (any device; a storage counts from the operation that
+    returned it until its last tensor is freed), ``meter.live`` what is still held at the end and ``meter.count``
+    how many storages were created. Unlike the process's resident memory it does not depend on the allocator or on
+    what earlier code freed, so it is the same on every run: a deterministic measure of a block's peak memory.
+    Views and in-place results share an existing storage and count nothing; storage made outside torch operations
+    (numpy, a kernel's internal scratch) is not seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.count = 0
+        self._alive: dict[int, int] = {}  # data_ptr -> nbytes of the storages created here and not yet freed
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not _has_storage(t):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in inputs or ptr in self._alive or storage.nbytes() == 0:
+                continue
+            self._alive[ptr] = storage.nbytes()
+            self.count += 1
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, ptr)
+        return out
+
+    def _free(self, ptr: int) -> None:
+        self.live -= self._alive.pop(ptr, 0)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit, activation_fit
@@ -121,7 +121,24 @@ def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float
 
 
 def _signs(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
-    return (torch.randint(0, 2, shape, generator=generator) * 2 - 1).to(dtype=like.dtype, device=like.device)
+    return torch.randint(0, 2, shape, generator=generator).mul_(2).sub_(1).to(dtype=like.dtype, device=like.device)
+
+
+def _routed_step(
+    spec: MoESpec,
+    indices: Int[Tensor, "tokens top_k"],
+    coefficients: Float[Tensor, "tokens top_k d_mlp"],
+    like: Tensor,
+) -> Float[Tensor, "tokens d_model"]:
+    """``Σ_k coefficients[t, k]·W_out^{indices[t, k]}`` per token ``t``: each expert's ``W_out`` applied to the rows
+    routed to it (its tensor itself, no per-token copy of the experts' weights)."""
+    step = like.new_zeros(indices.shape[0], like.shape[-1])
+    for e, expert in enumerate(spec.experts):
+        rows, slots = (indices == e).nonzero(as_tuple=True)
+        if rows.numel():
+            W_out = expert.W_out.to(device=like.device, dtype=like.dtype)
+            step.index_add_(0, rows, coefficients[rows, slots] @ W_out)
+    return step
 
 
 def sensitivity_hooks(
@@ -152,7 +169,6 @@ def sensitivity_hooks(
     if shared_after:
         shared = []
     if spec is not None and (own_routing or ln2 in names) and all(n in names for n in shared):
-        W_out = torch.stack([m.W_out for m in spec.experts])  # [n_experts, d_mlp, d_model]
         moe = spec
 
         def hooks(gen: torch.Generator) -> list[Hook]:
@@ -174,10 +190,7 @@ def sensitivity_hooks(
                         weights = weights / weights.sum(-1, keepdim=True)
                     weights = weights.reshape(indices.shape)
                 signs = _signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
-                rows = W_out.to(device=out.device, dtype=out.dtype)[indices.reshape(-1)]
-                step = torch.einsum(
-                    "tkn,tknd->td", signs * weights.to(out.dtype)[..., None], rows.view(*indices.shape, *rows.shape[1:])
-                )
+                step = _routed_step(moe, indices, signs * weights.to(out.dtype)[..., None], out)
                 if shared_after:
                     assert moe.shared is not None
                     W_shared = moe.shared.W_out.to(device=out.device, dtype=out.dtype)

@@ -31,6 +31,7 @@ from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
@@ -238,8 +239,9 @@ def _post(layer: int, piece: str, out: Tensor, calls: dict[tuple[int, str], Call
 def _verify(
     layer: int, spec: LayerSpec, rotary: RotarySpec | None, causal: bool, calls: dict[tuple[int, str], Call]
 ) -> None:
-    """Check each piece's reading against its recorded output (:mod:`lens_aot.tl.bridge_probe`)."""
-    with torch.no_grad():
+    """Check each piece's reading against its recorded output (:mod:`lens_aot.tl.bridge_probe`). The modules built
+    for the check use the spec's tensors (no copy of the layer's weights) and are dropped at once."""
+    with torch.no_grad(), borrowing():
         norms = (("ln1", spec.ln1), ("ln2", spec.ln2), ("ln1_post", spec.ln1_post), ("ln2_post", spec.ln2_post))
         for piece, norm in norms:
             call = calls.get((layer, piece))

@@ -164,6 +164,7 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
     forward then checks the reading, :func:`lens_aot.tl.read_bridge._verify`)."""
     from lens_aot.core.components.mlp import MLP
     from lens_aot.core.components.moe_mlp import MoEMLP
+    from lens_aot.core.components.ownership import borrowing
     from lens_aot.tl.bridge_probe import close, relative_error
 
     first = candidates[0]
@@ -177,7 +178,8 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
         except Exception:  # noqa: BLE001 - e.g. a float64 source whose experts use grouped_mm: read_bridge refuses it
             return first
         want = want[0] if isinstance(want, tuple) else want
-        outputs = [MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
+        with borrowing():  # throw-away modules over the candidates' own expert tensors (no copy of the experts)
+            outputs = [MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
     errors = [relative_error(got, want) for got in outputs]
     best = min(range(len(candidates)), key=errors.__getitem__)
     if not close(outputs[best], want):

@@ -19,7 +19,7 @@ from lens_aot.core.components.alibi_keys import KeyPositionALiBi
 from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.output_gate import make_output_gate
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, parameter, table
 from lens_aot.core.components.query_scale import PositionQueryScale
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
@@ -171,8 +171,8 @@ class Attention(nn.Module):
             if rotary.input_dtype is not None:
                 self.rotary_input = RotationInDtype(rotary.input_dtype, rotary.table_dtype)
             # on this layer's device (a sharded source's layers are on several)
-            self.register_buffer("rotary_cos", rotary.cos.detach().to(spec.W_Q.device, copy=True))
-            self.register_buffer("rotary_sin", rotary.sin.detach().to(spec.W_Q.device, copy=True))
+            self.register_buffer("rotary_cos", table(rotary.cos, spec.W_Q.device))  # one per model and device
+            self.register_buffer("rotary_sin", table(rotary.sin, spec.W_Q.device))
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()

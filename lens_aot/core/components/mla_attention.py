@@ -19,7 +19,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import Attention, with_cached
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, parameter, table
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
@@ -100,8 +100,8 @@ class MLAAttention(nn.Module):
         self.window = None
         self.rope_layout = spec.rope_layout
         self.rope_dim = int(spec.rope_dim)
-        self.register_buffer("rope_cos", spec.cos.detach().to(spec.W_Q.device, copy=True))
-        self.register_buffer("rope_sin", spec.sin.detach().to(spec.W_Q.device, copy=True))
+        self.register_buffer("rope_cos", table(spec.cos, spec.W_Q.device))  # one per model and device
+        self.register_buffer("rope_sin", table(spec.sin, spec.W_Q.device))
         self.n_heads, _, self.d_head = spec.W_Q.shape
         self.n_kv = self.n_heads  # every head has its own key and value (from the shared latent)
         self.d_model = int(spec.W_O.shape[2])

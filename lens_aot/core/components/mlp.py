@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import reference_activation
+from lens_aot.core.components.ownership import parameter
 from lens_aot.core.spec import MLPSpec
 from lens_aot.core.xielu import XIELUSpec, xielu
 
@@ -22,18 +23,18 @@ class MLP(nn.Module):
     def __init__(self, spec: MLPSpec) -> None:
         super().__init__()
         self.act_fn = spec.act_fn
-        self.W_in = nn.Parameter(spec.W_in.detach().clone())
-        self.b_in = nn.Parameter(spec.b_in.detach().clone())
-        self.W_out = nn.Parameter(spec.W_out.detach().clone())
-        self.b_out = nn.Parameter(spec.b_out.detach().clone())
+        self.W_in = parameter(spec.W_in)  # a copy (components/ownership.py)
+        self.b_in = parameter(spec.b_in)
+        self.W_out = parameter(spec.W_out)
+        self.b_out = parameter(spec.b_out)
         self.gated = spec.gated
         self.W_gate = self.b_gate = self.b_post = None
         if spec.W_gate is not None:
-            self.W_gate = nn.Parameter(spec.W_gate.detach().clone())
+            self.W_gate = parameter(spec.W_gate)
             gate_bias = spec.b_gate if spec.b_gate is not None else spec.W_gate.new_zeros(spec.W_gate.shape[1])
-            self.b_gate = nn.Parameter(gate_bias.detach().clone())
+            self.b_gate = parameter(gate_bias)
             if spec.b_post is not None:
-                self.b_post = nn.Parameter(spec.b_post.detach().clone())
+                self.b_post = parameter(spec.b_post)
             self.hook_pre_linear = HookPoint()
         self.hook_pre = HookPoint()
         self.hook_post = HookPoint()

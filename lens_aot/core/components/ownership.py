@@ -4,6 +4,11 @@
 converted model inside :func:`adopting`: each component then takes the spec's tensor as its parameter instead of
 copying it, so conversion holds one copy of the weights (the converted model's), not two. Outside :func:`adopting`
 (a hand-built spec, ``load``, ``revert``) components copy, so a model never shares storage with its inputs.
+
+Constant tables (rotary ``cos`` / ``sin``) are the same for every layer: within :func:`one_table_per_model` (the
+model's build) each is copied (or taken over) once per device and that one buffer is shared by the layers. Inside
+:func:`borrowing` components use the given tensors themselves: for throw-away modules that check a reading against
+the source's recorded output (:mod:`lens_aot.tl.read_bridge`) and are dropped at once, never returned.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lens_aot.tl.hooks import hooked
@@ -30,16 +37,67 @@ def adopting(keep: Iterable[Tensor] = ()) -> Iterator[None]:
         _TAKEN.reset(token)
 
 
-def parameter(t: Tensor) -> nn.Parameter:
-    """``t`` as a parameter of a new module: a copy, or inside :func:`adopting` ``t`` itself when it may be taken."""
+_BORROWING: ContextVar[bool] = ContextVar("lens_aot_borrowing", default=False)
+
+
+@contextmanager
+def borrowing() -> Iterator[None]:
+    """Within, :func:`parameter` and :func:`table` return the tensors themselves (no copy): only for modules that are
+    used once and dropped (a reading's check against the source's recorded output), which must not be returned."""
+    token = _BORROWING.set(True)
+    try:
+        yield
+    finally:
+        _BORROWING.reset(token)
+
+
+def _own(t: Tensor) -> Tensor:
+    """``t`` for a new module: ``t`` itself inside :func:`borrowing`, or inside :func:`adopting` when it may be
+    taken (whole storage, not the source's, not taken before); else a copy."""
     t = t.detach()
+    if _BORROWING.get():
+        return t
     taken = _TAKEN.get()
     storage = t.untyped_storage()
     whole = storage.nbytes() == t.numel() * t.element_size()
     if taken is None or not whole or storage.data_ptr() in taken or t.device.type == "meta":
-        return nn.Parameter(t.clone())
+        return t.clone()
     taken.add(storage.data_ptr())
-    return nn.Parameter(t)
+    return t
+
+
+def parameter(t: Tensor) -> nn.Parameter:
+    """``t`` as a parameter of a new module: a copy, or inside :func:`adopting` ``t`` itself when it may be taken."""
+    return nn.Parameter(_own(t))
+
+
+_TABLES: ContextVar[dict[tuple[Any, ...], tuple[Tensor, Tensor]] | None] = ContextVar("lens_aot_tables", default=None)
+
+
+@contextmanager
+def one_table_per_model() -> Iterator[None]:
+    """Within (a model's build), :func:`table` makes one buffer per table and device, shared by the layers."""
+    token = _TABLES.set({})
+    try:
+        yield
+    finally:
+        _TABLES.reset(token)
+
+
+def table(t: Tensor, device: torch.device) -> Tensor:
+    """A constant table ``t`` (rotary ``cos`` / ``sin``) for a buffer of a new module on ``device``: a copy (``t``
+    itself where :func:`parameter` would take it), made once per table and device inside
+    :func:`one_table_per_model` and then the same tensor for every layer that asks."""
+    t = t.detach()
+    device = torch.device(device)
+    memo = _TABLES.get()
+    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, device)
+    if memo is not None and key in memo:
+        return memo[key][1]
+    out = _own(t) if t.device == device else t.to(device, copy=True)
+    if memo is not None:
+        memo[key] = (t, out)  # t is held so that its address is not reused for another table meanwhile
+    return out
 
 
 _SHARING: ContextVar[bool] = ContextVar("lens_aot_sharing", default=False)

@@ -24,6 +24,7 @@ from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.logit_scale import LogitScale
 from lens_aot.core.components.mla_attention import attention_module
+from lens_aot.core.components.ownership import one_table_per_model
 from lens_aot.core.components.post_ln_block import PostLNBlock
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
@@ -131,16 +132,17 @@ class SpecTransformer(HookedRootModule):
 
     def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module]) -> None:
         blocks = []
-        for layer, ls in enumerate(spec.layers):
-            mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
-            ln2 = None if ls.ln2 is None or mlp is None else make_norm(ls.ln2)
-            attn = attention_module(ls.attn, spec.causal, spec.rotary)
-            ln1_post = None if ls.ln1_post is None else make_norm(ls.ln1_post)
-            ln2_post = None if ls.ln2_post is None or mlp is None else make_norm(ls.ln2_post)
-            block = PostLNBlock if ls.residual_norm else TransformerBlock  # the original GPT's post-LN blocks
-            blocks.append(
-                block(make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm)
-            )
+        with one_table_per_model():  # the layers share one buffer per rotary table (components/ownership.py)
+            for layer, ls in enumerate(spec.layers):
+                mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
+                ln2 = None if ls.ln2 is None or mlp is None else make_norm(ls.ln2)
+                attn = attention_module(ls.attn, spec.causal, spec.rotary)
+                ln1_post = None if ls.ln1_post is None else make_norm(ls.ln1_post)
+                ln2_post = None if ls.ln2_post is None or mlp is None else make_norm(ls.ln2_post)
+                block = PostLNBlock if ls.residual_norm else TransformerBlock  # the original GPT's post-LN blocks
+                blocks.append(
+                    block(make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm)
+                )
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
         # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
         HookedRootModule.__init__(self)
