@@ -16,7 +16,7 @@ Schema (``?``: may be null)::
              [post_norm: true]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
-             [alibi_key_origin], [scores_dtype]}
+             [alibi_key_origin], [scores_dtype]} | mla | routed (lens_aot/io/schema_attention.py)
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
@@ -43,7 +43,10 @@ from lens_aot.core.activations import ActivationFit
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.moe import MoEFit
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec_mla import MLASpec
+from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
 
 __all__ = [
@@ -114,16 +117,9 @@ class Encoder:
             "rsqrt": bool(norm.rsqrt),
         } | {name: True for name in _NORM_VARIANTS if getattr(norm, name)}
 
-    def attention(self, attn: AttentionSpec, key: str) -> dict[str, Any]:
-        unsaved = {"MLASpec": "multi-head latent attention (DeepSeek MLA)", "RoutedAttentionSpec": "a mixture of "
-                   "attention heads (JetMoE's MoA)"}.get(type(attn).__name__)  # fmt: skip
-        if unsaved is not None:
-            from lens_aot.errors import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                f"{key}: {unsaved} has no saved format yet; keep the source and "
-                "convert it again (lens_aot.convert) instead of saving the converted model."
-            )
+    def attention(self, attn: AttentionSpec | MLASpec | RoutedAttentionSpec, key: str) -> dict[str, Any]:
+        if not isinstance(attn, AttentionSpec):  # MLA (with its DSA indexer) or routed attention
+            return encode_attention(self, attn, key)
         out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}
         out["attn_scale"] = float(attn.attn_scale)
         out["softmax_dtype"] = None if attn.softmax_dtype is None else dtype_name(attn.softmax_dtype)
@@ -342,7 +338,9 @@ class Decoder:
             functional=bool(f.get("functional", False)),
         )
 
-    def attention(self, obj: Any, path: str) -> AttentionSpec:
+    def attention(self, obj: Any, path: str) -> AttentionSpec | MLASpec | RoutedAttentionSpec:
+        if attention_kind(obj) is not None:
+            return decode_attention(self, obj, path)
         f = self.fields(obj, path, (*_ATTENTION_TENSORS, "attn_scale", "softmax_dtype"), _ATTENTION_VARIANTS)
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _ATTENTION_TENSORS}
         softmax_dtype = self.dtype(f["softmax_dtype"], f"{path}.softmax_dtype")
