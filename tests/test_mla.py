@@ -8,6 +8,7 @@ conversion states. The pieces are also checked alone, tightly (float64: the comp
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any
 
@@ -20,6 +21,7 @@ from lens_aot.core.components.mla_attention import MLAAttention
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.spec_mla import MLASpec
+from lens_aot.errors import LoadError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
 from lens_aot.matrix.measure import _source, tokens_for
 from lens_aot.tl.bridge_components import _blocks, _component, _original, _source_model
@@ -182,6 +184,22 @@ def test_mla_and_group_router_save_and_load(arch: str, tmp_path: Any) -> None:
             for name in ("scoring", "method", "topk_group", "norm_topk_prob", "routed_scaling_factor"):
                 assert getattr(after.mlp.router, name) == getattr(before.mlp.router, name), name
     assert any(getattr(layer.mlp, "router", None) is not None for layer in back.layers)
+    if arch == "DeepseekV3ForCausalLM":  # an unknown attention kind, layout or router field is refused by path
+        config = json.loads((tmp_path / "mla" / "config.json").read_text())
+        attn = config["spec"]["layers"][1]["attn"]
+        router = next(layer["mlp"]["router"] for layer in config["spec"]["layers"] if "router" in layer["mlp"])
+        for record, field, value, message in (
+            (attn, "kind", "mla2", r"layers.1.attn is an attention of kind 'mla2'.*newer lens_aot"),
+            (attn, "rope_layout", "spiral", r"layers.1.attn.rope_layout is 'spiral'.*corrupt"),
+            (attn, "novel", 1, r"layers.1.attn has fields \['novel'\].*newer lens_aot"),
+            (router, "novel", 1, r"mlp.router has fields \['novel'\].*newer lens_aot"),
+        ):
+            old = record.get(field)
+            record[field] = value
+            (tmp_path / "mla" / "config.json").write_text(json.dumps(config))
+            with pytest.raises(LoadError, match=message):
+                lens_aot.load(tmp_path / "mla")
+            record.pop(field) if old is None else record.__setitem__(field, old)
 
 
 def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:
