@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TL_MAJOR
-from test_mla import _eager_experts
+from test_mla import _eager_experts, assert_round_trips
 from torch import nn
 
 import lens_aot
@@ -107,3 +107,24 @@ def test_glm_moe_dsa_converts_for_any_n_ctx_within_its_bound() -> None:
     assert torch.equal(got, want)
     with pytest.raises(InputError, match="sparse-attention indexer .* use_past_kv_cache=False"):
         aot.generate(tokens[:1, :8], max_new_tokens=2, do_sample=False, verbose=False)
+
+
+def test_indexer_saves_and_loads(tmp_path: Any) -> None:
+    """GLM-MoE-DSA (MLA + the indexer keeping 5 keys per query) round-trips through lens_aot.save / load: the loaded
+    float32 model's logits and index masks equal the converted model's exactly, and its indexer specs are the saved
+    ones (scales, top-k, rope layout, scores dtype)."""
+    _, bridge = _bridge(torch.float32)
+    aot = lens_aot.convert(bridge)
+    loaded = assert_round_trips(aot, tmp_path / "dsa")
+    tokens = tokens_for(seed=3)
+    names = lambda n: "hook_index_mask" in n  # noqa: E731
+    with torch.no_grad():
+        _, want = aot.run_with_cache(tokens, names_filter=names)
+        _, got = loaded.run_with_cache(tokens, names_filter=names)
+    assert want.keys() == got.keys() and len(want) == len(aot.blocks)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for before, after in zip(aot.to_spec().layers, loaded.to_spec().layers, strict=True):
+        assert before.attn.indexer is not None and after.attn.indexer is not None
+        for field in ("top_k", "rope_dim", "rope_layout", "softmax_scale", "weights_scale", "scores_dtype"):
+            assert getattr(after.attn.indexer, field) == getattr(before.attn.indexer, field), field
+        assert after.attn.indexer.k_norm.eps == before.attn.indexer.k_norm.eps

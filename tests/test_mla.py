@@ -8,6 +8,7 @@ conversion states. The pieces are also checked alone, tightly (float64: the comp
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any
 
@@ -20,7 +21,7 @@ from lens_aot.core.components.mla_attention import MLAAttention
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.spec_mla import MLASpec
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.errors import LoadError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
 from lens_aot.matrix.measure import _source, tokens_for
 from lens_aot.tl.bridge_components import _blocks, _component, _original, _source_model
@@ -135,8 +136,7 @@ def test_deepseek_router_moe_is_exact_and_scaling_change_fails(arch: str) -> Non
 
 def test_generate_and_reference_model_follow_the_source() -> None:
     """Greedy generation through the converted model's key-value cache gives the source's tokens, and the reference
-    model rebuilt from ``aot.to_spec()`` (MLA kept as MLASpec) equals the source's logits; the save format refuses
-    MLA by name."""
+    model rebuilt from ``aot.to_spec()`` (MLA kept as MLASpec) equals the source's logits."""
     from lens_aot.core.reference import MLPTransformer
 
     source, bridge = _bridge("DeepseekV3ForCausalLM", torch.float64)
@@ -149,10 +149,57 @@ def test_generate_and_reference_model_follow_the_source() -> None:
         spec = aot.to_spec()
         assert isinstance(spec.layers[0].attn, MLASpec)
         assert (MLPTransformer(spec)(tokens) - source(tokens).logits).abs().max().item() <= 1e-10
-    from lens_aot.io.schema import encode_spec
 
-    with pytest.raises(UnsupportedArchitectureError, match="layers.0.attn: multi-head latent attention"):
-        encode_spec(spec)  # what lens_aot.save writes: refused by name, not half-written
+
+def assert_round_trips(aot: Any, path: Any) -> Any:
+    """Save ``aot`` to ``path`` and load it back: the loaded model shares no tensor with ``aot``, has the same hook
+    names and state, and its float32 logits equal ``aot``'s exactly (torch.equal). Returns the loaded model."""
+    lens_aot.save(aot, path)
+    loaded = lens_aot.load(path)
+    tokens = tokens_for(seed=3)
+    ours = {t.untyped_storage().data_ptr() for t in aot.state_dict().values()}
+    assert not ours & {t.untyped_storage().data_ptr() for t in loaded.state_dict().values()}
+    assert sorted(loaded.hook_dict) == sorted(aot.hook_dict)
+    assert loaded.state_dict().keys() == aot.state_dict().keys()
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in aot.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), aot(tokens))
+    return loaded
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_mla_and_group_router_save_and_load(arch: str, tmp_path: Any) -> None:
+    """MLA (V2: no query compression, complex rotary; V3: query latent, interleaved rotary) and the DeepSeek
+    group-limited routers (V2 softmax, V3 sigmoid with its correction bias) round-trip through lens_aot.save / load:
+    the loaded float32 model's logits equal the converted model's exactly, and its specs are the saved ones."""
+    _, bridge = _bridge(arch, torch.float32)
+    aot = lens_aot.convert(bridge)
+    loaded = assert_round_trips(aot, tmp_path / "mla")
+    saved, back = aot.to_spec(), loaded.to_spec()
+    for before, after in zip(saved.layers, back.layers, strict=True):
+        assert isinstance(after.attn, MLASpec) and after.attn.rope_layout == before.attn.rope_layout
+        assert after.attn.scale == before.attn.scale and after.attn.kv_a_norm.eps == before.attn.kv_a_norm.eps
+        if getattr(before.mlp, "router", None) is not None:
+            assert after.mlp.router.n_group == before.mlp.router.n_group == 2
+            for name in ("scoring", "method", "topk_group", "norm_topk_prob", "routed_scaling_factor"):
+                assert getattr(after.mlp.router, name) == getattr(before.mlp.router, name), name
+    assert any(getattr(layer.mlp, "router", None) is not None for layer in back.layers)
+    if arch == "DeepseekV3ForCausalLM":  # an unknown attention kind, layout or router field is refused by path
+        config = json.loads((tmp_path / "mla" / "config.json").read_text())
+        attn = config["spec"]["layers"][1]["attn"]
+        router = next(layer["mlp"]["router"] for layer in config["spec"]["layers"] if "router" in layer["mlp"])
+        for record, field, value, message in (
+            (attn, "kind", "mla2", r"layers.1.attn is an attention of kind 'mla2'.*newer lens_aot"),
+            (attn, "rope_layout", "spiral", r"layers.1.attn.rope_layout is 'spiral'.*corrupt"),
+            (attn, "novel", 1, r"layers.1.attn has fields \['novel'\].*newer lens_aot"),
+            (router, "novel", 1, r"mlp.router has fields \['novel'\].*newer lens_aot"),
+        ):
+            old = record.get(field)
+            record[field] = value
+            (tmp_path / "mla" / "config.json").write_text(json.dumps(config))
+            with pytest.raises(LoadError, match=message):
+                lens_aot.load(tmp_path / "mla")
+            record.pop(field) if old is None else record.__setitem__(field, old)
 
 
 def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:

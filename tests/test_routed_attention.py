@@ -107,10 +107,9 @@ def test_parallel_experts_moe_is_the_sources_and_a_bias_change_fails(dtype: torc
             assert _relative(MoEMLP(other, lambda m, e: MLP(m))(x), want) > 1e-11
 
 
-def test_jetmoe_converts_within_its_bound_and_save_is_refused_by_name(tmp_path: Any) -> None:
+def test_jetmoe_converts_within_its_bound() -> None:
     """The whole tiny JetMoE (float64) against the source's own forward, within ``aot.report.logit_bound``; the
-    cache holds the router hooks; greedy generation through the key-value cache gives the source's tokens; saving
-    is refused naming the layer and the piece."""
+    cache holds the router hooks; greedy generation through the key-value cache gives the source's tokens."""
     source, bridge = _bridge(torch.float64)
     aot = lens_aot.convert(bridge)
     tokens = tokens_for(seed=3)
@@ -123,8 +122,28 @@ def test_jetmoe_converts_within_its_bound_and_save_is_refused_by_name(tmp_path: 
     assert bound is not None and error <= bound, (error, bound)
     assert cache["blocks.1.attn.hook_expert_indices"].shape == (1, tokens.shape[1], 2)
     assert torch.equal(got, want)
-    with pytest.raises(UnsupportedArchitectureError, match=r"layers.0.attn: a mixture of attention heads"):
-        lens_aot.save(aot, tmp_path / "jetmoe")
+
+
+def test_jetmoe_saves_and_loads(tmp_path: Any) -> None:
+    """JetMoE (routed attention, its MoE with ``b_out``) round-trips through lens_aot.save / load: the loaded float32
+    model's logits and chosen attention experts equal the converted model's exactly, and its specs are the saved
+    ones (top-k, scale, router and softmax dtypes)."""
+    from test_mla import assert_round_trips
+
+    _, bridge = _bridge(torch.float32)
+    aot = lens_aot.convert(bridge)
+    loaded = assert_round_trips(aot, tmp_path / "jetmoe")
+    tokens = tokens_for(seed=3)
+    names = lambda n: "attn.hook_expert" in n  # noqa: E731
+    with torch.no_grad():
+        _, want = aot.run_with_cache(tokens, names_filter=names)
+        _, got = loaded.run_with_cache(tokens, names_filter=names)
+    assert want.keys() == got.keys() and len(want) == 2 * len(aot.blocks)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for before, after in zip(aot.to_spec().layers, loaded.to_spec().layers, strict=True):
+        assert type(after.attn) is type(before.attn)
+        for field in ("top_k", "scale", "router_dtype", "softmax_dtype"):
+            assert getattr(after.attn, field) == getattr(before.attn, field), field
 
 
 def test_deepseek_v4_hyper_connections_are_refused_by_piece() -> None:
@@ -139,7 +158,7 @@ def test_deepseek_v4_hyper_connections_are_refused_by_piece() -> None:
 def test_jetmoe_moe_survives_the_saved_format() -> None:
     """JetMoE's MoE layer (``MoESpec.b_out``, the ``topk_softmax`` router) is written and read back by the MoE record
     of the saved format (``b_out`` written only when set, so other MoE files keep their format) and computes the same
-    after loading; the attention is what refuses saving a JetMoE model (test above)."""
+    after loading."""
     from lens_aot.io.schema import Decoder, Encoder
 
     spec = read_parallel_experts_moe(copy_as(_hf(), torch.float64).model.layers[0].mlp, 0)

@@ -184,25 +184,30 @@ def check_spec_shapes(spec: Any) -> None:
     for i, layer in enumerate(spec.layers):
         norms += [(f"layers.{i}.{n}", getattr(layer, n)) for n in ("ln1", "ln2", "ln1_post", "ln2_post")]
         a, p = layer.attn, f"layers.{i}.attn"
-        h, e, kv = a.W_Q.shape[0], a.W_Q.shape[-1], a.W_K.shape[0]
-        for name, heads in (("q_norm", h), ("k_norm", kv)):
-            qk = getattr(a, name)
-            width = e * heads if a.qk_norm_over == "projection" else e
-            for t in ("w", "b"):
-                expect(f"{p}.{name}.{t}", None if qk is None else getattr(qk, t), width)
-        expect(f"{p}.alibi_slopes", a.alibi_slopes, h)
-        expect(f"{p}.sinks", a.sinks, h)
-        if a.rotary is not None:
-            expect(f"{p}.rotary.cos", a.rotary.cos, spec.n_ctx, a.rotary.rotary_dim)
-            expect(f"{p}.rotary.sin", a.rotary.sin, spec.n_ctx, a.rotary.rotary_dim)
-        expect(f"{p}.W_Q", a.W_Q, h, d, e)
-        for name in ("W_K", "W_V"):
-            expect(f"{p}.{name}", getattr(a, name), kv, d, e)
-        for name in ("b_K", "b_V"):
-            expect(f"{p}.{name}", getattr(a, name), kv, e)
-        expect(f"{p}.W_O", a.W_O, h, e, d)
-        expect(f"{p}.b_Q", a.b_Q, h, e)
-        expect(f"{p}.b_O", a.b_O, d)
+        if hasattr(a, "scale"):  # MLA or routed attention (lens_aot/io/schema_attention.py)
+            from lens_aot.io.schema_attention import attention_shape_problems
+
+            problems += attention_shape_problems(a, p, d, spec.n_ctx)
+        else:
+            h, e, kv = a.W_Q.shape[0], a.W_Q.shape[-1], a.W_K.shape[0]
+            for name, heads in (("q_norm", h), ("k_norm", kv)):
+                qk = getattr(a, name)
+                width = e * heads if a.qk_norm_over == "projection" else e
+                for t in ("w", "b"):
+                    expect(f"{p}.{name}.{t}", None if qk is None else getattr(qk, t), width)
+            expect(f"{p}.alibi_slopes", a.alibi_slopes, h)
+            expect(f"{p}.sinks", a.sinks, h)
+            if a.rotary is not None:
+                expect(f"{p}.rotary.cos", a.rotary.cos, spec.n_ctx, a.rotary.rotary_dim)
+                expect(f"{p}.rotary.sin", a.rotary.sin, spec.n_ctx, a.rotary.rotary_dim)
+            expect(f"{p}.W_Q", a.W_Q, h, d, e)
+            for name in ("W_K", "W_V"):
+                expect(f"{p}.{name}", getattr(a, name), kv, d, e)
+            for name in ("b_K", "b_V"):
+                expect(f"{p}.{name}", getattr(a, name), kv, e)
+            expect(f"{p}.W_O", a.W_O, h, e, d)
+            expect(f"{p}.b_Q", a.b_Q, h, e)
+            expect(f"{p}.b_O", a.b_O, d)
         m, p = layer.mlp, f"layers.{i}.mlp"
 
         def expect_mlp(m: Any, p: str) -> None:

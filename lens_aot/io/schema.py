@@ -18,6 +18,7 @@ Schema (``?``: may be null)::
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
              [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
              [query_scale_beta], [query_scale_length]}
+             | mla | routed (lens_aot/io/schema_attention.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu]} | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
@@ -55,8 +56,11 @@ from lens_aot.core.spec import (
     OutputGateSpec,
     RotarySpec,
 )
+from lens_aot.core.spec_mla import MLASpec
+from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
 from lens_aot.io.schema_xielu import decode_xielu_fit, encode_xielu_fit, xielu_record, xielu_spec
 
@@ -132,16 +136,9 @@ class Encoder:
             "rsqrt": bool(norm.rsqrt),
         } | {name: True for name in _NORM_VARIANTS if getattr(norm, name)}
 
-    def attention(self, attn: AttentionSpec, key: str) -> dict[str, Any]:
-        unsaved = {"MLASpec": "multi-head latent attention (DeepSeek MLA)", "RoutedAttentionSpec": "a mixture of "
-                   "attention heads (JetMoE's MoA)"}.get(type(attn).__name__)  # fmt: skip
-        if unsaved is not None:
-            from lens_aot.errors import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                f"{key}: {unsaved} has no saved format yet; keep the source and "
-                "convert it again (lens_aot.convert) instead of saving the converted model."
-            )
+    def attention(self, attn: AttentionSpec | MLASpec | RoutedAttentionSpec, key: str) -> dict[str, Any]:
+        if not isinstance(attn, AttentionSpec):  # MLA (with its DSA indexer) or routed attention
+            return encode_attention(self, attn, key)
         out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}
         out["attn_scale"] = float(attn.attn_scale)
         out["softmax_dtype"] = None if attn.softmax_dtype is None else dtype_name(attn.softmax_dtype)
@@ -374,7 +371,9 @@ class Decoder:
             functional=bool(f.get("functional", False)),
         )
 
-    def attention(self, obj: Any, path: str) -> AttentionSpec:
+    def attention(self, obj: Any, path: str) -> AttentionSpec | MLASpec | RoutedAttentionSpec:
+        if attention_kind(obj) is not None:
+            return decode_attention(self, obj, path)
         f = self.fields(obj, path, (*_ATTENTION_TENSORS, "attn_scale", "softmax_dtype"), _ATTENTION_VARIANTS)
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _ATTENTION_TENSORS}
         softmax_dtype = self.dtype(f["softmax_dtype"], f"{path}.softmax_dtype")

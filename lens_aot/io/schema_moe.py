@@ -5,7 +5,9 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
 
     moe     {experts: [mlp], shared?: mlp, W_router, b_router?, W_shared_gate?, top_k, norm_topk_prob,
              softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor,
-             b_out (optional: JetMoE's output bias, written only when set)}
+             b_out (optional: JetMoE's output bias, written only when set),
+             router (optional: a DeepSeek group-limited router, written only when set)}
+    router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
 A layer's ``mlp`` record is an ``moe`` record exactly when it has ``experts``; a lens_aot that does not know MoE
@@ -20,6 +22,7 @@ from typing import Any
 from torch import Tensor
 
 from lens_aot.core.moe import MoEFit
+from lens_aot.core.moe_routers import GroupRouterSpec
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import LoadError
 
@@ -28,6 +31,7 @@ __all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_m
 _TENSORS = ("W_router", "b_router", "W_shared_gate", "e_score_correction_bias")
 _SCALARS = ("top_k", "norm_topk_prob", "scoring", "norm_min", "routed_scaling_factor")
 _DTYPES = ("softmax_dtype", "logits_dtype")
+_ROUTER_SCALARS = ("scoring", "n_group", "topk_group", "method", "norm_topk_prob", "routed_scaling_factor")
 _FIELDS = ("experts", "shared", *_TENSORS, *_SCALARS, *_DTYPES)
 
 
@@ -38,14 +42,8 @@ def is_moe_record(obj: Any) -> bool:
 
 def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
     """``moe`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
-    from lens_aot.errors import InputError
     from lens_aot.io.schema import dtype_name
 
-    if moe.router is not None:
-        raise InputError(
-            f"{key}: a DeepSeek group-limited router (lens_aot.core.moe_routers) has no save format yet; keep the "
-            "source and convert it again after loading it, or use torch.save(aot) for a same-version pickle."
-        )
     out: dict[str, Any] = {
         "experts": [encoder.mlp(m, f"{key}.experts.{e}") for e, m in enumerate(moe.experts)],
         "shared": encoder.mlp(moe.shared, f"{key}.shared"),
@@ -61,12 +59,38 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
     out.update({name: None if getattr(moe, name) is None else dtype_name(getattr(moe, name)) for name in _DTYPES})
     if moe.b_out is not None:
         out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
+    if moe.router is not None:
+        r = moe.router
+        out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
+        out["router"] |= {"method": str(r.method), "norm_topk_prob": bool(r.norm_topk_prob)}
+        out["router"]["routed_scaling_factor"] = float(r.routed_scaling_factor)
+        out["router"]["e_score_correction_bias"] = encoder.tensor(
+            r.e_score_correction_bias, f"{key}.router.e_score_correction_bias"
+        )
     return out
+
+
+def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
+    """A DeepSeek router record (lens_aot.core.moe_routers), checked field by field."""
+    if obj is None:
+        return None
+    f = decoder.fields(obj, path, (*_ROUTER_SCALARS, "e_score_correction_bias"))
+    if f["scoring"] not in ("sigmoid", "softmax") or f["method"] not in ("greedy", "group_limited"):
+        raise LoadError(f"{decoder.where}: {path} has scoring {f['scoring']!r} / method {f['method']!r}; corrupt.")
+    return GroupRouterSpec(
+        scoring=f["scoring"],
+        n_group=int(f["n_group"]),
+        topk_group=int(f["topk_group"]),
+        method=f["method"],
+        e_score_correction_bias=decoder.tensor(f["e_score_correction_bias"], f"{path}.e_score_correction_bias"),
+        norm_topk_prob=bool(f["norm_topk_prob"]),
+        routed_scaling_factor=float(f["routed_scaling_factor"]),
+    )
 
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out",))
+    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router"))
     if not isinstance(f["experts"], list) or not f["experts"]:
         raise LoadError(f"{decoder.where}: {path}.experts is not a non-empty list; the file is corrupt.")
     experts = [decoder.mlp(m, f"{path}.experts.{e}") for e, m in enumerate(f["experts"])]
@@ -86,6 +110,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         norm_min=float(f["norm_min"]),
         routed_scaling_factor=float(f["routed_scaling_factor"]),
         b_out=decoder.tensor(f["b_out"], f"{path}.b_out") if "b_out" in f else None,
+        router=_decode_router(decoder, f.get("router"), f"{path}.router"),
         **tensors,
     )
 
@@ -121,6 +146,7 @@ def moe_shape_problems(moe: MoESpec, path: str, d_model: int, expect_mlp: Callab
         ("e_score_correction_bias", moe.e_score_correction_bias, (n,)),
         ("W_shared_gate", moe.W_shared_gate, (d_model, 1)),
         ("b_out", moe.b_out, (d_model,)),
+        ("router.e_score_correction_bias", None if moe.router is None else moe.router.e_score_correction_bias, (n,)),
     ):
         if t is not None and tuple(t.shape) != shape:
             problems.append(f"{path}.{name} has shape {list(t.shape)}, expected {list(shape)}")
