@@ -81,7 +81,7 @@ def test_every_page_and_notebook_is_in_the_site_nav() -> None:
     assert all((DOCS / f).exists() for f in nav)
 
 
-@pytest.mark.parametrize("act_fn", ["silu", "relu", "gelu", "gelu_new", "gelu_fast", "gated"])
+@pytest.mark.parametrize("act_fn", ["silu", "relu", "gelu", "gelu_new", "gelu_fast", "gated", "relu2", "xielu"])
 def test_readme_stated_bounds_table(act_fn: str) -> None:
     """The README's table of stated bounds and heads per neuron is lens_aot's own (STATED_LOGIT_ERROR, the fits)."""
     rows = {row.split("|")[1].strip(): row for row in README.splitlines() if row.startswith("| ")}
@@ -90,7 +90,9 @@ def test_readme_stated_bounds_table(act_fn: str) -> None:
     fp32 = stated_logit_error(None if gated else act_fn, torch.float32, gated=gated)
     fp64 = stated_logit_error(None if gated else act_fn, torch.float64, gated=gated)
     assert row.split("|")[3].strip() == f"{fp32:.0e} / {fp64:.0e}".replace("e-0", "e-")
-    if not gated:
+    if act_fn in ("relu2", "xielu"):  # a ReLU gate head and two product heads (core/components/squared_relu_mlp.py)
+        assert "1 ReLU gate head" in row and "2 product heads" in row
+    elif not gated:
         heads = activation_fit(act_fn).n_terms
         assert f"{heads} by default" in row if act_fn.startswith("gelu") else row.split("|")[2].strip().startswith("1 ")
         assert heads == (4 if act_fn.startswith("gelu") else 1)
