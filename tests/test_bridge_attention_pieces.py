@@ -277,8 +277,8 @@ def test_laguna_gate_perturbed_is_refused(edit: Any) -> None:
 
 @tl4
 def test_afmoe_sigmoid_gate_is_read() -> None:
-    """AFMoE's gate (sigmoid, per channel, model dtype) reproduces its delegated attention on the probe; the family
-    is then refused by its MoE router (tests/test_multipliers.py)."""
+    """AFMoE's gate (sigmoid, per channel, model dtype) reproduces its delegated attention on the probe (its MoE
+    router and the whole family's faithfulness: tests/test_moe_routers.py)."""
     from lens_aot.tl.bridge_attention import read_attention
     from lens_aot.tl.bridge_delegated_rotary import rotary_component
 

@@ -1,4 +1,5 @@
-"""The remaining mixture-of-experts adapters (GLM-4-MoE, MiniMax-M2, ERNIE 4.5 MoE, OLMoE, Qwen3-MoE), built as the
+"""The remaining mixture-of-experts adapters (GLM-4-MoE, MiniMax-M2, ERNIE 4.5 MoE, OLMoE, Qwen3-MoE, AFMoE,
+GraniteMoe), built as the
 support matrix builds them (tiny, random weights, transformers' eager experts so that float64 runs), each faithful
 to the source's own forward in float32 and float64; the router variants (sigmoid scores, correction bias, routed
 scaling, float32 logits) read by what they compute and each detected when wrong; MoE save/load; GPT-OSS and JetMoE
@@ -24,13 +25,15 @@ from lens_aot.tl.build import bridge_from_hf_module
 from lens_aot.tl.read_moe import refuse_other_moe
 
 DTYPES = [torch.float32, torch.float64]
-# GLM-4-MoE with a routed scaling factor other than 1 (its default), so a wrong scaling shows.
+# GLM-4-MoE and AFMoE with a routed scaling factor other than 1 (their default), so a wrong scaling shows.
 FAMILIES: dict[str, dict[str, Any]] = {
     "Glm4MoeForCausalLM": {"routed_scaling_factor": 2.5},
     "MiniMaxM2ForCausalLM": {},
     "Ernie4_5_MoeForCausalLM": {},
     "OlmoeForCausalLM": {},
     "Qwen3MoeForCausalLM": {},
+    "AfmoeForCausalLM": {"route_scale": 2.5},  # sigmoid, expert_bias, renormalised, route_scale; float32 scores
+    "GraniteMoeForCausalLM": {},  # top-k of the float32 logits, then a softmax over those k
 }
 # ERNIE 4.5's attention rotates adjacent pairs in float32 whatever the dtype: float64 is refused at the attention.
 FP32_ONLY: set[str] = set()  # every family also in float64 (ERNIE: its float32 rotary carried)
@@ -110,20 +113,34 @@ def test_routers_are_read_by_what_they_compute(bridges) -> None:
     assert not isinstance(ernie[0].mlp, MoESpec) and ernie[1].mlp.scoring == "softmax"
     assert ernie[1].mlp.e_score_correction_bias is not None and ernie[1].mlp.norm_min == pytest.approx(1e-12)
     assert (olmoe.scoring, olmoe.e_score_correction_bias, olmoe.routed_scaling_factor) == ("softmax", None, 1.0)
+    afmoe = read_model(bridges[("AfmoeForCausalLM", torch.float64)]).layers
+    assert not isinstance(afmoe[0].mlp, MoESpec) and afmoe[1].mlp.shared is not None  # num_dense_layers=1
+    moe = afmoe[1].mlp
+    assert (moe.scoring, moe.softmax_dtype, moe.logits_dtype, moe.norm_topk_prob) == ("sigmoid", torch.float32, None, 1)
+    expert_bias = bridges[("AfmoeForCausalLM", torch.float64)].original_model.model.layers[1].mlp.expert_bias
+    assert moe.routed_scaling_factor == 2.5 and torch.equal(moe.e_score_correction_bias, expert_bias)
+    for dtype in DTYPES:  # GraniteMoe: the same reading in both dtypes
+        granite = read_model(bridges[("GraniteMoeForCausalLM", dtype)]).layers[0].mlp
+        assert (granite.scoring, granite.softmax_dtype, granite.logits_dtype) == ("topk_softmax", torch.float32, None)
 
 
-@pytest.mark.parametrize("architecture", ["Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM"])
+WRONG_ROUTERS = ["Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "AfmoeForCausalLM"]
+
+
+@pytest.mark.parametrize("architecture", [*WRONG_ROUTERS, "GraniteMoeForCausalLM"])
 def test_a_wrong_router_is_detected(bridges, architecture: str) -> None:
     """A 1e-3 change of the routed scaling, the correction bias left out (it steers the choice only, so it shows
-    where it changes a choice) or the other scoring rule: the logits leave the tolerance, and convert refuses the
-    last of these."""
+    where it changes a choice; a 1e-3 change of it changes no choice on these inputs) or the other scoring rule: the
+    logits leave the tolerance, and convert refuses the last of these. (GraniteMoe's float32 routing computed in
+    float64 instead changes its weights by float32 rounding only: test_granite_routing_is_float32_as_its_source.)"""
     dtype = torch.float32 if architecture in FP32_ONLY else torch.float64
     bridge, tokens, tol = bridges[(architecture, dtype)], _tokens(), TOLERANCES[("gated", dtype)]
     spec = read_model(bridge)
     index = next(i for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, MoESpec))
     moe = spec.layers[index].mlp
     wrong = [dataclasses.replace(moe, routed_scaling_factor=moe.routed_scaling_factor * 1.001)]
-    wrong.append(dataclasses.replace(moe, e_score_correction_bias=None))
+    if moe.e_score_correction_bias is not None:
+        wrong.append(dataclasses.replace(moe, e_score_correction_bias=None))
     wrong.append(dataclasses.replace(moe, scoring="softmax" if moe.scoring == "sigmoid" else "sigmoid"))
     for changed in wrong:
         spec.layers[index] = dataclasses.replace(spec.layers[index], mlp=changed)
@@ -146,7 +163,10 @@ def test_the_sensitivity_covers_the_shared_experts_without_hooks(bridges, conver
 
 
 @pytest.mark.parametrize(
-    "key", [("Glm4MoeForCausalLM", torch.float64), ("MiniMaxM2ForCausalLM", torch.float64)], ids=["glm4", "minimax"]
+    "key",
+    [(a, torch.float64) for a in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "AfmoeForCausalLM")]
+    + [("GraniteMoeForCausalLM", torch.float64)],
+    ids=["glm4", "minimax", "afmoe", "granitemoe"],
 )
 def test_save_and_load_round_trip(converted, tmp_path, key: tuple[str, torch.dtype]) -> None:
     """Router weights, correction bias, routing fields, expert neurons and shared experts: logits identical."""
@@ -194,21 +214,60 @@ def test_a_float64_source_with_grouped_mm_experts_is_refused_with_its_error() ->
         lens_aot.convert(bridge)
 
 
-@pytest.mark.parametrize("architecture", ["Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"])
-def test_the_chosen_experts_and_weights_are_the_source_routers(bridges, converted, architecture: str) -> None:
+ROUTER_CASES = [(a, torch.float64) for a in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")] + [
+    (a, d) for a in ("AfmoeForCausalLM", "GraniteMoeForCausalLM") for d in DTYPES
+]
+
+
+@pytest.mark.parametrize(
+    ("architecture", "dtype"), ROUTER_CASES, ids=[f"{a[:6]}-{str(d)[-2:]}" for a, d in ROUTER_CASES]
+)
+def test_the_chosen_experts_and_weights_are_the_source_routers(
+    bridges, converted, architecture: str, dtype: torch.dtype
+) -> None:
     """On the source's own MoE input, the converted router chooses the experts the source's router chooses (the
-    correction bias included) with the same weights (routed scaling included)."""
-    bridge, aot = bridges[(architecture, torch.float64)], converted[(architecture, torch.float64)]
+    correction bias included) with the same weights (routed scaling included), read at the converted model's
+    ``hook_router_logits`` / ``hook_expert_indices`` / ``hook_topk_weights``. AFMoE and GraniteMoe compute their
+    weights in float32 whatever the model dtype: the converted weights are those float32 values exactly."""
+    bridge, aot = bridges[(architecture, dtype)], converted[(architecture, dtype)]
     block = bridge.blocks[1].mlp.original_component
-    router = block.gate.original_component if hasattr(block.gate, "original_component") else block.gate
+    router = getattr(block, "gate", None) or block.router
+    router = getattr(router, "original_component", router)
     _, cache = bridge.run_with_cache(_tokens(7, (4, 32)))
     x = cache["blocks.1.ln2.hook_out"].reshape(-1, 64)
     with torch.no_grad():
-        args = (x, block.e_score_correction_bias) if architecture == "MiniMaxM2ForCausalLM" else (x,)
-        _, want_weights, want_indices = router(*args)
-        indices, weights = aot.blocks[1].mlp.route(x)
+        bias = getattr(block, "e_score_correction_bias", getattr(block, "expert_bias", None))
+        args = {"MiniMaxM2ForCausalLM": (x, bias), "AfmoeForCausalLM": (x[None], bias)}.get(architecture, (x,))
+        want_logits, want_weights, want_indices = router(*args)
+        seen: dict[str, torch.Tensor] = {}
+        names = [f"blocks.1.mlp.hook_{n}" for n in ("router_logits", "expert_indices", "topk_weights")]
+        with aot.hooks(fwd_hooks=[(n, lambda act, hook: seen.setdefault(hook.name, act)) for n in names]):
+            indices, weights = aot.blocks[1].mlp.route(x)
+    assert torch.equal(seen[names[1]], indices) and torch.equal(seen[names[2]], weights)
+    assert torch.equal(seen[names[0]].to(want_logits.dtype), want_logits)
     order, want_order = indices.argsort(-1), want_indices.argsort(-1)
     assert torch.equal(indices.gather(1, order), want_indices.gather(1, want_order))
     torch.testing.assert_close(
         weights.gather(1, order), want_weights.gather(1, want_order).to(weights.dtype), rtol=0, atol=1e-12
     )
+
+
+def test_granite_routing_is_float32_as_its_source(bridges) -> None:
+    """GraniteMoe in float64: the top-k and softmax of float32 logits (as the source) give the source's weights bit
+    for bit; the same routing in float64, or the softmax over every expert renormalised (the former reading), gives
+    weights off by float32 rounding (so the float32 step is carried, not approximated)."""
+    from lens_aot.core.moe import route
+
+    bridge = bridges[("GraniteMoeForCausalLM", torch.float64)]
+    router = bridge.blocks[1].mlp.original_component.router
+    router = getattr(router, "original_component", router)
+    _, cache = bridge.run_with_cache(_tokens(7, (4, 32)))
+    x = cache["blocks.1.ln2.hook_out"].reshape(-1, 64)
+    moe = read_model(bridge).layers[1].mlp
+    with torch.no_grad():
+        _, want_weights, want_indices = router(x)
+        indices, weights = route(moe, x)
+        assert torch.equal(indices, want_indices) and torch.equal(weights, want_weights)
+        for other in (dataclasses.replace(moe, softmax_dtype=None), dataclasses.replace(moe, scoring="softmax")):
+            _, off = route(other, x)
+            assert 0 < float((off - want_weights).abs().max()) < 1e-6

@@ -1,6 +1,7 @@
 """Read mixture-of-experts MLPs into a :class:`~lens_aot.core.spec.MoESpec`: TransformerLens 3.9's ``MoE`` (a
 HookedTransformer with ``num_experts``) and the Hugging Face sparse-MoE blocks a TransformerBridge wraps (Mixtral,
-Qwen2/3-MoE with a shared expert, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, and any block with the same parts).
+Qwen2/3-MoE with a shared expert, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, GraniteMoe, and any block with the
+same parts).
 
 A Hugging Face sparse-MoE block (transformers 5) holds a top-k router ``gate`` (``weight`` [n_experts, d_model],
 ``top_k``, optionally ``norm_topk_prob``, ``routed_scaling_factor``, ``norm_min`` and a score-correction bias on the
@@ -9,9 +10,11 @@ router, the block or the router's ``moe_statics``) and ``experts`` with batched 
 d_mlp], or their transposes when ``experts.is_transposed``. The router is read by what it computes: its attributes
 fix the bias, renormalisation and scaling, and of the scoring rules (softmax over all experts or a sigmoid per
 expert, :mod:`lens_aot.core.components.moe_router`) and logit dtypes the one whose MoE output matches the block's
-own on a seeded probe input is taken; none matching is refused naming the layer. Group-limited routing, biased or
-clamped experts (GPT-OSS) and JetMoE's experts are refused by piece. A dense layer of an MoE model (an ``MoEBridge``
-around a gated ``gate_proj`` / ``up_proj`` / ``down_proj`` MLP) is read as a dense gated MLP.
+own on a seeded probe input is taken; none matching is refused naming the layer. A router that is the block's
+``router`` (AFMoE's token-choice router, GraniteMoe's top-k-then-softmax) is read by its source's computation
+(:func:`lens_aot.tl.read_moe_router.read_token_choice_router`), then checked on the same probe. Group-limited
+routing, biased or clamped experts (GPT-OSS) and JetMoE's experts are refused by piece. A dense layer of an MoE
+model (an ``MoEBridge`` around a gated ``gate_proj`` / ``up_proj`` / ``down_proj`` MLP) is read as a dense gated MLP.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.read_moe_router import read_group_router
+from lens_aot.tl.read_moe_router import read_group_router, read_token_choice_router
 
 
 def _unwrap(module: Any) -> Any:
@@ -52,7 +55,8 @@ _GPT_OSS_PIECES = [
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
-        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, TransformerLens's MoE) whose experts are "
+        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, TransformerLens's MoE), or the top-k "
+        f"logits then a softmax over those k (GraniteMoe), whose experts are "
         f"neuron-wise (gated) MLPs without biases."
     )
 
@@ -119,7 +123,7 @@ def is_sparse_moe(module: nn.Module) -> bool:
 
 
 def _router(block: Any) -> Any:
-    """The block's top-k router: ``gate`` (Mixtral, Qwen2-MoE, OLMoE) or ``router`` (GraniteMoe), unwrapped."""
+    """The block's top-k router: ``gate`` (Mixtral, Qwen2-MoE, OLMoE) or ``router`` (GraniteMoe, AFMoE), unwrapped."""
     gate = _unwrap(getattr(block, "gate", None))
     return gate if hasattr(gate, "top_k") else _unwrap(getattr(block, "router", None))
 
@@ -185,7 +189,7 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
     if not close(outputs[best], want):
         raise _refuse(
             layer,
-            f"a router of type {type(_unwrap(block.gate)).__name__} whose routing lens_aot cannot reproduce (softmax "
+            f"a router of type {type(_router(block)).__name__} whose routing lens_aot cannot reproduce (softmax "
             f"or sigmoid scores, correction bias, renormalisation, routed scaling: relative error {errors[best]:.2e})",
         )
     return candidates[best]
@@ -197,9 +201,14 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     router, experts = _router(block), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
-    W = getattr(router, "weight", None)
+    fixed = read_token_choice_router(block, router)  # AFMoE, GraniteMoe: read by their source's computation
+    W = getattr(router, "weight", None) if fixed is None or "weight" not in fixed else fixed.pop("weight")
     if not isinstance(W, torch.Tensor) or W.ndim != 2 or getattr(router, "bias", None) is not None:
-        raise _refuse(layer, f"a router of type {type(router).__name__} (expected a bias-free linear top-k router)")
+        raise _refuse(
+            layer,
+            f"a router of type {type(router).__name__} (expected a bias-free linear top-k router: a 'weight' "
+            "[n_experts, d_model] and 'top_k', or AFMoE's 'gate' nn.Linear and 'route_scale')",
+        )
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
         raise _refuse(layer, f"experts of type {type(experts).__name__} (expected batched gate_up_proj / down_proj)")
@@ -208,13 +217,6 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     if getattr(experts, "is_transposed", False):  # [E, d_model, 2·d_mlp] and [E, d_mlp, d_model]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     act = _act_name(experts.act_fn, layer)
-    if router is not _unwrap(getattr(block, "gate", None)) and gate_up.dtype == torch.float64:
-        raise UnsupportedArchitectureError(
-            f"layer {layer} mlp: a router that takes the top-k of its float32 logits, then a softmax over those k "
-            "(GraniteMoe's 'router'), in a float64 model: the spec's routing (softmax over every expert, top-k, "
-            "renormalised) is the same function but reproduces those weights only to float32 rounding. Read the "
-            "bridge in float32 (bridge.to(torch.float32))."
-        )
     d_mlp = gate_up.shape[1] // 2
     specs = [
         MLPSpec(
@@ -250,6 +252,8 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     )
     if group_router is not None:  # DeepSeek's routers: the source's own operations (lens_aot.core.moe_routers)
         return spec
+    if fixed is not None:  # checked on the probe all the same
+        return _probe_router(block, [dataclasses.replace(spec, **fixed)], layer)
     return _probe_router(block, _candidates(block, router, spec), layer)
 
 

@@ -6,12 +6,13 @@ Every router turns the router logits ``[tokens, n_experts]`` into
 
 * ``scores`` (:meth:`TopKRouter.scores`, the value of ``hook_expert_weights``): the softmax over all experts
   (:class:`SoftmaxTopK`: Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, TransformerLens's ``MoE``) or a sigmoid per expert
-  (:class:`SigmoidTopK`: MiniMax-M2, GLM-4-MoE), computed in ``score_dtype`` (float32 in the Hugging Face sources);
+  (:class:`SigmoidTopK`: MiniMax-M2, GLM-4-MoE, AFMoE), computed in ``score_dtype`` (float32 in the Hugging Face
+  sources, whatever the model dtype: a float64 model's routing is then the source's float32 routing, bit for bit);
 * the chosen experts (:meth:`TopKRouter.choose`): ``torch.topk`` of ``scores + e_score_correction_bias`` (the
   correction bias steers the choice only; ERNIE 4.5, MiniMax-M2 and GLM-4-MoE have one);
 * their weights: the chosen experts' ``scores`` (without the bias), renormalised to sum 1 when ``norm_topk_prob``
-  (denominator ``max(Σ, norm_min)``: ERNIE 4.5 clamps at ``moe_norm_min``; GLM-4-MoE's ``+ 1e-20`` changes no
-  float64 quotient whose sum of top-k sigmoids exceeds 1e-4, so it is not carried), then multiplied by
+  (denominator ``max(Σ, norm_min)``: ERNIE 4.5 clamps at ``moe_norm_min``; GLM-4-MoE's and AFMoE's ``+ 1e-20``
+  changes no float32 quotient whose sum of top-k sigmoids exceeds 1e-12, so it is not carried), then multiplied by
   ``routed_scaling_factor``.
 """
 
@@ -101,7 +102,8 @@ class SoftmaxTopK(TopKRouter):
 
 
 class SigmoidTopK(TopKRouter):
-    """Scores = a sigmoid of each expert's router logit (MiniMax-M2, GLM-4-MoE with one expert group)."""
+    """Scores = a sigmoid of each expert's router logit (MiniMax-M2, GLM-4-MoE with one expert group, AFMoE, whose
+    ``expert_bias`` is the correction bias and ``route_scale`` the routed scaling)."""
 
     scoring = "sigmoid"
 
@@ -112,7 +114,9 @@ class SigmoidTopK(TopKRouter):
 class TopKThenSoftmax(TopKRouter):
     """The top-k logits, then a softmax over those k (JetMoE's ``JetMoeTopKGating``, GraniteMoe's router): the
     scores are the logits in ``score_dtype`` (the source's ``.float()`` after its projection), and the chosen
-    experts' weights the softmax over their scores (so they sum to 1 without renormalising)."""
+    experts' weights the softmax over their scores (so they sum to 1 without renormalising). GraniteMoe casts its
+    logits to float32 whatever the model dtype: with ``score_dtype`` float32 a float64 model chooses the source's
+    experts with the source's weights, bit for bit."""
 
     scoring = "topk_softmax"
 
