@@ -214,7 +214,10 @@ def test_a_float64_source_with_grouped_mm_experts_is_refused_with_its_error() ->
         lens_aot.convert(bridge)
 
 
-ROUTER_CASES = [(a, torch.float64) for a in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")] + [
+# Every router carried here computes in float32 in its source (logits or scores): in float64 the converted router
+# must still give the source's float32 choice and weights exactly, not merely close ones.
+_FLOAT32_ROUTED = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM")
+ROUTER_CASES = [(a, torch.float64) for a in (*_FLOAT32_ROUTED, "Ernie4_5_MoeForCausalLM")] + [
     (a, d) for a in ("AfmoeForCausalLM", "GraniteMoeForCausalLM") for d in DTYPES
 ]
 
