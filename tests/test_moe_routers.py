@@ -274,3 +274,19 @@ def test_granite_routing_is_float32_as_its_source(bridges) -> None:
         for other in (dataclasses.replace(moe, softmax_dtype=None), dataclasses.replace(moe, scoring="softmax")):
             _, off = route(other, x)
             assert 0 < float((off - want_weights).abs().max()) < 1e-6
+
+
+def test_a_router_not_carried_names_itself(bridges) -> None:
+    """A token-choice router without AFMoE's ``route_scale`` (so neither AFMoE's router nor a ``weight`` router) is
+    refused naming the layer, its type and what a carried router has."""
+    from lens_aot.tl.read_moe import read_hf_moe
+
+    block = bridges[("AfmoeForCausalLM", torch.float32)].blocks[1].mlp.original_component
+    router = block.router.original_component if hasattr(block.router, "original_component") else block.router
+    saved = router.route_scale
+    del router.route_scale
+    try:
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 mlp: a router of type AfmoeTokenChoice"):
+            read_hf_moe(block, 1)
+    finally:
+        router.route_scale = saved
