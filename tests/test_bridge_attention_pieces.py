@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, _randomize_
+from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, eager_hf_bridge, logit_error
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -61,20 +61,7 @@ CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64)]
 
 def make(family: str, dtype: torch.dtype) -> Any:
     """A tiny random bridge of ``family`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, eager attention."""
-    import transformers
-
-    from lens_aot.tl.build import bridge_from_hf_module
-
-    config_cls, model_cls, fields = CONFIGS[family]
-    config = getattr(transformers, config_cls)(vocab_size=D_VOCAB, bos_token_id=0, eos_token_id=0, **fields)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = getattr(transformers, model_cls)(config).eval()
-        _randomize_(model, 0)
-        model.to(dtype)
-        model.set_attn_implementation("eager")
-        bridge = bridge_from_hf_module(model, model_cls, hf_config=model.config, dtype=dtype, model_name=family)
-    return bridge.eval()
+    return eager_hf_bridge(CONFIGS, family, dtype)
 
 
 @functools.cache
@@ -90,9 +77,7 @@ def shared_matrix(family: str, dtype: torch.dtype) -> Any:
 
 
 def _error(aot: Any, bridge: Any) -> float:
-    tokens = torch.randint(0, D_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return float((aot(tokens) - lens_aot.core.read.run_source(bridge, tokens)).abs().max())
+    return logit_error(aot, bridge, d_vocab=D_VOCAB)
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
@@ -114,6 +99,14 @@ def _edited_reading(edit: Any) -> Any:
         return edit(original(*args, **kwargs))
 
     return mock.patch("lens_aot.tl.read_bridge.read_attention", patched)
+
+
+def _assert_refused(family: str, edit: Any) -> None:
+    """The float64 ``family`` with every layer's reading edited by ``edit``: the bridge probe refuses layer 0."""
+    bridge = shared(family, torch.float64)
+    with _edited_reading(edit):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)
 
 
 def _norm_edit(field: str, change: Any) -> Any:
@@ -151,10 +144,7 @@ def test_hunyuan_reads_qk_norm_after_rotary() -> None:
     ids=["eps", "weight", "order"],
 )
 def test_hunyuan_qk_norm_perturbed_is_refused(edit: Any) -> None:
-    bridge = shared("hunyuan", torch.float64)
-    with _edited_reading(edit):
-        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
-            read_bridge(bridge)
+    _assert_refused("hunyuan", edit)
 
 
 @tl4
@@ -213,10 +203,7 @@ def test_nanochat_reads_its_delegated_attention() -> None:
     ids=["eps", "order", "sign"],
 )
 def test_nanochat_attention_perturbed_is_refused(edit: Any) -> None:
-    bridge = shared("nanochat", torch.float64)
-    with _edited_reading(edit):
-        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
-            read_bridge(bridge)
+    _assert_refused("nanochat", edit)
 
 
 def make_matrix(family: str, dtype: torch.dtype, **fields: Any) -> Any:

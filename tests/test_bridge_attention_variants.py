@@ -9,7 +9,6 @@ is checked piece by piece against the source's recorded forward, so a wrong cons
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -17,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, _randomize_
+from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, eager_hf_bridge, logit_error
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -138,26 +137,11 @@ CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64) if d ==
 
 def make(family: str, dtype: torch.dtype) -> Any:
     """A tiny random bridge of ``family`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, eager attention."""
-    import transformers
-
-    from lens_aot.tl.build import bridge_from_hf_module
-
-    config_cls, model_cls, fields = CONFIGS[family]
-    config = getattr(transformers, config_cls)(vocab_size=D_VOCAB, bos_token_id=0, eos_token_id=0, **fields)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = getattr(transformers, model_cls)(config).eval()
-        _randomize_(model, 0)
-        model.to(dtype)
-        model.set_attn_implementation("eager")
-        bridge = bridge_from_hf_module(model, model_cls, hf_config=model.config, dtype=dtype, model_name=family)
-    return bridge.eval()
+    return eager_hf_bridge(CONFIGS, family, dtype)
 
 
 def _error(aot: Any, bridge: Any) -> float:
-    tokens = torch.randint(0, D_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return float((aot(tokens) - lens_aot.core.read.run_source(bridge, tokens)).abs().max())
+    return logit_error(aot, bridge, d_vocab=D_VOCAB)
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
