@@ -571,3 +571,19 @@ def logit_error(aot: Any, bridge: Any, seed: int = 5, d_vocab: int | None = None
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return float((aot(tokens) - run_source(bridge, tokens)).abs().max())
+
+
+def assert_faithful(bridge: Any, dtype: torch.dtype, what: str, d_vocab: int | None = None) -> tuple[Any, float]:
+    """Convert ``bridge`` and check its logits against the source's own forward within the tolerance of its
+    activation (``gated`` for gated MLPs and product-head ones such as relu²) in ``dtype``; returns the converted model
+    and the error (:func:`logit_error`)."""
+    from conftest import TOLERANCES
+
+    import lens_aot
+
+    aot = lens_aot.convert(bridge)
+    err = logit_error(aot, bridge, d_vocab=d_vocab)
+    gated = aot.cfg.gated_mlp or aot.report.gated
+    tol = TOLERANCES[("gated" if gated else aot.cfg.act_fn, dtype)]
+    assert err <= tol, f"{what}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    return aot, err

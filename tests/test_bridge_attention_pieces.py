@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, eager_hf_bridge, logit_error
+from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, assert_faithful, eager_hf_bridge, logit_error
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -76,18 +76,9 @@ def shared_matrix(family: str, dtype: torch.dtype) -> Any:
     return make_matrix(family, dtype)
 
 
-def _error(aot: Any, bridge: Any) -> float:
-    return logit_error(aot, bridge, d_vocab=D_VOCAB)
-
-
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
 def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread: None) -> None:
-    bridge = shared(family, dtype)
-    aot = lens_aot.convert(bridge)
-    err = _error(aot, bridge)
-    gated = aot.cfg.gated_mlp or aot.report.gated  # relu² (NanoChat) is built from product heads
-    tol = TOLERANCES[("gated" if gated else aot.cfg.act_fn, dtype)]
-    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    aot, err = assert_faithful(shared(family, dtype), dtype, family, d_vocab=D_VOCAB)  # relu² (NanoChat): gated
     assert err <= aot.report.logit_bound
 
 
@@ -232,7 +223,7 @@ def test_laguna_gated_attention_converts_faithfully(gating: str, dtype: torch.dt
     # the float32 step is visible (and read) only in a float64 source; in float32 it is the identity
     assert type(gate).__name__ == "SoftplusGate" and gate.dtype == (torch.float32 if dtype == torch.float64 else None)
     assert gate.per_head == (gating == "per-head")
-    err = _error(aot, bridge)
+    err = logit_error(aot, bridge, d_vocab=D_VOCAB)
     assert err <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound), err
     # the gate's hook sees the pre-activation and the gated z is what hook_z holds
     tokens = torch.tensor([[3, 1, 4, 1, 5]])

@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, eager_hf_bridge, logit_error
+from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, assert_faithful, eager_hf_bridge, logit_error
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -140,17 +140,9 @@ def make(family: str, dtype: torch.dtype) -> Any:
     return eager_hf_bridge(CONFIGS, family, dtype)
 
 
-def _error(aot: Any, bridge: Any) -> float:
-    return logit_error(aot, bridge, d_vocab=D_VOCAB)
-
-
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
 def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread: None) -> None:
-    bridge = make(family, dtype)
-    aot = lens_aot.convert(bridge)
-    err = _error(aot, bridge)
-    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
-    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    aot, _ = assert_faithful(make(family, dtype), dtype, family, d_vocab=D_VOCAB)
     assert aot.cfg.dtype == dtype
 
 
@@ -313,7 +305,7 @@ def test_opt_post_ln_layout_converts() -> None:
         layer.do_layer_norm_before = False
     aot = lens_aot.convert(bridge)
     assert [layer.residual_norm for layer in aot.to_spec().layers] == [True] * N_LAYERS
-    assert _error(aot, bridge) <= TOLERANCES[("relu", dtype)]
+    assert logit_error(aot, bridge, d_vocab=D_VOCAB) <= TOLERANCES[("relu", dtype)]
 
 
 def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
@@ -345,7 +337,7 @@ def test_llama4_query_scaling_past_its_original_length_converts(dtype: torch.dty
     aot = lens_aot.convert(bridge)
     scale = aot.blocks[0].attn.query_scale
     assert (scale.beta, scale.length) == (0.1, 8)
-    assert _error(aot, bridge) <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound)
+    assert logit_error(aot, bridge, d_vocab=D_VOCAB) <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound)
     if dtype == torch.float64:  # beta perturbed by 1e-3 in the reading: the probe refuses it
         with _perturbed(bridge_attention, "_position_embeddings_attention", _query_beta(1 + 1e-3)):
             with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):

@@ -12,8 +12,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import FAMILIES, STRUCTURAL, _hf, logit_error, make_bridge
+from conftest import TL_MAJOR
+from factories_bridge import FAMILIES, STRUCTURAL, _hf, assert_faithful, make_bridge
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -24,11 +24,7 @@ CASES = [(family, dtype) for family in STRUCTURAL for dtype in (torch.float32, t
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
 def test_structural_family_converts(family: str, dtype: torch.dtype, one_thread: None) -> None:
-    bridge = make_bridge(family, dtype)
-    aot = lens_aot.convert(bridge)
-    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
-    err = logit_error(aot, bridge)
-    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    aot, _ = assert_faithful(make_bridge(family, dtype), dtype, family)
     assert aot.cfg.dtype == dtype
 
 
