@@ -63,6 +63,16 @@ D_HEAD = D_MODEL // N_HEADS
 D_MLP = 64
 D_VOCAB = 97
 N_CTX = 32
+# a tiny grouped-query Hugging Face config (2 key-value heads), for config classes that take these names
+GQA_FIELDS: dict[str, Any] = {
+    "hidden_size": D_MODEL,
+    "intermediate_size": 2 * D_MODEL,
+    "num_hidden_layers": N_LAYERS,
+    "num_attention_heads": N_HEADS,
+    "num_key_value_heads": 2,
+    "head_dim": D_MODEL // N_HEADS,
+    "max_position_embeddings": N_CTX,
+}
 
 Source = tuple[str, Any, str]  # ("hf", model, architecture) or ("native", TransformerBridgeConfig, "")
 

@@ -25,7 +25,13 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, assert_faithful, eager_hf_bridge, logit_error
+from factories_bridge import (
+    D_VOCAB,
+    GQA_FIELDS,
+    assert_faithful,
+    eager_hf_bridge,
+    logit_error,
+)
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -37,15 +43,7 @@ from lens_aot.tl.read_bridge import read_bridge
 # forward, so the family converts there too): the order's own tests need 4.x, whose bridge computes what HF does.
 tl4 = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 4's bridge applies HunYuan's QK-norm after rotary")
 
-_COMMON = {
-    "hidden_size": D_MODEL,
-    "intermediate_size": 2 * D_MODEL,
-    "num_hidden_layers": N_LAYERS,
-    "num_attention_heads": N_HEADS,
-    "num_key_value_heads": 2,
-    "head_dim": D_MODEL // N_HEADS,
-    "max_position_embeddings": N_CTX,
-}
+_COMMON = GQA_FIELDS
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", _COMMON),
     # a delegated attention (the bridge calls NanoChatAttention.forward): weightless QK-norm after a rotary turning

@@ -16,7 +16,17 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, assert_faithful, eager_hf_bridge, logit_error
+from factories_bridge import (
+    D_MODEL,
+    D_VOCAB,
+    GQA_FIELDS,
+    N_CTX,
+    N_HEADS,
+    N_LAYERS,
+    assert_faithful,
+    eager_hf_bridge,
+    logit_error,
+)
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -103,16 +113,7 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ministral3": (
         "Ministral3Config",
         "Ministral3ForCausalLM",
-        {
-            "hidden_size": D_MODEL,
-            "intermediate_size": 2 * D_MODEL,
-            "num_hidden_layers": N_LAYERS,
-            "num_attention_heads": N_HEADS,
-            "num_key_value_heads": 2,
-            "head_dim": D_MODEL // N_HEADS,
-            "max_position_embeddings": N_CTX,
-            "rope_parameters": _MINISTRAL3_ROPE,
-        },
+        {**GQA_FIELDS, "rope_parameters": _MINISTRAL3_ROPE},
     ),
     # the original GPT: post-LN blocks (resid = ln(resid + sublayer(resid))), joint QKV Conv1D, no final norm
     "openai_gpt": (
