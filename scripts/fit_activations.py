@@ -174,16 +174,24 @@ def sym_varpro(rho: torch.Tensor, d: torch.Tensor, rho_c: torch.Tensor | None, k
 # Optimisers
 
 
-def lbfgs(x0: torch.Tensor, loss_fn, iters: int) -> torch.Tensor:
+def lbfgs(
+    x0: torch.Tensor,
+    loss_fn,
+    iters: int,
+    history_size: int = 50,
+    tolerance_grad: float = 1e-14,
+    tolerance_change: float = 1e-18,
+) -> torch.Tensor:
+    """``x0`` after ``iters`` strong-Wolfe L-BFGS iterations on ``loss_fn`` (also scripts/fit_xielu.py's)."""
     x = x0.detach().clone().requires_grad_(True)
     opt = torch.optim.LBFGS(
         [x],
         lr=1,
         max_iter=iters,
-        history_size=50,
+        history_size=history_size,
         line_search_fn="strong_wolfe",
-        tolerance_grad=1e-14,
-        tolerance_change=1e-18,
+        tolerance_grad=tolerance_grad,
+        tolerance_change=tolerance_change,
     )
 
     def closure():

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from fit_activations import lbfgs as _lbfgs  # scripts/ is on the path when run as a script
 
 torch.set_default_dtype(torch.float64)
 torch.set_num_threads(1)
@@ -71,23 +72,8 @@ def model(th: torch.Tensor, k: int, t: torch.Tensor) -> torch.Tensor:
 
 
 def lbfgs(x0: torch.Tensor, f, it: int) -> torch.Tensor:
-    x = x0.clone().requires_grad_(True)
-    opt = torch.optim.LBFGS(
-        [x], lr=1, max_iter=it, history_size=30, line_search_fn="strong_wolfe", tolerance_grad=1e-13,
-        tolerance_change=1e-16,
-    )  # fmt: skip
-
-    def closure():
-        opt.zero_grad()
-        loss = f(x)
-        loss.backward()
-        return loss
-
-    try:
-        opt.step(closure)
-    except RuntimeError:
-        pass
-    return x.detach()
+    """fit_activations.py's L-BFGS with this search's settings (history 30, tolerances 1e-13 / 1e-16)."""
+    return _lbfgs(x0, f, it, history_size=30, tolerance_grad=1e-13, tolerance_change=1e-16)
 
 
 def lp(e: torch.Tensor, p: float) -> torch.Tensor:

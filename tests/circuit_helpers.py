@@ -226,3 +226,33 @@ def _perturbation_hooks(
             hooks += [(f"blocks.{layer}.mlp.{w}", per_neuron(layer, w)) for w in ("hook_pre", "hook_pre_linear")]
     hooks.append((f"blocks.{n_layers - 1}.hook_resid_post", add("logits")))
     return hooks
+
+
+def label_metric(logits: Tensor, labels: Tensor) -> Tensor:
+    """The circuit tests' metric: the label's last-position logit minus the mean last-position logit."""
+    last = logits[:, -1]
+    return last.gather(-1, labels[:, None])[:, 0] - last.mean(-1)
+
+
+def random_batches(vocab: int, pos: int, seed: int = 0, batches: int = 2) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``batches`` random (clean, corrupted, labels) triples of 2 sequences of ``pos`` tokens below ``vocab``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, vocab, (2, pos), generator=g),
+            torch.randint(0, vocab, (2, pos), generator=g),
+            torch.randint(0, vocab, (2,), generator=g),
+        )
+        for _ in range(batches)
+    ]
+
+
+def assert_density_ends(got: Tensor, base: Any, density: float, tol: float) -> None:
+    """A circuit of ``density`` 0 gives the corrupted metric, 1 the clean one (``base``: ``evaluate_baseline``'s), and
+    anything in between changes the metric by far more than ``tol``."""
+    if density == 0.0:
+        torch.testing.assert_close(got, base.corrupted, rtol=0, atol=tol)
+    if density == 1.0:
+        torch.testing.assert_close(got, base.clean, rtol=0, atol=tol)
+    if 0 < density < 1:
+        assert float((got - base.clean).abs().max()) > 20 * tol, "a partial circuit must change the metric"

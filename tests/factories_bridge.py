@@ -63,6 +63,16 @@ D_HEAD = D_MODEL // N_HEADS
 D_MLP = 64
 D_VOCAB = 97
 N_CTX = 32
+# a tiny grouped-query Hugging Face config (2 key-value heads), for config classes that take these names
+GQA_FIELDS: dict[str, Any] = {
+    "hidden_size": D_MODEL,
+    "intermediate_size": 2 * D_MODEL,
+    "num_hidden_layers": N_LAYERS,
+    "num_attention_heads": N_HEADS,
+    "num_key_value_heads": 2,
+    "head_dim": D_MODEL // N_HEADS,
+    "max_position_embeddings": N_CTX,
+}
 
 Source = tuple[str, Any, str]  # ("hf", model, architecture) or ("native", TransformerBridgeConfig, "")
 
@@ -541,3 +551,49 @@ def make_bridge(
             warnings.simplefilter("ignore")
             bridge.enable_compatibility_mode(disable_warnings=True)
     return bridge
+
+
+def eager_hf_bridge(configs: dict[str, tuple[str, str, dict[str, Any]]], family: str, dtype: torch.dtype) -> Any:
+    """A tiny random bridge of ``family`` (a key of ``configs``: config class, model class, config fields) in
+    ``dtype``, eval mode, eager attention."""
+    import transformers
+
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    config_cls, model_cls, fields = configs[family]
+    config = getattr(transformers, config_cls)(vocab_size=D_VOCAB, bos_token_id=0, eos_token_id=0, **fields)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, model_cls)(config).eval()
+        _randomize_(model, 0)
+        model.to(dtype)
+        model.set_attn_implementation("eager")
+        bridge = bridge_from_hf_module(model, model_cls, hf_config=model.config, dtype=dtype, model_name=family)
+    return bridge.eval()
+
+
+def logit_error(aot: Any, bridge: Any, seed: int = 5, d_vocab: int | None = None) -> float:
+    """Max |converted − source| logit on a random [2, 24] batch (tokens below ``d_vocab``, default the model's),
+    against the source's own forward."""
+    from lens_aot.core.read import run_source
+
+    vocab = aot.cfg.d_vocab if d_vocab is None else d_vocab
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return float((aot(tokens) - run_source(bridge, tokens)).abs().max())
+
+
+def assert_faithful(bridge: Any, dtype: torch.dtype, what: str, d_vocab: int | None = None) -> tuple[Any, float]:
+    """Convert ``bridge`` and check its logits against the source's own forward within the tolerance of its
+    activation (``gated`` for gated MLPs and product-head ones such as relu²) in ``dtype``; returns the converted model
+    and the error (:func:`logit_error`)."""
+    from conftest import TOLERANCES
+
+    import lens_aot
+
+    aot = lens_aot.convert(bridge)
+    err = logit_error(aot, bridge, d_vocab=d_vocab)
+    gated = aot.cfg.gated_mlp or aot.report.gated
+    tol = TOLERANCES[("gated" if gated else aot.cfg.act_fn, dtype)]
+    assert err <= tol, f"{what}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    return aot, err

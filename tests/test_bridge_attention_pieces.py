@@ -25,7 +25,13 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, _randomize_
+from factories_bridge import (
+    D_VOCAB,
+    GQA_FIELDS,
+    assert_faithful,
+    eager_hf_bridge,
+    logit_error,
+)
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -37,15 +43,7 @@ from lens_aot.tl.read_bridge import read_bridge
 # forward, so the family converts there too): the order's own tests need 4.x, whose bridge computes what HF does.
 tl4 = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 4's bridge applies HunYuan's QK-norm after rotary")
 
-_COMMON = {
-    "hidden_size": D_MODEL,
-    "intermediate_size": 2 * D_MODEL,
-    "num_hidden_layers": N_LAYERS,
-    "num_attention_heads": N_HEADS,
-    "num_key_value_heads": 2,
-    "head_dim": D_MODEL // N_HEADS,
-    "max_position_embeddings": N_CTX,
-}
+_COMMON = GQA_FIELDS
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", _COMMON),
     # a delegated attention (the bridge calls NanoChatAttention.forward): weightless QK-norm after a rotary turning
@@ -61,20 +59,7 @@ CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64)]
 
 def make(family: str, dtype: torch.dtype) -> Any:
     """A tiny random bridge of ``family`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, eager attention."""
-    import transformers
-
-    from lens_aot.tl.build import bridge_from_hf_module
-
-    config_cls, model_cls, fields = CONFIGS[family]
-    config = getattr(transformers, config_cls)(vocab_size=D_VOCAB, bos_token_id=0, eos_token_id=0, **fields)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = getattr(transformers, model_cls)(config).eval()
-        _randomize_(model, 0)
-        model.to(dtype)
-        model.set_attn_implementation("eager")
-        bridge = bridge_from_hf_module(model, model_cls, hf_config=model.config, dtype=dtype, model_name=family)
-    return bridge.eval()
+    return eager_hf_bridge(CONFIGS, family, dtype)
 
 
 @functools.cache
@@ -89,20 +74,9 @@ def shared_matrix(family: str, dtype: torch.dtype) -> Any:
     return make_matrix(family, dtype)
 
 
-def _error(aot: Any, bridge: Any) -> float:
-    tokens = torch.randint(0, D_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return float((aot(tokens) - lens_aot.core.read.run_source(bridge, tokens)).abs().max())
-
-
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
 def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread: None) -> None:
-    bridge = shared(family, dtype)
-    aot = lens_aot.convert(bridge)
-    err = _error(aot, bridge)
-    gated = aot.cfg.gated_mlp or aot.report.gated  # relu² (NanoChat) is built from product heads
-    tol = TOLERANCES[("gated" if gated else aot.cfg.act_fn, dtype)]
-    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    aot, err = assert_faithful(shared(family, dtype), dtype, family, d_vocab=D_VOCAB)  # relu² (NanoChat): gated
     assert err <= aot.report.logit_bound
 
 
@@ -114,6 +88,14 @@ def _edited_reading(edit: Any) -> Any:
         return edit(original(*args, **kwargs))
 
     return mock.patch("lens_aot.tl.read_bridge.read_attention", patched)
+
+
+def _assert_refused(family: str, edit: Any) -> None:
+    """The float64 ``family`` with every layer's reading edited by ``edit``: the bridge probe refuses layer 0."""
+    bridge = shared(family, torch.float64)
+    with _edited_reading(edit):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)
 
 
 def _norm_edit(field: str, change: Any) -> Any:
@@ -151,10 +133,7 @@ def test_hunyuan_reads_qk_norm_after_rotary() -> None:
     ids=["eps", "weight", "order"],
 )
 def test_hunyuan_qk_norm_perturbed_is_refused(edit: Any) -> None:
-    bridge = shared("hunyuan", torch.float64)
-    with _edited_reading(edit):
-        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
-            read_bridge(bridge)
+    _assert_refused("hunyuan", edit)
 
 
 @tl4
@@ -213,10 +192,7 @@ def test_nanochat_reads_its_delegated_attention() -> None:
     ids=["eps", "order", "sign"],
 )
 def test_nanochat_attention_perturbed_is_refused(edit: Any) -> None:
-    bridge = shared("nanochat", torch.float64)
-    with _edited_reading(edit):
-        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
-            read_bridge(bridge)
+    _assert_refused("nanochat", edit)
 
 
 def make_matrix(family: str, dtype: torch.dtype, **fields: Any) -> Any:
@@ -245,7 +221,7 @@ def test_laguna_gated_attention_converts_faithfully(gating: str, dtype: torch.dt
     # the float32 step is visible (and read) only in a float64 source; in float32 it is the identity
     assert type(gate).__name__ == "SoftplusGate" and gate.dtype == (torch.float32 if dtype == torch.float64 else None)
     assert gate.per_head == (gating == "per-head")
-    err = _error(aot, bridge)
+    err = logit_error(aot, bridge, d_vocab=D_VOCAB)
     assert err <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound), err
     # the gate's hook sees the pre-activation and the gated z is what hook_z holds
     tokens = torch.tensor([[3, 1, 4, 1, 5]])

@@ -9,7 +9,6 @@ is checked piece by piece against the source's recorded forward, so a wrong cons
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -17,7 +16,17 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
-from factories_bridge import D_MODEL, D_VOCAB, N_CTX, N_HEADS, N_LAYERS, _randomize_
+from factories_bridge import (
+    D_MODEL,
+    D_VOCAB,
+    GQA_FIELDS,
+    N_CTX,
+    N_HEADS,
+    N_LAYERS,
+    assert_faithful,
+    eager_hf_bridge,
+    logit_error,
+)
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -104,16 +113,7 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ministral3": (
         "Ministral3Config",
         "Ministral3ForCausalLM",
-        {
-            "hidden_size": D_MODEL,
-            "intermediate_size": 2 * D_MODEL,
-            "num_hidden_layers": N_LAYERS,
-            "num_attention_heads": N_HEADS,
-            "num_key_value_heads": 2,
-            "head_dim": D_MODEL // N_HEADS,
-            "max_position_embeddings": N_CTX,
-            "rope_parameters": _MINISTRAL3_ROPE,
-        },
+        {**GQA_FIELDS, "rope_parameters": _MINISTRAL3_ROPE},
     ),
     # the original GPT: post-LN blocks (resid = ln(resid + sublayer(resid))), joint QKV Conv1D, no final norm
     "openai_gpt": (
@@ -138,35 +138,12 @@ CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64) if d ==
 
 def make(family: str, dtype: torch.dtype) -> Any:
     """A tiny random bridge of ``family`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, eager attention."""
-    import transformers
-
-    from lens_aot.tl.build import bridge_from_hf_module
-
-    config_cls, model_cls, fields = CONFIGS[family]
-    config = getattr(transformers, config_cls)(vocab_size=D_VOCAB, bos_token_id=0, eos_token_id=0, **fields)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = getattr(transformers, model_cls)(config).eval()
-        _randomize_(model, 0)
-        model.to(dtype)
-        model.set_attn_implementation("eager")
-        bridge = bridge_from_hf_module(model, model_cls, hf_config=model.config, dtype=dtype, model_name=family)
-    return bridge.eval()
-
-
-def _error(aot: Any, bridge: Any) -> float:
-    tokens = torch.randint(0, D_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return float((aot(tokens) - lens_aot.core.read.run_source(bridge, tokens)).abs().max())
+    return eager_hf_bridge(CONFIGS, family, dtype)
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
 def test_family_converts_faithfully(family: str, dtype: torch.dtype, one_thread: None) -> None:
-    bridge = make(family, dtype)
-    aot = lens_aot.convert(bridge)
-    err = _error(aot, bridge)
-    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
-    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    aot, _ = assert_faithful(make(family, dtype), dtype, family, d_vocab=D_VOCAB)
     assert aot.cfg.dtype == dtype
 
 
@@ -329,7 +306,7 @@ def test_opt_post_ln_layout_converts() -> None:
         layer.do_layer_norm_before = False
     aot = lens_aot.convert(bridge)
     assert [layer.residual_norm for layer in aot.to_spec().layers] == [True] * N_LAYERS
-    assert _error(aot, bridge) <= TOLERANCES[("relu", dtype)]
+    assert logit_error(aot, bridge, d_vocab=D_VOCAB) <= TOLERANCES[("relu", dtype)]
 
 
 def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
@@ -361,7 +338,7 @@ def test_llama4_query_scaling_past_its_original_length_converts(dtype: torch.dty
     aot = lens_aot.convert(bridge)
     scale = aot.blocks[0].attn.query_scale
     assert (scale.beta, scale.length) == (0.1, 8)
-    assert _error(aot, bridge) <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound)
+    assert logit_error(aot, bridge, d_vocab=D_VOCAB) <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound)
     if dtype == torch.float64:  # beta perturbed by 1e-3 in the reading: the probe refuses it
         with _perturbed(bridge_attention, "_position_embeddings_attention", _query_beta(1 + 1e-3)):
             with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):

@@ -8,13 +8,12 @@ tests/test_float32_steps.py). Unsupported pieces are refused naming the layer an
 
 from __future__ import annotations
 
-from typing import Any
 from unittest import mock
 
 import pytest
 import torch
-from conftest import TL_MAJOR, TOLERANCES
-from factories_bridge import FAMILIES, STRUCTURAL, _hf, make_bridge
+from conftest import TL_MAJOR
+from factories_bridge import FAMILIES, STRUCTURAL, _hf, assert_faithful, make_bridge
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
@@ -23,19 +22,9 @@ from lens_aot.tl.read_bridge import read_bridge
 CASES = [(family, dtype) for family in STRUCTURAL for dtype in (torch.float32, torch.float64)]
 
 
-def _error(aot: Any, bridge: Any, seed: int = 5) -> float:
-    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 24), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        return float((aot(tokens) - lens_aot.core.read.run_source(bridge, tokens)).abs().max())
-
-
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f"{f}-{str(d)[-7:]}" for f, d in CASES])
 def test_structural_family_converts(family: str, dtype: torch.dtype, one_thread: None) -> None:
-    bridge = make_bridge(family, dtype)
-    aot = lens_aot.convert(bridge)
-    tol = TOLERANCES[("gated" if aot.cfg.gated_mlp else aot.cfg.act_fn, dtype)]
-    err = _error(aot, bridge)
-    assert err <= tol, f"{family}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
+    aot, _ = assert_faithful(make_bridge(family, dtype), dtype, family)
     assert aot.cfg.dtype == dtype
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from circuit_helpers import label_metric, random_batches
 from factories_bridge import make_bridge
 
 import lens_aot
@@ -20,21 +21,11 @@ from lens_aot.errors import InputError, LensAOTError, LoadError
 TOL = 1e-9  # float64, SiLU: the converted model is exact up to rounding
 
 
-def _metric(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    last = logits[:, -1]
-    return last.gather(-1, labels[:, None])[:, 0] - last.mean(-1)
+_metric = label_metric
 
 
 def _data(vocab: int, seed: int = 0, batches: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randint(0, vocab, (2, 5), generator=g),
-            torch.randint(0, vocab, (2, 5), generator=g),
-            torch.randint(0, vocab, (2,), generator=g),
-        )
-        for _ in range(batches)
-    ]
+    return random_batches(vocab, 5, seed, batches)
 
 
 @pytest.fixture(scope="module")

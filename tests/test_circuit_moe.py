@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from circuit_helpers import assert_density_ends, label_metric, random_batches
 from circuit_moe_helpers import SourceReference, brute_force_evaluate, hf_moe, reference_edge_scores
 from factories_moe import D_VOCAB, N_EXPERTS, moe_bridge
 
@@ -32,21 +33,11 @@ def _tolerance(aot: lens_aot.AttentionOnlyTransformer) -> float:
 DENSITIES = (0.0, 0.05, 0.3, 0.8, 1.0)
 
 
-def _metric(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    last = logits[:, -1]
-    return last.gather(-1, labels[:, None])[:, 0] - last.mean(-1)
+_metric = label_metric
 
 
 def _data(seed: int = 0, batches: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randint(0, D_VOCAB, (2, 6), generator=g),
-            torch.randint(0, D_VOCAB, (2, 6), generator=g),
-            torch.randint(0, D_VOCAB, (2,), generator=g),
-        )
-        for _ in range(batches)
-    ]
+    return random_batches(D_VOCAB, 6, seed, batches)
 
 
 @functools.cache
@@ -118,12 +109,7 @@ def test_evaluate_equals_brute_force_on_the_source(source, one_thread) -> None:
         err = float((got - want).abs().max())
         print(f"{family} density {density}: max |Δmetric| {err:.2e} (tolerance {tol:.1e})")
         assert err <= tol, f"{family} density {density}: max |Δmetric| {err:.2e} > {tol:.1e}"
-        if density == 0.0:
-            torch.testing.assert_close(got, base.corrupted, rtol=0, atol=tol)
-        if density == 1.0:
-            torch.testing.assert_close(got, base.clean, rtol=0, atol=tol)
-        if 0 < density < 1:
-            assert float((got - base.clean).abs().max()) > 20 * tol, "a partial circuit must change the metric"
+        assert_density_ends(got, base, density, tol)
 
 
 def test_experts_with_output_biases_are_refused_naming_the_layer_and_expert(source) -> None:

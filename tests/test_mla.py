@@ -167,6 +167,18 @@ def assert_round_trips(aot: Any, path: Any) -> Any:
     return loaded
 
 
+def assert_same_hooks(aot: Any, loaded: Any, names: Any) -> int:
+    """The hooks ``names`` selects hold exactly the same tensors in ``aot`` and ``loaded`` (on ``tokens_for(seed=3)``);
+    returns how many hooks that is."""
+    tokens = tokens_for(seed=3)
+    with torch.no_grad():
+        _, want = aot.run_with_cache(tokens, names_filter=names)
+        _, got = loaded.run_with_cache(tokens, names_filter=names)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    return len(want)
+
+
 @pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_mla_and_group_router_save_and_load(arch: str, tmp_path: Any) -> None:
     """MLA (V2: no query compression, complex rotary; V3: query latent, interleaved rotary) and the DeepSeek

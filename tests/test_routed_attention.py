@@ -128,18 +128,12 @@ def test_jetmoe_saves_and_loads(tmp_path: Any) -> None:
     """JetMoE (routed attention, its MoE with ``b_out``) round-trips through lens_aot.save / load: the loaded float32
     model's logits and chosen attention experts equal the converted model's exactly, and its specs are the saved
     ones (top-k, scale, router and softmax dtypes)."""
-    from test_mla import assert_round_trips
+    from test_mla import assert_round_trips, assert_same_hooks
 
     _, bridge = _bridge(torch.float32)
     aot = lens_aot.convert(bridge)
     loaded = assert_round_trips(aot, tmp_path / "jetmoe")
-    tokens = tokens_for(seed=3)
-    names = lambda n: "attn.hook_expert" in n  # noqa: E731
-    with torch.no_grad():
-        _, want = aot.run_with_cache(tokens, names_filter=names)
-        _, got = loaded.run_with_cache(tokens, names_filter=names)
-    assert want.keys() == got.keys() and len(want) == 2 * len(aot.blocks)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert assert_same_hooks(aot, loaded, lambda n: "attn.hook_expert" in n) == 2 * len(aot.blocks)
     for before, after in zip(aot.to_spec().layers, loaded.to_spec().layers, strict=True):
         assert type(after.attn) is type(before.attn)
         for field in ("top_k", "scale", "router_dtype", "softmax_dtype"):

@@ -4,9 +4,10 @@ total (:class:`AllocationMeter`) and the most held at once (:class:`PeakMeter`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Container, Iterator
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, UntypedStorage
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -23,19 +24,28 @@ class AllocationMeter(TorchDispatchMode):
         self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
+        inputs = _storages(args, kwargs)
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not _has_storage(t):
-                continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in inputs or ptr in self._seen:
-                continue
+        for ptr, storage in _new_storages(out, inputs, self._seen):
             self._seen.add(ptr)
             self.total += storage.nbytes()
             self.largest = max(self.largest, storage.nbytes())
         return out
+
+
+def _storages(*trees: Any) -> set[int]:
+    """The storage addresses of the tensors in ``trees`` (an operation's inputs)."""
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(trees)[0] if _has_storage(t)}
+
+
+def _new_storages(out: Any, inputs: set[int], known: Container[int]) -> Iterator[tuple[int, UntypedStorage]]:
+    """``(address, storage)`` of each storage of ``out``'s tensors that is neither an input's nor in ``known``
+    (read as the caller adds to it: an output returned twice counts once)."""
+    for t in tree_flatten(out)[0]:
+        if _has_storage(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in inputs and storage.data_ptr() not in known:
+                yield storage.data_ptr(), storage
 
 
 def _has_storage(t: Any) -> bool:
@@ -65,14 +75,10 @@ class PeakMeter(TorchDispatchMode):
         self._alive: dict[int, int] = {}  # data_ptr -> nbytes of the storages created here and not yet freed
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
+        inputs = _storages(args, kwargs)
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not _has_storage(t):
-                continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in inputs or ptr in self._alive or storage.nbytes() == 0:
+        for ptr, storage in _new_storages(out, inputs, self._alive):
+            if storage.nbytes() == 0:
                 continue
             self._alive[ptr] = storage.nbytes()
             self.count += 1

@@ -18,8 +18,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.spec import NormSpec, QKNormScope
+from lens_aot.core.spec import NormSpec
 from lens_aot.core.spec_dsa import IndexerSpec
+from lens_aot.core.spec_scaled import NoAttentionVariants
 
 # How the source rotates the rotary channels: "halves" (rotate_half, GPT-NeoX layout), "interleaved" (DeepSeek-V3's
 # rope_interleave: channel pairs (0,1), (2,3), ... rotated and written back as [evens, odds]), "complex" (DeepSeek-V2:
@@ -28,7 +29,7 @@ RopeLayout = Literal["halves", "interleaved", "complex"]
 
 
 @dataclass
-class MLASpec:
+class MLASpec(NoAttentionVariants):
     """One multi-head latent attention layer (module docstring), weights in TransformerLens's per-head layout.
 
     ``W_Q`` maps the query input (``x`` without query compression, else the normed query latent) to each head's
@@ -54,16 +55,6 @@ class MLASpec:
     q_a_norm: NormSpec | None = None
     b_kv_a: Float[Tensor, " kv_rank_plus_rope"] | None = None
     softmax_dtype: torch.dtype | None = torch.float32
-    # The variants of AttentionSpec MLA never has (so code reading them off every layer reads "off").
-    q_norm: NormSpec | None = None
-    k_norm: NormSpec | None = None
-    qk_norm_over: QKNormScope = "head"
-    scores_soft_cap: float | None = None
-    window: int | None = None
-    clip_qkv: float | None = None
-    alibi_slopes: Tensor | None = None
-    sinks: Tensor | None = None
-    rotary: None = None
     # DeepSeek Sparse Attention's indexer (GLM-MoE-DSA): each query keeps only its top-k keys (lens_aot.core.spec_dsa)
     indexer: IndexerSpec | None = None
 
@@ -74,8 +65,3 @@ class MLASpec:
     @property
     def kv_rank(self) -> int:
         return int(self.W_K.shape[1])
-
-    @property
-    def attn_scale(self) -> float:
-        """TransformerLens's divisor (scores ``q·k / attn_scale``): ``1 / scale``."""
-        return 1.0 / self.scale

@@ -20,11 +20,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.spec import NormSpec, QKNormScope
+from lens_aot.core.spec_scaled import NoAttentionVariants
 
 
 @dataclass
-class RoutedAttentionSpec:
+class RoutedAttentionSpec(NoAttentionVariants):
     """One mixture-of-attention-heads layer (module docstring). ``cos`` / ``sin``: the source's rotary tables over the
     whole head (rotate-half layout), one row per position."""
 
@@ -40,16 +40,6 @@ class RoutedAttentionSpec:
     sin: Float[Tensor, "n_ctx d_head"]
     router_dtype: torch.dtype | None = torch.float32  # the router logits are cast to it after the projection
     softmax_dtype: torch.dtype | None = torch.float32
-    # The variants of AttentionSpec this attention never has (so code reading them off every layer reads "off").
-    q_norm: NormSpec | None = None
-    k_norm: NormSpec | None = None
-    qk_norm_over: QKNormScope = "head"
-    scores_soft_cap: float | None = None
-    window: int | None = None
-    clip_qkv: float | None = None
-    alibi_slopes: Tensor | None = None
-    sinks: Tensor | None = None
-    rotary: None = None
 
     @property
     def n_experts(self) -> int:
@@ -63,8 +53,3 @@ class RoutedAttentionSpec:
     def n_heads(self) -> int:
         """The slot heads: ``top_k · n_kv``."""
         return int(self.top_k) * self.n_kv
-
-    @property
-    def attn_scale(self) -> float:
-        """TransformerLens's divisor (scores ``q·k / attn_scale``): ``1 / scale``."""
-        return 1.0 / self.scale

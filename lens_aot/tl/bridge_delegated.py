@@ -19,22 +19,23 @@ from torch import nn
 
 from lens_aot.tl.bridge_probe import refuse_piece
 
-__all__ = ["SOFTMAX_DTYPE", "read_delegated"]
+__all__ = ["SOFTMAX_DTYPE", "check_eager", "check_linear", "read_delegated", "read_scaling"]
 
 # The softmax precision of each attention forward read here (None: the activation dtype).
 SOFTMAX_DTYPE: dict[str, torch.dtype | None] = {"OPTAttention": torch.float32, "XGLMAttention": None}
 
 
-def read_delegated(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
-    """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a standard Hugging Face attention module."""
-    from lens_aot.tl.bridge_attention import AttentionReading
-
-    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+def check_linear(layer: int, hf_attn: nn.Module, names: tuple[str, ...]) -> None:
+    """Refuse an attention module whose projections ``names`` are not each an ``nn.Linear`` (or a LinearBridge
+    wrapping one), naming the layer and the projection."""
+    for name in names:
         projection = getattr(hf_attn, name, None)  # a LinearBridge wrapping the nn.Linear, or the nn.Linear
         if not isinstance(getattr(projection, "original_component", projection), nn.Linear):
             raise refuse_piece(layer, "attn", f"a {type(hf_attn).__name__} without an nn.Linear {name!r}")
-    if bool(getattr(hf_attn, "is_decoder", True)) is False or bool(getattr(hf_attn, "is_causal", True)) is False:
-        raise refuse_piece(layer, "attn", "non-causal attention in a causal language model")
+
+
+def check_eager(layer: int, hf_attn: nn.Module, hf_config: Any) -> None:
+    """Refuse attention computed by a kernel other than the eager softmax (its rounding differs), with the fix."""
     implementation = getattr(getattr(hf_attn, "config", hf_config), "_attn_implementation", "eager")
     if implementation not in (None, "eager"):
         raise refuse_piece(
@@ -43,9 +44,25 @@ def read_delegated(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.
             f"attention computed by the {implementation!r} kernel (its rounding is not the eager softmax's)",
             "Call model.set_attn_implementation('eager') before building the bridge.",
         )
+
+
+def read_scaling(layer: int, hf_attn: nn.Module) -> float:
+    """The module's query ``scaling`` (scores ``q·k · scaling``), refused unless a positive float."""
     scaling = getattr(hf_attn, "scaling", None)
     if not isinstance(scaling, float) or scaling <= 0:
         raise refuse_piece(layer, "attn", f"a query scaling {scaling!r} lens_aot cannot read")
+    return scaling
+
+
+def read_delegated(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
+    """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a standard Hugging Face attention module."""
+    from lens_aot.tl.bridge_attention import AttentionReading
+
+    check_linear(layer, hf_attn, ("q_proj", "k_proj", "v_proj", "out_proj"))
+    if bool(getattr(hf_attn, "is_decoder", True)) is False or bool(getattr(hf_attn, "is_causal", True)) is False:
+        raise refuse_piece(layer, "attn", "non-causal attention in a causal language model")
+    check_eager(layer, hf_attn, hf_config)
+    scaling = read_scaling(layer, hf_attn)
     cls = type(hf_attn).__name__
     if cls not in SOFTMAX_DTYPE:
         raise refuse_piece(layer, "attn", f"attention computed by {cls}.forward, which lens_aot does not read")

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lens_aot.core.components.output_gate import GATES
 from lens_aot.core.spec import OutputGateSpec, RotarySpec
 from lens_aot.tl.bridge_components import _attention, _component, _linear, _norm, _original
+from lens_aot.tl.bridge_delegated import check_eager
 from lens_aot.tl.bridge_probe import close, refuse_piece
 
 __all__ = ["is_delegated_rotary", "read_delegated_rotary"]
@@ -95,14 +96,7 @@ def read_delegated_rotary(
     from lens_aot.core.components.attention import Attention
     from lens_aot.tl.bridge_attention import AttentionReading
 
-    implementation = getattr(getattr(hf_attn, "config", hf_config), "_attn_implementation", "eager")
-    if implementation not in (None, "eager"):
-        raise refuse_piece(
-            layer,
-            "attn",
-            f"attention computed by the {implementation!r} kernel (its rounding is not the eager softmax's)",
-            "Call model.set_attn_implementation('eager') before building the bridge.",
-        )
+    check_eager(layer, hf_attn, hf_config)
     if rotary_bridge is None:
         raise refuse_piece(layer, "attn", "a delegated rotary attention in a model without a 'rotary_emb' component")
     head_dim = int(hf_attn.head_dim)

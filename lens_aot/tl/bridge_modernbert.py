@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lens_aot.tl.bridge_delegated import check_eager, check_linear, read_scaling
 from lens_aot.tl.bridge_probe import refuse_piece
 
 __all__ = ["read_modernbert_decoder"]
@@ -31,21 +32,9 @@ def read_modernbert_decoder(
     the layer's binding sliding window (``_check_common``'s), or None."""
     from lens_aot.tl.bridge_attention import AttentionReading
 
-    for name in ("q_proj", "k_proj", "v_proj", "Wo"):
-        projection = getattr(hf_attn, name, None)
-        if not isinstance(getattr(projection, "original_component", projection), nn.Linear):
-            raise refuse_piece(layer, "attn", f"a {type(hf_attn).__name__} without an nn.Linear {name!r}")
-    implementation = getattr(getattr(hf_attn, "config", hf_config), "_attn_implementation", "eager")
-    if implementation not in (None, "eager"):
-        raise refuse_piece(
-            layer,
-            "attn",
-            f"attention computed by the {implementation!r} kernel (its rounding is not the eager softmax's)",
-            "Call model.set_attn_implementation('eager') before building the bridge.",
-        )
-    scaling = getattr(hf_attn, "scaling", None)
-    if not isinstance(scaling, float) or scaling <= 0:
-        raise refuse_piece(layer, "attn", f"a query scaling {scaling!r} lens_aot cannot read")
+    check_linear(layer, hf_attn, ("q_proj", "k_proj", "v_proj", "Wo"))
+    check_eager(layer, hf_attn, hf_config)
+    scaling = read_scaling(layer, hf_attn)
     # apply_rotary_pos_emb: (q.float() · cos) + (rotate_half(q.float()) · sin), cast back, whatever the model dtype
     return AttentionReading(1.0 / scaling, torch.float32, "model", window=window, rotary_input_dtype=torch.float32)
 

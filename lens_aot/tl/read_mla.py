@@ -159,23 +159,37 @@ def read_indexer(layer: int, indexer: nn.Module, q_a: bool, dtype: torch.dtype) 
     )
 
 
-def read_mla(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
-    """What :func:`lens_aot.tl.read_bridge.read_bridge` reads off a Hugging Face source whose every block is MLA (the
-    same keys as its ``_read_hf``, plus ``"mla"``: each layer's :class:`MLASpec`)."""
-    config = getattr(model, "config", None)
+def every_block_tables(
+    bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype, test: Any, what: str
+) -> tuple[Any, Any, bool]:
+    """Check that every block's attention passes ``test`` (refusing ``what`` "in some layers only") and the rotary
+    scaling is one the tables cover, then read the source's rotary tables (:func:`_tables`)."""
     n_ctx = int(bridge.cfg.n_ctx)
-    if not all(is_mla(block) for block in blocks):
-        raise refuse_piece(None, "attn", "multi-head latent attention in some layers only")
-    check_rope_type(config, n_ctx)
-    tables = _tables(bridge, model, n_ctx, dtype)
-    specs = [read_mla_layer(i, _component(b, "attn"), config, dtype, tables, n_ctx) for i, b in enumerate(blocks)]
+    if not all(test(block) for block in blocks):
+        raise refuse_piece(None, "attn", f"{what} in some layers only")
+    check_rope_type(getattr(model, "config", None), n_ctx)
+    return _tables(bridge, model, n_ctx, dtype)
+
+
+def every_block_reading(model: nn.Module, key: str, specs: list[Any]) -> dict[str, Any]:
+    """The keys :func:`lens_aot.tl.read_bridge.read_bridge`'s ``_read_hf`` returns, for a causal rotary source whose
+    every layer's attention is read as its own spec (``specs``, under ``key``: "mla" or "routed")."""
     return {
-        "attn": [(None, None)] * len(blocks),
-        "mla": specs,
-        "layer_rotary": [None] * len(blocks),
-        "logits_soft_cap": getattr(config, "final_logit_softcapping", None),
+        "attn": [(None, None)] * len(specs),
+        key: specs,
+        "layer_rotary": [None] * len(specs),
+        "logits_soft_cap": getattr(getattr(model, "config", None), "final_logit_softcapping", None),
         "positions": "rotary",
         "causal": True,
         "rotary": None,
         "act_fn": None,
     }
+
+
+def read_mla(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+    """What :func:`lens_aot.tl.read_bridge.read_bridge` reads off a Hugging Face source whose every block is MLA (the
+    same keys as its ``_read_hf``, plus ``"mla"``: each layer's :class:`MLASpec`)."""
+    config, n_ctx = getattr(model, "config", None), int(bridge.cfg.n_ctx)
+    tables = every_block_tables(bridge, model, blocks, dtype, is_mla, "multi-head latent attention")
+    specs = [read_mla_layer(i, _component(b, "attn"), config, dtype, tables, n_ctx) for i, b in enumerate(blocks)]
+    return every_block_reading(model, "mla", specs)

@@ -17,10 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.spec_routed import RoutedAttentionSpec
-from lens_aot.tl.bridge_attention import check_rope_type
 from lens_aot.tl.bridge_components import _component, _copy, _original
 from lens_aot.tl.bridge_probe import refuse_piece
-from lens_aot.tl.read_mla import _tables
+from lens_aot.tl.read_mla import every_block_reading, every_block_tables
 from lens_aot.tl.read_moe import _unwrap
 
 __all__ = ["is_routed", "read_routed"]
@@ -83,23 +82,10 @@ def read_routed_layer(
 def read_routed(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     """What :func:`lens_aot.tl.read_bridge.read_bridge` reads off a Hugging Face source whose every block is a
     mixture of attention heads (the same keys as its ``_read_hf``, plus ``"routed"``: each layer's spec)."""
-    config = getattr(model, "config", None)
-    n_ctx = int(bridge.cfg.n_ctx)
-    if not all(is_routed(block) for block in blocks):
-        raise refuse_piece(None, "attn", "a mixture of attention heads in some layers only")
-    check_rope_type(config, n_ctx)
-    cos, sin, complex_table = _tables(bridge, model, n_ctx, dtype)
+    tables = every_block_tables(bridge, model, blocks, dtype, is_routed, "a mixture of attention heads")
+    cos, sin, complex_table = tables
     if complex_table:
         raise refuse_piece(None, "rotary_emb", "a complex rotary table beside a mixture of attention heads")
     cos, sin = cos.to(dtype), sin.to(dtype)
     specs = [read_routed_layer(i, _component(b, "attn"), dtype, cos, sin) for i, b in enumerate(blocks)]
-    return {
-        "attn": [(None, None)] * len(blocks),
-        "routed": specs,
-        "layer_rotary": [None] * len(blocks),
-        "logits_soft_cap": getattr(config, "final_logit_softcapping", None),
-        "positions": "rotary",
-        "causal": True,
-        "rotary": None,
-        "act_fn": None,
-    }
+    return every_block_reading(model, "routed", specs)

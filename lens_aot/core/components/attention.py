@@ -28,7 +28,13 @@ from lens_aot.core.spec import AttentionSpec, QKNormScope, RotarySpec
 from lens_aot.errors import InputError
 from lens_aot.tl.hooks import hooked as _hooked
 
-__all__ = ["Attention", "fused_z", "rotate"]  # rotate: float32_attention.py's, re-exported
+__all__ = [
+    "Attention",
+    "fused_z",
+    "mask_scores",
+    "rotate",
+    "zero_unseen",
+]  # rotate: float32_attention.py's, re-exported
 
 
 def _project(
@@ -65,6 +71,27 @@ def fused_z(
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [batch_or_1, 1, query, 1]
     z = F.scaled_dot_product_attention(*args, attn_mask=mask | ~sees_a_key, scale=1 / attn_scale)
     return torch.where(sees_a_key, z, 0.0).transpose(1, 2)
+
+
+def mask_scores(
+    scores: Float[Tensor, "batch head query key"], mask: Bool[Tensor, "batch_or_1 1 query key"] | None, causal: bool
+) -> Float[Tensor, "batch head query key"]:
+    """``scores`` with -inf where ``mask`` is False (TransformerLens's ``apply_causal_mask``); ``mask`` None: the
+    plain causal mask if ``causal``, else every key visible."""
+    if mask is None and causal:
+        pos = scores.shape[-1]
+        future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
+        return scores.masked_fill(future, float("-inf"))
+    if mask is not None:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+def zero_unseen(
+    pattern: Float[Tensor, "batch head query key"], mask: Bool[Tensor, "batch_or_1 1 query key"] | None
+) -> Float[Tensor, "batch head query key"]:
+    """A query row with every key masked softmaxes to NaN: set it to 0, as TransformerLens does."""
+    return pattern if mask is None else torch.where(torch.isnan(pattern), 0.0, pattern)
 
 
 def with_cached(
@@ -344,20 +371,12 @@ class Attention(nn.Module):
             scores = self.scores_soft_cap(scores)
         if hasattr(self, "alibi"):
             scores = self.alibi(scores, past=k.shape[1] - q.shape[1])
-        if mask is None and self.causal:
-            pos = scores.shape[-1]
-            future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        elif mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        scores = self.hook_attn_scores(scores)
+        scores = self.hook_attn_scores(mask_scores(scores, mask, self.causal))
         if hasattr(self, "sinks"):
             pattern = self.sinks(scores, dtype=self.softmax_dtype)
         else:
             pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
-        if mask is not None:
-            pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
-        pattern = self.hook_pattern(pattern.to(v.dtype))
+        pattern = self.hook_pattern(zero_unseen(pattern, mask).to(v.dtype))
         return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
 
     def spec(self) -> AttentionSpec:

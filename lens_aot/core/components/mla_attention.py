@@ -14,13 +14,14 @@ from typing import Any
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
-from torch import Tensor, nn
+from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import Attention, with_cached
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter, table
-from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
+from lens_aot.core.components.scaled_heads import ScaledDenseHeads
+from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import InputError, LensAOTError
@@ -60,7 +61,7 @@ def rotate_rope(
     raise ValueError(f"unknown rotary layout {layout!r}")
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(ScaledDenseHeads):
     """Multi-head latent attention with TransformerLens's hook points (module docstring).
 
     Hooks: ``hook_q_latent`` [batch, pos, q_rank] (the normed query latent; only with query compression),
@@ -97,7 +98,7 @@ class MLAAttention(nn.Module):
         self.scale = float(spec.scale)
         self.softmax_dtype = spec.softmax_dtype
         self.causal = causal
-        self.window = None
+        self._no_variants()
         self.rope_layout = spec.rope_layout
         self.rope_dim = int(spec.rope_dim)
         self.register_buffer("rope_cos", table(spec.cos, spec.W_Q.device))  # one per model and device
@@ -109,11 +110,6 @@ class MLAAttention(nn.Module):
         self.d_nope = int(spec.W_K.shape[2])
         if self.d_nope + self.rope_dim != self.d_head:
             raise ValueError(f"W_K's {self.d_nope} channels + rope_dim {self.rope_dim} != d_qk {self.d_head}")
-        self.use_attn_result = False
-        self.ungroup = False
-        # Attention's attributes that read "no such variant" for code that inspects every layer's attention
-        self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False
-        self.clip_qkv = None
         self.hook_kv_latent = HookPoint()
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
@@ -137,13 +133,6 @@ class MLAAttention(nn.Module):
                 "per-head values), so there is no per-head map from the residual stream to read or multiply."
             )
         return super().__getattr__(name)
-
-    @property
-    def attn_scale(self) -> float:
-        """TransformerLens's divisor: scores are ``q·k / attn_scale`` with ``attn_scale = 1 / scale``."""
-        return 1.0 / self.scale
-
-    needs_dense_scores = True
 
     def non_bilinear_score_variants(self) -> list[str]:
         """MLA's scores are bilinear in the normed latents, not in the attention input: what a QK circuit over
@@ -178,10 +167,7 @@ class MLAAttention(nn.Module):
         """Rotate the last ``rope_dim`` channels of each head (:func:`rotate_rope`) by its position's angles
         (positions as :meth:`Attention.apply_rotary` counts them, left padding included). ``shared``: every head's
         rotary channels are the same (MLA's one ``k_pe``): rotate them once."""
-        cos, sin = (
-            position_rows(table, x.shape[1], past_kv_pos_offset, attention_mask)[:, :, None, :]
-            for table in (self.rope_cos, self.rope_sin)
-        )
+        cos, sin = self.rope_rows(x.shape[1], past_kv_pos_offset, attention_mask)
         nope, rope = x[..., : self.d_nope], x[..., self.d_nope :]
         if shared:  # the source rotates its one shared k_pe, then repeats it per head: so do these (same rounding)
             rotated = rotate_rope(rope[:, :, :1], cos, sin, self.rope_layout).expand(-1, -1, x.shape[2], -1)
@@ -200,11 +186,9 @@ class MLAAttention(nn.Module):
         """The source's MLA forward (class docstring). Queries, keys and values all read ``query_input``: MLA's
         key-value latent is shared by every head, so per-head or separate key / value inputs (``use_attn_in``,
         ``use_split_qkv_input``) are refused."""
-        if query_input.ndim != 3 or any(t is not None and t is not query_input for t in (key_input, value_input)):
-            raise InputError(
-                "multi-head latent attention reads one shared input per position: per-head or separate query / key "
-                "/ value inputs (use_attn_in, use_split_qkv_input) do not apply to it. Turn those switches off."
-            )
+        self._one_input(
+            query_input, key_input, value_input, "multi-head latent attention reads one shared input per position"
+        )
         q_in, latent, k_pe = self.latents(query_input)
         q = self.hook_q(einops.einsum(q_in, self.W_UQ, "b p i, h i e -> b p h e"))
         k_nope = einops.einsum(latent, self.W_UK, "b p r, h r e -> b p h e")
@@ -216,7 +200,7 @@ class MLAAttention(nn.Module):
         rope = k[..., self.d_nope :]
         shared = bool(torch.equal(rope, rope[:, :, :1].expand_as(rope)))
         k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, shared=shared))
-        mask = Attention._mask(self, q.shape[1], k.shape[1], past, attention_mask, q.device)  # type: ignore[arg-type]
+        mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
         if hasattr(self, "indexer"):
             mask = self._index_mask(query_input, q_in, past, mask, attention_mask)
         z = self.hook_z(self._z(q, k, v, mask))
@@ -239,31 +223,7 @@ class MLAAttention(nn.Module):
         pos = x.shape[1]
         if mask is None:
             mask = torch.ones(pos, pos, dtype=torch.bool, device=x.device).tril()[None, None]
-        cos, sin = (position_rows(t, pos, 0, attention_mask)[:, :, None, :] for t in (self.rope_cos, self.rope_sin))
-        return self.indexer(x, q_in, cos, sin, mask)
-
-    def _z(
-        self,
-        q: Float[Tensor, "batch pos head d_qk"],
-        k: Float[Tensor, "batch key head d_qk"],
-        v: Float[Tensor, "batch key head d_v"],
-        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
-    ) -> Float[Tensor, "batch pos head d_v"]:
-        """Scores ``q·k · scale`` (the source multiplies by its scale), masked with -inf, softmax in
-        ``softmax_dtype`` and cast back; a query that sees no key gets a zero pattern row."""
-        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") * self.scale
-        if mask is None and self.causal:
-            pos = scores.shape[-1]
-            future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        elif mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        scores = self.hook_attn_scores(scores)
-        pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
-        if mask is not None:
-            pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
-        pattern = self.hook_pattern(pattern.to(v.dtype))
-        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+        return self.indexer(x, q_in, *self.rope_rows(pos, 0, attention_mask), mask)
 
     def spec(self) -> MLASpec:
         """The :class:`MLASpec` this module implements (used by ``revert`` / ``to_spec``)."""

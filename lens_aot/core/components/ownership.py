@@ -27,14 +27,21 @@ _TAKEN: ContextVar[set[int] | None] = ContextVar("lens_aot_adopting", default=No
 
 
 @contextmanager
-def adopting(keep: Iterable[Tensor] = ()) -> Iterator[None]:
-    """Within, :func:`parameter` takes tensors over instead of copying them, except tensors sharing storage with
-    ``keep`` (the source model's), with another adopted tensor, or viewing only part of their storage."""
-    token = _TAKEN.set({t.untyped_storage().data_ptr() for t in keep})
+def _set_within(var: ContextVar[Any], value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` within, reset to what it was after (the one shape of this module's switches)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _TAKEN.reset(token)
+        var.reset(token)
+
+
+@contextmanager
+def adopting(keep: Iterable[Tensor] = ()) -> Iterator[None]:
+    """Within, :func:`parameter` takes tensors over instead of copying them, except tensors sharing storage with
+    ``keep`` (the source model's), with another adopted tensor, or viewing only part of their storage."""
+    with _set_within(_TAKEN, {t.untyped_storage().data_ptr() for t in keep}):
+        yield
 
 
 _BORROWING: ContextVar[bool] = ContextVar("lens_aot_borrowing", default=False)
@@ -44,11 +51,8 @@ _BORROWING: ContextVar[bool] = ContextVar("lens_aot_borrowing", default=False)
 def borrowing() -> Iterator[None]:
     """Within, :func:`parameter` and :func:`table` return the tensors themselves (no copy): only for modules that are
     used once and dropped (a reading's check against the source's recorded output), which must not be returned."""
-    token = _BORROWING.set(True)
-    try:
+    with _set_within(_BORROWING, True):
         yield
-    finally:
-        _BORROWING.reset(token)
 
 
 def _own(t: Tensor) -> Tensor:
@@ -77,11 +81,8 @@ _TABLES: ContextVar[dict[tuple[Any, ...], tuple[Tensor, Tensor]] | None] = Conte
 @contextmanager
 def one_table_per_model() -> Iterator[None]:
     """Within (a model's build), :func:`table` makes one buffer per table and device, shared by the layers."""
-    token = _TABLES.set({})
-    try:
+    with _set_within(_TABLES, {}):
         yield
-    finally:
-        _TABLES.reset(token)
 
 
 def table(t: Tensor, device: torch.device) -> Tensor:
@@ -107,11 +108,8 @@ _SHARING: ContextVar[bool] = ContextVar("lens_aot_sharing", default=False)
 def sharing() -> Iterator[None]:
     """Within, ``spec()`` / ``to_spec()`` return the model's own tensors (detached) instead of copies: for writing
     them out (``lens_aot.save``) without a second copy of the weights."""
-    token = _SHARING.set(True)
-    try:
+    with _set_within(_SHARING, True):
         yield
-    finally:
-        _SHARING.reset(token)
 
 
 def exported(t: Tensor) -> Tensor:

@@ -14,15 +14,16 @@ from typing import Any
 
 import einops
 import torch
-from jaxtyping import Bool, Float, Int
-from torch import Tensor, nn
+from jaxtyping import Float, Int
+from torch import Tensor
 from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention import Attention, with_cached
+from lens_aot.core.components.attention import with_cached
 from lens_aot.core.components.mla_attention import rotate_rope
 from lens_aot.core.components.ownership import exported, parameter
-from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
+from lens_aot.core.components.scaled_heads import ScaledDenseHeads
+from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import InputError, LensAOTError
 
@@ -33,7 +34,7 @@ class RoutedWeightError(LensAOTError, AttributeError):
     """A per-head query map read from a mixture of attention heads, whose query maps are per expert."""
 
 
-class RoutedAttention(nn.Module):
+class RoutedAttention(ScaledDenseHeads):
     """JetMoE's mixture of attention heads with TransformerLens's hook points (module docstring).
 
     Hooks: ``hook_router_logits`` [batch, pos, n_experts] (in ``router_dtype``), ``hook_expert_indices``
@@ -44,8 +45,6 @@ class RoutedAttention(nn.Module):
     [batch, pos, head, d_head], ``hook_result`` [batch, pos, head, d_model] (each slot head's output through its
     expert's ``W_O``, times its router weight; only when ``use_attn_result``).
     """
-
-    needs_dense_scores = True
 
     def __init__(self, spec: RoutedAttentionSpec, causal: bool) -> None:
         super().__init__()
@@ -66,12 +65,7 @@ class RoutedAttention(nn.Module):
         self.register_buffer("rope_cos", spec.cos.detach().to(spec.W_Q.device, copy=True))
         self.register_buffer("rope_sin", spec.sin.detach().to(spec.W_Q.device, copy=True))
         self.causal = causal
-        self.window = None
-        self.use_attn_result = False
-        self.ungroup = False
-        # Attention's attributes that read "no such variant" for code that inspects every layer's attention
-        self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False
-        self.clip_qkv = None
+        self._no_variants()
         for name in ("router_logits", "expert_indices", "expert_weights", "q", "k", "v", "rot_q", "rot_k"):
             self.add_module(f"hook_{name}", HookPoint())
         for name in ("attn_scores", "pattern", "z", "result"):
@@ -86,11 +80,6 @@ class RoutedAttention(nn.Module):
                 "map to read or multiply."
             )
         return super().__getattr__(name)
-
-    @property
-    def attn_scale(self) -> float:
-        """TransformerLens's divisor: scores are ``q·k / attn_scale`` with ``attn_scale = 1 / scale``."""
-        return 1.0 / self.scale
 
     def non_bilinear_score_variants(self) -> list[str]:
         """The query map depends on the token's routing: what a QK circuit over ``x`` alone cannot reproduce."""
@@ -111,9 +100,7 @@ class RoutedAttention(nn.Module):
     def _rotate(
         self, x: Float[Tensor, "batch pos head d_head"], past: int, attention_mask: Int[Tensor, "b k"] | None
     ) -> Float[Tensor, "batch pos head d_head"]:
-        tables = (self.rope_cos, self.rope_sin)
-        cos, sin = (position_rows(t, x.shape[1], past, attention_mask)[:, :, None, :] for t in tables)
-        return rotate_rope(x, cos, sin, "halves")
+        return rotate_rope(x, *self.rope_rows(x.shape[1], past, attention_mask), "halves")
 
     def forward(
         self,
@@ -125,11 +112,9 @@ class RoutedAttention(nn.Module):
     ) -> Float[Tensor, "batch pos d_model"]:
         """The source's forward (class docstring). One input per position: the routing reads it, so per-head or
         separate query / key / value inputs are refused."""
-        if query_input.ndim != 3 or any(t is not None and t is not query_input for t in (key_input, value_input)):
-            raise InputError(
-                "a mixture of attention heads routes each position's one input: per-head or separate query / key / "
-                "value inputs (use_attn_in, use_split_qkv_input) do not apply to it. Turn those switches off."
-            )
+        self._one_input(
+            query_input, key_input, value_input, "a mixture of attention heads routes each position's one input"
+        )
         x = query_input
         batch, pos, _ = x.shape
         indices, weights = self.route(x)
@@ -143,30 +128,9 @@ class RoutedAttention(nn.Module):
         k = self.hook_rot_k(self._rotate(k, 0, attention_mask))
         # slot j's head h reads key-value head h (the source's key_states.repeat(1, top_k, 1, 1))
         k, v = k.repeat(1, 1, self.top_k, 1), v.repeat(1, 1, self.top_k, 1)
-        mask = Attention._mask(self, pos, k.shape[1], past, attention_mask, x.device)  # type: ignore[arg-type]
+        mask = self._mask(pos, k.shape[1], past, attention_mask, x.device)
         z = self.hook_z(self._z(q, k, v, mask))
         return self.write_out(z, indices, weights)
-
-    def _z(
-        self,
-        q: Float[Tensor, "batch pos head d_head"],
-        k: Float[Tensor, "batch key head d_head"],
-        v: Float[Tensor, "batch key head d_head"],
-        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
-    ) -> Float[Tensor, "batch pos head d_head"]:
-        """Scores ``q·k · scale``, masked with -inf, softmax in ``softmax_dtype`` and cast back."""
-        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") * self.scale
-        if mask is None and self.causal:
-            n = scores.shape[-1]
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        elif mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        scores = self.hook_attn_scores(scores)
-        pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
-        if mask is not None:
-            pattern = torch.where(torch.isnan(pattern), 0.0, pattern)
-        pattern = self.hook_pattern(pattern.to(v.dtype))
-        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
 
     def write_out(
         self,

@@ -25,24 +25,29 @@ from lens_aot.core.gating import GatedFit
 from lens_aot.core.spec import MLPSpec, MoESpec
 
 
-class SquaredReLUMLP(NeuronMLP):
-    """A plain ``relu2`` MLP computed by one ReLU gate head and two product heads per neuron."""
+class PlainAsGatedMLP(NeuronMLP):
+    """A plain MLP built as a gated one whose gate and linear branch are both its one pre-activation ``z`` (the gate
+    heads' ``W_in`` / ``b_in`` serve the product heads too, and any module named in ``_also_reading``), under the
+    plain MLP's names (no ``W_gate``). The squared-ReLU and xIELU MLPs are built on it."""
 
-    def __init__(self, mlp: MLPSpec, fit: GatedFit) -> None:
-        if mlp.gated or mlp.act_fn not in PRODUCT_ACTIVATIONS or not isinstance(fit, GatedFit):
-            raise ValueError("SquaredReLUMLP builds a plain relu2 MLP from a GatedFit (lens_aot.core.gating)")
-        as_gated = MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn, W_gate=mlp.W_in, b_gate=mlp.b_in)
-        super().__init__(as_gated, fit)
+    _also_reading: tuple[tuple[str, tuple[str, ...]], ...] = (("product_heads", ("W_in", "b_in")),)
+
+    @staticmethod
+    def as_gated(mlp: MLPSpec) -> MLPSpec:
+        """``mlp`` as a gated MLP whose gate is its own ``W_in`` / ``b_in``."""
+        return MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn, W_gate=mlp.W_in, b_gate=mlp.b_in)
 
     def _source_names(self) -> dict[str, tuple[str, str]]:
-        """``W_in`` / ``b_in`` are the gate heads' (the product heads read the same parameters)."""
+        """``W_in`` / ``b_in`` are the gate heads' (the other heads read the same parameters)."""
         return {"W_in": ("gate_heads", "W_in"), "b_in": ("gate_heads", "b_in"),
                 "W_out": ("product_heads", "W_out"), "b_out": ("product_heads", "b_out")}  # fmt: skip
 
     def _point_heads(self) -> None:
-        for name in ("W_in", "b_in"):
-            self.product_heads._parameters.pop(name, None)  # the product heads' own copy: replaced by the shared one
-            object.__setattr__(self.product_heads, name, self._parameters[name])
+        for attr, names in self._also_reading:
+            module = self._modules.get(attr)  # None while NeuronMLP.__init__ has not built it yet
+            for name in names if module is not None else ():
+                module._parameters.pop(name, None)  # the module's own copy: replaced by the shared one
+                object.__setattr__(module, name, self._parameters[name])
         super()._point_heads()
 
     def __getattr__(self, name: str) -> Any:
@@ -56,8 +61,17 @@ class SquaredReLUMLP(NeuronMLP):
 
     def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
         """``u = z``: the gate's pre-activation (a copy, so a hook editing ``hook_pre_linear`` in place leaves the
-        gate's input alone), without a second projection."""
+        other heads' input alone), without a second projection."""
         return pre.clone()
+
+
+class SquaredReLUMLP(PlainAsGatedMLP):
+    """A plain ``relu2`` MLP computed by one ReLU gate head and two product heads per neuron."""
+
+    def __init__(self, mlp: MLPSpec, fit: GatedFit) -> None:
+        if mlp.gated or mlp.act_fn not in PRODUCT_ACTIVATIONS or not isinstance(fit, GatedFit):
+            raise ValueError("SquaredReLUMLP builds a plain relu2 MLP from a GatedFit (lens_aot.core.gating)")
+        super().__init__(self.as_gated(mlp), fit)
 
     def spec(self) -> MLPSpec:
         """The plain ``relu2`` MLP these heads implement."""

@@ -17,56 +17,33 @@ the source's (its :meth:`spec` gives them back for ``revert``).
 
 from __future__ import annotations
 
-from typing import Any
-
 from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.components.neuron_attention import NeuronAttention
-from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
+from lens_aot.core.components.squared_relu_mlp import PlainAsGatedMLP
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.spec import MLPSpec
 from lens_aot.core.xielu import XIELUFit, XIELUSpec
 
 
-class XIELUMLP(NeuronMLP):
+class XIELUMLP(PlainAsGatedMLP):
     """A plain xIELU MLP computed by direct neuron heads plus ReLU-gate and product heads (module docstring)."""
+
+    # the direct heads read W_in, b_in and W_out too (their own b_O is zero: b_out is added once, after the sum)
+    _also_reading = (("product_heads", ("W_in", "b_in")), ("heads", ("W_in", "b_in", "W_out")))
 
     def __init__(self, mlp: XIELUSpec, fit: XIELUFit) -> None:
         if not isinstance(mlp, XIELUSpec) or not isinstance(fit, XIELUFit):
             raise ValueError("XIELUMLP builds an XIELUSpec MLP from an XIELUFit (lens_aot.core.xielu.xielu_fit)")
-        as_gated = MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn, W_gate=mlp.W_in, b_gate=mlp.b_in)
-        super().__init__(as_gated, GatedFit("relu", fit.gate, fit.scales, fit.max_error))
+        super().__init__(self.as_gated(mlp), GatedFit("relu", fit.gate, fit.scales, fit.max_error))
         self.xielu = fit
         self.alpha_p, self.alpha_n, self.beta, self.eps = fit.alpha_p, fit.alpha_n, fit.beta, fit.eps
         self.heads = NeuronAttention(MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn), fit.direct)
         b_O = self.heads._parameters.pop("b_O")  # b_out is added once, after the sum (the product heads' b_O)
         self.heads.register_buffer("b_O", b_O.detach().new_zeros(b_O.shape))
         self._point_heads()
-
-    def _source_names(self) -> dict[str, tuple[str, str]]:
-        """``W_in`` / ``b_in`` are the gate heads' (the product and direct heads read the same parameters)."""
-        return {"W_in": ("gate_heads", "W_in"), "b_in": ("gate_heads", "b_in"),
-                "W_out": ("product_heads", "W_out"), "b_out": ("product_heads", "b_out")}  # fmt: skip
-
-    def _point_heads(self) -> None:
-        shared = [("product_heads", ("W_in", "b_in")), ("heads", ("W_in", "b_in", "W_out"))]
-        for attr, names in shared:
-            module = self._modules.get(attr)
-            for name in names if module is not None else ():
-                module._parameters.pop(name, None)  # the module's own copy: replaced by the shared one
-                object.__setattr__(module, name, self._parameters[name])
-        super()._point_heads()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "W_gate":  # the source MLP is plain: no gate (as TransformerLens's ``W_gate`` stack reads it)
-            return None
-        return super().__getattr__(name)
-
-    @property
-    def b_gate(self) -> Float[Tensor, " d_mlp"] | None:
-        return None
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         heads = self.heads
@@ -79,10 +56,6 @@ class XIELUMLP(NeuronMLP):
         product, z = self._gated_post(x, pre)
         out = self.hook_post(direct + product) @ self.W_out + self.b_out
         return out + self._result_change(self.product_heads, z) + self._result_change(heads, z_direct)
-
-    def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
-        """``u = z`` (a copy, so a hook editing ``hook_pre_linear`` in place leaves the other heads' input alone)."""
-        return pre.clone()
 
     def spec(self) -> XIELUSpec:
         """The xIELU MLP these heads implement, with the source's scalars."""

@@ -1,0 +1,84 @@
+"""What the attention layers that the source computes with a multiplicative scale over a dense pattern share:
+multi-head latent attention (:mod:`.mla_attention`, DeepSeek-V2 §2.1) and the mixture of attention heads
+(:mod:`.routed_attention`, JetMoE §2).
+
+Both keep their heads as plain softmax attention heads (only the MLPs become neuron heads, Huben & Morris 2023,
+Theorem 3): one input per position, rotary tables of their own, scores ``q·k · scale`` masked as
+TransformerLens's ``apply_causal_mask``, a softmax in ``softmax_dtype`` cast back, and none of
+:class:`~lens_aot.core.components.attention.Attention`'s variants.
+"""
+
+from __future__ import annotations
+
+import einops
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from lens_aot.core.components.attention import Attention, mask_scores, zero_unseen
+from lens_aot.core.kv_cache import position_rows
+from lens_aot.errors import InputError
+
+
+class ScaledDenseHeads(nn.Module):
+    """The shared part of :class:`~.mla_attention.MLAAttention` and :class:`~.routed_attention.RoutedAttention`.
+
+    A subclass sets ``scale``, ``causal``, ``softmax_dtype``, the ``rope_cos`` / ``rope_sin`` buffers and the hook
+    points ``hook_attn_scores`` / ``hook_pattern``, and calls :meth:`_no_variants` in its ``__init__``.
+    """
+
+    needs_dense_scores = True
+    _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
+
+    def _no_variants(self) -> None:
+        """Attention's attributes, set to read "no such variant" for code that inspects every layer's attention."""
+        self.window = None
+        self.use_attn_result = False
+        self.ungroup = False
+        self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False
+        self.clip_qkv = None
+
+    @property
+    def attn_scale(self) -> float:
+        """TransformerLens's divisor: scores are ``q·k / attn_scale`` with ``attn_scale = 1 / scale``."""
+        return 1.0 / self.scale
+
+    @staticmethod
+    def _one_input(
+        query_input: Float[Tensor, "batch pos d_model"],
+        key_input: Float[Tensor, "batch pos d_model"] | None,
+        value_input: Float[Tensor, "batch pos d_model"] | None,
+        why: str,
+    ) -> None:
+        """Refuse per-head or separate query / key / value inputs; ``why`` says what this layer reads instead."""
+        if query_input.ndim != 3 or any(t is not None and t is not query_input for t in (key_input, value_input)):
+            raise InputError(
+                f"{why}: per-head or separate query / key / value inputs (use_attn_in, use_split_qkv_input) do not "
+                "apply to it. Turn those switches off."
+            )
+
+    def rope_rows(
+        self, pos: int, past: int, attention_mask: Int[Tensor, "batch offset_pos"] | None
+    ) -> tuple[Float[Tensor, "batch_or_1 pos 1 table_dim"], Float[Tensor, "batch_or_1 pos 1 table_dim"]]:
+        """The rotary tables' rows for ``pos`` positions after ``past`` cached ones (left padding counted as
+        :meth:`Attention.apply_rotary` counts it), shaped to broadcast over heads."""
+        rows = (position_rows(t, pos, past, attention_mask)[:, :, None, :] for t in (self.rope_cos, self.rope_sin))
+        return next(rows), next(rows)
+
+    def _z(
+        self,
+        q: Float[Tensor, "batch pos head d_qk"],
+        k: Float[Tensor, "batch key head d_qk"],
+        v: Float[Tensor, "batch key head d_v"],
+        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+    ) -> Float[Tensor, "batch pos head d_v"]:
+        """Scores ``q·k · scale`` (the source multiplies by its scale), masked with -inf, softmax in
+        ``softmax_dtype`` and cast back; a query that sees no key gets a zero pattern row."""
+        scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") * self.scale
+        scores = self.hook_attn_scores(mask_scores(scores, mask, self.causal))
+        pattern = zero_unseen(torch.softmax(scores, dim=-1, dtype=self.softmax_dtype), mask)
+        pattern = self.hook_pattern(pattern.to(v.dtype))
+        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+
+
+__all__ = ["ScaledDenseHeads"]
