@@ -71,8 +71,12 @@ test-tl4: .venv-tl4/.ready
 # The suite runs under TransformerLens 3.9 (HookedTransformer + TransformerBridge) and 4.3 (TransformerBridge only).
 test: lint docs test-tl3 test-tl4
 
-test-new%: .venv-new%/.ready
-	.venv-new$*/bin/python -m pytest -q $(PYTEST_ARGS)
+# Explicit rules: make applies no pattern rule to a .PHONY target, so a `test-new%` rule would leave these two no-ops.
+test-new3: .venv-new3/.ready
+	.venv-new3/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test-new4: .venv-new4/.ready
+	.venv-new4/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The same suite against the newest releases of every dependency (torch stays the pinned CPU build).
 test-newest: test-new3 test-new4

@@ -3,8 +3,13 @@ the same versions (issue 22: a fresh install gets what CI tested)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,3 +44,23 @@ def test_makefile_and_readme_state_the_pinned_versions() -> None:
     torch_pin = re.search(r"TORCH \?= torch==([\d.]+)", makefile)
     assert torch_pin is not None and f"torch {torch_pin.group(1)}" in setup
     assert "-c constraints/tl$*.txt" in makefile and "test-newest:" in makefile
+
+
+def _dry_run(target: str) -> str:
+    """What `make -n target` would run, as if every environment were built (`-o` marks their .ready files old)."""
+    ready = [f"-o.venv-{name}/.ready" for name in ("tl3", "tl4", "new3", "new4")]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # not the outer make's
+    done = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), *ready, target], capture_output=True, text=True, check=True, timeout=60, env=env
+    )
+    return done.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine (the README's commands need it)")
+@pytest.mark.parametrize(("target", "envs"), [("test", ("tl3", "tl4")), ("test-newest", ("new3", "new4"))])
+def test_each_test_target_runs_the_suite_in_its_environments(target: str, envs: tuple[str, str]) -> None:
+    """`make test` and `make test-newest` each run pytest in both of their environments (a target whose recipe
+    make never runs, e.g. a pattern rule for a .PHONY name, would pass while testing nothing)."""
+    commands = _dry_run(target)
+    for env in envs:
+        assert f".venv-{env}/bin/python -m pytest -q" in commands, (target, env, commands)
