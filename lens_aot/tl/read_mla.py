@@ -16,6 +16,7 @@ that reuses an earlier layer's selection (``indexer_types`` "shared") is refused
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,7 +161,7 @@ def read_indexer(layer: int, indexer: nn.Module, q_a: bool, dtype: torch.dtype) 
 
 
 def every_block_tables(
-    bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype, test: Any, what: str
+    bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype, test: Callable[[Any], bool], what: str
 ) -> tuple[Any, Any, bool]:
     """Check that every block's attention passes ``test`` (refusing ``what`` "in some layers only") and the rotary
     scaling is one the tables cover, then read the source's rotary tables (:func:`_tables`)."""

@@ -201,8 +201,8 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     router, experts = _router(block), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
-    fixed = read_token_choice_router(block, router)  # AFMoE, GraniteMoe: read by their source's computation
-    W = getattr(router, "weight", None) if fixed is None or "weight" not in fixed else fixed.pop("weight")
+    fixed = read_token_choice_router(block, router) or {}  # AFMoE, GraniteMoe: read by their source's computation
+    W = fixed.pop("weight", getattr(router, "weight", None))
     if not isinstance(W, torch.Tensor) or W.ndim != 2 or getattr(router, "bias", None) is not None:
         raise _refuse(
             layer,
@@ -252,7 +252,7 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     )
     if group_router is not None:  # DeepSeek's routers: the source's own operations (lens_aot.core.moe_routers)
         return spec
-    if fixed is not None:  # checked on the probe all the same
+    if fixed:  # checked on the probe all the same
         return _probe_router(block, [dataclasses.replace(spec, **fixed)], layer)
     return _probe_router(block, _candidates(block, router, spec), layer)
 

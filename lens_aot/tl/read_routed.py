@@ -82,8 +82,9 @@ def read_routed_layer(
 def read_routed(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     """What :func:`lens_aot.tl.read_bridge.read_bridge` reads off a Hugging Face source whose every block is a
     mixture of attention heads (the same keys as its ``_read_hf``, plus ``"routed"``: each layer's spec)."""
-    tables = every_block_tables(bridge, model, blocks, dtype, is_routed, "a mixture of attention heads")
-    cos, sin, complex_table = tables
+    cos, sin, complex_table = every_block_tables(
+        bridge, model, blocks, dtype, is_routed, "a mixture of attention heads"
+    )
     if complex_table:
         raise refuse_piece(None, "rotary_emb", "a complex rotary table beside a mixture of attention heads")
     cos, sin = cos.to(dtype), sin.to(dtype)

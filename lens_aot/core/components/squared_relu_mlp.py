@@ -44,8 +44,10 @@ class PlainAsGatedMLP(NeuronMLP):
 
     def _point_heads(self) -> None:
         for attr, names in self._also_reading:
-            module = self._modules.get(attr)  # None while NeuronMLP.__init__ has not built it yet
-            for name in names if module is not None else ():
+            module = self._modules.get(attr)
+            if module is None:  # NeuronMLP.__init__ has not built it yet
+                continue
+            for name in names:
                 module._parameters.pop(name, None)  # the module's own copy: replaced by the shared one
                 object.__setattr__(module, name, self._parameters[name])
         super()._point_heads()
