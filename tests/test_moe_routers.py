@@ -2,8 +2,8 @@
 GraniteMoe), built as the
 support matrix builds them (tiny, random weights, transformers' eager experts so that float64 runs), each faithful
 to the source's own forward in float32 and float64; the router variants (sigmoid scores, correction bias, routed
-scaling, float32 logits) read by what they compute and each detected when wrong; MoE save/load; GPT-OSS and JetMoE
-refused by piece."""
+scaling, float32 logits) read by what they compute and each detected when wrong; MoE save/load; GPT-OSS's biased
+top-k-then-softmax router and clamped experts (tests/test_gpt_oss.py); JetMoE's other experts refused by piece."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {},
     "AfmoeForCausalLM": {"route_scale": 2.5},  # sigmoid, expert_bias, renormalised, route_scale; float32 scores
     "GraniteMoeForCausalLM": {},  # top-k of the float32 logits, then a softmax over those k
+    # biased router (top-k logits, then a softmax over them), clamped-SwiGLU experts with biases, attention sinks
+    # (its binding clamps and windows: tests/test_gpt_oss.py)
+    "GptOssForCausalLM": {},
 }
 # ERNIE 4.5's attention rotates adjacent pairs in float32 whatever the dtype: float64 is refused at the attention.
 FP32_ONLY: set[str] = set()  # every family also in float64 (ERNIE: its float32 rotary carried)
@@ -127,7 +130,7 @@ def test_routers_are_read_by_what_they_compute(bridges) -> None:
 WRONG_ROUTERS = ["Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "AfmoeForCausalLM"]
 
 
-@pytest.mark.parametrize("architecture", [*WRONG_ROUTERS, "GraniteMoeForCausalLM"])
+@pytest.mark.parametrize("architecture", [*WRONG_ROUTERS, "GraniteMoeForCausalLM", "GptOssForCausalLM"])
 def test_a_wrong_router_is_detected(bridges, architecture: str) -> None:
     """A 1e-3 change of the routed scaling, the correction bias left out (it steers the choice only, so it shows
     where it changes a choice; a 1e-3 change of it changes no choice on these inputs) or the other scoring rule: the
@@ -165,11 +168,12 @@ def test_the_sensitivity_covers_the_shared_experts_without_hooks(bridges, conver
 @pytest.mark.parametrize(
     "key",
     [(a, torch.float64) for a in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "AfmoeForCausalLM")]
-    + [("GraniteMoeForCausalLM", torch.float64)],
-    ids=["glm4", "minimax", "afmoe", "granitemoe"],
+    + [("GraniteMoeForCausalLM", torch.float64), ("GptOssForCausalLM", torch.float64)],
+    ids=["glm4", "minimax", "afmoe", "granitemoe", "gpt-oss"],
 )
 def test_save_and_load_round_trip(converted, tmp_path, key: tuple[str, torch.dtype]) -> None:
-    """Router weights, correction bias, routing fields, expert neurons and shared experts: logits identical."""
+    """Router weights and bias, correction bias, routing fields, expert neurons (GPT-OSS's clamp scalars and expert
+    biases), shared experts and attention sinks: logits identical."""
     aot = converted[key]
     lens_aot.save(aot, tmp_path / "moe")
     loaded = lens_aot.load(tmp_path / "moe")
@@ -182,13 +186,12 @@ def test_save_and_load_round_trip(converted, tmp_path, key: tuple[str, torch.dty
     saved, back = aot.to_spec().layers[layer].mlp, loaded.to_spec().layers[layer].mlp
     for field in ("scoring", "logits_dtype", "routed_scaling_factor", "norm_min", "top_k", "norm_topk_prob"):
         assert getattr(back, field) == getattr(saved, field), field
+    assert [type(e) for e in back.experts] == [type(e) for e in saved.experts]
+    assert [getattr(e, "limit", None) for e in back.experts] == [getattr(e, "limit", None) for e in saved.experts]
+    assert [getattr(e, "alpha", None) for e in back.experts] == [getattr(e, "alpha", None) for e in saved.experts]
 
 
-def test_gpt_oss_and_jetmoe_experts_are_refused_by_piece() -> None:
-    gpt_oss = build_hf_model(Family("GptOssForCausalLM"))
-    with pytest.raises(UnsupportedArchitectureError, match="layer 0 mlp: a clamped SwiGLU") as info:
-        refuse_other_moe(gpt_oss.model.layers[0].mlp, 0)
-    assert "experts with biases" in str(info.value) and "top-k logits before its softmax" in str(info.value)
+def test_jetmoe_experts_are_refused_by_piece() -> None:
     jetmoe = build_hf_model(Family("JetMoeForCausalLM"))
     with pytest.raises(UnsupportedArchitectureError, match="layer 1 mlp: a mixture of experts of type JetMoeMoE"):
         refuse_other_moe(jetmoe.model.layers[1].mlp, 1)  # JetMoE converts (tests/test_routed_attention.py): not here

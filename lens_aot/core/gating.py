@@ -124,6 +124,10 @@ def gated_fit(
         max_neuron_error: bound on ``|post − post_source|`` per neuron, over all inputs (default 1e-4).
         heads_per_neuron: GELU gates: use exactly this many gate heads per neuron.
     """
+    from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu_fit
+
+    if isinstance(mlp, ClampedSwiGLUSpec):  # GPT-OSS: exact gate head, clamped inputs (lens_aot.core.clamped_swiglu)
+        return clamped_swiglu_fit(mlp, norm, max_neuron_error)
     source_act = canonical_activation(mlp.act_fn)
     if source_act in PRODUCT_ACTIVATIONS:
         if mlp.gated:

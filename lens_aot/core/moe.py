@@ -112,9 +112,8 @@ def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float
         scores = router_scores(spec.router, group_router_logits(flat, spec.W_router.to(flat.device)))
         indices, weights = select_experts(spec.router, scores, spec.top_k)
         return indices, weights.to(flat.dtype)
-    logits = router_logits(flat, spec.W_router.to(flat.device), spec.logits_dtype)
-    if spec.b_router is not None:
-        logits = logits + spec.b_router.to(flat.device)
+    bias = None if spec.b_router is None else spec.b_router.to(flat.device)
+    logits = router_logits(flat, spec.W_router.to(flat.device), spec.logits_dtype, bias)
     router = build_router(spec).to(flat.device)
     indices, weights = router.choose(router.scores(logits))
     return indices, weights.to(flat.dtype)

@@ -20,7 +20,8 @@ Schema (``?``: may be null)::
              [query_scale_beta], [query_scale_length]}
              | mla | routed (lens_aot/io/schema_attention.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
-    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu]} | moe (lens_aot/io/schema_moe.py)
+    mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu], [clamped_swiglu]}
+            | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
@@ -61,6 +62,7 @@ from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
+from lens_aot.io.schema_clamped_swiglu import clamped_swiglu_record, clamped_swiglu_spec
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
 from lens_aot.io.schema_xielu import decode_xielu_fit, encode_xielu_fit, xielu_record, xielu_spec
 
@@ -180,7 +182,8 @@ class Encoder:
         out: dict[str, Any] = {"act_fn": mlp.act_fn}
         for name in (*_MLP_TENSORS, *_MLP_OPTIONAL):
             out[name] = self.tensor(getattr(mlp, name), f"{key}.{name}")
-        return out | xielu_record(mlp)  # xIELU's learned scalars (lens_aot.io.schema_xielu)
+        # xIELU's learned scalars (lens_aot.io.schema_xielu), GPT-OSS's clamp (lens_aot.io.schema_clamped_swiglu)
+        return out | xielu_record(mlp) | clamped_swiglu_record(mlp)
 
     def layer(self, layer: LayerSpec, key: str) -> dict[str, Any]:
         out = {
@@ -413,10 +416,11 @@ class Decoder:
             return None
         if is_moe_record(obj):
             return decode_moe(self, obj, path)
-        f = self.fields(obj, path, ("act_fn", *_MLP_TENSORS, *_MLP_OPTIONAL), ("xielu",))
+        f = self.fields(obj, path, ("act_fn", *_MLP_TENSORS, *_MLP_OPTIONAL), ("xielu", "clamped_swiglu"))
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _MLP_TENSORS}
         optional = {name: self.tensor(f[name], f"{path}.{name}") for name in _MLP_OPTIONAL}
-        return xielu_spec(self, MLPSpec(**tensors, act_fn=str(f["act_fn"]), **optional), f.get("xielu"), path)
+        mlp = xielu_spec(self, MLPSpec(**tensors, act_fn=str(f["act_fn"]), **optional), f.get("xielu"), path)
+        return clamped_swiglu_spec(self, mlp, f.get("clamped_swiglu"), path)
 
     def layer(self, obj: Any, path: str) -> LayerSpec:
         f = self.fields(obj, path, ("ln1", "attn", "ln2", "mlp", "parallel"), _LAYER_VARIANTS)

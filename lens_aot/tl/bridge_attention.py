@@ -85,6 +85,8 @@ class AttentionReading:
     duplicate_half_tables: bool = True
     # Ministral 3's Llama-4 query scaling (beta, original_max_position_embeddings), where it binds below n_ctx
     query_scale: tuple[float, int] | None = None
+    # GPT-OSS's attention sinks (a learned logit per head joins the float32 softmax; core/components/sinks.py)
+    sinks: Tensor | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -107,18 +109,30 @@ def _sliding_window(layer: int, hf_attn: nn.Module, hf_config: Any) -> int | Non
 
 
 def _check_common(
-    layer: int, attn: Any, hf_attn: nn.Module, hf_config: Any, n_ctx: int, qk_norm_ok: bool, gate_ok: bool = False
+    layer: int,
+    attn: Any,
+    hf_attn: nn.Module,
+    hf_config: Any,
+    n_ctx: int,
+    qk_norm_ok: bool,
+    gate_ok: bool = False,
+    position_embeddings: bool = False,
 ) -> tuple[float | None, int | None]:
     """Refuse, naming the layer, every attention feature the spec's attention cannot express; return the layer's
-    score soft-cap and binding sliding window (None when absent or not binding at ``n_ctx``)."""
+    score soft-cap and binding sliding window (None when absent or not binding at ``n_ctx``). A
+    ``PositionEmbeddingsAttentionBridge`` (``position_embeddings``) may hold ``_rotary_emb``, its reference to the
+    model's rotary module (GPT-OSS's adapter sets it; the forward takes its tables from the block's
+    ``position_embeddings``, which :func:`model_rotary` reads from the same module), and attention sinks, which its
+    forward computes (:func:`_position_embeddings_attention` reads them)."""
     allowed = {"q", "k", "v", "o", "qkv"} | ({"q_norm", "k_norm"} if qk_norm_ok else set())
     allowed |= {"gate"} if gate_ok else set()  # an output gate: lens_aot.tl.bridge_delegated_rotary
+    allowed |= {"_rotary_emb"} if position_embeddings else set()
     for name in sorted(_subcomponents(attn) - allowed):
         raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))
-    for attr, what in (
-        ("sinks", "attention sinks (a learned per-head logit in the softmax)"),
-        ("key_multiplier", "a key multiplier (muP scaling of the keys)"),
-    ):
+    unread = [("key_multiplier", "a key multiplier (muP scaling of the keys)")]
+    if not position_embeddings:
+        unread.append(("sinks", "attention sinks (a learned per-head logit in the softmax)"))
+    for attr, what in unread:
         if getattr(hf_attn, attr, None) is not None:
             raise refuse_piece(layer, "attn", what)
     if getattr(hf_config, "clip_qkv", None) is not None:
@@ -182,7 +196,14 @@ def read_attention(
     delegated_rotary = cls == "AttentionBridge" and type(hf_attn).__name__ not in _DELEGATED
     delegated_rotary = delegated_rotary and is_delegated_rotary(hf_attn)
     cap, window = _check_common(
-        layer, attn, hf_attn, hf_config, n_ctx, position_embeddings or delegated_rotary, delegated_rotary
+        layer,
+        attn,
+        hf_attn,
+        hf_config,
+        n_ctx,
+        position_embeddings or delegated_rotary,
+        delegated_rotary,
+        position_embeddings,
     )
     if delegated_rotary:
         reading = read_delegated_rotary(layer, attn, hf_attn, hf_config, bridge_cfg, dtype, rotary_bridge, cap, window)
@@ -278,6 +299,14 @@ def _position_embeddings_attention(
     # _apply_rotary_pos_emb_adjacent_pairs: q.float() · cos + rotate(q).float() · sin, whatever the model dtype
     reading.rotary_input_dtype = torch.float32 if adjacent else None
     reading.query_scale = query_scale
+    sinks = getattr(hf_attn, "sinks", None)
+    if sinks is not None:
+        # cat([scores, sink]) minus its row maximum, softmax in float32, cast back, the sink column dropped
+        n_heads = int(hf_attn.q_proj.weight.shape[0]) // int(hf_attn.head_dim) if hasattr(hf_attn, "q_proj") else None
+        if not isinstance(sinks, Tensor) or sinks.ndim != 1 or (n_heads is not None and sinks.numel() != n_heads):
+            shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise refuse_piece(layer, "attn", f"attention sinks of shape {shape}", "Use one sink logit per head.")
+        reading.sinks = _copy(sinks.detach().to(dtype))
     return reading
 
 

@@ -258,8 +258,8 @@ def _attention(
     attn_bridge: Any, n_heads: int, dtype: torch.dtype, attn_scale: float, softmax_dtype: torch.dtype | None
 ) -> AttentionSpec:
     """Q/K/V/O from the bridge's ``q``/``k``/``v``/``o`` LinearBridges (split from fused QKV by the bridge itself)."""
-    # QK-norm and output gates: read (or refused) by bridge_attention
-    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv", "q_norm", "k_norm", "gate"}
+    # QK-norm, output gates and the rotary module's reference (_rotary_emb): read (or refused) by bridge_attention
+    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv", "q_norm", "k_norm", "gate", "_rotary_emb"}
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
     parts = {}

@@ -414,7 +414,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
                 attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
                 attn.rotary = info["layer_rotary"][layer]
-                attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
+                attn.alibi_slopes, attn.clip_qkv, attn.sinks = reading.alibi_slopes, reading.clip_qkv, reading.sinks
                 attn.alibi_key_origin = reading.alibi_key_origin
                 attn.scores_dtype = reading.scores_dtype
                 attn.qk_norm_after_rotary, attn.output_gate = reading.qk_norm_after_rotary, reading.output_gate

@@ -13,7 +13,8 @@ expert, :mod:`lens_aot.core.components.moe_router`) and logit dtypes the one who
 own on a seeded probe input is taken; none matching is refused naming the layer. A router that is the block's
 ``router`` (AFMoE's token-choice router, GraniteMoe's top-k-then-softmax) is read by its source's computation
 (:func:`lens_aot.tl.read_moe_router.read_token_choice_router`), then checked on the same probe. Group-limited
-routing, biased or clamped experts (GPT-OSS) and JetMoE's experts are refused by piece. A dense layer of an MoE
+routing is read by :mod:`lens_aot.tl.read_moe_router`, GPT-OSS's biased router and clamped-SwiGLU experts with
+biases by :mod:`lens_aot.tl.read_moe_gpt_oss`; other JetMoE experts are refused by piece. A dense layer of an MoE
 model (an ``MoEBridge`` around a gated ``gate_proj`` / ``up_proj`` / ``down_proj`` MLP) is read as a dense gated MLP.
 """
 
@@ -43,15 +44,6 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
-# What GPT-OSS's mixture of experts computes beyond a softmax top-k router over bias-free gated experts.
-_GPT_OSS_PIECES = [
-    "a clamped SwiGLU (GPT-OSS: (clamp(up, ±limit) + 1)·g·σ(alpha·g) with g = min(gate, limit); its linear branch is "
-    "clamped, so it is not the product of an activation and a linear map)",
-    "experts with biases",
-    "a biased router that takes the top-k logits before its softmax",
-]
-
-
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
@@ -64,8 +56,10 @@ def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
 def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: int) -> MoESpec:
     """TransformerLens 3.9's ``MoE``: ``W_gate`` (router, ``nn.Linear`` [d_model → n_experts]) and ``experts``
     (``MoEGatedMLP``: ``act(x·W_gate)·(x·W_in)`` then ``W_out``, all bias-free ``nn.Linear``)."""
-    if type(moe).__name__ == "GptOssMoE":  # TransformerLens 3.9's GPT-OSS MoE, named by its pieces
-        raise _refuse(layer, "; ".join(_GPT_OSS_PIECES))
+    if type(moe).__name__ == "GptOssMoE":  # TransformerLens 3.9's GPT-OSS MoE (lens_aot.tl.read_moe_gpt_oss)
+        from lens_aot.tl.read_moe_gpt_oss import read_hooked_gpt_oss_moe
+
+        return read_hooked_gpt_oss_moe(moe, layer)
     if type(moe).__name__ != "MoE":
         raise _refuse(layer, f"a mixture of experts of type {type(moe).__name__} (expected TransformerLens's MoE)")
     experts = []
@@ -201,6 +195,10 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     router, experts = _router(block), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
+    from lens_aot.tl.read_moe_gpt_oss import is_gpt_oss_moe, read_gpt_oss_moe
+
+    if is_gpt_oss_moe(block):  # GPT-OSS: biased router, clamped SwiGLU experts with biases
+        return _probe_router(block, [read_gpt_oss_moe(block, router, experts, layer)], layer)
     fixed = read_token_choice_router(block, router) or {}  # AFMoE, GraniteMoe: read by their source's computation
     W = fixed.pop("weight", getattr(router, "weight", None))
     if not isinstance(W, torch.Tensor) or W.ndim != 2 or getattr(router, "bias", None) is not None:
@@ -258,16 +256,8 @@ def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
 
 
 def refuse_other_moe(module: nn.Module, layer: int) -> None:
-    """Name the pieces of the mixtures of experts lens_aot does not read (GPT-OSS, JetMoE), by what they compute."""
-    experts = _unwrap(getattr(module, "experts", None))
+    """Name the mixtures of experts lens_aot does not read (JetMoE's other forms), by what they compute."""
     router = _unwrap(getattr(module, "router", None))
-    if experts is not None and router is not None and hasattr(experts, "limit") and hasattr(experts, "alpha"):
-        pieces = _GPT_OSS_PIECES[:1]
-        if getattr(experts, "gate_up_proj_bias", None) is not None:
-            pieces.append(_GPT_OSS_PIECES[1])
-        if getattr(router, "bias", None) is not None:
-            pieces.append(_GPT_OSS_PIECES[2])
-        raise _refuse(layer, "; ".join(pieces))
     if router is not None and hasattr(module, "input_linear") and hasattr(module, "output_linear"):
         raise _refuse(
             layer,

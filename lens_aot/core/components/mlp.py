@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import reference_activation
+from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu
 from lens_aot.core.components.ownership import parameter
 from lens_aot.core.spec import MLPSpec
 from lens_aot.core.xielu import XIELUSpec, xielu
@@ -42,6 +43,8 @@ class MLP(nn.Module):
         self.xielu = None
         if isinstance(spec, XIELUSpec):
             self.xielu = (spec.alpha_p, spec.alpha_n, spec.beta, spec.eps)
+        # GPT-OSS's clamped SwiGLU (alpha, limit) (lens_aot.core.clamped_swiglu); None for other gated MLPs
+        self.clamp = (spec.alpha, spec.limit) if isinstance(spec, ClampedSwiGLUSpec) else None
 
     def _act(self, z: Tensor) -> Tensor:
         return reference_activation(self.act_fn, z) if self.xielu is None else xielu(z, *self.xielu)
@@ -49,6 +52,9 @@ class MLP(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.W_gate is None:
             post = self.hook_post(self._act(self.hook_pre(x @ self.W_in + self.b_in)))
+        elif self.clamp is not None:
+            gate, up = self.hook_pre(x @ self.W_gate + self.b_gate), self.hook_pre_linear(x @ self.W_in + self.b_in)
+            post = self.hook_post(clamped_swiglu(gate, up, *self.clamp))  # b_post: never set for it
         else:
             gate = reference_activation(self.act_fn, self.hook_pre(x @ self.W_gate + self.b_gate))
             post = gate * self.hook_pre_linear(x @ self.W_in + self.b_in)
@@ -65,10 +71,8 @@ class MLP(nn.Module):
             tensors = (p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out))
             alpha_p, alpha_n, beta, eps = self.xielu
             return XIELUSpec(*tensors, self.act_fn, alpha_p=alpha_p, alpha_n=alpha_n, beta=beta, eps=eps)
-        return MLPSpec(
-            *(p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)),
-            self.act_fn,
-            W_gate=copy(self.W_gate),
-            b_gate=copy(self.b_gate),
-            b_post=copy(self.b_post),
-        )
+        tensors = [p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)]
+        gates = {"W_gate": copy(self.W_gate), "b_gate": copy(self.b_gate), "b_post": copy(self.b_post)}
+        if self.clamp is not None:
+            return ClampedSwiGLUSpec(*tensors, self.act_fn, **gates, alpha=self.clamp[0], limit=self.clamp[1])
+        return MLPSpec(*tensors, self.act_fn, **gates)

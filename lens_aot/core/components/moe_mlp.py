@@ -92,10 +92,7 @@ class MoEMLP(nn.Module):
             router = replace(self.group_router, e_score_correction_bias=bias)
             indices, weights = select_experts(router, scores, self.top_k)
             return self.hook_expert_indices(indices), self.hook_topk_weights(weights.to(flat.dtype))
-        logits = router_logits(flat, self.W_gate, self.logits_dtype)
-        if self.b_gate is not None:
-            logits = logits + self.b_gate
-        logits = self.hook_router_logits(logits)
+        logits = self.hook_router_logits(router_logits(flat, self.W_gate, self.logits_dtype, self.b_gate))
         probs = self.hook_expert_weights(self.router.scores(logits))
         indices, weights = self.router.choose(probs)
         indices = self.hook_expert_indices(indices)

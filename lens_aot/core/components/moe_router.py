@@ -29,14 +29,19 @@ from lens_aot.errors import InputError
 
 
 def router_logits(
-    x: Float[Tensor, "tokens d_model"], W_router: Float[Tensor, "d_model n_experts"], dtype: torch.dtype | None
+    x: Float[Tensor, "tokens d_model"],
+    W_router: Float[Tensor, "d_model n_experts"],
+    dtype: torch.dtype | None,
+    bias: Float[Tensor, " n_experts"] | None = None,
 ) -> Float[Tensor, "tokens n_experts"]:
-    """``x @ W_router`` (in ``dtype`` when set: GLM-4-MoE and ERNIE 4.5 compute it in float32), computed as every
-    source computes it, ``F.linear`` with the ``[n_experts, d_model]`` weight in row-major layout, so the rounding is
-    the source's whatever the layout ``W_router`` is stored in (a saved and loaded model included)."""
+    """``x @ W_router (+ bias)`` (in ``dtype`` when set: GLM-4-MoE and ERNIE 4.5 compute it in float32), computed as
+    every source computes it, ``F.linear`` with the ``[n_experts, d_model]`` weight in row-major layout (and the bias
+    inside the same call, GPT-OSS's router), so the rounding is the source's whatever the layout ``W_router`` is
+    stored in (a saved and loaded model included)."""
     if dtype is not None:
         x, W_router = x.to(dtype), W_router.to(dtype)
-    return F.linear(x, W_router.T.contiguous())
+        bias = None if bias is None else bias.to(dtype)
+    return F.linear(x, W_router.T.contiguous(), bias)
 
 
 class TopKRouter(nn.Module):

@@ -136,7 +136,8 @@ class NeuronMLP(nn.Module):
         already through ``hook_pre`` (xIELU's heads share it)."""
         gate, product = self.gate_heads, self.product_heads
         pre = self.hook_pre(x @ gate.W_in + gate.b_in) if pre is None else pre
-        u = self.hook_pre_linear(self._linear_branch(x, pre))
+        u = self._product_input(self.hook_pre_linear(self._linear_branch(x, pre)))
+        pre = self._gate_input(pre)
         if self._fused(gate):
             h = gate.activation(pre)
         else:
@@ -157,6 +158,14 @@ class NeuronMLP(nn.Module):
     def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
         """``u = x·W_in + b_in``, the product heads' input (``pre``: the gate's pre-activation, already computed)."""
         return x @ self.product_heads.W_in + self.product_heads.b_in
+
+    def _gate_input(self, pre: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos d_mlp"]:
+        """What the gate heads read: the gate's pre-activation (GPT-OSS's clamped SwiGLU clamps it first)."""
+        return pre
+
+    def _product_input(self, u: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos d_mlp"]:
+        """What the product heads read as their linear factor: ``u`` (GPT-OSS's: ``clamp(u, ±limit) + 1``)."""
+        return u
 
     def _fused(self, heads: NeuronAttention | ProductAttention) -> bool:
         return self.use_fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())

@@ -82,11 +82,18 @@ class SquaredReLUMLP(PlainAsGatedMLP):
 
 def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
     """A source MLP as neuron heads: a :class:`NeuronMLP`, a :class:`SquaredReLUMLP` (a plain MLP with a
-    :class:`GatedFit`: squared ReLU), an :class:`~lens_aot.core.components.xielu_mlp.XIELUMLP` (xIELU), or for a
+    :class:`GatedFit`: squared ReLU), an :class:`~lens_aot.core.components.xielu_mlp.XIELUMLP` (xIELU), a
+    :class:`~lens_aot.core.components.clamped_swiglu_mlp.ClampedSwiGLUMLP` (GPT-OSS's clamped SwiGLU), or for a
     mixture of experts an :class:`MoEMLP` of them (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
     if isinstance(mlp, MoESpec):
         return MoEMLP(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
+    from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
     from lens_aot.core.xielu import XIELUFit
+
+    if isinstance(mlp, ClampedSwiGLUSpec):  # GPT-OSS's experts
+        from lens_aot.core.components.clamped_swiglu_mlp import ClampedSwiGLUMLP
+
+        return ClampedSwiGLUMLP(mlp, fit)
 
     if isinstance(fit, XIELUFit):
         from lens_aot.core.components.xielu_mlp import XIELUMLP

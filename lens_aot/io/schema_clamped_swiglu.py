@@ -1,0 +1,50 @@
+"""The saved form of GPT-OSS's clamped-SwiGLU MLPs (:class:`~lens_aot.core.clamped_swiglu.ClampedSwiGLUSpec`), part of
+:mod:`lens_aot.io.schema`'s format::
+
+    mlp     {…gated mlp…, clamped_swiglu: {alpha, limit}}
+
+Their fits are ordinary ``gated`` fit records (the gate head ``(1, 0, alpha, 0)`` and the product scales). JSON
+round-trips float64 exactly, so the scalars load bit for bit. A lens_aot that does not know the clamped SwiGLU
+refuses such a file by its unknown ``clamped_swiglu`` field (it comes from a newer lens_aot).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
+from lens_aot.core.spec import MLPSpec
+from lens_aot.errors import LoadError
+
+__all__ = ["clamped_swiglu_record", "clamped_swiglu_spec"]
+
+SCALARS = ("alpha", "limit")
+
+
+def clamped_swiglu_record(mlp: MLPSpec) -> dict[str, Any]:
+    """``{"clamped_swiglu": {alpha, limit}}`` for a clamped-SwiGLU MLP record, ``{}`` for any other MLP."""
+    if not isinstance(mlp, ClampedSwiGLUSpec):
+        return {}
+    return {"clamped_swiglu": {name: float(getattr(mlp, name)) for name in SCALARS}}
+
+
+def clamped_swiglu_spec(decoder: Any, mlp: MLPSpec, record: Any, path: str) -> MLPSpec:
+    """``mlp`` (decoded without its ``clamped_swiglu`` field) as a :class:`ClampedSwiGLUSpec` when ``record`` holds
+    the scalars."""
+    if record is None:
+        return mlp
+    if mlp.W_gate is None:
+        raise LoadError(f"{decoder.where}: {path} is a clamped SwiGLU without W_gate; the file is corrupt.")
+    f = decoder.fields(record, f"{path}.clamped_swiglu", SCALARS)
+    return ClampedSwiGLUSpec(
+        mlp.W_in,
+        mlp.b_in,
+        mlp.W_out,
+        mlp.b_out,
+        mlp.act_fn,
+        W_gate=mlp.W_gate,
+        b_gate=mlp.b_gate,
+        b_post=mlp.b_post,
+        alpha=float(f["alpha"]),
+        limit=float(f["limit"]),
+    )

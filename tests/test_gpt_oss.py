@@ -1,0 +1,171 @@
+"""GPT-OSS through a TransformerBridge (TransformerLens 3.9 and 4.3): YaRN rotary on un-duplicated half tables,
+attention sinks, alternating sliding windows, q/k/v/o biases, and a mixture of experts with a biased top-k-then-
+softmax router and clamped-SwiGLU experts with biases (lens_aot.core.clamped_swiglu), faithful to the source's own
+forward in float32 and float64 with clamps that bind (``swiglu_limit`` 0.5: about 16% of the gates and 32% of the
+linear branches are clamped) and a window that binds (``sliding_window`` 8 on 24 tokens); a 1e-3 change of
+``alpha``, ``limit`` or a sink leaves the tolerance. Save/load and the wrong-router checks run in
+tests/test_moe_routers.py, the HookedTransformer route in tests/test_hooked_moe_routers.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from conftest import TOLERANCES
+
+import lens_aot
+from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu, clamped_swiglu_fit
+from lens_aot.core.read import read_model, run_source
+from lens_aot.core.spec import MoESpec, NormSpec
+from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
+from lens_aot.tl.build import bridge_from_hf_module
+
+DTYPES = [torch.float32, torch.float64]
+ARCH = "GptOssForCausalLM"
+FIELDS = {"swiglu_limit": 0.5, "sliding_window": 8}
+
+
+def _tokens(seed: int = 3) -> torch.Tensor:
+    return torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def bridges() -> dict[torch.dtype, Any]:
+    torch.set_num_threads(1)
+    model = build_hf_model(Family(ARCH, "test", FIELDS))
+    copies = {torch.float64: copy_as(model, torch.float64), torch.float32: model}  # copy before bridging
+    return {
+        d: bridge_from_hf_module(
+            copies[d], ARCH, hf_config=copies[d].config, tokenizer=tiny_tokenizer(), dtype=d, model_name=ARCH
+        ).eval()
+        for d in DTYPES
+    }
+
+
+def _error(source: Any, aot: Any, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((aot(tokens) - run_source(source, tokens)).abs().max())
+
+
+def _clamped_share(hf: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, float]:
+    """The share of gate and linear-branch entries the source clamps on ``tokens`` (expert 0 of every layer)."""
+    shares: list[tuple[float, float]] = []
+
+    def record(module: Any, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        gate_up = args[0] @ module.gate_up_proj[0] + module.gate_up_proj_bias[0]
+        limit = module.limit
+        shares.append(
+            (
+                float((gate_up[..., ::2] > limit).double().mean()),
+                float((gate_up[..., 1::2].abs() > limit).double().mean()),
+            )
+        )
+
+    handles = [layer.mlp.experts.register_forward_hook(record) for layer in hf.model.layers]
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(s[0] for s in shares), min(s[1] for s in shares)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
+def test_logits_match_the_source_with_binding_clamps(bridges, dtype: torch.dtype) -> None:
+    bridge, tokens = bridges[dtype], _tokens()
+    hf = bridge.original_model
+    gates, ups = _clamped_share(hf, tokens)
+    assert gates > 0.05 and ups > 0.1, (gates, ups)  # the clamps bind
+    aot = lens_aot.convert(bridge)
+    report = aot.report
+    assert report.max_abs_logit_error is not None and report.max_abs_logit_error <= report.logit_bound < 0.05
+    # with binding clamps the product heads' factors reach their certified ranges, so the per-neuron error (≤ 1e-4)
+    # is nearly attained and the bound is the sensitivity term 8·S, above the stated 1e-4
+    tol = report.logit_bound
+    assert _error(bridge, aot, tokens) <= tol
+    with torch.no_grad():  # the Hugging Face model's own forward too
+        assert float((aot(tokens) - hf(tokens).logits).abs().max()) <= tol
+    aot.set_use_fused_neurons(True)  # the closed-form path computes the same clamps
+    assert _error(bridge, aot, tokens) <= tol
+
+
+def test_the_pieces_are_read_as_the_source_computes_them(bridges) -> None:
+    bridge = bridges[torch.float64]
+    hf, spec = bridge.original_model, read_model(bridge)
+    config = hf.config
+    for layer, (piece, hf_layer) in enumerate(zip(spec.layers, hf.model.layers, strict=True)):
+        attn, moe = piece.attn, piece.mlp
+        assert torch.equal(attn.sinks, hf_layer.self_attn.sinks)
+        assert attn.window == (8 if config.layer_types[layer] == "sliding_attention" else None)
+        assert attn.softmax_dtype == torch.float32 and attn.b_Q.abs().sum() > 0  # biased projections
+        assert isinstance(moe, MoESpec) and (moe.scoring, moe.softmax_dtype, moe.top_k) == ("topk_softmax", None, 2)
+        router, experts = hf_layer.mlp.router, hf_layer.mlp.experts
+        assert torch.equal(moe.b_router, router.bias) and torch.equal(moe.W_router, router.weight.T)
+        for e, expert in enumerate(moe.experts):
+            assert isinstance(expert, ClampedSwiGLUSpec)
+            assert (expert.alpha, expert.limit) == (config.swiglu_alpha, config.swiglu_limit)
+            assert torch.equal(expert.W_gate, experts.gate_up_proj[e][:, ::2])  # interleaved: gate even, up odd
+            assert torch.equal(expert.W_in, experts.gate_up_proj[e][:, 1::2])
+            assert torch.equal(expert.b_gate, experts.gate_up_proj_bias[e][::2])
+            assert torch.equal(expert.b_in, experts.gate_up_proj_bias[e][1::2])
+            assert torch.equal(expert.b_out, experts.down_proj_bias[e]) and torch.equal(
+                expert.W_out, experts.down_proj[e]
+            )
+    # YaRN: the rotary tables are the source module's (attention scaling included), duplicated over the head
+    rotary = spec.rotary
+    assert rotary is not None and rotary.rotary_dim == config.head_dim and not rotary.adjacent_pairs
+    cos, _ = hf.model.rotary_emb(torch.zeros(1, 4, 1, dtype=torch.float64), torch.arange(4)[None])
+    assert torch.equal(rotary.cos[:4], torch.cat([cos[0], cos[0]], -1))
+
+
+@pytest.mark.parametrize("piece", ["alpha", "limit", "sinks", "down bias"])
+def test_a_wrong_piece_is_detected(bridges, piece: str) -> None:
+    """A 1e-3 change of alpha, limit or one layer's sinks, or the down biases taken out of the routed sum (added
+    once, unscaled by the router weights): the float64 logits leave the tolerance, which the reading meets with a
+    small margin at a per-neuron bound of 1e-8."""
+    bridge, tokens, tol = bridges[torch.float64], _tokens(), TOLERANCES[("gated", torch.float64)]
+    spec = read_model(bridge)
+    assert _error(bridge, lens_aot.convert(spec, check=False, max_neuron_error=1e-8), tokens) <= tol / 100
+    for i, layer in enumerate(spec.layers):
+        moe = layer.mlp
+        assert isinstance(moe, MoESpec)
+        if piece in ("alpha", "limit"):
+            step = {piece: getattr(moe.experts[0], piece) + 1e-3}
+            moe = dataclasses.replace(moe, experts=[dataclasses.replace(e, **step) for e in moe.experts])
+        elif piece == "down bias":  # each expert's bias moved out of the routed sum, added once per layer
+            mean = torch.stack([e.b_out for e in moe.experts]).mean(0)
+            experts = [dataclasses.replace(e, b_out=torch.zeros_like(e.b_out)) for e in moe.experts]
+            moe = dataclasses.replace(moe, experts=experts, b_out=mean)
+        attn = layer.attn
+        if piece == "sinks" and i == 0:
+            attn = dataclasses.replace(attn, sinks=attn.sinks + 1e-3)
+        spec.layers[i] = dataclasses.replace(layer, attn=attn, mlp=moe)
+    assert _error(bridge, lens_aot.convert(spec, check=False, max_neuron_error=1e-8), tokens) > tol
+
+
+def test_the_clamped_bound_holds_at_and_beyond_the_clamps() -> None:
+    """The per-neuron bound of clamped_swiglu_fit (exact gate head, product heads on the clamped factors) over
+    pre-activations that reach far past the clamps, with and without a norm before the MLP."""
+    from lens_aot.core.components.squared_relu_mlp import neuron_mlp
+
+    gen = torch.Generator().manual_seed(0)
+    d_model = d_mlp = 16  # W_out = I: the output is post
+    weights = [torch.randn(*shape, generator=gen, dtype=torch.float64) * 3 for shape in [(d_model, d_mlp)] * 2]
+    mlp = ClampedSwiGLUSpec(
+        weights[0], torch.zeros(d_mlp, dtype=torch.float64), torch.eye(d_mlp, dtype=torch.float64),
+        torch.zeros(d_model, dtype=torch.float64), "silu", W_gate=weights[1],
+        b_gate=torch.zeros(d_mlp, dtype=torch.float64), alpha=1.702, limit=1.5,
+    )  # fmt: skip
+    x = torch.randn(1, 64, d_model, generator=gen, dtype=torch.float64)
+    x = x / x.norm(dim=-1, keepdim=True) * d_model**0.5  # RMS-normalised inputs
+    for norm in (NormSpec("RMSPre"), NormSpec(None)):
+        fit = clamped_swiglu_fit(mlp, norm, 1e-6)
+        module = neuron_mlp(mlp, fit)
+        with torch.no_grad():
+            post = module(x)
+        want = clamped_swiglu(x @ mlp.W_gate, x @ mlp.W_in, mlp.alpha, mlp.limit)
+        assert float((x @ mlp.W_gate).max()) > 3 * mlp.limit  # far beyond the clamp
+        assert float((post - want).abs().max()) <= fit.max_error == 1e-6
