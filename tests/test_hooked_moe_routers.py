@@ -1,20 +1,79 @@
-"""TransformerLens 3.9's GPT-OSS mixture of experts (``GptOssMoE``) is refused naming the layer and its pieces."""
+"""TransformerLens 3.9's GPT-OSS mixture of experts (``GptOssMoE``: a biased router whose softmax over the top-k
+logits runs in float32, ``GptOssExpert`` modules with biased projections and the clamp of its module's constants
+``GPT_OSS_ALPHA`` / ``GPT_OSS_LIMIT``) converts faithfully to the HookedTransformer's own forward in float32 and
+float64, with the clamps binding (the module's limit set to 0.5 for the test); a 1e-3 change of alpha or limit
+leaves the tolerance."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+from conftest import TOLERANCES
 
 import lens_aot
-from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.matrix.families import Family, build_hf_model, tiny_tokenizer
+from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
+from lens_aot.core.read import read_model, run_source
+from lens_aot.core.spec import MoESpec
+from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.registry import hooked_from_hf_module
 
+DTYPES = [torch.float32, torch.float64]
+LIMIT = 0.5  # TransformerLens's GptOssExpert clamps at its module's GPT_OSS_LIMIT (7.0), whatever the config says
 
-def test_gpt_oss_moe_is_refused_by_piece() -> None:
+
+@pytest.fixture(scope="module")
+def hooked() -> Iterator[dict[torch.dtype, Any]]:
+    torch.set_num_threads(1)
+    from transformer_lens.components.mlps import gpt_oss_moe
+
     model = build_hf_model(Family("GptOssForCausalLM"))
-    hooked = hooked_from_hf_module(model, tokenizer=tiny_tokenizer(), dtype=torch.float32).eval()
-    assert type(hooked.blocks[0].mlp).__name__ == "GptOssMoE"
-    with pytest.raises(UnsupportedArchitectureError, match="layer 0 mlp: a clamped SwiGLU") as info:
-        lens_aot.convert(hooked)
-    assert "experts with biases" in str(info.value) and "top-k logits before its softmax" in str(info.value)
+    copies = {torch.float64: copy_as(model, torch.float64), torch.float32: model}
+    out = {d: hooked_from_hf_module(copies[d], tokenizer=tiny_tokenizer(), dtype=d).eval() for d in DTYPES}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpt_oss_moe, "GPT_OSS_LIMIT", LIMIT)
+        yield out
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def _error(source: Any, aot: Any, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((aot(tokens) - run_source(source, tokens)).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
+def test_gpt_oss_moe_matches_the_hooked_forward(hooked, dtype: torch.dtype) -> None:
+    source, tokens = hooked[dtype], _tokens()
+    assert type(source.blocks[0].mlp).__name__ == "GptOssMoE"
+    with torch.no_grad():
+        _, cache = source.run_with_cache(tokens, names_filter=lambda n: n.endswith("experts.0.hook_pre"))
+    assert float((cache["blocks.0.mlp.experts.0.hook_pre"].abs() > LIMIT).double().mean()) > 0.1  # clamps bind
+    aot = lens_aot.convert(source)
+    report = aot.report
+    assert report.max_abs_logit_error is not None and report.max_abs_logit_error <= report.logit_bound < 0.05
+    assert _error(source, aot, tokens) <= report.logit_bound
+    moe = read_model(source).layers[0].mlp
+    assert isinstance(moe, MoESpec) and (moe.scoring, moe.softmax_dtype) == ("topk_softmax", torch.float32)
+    assert torch.equal(moe.b_router, source.blocks[0].mlp.W_gate.bias)
+    assert all(isinstance(e, ClampedSwiGLUSpec) and (e.alpha, e.limit) == (1.702, LIMIT) for e in moe.experts)
+    assert torch.equal(moe.experts[1].b_out, source.blocks[0].mlp.experts[1].W_out.bias)
+
+
+@pytest.mark.parametrize("piece", ["alpha", "limit"])
+def test_a_wrong_clamp_is_detected(hooked, piece: str) -> None:
+    source, tokens, tol = hooked[torch.float64], _tokens(), TOLERANCES[("gated", torch.float64)]
+    spec = read_model(source)
+    assert _error(source, lens_aot.convert(spec, check=False, max_neuron_error=1e-8), tokens) <= tol / 100
+    for i, layer in enumerate(spec.layers):
+        moe = layer.mlp
+        assert isinstance(moe, MoESpec)
+        step = {piece: getattr(moe.experts[0], piece) + 1e-3}
+        experts = [dataclasses.replace(e, **step) for e in moe.experts]
+        spec.layers[i] = dataclasses.replace(layer, mlp=dataclasses.replace(moe, experts=experts))
+    assert _error(source, lens_aot.convert(spec, check=False, max_neuron_error=1e-8), tokens) > tol
