@@ -169,3 +169,28 @@ def test_the_clamped_bound_holds_at_and_beyond_the_clamps() -> None:
         want = clamped_swiglu(x @ mlp.W_gate, x @ mlp.W_in, mlp.alpha, mlp.limit)
         assert float((x @ mlp.W_gate).max()) > 3 * mlp.limit  # far beyond the clamp
         assert float((post - want).abs().max()) <= fit.max_error == 1e-6
+
+
+def test_the_cache_derives_the_heads_from_the_clamped_inputs(bridges) -> None:
+    """The compact cache derives the gate and product heads' hooks from ``hook_gate_clamped`` /
+    ``hook_linear_clamped`` (what the heads read), so they equal the live hooks where the clamps bind; hooks on the
+    clamped inputs patch the output."""
+    aot, tokens = lens_aot.convert(bridges[torch.float64], check=False), _tokens()
+    with torch.no_grad():
+        _, cache = aot.run_with_cache(tokens)
+    prefix = "blocks.0.mlp.experts.0"
+    assert bool((cache[f"{prefix}.hook_pre"] != cache[f"{prefix}.hook_gate_clamped"]).any())
+    live: dict[str, torch.Tensor] = {}
+
+    def record(act: torch.Tensor, hook: Any) -> None:
+        live[hook.name] = act.clone()
+
+    names = [f"{prefix}.{n}" for n in ("gate_heads.hook_q", "gate_heads.hook_z", "product_heads.hook_v")]
+    names.append(f"{prefix}.product_heads.hook_z")
+    with torch.no_grad():
+        aot.run_with_hooks(tokens, fwd_hooks=[(name, record) for name in names])
+    for name in names:
+        assert torch.equal(torch.as_tensor(cache[name]), live[name]), name
+    with torch.no_grad():
+        patched = aot.run_with_hooks(tokens, fwd_hooks=[(f"{prefix}.hook_linear_clamped", lambda a, hook: a * 0)])
+        assert float((patched - aot(tokens)).abs().max()) > 1e-3

@@ -260,6 +260,9 @@ def build_hf_model(family: Family, seed: int = 0) -> nn.Module:
     config._attn_implementation = "eager"
     torch_state = torch.random.get_rng_state()
     try:
+        # seeded: parameters randomize_ offsets from their initial value (GPT-OSS's sinks and router bias, which
+        # transformers initialises randomly) are then reproducible too
+        torch.manual_seed(seed)
         model = model_class(config)
     finally:
         torch.random.set_rng_state(torch_state)
