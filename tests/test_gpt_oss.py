@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -194,3 +195,17 @@ def test_the_cache_derives_the_heads_from_the_clamped_inputs(bridges) -> None:
     with torch.no_grad():
         patched = aot.run_with_hooks(tokens, fwd_hooks=[(f"{prefix}.hook_linear_clamped", lambda a, hook: a * 0)])
         assert float((patched - aot(tokens)).abs().max()) > 1e-3
+
+
+def test_clamps_the_construction_does_not_cover_are_refused_by_layer(bridges) -> None:
+    from lens_aot.errors import UnsupportedArchitectureError
+    from lens_aot.tl.read_moe_gpt_oss import read_gpt_oss_moe
+
+    block = bridges[torch.float32].original_model.model.layers[1].mlp
+    for field, value in (("limit", 0.0), ("alpha", -1.0), ("limit", float("inf"))):
+        with mock.patch.object(block.experts, field, value):
+            with pytest.raises(UnsupportedArchitectureError, match=f"layer 1 mlp: a clamped SwiGLU with .*{field}="):
+                read_gpt_oss_moe(block, block.router, block.experts, 1)
+    spec = read_gpt_oss_moe(block, block.router, block.experts, 1).experts[0]
+    with pytest.raises(ValueError, match="one head per neuron"):
+        clamped_swiglu_fit(spec, NormSpec("RMSPre"), heads_per_neuron=2)

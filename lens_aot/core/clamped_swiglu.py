@@ -75,11 +75,21 @@ def gate_fit(alpha: float) -> ActivationFit:
     return ActivationFit("silu", (1.0,), (0.0,), (float(alpha),), (0.0,), 0.0)
 
 
-def clamped_swiglu_fit(mlp: ClampedSwiGLUSpec, norm: NormSpec, max_neuron_error: float | None = None) -> GatedFit:
+def clamped_swiglu_fit(
+    mlp: ClampedSwiGLUSpec,
+    norm: NormSpec,
+    max_neuron_error: float | None = None,
+    heads_per_neuron: int | None = None,
+) -> GatedFit:
     """The exact gate head and each neuron's product scale ``ε_n`` so the module docstring's bound is at most
     ``max_neuron_error`` (default 1e-4) for every input after ``norm``."""
     assert mlp.W_gate is not None
     check_clamp(mlp.alpha, mlp.limit, "mlp")
+    if heads_per_neuron not in (None, 1):
+        raise ValueError(
+            f"a clamped SwiGLU's gate is exact with one head per neuron (g·σ(alpha·g)); got "
+            f"heads_per_neuron={heads_per_neuron}."
+        )
     tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
     if not tol > 0:
         raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")

@@ -127,7 +127,7 @@ def gated_fit(
     from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu_fit
 
     if isinstance(mlp, ClampedSwiGLUSpec):  # GPT-OSS: exact gate head, clamped inputs (lens_aot.core.clamped_swiglu)
-        return clamped_swiglu_fit(mlp, norm, max_neuron_error)
+        return clamped_swiglu_fit(mlp, norm, max_neuron_error, heads_per_neuron)
     source_act = canonical_activation(mlp.act_fn)
     if source_act in PRODUCT_ACTIVATIONS:
         if mlp.gated:
