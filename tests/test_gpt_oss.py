@@ -209,3 +209,12 @@ def test_clamps_the_construction_does_not_cover_are_refused_by_layer(bridges) ->
     spec = read_gpt_oss_moe(block, block.router, block.experts, 1).experts[0]
     with pytest.raises(ValueError, match="one head per neuron"):
         clamped_swiglu_fit(spec, NormSpec("RMSPre"), heads_per_neuron=2)
+
+
+def test_revert_gives_the_clamped_experts_back(bridges) -> None:
+    """``revert(to="reference")``: the source's router and clamped experts as plain MLPs, the source's logits."""
+    bridge, tokens = bridges[torch.float64], _tokens()
+    reference = lens_aot.revert(lens_aot.convert(bridge, check=False), to="reference")
+    assert _error(bridge, reference, tokens) <= 1e-10
+    experts = reference.to_spec().layers[0].mlp.experts
+    assert all(isinstance(e, ClampedSwiGLUSpec) and e.limit == FIELDS["swiglu_limit"] for e in experts)
