@@ -34,7 +34,9 @@ class PredictionHead(nn.Module):
     def __init__(self, spec: PredictionHeadSpec) -> None:
         super().__init__()
         self.act_fn = spec.act_fn
-        self.W = parameter(spec.W)  # [d_model, d_out]
+        # [d_model, d_out], laid out in memory as nn.Linear's weight [d_out, d_model] (W.T contiguous, a no-op for a
+        # read source): F.linear then runs the source's kernel, whatever layout a loaded file gives W
+        self.W = parameter(spec.W.T.contiguous().T)
         self.b = None if spec.b is None else parameter(spec.b)
         self.hook_in = HookPoint()  # [batch, pos, d_model]
         self.hook_pre = HookPoint()  # [batch, pos, d_out]
