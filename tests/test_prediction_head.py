@@ -22,7 +22,7 @@ import torch
 
 import lens_aot
 from lens_aot.core.reference import independent_logits
-from lens_aot.errors import InputError, UnsupportedArchitectureError
+from lens_aot.errors import InputError, InvalidWeightsError, UnsupportedArchitectureError
 from lens_aot.tl import has_hooked_transformer
 from lens_aot.tl import read_prediction_head as head_reader
 from lens_aot.tl.read_bridge import read_bridge
@@ -197,3 +197,11 @@ def test_a_head_of_another_layout_is_refused_by_name() -> None:
     bridge.original_model.lm_head.norm = torch.nn.Identity()
     with pytest.raises(UnsupportedArchitectureError, match=r"^prediction_head: a prediction head .*norm: Identity"):
         read_bridge(bridge)
+
+
+def test_a_non_finite_head_weight_is_named() -> None:
+    bridge = _bridge(torch.float32)
+    with torch.no_grad():
+        bridge.original_model.lm_head.dense.weight[3, 5] = float("nan")
+    with pytest.raises(InvalidWeightsError, match=r"^parameter prediction_head\.W has 1 NaN"):
+        lens_aot.convert(bridge)
