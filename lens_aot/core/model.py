@@ -487,8 +487,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         self.embed.to(placement.embed)
         if hasattr(self, "pos_embed"):
             self.pos_embed.to(placement.embed)
-        self.ln_final.to(placement.unembed)
-        self.unembed.to(placement.unembed)
+        for module in self.output_modules():  # ln_final, the prediction head if any, unembed
+            module.to(placement.unembed)
         self.cfg.device = self.W_E.device
         self._block_devices = self._devices_of_blocks()
         return self

@@ -31,6 +31,10 @@ def _spec_tensors(spec: ModelSpec) -> list[tuple[str, Tensor | None]]:
             for field, value in vars(obj).items():
                 if isinstance(value, Tensor):
                     named.append((f"blocks.{i}.{part}.{field}", value))
+    head = spec.prediction_head  # ModernBERT-decoder's (lens_aot.core.spec_prediction_head)
+    if head is not None:
+        named += [("prediction_head.W", head.W), ("prediction_head.b", head.b)]
+        named += [("prediction_head.ln.w", head.ln.w), ("prediction_head.ln.b", head.ln.b)]
     return named
 
 

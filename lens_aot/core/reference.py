@@ -96,7 +96,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     RMSNorm, attention (causal or bidirectional mask, rotary in halves or adjacent pairs, grouped-query key/value
     heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks, and the
     variants: QK-norm (per head or over the projection), QKV clipping, per-layer rotary tables, score and logit
-    soft-caps, ALiBi, sliding windows, attention sinks, sandwich and post norms, a post-embedding norm.
+    soft-caps, ALiBi, sliding windows, attention sinks, sandwich and post norms, a post-embedding norm,
+    a prediction head.
 
     A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it."""
 
@@ -243,7 +244,11 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         mlp_in = resid if layer.parallel else resid + attn_out
         mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
         resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
-    logits = norm(resid, spec.ln_final) @ spec.W_U + spec.b_U
+    normed = norm(resid, spec.ln_final)
+    head = spec.prediction_head
+    if head is not None:  # ModernBERT-decoder: ln(act(x @ W + b)) before the unembedding
+        normed = norm(act(head.act_fn, normed @ head.W + (0 if head.b is None else head.b)), head.ln)
+    logits = normed @ spec.W_U + spec.b_U
     if spec.logits_scale is not None:
         logits = logits * spec.logits_scale
     if spec.logits_soft_cap is not None:

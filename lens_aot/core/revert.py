@@ -46,12 +46,19 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
     xielu = next((i for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, XIELUSpec)), None)
     if to == "auto":
         hooked = spec.source_kind == "HookedTransformer" and has_hooked_transformer() and not moe and xielu is None
+        hooked = hooked and spec.prediction_head is None
         to = "hooked" if hooked else "reference"
     if to == "hooked" and xielu is not None:
         raise UnsupportedArchitectureError(
             f"layer {xielu} mlp: revert(..., to='hooked') does not write xIELU's learned scalars back into "
             f"TransformerLens's XIELU module (its pre-softplus parameters) yet. Use to='reference' (an MLPTransformer "
             f"with the source's xIELU scalars; to='auto' picks it)."
+        )
+    if to == "hooked" and spec.prediction_head is not None:
+        raise UnsupportedArchitectureError(
+            "prediction_head: revert(..., to='hooked') cannot write a prediction head (dense → act → norm before the "
+            "unembedding, ModernBERT-decoder) into a HookedTransformer, which has none. Use to='reference' (an "
+            "MLPTransformer with the head; to='auto' picks it)."
         )
     if to == "hooked" and moe:
         raise UnsupportedArchitectureError(

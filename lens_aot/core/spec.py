@@ -17,6 +17,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lens_aot.core.moe_routers import GroupRouterSpec
     from lens_aot.core.spec_mla import MLASpec
+    from lens_aot.core.spec_prediction_head import PredictionHeadSpec
 
 NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
 PositionKind = Literal["standard", "rotary", "alibi", "none"]
@@ -206,6 +207,8 @@ class ModelSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     # Cohere ``logit_scale``, Granite ``1 / logits_scaling``: ``logits = multiplier · unembed(...)``, before the cap.
     logits_scale: float | None = None
+    # ModernBERT-decoder: ``unembed(head(ln_final(resid)))``, a dense MLP (lens_aot.core.spec_prediction_head).
+    prediction_head: PredictionHeadSpec | None = None
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
@@ -241,6 +244,8 @@ class ModelSpec:
             found.add("logit soft-capping")
         if self.logits_scale is not None:
             found.add("a logit multiplier")
+        if self.prediction_head is not None:
+            found.add("a prediction head")
         return sorted(found)
 
     @property

@@ -181,6 +181,11 @@ def check_spec_shapes(spec: Any) -> None:
         expect("rotary.cos", spec.rotary.cos, spec.n_ctx, spec.rotary.rotary_dim)
         expect("rotary.sin", spec.rotary.sin, spec.n_ctx, spec.rotary.rotary_dim)
     norms = [("ln_final", spec.ln_final), ("embed_ln", spec.embed_ln)]
+    if spec.prediction_head is not None:  # [d_model, d_model]: its output is the unembedding's input
+        head = spec.prediction_head
+        expect("prediction_head.W", head.W, d, d)
+        expect("prediction_head.b", head.b, d)
+        norms.append(("prediction_head.ln", head.ln))
     for i, layer in enumerate(spec.layers):
         norms += [(f"layers.{i}.{n}", getattr(layer, n)) for n in ("ln1", "ln2", "ln1_post", "ln2_post")]
         a, p = layer.attn, f"layers.{i}.attn"

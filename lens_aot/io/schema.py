@@ -10,7 +10,8 @@ Schema (``?``: may be null)::
 
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
              extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
-             [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float]}
+             [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
+             [prediction_head: head] (lens_aot/io/schema_prediction_head.py)}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true], [residual_norm: true]}
@@ -64,6 +65,7 @@ from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
 from lens_aot.io.schema_clamped_swiglu import clamped_swiglu_record, clamped_swiglu_spec
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
+from lens_aot.io.schema_prediction_head import decode_prediction_head, encode_prediction_head
 from lens_aot.io.schema_xielu import decode_xielu_fit, encode_xielu_fit, xielu_record, xielu_spec
 
 __all__ = [
@@ -100,7 +102,7 @@ _ATTENTION_VARIANTS = (
     "query_scale_length",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm")
-_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale")
+_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
 _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
@@ -230,6 +232,8 @@ class Encoder:
             out["logits_soft_cap"] = float(spec.logits_soft_cap)
         if spec.logits_scale is not None:
             out["logits_scale"] = float(spec.logits_scale)
+        if spec.prediction_head is not None:
+            out["prediction_head"] = encode_prediction_head(self, spec.prediction_head, f"{key}.prediction_head")
         return out
 
 
@@ -474,6 +478,7 @@ class Decoder:
             embed_ln=self.norm(f.get("embed_ln"), f"{path}.embed_ln"),
             logits_soft_cap=_float_or_none(f.get("logits_soft_cap")),
             logits_scale=_float_or_none(f.get("logits_scale")),
+            prediction_head=decode_prediction_head(self, f.get("prediction_head"), f"{path}.prediction_head"),
         )
 
     def _sigmoid_sum(self, obj: Any, path: str, extra: tuple[str, ...] = ()) -> ActivationFit:

@@ -11,9 +11,9 @@ source and checked against its recorded forward (OPT; :mod:`lens_aot.tl.read_bri
   a buffer): :func:`unmapped_position_table`.
 * **An embedding projection** (OPT's ``project_in`` / ``project_out``): refused by name
   (:func:`check_embedding_projection`).
-* **A prediction head** between the final norm and the unembedding (ModernBERT-decoder's ``lm_head``: dense → GELU →
-  LayerNorm, the bridge's ``prediction_head``): refused by name (:func:`check_prediction_head`) once every block has
-  been read and checked.
+
+A prediction head between the final norm and the unembedding (ModernBERT-decoder's ``lm_head``, the bridge's
+``prediction_head``) is read by :mod:`lens_aot.tl.read_prediction_head`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from lens_aot.tl.bridge_probe import Call, refuse_piece
 
 __all__ = [
     "check_embedding_projection",
-    "check_prediction_head",
     "containerless_mlp_hooks",
     "merge_containerless",
     "position_table",
@@ -132,21 +131,3 @@ def unmapped_position_table(bridge: Any, model: nn.Module, n_ctx: int) -> Float[
     if table.shape[0] < offset + n_ctx:
         raise refuse_piece(None, "pos_embed", f"a position table of {table.shape[0] - offset} rows for n_ctx={n_ctx}")
     return _copy(table[offset : offset + n_ctx])
-
-
-def check_prediction_head(bridge: Any) -> None:
-    """Refuse, naming the piece, a prediction head between the final norm and the unembedding (the bridge's
-    ``prediction_head``: ModernBERT-decoder's ``dense → act → LayerNorm``). It is an MLP outside the residual stream
-    whose output is normalized again before the unembedding; lens_aot's neuron heads write into the residual stream,
-    and the spec has no place for a head there."""
-    head = _component(bridge, "prediction_head")
-    if head is None:
-        return
-    module = getattr(head, "original_component", head)
-    parts = " → ".join(type(m).__name__ for m in getattr(module, "children", lambda: [])())
-    raise refuse_piece(
-        None,
-        "prediction_head",
-        f"a prediction head between the final norm and the unembedding ({type(module).__name__}: {parts}), an MLP "
-        "outside the residual stream followed by its own norm (every block was read and checked before it)",
-    )

@@ -32,6 +32,7 @@ from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.ownership import borrowing
+from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
@@ -63,7 +64,6 @@ from lens_aot.tl.bridge_components import (
 from lens_aot.tl.bridge_delegated_rotary import rotary_component
 from lens_aot.tl.bridge_layout import (
     check_embedding_projection,
-    check_prediction_head,
     containerless_mlp_hooks,
     merge_containerless,
     position_table,
@@ -85,6 +85,7 @@ from lens_aot.tl.read_multipliers import (
 )
 from lens_aot.tl.read_nope import no_rotary
 from lens_aot.tl.read_norms import final_norm_on_embeddings, named_norm, optional_norm
+from lens_aot.tl.read_prediction_head import read_prediction_head
 from lens_aot.tl.read_routed import is_routed, read_routed
 from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
@@ -449,8 +450,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         fold_residual_multiplier(layer, spec, multipliers[layer])
         layers.append(spec)
 
-    if not native:
-        check_prediction_head(bridge)  # ModernBERT-decoder's dense → GELU → LayerNorm head (lens_aot.tl.bridge_layout)
+    prediction_head = None if native else read_prediction_head(bridge, dtype)  # ModernBERT-decoder's lm_head
     hf_config = None if native else getattr(model, "config", None)
     embed_multiplier = embedding_multiplier(hf_config)
     W_E = scaled(_embedding(_component(bridge, "embed")), embed_multiplier)
@@ -495,6 +495,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         else None,
         logits_soft_cap=None if info.get("logits_soft_cap") is None else float(info["logits_soft_cap"]),
         logits_scale=None if native else logit_multiplier(hf_config, calls, info.get("logits_soft_cap")),
+        prediction_head=prediction_head,
         tokenizer=tokenizer,
         default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
         model_name=str(getattr(cfg, "model_name", "unnamed")),
@@ -548,6 +549,8 @@ def _verify_model(
         normed = make_norm(spec.ln_final).to(final.device)(final)
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
+        if spec.prediction_head is not None:
+            normed = PredictionHead(spec.prediction_head).to(final.device)(normed)
         out = normed @ spec.W_U + spec.b_U
         if spec.logits_scale is not None:
             out = out * spec.logits_scale

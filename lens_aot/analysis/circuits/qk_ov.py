@@ -44,6 +44,11 @@ def _unembedding(aot: AttentionOnlyTransformer, w: HeadWeights, fold_ln: bool) -
             f"{w.name} (gate heads) writes the MLP's scratch, not the residual stream, so it has no direct path to "
             f"the logits; use the product heads of the same MLP (aot.neuron_module(layer)) for unembed/full circuits"
         )
+    if hasattr(aot, "prediction_head"):  # ModernBERT-decoder: a dense MLP between ln_final and W_U
+        raise InputError(
+            "prediction_head: the logits read the residual stream through a prediction head (dense → act → norm), "
+            "so no head has a linear path to them; use the circuits without unembed/full, or patch the logits"
+        )
     W_U = aot.W_U.detach()
     if fold_ln:
         W_U, _ = _fold_norm(aot.ln_final, W_U, None, aot.cfg.d_model)

@@ -26,6 +26,7 @@ from lens_aot.core.components.logit_scale import LogitScale
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.ownership import one_table_per_model
 from lens_aot.core.components.post_ln_block import PostLNBlock
+from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 
@@ -154,6 +155,8 @@ class SpecTransformer(HookedRootModule):
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = make_norm(spec.ln_final)
+        if spec.prediction_head is not None:  # ModernBERT-decoder: a dense MLP, not neuron heads
+            self.prediction_head = PredictionHead(spec.prediction_head)
         self.unembed = Unembed(spec.W_U, spec.b_U)
         if spec.logits_scale is not None:
             self.logits_scale = LogitScale(spec.logits_scale)
@@ -162,10 +165,12 @@ class SpecTransformer(HookedRootModule):
         self.tokenizer = spec.tokenizer
 
     def logits(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab_out"]:
-        """``unembed(ln_final(resid))``, times the source's logit multiplier if it has one (Cohere, Granite), then
-        soft-capped when the source caps its logits (both after ``unembed.hook_out``, as TransformerLens's
+        """``unembed(ln_final(resid))`` (``unembed(prediction_head(ln_final(resid)))`` when the source has a
+        prediction head, ModernBERT-decoder), times the source's logit multiplier if it has one (Cohere, Granite),
+        then soft-capped when the source caps its logits (both after ``unembed.hook_out``, as TransformerLens's
         ``output_logits_soft_cap``)."""
-        logits = self.unembed(self.ln_final(resid))
+        normed = self.ln_final(resid)
+        logits = self.unembed(self.prediction_head(normed) if hasattr(self, "prediction_head") else normed)
         if hasattr(self, "logits_scale"):
             logits = self.logits_scale(logits)
         return self.logits_soft_cap(logits) if hasattr(self, "logits_soft_cap") else logits
@@ -176,4 +181,10 @@ class SpecTransformer(HookedRootModule):
             "embed_ln": self.embed.ln.spec() if self.embed.ln is not None else None,
             "logits_soft_cap": self.logits_soft_cap.cap if hasattr(self, "logits_soft_cap") else None,
             "logits_scale": self.logits_scale.multiplier if hasattr(self, "logits_scale") else None,
+            "prediction_head": self.prediction_head.spec() if hasattr(self, "prediction_head") else None,
         }
+
+    def output_modules(self) -> list[nn.Module]:
+        """What lies after the blocks, in order: ``ln_final``, the prediction head if any, ``unembed``."""
+        head = [self.prediction_head] if hasattr(self, "prediction_head") else []
+        return [self.ln_final, *head, self.unembed]
