@@ -419,6 +419,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.scores_dtype = reading.scores_dtype
                 attn.qk_norm_after_rotary, attn.output_gate = reading.qk_norm_after_rotary, reading.output_gate
                 attn.query_scale_beta, attn.query_scale_length = reading.query_scale or (None, None)
+                attn.chunk = reading.chunk  # Llama 4 (lens_aot.tl.bridge_llama4)
+                attn.temperature_scale, attn.temperature_floor = reading.temperature or (None, None)
         mlp_bridge = _component(block, "mlp")
         ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):

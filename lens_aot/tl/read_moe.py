@@ -52,6 +52,17 @@ _GPT_OSS_PIECES = [
 ]
 
 
+# Llama4TextMoe.forward: routed_in = x · sigmoid(top-k logits) per expert (0 where not chosen), experts(routed_in)
+# summed, plus shared_expert(x). A neuron of expert e then computes act(s_e·(x·w_gate))·(s_e·(x·w_up))·w_down: the
+# score scales the expert's input, inside the activation, where lens_aot's neuron heads scale its output.
+_LLAMA4_MOE = (
+    "Llama 4's mixture of experts (Llama4TextMoe): its router's sigmoid top-k scores multiply each expert's input "
+    "(expert(sigmoid(logit) · x), so each neuron computes act(s·(x·w_gate))·(s·(x·w_up)), the score inside the "
+    "activation), not its output as lens_aot's routed neuron heads do; Llama 4's dense layers (not in moe_layers) "
+    "convert"
+)
+
+
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
@@ -112,7 +123,7 @@ def _hf_mlp(mlp: nn.Module, layer: int, what: str = "a shared expert") -> MLPSpe
         up.weight.new_zeros(d_mlp),
         _copy(down.weight.T),
         up.weight.new_zeros(d_model),
-        _act_name(mlp.act_fn, layer),
+        _act_name(_activation(mlp), layer),
         W_gate=_copy(gate.weight.T),
     )
 
@@ -129,8 +140,14 @@ def _router(block: Any) -> Any:
 
 
 def is_dense_hf_mlp(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face gated MLP (``gate_proj`` / ``up_proj`` / ``down_proj``)."""
-    return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    """Whether ``module`` is a Hugging Face gated MLP (``gate_proj`` / ``up_proj`` / ``down_proj``, and ``act_fn``
+    or, Llama 4's ``Llama4TextMLP``, ``activation_fn``)."""
+    return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and _activation(module) is not None
+
+
+def _activation(mlp: nn.Module) -> Any:
+    """A gated MLP's activation module: ``act_fn``, or ``activation_fn`` (Llama 4's ``Llama4TextMLP``)."""
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
 
 
 def _correction_bias(block: nn.Module, router: nn.Module) -> torch.Tensor | None:
@@ -282,6 +299,8 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     from lens_aot.tl.bridge_components import _mlp
 
     module = _unwrap(mlp_bridge)
+    if type(module).__name__ == "Llama4TextMoe":  # before is_sparse_moe: its router has top_k, its math differs
+        raise _refuse(layer, _LLAMA4_MOE)
     if is_sparse_moe(module):
         return read_hf_moe(module, layer)
     from lens_aot.tl.read_moe_parallel import is_parallel_experts_moe, read_parallel_experts_moe
@@ -289,8 +308,9 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     if is_parallel_experts_moe(module):  # JetMoE
         return read_parallel_experts_moe(module, layer)
     refuse_other_moe(module, layer)
-    if type(mlp_bridge).__name__ == "MoEBridge" and is_dense_hf_mlp(module):
-        return _hf_mlp(module, layer, "a dense MLP")  # e.g. DeepSeek's first_k_dense_replace layers
+    if type(mlp_bridge).__name__.endswith("MoEBridge") and is_dense_hf_mlp(module):
+        # e.g. DeepSeek's first_k_dense_replace layers; Llama 4's dense layers (its _Llama4MoEBridge)
+        return _hf_mlp(module, layer, "a dense MLP")
     if act_fn == "xielu":  # learned scalars on the activation module (Apertus)
         from lens_aot.tl.read_xielu import read_xielu
 
