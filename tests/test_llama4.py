@@ -3,16 +3,18 @@
 after it (an ``RMSPre`` :class:`~lens_aot.core.components.qk_norm_after_rotary.PostRotaryQKNorm`), chunked causal
 attention (:mod:`lens_aot.core.components.chunked_mask`) and the NoPE layers' query temperature
 (:mod:`lens_aot.core.components.query_temperature`). Its mixture of experts (router scores scale the experts'
-inputs) is refused by name; its dense layers (``moe_layers`` empty) convert.
+inputs: :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`, whose router is
+:class:`~lens_aot.core.components.moe_router.TopKThenSigmoid`) and its dense layers convert too.
 
-The support matrix's tiny Llama 4 (hidden 64, 2 layers) with a NoPE second layer, ``floor_scale`` 4 and chunks of 4,
-so that every piece binds on the 12-token probe and the 24-token check, against the bridge's own forward in float32
-and float64. Each constant is then perturbed in the reading and the float64 bridge probe (tolerance 1e-9) must
-refuse it.
+The support matrix's tiny Llama 4 (hidden 64, 2 layers, 4 experts, top-2, a shared expert) with a NoPE second layer,
+``floor_scale`` 4 and chunks of 4, so that every piece binds on the 12-token probe and the 24-token check, against
+the bridge's own forward in float32 and float64. Each constant is then perturbed in the reading and the float64
+bridge probe (tolerance 1e-9) must refuse it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -33,9 +35,9 @@ pytest.importorskip("transformers.models.llama4")
 
 FAMILY = "Llama4ForCausalLM"
 DENSE = {"moe_layers": [], "intermediate_size_mlp": 128}  # every layer a dense gated MLP (no Llama4TextMoe)
-PIECES = {**DENSE, "no_rope_layers": [1, 0], "floor_scale": 4, "attention_chunk_size": 4}  # layer 1: NoPE
+PIECES = {"no_rope_layers": [1, 0], "floor_scale": 4, "attention_chunk_size": 4}  # layer 1: NoPE
 VOCAB = 128
-CONFIGS = {"pieces": PIECES, "dense": DENSE, "dense-nope": {**DENSE, "no_rope_layers": [1, 0]}, "moe": {}}
+CONFIGS = {"pieces": PIECES, "pieces-dense": {**PIECES, **DENSE}, "dense-nope": {**DENSE, "no_rope_layers": [1, 0]}}
 
 
 @functools.cache
@@ -54,18 +56,34 @@ def make(dtype: torch.dtype, config: str = "pieces") -> Any:
         ).eval()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_llama4_attention_converts_faithfully(dtype: torch.dtype, one_thread: None) -> None:
+@functools.cache
+def converted(dtype: torch.dtype, config: str = "pieces") -> Any:
+    """``lens_aot.convert(make(dtype, config))``, once per session, for the tests that only run it."""
+    return lens_aot.convert(make(dtype, config))
+
+
+CASES = [("pieces", torch.float32), ("pieces", torch.float64), ("pieces-dense", torch.float64)]
+
+
+@pytest.mark.parametrize(("config", "dtype"), CASES, ids=[f"{c}-{str(d)[-7:]}" for c, d in CASES])
+def test_llama4_converts_faithfully(config: str, dtype: torch.dtype, one_thread: None) -> None:
+    from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
     from lens_aot.core.components.qk_norm_after_rotary import PostRotaryQKNorm
 
-    bridge = make(dtype)
-    aot = lens_aot.convert(bridge)
+    bridge = make(dtype, config)
+    aot = converted(dtype, config)
     rope, nope = aot.blocks[0].attn, aot.blocks[1].attn
     assert rope.chunk == 4 and rope.rotary_dim == 16 and rope.rotary_adjacent_pairs
     assert rope.rotary_float32_step == (torch.float32, torch.float32 if dtype == torch.float64 else None)
     assert isinstance(rope.q_norm, PostRotaryQKNorm) and rope.q_norm.kind == "RMSPre" and rope.q_norm.w is None
     assert not hasattr(rope, "query_temperature") and not hasattr(nope, "q_norm") and nope.rotary_dim == 0
     assert (nope.query_temperature.scale, nope.query_temperature.floor_scale, nope.chunk) == (0.1, 4.0, None)
+    mlp = aot.blocks[0].mlp
+    if config == "pieces":
+        assert isinstance(mlp, InputScaledMoEMLP) and mlp.router.scoring == "topk_sigmoid" and mlp.top_k == 2
+        assert hasattr(mlp, "shared_expert") and not mlp.norm_topk_prob
+    else:
+        assert not hasattr(mlp, "experts")
     err = logit_error(aot, bridge, d_vocab=VOCAB)
     assert err <= min(TOLERANCES[("gated", dtype)], aot.report.logit_bound), err
 
@@ -141,26 +159,34 @@ def test_the_rotary_theta_is_the_sources(factor: float) -> None:
                 read_bridge(bridge)
 
 
-def test_llama4_pieces_are_saved_and_in_the_independent_forward(tmp_path: Any) -> None:
-    from lens_aot.core.read import run_source
-    from lens_aot.core.reference import independent_logits
-
-    bridge = make(torch.float64)
-    aot = lens_aot.convert(bridge)
+def test_llama4_is_saved_and_loaded_exactly(tmp_path: Any) -> None:
+    aot = converted(torch.float64)
     lens_aot.save(aot, tmp_path / "m")
     loaded = lens_aot.load(tmp_path / "m")
     layers = loaded.to_spec().layers
     assert (layers[0].attn.chunk, layers[1].attn.temperature_scale, layers[1].attn.temperature_floor) == (4, 0.1, 4.0)
     assert layers[0].attn.qk_norm_after_rotary and layers[0].attn.q_norm.kind == "RMSPre"
+    assert layers[0].mlp.input_scaled and layers[0].mlp.scoring == "topk_sigmoid"
+    assert type(loaded.blocks[0].mlp).__name__ == "InputScaledMoEMLP"
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens), aot(tokens), rtol=0, atol=0)
+
+
+def test_llama4_attention_pieces_are_in_the_independent_forward() -> None:
+    from lens_aot.core.read import run_source
+    from lens_aot.core.reference import independent_logits
+
+    bridge = make(torch.float64, "pieces-dense")  # independent_logits computes dense MLPs only
+    aot = converted(torch.float64, "pieces-dense")
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
         want = run_source(bridge, tokens)
         assert float((independent_logits(aot.to_spec(), tokens) - want).abs().max()) < 1e-5
-        for name, off in (("chunk", None), ("temperature_scale", None)):  # each piece matters
+        for name in ("chunk", "temperature_scale"):  # each piece matters
             spec = aot.to_spec()
             for layer in spec.layers:
-                setattr(layer.attn, name, off)
+                setattr(layer.attn, name, None)
             assert float((independent_logits(spec, tokens) - want).abs().max()) > 1e-5, name
 
 
@@ -169,7 +195,7 @@ def test_llama4_continuation_from_a_cache_matches_the_full_forward() -> None:
     through a key-value cache gives the full forward's logits."""
     from lens_aot.core.kv_cache import KeyValueCache
 
-    aot = lens_aot.convert(make(torch.float64))
+    aot = converted(torch.float64)
     tokens = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(3))
     cache = KeyValueCache.init_cache(aot.cfg, aot.cfg.device, 1)
     with torch.no_grad():
@@ -178,10 +204,62 @@ def test_llama4_continuation_from_a_cache_matches_the_full_forward() -> None:
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-10)
 
 
-def test_llama4_mixture_of_experts_is_refused_naming_the_input_scaling() -> None:
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: Llama 4's mixture of experts") as info:
-        read_bridge(make(torch.float32, "moe"))
-    assert "multiply each expert's input" in str(info.value)
+def test_llama4_experts_are_input_scaled_neuron_heads(one_thread: None) -> None:
+    """The router weight scales each expert's input: an expert runs on its routed tokens only (top-k cost), its
+    neuron heads are addressed per expert, the router hooks fire, and scaling the outputs instead (every other MoE's
+    rule) is measurably not the source."""
+    from lens_aot.core.read import run_source
+    from lens_aot.core.reference import MLPTransformer
+
+    bridge = make(torch.float64)
+    aot = converted(torch.float64)
+    mlp = aot.blocks[0].mlp
+    assert aot.neuron_heads(0, 5, expert=3) and aot.neuron_heads(0, 5, expert="shared")
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    routed: list[int] = []
+    handles = [e.register_forward_hook(lambda m, i, o: routed.append(i[0].shape[-2])) for e in mlp.experts]
+    try:
+        with torch.no_grad():
+            _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.mlp.hook_"))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert sum(routed) == 2 * tokens.numel()  # top-2 of 24 tokens, no dense pass
+    weights = cache["blocks.0.mlp.hook_topk_weights"]
+    logits = cache["blocks.0.mlp.hook_router_logits"]
+    torch.testing.assert_close(weights, torch.sigmoid(logits.topk(2, -1).values.float()).double(), rtol=0, atol=0)
+    spec = aot.to_spec()
+    with torch.no_grad():
+        want = run_source(bridge, tokens)
+        assert float((MLPTransformer(spec)(tokens) - want).abs().max()) < 1e-6
+        for layer in spec.layers:
+            layer.mlp.input_scaled = False
+        assert float((MLPTransformer(spec)(tokens) - want).abs().max()) > 1e-2
+
+
+def _output_scaled(original: Callable[..., Any]) -> Callable[..., Any]:
+    def read(*args: Any, **kwargs: Any) -> Any:
+        return dataclasses.replace(original(*args, **kwargs), input_scaled=False)
+
+    return read
+
+
+def test_an_output_scaled_reading_of_llama4_experts_is_refused_by_the_probe() -> None:
+    from lens_aot.tl import read_moe_llama4
+
+    with mock.patch.object(read_moe_llama4, "read_llama4_moe", _output_scaled(read_moe_llama4.read_llama4_moe)):
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: the gated silu MLP does not reproduce"):
+            read_bridge(make(torch.float64))
+
+
+def test_llama4_expert_neurons_are_not_circuit_nodes() -> None:
+    from lens_aot.analysis.circuits.layout import check_supported
+    from lens_aot.errors import InputError
+
+    aot = converted(torch.float32)
+    check_supported(aot, "mlp")
+    with pytest.raises(InputError, match=r"^layer 0 mlp: its router weights scale each expert's input"):
+        check_supported(aot, "neuron")
 
 
 def test_llama4_pieces_cannot_be_written_into_a_hooked_transformer() -> None:
@@ -189,7 +267,7 @@ def test_llama4_pieces_cannot_be_written_into_a_hooked_transformer() -> None:
     rotary already is; taken off here so that the two below are reached)."""
     from lens_aot.tl.write_hooked_variants import variant_config
 
-    spec = lens_aot.convert(make(torch.float32)).to_spec()
+    spec = lens_aot.convert(make(torch.float32, "pieces-dense")).to_spec()
     for layer in spec.layers:
         layer.attn.q_norm = layer.attn.k_norm = None
         layer.attn.qk_norm_after_rotary = False

@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.components import MLP
-from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.spec import ModelSpec, MoESpec
 
@@ -34,7 +34,7 @@ class MLPTransformer(SpecTransformer):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(
-            spec, lambda layer, mlp: MoEMLP(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp)
+            spec, lambda layer, mlp: moe_mlp(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp)
         )
         self._spec_info = {
             "causal": spec.causal,

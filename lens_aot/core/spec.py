@@ -295,11 +295,16 @@ class MoESpec:
     router: GroupRouterSpec | None = None
     # A constant added to the layer's output after the routed and shared experts (JetMoE's MoE ``bias``).
     b_out: Float[Tensor, " d_model"] | None = None
+    # Llama 4: each chosen expert's router weight scales its *input* (``expert(w·x)``), not its output
+    # (:mod:`lens_aot.core.components.input_scaled_moe`).
+    input_scaled: bool = False
 
     @property
     def max_routed_weight(self) -> float:
         """An upper bound on the sum of one token's chosen router weights (each is non-negative)."""
         total = 1.0 if self.norm_topk_prob or self.scoring == "softmax" else float(self.top_k)
+        if self.input_scaled:  # each chosen expert's output counts once (weights in [0, 1] scale its input)
+            return float(self.top_k)
         return total * abs(float(self.routed_scaling_factor))
 
     @property

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
@@ -253,8 +253,9 @@ def _verify(
             check_piece(layer, "attn", got, call, "the attention reading (scale, rotary, softmax)")
         call = calls.get((layer, "mlp"))
         if spec.mlp is not None and call is not None:
-            mlp = MoEMLP(spec.mlp, lambda m, e: MLP(m)) if isinstance(spec.mlp, MoESpec) else MLP(spec.mlp)
+            mlp = moe_mlp(spec.mlp, lambda m, e: MLP(m)) if isinstance(spec.mlp, MoESpec) else MLP(spec.mlp)
             got = mlp.to(call.input.device)(call.input)
+            got = got.reshape(call.output.shape) if got.numel() == call.output.numel() else got  # Llama 4: flat
             check_piece(layer, "mlp", got, call, f"the {'gated ' if spec.mlp.gated else ''}{spec.mlp.act_fn} MLP")
 
 

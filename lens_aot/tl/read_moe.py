@@ -52,17 +52,6 @@ _GPT_OSS_PIECES = [
 ]
 
 
-# Llama4TextMoe.forward: routed_in = x · sigmoid(top-k logits) per expert (0 where not chosen), experts(routed_in)
-# summed, plus shared_expert(x). A neuron of expert e then computes act(s_e·(x·w_gate))·(s_e·(x·w_up))·w_down: the
-# score scales the expert's input, inside the activation, where lens_aot's neuron heads scale its output.
-_LLAMA4_MOE = (
-    "Llama 4's mixture of experts (Llama4TextMoe): its router's sigmoid top-k scores multiply each expert's input "
-    "(expert(sigmoid(logit) · x), so each neuron computes act(s·(x·w_gate))·(s·(x·w_up)), the score inside the "
-    "activation), not its output as lens_aot's routed neuron heads do; Llama 4's dense layers (not in moe_layers) "
-    "convert"
-)
-
-
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
@@ -184,7 +173,7 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
     router read by what it computes); the first candidate when the block cannot run here (the bridge's recorded
     forward then checks the reading, :func:`lens_aot.tl.read_bridge._verify`)."""
     from lens_aot.core.components.mlp import MLP
-    from lens_aot.core.components.moe_mlp import MoEMLP
+    from lens_aot.core.components.moe_mlp import moe_mlp
     from lens_aot.core.components.ownership import borrowing
     from lens_aot.tl.bridge_probe import close, relative_error
 
@@ -199,8 +188,9 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
         except Exception:  # noqa: BLE001 - e.g. a float64 source whose experts use grouped_mm: read_bridge refuses it
             return first
         want = want[0] if isinstance(want, tuple) else want
+        want = want.reshape(probe.shape) if want.numel() == probe.numel() else want  # Llama 4's: [tokens, d_model]
         with borrowing():  # throw-away modules over the candidates' own expert tensors (no copy of the experts)
-            outputs = [MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
+            outputs = [moe_mlp(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
     errors = [relative_error(got, want) for got in outputs]
     best = min(range(len(candidates)), key=errors.__getitem__)
     if not close(outputs[best], want):
@@ -299,8 +289,10 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     from lens_aot.tl.bridge_components import _mlp
 
     module = _unwrap(mlp_bridge)
-    if type(module).__name__ == "Llama4TextMoe":  # before is_sparse_moe: its router has top_k, its math differs
-        raise _refuse(layer, _LLAMA4_MOE)
+    from lens_aot.tl.read_moe_llama4 import is_llama4_moe, read_llama4_moe
+
+    if is_llama4_moe(module):  # before is_sparse_moe: its router has top_k, but its scores scale the inputs
+        return read_llama4_moe(module, layer)
     if is_sparse_moe(module):
         return read_hf_moe(module, layer)
     from lens_aot.tl.read_moe_parallel import is_parallel_experts_moe, read_parallel_experts_moe

@@ -18,7 +18,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS
-from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.gating import GatedFit
@@ -85,7 +85,7 @@ def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
     :class:`GatedFit`: squared ReLU), an :class:`~lens_aot.core.components.xielu_mlp.XIELUMLP` (xIELU), or for a
     mixture of experts an :class:`MoEMLP` of them (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
     if isinstance(mlp, MoESpec):
-        return MoEMLP(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
+        return moe_mlp(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
     from lens_aot.core.xielu import XIELUFit
 
     if isinstance(fit, XIELUFit):
