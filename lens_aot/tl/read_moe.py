@@ -55,7 +55,8 @@ _GPT_OSS_PIECES = [
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
-        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, TransformerLens's MoE), or the top-k "
+        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, TransformerLens's MoE; Llama 4's, "
+        f"which scale the experts' inputs), or the top-k "
         f"logits then a softmax over those k (GraniteMoe), whose experts are "
         f"neuron-wise (gated) MLPs without biases."
     )
@@ -287,10 +288,9 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), a dense Hugging Face gated MLP that
     an MoE bridge wraps in a dense layer (:func:`_hf_mlp`), else the dense MLP bridge."""
     from lens_aot.tl.bridge_components import _mlp
-
-    module = _unwrap(mlp_bridge)
     from lens_aot.tl.read_moe_llama4 import is_llama4_moe, read_llama4_moe
 
+    module = _unwrap(mlp_bridge)
     if is_llama4_moe(module):  # before is_sparse_moe: its router has top_k, but its scores scale the inputs
         return read_llama4_moe(module, layer)
     if is_sparse_moe(module):
