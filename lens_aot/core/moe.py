@@ -188,6 +188,8 @@ def sensitivity_hooks(
                     if spec.norm_topk_prob:
                         weights = weights / weights.sum(-1, keepdim=True)
                     weights = weights.reshape(indices.shape)
+                if moe.input_scaled:  # Llama 4: the weight scales the expert's input; a neuron's ±ε reaches W_out
+                    weights = torch.ones_like(weights)
                 signs = _signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
                 step = _routed_step(moe, indices, signs * weights.to(out.dtype)[..., None], out)
                 if shared_after:

@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.components import MLP
-from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.spec import ModelSpec, MoESpec
 
@@ -34,7 +34,7 @@ class MLPTransformer(SpecTransformer):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(
-            spec, lambda layer, mlp: MoEMLP(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp)
+            spec, lambda layer, mlp: moe_mlp(mlp, lambda m, e: MLP(m)) if isinstance(mlp, MoESpec) else MLP(mlp)
         )
         self._spec_info = {
             "causal": spec.causal,
@@ -173,6 +173,10 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
                 q = q * s[None, :, None, None].to(q.dtype)
         if after:
             q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        if getattr(a, "temperature_scale", None) is not None:  # Llama 4's NoPE layers: float32 from positions p + 1
+            p1 = torch.arange(pos, device=x.device).float() + 1.0
+            t = torch.log1p(torch.floor(p1 / a.temperature_floor)) * a.temperature_scale + 1.0
+            q = (q * t[None, :, None, None]).to(q.dtype)
         group = a.W_Q.shape[0] // a.W_K.shape[0]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         if a.scores_dtype is not None:  # GPT-J / GPT-Neo: q·kᵀ of float32 q and k
@@ -190,6 +194,9 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             hidden = offsets > 0
             if a.window is not None:
                 hidden = hidden | (offsets <= -a.window)
+            if getattr(a, "chunk", None) is not None:  # Llama 4: key and query in different chunks
+                at = torch.arange(pos, device=x.device) // a.chunk
+                hidden = hidden | (at[:, None] != at[None, :])
             scores = scores.masked_fill(hidden, float("-inf"))
         dtype = a.softmax_dtype or scores.dtype
         if a.sinks is not None:

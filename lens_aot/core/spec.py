@@ -96,6 +96,13 @@ class AttentionSpec:
     # (:mod:`lens_aot.core.components.query_scale`); None: no scaling.
     query_scale_beta: float | None = None
     query_scale_length: int | None = None
+    # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
+    # (:mod:`lens_aot.core.components.chunked_mask`); None: no chunking.
+    chunk: int | None = None
+    # Llama 4's NoPE layers: the query at position p times 1 + temperature_scale · log1p(floor((p + 1) /
+    # temperature_floor)) (:mod:`lens_aot.core.components.query_temperature`); None: no temperature.
+    temperature_scale: float | None = None
+    temperature_floor: float | None = None
 
 
 @dataclass
@@ -221,6 +228,8 @@ class ModelSpec:
             "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
+            "chunked attention": lambda a: getattr(a, "chunk", None) is not None,
+            "a NoPE-layer query temperature": lambda a: getattr(a, "temperature_scale", None) is not None,
             "per-layer rotary tables": lambda a: a.rotary is not None,
             "QKV clipping": lambda a: a.clip_qkv is not None,
             "ALiBi": lambda a: a.alibi_slopes is not None,
@@ -291,11 +300,16 @@ class MoESpec:
     router: GroupRouterSpec | None = None
     # A constant added to the layer's output after the routed and shared experts (JetMoE's MoE ``bias``).
     b_out: Float[Tensor, " d_model"] | None = None
+    # Llama 4: each chosen expert's router weight scales its *input* (``expert(w·x)``), not its output
+    # (:mod:`lens_aot.core.components.input_scaled_moe`).
+    input_scaled: bool = False
 
     @property
     def max_routed_weight(self) -> float:
         """An upper bound on the sum of one token's chosen router weights (each is non-negative)."""
         total = 1.0 if self.norm_topk_prob or self.scoring == "softmax" else float(self.top_k)
+        if self.input_scaled:  # each chosen expert's output counts once (weights in [0, 1] scale its input)
+            return float(self.top_k)
         return total * abs(float(self.routed_scaling_factor))
 
     @property

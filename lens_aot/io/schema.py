@@ -18,7 +18,7 @@ Schema (``?``: may be null)::
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
              [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
-             [query_scale_beta], [query_scale_length]}
+             [query_scale_beta], [query_scale_length], [chunk], [temperature_scale, temperature_floor]}
              | mla | routed (lens_aot/io/schema_attention.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu], [clamped_swiglu]}
@@ -100,6 +100,9 @@ _ATTENTION_VARIANTS = (
     "output_gate",
     "query_scale_beta",
     "query_scale_length",
+    "chunk",
+    "temperature_scale",
+    "temperature_floor",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head")
@@ -169,6 +172,11 @@ class Encoder:
         if attn.query_scale_beta is not None:
             out["query_scale_beta"] = float(attn.query_scale_beta)
             out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
+        if attn.chunk is not None:
+            out["chunk"] = int(attn.chunk)
+        if attn.temperature_scale is not None:
+            out["temperature_scale"] = float(attn.temperature_scale)
+            out["temperature_floor"] = _float_or_none(attn.temperature_floor)
         if attn.output_gate is not None:
             gate = attn.output_gate
             dtype = None if gate.dtype is None else dtype_name(gate.dtype)
@@ -403,6 +411,9 @@ class Decoder:
             output_gate=self.output_gate(f.get("output_gate"), f"{path}.output_gate"),
             query_scale_beta=_float_or_none(f.get("query_scale_beta")),
             query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
+            chunk=None if f.get("chunk") is None else int(f["chunk"]),
+            temperature_scale=_float_or_none(f.get("temperature_scale")),
+            temperature_floor=_float_or_none(f.get("temperature_floor")),
             **variants,
         )
 

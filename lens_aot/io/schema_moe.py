@@ -6,6 +6,7 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
     moe     {experts: [mlp], shared?: mlp, W_router, b_router?, W_shared_gate?, top_k, norm_topk_prob,
              softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor,
              b_out (optional: JetMoE's output bias, written only when set),
+             input_scaled (optional: true when the router weights scale the experts' inputs, Llama 4),
              router (optional: a DeepSeek group-limited router, written only when set)}
     router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
@@ -59,6 +60,8 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
     out.update({name: None if getattr(moe, name) is None else dtype_name(getattr(moe, name)) for name in _DTYPES})
     if moe.b_out is not None:
         out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
+    if moe.input_scaled:
+        out["input_scaled"] = True
     if moe.router is not None:
         r = moe.router
         out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
@@ -90,7 +93,9 @@ def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router"))
+    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled"))
+    if f.get("input_scaled", False) is not True and "input_scaled" in f:
+        raise LoadError(f"{decoder.where}: {path}.input_scaled is {f['input_scaled']!r}, not true; corrupt.")
     if not isinstance(f["experts"], list) or not f["experts"]:
         raise LoadError(f"{decoder.where}: {path}.experts is not a non-empty list; the file is corrupt.")
     experts = [decoder.mlp(m, f"{path}.experts.{e}") for e, m in enumerate(f["experts"])]
@@ -111,6 +116,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         routed_scaling_factor=float(f["routed_scaling_factor"]),
         b_out=decoder.tensor(f["b_out"], f"{path}.b_out") if "b_out" in f else None,
         router=_decode_router(decoder, f.get("router"), f"{path}.router"),
+        input_scaled="input_scaled" in f,
         **tensors,
     )
 

@@ -87,6 +87,10 @@ class AttentionReading:
     query_scale: tuple[float, int] | None = None
     # GPT-OSS's attention sinks (a learned logit per head joins the float32 softmax; core/components/sinks.py)
     sinks: Tensor | None = None
+    # Llama 4 (lens_aot.tl.bridge_llama4): a binding attention chunk size; the NoPE layers' query temperature
+    # (attn_scale, floor_scale)
+    chunk: int | None = None
+    temperature: tuple[float, float] | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -373,11 +377,11 @@ def _delegated_standard(
     return read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
 
 
-def _refuse_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
-    """Llama 4's attention, refused naming its pieces (:func:`lens_aot.tl.bridge_modernbert.refuse_llama4`)."""
-    from lens_aot.tl.bridge_modernbert import refuse_llama4
+def _llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
+    """Llama 4's attention (:func:`lens_aot.tl.bridge_llama4.read_llama4`)."""
+    from lens_aot.tl.bridge_llama4 import read_llama4
 
-    return refuse_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
+    return read_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
 
 
 _DELEGATED = {
@@ -385,7 +389,7 @@ _DELEGATED = {
     "GPTNeoSelfAttention": _gpt_neo_attention,
     "OPTAttention": _delegated_standard,
     "XGLMAttention": _delegated_standard,
-    "Llama4TextAttention": _refuse_llama4,  # refused naming its pieces
+    "Llama4TextAttention": _llama4,  # complex-product rotary, L2 QK-norm, chunks, NoPE temperature
 }
 
 
@@ -477,7 +481,12 @@ def model_rotary(
     x = torch.zeros(1, n_ctx, 1, dtype=dtype, device=device)
     positions = torch.arange(n_ctx, device=device).unsqueeze(0)
     with torch.no_grad():
-        cos, sin = module(x, positions) if layer_type is None else module(x, positions, layer_type)
+        tables = module(x, positions) if layer_type is None else module(x, positions, layer_type)
+    if isinstance(tables, Tensor) and tables.is_complex():  # Llama 4's freqs_cis (lens_aot.tl.bridge_llama4)
+        from lens_aot.tl.bridge_llama4 import complex_tables
+
+        tables = complex_tables(tables)
+    cos, sin = tables
     # the dtype the bridge multiplies float32-rounded q and k by (ERNIE 4.5's module keeps float32 tables)
     table_dtype = cos.dtype if reading.rotary_input_dtype is not None and cos.dtype != dtype else None
     cos = cos.reshape(-1, cos.shape[-1])[:n_ctx].to(dtype)

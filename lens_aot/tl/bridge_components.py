@@ -207,6 +207,8 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, Tensor):
         eps = float(module.variance_epsilon)
         return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
+    if name == "Llama4TextRMSNorm" and isinstance(module.weight, Tensor):  # Llama's forward, eps as ``eps``
+        return NormSpec("RMS", float(module.eps), _copy(module.weight), None, torch.float32, rsqrt=True)
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
     # back (bridge_float32 reads where the scale is applied from the module's forward). 1 + weight is a float32
     # value, exact in float64.

@@ -1,5 +1,5 @@
 """ModernBERT-decoder's attention forward, which a plain ``AttentionBridge`` calls (the bridge does not recompute it),
-read from the attention module itself; and Llama 4's, refused naming its pieces.
+read from the attention module itself.
 
 ``ModernBertDecoderAttention.forward`` (ModernBERT-decoder): ``q_proj`` / ``k_proj`` / ``v_proj`` (``nn.Linear``),
 rotate-half rotary of q and k rounded to float32 first (``q.float()``; the products then in the wider of float32 and
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from lens_aot.tl.bridge_delegated import check_eager, check_linear, read_scaling
-from lens_aot.tl.bridge_probe import refuse_piece
 
 __all__ = ["read_modernbert_decoder"]
 
@@ -37,24 +36,3 @@ def read_modernbert_decoder(
     scaling = read_scaling(layer, hf_attn)
     # apply_rotary_pos_emb: (q.float() · cos) + (rotate_half(q.float()) · sin), cast back, whatever the model dtype
     return AttentionReading(1.0 / scaling, torch.float32, "model", window=window, rotary_input_dtype=torch.float32)
-
-
-def refuse_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
-    """Refuse ``Llama4TextAttention.forward`` naming what it computes beyond the spec's attention: rotary as a
-    complex product in float32 (``view_as_complex(q.float())`` times ``freqs_cis``, adjacent pairs), a weightless
-    L2 QK-norm applied after the rotation (``qk_norm``), and on NoPE layers (``use_rope`` False) a query temperature
-    ``1 + attn_scale · log1p(floor((pos + 1) / floor_scale))`` (``attn_temperature_tuning``). Llama 4's mixture of
-    experts (``Llama4TextMoe``) would block it next: its router's sigmoid scores multiply each expert's *input*
-    (``expert(score · x)``), not its output."""
-    pieces = ["rotary as a float32 complex product (freqs_cis)" if bool(getattr(hf_attn, "use_rope", True)) else ""]
-    if getattr(hf_attn, "qk_norm", None) is not None:
-        pieces.append("a weightless L2 QK-norm after the rotary")
-    if not bool(getattr(hf_attn, "use_rope", True)) and bool(getattr(hf_attn, "attn_temperature_tuning", False)):
-        pieces.append(f"NoPE-layer query temperature tuning (floor_scale={getattr(hf_attn, 'floor_scale', None)})")
-    raise refuse_piece(
-        layer,
-        "attn",
-        f"attention computed by {type(hf_attn).__name__}.forward: " + ", ".join(p for p in pieces if p),
-        "lens_aot does not read it yet; its mixture of experts (router scores scale the experts' inputs) would be "
-        "refused next.",
-    )

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
@@ -254,8 +254,9 @@ def _verify(
             check_piece(layer, "attn", got, call, "the attention reading (scale, rotary, softmax)")
         call = calls.get((layer, "mlp"))
         if spec.mlp is not None and call is not None:
-            mlp = MoEMLP(spec.mlp, lambda m, e: MLP(m)) if isinstance(spec.mlp, MoESpec) else MLP(spec.mlp)
+            mlp = moe_mlp(spec.mlp, lambda m, e: MLP(m)) if isinstance(spec.mlp, MoESpec) else MLP(spec.mlp)
             got = mlp.to(call.input.device)(call.input)
+            got = got.reshape(call.output.shape) if got.numel() == call.output.numel() else got  # Llama 4: flat
             check_piece(layer, "mlp", got, call, f"the {'gated ' if spec.mlp.gated else ''}{spec.mlp.act_fn} MLP")
 
 
@@ -420,6 +421,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 attn.scores_dtype = reading.scores_dtype
                 attn.qk_norm_after_rotary, attn.output_gate = reading.qk_norm_after_rotary, reading.output_gate
                 attn.query_scale_beta, attn.query_scale_length = reading.query_scale or (None, None)
+                attn.chunk = reading.chunk  # Llama 4 (lens_aot.tl.bridge_llama4)
+                attn.temperature_scale, attn.temperature_floor = reading.temperature or (None, None)
         mlp_bridge = _component(block, "mlp")
         ln1 = named_norm(layer, "ln1", _component(block, "ln1"), dtype)
         if info.get("attn_only"):

@@ -47,7 +47,8 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
-        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, TransformerLens's MoE), or the top-k "
+        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, TransformerLens's MoE; Llama 4's, "
+        f"which scale the experts' inputs), or the top-k "
         f"logits then a softmax over those k (GraniteMoe), whose experts are "
         f"neuron-wise (gated) MLPs without biases."
     )
@@ -106,7 +107,7 @@ def _hf_mlp(mlp: nn.Module, layer: int, what: str = "a shared expert") -> MLPSpe
         up.weight.new_zeros(d_mlp),
         _copy(down.weight.T),
         up.weight.new_zeros(d_model),
-        _act_name(mlp.act_fn, layer),
+        _act_name(_activation(mlp), layer),
         W_gate=_copy(gate.weight.T),
     )
 
@@ -123,8 +124,14 @@ def _router(block: Any) -> Any:
 
 
 def is_dense_hf_mlp(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face gated MLP (``gate_proj`` / ``up_proj`` / ``down_proj``)."""
-    return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    """Whether ``module`` is a Hugging Face gated MLP (``gate_proj`` / ``up_proj`` / ``down_proj``, and ``act_fn``
+    or, Llama 4's ``Llama4TextMLP``, ``activation_fn``)."""
+    return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and _activation(module) is not None
+
+
+def _activation(mlp: nn.Module) -> Any:
+    """A gated MLP's activation module: ``act_fn``, or ``activation_fn`` (Llama 4's ``Llama4TextMLP``)."""
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
 
 
 def _correction_bias(block: nn.Module, router: nn.Module) -> torch.Tensor | None:
@@ -161,7 +168,7 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
     router read by what it computes); the first candidate when the block cannot run here (the bridge's recorded
     forward then checks the reading, :func:`lens_aot.tl.read_bridge._verify`)."""
     from lens_aot.core.components.mlp import MLP
-    from lens_aot.core.components.moe_mlp import MoEMLP
+    from lens_aot.core.components.moe_mlp import moe_mlp
     from lens_aot.core.components.ownership import borrowing
     from lens_aot.tl.bridge_probe import close, relative_error
 
@@ -176,8 +183,9 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
         except Exception:  # noqa: BLE001 - e.g. a float64 source whose experts use grouped_mm: read_bridge refuses it
             return first
         want = want[0] if isinstance(want, tuple) else want
+        want = want.reshape(probe.shape) if want.numel() == probe.numel() else want  # Llama 4's: [tokens, d_model]
         with borrowing():  # throw-away modules over the candidates' own expert tensors (no copy of the experts)
-            outputs = [MoEMLP(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
+            outputs = [moe_mlp(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
     errors = [relative_error(got, want) for got in outputs]
     best = min(range(len(candidates)), key=errors.__getitem__)
     if not close(outputs[best], want):
@@ -270,8 +278,11 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), a dense Hugging Face gated MLP that
     an MoE bridge wraps in a dense layer (:func:`_hf_mlp`), else the dense MLP bridge."""
     from lens_aot.tl.bridge_components import _mlp
+    from lens_aot.tl.read_moe_llama4 import is_llama4_moe, read_llama4_moe
 
     module = _unwrap(mlp_bridge)
+    if is_llama4_moe(module):  # before is_sparse_moe: its router has top_k, but its scores scale the inputs
+        return read_llama4_moe(module, layer)
     if is_sparse_moe(module):
         return read_hf_moe(module, layer)
     from lens_aot.tl.read_moe_parallel import is_parallel_experts_moe, read_parallel_experts_moe
@@ -279,8 +290,9 @@ def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str
     if is_parallel_experts_moe(module):  # JetMoE
         return read_parallel_experts_moe(module, layer)
     refuse_other_moe(module, layer)
-    if type(mlp_bridge).__name__ == "MoEBridge" and is_dense_hf_mlp(module):
-        return _hf_mlp(module, layer, "a dense MLP")  # e.g. DeepSeek's first_k_dense_replace layers
+    if type(mlp_bridge).__name__.endswith("MoEBridge") and is_dense_hf_mlp(module):
+        # e.g. DeepSeek's first_k_dense_replace layers; Llama 4's dense layers (its _Llama4MoEBridge)
+        return _hf_mlp(module, layer, "a dense MLP")
     if act_fn == "xielu":  # learned scalars on the activation module (Apertus)
         from lens_aot.tl.read_xielu import read_xielu
 

@@ -52,6 +52,10 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
         raise _refuse("it normalizes queries and keys after rotary (HunYuan, NanoChat); TransformerLens's runs before")
     if any(getattr(layer.attn, "query_scale_beta", None) is not None for layer in spec.layers):
         raise _refuse("it scales its queries by position (Llama-4 scaling, Ministral 3); TransformerLens does not")
+    if any(getattr(layer.attn, "chunk", None) is not None for layer in spec.layers):
+        raise _refuse("its attention is chunked (Llama 4's attention_chunk_size); TransformerLens has no chunked mask")
+    if any(getattr(layer.attn, "temperature_scale", None) is not None for layer in spec.layers):
+        raise _refuse("it scales its NoPE layers' queries by position (Llama 4); TransformerLens does not")
     if any(getattr(layer.attn, "output_gate", None) is not None for layer in spec.layers):
         raise _refuse("its attention output is gated (AFMoE, Laguna); TransformerLens's attention has no gate")
     if qk == (True, True):

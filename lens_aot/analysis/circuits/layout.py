@@ -71,6 +71,11 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
     for layer in range(len(aot.blocks)):
         if not is_moe(aot, layer):
             continue
+        if getattr(aot.blocks[layer].mlp, "input_scaled", False):  # Llama 4 (core/components/input_scaled_moe.py)
+            raise InputError(
+                f"layer {layer} mlp: its router weights scale each expert's input (Llama 4), inside the activation, "
+                "so an expert neuron is no router gate times a neuron node; use granularity='mlp'"
+            )
         for name, module in aot.blocks[layer].mlp.expert_modules():
             what = name.replace("experts.", "expert ").replace("_", " ")
             if not (hasattr(module, "heads") or hasattr(module, "gate_heads")) or not hasattr(module, "W_out"):

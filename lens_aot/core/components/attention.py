@@ -16,11 +16,13 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.alibi import ALiBi
 from lens_aot.core.components.alibi_keys import KeyPositionALiBi
+from lens_aot.core.components.chunked_mask import same_chunk
 from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter, table
 from lens_aot.core.components.query_scale import PositionQueryScale
+from lens_aot.core.components.query_temperature import QueryTemperature
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
@@ -127,7 +129,8 @@ class Attention(nn.Module):
 
     Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
     (query scaling by position, Ministral 3; ``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan,
-    NanoChat) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal, sliding window, padding) →
+    NanoChat) → query temperature (Llama 4's NoPE layers) → ``q·k / attn_scale`` → soft-cap → ALiBi → mask (causal,
+    sliding window, chunks, padding) →
     ``hook_attn_scores`` → softmax (with the sink column) → ``hook_pattern`` → ``z`` → output gate
     (``output_gate.hook_gate``; AFMoE, Laguna) → ``hook_z`` → ``W_O``.
     """
@@ -152,6 +155,9 @@ class Attention(nn.Module):
         if spec.window is not None and (not causal or spec.window < 1):
             raise ValueError(f"a sliding window needs causal attention and window >= 1 (got {spec.window}, {causal=})")
         self.window = spec.window
+        if spec.chunk is not None and (not causal or spec.chunk < 1):  # Llama 4: chunked_mask.py
+            raise ValueError(f"chunked attention needs causal attention and chunk >= 1 (got {spec.chunk}, {causal=})")
+        self.chunk = spec.chunk
         self.clip_qkv = spec.clip_qkv
         self.own_rotary = spec.rotary is not None
         rotary = spec.rotary if spec.rotary is not None else rotary
@@ -186,6 +192,10 @@ class Attention(nn.Module):
             if rotary is None or spec.query_scale_length is None:
                 raise ValueError("position-dependent query scaling needs rotary positions and a length")
             self.query_scale = PositionQueryScale(spec.query_scale_beta, spec.query_scale_length)
+        if spec.temperature_scale is not None:  # Llama 4's NoPE layers: query_temperature.py
+            if spec.temperature_floor is None:
+                raise ValueError("a query temperature needs its floor_scale (temperature_floor)")
+            self.query_temperature = QueryTemperature(spec.temperature_scale, spec.temperature_floor)
         if spec.scores_dtype is not None:
             self.scores_in = ScoresInDtype(spec.scores_dtype)
         self.rotary_adjacent_pairs = False
@@ -270,6 +280,8 @@ class Attention(nn.Module):
             q = self.hook_rot_q(q)
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
         q, k = self._qk_norm(q, k, after_rotary=True)
+        if hasattr(self, "query_temperature"):  # Llama 4's NoPE layers, after rotary and QK-norm as the source
+            q = self.query_temperature(q, past)
         if k.shape[2] != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
             v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
@@ -337,7 +349,8 @@ class Attention(nn.Module):
         (no cache, no padding) applies. TransformerLens's ``apply_causal_mask``: key ``j`` is visible to query ``i``
         iff ``j <= past + i`` (and ``j > past + i - window`` with a sliding window) and ``attention_mask[:, j]`` is 1.
         """
-        if attention_mask is None and (not self.causal or (past == 0 and self.window is None)):
+        plain = past == 0 and self.window is None and self.chunk is None
+        if attention_mask is None and (not self.causal or plain):
             return None
         if self.causal:
             query_pos = torch.arange(past, past + n_query, device=device)
@@ -346,6 +359,8 @@ class Attention(nn.Module):
             if self.window is not None:
                 mask = mask & (key_pos[None, :] > query_pos[:, None] - self.window)
             mask = mask[None, None]
+            if self.chunk is not None:  # Llama 4: block-diagonal causal (chunked_mask.py)
+                mask = mask & same_chunk(query_pos, key_pos, self.chunk, attention_mask)
         else:
             mask = torch.ones(1, 1, n_query, n_key, dtype=torch.bool, device=device)
         if attention_mask is not None:
@@ -401,6 +416,9 @@ class Attention(nn.Module):
             output_gate=self.output_gate.spec() if hasattr(self, "output_gate") else None,
             query_scale_beta=self.query_scale.beta if hasattr(self, "query_scale") else None,
             query_scale_length=self.query_scale.length if hasattr(self, "query_scale") else None,
+            chunk=self.chunk,
+            temperature_scale=self.query_temperature.scale if hasattr(self, "query_temperature") else None,
+            temperature_floor=self.query_temperature.floor_scale if hasattr(self, "query_temperature") else None,
         )
 
     def _qk_norm_over(self) -> QKNormScope:

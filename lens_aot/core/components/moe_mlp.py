@@ -118,6 +118,14 @@ class MoEMLP(nn.Module):
         return tokens, weights.T.reshape(-1).index_select(0, order).split(counts)
 
     # ---- forward ----
+    input_scaled = False  # the router weight scales each expert's output (InputScaledMoEMLP: its input)
+
+    def weighted(
+        self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "batch pos 1"]
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """One expert's routed contribution: its output (through ``hook_out``) times its router weight."""
+        return expert.hook_out(expert(x)) * weight
+
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos, d_model = x.shape
         flat = x.reshape(-1, d_model)
@@ -129,16 +137,15 @@ class MoEMLP(nn.Module):
             if self.runs_densely(expert):
                 if dense_weights is None:
                     dense_weights = weights.new_zeros(flat.shape[0], self.n_experts).scatter(1, indices, weights)
-                y = expert.hook_out(expert(x)).reshape(-1, d_model)
-                out = out + y * dense_weights[:, e, None]
+                y = self.weighted(expert, x, dense_weights[:, e].reshape(batch, pos, 1))
+                out = out + y.reshape(-1, d_model)
                 continue
             if groups is None:
                 groups = self.token_groups(indices, weights)
             token, weight = groups[0][e], groups[1][e]
             if token.numel() == 0:
                 continue
-            y = expert.hook_out(expert(flat.index_select(0, token)[None]))[0]
-            out.index_add_(0, token, y * weight[:, None])
+            out.index_add_(0, token, self.weighted(expert, flat.index_select(0, token)[None], weight[None, :, None])[0])
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
             if self.W_shared_gate is not None:
@@ -232,4 +239,15 @@ class MoEMLP(nn.Module):
             else replace(self.group_router, e_score_correction_bias=self._bias_copy()),
             **self.router.spec_fields(),  # type: ignore[arg-type]
             b_out=None if self.b_moe is None else exported(self.b_moe),
+            input_scaled=self.input_scaled,
         )
+
+
+def moe_mlp(spec: MoESpec, build_expert: Callable[[MLPSpec, int | None], nn.Module]) -> MoEMLP:
+    """The MoE component ``spec`` describes: :class:`MoEMLP`, or, when its router weights scale the experts' inputs
+    (Llama 4), :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`."""
+    if spec.input_scaled:
+        from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
+
+        return InputScaledMoEMLP(spec, build_expert)
+    return MoEMLP(spec, build_expert)

@@ -138,7 +138,36 @@ class TopKThenSoftmax(TopKRouter):
         return indices, weights
 
 
-ROUTERS: dict[str, type[TopKRouter]] = {"softmax": SoftmaxTopK, "sigmoid": SigmoidTopK, "topk_softmax": TopKThenSoftmax}
+class TopKThenSigmoid(TopKRouter):
+    """The top-k logits, then a sigmoid of each (Llama 4's ``Llama4Router``: ``topk`` of the logits in the
+    activation dtype, then ``sigmoid(scores.float())`` of the chosen ones, unchosen experts' ``-inf`` giving 0, cast
+    back): the scores are the logits themselves (the choice is on them, as the source's), and the chosen experts'
+    weights their sigmoids in ``score_dtype``, neither renormalised nor scaled (``norm_topk_prob`` off)."""
+
+    scoring = "topk_sigmoid"
+
+    def scores(self, logits: Float[Tensor, "tokens n_experts"]) -> Float[Tensor, "tokens n_experts"]:
+        return logits
+
+    def choose(
+        self, scores: Float[Tensor, "tokens n_experts"]
+    ) -> tuple[Int[Tensor, "tokens top_k"], Float[Tensor, "tokens top_k"]]:
+        top, indices = torch.topk(scores, self.top_k, dim=-1)
+        # the sigmoid of the scattered [tokens, n_experts] scores, as the source lays them out (a vectorised sigmoid
+        # can round an element differently by where it sits in the tensor), then the chosen ones
+        scattered = torch.full_like(scores, float("-inf")).scatter(1, indices, top)
+        weights = torch.sigmoid(self._in_score_dtype(scattered)).gather(1, indices)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return indices, weights
+
+
+ROUTERS: dict[str, type[TopKRouter]] = {
+    "softmax": SoftmaxTopK,
+    "sigmoid": SigmoidTopK,
+    "topk_softmax": TopKThenSoftmax,
+    "topk_sigmoid": TopKThenSigmoid,
+}
 
 
 def build_router(spec: MoESpec) -> TopKRouter:

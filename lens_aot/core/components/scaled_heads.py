@@ -33,6 +33,7 @@ class ScaledDenseHeads(nn.Module):
     def _no_variants(self) -> None:
         """Attention's attributes, set to read "no such variant" for code that inspects every layer's attention."""
         self.window = None
+        self.chunk = None  # Attention._mask reads it (Llama 4's chunked attention)
         self.use_attn_result = False
         self.ungroup = False
         self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False

@@ -18,7 +18,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS
-from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.gating import GatedFit
@@ -86,7 +86,7 @@ def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
     :class:`~lens_aot.core.components.clamped_swiglu_mlp.ClampedSwiGLUMLP` (GPT-OSS's clamped SwiGLU), or for a
     mixture of experts an :class:`MoEMLP` of them (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
     if isinstance(mlp, MoESpec):
-        return MoEMLP(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
+        return moe_mlp(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
     from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
     from lens_aot.core.xielu import XIELUFit
 
