@@ -28,6 +28,7 @@ a norm before the MLP, ``U_n = limit + 1`` and ``H_n = max(limit, 0.2785/alpha)`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,11 @@ class ClampedSwiGLUSpec(MLPSpec):
 
     alpha: float = 1.702
     limit: float = 7.0
+
+    @classmethod
+    def of(cls, mlp: MLPSpec, alpha: float, limit: float) -> ClampedSwiGLUSpec:
+        """``mlp``'s weights (every :class:`MLPSpec` field) with GPT-OSS's two scalars."""
+        return cls(**{f.name: getattr(mlp, f.name) for f in dataclasses.fields(MLPSpec)}, alpha=alpha, limit=limit)
 
 
 def check_clamp(alpha: float, limit: float, where: str) -> None:

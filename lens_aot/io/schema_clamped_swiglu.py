@@ -36,15 +36,4 @@ def clamped_swiglu_spec(decoder: Any, mlp: MLPSpec, record: Any, path: str) -> M
     if mlp.W_gate is None:
         raise LoadError(f"{decoder.where}: {path} is a clamped SwiGLU without W_gate; the file is corrupt.")
     f = decoder.fields(record, f"{path}.clamped_swiglu", SCALARS)
-    return ClampedSwiGLUSpec(
-        mlp.W_in,
-        mlp.b_in,
-        mlp.W_out,
-        mlp.b_out,
-        mlp.act_fn,
-        W_gate=mlp.W_gate,
-        b_gate=mlp.b_gate,
-        b_post=mlp.b_post,
-        alpha=float(f["alpha"]),
-        limit=float(f["limit"]),
-    )
+    return ClampedSwiGLUSpec.of(mlp, float(f["alpha"]), float(f["limit"]))

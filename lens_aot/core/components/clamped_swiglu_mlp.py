@@ -57,15 +57,4 @@ class ClampedSwiGLUMLP(NeuronMLP):
     def spec(self) -> ClampedSwiGLUSpec:
         """The clamped-SwiGLU MLP these heads implement, with the source's scalars."""
         gated = super().spec()
-        return ClampedSwiGLUSpec(
-            gated.W_in,
-            gated.b_in,
-            gated.W_out,
-            gated.b_out,
-            gated.act_fn,
-            W_gate=gated.W_gate,
-            b_gate=gated.b_gate,
-            b_post=gated.b_post,
-            alpha=self.alpha,
-            limit=self.limit,
-        )
+        return ClampedSwiGLUSpec.of(gated, self.alpha, self.limit)
