@@ -303,3 +303,70 @@ def test_moe_neuron_error_joins_before_the_post_norm() -> None:
     scale = torch.tensor(fit.output_scale, dtype=step.dtype)
     assert float(step.max()) > 0, "the perturbation does not reach the post-MLP norm"
     assert bool((step <= eps * scale * (1 + 1e-4) + 1e-6).all())
+
+
+def _post_norm_calls(**changes: torch.Tensor) -> dict[tuple[int, str], Any]:
+    """A recorded forward of layer 0 laid out as ``m = x + ln1(attn(x))``, ``out = m + ln2(mlp(m))`` (random
+    tensors), with ``changes`` (``mlp_in``, ``ln2_in``, ``out``) replacing what a piece was given or returned."""
+    from lens_aot.tl.bridge_probe import Call
+
+    g = torch.Generator().manual_seed(0)
+    x, a, n1, f, n2 = (torch.randn(1, 4, 8, generator=g, dtype=torch.float64) for _ in range(5))
+    mid = x + n1
+    return {
+        (0, "block"): Call(x, changes.get("out", mid + n2)),
+        (0, "attn"): Call(x, a),
+        (0, "ln1"): Call(a, n1),
+        (0, "mlp"): Call(changes.get("mlp_in", mid), f),
+        (0, "ln2"): Call(changes.get("ln2_in", f), n2),
+    }
+
+
+def test_post_norm_layout_is_told_from_post_ln_and_each_break_is_named() -> None:
+    """The post-norm reading (ln1 reads the attention's output) and GPT-1's post-LN one (ln1 reads ``x + attn(x)``)
+    exclude each other; a block that starts as post-norm and then breaks the layout is named by the piece that breaks
+    it, not read as a pre-norm block whose attention skips ln1."""
+    from lens_aot.tl.bridge_post_ln import is_post_ln
+    from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
+    from lens_aot.tl.bridge_probe import Call
+
+    pieces = {"ln1", "ln2", "mlp"}
+    calls = _post_norm_calls()
+    assert is_post_norm(0, calls, pieces) and not is_post_ln(0, calls, pieces)
+    assert post_norm_mismatch(0, calls, pieces) is None
+    assert not is_post_norm(0, calls, pieces | {"ln1_post"})  # TL 4.3's mapping: read as sandwich norms instead
+    x, a = calls[(0, "block")].input, calls[(0, "attn")].output
+    gpt1 = {**calls, (0, "ln1"): Call(x + a, calls[(0, "ln1")].output)}  # ln1 reads the sum: post-LN, not post-norm
+    assert not is_post_norm(0, gpt1, pieces) and post_norm_mismatch(0, gpt1, pieces) is None
+    out = calls[(0, "block")].output
+    for changes, piece, what in (
+        (dict(mlp_in=x), "mlp", "whose MLP does not read input"),
+        (dict(ln2_in=x), "ln2", "whose ln2 does not normalise the MLP's output"),
+        (dict(out=out * (1 + 1e-3)), "block", "whose output is not input"),
+    ):
+        broken = _post_norm_calls(**changes)
+        assert not is_post_norm(0, broken, pieces)
+        got = post_norm_mismatch(0, broken, pieces)
+        assert got is not None and got[0] == piece and what in got[1], (changes, got)
+    assert post_norm_mismatch(0, calls, {"ln1", "ln2"}) == (
+        "block",
+        "a post-norm block (ln1 normalises the attention's output, no norm before it) with pieces ['ln1', 'ln2'] "
+        "(only ln1, attention, an MLP and ln2 are read)",
+    )
+
+
+def test_a_broken_post_norm_block_is_refused_naming_it() -> None:
+    """OLMo-2 whose layer 0 returns 1.001× its sum (a residual multiplier lens_aot does not see): refused as the
+    block, by the post-norm reading under TL 3.9 (whose ln1 is the post-attention norm), the pre-norm one under 4.3."""
+    source = bridge("Olmo2ForCausalLM", torch.float64)
+
+    def scale(module: Any, args: Any, output: Any) -> Any:
+        return output * 1.001 if isinstance(output, torch.Tensor) else (output[0] * 1.001, *output[1:])
+
+    handle = source.blocks[0].original_component.register_forward_hook(scale)
+    try:
+        post_norm = "a post-norm block .* whose output is not input" if TL_MAJOR < 4 else "an output that is not"
+        with pytest.raises(UnsupportedArchitectureError, match=rf"^layer 0 block: {post_norm}"):
+            lens_aot.convert(source)
+    finally:
+        handle.remove()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from lens_aot.tl.bridge_probe import Call, close
 
-__all__ = ["is_post_norm"]
+__all__ = ["is_post_norm", "post_norm_mismatch"]
 
 
 def is_post_norm(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str]) -> bool:
@@ -47,3 +47,28 @@ def is_post_norm(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str
         and close(ln2.input, mlp.output)
         and close(block.output, mid + ln2.output)
     )
+
+
+def post_norm_mismatch(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str]) -> tuple[str, str] | None:
+    """``(piece, what)`` naming the first part of a post-norm layout that layer ``layer``'s recorded forward breaks,
+    when it starts as one (attention reads the block's input and ``ln1`` the attention's output); None otherwise.
+
+    For a refusal that says what the block is (``layer 0 block: a post-norm block whose output ...``) rather than
+    reading it as a pre-norm block whose attention skips ``ln1``."""
+    block, attn, ln1 = calls.get((layer, "block")), calls.get((layer, "attn")), calls.get((layer, "ln1"))
+    if block is None or attn is None or ln1 is None or not close(attn.input, block.input):
+        return None
+    if close(attn.input, ln1.output) or not close(ln1.input, attn.output):
+        return None
+    start = "a post-norm block (ln1 normalises the attention's output, no norm before it)"
+    mlp, ln2 = calls.get((layer, "mlp")), calls.get((layer, "ln2"))
+    if pieces != {"ln1", "ln2", "mlp"} or mlp is None or ln2 is None:
+        return "block", f"{start} with pieces {sorted(pieces)} (only ln1, attention, an MLP and ln2 are read)"
+    mid = block.input + ln1.output
+    if not close(mlp.input, mid):
+        return "mlp", f"{start} whose MLP does not read input + ln1(attention) (e.g. a parallel post-norm layer)"
+    if not close(ln2.input, mlp.output):
+        return "ln2", f"{start} whose ln2 does not normalise the MLP's output"
+    if close(block.output, mid + ln2.output):
+        return None
+    return "block", f"{start} whose output is not input + ln1(attention) + ln2(MLP) (e.g. a residual multiplier)"

@@ -70,7 +70,7 @@ from lens_aot.tl.bridge_layout import (
     unmapped_position_table,
 )
 from lens_aot.tl.bridge_post_ln import is_post_ln
-from lens_aot.tl.bridge_post_norm import is_post_norm
+from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
@@ -190,6 +190,8 @@ def _layout(
         raise refuse_piece(layer, "block", "pieces that did not run in a forward pass (cannot read how they combine)")
     x = block.input
     if not close(attn.input, ln1.output if ln1 is not None else x):
+        if (post_norm := post_norm_mismatch(layer, calls, has)) is not None:  # (lens_aot.tl.bridge_post_norm)
+            raise refuse_piece(layer, *post_norm, "Post-norm blocks are read as m = x + ln1(attn(x)), m + ln2(mlp(m)).")
         raise refuse_piece(
             layer,
             "attn",
