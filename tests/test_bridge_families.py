@@ -12,7 +12,6 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import TL_MAJOR
 from factories_bridge import FAMILIES, STRUCTURAL, _hf, assert_faithful, make_bridge
 
 import lens_aot
@@ -65,18 +64,6 @@ def test_scaled_rope_tables_are_the_sources() -> None:
 
 
 REFUSED = {
-    # TL 4.3 maps OLMo-2's post norms to ln1_post / ln2_post and converts (tests/test_mlp_activations.py); TL 3.9's
-    # bridge maps them to ln1 / ln2, which the probe sees are not pre-norms.
-    **(
-        {}
-        if TL_MAJOR >= 4
-        else {
-            "olmo2": (
-                _hf("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2),
-                r"layer 0 attn: an input that is not ln1's output",
-            )
-        }
-    ),  # fmt: skip
     "bloom": (
         # ALiBi converts (tests/test_bridge_attention_variants.py); a residual taken after the norm does not.
         _hf("BloomConfig", "BloomForCausalLM", n_layer=2, n_head=4, apply_residual_connection_post_layernorm=True),

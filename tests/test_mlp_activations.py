@@ -44,9 +44,9 @@ def _error(aot: Any, source: Any) -> float:
         return float((aot(tokens) - run_source(source, tokens)).abs().max())
 
 
-# TransformerLens 3.9's bridge maps post norms to ln1 / ln2 and is refused by the probe (tests/test_bridge_families.py);
-# TL 3.9's post-norm HookedTransformer configs are tested in tests/test_hooked_mlp_activations.py.
-POST_NORM = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 3.9's bridge reads post norms as pre-norms")
+# TransformerLens 4.3's bridge maps the post norms to ln1_post / ln2_post, 3.9's to ln1 / ln2: both convert, the
+# layout read from the recorded forward (lens_aot.tl.bridge_post_norm); TL 3.9's post-norm HookedTransformer configs
+# are tested in tests/test_hooked_mlp_activations.py.
 POST_NORM_CASES = [
     ("Olmo2ForCausalLM", torch.float32),
     ("Olmo2ForCausalLM", torch.float64),
@@ -58,7 +58,7 @@ CASES = [
     ("ArceeForCausalLM", torch.float64),
     ("Jais2ForCausalLM", torch.float64),
     ("NemotronForCausalLM", torch.float32),  # LayerNorm1P: F.layer_norm with weight + 1
-    *(POST_NORM_CASES if TL_MAJOR >= 4 else []),
+    *POST_NORM_CASES,
 ]
 
 
@@ -100,7 +100,6 @@ def test_squared_relu_is_a_plain_mlp_by_its_names(dtype: torch.dtype) -> None:
     assert float((post - torch.relu(pre) ** 2).abs().max()) <= 10 * aot.report.max_neuron_error + slack
 
 
-@POST_NORM
 def test_post_norm_radius_is_certified_and_recorded() -> None:
     """The certified radius bounds every residual an MLP reads; the fit records the ranges the guard checks."""
     source = bridge("Olmo2ForCausalLM", torch.float64)
@@ -115,7 +114,6 @@ def test_post_norm_radius_is_certified_and_recorded() -> None:
         assert fit.u_range is not None and len(fit.u_range) == aot.cfg.d_mlp
 
 
-@POST_NORM
 def test_guard_fires_names_the_fix_and_hooks_are_removed() -> None:
     source = bridge("Olmo2ForCausalLM", torch.float32)
     aot = lens_aot.convert(source)
@@ -132,7 +130,6 @@ def test_guard_fires_names_the_fix_and_hooks_are_removed() -> None:
         assert float((aot(tokens) - run_source(source, tokens)).abs().max()) <= TOLERANCES[("gated", torch.float32)]
 
 
-@POST_NORM
 def test_a_narrow_range_is_refused_by_the_guard_at_convert_time() -> None:
     """max_residual_norm below the residuals the check reads: the converted forward refuses them (never silently
     beyond the bound); a wider one than certified is accepted and stated."""
@@ -145,7 +142,6 @@ def test_a_narrow_range_is_refused_by_the_guard_at_convert_time() -> None:
         lens_aot.convert(source, max_residual_norm=-1.0)
 
 
-@POST_NORM
 def test_guard_survives_save_and_load(tmp_path: Any) -> None:
     source = bridge("Olmo2ForCausalLM", torch.float32)
     aot = lens_aot.convert(source)
@@ -233,3 +229,144 @@ def test_a_gelu_gate_beyond_its_fits_on_a_large_radius_names_the_option() -> Non
 
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: a gated gelu MLP without a norm.*Pass"):
         lens_aot.convert(random_spec(norm=None, act_fn="gelu"), max_residual_norm=1e6)
+
+
+def _post_norms(aot: Any, layer: int) -> tuple[str, str]:
+    """The names of ``layer``'s post-attention and post-MLP norms, as the source bridge names them: TransformerLens
+    4.3's ``ln1_post`` / ``ln2_post``, 3.9's ``ln1`` / ``ln2`` (the converted model keeps the source's names)."""
+    pre = f"blocks.{layer}"
+    return (f"{pre}.ln1_post", f"{pre}.ln2_post") if TL_MAJOR >= 4 else (f"{pre}.ln1", f"{pre}.ln2")
+
+
+def test_post_norm_layout_and_hooks_mean_the_sources(one_thread: None) -> None:
+    """OLMo-2 under either bridge: the layout is read from the recorded forward (TL 3.9: ``LayerSpec.post_norm``
+    with ln1 / ln2 the post norms; TL 4.3: ``ln1_post`` / ``ln2_post`` after identity pre-norms), and every hook the
+    source and the converted model share holds the same tensor: exactly up to float32 rounding before layer 0's MLP
+    (HF's RMSNorm computes in float32), within the gated bound after it. A 1e-3 change of the post-attention norm's
+    weight is caught at ``hook_attn_out``."""
+    from lens_aot.tl.read_bridge import read_bridge
+
+    source = bridge("Olmo2ForCausalLM", torch.float64)
+    spec = read_bridge(source)
+    for layer in spec.layers:
+        if TL_MAJOR >= 4:
+            assert not layer.post_norm and layer.ln1_post is not None and layer.ln1.kind is None
+        else:
+            assert layer.post_norm and layer.ln1_post is None and layer.ln1.kind == "RMS" and not layer.residual_norm
+    aot = lens_aot.convert(source)
+    ln1, ln2 = _post_norms(aot, 0)
+    assert aot.blocks[0].get_submodule(ln1.split(".", 2)[2]) is not None
+    tokens = _tokens(aot)
+    shared = set(source.hook_dict) & set(aot.hook_dict)
+    _, want = source.run_with_cache(tokens, names_filter=lambda n: n in shared)
+    _, got = aot.run_with_cache(tokens, names_filter=lambda n: n in shared)
+    compared = {n for n in want if n in got}
+    exact = {"blocks.0.hook_resid_pre", "blocks.0.hook_attn_out", "blocks.0.hook_resid_mid", f"{ln1}.hook_normalized"}
+    exact |= {n for n in compared if n.startswith("blocks.0.attn.")}
+    assert exact <= compared and {f"{ln2}.hook_normalized", "blocks.1.hook_mlp_out"} <= compared
+
+    def error(name: str, cache: Any = got) -> float:  # relative, but on masked scores (source: finfo.min; ours: -inf)
+        kept = want[name].abs() < torch.finfo(want[name].dtype).max / 2
+        a, b = cache[name][kept], want[name][kept]
+        return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
+    rounding = 64 * torch.finfo(torch.float32).eps
+    for name in sorted(compared):
+        limit = rounding if name in exact else TOLERANCES[("gated", torch.float64)]
+        assert error(name) <= limit, f"{name}: {error(name):.3g} > {limit:.3g}"
+    weight = aot.get_parameter(f"{ln1}.w")
+    with torch.no_grad():
+        weight.mul_(1.001)
+        _, mutated = aot.run_with_cache(tokens, names_filter=lambda n: n == "blocks.0.hook_attn_out")
+        weight.div_(1.001)
+    assert error("blocks.0.hook_attn_out", mutated) > 10 * rounding
+
+
+def test_moe_neuron_error_joins_before_the_post_norm() -> None:
+    """FlexOLMo (a mixture of experts in post-norm blocks): the bound's perturbation of the experts' neurons
+    (:func:`lens_aot.core.moe.sensitivity_hooks`) is added to the MoE's own output, so it reaches the post-MLP norm's
+    input (``hook_mlp_out`` is that norm's output on both bridges); its size is at most ``ε·c`` per channel."""
+    from lens_aot.core.moe import sensitivity_hooks
+
+    source = bridge("FlexOlmoForCausalLM", torch.float32)
+    aot = lens_aot.convert(source)
+    fit, moe = aot.cfg.activation_fits[0], aot.to_spec().layers[0].mlp
+    eps = 1e-2
+    hooks = sensitivity_hooks(source.hook_dict, 0, fit, eps, moe)(torch.Generator().manual_seed(0))
+    norm_in = f"{_post_norms(aot, 0)[1]}.hook_in"
+    tokens = _tokens(aot)
+    with torch.no_grad():
+        _, base = source.run_with_cache(tokens, names_filter=lambda n: n == norm_in)
+        seen: dict[str, torch.Tensor] = {}
+        source.run_with_hooks(tokens, fwd_hooks=[*hooks, (norm_in, lambda x, hook: seen.setdefault("x", x.clone()))])
+    step = (seen["x"] - base[norm_in]).abs()
+    scale = torch.tensor(fit.output_scale, dtype=step.dtype)
+    assert float(step.max()) > 0, "the perturbation does not reach the post-MLP norm"
+    assert bool((step <= eps * scale * (1 + 1e-4) + 1e-6).all())
+
+
+def _post_norm_calls(**changes: torch.Tensor) -> dict[tuple[int, str], Any]:
+    """A recorded forward of layer 0 laid out as ``m = x + ln1(attn(x))``, ``out = m + ln2(mlp(m))`` (random
+    tensors), with ``changes`` (``mlp_in``, ``ln2_in``, ``out``) replacing what a piece was given or returned."""
+    from lens_aot.tl.bridge_probe import Call
+
+    g = torch.Generator().manual_seed(0)
+    x, a, n1, f, n2 = (torch.randn(1, 4, 8, generator=g, dtype=torch.float64) for _ in range(5))
+    mid = x + n1
+    return {
+        (0, "block"): Call(x, changes.get("out", mid + n2)),
+        (0, "attn"): Call(x, a),
+        (0, "ln1"): Call(a, n1),
+        (0, "mlp"): Call(changes.get("mlp_in", mid), f),
+        (0, "ln2"): Call(changes.get("ln2_in", f), n2),
+    }
+
+
+def test_post_norm_layout_is_told_from_post_ln_and_each_break_is_named() -> None:
+    """The post-norm reading (ln1 reads the attention's output) and GPT-1's post-LN one (ln1 reads ``x + attn(x)``)
+    exclude each other; a block that starts as post-norm and then breaks the layout is named by the piece that breaks
+    it, not read as a pre-norm block whose attention skips ln1."""
+    from lens_aot.tl.bridge_post_ln import is_post_ln
+    from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
+    from lens_aot.tl.bridge_probe import Call
+
+    pieces = {"ln1", "ln2", "mlp"}
+    calls = _post_norm_calls()
+    assert is_post_norm(0, calls, pieces) and not is_post_ln(0, calls, pieces)
+    assert post_norm_mismatch(0, calls, pieces) is None
+    assert not is_post_norm(0, calls, pieces | {"ln1_post"})  # TL 4.3's mapping: read as sandwich norms instead
+    x, a = calls[(0, "block")].input, calls[(0, "attn")].output
+    gpt1 = {**calls, (0, "ln1"): Call(x + a, calls[(0, "ln1")].output)}  # ln1 reads the sum: post-LN, not post-norm
+    assert not is_post_norm(0, gpt1, pieces) and post_norm_mismatch(0, gpt1, pieces) is None
+    out = calls[(0, "block")].output
+    for changes, piece, what in (
+        (dict(mlp_in=x), "mlp", "whose MLP does not read input"),
+        (dict(ln2_in=x), "ln2", "whose ln2 does not normalise the MLP's output"),
+        (dict(out=out * (1 + 1e-3)), "block", "whose output is not input"),
+    ):
+        broken = _post_norm_calls(**changes)
+        assert not is_post_norm(0, broken, pieces)
+        got = post_norm_mismatch(0, broken, pieces)
+        assert got is not None and got[0] == piece and what in got[1], (changes, got)
+    assert post_norm_mismatch(0, calls, {"ln1", "ln2"}) == (
+        "block",
+        "a post-norm block (ln1 normalises the attention's output, no norm before it) with pieces ['ln1', 'ln2'] "
+        "(only ln1, attention, an MLP and ln2 are read)",
+    )
+
+
+def test_a_broken_post_norm_block_is_refused_naming_it() -> None:
+    """OLMo-2 whose layer 0 returns 1.001× its sum (a residual multiplier lens_aot does not see): refused as the
+    block, by the post-norm reading under TL 3.9 (whose ln1 is the post-attention norm), the pre-norm one under 4.3."""
+    source = bridge("Olmo2ForCausalLM", torch.float64)
+
+    def scale(module: Any, args: Any, output: Any) -> Any:
+        return output * 1.001 if isinstance(output, torch.Tensor) else (output[0] * 1.001, *output[1:])
+
+    handle = source.blocks[0].original_component.register_forward_hook(scale)
+    try:
+        post_norm = "a post-norm block .* whose output is not input" if TL_MAJOR < 4 else "an output that is not"
+        with pytest.raises(UnsupportedArchitectureError, match=rf"^layer 0 block: {post_norm}"):
+            lens_aot.convert(source)
+    finally:
+        handle.remove()

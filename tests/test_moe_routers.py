@@ -155,13 +155,14 @@ def test_a_wrong_router_is_detected(bridges, architecture: str) -> None:
 
 def test_the_sensitivity_covers_the_shared_experts_without_hooks(bridges, converted) -> None:
     """GLM-4-MoE's shared experts have no hook_post in the bridge, and its router's hooks are not a softmax: the
-    routing is recomputed from ln2's output and the shared experts' ±ε neurons are added after the experts (the
-    per-neuron perturbation, not the box fallback's, which hooks hook_mlp_out alone)."""
+    routing is recomputed from the MoE's input (``mlp.hook_in``: ln2's output here) and the shared experts' ±ε neurons
+    are added after the experts, to the MoE's own output (the per-neuron perturbation, not the box fallback's, which
+    hooks that output alone)."""
     bridge, aot = bridges[("Glm4MoeForCausalLM", torch.float64)], converted[("Glm4MoeForCausalLM", torch.float64)]
     fit, spec = aot.cfg.activation_fits[1], read_model(bridge).layers[1].mlp
     assert fit.shared is not None and "blocks.1.mlp.shared_experts.hook_post" not in bridge.hook_dict
     hooks = sensitivity_hooks(set(bridge.hook_dict), 1, fit, 1e-4, spec)(torch.Generator().manual_seed(0))
-    assert [name for name, _ in hooks] == ["blocks.1.ln2.hook_out", "blocks.1.hook_mlp_out"]
+    assert [name for name, _ in hooks] == ["blocks.1.mlp.hook_in", "blocks.1.mlp.hook_out"]
     assert aot.report.logit_bound < 0.05
 
 

@@ -16,8 +16,11 @@ The conversion's bound needs the source's response to every neuron off by ``±ε
 has one (TransformerLens's ``MoE``); otherwise (a bridge over batched experts) it records the source's own routing
 at ``blocks.{l}.mlp.hook_expert_indices`` / ``hook_expert_weights`` and adds ``Σ_k w_k·(±ε per neuron)·W_out^{e_k}``
 at ``blocks.{l}.hook_mlp_out`` (the same perturbation, applied after the experts; without router hooks, the routing
-is computed from the MoE's input at ``blocks.{l}.ln2.hook_out`` as the source computes it, :func:`route`), and the
-shared expert's at its ``hook_post``; a source with none of these gets random corners of the box ``±ε·c``.
+is computed from the MoE's input as the source computes it, :func:`route`), and the shared expert's at its
+``hook_post``; a source with none of these gets random corners of the box ``±ε·c``. On a bridge, the MoE's own
+``blocks.{l}.mlp.hook_in`` / ``hook_out`` stand for ``ln2.hook_out`` / ``hook_mlp_out``: the same tensors in a pre-norm
+block, and the right ones where a norm follows the MLP (OLMo-2-style post norms, whose ``hook_mlp_out`` is that norm's
+output: the neurons' error joins before it, :mod:`lens_aot.tl.bridge_post_norm`).
 """
 
 from __future__ import annotations
@@ -156,7 +159,9 @@ def sensitivity_hooks(
 
     if all(n in names for n in posts + shared):
         return lambda gen: [(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in posts + shared]
-    ln2 = f"blocks.{layer}.ln2.hook_out"
+    # the MoE's input (the router reads it) and the sum its neurons' error joins (before any norm after the MLP)
+    ln2 = f"{prefix}.hook_in" if f"{prefix}.hook_in" in names else f"blocks.{layer}.ln2.hook_out"
+    mlp_out = f"{prefix}.hook_out" if f"{prefix}.hook_out" in names else f"blocks.{layer}.hook_mlp_out"
     # The source's router hooks carry TransformerLens's softmax meaning; other routers are recomputed from ln2.
     plain = spec is not None and spec.scoring == "softmax" and spec.e_score_correction_bias is None
     plain = plain and spec is not None and spec.routed_scaling_factor == 1.0 and not spec.norm_min
@@ -173,15 +178,15 @@ def sensitivity_hooks(
         def hooks(gen: torch.Generator) -> list[Hook]:
             seen: dict[str, Tensor] = {}
 
-            def record(act: Tensor, hook: Any) -> None:
-                seen[hook.name.rsplit(".", 1)[1]] = act.detach()
+            def record(act: Tensor, hook: Any, key: str = "") -> None:
+                seen[key or hook.name.rsplit(".", 1)[1]] = act.detach()
 
             def perturb(out: Tensor, hook: Any) -> Tensor:
-                # the routing of the MoE's input, recorded at ln2, as the source computes it: without routing hooks,
+                # the routing of the MoE's input, recomputed as the source computes it: without routing hooks,
                 # or when they do not carry the indices (TransformerLens 4.3's GraniteMoe router hooks read the wrong
                 # elements of the router's output on transformers 5)
                 if not own_routing or seen["hook_expert_indices"].is_floating_point():
-                    seen["hook_expert_indices"], seen["hook_expert_weights"] = route(moe, seen["hook_out"])
+                    seen["hook_expert_indices"], seen["hook_expert_weights"] = route(moe, seen["moe_input"])
                 indices, weights = seen["hook_expert_indices"], seen["hook_expert_weights"]
                 if weights.shape != indices.shape:  # the softmax over all experts (TransformerLens's meaning)
                     weights = weights.reshape(-1, spec.n_experts).gather(1, indices.reshape(-1, spec.top_k))
@@ -200,9 +205,9 @@ def sensitivity_hooks(
 
             return [
                 *([(routing[0], record), (routing[1], record)] if own_routing else []),
-                *([(ln2, record)] if ln2 in names else []),
+                *([(ln2, lambda a, hook: record(a, hook, "moe_input"))] if ln2 in names else []),
                 *[(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in shared],
-                (f"blocks.{layer}.hook_mlp_out", perturb),
+                (mlp_out, perturb),
             ]
 
         return hooks
@@ -212,6 +217,6 @@ def sensitivity_hooks(
         def perturb(out: Tensor, hook: Any) -> Tensor:
             return out + eps * _signs(tuple(out.shape), gen, out) * scale.to(device=out.device, dtype=out.dtype)
 
-        return [(f"blocks.{layer}.hook_mlp_out", perturb)]
+        return [(mlp_out, perturb)]
 
     return corners

@@ -70,6 +70,7 @@ from lens_aot.tl.bridge_layout import (
     unmapped_position_table,
 )
 from lens_aot.tl.bridge_post_ln import is_post_ln
+from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
@@ -190,6 +191,8 @@ def _layout(
         raise refuse_piece(layer, "block", "pieces that did not run in a forward pass (cannot read how they combine)")
     x = block.input
     if not close(attn.input, ln1.output if ln1 is not None else x):
+        if (post_norm := post_norm_mismatch(layer, calls, has)) is not None:  # (lens_aot.tl.bridge_post_norm)
+            raise refuse_piece(layer, *post_norm, "Post-norm blocks are read as m = x + ln1(attn(x)), m + ln2(mlp(m)).")
         raise refuse_piece(
             layer,
             "attn",
@@ -389,11 +392,13 @@ def read_bridge(bridge: Any) -> ModelSpec:
         None if native else residual_multiplier(layer, _original(block)) for layer, block in enumerate(blocks)
     ]
     post_ln = [finite and not native and is_post_ln(i, calls, _pieces(b)) for i, b in enumerate(blocks)]  # GPT-1
+    # OLMo-2 under TL 3.9, whose ln1 / ln2 are the post norms (lens_aot.tl.bridge_post_norm)
+    post_norm = [finite and not native and is_post_norm(i, calls, _pieces(b)) for i, b in enumerate(blocks)]
     layouts = [
         None
         if attn_only
         else (False, False)
-        if post_ln[layer]
+        if post_ln[layer] or post_norm[layer]
         else _layout(layer, calls, _pieces(block), multipliers[layer])
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
@@ -446,6 +451,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 parallel=parallel,
                 ln1_post=optional_norm(layer, "ln1_post", block, dtype),
                 ln2_post=optional_norm(layer, "ln2_post", block, dtype),
+                post_norm=post_norm[layer],
                 residual_norm=post_ln[layer],
             )
         if finite:

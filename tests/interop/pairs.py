@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HAS_HOOKED_TRANSFORMER, TL_MAJOR
+from conftest import HAS_HOOKED_TRANSFORMER
 from torch import Tensor
 
 import lens_aot
@@ -53,16 +53,14 @@ BATCH, POS = 2, 8
 # Issue 22 item 8: the interop matrix's cheapest cells (tests/interop/test_new_families.py) on the new families,
 # name -> (builder, dtype). TransformerBridge (TL 3.9 and 4.3): Gemma-2 (soft-caps, sandwich norms, windows; float32:
 # its float64 RMSNorm is refused), Qwen3 (QK-norm, float64), Mixtral and Qwen2-MoE (shared expert), OLMo-2 (post
-# norms; skipped while its conversion is refused); HookedTransformer (TL 3.9): Gemma-2 (the Gemma Scope SAE through
-# HookedSAETransformer) and OLMo-2 as configs (the bridges cover Qwen3 and the MoEs under 3.9 too).
+# norms: ln1_post / ln2_post under TL 4.3, ln1 / ln2 under 3.9); HookedTransformer (TL 3.9): Gemma-2 (the Gemma
+# Scope SAE through HookedSAETransformer) and OLMo-2 as configs (the bridges cover Qwen3 and the MoEs under 3.9 too).
 NEW_BRIDGE_FAMILIES = {
     "bridge-gemma2": ("gemma2", torch.float32),
     "bridge-qwen3": ("qwen3", torch.float64),
     "bridge-mixtral": ("moe:mixtral", torch.float32),
     "bridge-qwen2-moe": ("moe:qwen2_moe", torch.float32),
-    # TL 3.9's bridge feeds OLMo-2's attention the raw residual (its post norms read as pre-norms): refused there by
-    # name (tests/test_bridge_families.py); TL 3.9's OLMo-2 is the HookedTransformer row below.
-    **({"bridge-olmo2": ("olmo2", torch.float32)} if TL_MAJOR >= 4 else {}),
+    "bridge-olmo2": ("olmo2", torch.float32),
 }
 NEW_HOOKED_FAMILIES = {
     "hooked-gemma2": ("variant:gemma2", torch.float64),
