@@ -161,6 +161,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         after = bool(getattr(a, "qk_norm_after_rotary", False))  # HunYuan, NanoChat: norm(rope(q))
         if not after:
             q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        if getattr(a, "v_norm", None) is not None:  # Gemma 4: each head's values RMS-normalised
+            v = norm(v, a.v_norm)
         if a.clip_qkv is not None:
             q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":

@@ -156,8 +156,11 @@ def _check_source(bridge: Any, model: nn.Module) -> None:
 def _check_block(layer: int, block: Any) -> None:
     kind = type(block).__name__
     for name in [c.__name__ for c in type(block).__mro__]:
-        if name == "DelegatedAttentionBlockBridge":  # Gemma 4: name what the layer holds (lens_aot.tl.bridge_shared_kv)
-            raise refuse_delegated_block(layer, block)
+        if name == "DelegatedAttentionBlockBridge":  # Gemma 4: lens_aot.tl.bridge_shared_kv
+            error = refuse_delegated_block(layer, block)
+            if error is not None:
+                raise error
+            continue
         if name in _REFUSED_BLOCKS:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
@@ -292,8 +295,9 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         layer_types = _rotary_layer_types(rotary_bridge, config, len(blocks))
         tables: dict[str | None, RotarySpec] = {}
         for layer, layer_type in enumerate(layer_types):
-            if layer_type not in tables:
-                tables[layer_type] = model_rotary(rotary_bridge, first, head_dim, pct, n_ctx, dtype, device, layer_type)
+            if layer_type not in tables:  # each type at its own layers' head width (Gemma 4's global layers)
+                width = int(getattr(_original(_component(blocks[layer], "attn")), "head_dim", None) or head_dim)
+                tables[layer_type] = model_rotary(rotary_bridge, first, width, pct, n_ctx, dtype, device, layer_type)
             layer_rotary[layer] = tables[layer_type]
         rotary = layer_rotary[0]
         # Layers whose type has other tables (Gemma 3's local layers) carry their own.
@@ -412,6 +416,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             if not native:
                 reading = info["readings"][layer]
                 attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
+                attn.v_norm = reading.v_norm
                 attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
                 attn.rotary = info["layer_rotary"][layer]
                 attn.alibi_slopes, attn.clip_qkv = reading.alibi_slopes, reading.clip_qkv
