@@ -148,7 +148,7 @@ def test_gemma4_layers_are_refused_naming_their_pieces() -> None:
     """Gemma 4's blocks are refused naming what each layer holds: per-layer input embeddings on every layer, and the
     shared keys / values on the layers that reuse an earlier layer's; the value norm is read (tests/test_gemma4.py),
     never named."""
-    from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
+    from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
 
     types = ["sliding_attention", "full_attention"] * 2  # layers 2, 3 reuse layers 0, 1's keys and values
     bridge = _matrix_bridge(
@@ -164,7 +164,8 @@ def test_gemma4_layers_are_refused_naming_their_pieces() -> None:
     layer = bridge.blocks[0].original_component
     with torch.no_grad():
         layer.layer_scalar.fill_(0.5)
-    assert "layer_scalar=[0.5]" in str(refuse_delegated_block(0, bridge.blocks[0]))
+    assert "layer_scalar" not in str(refuse_delegated_block(0, bridge.blocks[0]))  # read (tests/test_gemma4.py)
+    assert delegated_layer_scalar(bridge.blocks[0]) == 0.5 and delegated_layer_scalar(bridge.blocks[1]) is None
 
 
 def test_llama4_attention_is_refused_naming_its_pieces() -> None:

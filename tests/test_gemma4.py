@@ -1,9 +1,10 @@
 """Issue 22, Gemma 4 (text): what converts, measured against the source's own forward, and what is still refused.
 
-A Gemma 4 layer whose keys and values are its own and that has no per-layer input embedding, no mixture of experts
-beside its MLP and a layer scalar of 1 is a pre-norm block with sandwich norms: its ``DelegatedAttentionBlockBridge``
-is read as a plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.v_norm`, the layers' own head
-widths and proportional partial rotary (the global layers) from the source's own rotary module. The support
+A Gemma 4 layer whose keys and values are its own and that has no per-layer input embedding and no mixture of
+experts beside its MLP is a pre-norm block with sandwich norms: its ``DelegatedAttentionBlockBridge`` is read as a
+plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.v_norm`, the layer scalar as
+:mod:`lens_aot.core.components.layer_scalar`, the layers' own head widths and proportional partial rotary (the
+global layers) from the source's own rotary module. The support
 matrix's tiny Gemma 4 enables per-layer input embeddings, which stay refused; these tests switch them off
 (``hidden_size_per_layer_input=0``) and keep everything else the matrix builds.
 """
@@ -25,19 +26,25 @@ from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.read_bridge import read_bridge
 
 NO_PLE = {"hidden_size_per_layer_input": 0}
+SCALARS = (0.625, 1.7)  # each layer's layer_scalar (a buffer: 1 in the matrix's model, set here so that it binds)
 
 
 @functools.lru_cache(maxsize=3)
 def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = None) -> tuple[Any, Any]:
     """(the Hugging Face model, its bridge): the support matrix's tiny random Gemma 4 in ``dtype``, ``fields`` on
-    its config (default: no per-layer input embeddings)."""
+    its config (default: no per-layer input embeddings, and the layer scalars :data:`SCALARS`)."""
     from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
     from lens_aot.tl.build import bridge_from_hf_module
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         family = Family("Gemma4ForCausalLM", "test", NO_PLE if fields is None else dict(fields))
-        model = copy_as(build_hf_model(family), dtype)
+        model = build_hf_model(family)
+        if fields is None:
+            with torch.no_grad():
+                for layer, scalar in zip(model.model.layers, SCALARS, strict=True):
+                    layer.layer_scalar.fill_(scalar)
+        model = copy_as(model, dtype)
         bridge = bridge_from_hf_module(
             model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=dtype, model_name="g4"
         ).eval()
@@ -70,6 +77,7 @@ def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype) 
     attn = [aot.blocks[i].attn for i in range(2)]
     assert all(hasattr(a, "v_norm") for a in attn)  # the value norm is its own component ...
     assert attn[0].d_head == 16 and attn[1].d_head == 512  # ... and the global layer keeps its own head width
+    assert [aot.blocks[i].layer_scalar.scalar for i in range(2)] == [torch.tensor(s).item() for s in SCALARS]
 
 
 def test_v_norm_hook_points_see_the_source_values() -> None:
@@ -105,6 +113,19 @@ def test_v_norm_eps_perturbed_by_1e3_is_refused() -> None:
         read_bridge(bridge)
 
 
+def test_layer_scalar_perturbed_by_1e3_is_refused() -> None:
+    bridge = _models(torch.float64)[1]
+    original = reader.delegated_layer_scalar
+
+    def perturbed(block: Any) -> float | None:
+        scalar = original(block)
+        return None if scalar is None else scalar * (1 + 1e-3)
+
+    with mock.patch.object(reader, "delegated_layer_scalar", perturbed):
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: an output that is not input \+ att"):
+            read_bridge(bridge)
+
+
 def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
     from lens_aot.io import load, save
 
@@ -116,6 +137,7 @@ def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
     with torch.no_grad():
         assert torch.equal(loaded(tokens), aot(tokens))
     assert hasattr(loaded.blocks[0].attn, "v_norm")
+    assert [b.layer_scalar.scalar for b in loaded.blocks] == [b.layer_scalar.scalar for b in aot.blocks]
 
 
 def test_gemma4_pieces_without_components_are_still_refused() -> None:

@@ -241,10 +241,12 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         attn_out = sublayer(resid, layer.ln1, layer.ln1_post, partial(attention, a=layer.attn), layer.post_norm)
         if layer.mlp is None:
             resid = resid + attn_out
-            continue
-        mlp_in = resid if layer.parallel else resid + attn_out
-        mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
-        resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
+        else:
+            mlp_in = resid if layer.parallel else resid + attn_out
+            mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
+            resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
+        if getattr(layer, "layer_scalar", None) is not None:  # Gemma 4: the whole stream, at the layer's end
+            resid = resid * layer.layer_scalar
     logits = norm(resid, spec.ln_final) @ spec.W_U + spec.b_U
     if spec.logits_scale is not None:
         logits = logits * spec.logits_scale

@@ -158,6 +158,9 @@ class LayerSpec:
     # ``resid_mid = ln1(resid_pre + attn(resid_pre))``, ``resid_post = ln2(resid_mid + mlp(resid_mid))``
     # (core/components/post_ln_block.py).
     residual_norm: bool = False
+    # Gemma 4: the residual stream is multiplied by this constant at the end of the layer (after the MLP), before
+    # hook_resid_post (core/components/layer_scalar.py); None: no multiplier.
+    layer_scalar: float | None = None
 
 
 @dataclass
@@ -238,6 +241,8 @@ class ModelSpec:
                 found.add("post-norm layers")
             if layer.residual_norm:
                 found.add("post-LN residual norms")
+            if layer.layer_scalar is not None:
+                found.add("a layer scalar")
         if self.embed_ln is not None:
             found.add("a post-embedding norm")
         if self.logits_soft_cap is not None:

@@ -13,7 +13,7 @@ Schema (``?``: may be null)::
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float]}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
-             [post_norm: true], [residual_norm: true]}
+             [post_norm: true], [residual_norm: true], [layer_scalar]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
              [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
@@ -98,7 +98,7 @@ _ATTENTION_VARIANTS = (
     "query_scale_beta",
     "query_scale_length",
 )
-_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm")
+_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
@@ -200,6 +200,8 @@ class Encoder:
             out["post_norm"] = True
         if layer.residual_norm:
             out["residual_norm"] = True
+        if layer.layer_scalar is not None:
+            out["layer_scalar"] = float(layer.layer_scalar)
         return out
 
     def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
@@ -437,6 +439,7 @@ class Decoder:
             ln2_post=self.norm(f.get("ln2_post"), f"{path}.ln2_post"),
             post_norm=bool(f.get("post_norm", False)),
             residual_norm=bool(f.get("residual_norm", False)),
+            layer_scalar=_float_or_none(f.get("layer_scalar")),
         )
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:

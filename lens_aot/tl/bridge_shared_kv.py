@@ -6,7 +6,9 @@ Gemma 4's ``Gemma4TextDecoderLayer`` / ``Gemma4TextAttention`` may hold pieces l
 is found by the module's public attributes (never by class name) and all of a layer's are named at once. A layer
 with none of them (its own keys and values, a value norm at most) is a plain pre-norm block with sandwich norms and
 is read as one; its value norm is :mod:`lens_aot.core.components.v_norm`, read by
-:mod:`lens_aot.tl.bridge_delegated_rotary`. The pieces still refused:
+:mod:`lens_aot.tl.bridge_delegated_rotary`, and its layer scalar (the whole residual stream multiplied at the end of
+the layer) :mod:`lens_aot.core.components.layer_scalar`, read by :func:`delegated_layer_scalar`. The pieces still
+refused:
 
 * **per-layer input embeddings** (``hidden_size_per_layer_input``): after the MLP,
   ``resid += norm(W_proj(act(W_gate·resid) ⊙ per_layer_input))``, where ``per_layer_input`` is a second token
@@ -15,7 +17,6 @@ is read as one; its value norm is :mod:`lens_aot.core.components.v_norm`, read b
 * **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
   attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
 * **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
-* **a layer scalar** (``layer_scalar`` ≠ 1): the whole residual stream is multiplied after the layer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_probe import refuse_piece
 
-__all__ = ["refuse_delegated_block"]
+__all__ = ["delegated_layer_scalar", "refuse_delegated_block"]
 
 
 def _pieces(layer_module: Any) -> list[str]:
@@ -45,9 +46,18 @@ def _pieces(layer_module: Any) -> list[str]:
     if bool(getattr(layer_module, "enable_moe_block", False)):
         found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
     scalar = getattr(layer_module, "layer_scalar", None)
-    if isinstance(scalar, torch.Tensor) and not bool((scalar == 1).all()):
-        found.append(f"a layer scalar multiplying the residual stream (layer_scalar={scalar.flatten().tolist()})")
+    if isinstance(scalar, torch.Tensor) and scalar.numel() != 1:
+        found.append(f"a layer scalar of shape {tuple(scalar.shape)} (one value per layer is read)")
     return found
+
+
+def delegated_layer_scalar(block: Any) -> float | None:
+    """The layer's ``layer_scalar`` (Gemma 4: ``resid *= layer_scalar`` at the end of the layer,
+    :mod:`lens_aot.core.components.layer_scalar`) as a float, None when it is absent or exactly 1."""
+    scalar = getattr(getattr(block, "original_component", block), "layer_scalar", None)
+    if not isinstance(scalar, torch.Tensor) or scalar.numel() != 1 or float(scalar) == 1.0:
+        return None
+    return float(scalar)
 
 
 def refuse_delegated_block(layer: int, block: Any) -> UnsupportedArchitectureError | None:

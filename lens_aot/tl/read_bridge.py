@@ -71,7 +71,7 @@ from lens_aot.tl.bridge_layout import (
 )
 from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
-from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
+from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_mla import is_mla, read_mla
@@ -178,13 +178,18 @@ def _check_block(layer: int, block: Any) -> None:
 
 
 def _layout(
-    layer: int, calls: dict[tuple[int, str], Call], has: set[str], multiplier: float | None = None
+    layer: int,
+    calls: dict[tuple[int, str], Call],
+    has: set[str],
+    multiplier: float | None = None,
+    layer_scalar: float | None = None,
 ) -> tuple[bool, bool]:
     """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
 
     ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through
     ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these), then are multiplied
-    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``).
+    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``); the sum is multiplied by
+    the ``layer_scalar`` when there is one (Gemma 4).
     """
     block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
     ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
@@ -220,7 +225,8 @@ def _layout(
                 layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
             )
         shared = False
-    if not close(block.output, x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)):
+    out = x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)
+    if not close(block.output, scaled(out, layer_scalar)):
         raise refuse_piece(
             layer,
             "block",
@@ -396,7 +402,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         if attn_only
         else (False, False)
         if post_ln[layer]
-        else _layout(layer, calls, _pieces(block), multipliers[layer])
+        else _layout(layer, calls, _pieces(block), multipliers[layer], delegated_layer_scalar(block))
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
@@ -448,6 +454,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln1_post=optional_norm(layer, "ln1_post", block, dtype),
                 ln2_post=optional_norm(layer, "ln2_post", block, dtype),
                 residual_norm=post_ln[layer],
+                layer_scalar=delegated_layer_scalar(block),
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)

@@ -52,6 +52,8 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
         raise _refuse("it normalizes queries and keys after rotary (HunYuan, NanoChat); TransformerLens's runs before")
     if any(getattr(layer.attn, "query_scale_beta", None) is not None for layer in spec.layers):
         raise _refuse("it scales its queries by position (Llama-4 scaling, Ministral 3); TransformerLens does not")
+    if any(getattr(layer, "layer_scalar", None) is not None for layer in spec.layers):
+        raise _refuse("it multiplies the residual stream at each layer's end (Gemma 4's layer_scalar)")
     if any(getattr(layer.attn, "v_norm", None) is not None for layer in spec.layers):
         raise _refuse("it normalizes each head's values (Gemma 4's v_norm); TransformerLens's attention does not")
     if any(getattr(layer.attn, "output_gate", None) is not None for layer in spec.layers):
