@@ -29,7 +29,7 @@ NO_PLE = {"hidden_size_per_layer_input": 0}
 SCALARS = (0.625, 1.7)  # each layer's layer_scalar (a buffer: 1 in the matrix's model, set here so that it binds)
 
 
-@functools.lru_cache(maxsize=3)
+@functools.lru_cache(maxsize=4)
 def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = None) -> tuple[Any, Any]:
     """(the Hugging Face model, its bridge): the support matrix's tiny random Gemma 4 in ``dtype``, ``fields`` on
     its config (default: no per-layer input embeddings, and the layer scalars :data:`SCALARS`)."""
@@ -144,4 +144,11 @@ def test_gemma4_pieces_without_components_are_still_refused() -> None:
     """The matrix's own tiny Gemma 4 (per-layer input embeddings on) stays refused, naming the piece and layer."""
     _, bridge = _models(torch.float32, ())
     with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: a layer with per-layer input embeddings"):
+        read_bridge(bridge)
+
+
+def test_values_that_are_the_keys_are_refused_by_name() -> None:
+    """``attention_k_eq_v``: the global layer has no ``v_proj`` (its values are its keys before ``k_norm``)."""
+    _, bridge = _models(torch.float32, (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True)))
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 block: a layer with values that are the keys"):
         read_bridge(bridge)

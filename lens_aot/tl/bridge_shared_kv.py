@@ -16,6 +16,7 @@ refused:
   per-token input outside the residual stream;
 * **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
   attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
+* **values that are the keys** (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``);
 * **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
 """
 
@@ -43,6 +44,8 @@ def _pieces(layer_module: Any) -> list[str]:
     attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
     if bool(getattr(attn, "is_kv_shared_layer", False)):
         found.append("keys and values shared from an earlier layer (is_kv_shared_layer: no k_proj / v_proj)")
+    elif getattr(attn, "k_proj", None) is not None and hasattr(attn, "v_proj") and attn.v_proj is None:
+        found.append("values that are the keys (attention_k_eq_v: no v_proj, v = v_norm(x W_K) before k_norm)")
     if bool(getattr(layer_module, "enable_moe_block", False)):
         found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
     scalar = getattr(layer_module, "layer_scalar", None)
