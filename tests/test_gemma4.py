@@ -80,6 +80,37 @@ def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype) 
     assert [aot.blocks[i].layer_scalar.scalar for i in range(2)] == [torch.tensor(s).item() for s in SCALARS]
 
 
+def test_independent_forward_carries_v_norm_and_layer_scalar() -> None:
+    """The plain-torch forward of the converted model's spec (``lens_aot.core.reference.independent_logits``, which
+    shares no component code) agrees with the source within the bound; a layer scalar or a value-norm eps 1e-3 off
+    in that spec moves it by more than the stated tolerance of the activation (so it is carried, not ignored)."""
+    from lens_aot.core.faithfulness import stated_logit_error
+    from lens_aot.core.reference import independent_logits
+
+    model, _, aot = _converted(torch.float64)
+    tokens = _tokens()
+    spec = aot.to_spec()
+    with torch.no_grad():
+        want = model(tokens).logits
+        exact = independent_logits(spec, tokens)
+    assert float((exact - want).abs().max()) <= aot.report.logit_bound
+    tolerance = stated_logit_error(spec.layers[0].mlp.act_fn, torch.float64, gated=True)
+    layer = spec.layers[0]
+    mutations = [
+        dataclasses.replace(layer, layer_scalar=layer.layer_scalar * (1 + 1e-3)),
+        dataclasses.replace(
+            layer,
+            attn=dataclasses.replace(
+                layer.attn, v_norm=dataclasses.replace(layer.attn.v_norm, eps=layer.attn.v_norm.eps + 1e-3)
+            ),
+        ),
+    ]
+    for mutated in mutations:
+        with torch.no_grad():
+            moved = independent_logits(dataclasses.replace(spec, layers=[mutated, *spec.layers[1:]]), tokens)
+        assert float((moved - exact).abs().max()) > tolerance
+
+
 def test_v_norm_hook_points_see_the_source_values() -> None:
     """``attn.v_norm.hook_normalized`` (in the norm's float32 compute dtype) is the source's ``v_norm`` output (the
     bridge's ``attn.v_norm.hook_out``), [batch, pos, kv_head, d_head] once reshaped."""
