@@ -183,3 +183,15 @@ def test_values_that_are_the_keys_are_refused_by_name() -> None:
     _, bridge = _models(torch.float32, (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True)))
     with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 block: a layer with values that are the keys"):
         read_bridge(bridge)
+
+
+def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:
+    """A HookedTransformer has neither piece: ``revert(to="hooked")``'s config reader names each."""
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    spec = _converted(torch.float32)[2].to_spec()
+    with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's layer_scalar"):
+        variant_config(spec, 1e-6)
+    spec.layers = [dataclasses.replace(layer, layer_scalar=None) for layer in spec.layers]
+    with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's v_norm"):
+        variant_config(spec, 1e-6)
