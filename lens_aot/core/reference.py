@@ -162,6 +162,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         after = bool(getattr(a, "qk_norm_after_rotary", False))  # HunYuan, NanoChat: norm(rope(q))
         if not after:
             q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        if getattr(a, "v_norm", None) is not None:  # Gemma 4: each head's values RMS-normalised
+            v = norm(v, a.v_norm)
         if a.clip_qkv is not None:
             q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":
@@ -247,10 +249,12 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         attn_out = sublayer(resid, layer.ln1, layer.ln1_post, partial(attention, a=layer.attn), layer.post_norm)
         if layer.mlp is None:
             resid = resid + attn_out
-            continue
-        mlp_in = resid if layer.parallel else resid + attn_out
-        mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
-        resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
+        else:
+            mlp_in = resid if layer.parallel else resid + attn_out
+            mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
+            resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
+        if getattr(layer, "layer_scalar", None) is not None:  # Gemma 4: the whole stream, at the layer's end
+            resid = resid * layer.layer_scalar
     normed = norm(resid, spec.ln_final)
     head = spec.prediction_head
     if head is not None:  # ModernBERT-decoder: ln(act(x @ W + b)) before the unembedding

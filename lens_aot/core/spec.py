@@ -69,6 +69,8 @@ class AttentionSpec:
     q_norm: NormSpec | None = None
     k_norm: NormSpec | None = None
     qk_norm_over: QKNormScope = "head"
+    # Gemma 4: v is RMS-normalized over each head's d_head channels after hook_v (core/components/v_norm.py).
+    v_norm: NormSpec | None = None
     # Gemma 2: scores become ``cap · tanh(scores / cap)`` before masking (TransformerLens ``attn_scores_soft_cap``).
     scores_soft_cap: float | None = None
     # Sliding window: query q sees key k iff ``q - window < k`` (and ``k <= q`` if causal); None: every key.
@@ -164,6 +166,9 @@ class LayerSpec:
     # ``resid_mid = ln1(resid_pre + attn(resid_pre))``, ``resid_post = ln2(resid_mid + mlp(resid_mid))``
     # (core/components/post_ln_block.py).
     residual_norm: bool = False
+    # Gemma 4: the residual stream is multiplied by this constant at the end of the layer (after the MLP), before
+    # hook_resid_post (core/components/layer_scalar.py); None: no multiplier.
+    layer_scalar: float | None = None
 
 
 @dataclass
@@ -223,6 +228,7 @@ class ModelSpec:
         found: set[str] = set()
         checks = {
             "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
+            "a value norm": lambda a: getattr(a, "v_norm", None) is not None,  # not on MLASpec
             "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
             "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
             "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
@@ -247,6 +253,8 @@ class ModelSpec:
                 found.add("post-norm layers")
             if layer.residual_norm:
                 found.add("post-LN residual norms")
+            if layer.layer_scalar is not None:
+                found.add("a layer scalar")
         if self.embed_ln is not None:
             found.add("a post-embedding norm")
         if self.logits_soft_cap is not None:

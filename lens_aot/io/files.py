@@ -200,6 +200,8 @@ def check_spec_shapes(spec: Any) -> None:
                 width = e * heads if a.qk_norm_over == "projection" else e
                 for t in ("w", "b"):
                     expect(f"{p}.{name}.{t}", None if qk is None else getattr(qk, t), width)
+            if a.v_norm is not None:  # weightless in Gemma 4; a scale would be per d_head channel
+                expect(f"{p}.v_norm.w", a.v_norm.w, e)
             expect(f"{p}.alibi_slopes", a.alibi_slopes, h)
             expect(f"{p}.sinks", a.sinks, h)
             if a.rotary is not None:

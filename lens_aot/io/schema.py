@@ -14,10 +14,10 @@ Schema (``?``: may be null)::
              [prediction_head: head] (lens_aot/io/schema_prediction_head.py)}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
-             [post_norm: true], [residual_norm: true]}
+             [post_norm: true], [residual_norm: true], [layer_scalar]}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
-             [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes], [sinks],
-             [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
+             [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
+             [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
              [query_scale_beta], [query_scale_length], [chunk], [temperature_scale, temperature_floor]}
              | mla | routed (lens_aot/io/schema_attention.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
@@ -84,11 +84,12 @@ _NORM = ("kind", "eps", "w", "b", "compute_dtype", "rsqrt")
 _NORM_VARIANTS = ("scale_in_compute_dtype", "functional")  # float32-step norms, written only when set
 _ROTARY_VARIANTS = ("input_dtype", "table_dtype")  # float32-step rotary, written only when set
 # Variant fields, written only when set (not None / not False).
-_ATTENTION_NORMS = ("q_norm", "k_norm")
+_ATTENTION_NORMS = ("q_norm", "k_norm")  # (with qk_norm_over); v_norm beside them, per head
 _ATTENTION_FLOATS = ("scores_soft_cap", "clip_qkv")
 _ATTENTION_VARIANT_TENSORS = ("alibi_slopes", "sinks")
 _ATTENTION_VARIANTS = (
     *_ATTENTION_NORMS,
+    "v_norm",
     "qk_norm_over",
     *_ATTENTION_FLOATS,
     "window",
@@ -104,7 +105,7 @@ _ATTENTION_VARIANTS = (
     "temperature_scale",
     "temperature_floor",
 )
-_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm")
+_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
@@ -153,6 +154,8 @@ class Encoder:
             if getattr(attn, name) is not None:
                 out[name] = self.norm(getattr(attn, name), f"{key}.{name}")
                 out["qk_norm_over"] = str(attn.qk_norm_over)
+        if attn.v_norm is not None:
+            out["v_norm"] = self.norm(attn.v_norm, f"{key}.v_norm")
         for name in _ATTENTION_FLOATS:
             if getattr(attn, name) is not None:
                 out[name] = float(getattr(attn, name))
@@ -210,6 +213,8 @@ class Encoder:
             out["post_norm"] = True
         if layer.residual_norm:
             out["residual_norm"] = True
+        if layer.layer_scalar is not None:
+            out["layer_scalar"] = float(layer.layer_scalar)
         return out
 
     def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
@@ -393,6 +398,7 @@ class Decoder:
         tensors = {name: self.required_tensor(f[name], f"{path}.{name}") for name in _ATTENTION_TENSORS}
         softmax_dtype = self.dtype(f["softmax_dtype"], f"{path}.softmax_dtype")
         variants: dict[str, Any] = {name: self.norm(f.get(name), f"{path}.{name}") for name in _ATTENTION_NORMS}
+        variants["v_norm"] = self.norm(f.get("v_norm"), f"{path}.v_norm")
         variants.update({name: _float_or_none(f.get(name)) for name in _ATTENTION_FLOATS})
         variants.update({name: self.tensor(f.get(name), f"{path}.{name}") for name in _ATTENTION_VARIANT_TENSORS})
         over = f.get("qk_norm_over", "head")
@@ -452,6 +458,7 @@ class Decoder:
             ln2_post=self.norm(f.get("ln2_post"), f"{path}.ln2_post"),
             post_norm=bool(f.get("post_norm", False)),
             residual_norm=bool(f.get("residual_norm", False)),
+            layer_scalar=_float_or_none(f.get("layer_scalar")),
         )
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:

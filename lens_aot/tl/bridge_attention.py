@@ -63,6 +63,7 @@ class AttentionReading:
     q_norm: NormSpec | None = None
     k_norm: NormSpec | None = None
     qk_norm_over: QKNormScope = "head"
+    v_norm: NormSpec | None = None  # Gemma 4's weightless per-head value norm (core/components/v_norm.py)
     soft_cap: float | None = None
     window: int | None = None
     alibi_slopes: Tensor | None = None  # ALiBi (BLOOM, MPT): lens_aot.tl.bridge_alibi
@@ -129,7 +130,8 @@ def _check_common(
     ``position_embeddings``, which :func:`model_rotary` reads from the same module), and attention sinks, which its
     forward computes (:func:`_position_embeddings_attention` reads them)."""
     allowed = {"q", "k", "v", "o", "qkv"} | ({"q_norm", "k_norm"} if qk_norm_ok else set())
-    allowed |= {"gate"} if gate_ok else set()  # an output gate: lens_aot.tl.bridge_delegated_rotary
+    # an output gate and a value norm (Gemma 4): lens_aot.tl.bridge_delegated_rotary
+    allowed |= {"gate", "v_norm"} if gate_ok else set()
     allowed |= {"_rotary_emb"} if position_embeddings else set()
     for name in sorted(_subcomponents(attn) - allowed):
         raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))

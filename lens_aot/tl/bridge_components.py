@@ -20,6 +20,7 @@ from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_float32 import carry_float32_step
+from lens_aot.tl.read_gemma4 import scaled_rms_norm
 from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 
 SUPPORTED = (
@@ -168,6 +169,8 @@ def _norm(norm_bridge: Any, dtype: torch.dtype | None = None) -> NormSpec:
         if cls == "GeneralizedComponent" or _native_autograd_norm(norm_bridge):
             return NormSpec(None)
         raise _refuse("an identity normalization slot read through the bridge's python normalization")
+    if cls == "GeneralizedComponent" and (delegated := scaled_rms_norm(module)) is not None:  # Gemma 4's own forward
+        return _simplify_norm(carry_float32_step(module, delegated, dtype))
     if cls not in ("NormalizationBridge", "RMSNormalizationBridge", "LayerNormPreBridge", "RMSNormPreBridge"):
         raise _refuse(f"a normalization bridge of type {cls}")
 
@@ -260,8 +263,20 @@ def _attention(
     attn_bridge: Any, n_heads: int, dtype: torch.dtype, attn_scale: float, softmax_dtype: torch.dtype | None
 ) -> AttentionSpec:
     """Q/K/V/O from the bridge's ``q``/``k``/``v``/``o`` LinearBridges (split from fused QKV by the bridge itself)."""
-    # QK-norm, output gates and the rotary module's reference (_rotary_emb): read (or refused) by bridge_attention
-    extra = _subcomponents(attn_bridge) - {"q", "k", "v", "o", "qkv", "q_norm", "k_norm", "gate", "_rotary_emb"}
+    # QK-norm, value norms, output gates and the rotary module's reference (_rotary_emb): read (or refused) by
+    # bridge_attention
+    extra = _subcomponents(attn_bridge) - {
+        "q",
+        "k",
+        "v",
+        "o",
+        "qkv",
+        "q_norm",
+        "k_norm",
+        "v_norm",
+        "gate",
+        "_rotary_emb",
+    }
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
     parts = {}

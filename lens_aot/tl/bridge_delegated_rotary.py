@@ -3,8 +3,10 @@ them), read by their structure and by what they compute.
 
 Recognised by structure (:func:`is_delegated_rotary`): ``nn.Linear`` projections ``q_proj`` / ``k_proj`` /
 ``v_proj`` / ``o_proj``, a float ``scaling``, an ``int`` ``head_dim``, a forward that takes ``position_embeddings``,
-eager attention, and optional ``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms). The scale
-is the module's ``scaling``, the softmax float32 (transformers' ``eager_attention_forward``).
+eager attention, and optional ``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms) and a
+``v_norm`` (Gemma 4: a weightless RMSNorm of each head's values, :mod:`lens_aot.core.components.v_norm`). The scale
+is the module's ``scaling``, the softmax float32 (transformers' ``eager_attention_forward``). A forward that also
+takes ``shared_kv_states`` (Gemma 4, on a layer that computes its own keys and values) is probed with an empty one.
 
 What cannot be read off a module without running it is where its QK-norm sits (NanoChat normalises the rotated q
 and k, ``norm(rope(q))``, :mod:`lens_aot.core.components.qk_norm_after_rotary`) and which way its ``rotate_half``
@@ -101,7 +103,8 @@ def read_delegated_rotary(
         raise refuse_piece(layer, "attn", "a delegated rotary attention in a model without a 'rotary_emb' component")
     head_dim = int(hf_attn.head_dim)
     q_bridge, k_bridge = _component(attn_bridge, "q_norm"), _component(attn_bridge, "k_norm")
-    for bridge in (q_bridge, k_bridge):
+    v_bridge = _component(attn_bridge, "v_norm")
+    for bridge in (q_bridge, k_bridge, v_bridge):
         weight = getattr(_original(bridge), "weight", None) if bridge is not None else None
         if isinstance(weight, Tensor) and tuple(weight.shape) != (head_dim,):
             raise refuse_piece(
@@ -113,6 +116,7 @@ def read_delegated_rotary(
     n_heads = int(bridge_cfg.n_heads)
     spec = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
     spec.q_norm, spec.k_norm, spec.scores_soft_cap, spec.window = q_norm, k_norm, soft_cap, window
+    spec.v_norm = _norm(v_bridge, dtype) if v_bridge is not None else None
     gate_weight = _gate_weight(layer, attn_bridge, spec.W_Q.shape[0], spec.W_Q.shape[2], dtype)
 
     device = spec.W_Q.device
@@ -126,7 +130,8 @@ def read_delegated_rotary(
     try:
         cos, sin = _probe_tables(rotary_module, str(types[layer]) if types else None, n, dtype, device)
         with torch.no_grad():
-            want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
+            extra = {"shared_kv_states": {}} if _takes(hf_attn, "shared_kv_states") else {}
+            want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask, **extra)
         want = want[0] if isinstance(want, tuple) else want
         if not isinstance(want, Tensor) or want.shape != x.shape[:2] + (spec.W_O.shape[-1],):
             raise TypeError(f"an output of type {type(want).__name__}")
@@ -147,11 +152,16 @@ def read_delegated_rotary(
             continue
         spec.qk_norm_after_rotary, spec.output_gate = after, gate
         table = RotarySpec(width if rope == "model" else 0, cos[0].to(dtype), (sign * sin[0]).to(dtype))
+        try:
+            module = Attention(spec, True, table).to(device)
+        except ValueError:  # a candidate no component has (a float32-scale QK-norm after rotary): not this reading
+            continue
         with torch.no_grad():
-            got = Attention(spec, True, table).to(device)(x)
+            got = module(x)
         if close(got, want):
             reading = AttentionReading(scale, softmax_dtype, rope)
             reading.q_norm, reading.k_norm, reading.qk_norm_after_rotary = q_norm, k_norm, after
+            reading.v_norm = spec.v_norm
             reading.rotary_sign, reading.output_gate = sign, gate
             reading.duplicate_half_tables = False  # the module rotates cos.shape[-1] channels as given
             return reading
@@ -162,6 +172,14 @@ def read_delegated_rotary(
         "rotary, either rotation sign, or no rotary"
         + (", with a sigmoid or softplus output gate)" if gate_weight is not None else ")"),
     )
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` names the parameter ``name``."""
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _gate_weight(layer: int, attn_bridge: Any, n_heads: int, d_head: int, dtype: torch.dtype) -> Tensor | None:

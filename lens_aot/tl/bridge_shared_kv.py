@@ -1,9 +1,14 @@
-"""What a ``DelegatedAttentionBlockBridge`` layer (Gemma 4) really holds, named in its refusal.
+"""What a ``DelegatedAttentionBlockBridge`` layer (Gemma 4) really holds: read as a plain block, or refused by name.
 
 TransformerLens wraps every Gemma 4 decoder layer in a ``DelegatedAttentionBlockBridge`` (the layer's own forward
 runs, because some layers read another layer's keys and values). Whether or not a layer shares its keys and values,
-Gemma 4's ``Gemma4TextDecoderLayer`` / ``Gemma4TextAttention`` hold pieces lens_aot's spec has no place for; each
-is found by the module's public attributes (never by class name) and all of a layer's are named at once:
+Gemma 4's ``Gemma4TextDecoderLayer`` / ``Gemma4TextAttention`` may hold pieces lens_aot's spec has no place for; each
+is found by the module's public attributes (never by class name) and all of a layer's are named at once. A layer
+with none of them (its own keys and values, a value norm at most) is a plain pre-norm block with sandwich norms and
+is read as one; its value norm is :mod:`lens_aot.core.components.v_norm`, read by
+:mod:`lens_aot.tl.bridge_delegated_rotary`, and its layer scalar (the whole residual stream multiplied at the end of
+the layer) :mod:`lens_aot.core.components.layer_scalar`, read by :func:`delegated_layer_scalar`. The pieces still
+refused:
 
 * **per-layer input embeddings** (``hidden_size_per_layer_input``): after the MLP,
   ``resid += norm(W_proj(act(W_gate·resid) ⊙ per_layer_input))``, where ``per_layer_input`` is a second token
@@ -11,10 +16,8 @@ is found by the module's public attributes (never by class name) and all of a la
   per-token input outside the residual stream;
 * **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
   attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
-* **a value norm** (``v_norm``: a weightless RMSNorm of each head's values, on the layers that compute their own),
-  which the spec's attention lacks;
+* **values that are the keys** (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``);
 * **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
-* **a layer scalar** (``layer_scalar`` ≠ 1): the whole residual stream is multiplied after the layer.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_probe import refuse_piece
 
-__all__ = ["refuse_delegated_block"]
+__all__ = ["delegated_layer_scalar", "refuse_delegated_block"]
 
 
 def _pieces(layer_module: Any) -> list[str]:
@@ -41,21 +44,28 @@ def _pieces(layer_module: Any) -> list[str]:
     attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
     if bool(getattr(attn, "is_kv_shared_layer", False)):
         found.append("keys and values shared from an earlier layer (is_kv_shared_layer: no k_proj / v_proj)")
-    if getattr(attn, "v_norm", None) is not None:
-        found.append("a value norm (v_norm: an RMSNorm of each head's values)")
+    elif getattr(attn, "k_proj", None) is not None and hasattr(attn, "v_proj") and attn.v_proj is None:
+        found.append("values that are the keys (attention_k_eq_v: no v_proj, v = v_norm(x W_K) before k_norm)")
     if bool(getattr(layer_module, "enable_moe_block", False)):
         found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
     scalar = getattr(layer_module, "layer_scalar", None)
-    if isinstance(scalar, torch.Tensor) and not bool((scalar == 1).all()):
-        found.append(f"a layer scalar multiplying the residual stream (layer_scalar={scalar.flatten().tolist()})")
+    if isinstance(scalar, torch.Tensor) and scalar.numel() != 1:
+        found.append(f"a layer scalar of shape {tuple(scalar.shape)} (one value per layer is read)")
     return found
 
 
-def refuse_delegated_block(layer: int, block: Any) -> UnsupportedArchitectureError:
+def delegated_layer_scalar(block: Any) -> float | None:
+    """The layer's ``layer_scalar`` (Gemma 4: ``resid *= layer_scalar`` at the end of the layer,
+    :mod:`lens_aot.core.components.layer_scalar`) as a float, None when it is absent or exactly 1."""
+    scalar = getattr(getattr(block, "original_component", block), "layer_scalar", None)
+    if not isinstance(scalar, torch.Tensor) or scalar.numel() != 1 or float(scalar) == 1.0:
+        return None
+    return float(scalar)
+
+
+def refuse_delegated_block(layer: int, block: Any) -> UnsupportedArchitectureError | None:
     """The refusal of layer ``layer``'s ``DelegatedAttentionBlockBridge``, naming every piece of the layer that
-    lens_aot has no component for (the module docstring), or the shared key/value cache when none is found."""
+    lens_aot has no component for (the module docstring); None when it has none (read as a plain block)."""
     module = getattr(block, "original_component", block)
     found = _pieces(module)
-    if not found:
-        return refuse_piece(layer, "block", "attention delegated to another layer's key/value cache (shared-KV layers)")
-    return refuse_piece(layer, "block", "a layer with " + "; ".join(found))
+    return refuse_piece(layer, "block", "a layer with " + "; ".join(found)) if found else None

@@ -72,7 +72,7 @@ from lens_aot.tl.bridge_layout import (
 from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
-from lens_aot.tl.bridge_shared_kv import refuse_delegated_block
+from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_mla import is_mla, read_mla
@@ -158,8 +158,11 @@ def _check_source(bridge: Any, model: nn.Module) -> None:
 def _check_block(layer: int, block: Any) -> None:
     kind = type(block).__name__
     for name in [c.__name__ for c in type(block).__mro__]:
-        if name == "DelegatedAttentionBlockBridge":  # Gemma 4: name what the layer holds (lens_aot.tl.bridge_shared_kv)
-            raise refuse_delegated_block(layer, block)
+        if name == "DelegatedAttentionBlockBridge":  # Gemma 4: lens_aot.tl.bridge_shared_kv
+            error = refuse_delegated_block(layer, block)
+            if error is not None:
+                raise error
+            continue
         if name in _REFUSED_BLOCKS:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
@@ -177,13 +180,18 @@ def _check_block(layer: int, block: Any) -> None:
 
 
 def _layout(
-    layer: int, calls: dict[tuple[int, str], Call], has: set[str], multiplier: float | None = None
+    layer: int,
+    calls: dict[tuple[int, str], Call],
+    has: set[str],
+    multiplier: float | None = None,
+    layer_scalar: float | None = None,
 ) -> tuple[bool, bool]:
     """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
 
     ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through
     ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these), then are multiplied
-    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``).
+    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``); the sum is multiplied by
+    the ``layer_scalar`` when there is one (Gemma 4).
     """
     block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
     ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
@@ -221,7 +229,8 @@ def _layout(
                 layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
             )
         shared = False
-    if not close(block.output, x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)):
+    out = x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)
+    if not close(block.output, scaled(out, layer_scalar)):
         raise refuse_piece(
             layer,
             "block",
@@ -297,8 +306,9 @@ def _read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtyp
         layer_types = _rotary_layer_types(rotary_bridge, config, len(blocks))
         tables: dict[str | None, RotarySpec] = {}
         for layer, layer_type in enumerate(layer_types):
-            if layer_type not in tables:
-                tables[layer_type] = model_rotary(rotary_bridge, first, head_dim, pct, n_ctx, dtype, device, layer_type)
+            if layer_type not in tables:  # each type at its own layers' head width (Gemma 4's global layers)
+                width = int(getattr(_original(_component(blocks[layer], "attn")), "head_dim", None) or head_dim)
+                tables[layer_type] = model_rotary(rotary_bridge, first, width, pct, n_ctx, dtype, device, layer_type)
             layer_rotary[layer] = tables[layer_type]
         rotary = layer_rotary[0]
         # Layers whose type has other tables (Gemma 3's local layers) carry their own.
@@ -399,7 +409,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         if attn_only
         else (False, False)
         if post_ln[layer] or post_norm[layer]
-        else _layout(layer, calls, _pieces(block), multipliers[layer])
+        else _layout(layer, calls, _pieces(block), multipliers[layer], delegated_layer_scalar(block))
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
@@ -419,6 +429,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             if not native:
                 reading = info["readings"][layer]
                 attn.q_norm, attn.k_norm, attn.qk_norm_over = reading.q_norm, reading.k_norm, reading.qk_norm_over
+                attn.v_norm = reading.v_norm
                 attn.scores_soft_cap, attn.window = reading.soft_cap, reading.window
                 attn.rotary = info["layer_rotary"][layer]
                 attn.alibi_slopes, attn.clip_qkv, attn.sinks = reading.alibi_slopes, reading.clip_qkv, reading.sinks
@@ -453,6 +464,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln2_post=optional_norm(layer, "ln2_post", block, dtype),
                 post_norm=post_norm[layer],
                 residual_norm=post_ln[layer],
+                layer_scalar=delegated_layer_scalar(block),
             )
         if finite:
             _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)

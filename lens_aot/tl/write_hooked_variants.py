@@ -56,6 +56,10 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
         raise _refuse("its attention is chunked (Llama 4's attention_chunk_size); TransformerLens has no chunked mask")
     if any(getattr(layer.attn, "temperature_scale", None) is not None for layer in spec.layers):
         raise _refuse("it scales its NoPE layers' queries by position (Llama 4); TransformerLens does not")
+    if any(getattr(layer, "layer_scalar", None) is not None for layer in spec.layers):
+        raise _refuse("it multiplies the residual stream at each layer's end (Gemma 4's layer_scalar)")
+    if any(getattr(layer.attn, "v_norm", None) is not None for layer in spec.layers):
+        raise _refuse("it normalizes each head's values (Gemma 4's v_norm); TransformerLens's attention does not")
     if any(getattr(layer.attn, "output_gate", None) is not None for layer in spec.layers):
         raise _refuse("its attention output is gated (AFMoE, Laguna); TransformerLens's attention has no gate")
     if qk == (True, True):

@@ -25,6 +25,7 @@ from lens_aot.core.components.query_scale import PositionQueryScale
 from lens_aot.core.components.query_temperature import QueryTemperature
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
+from lens_aot.core.components.v_norm import make_v_norm
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.spec import AttentionSpec, QKNormScope, RotarySpec
 from lens_aot.errors import InputError
@@ -125,7 +126,8 @@ class Attention(nn.Module):
     ``hook_rot_q`` / ``hook_rot_k`` (rotary only), ``hook_attn_scores`` and ``hook_pattern``
     [batch, head, query, key], ``hook_z`` [batch, pos, head, d_head], ``hook_result`` [batch, pos, head, d_model]
     (only when ``use_attn_result``); with QK-norm, ``q_norm.hook_scale`` / ``q_norm.hook_normalized`` (and ``k_norm``),
-    run after ``hook_q`` / ``hook_k`` as in TransformerLens.
+    run after ``hook_q`` / ``hook_k`` as in TransformerLens; with a value norm (Gemma 4), ``v_norm.hook_scale`` /
+    ``v_norm.hook_normalized`` after ``hook_v``.
 
     Order of the forward, TransformerLens's: project (``hook_q/k/v``) → QK-norm → clip → cache → rotary
     (query scaling by position, Ministral 3; ``hook_rot_q/k``) → QK-norm if it runs after rotary (HunYuan,
@@ -178,6 +180,8 @@ class Attention(nn.Module):
             self.q_norm = make_qk_norm(spec.q_norm, spec.qk_norm_over, after)
         if spec.k_norm is not None:
             self.k_norm = make_qk_norm(spec.k_norm, spec.qk_norm_over, after)
+        if spec.v_norm is not None:  # Gemma 4: v_norm.py
+            self.v_norm = make_v_norm(spec.v_norm)
         if spec.scores_soft_cap is not None:
             self.scores_soft_cap = SoftCap(spec.scores_soft_cap)
         if spec.alibi_slopes is not None:
@@ -270,6 +274,8 @@ class Attention(nn.Module):
         k = self.hook_k(_project(k_in, W_K, b_K))
         v = self.hook_v(_project(v_in, W_V, b_V))
         q, k = self._qk_norm(q, k, after_rotary=False)
+        if hasattr(self, "v_norm"):
+            v = self.v_norm(v)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
@@ -404,6 +410,7 @@ class Attention(nn.Module):
             q_norm=self.q_norm.spec() if hasattr(self, "q_norm") else None,
             k_norm=self.k_norm.spec() if hasattr(self, "k_norm") else None,
             qk_norm_over=self._qk_norm_over(),
+            v_norm=self.v_norm.spec() if hasattr(self, "v_norm") else None,
             qk_norm_after_rotary=any(getattr(self, n).after_rotary for n in ("q_norm", "k_norm") if hasattr(self, n)),
             scores_soft_cap=self.scores_soft_cap.cap if hasattr(self, "scores_soft_cap") else None,
             window=self.window,

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.layer_scalar import LayerScalar
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.spec import LayerSpec
 
@@ -29,6 +30,7 @@ class TransformerBlock(nn.Module):
     Norm placements (:class:`~lens_aot.core.spec.LayerSpec`): sandwich norms ``ln1_post`` / ``ln2_post`` (Gemma 2/3)
     normalize the sublayer's output before ``hook_attn_out`` / ``hook_mlp_out``; ``post_norm`` (OLMo-2) moves
     ``ln1`` / ``ln2`` from the sublayer's input to its output, as TransformerLens does (same module names).
+    A layer scalar (Gemma 4, :mod:`.layer_scalar`) multiplies the residual stream before ``hook_resid_post``.
     """
 
     # TransformerLens 4's readout tools (``tools.analysis.logit_lens``) read a block's output as the residual stream
@@ -45,6 +47,7 @@ class TransformerBlock(nn.Module):
         ln1_post: Norm | None = None,
         ln2_post: Norm | None = None,
         post_norm: bool = False,
+        layer_scalar: float | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
@@ -70,6 +73,8 @@ class TransformerBlock(nn.Module):
             self.hook_mlp_out = HookPoint()
             if not parallel:
                 self.hook_resid_mid = HookPoint()
+        if layer_scalar is not None:
+            self.layer_scalar = LayerScalar(layer_scalar)
         self.hook_resid_post = HookPoint()
 
     @property
@@ -88,13 +93,17 @@ class TransformerBlock(nn.Module):
             attn_out = self.ln1(attn_out)
         attn_out = self.hook_attn_out(attn_out)
         if not self.has_mlp:
-            return self.hook_resid_post(resid_pre + attn_out)
+            return self._resid_post(resid_pre + attn_out)
         if self.parallel:
             mlp_out = self._mlp_out(self._mlp_input(resid_pre))
-            return self.hook_resid_post(resid_pre + attn_out + mlp_out)
+            return self._resid_post(resid_pre + attn_out + mlp_out)
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
         mlp_out = self._mlp_out(self._mlp_input(resid_mid))
-        return self.hook_resid_post(resid_mid + mlp_out)
+        return self._resid_post(resid_mid + mlp_out)
+
+    def _resid_post(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        """``hook_resid_post`` of the layer's output, times the layer scalar when there is one."""
+        return self.hook_resid_post(self.layer_scalar(resid) if hasattr(self, "layer_scalar") else resid)
 
     def _mlp_out(self, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         """``hook_mlp_out(mlp(ln2(x)))``, with ``ln2_post`` after the MLP (sandwich) or ``ln2`` there (post-norm)."""
@@ -135,6 +144,7 @@ class TransformerBlock(nn.Module):
             ln1_post=self.ln1_post.spec() if hasattr(self, "ln1_post") else None,
             ln2_post=self.ln2_post.spec() if hasattr(self, "ln2_post") else None,
             post_norm=self.post_norm,
+            layer_scalar=self.layer_scalar.scalar if hasattr(self, "layer_scalar") else None,
         )
         if not self.has_mlp:
             return LayerSpec(self.ln1.spec(), self.attn.spec(), None, None, self.parallel, **variants)

@@ -141,9 +141,11 @@ class SpecTransformer(HookedRootModule):
                 ln1_post = None if ls.ln1_post is None else make_norm(ls.ln1_post)
                 ln2_post = None if ls.ln2_post is None or mlp is None else make_norm(ls.ln2_post)
                 block = PostLNBlock if ls.residual_norm else TransformerBlock  # the original GPT's post-LN blocks
-                blocks.append(
-                    block(make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post, post_norm=ls.post_norm)
-                )
+                scalar = {} if ls.layer_scalar is None else {"layer_scalar": ls.layer_scalar}  # Gemma 4
+                if scalar and ls.residual_norm:
+                    raise ValueError(f"layer {layer}: a layer scalar on a post-LN block (no source has one)")
+                norms = (make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post)
+                blocks.append(block(*norms, post_norm=ls.post_norm, **scalar))
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
         # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
         HookedRootModule.__init__(self)
