@@ -13,7 +13,18 @@ from __future__ import annotations
 
 from lens_aot.tl.bridge_probe import Call, close
 
-__all__ = ["is_post_ln"]
+__all__ = ["is_post_ln", "norm_block_calls"]
+
+
+def norm_block_calls(
+    layer: int, calls: dict[tuple[int, str], Call], pieces: set[str]
+) -> tuple[Call, Call, Call, Call, Call] | None:
+    """Layer ``layer``'s recorded ``(block, attn, ln1, mlp, ln2)`` calls when its pieces are exactly ln1, ln2 and an
+    MLP and all five were recorded (the blocks a post-LN or post-norm layout can describe); None otherwise."""
+    if pieces != {"ln1", "ln2", "mlp"}:
+        return None
+    found = tuple(calls.get((layer, name)) for name in ("block", "attn", "ln1", "mlp", "ln2"))
+    return None if any(call is None for call in found) else found  # type: ignore[return-value]
 
 
 def is_post_ln(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str]) -> bool:
@@ -21,12 +32,10 @@ def is_post_ln(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str])
 
     ``pieces``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp (a block with sandwich norms, or without
     an MLP or either norm, is not one)."""
-    if pieces != {"ln1", "ln2", "mlp"}:
+    found = norm_block_calls(layer, calls, pieces)
+    if found is None:
         return False
-    block, attn, mlp = calls.get((layer, "block")), calls.get((layer, "attn")), calls.get((layer, "mlp"))
-    ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
-    if block is None or attn is None or mlp is None or ln1 is None or ln2 is None:
-        return False
+    block, attn, ln1, mlp, ln2 = found
     x = block.input
     return (
         close(attn.input, x)

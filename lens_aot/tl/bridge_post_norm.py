@@ -21,6 +21,7 @@ attention's output alone), so the two are never confused.
 
 from __future__ import annotations
 
+from lens_aot.tl.bridge_post_ln import norm_block_calls
 from lens_aot.tl.bridge_probe import Call, close
 
 __all__ = ["is_post_norm", "post_norm_mismatch"]
@@ -31,12 +32,10 @@ def is_post_norm(layer: int, calls: dict[tuple[int, str], Call], pieces: set[str
 
     ``pieces``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp (only a block of exactly ln1, ln2 and an
     MLP can be one; TransformerLens 4.3's ``ln1_post`` / ``ln2_post`` mapping is read as sandwich norms instead)."""
-    if pieces != {"ln1", "ln2", "mlp"}:
+    found = norm_block_calls(layer, calls, pieces)
+    if found is None:
         return False
-    block, attn, mlp = calls.get((layer, "block")), calls.get((layer, "attn")), calls.get((layer, "mlp"))
-    ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
-    if block is None or attn is None or mlp is None or ln1 is None or ln2 is None:
-        return False
+    block, attn, ln1, mlp, ln2 = found
     x = block.input
     mid = x + ln1.output
     return (
