@@ -4,9 +4,9 @@ A Gemma 4 layer whose keys and values are its own and that has no per-layer inpu
 experts beside its MLP is a pre-norm block with sandwich norms: its ``DelegatedAttentionBlockBridge`` is read as a
 plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.v_norm`, the layer scalar as
 :mod:`lens_aot.core.components.layer_scalar`, the layers' own head widths and proportional partial rotary (the
-global layers) from the source's own rotary module. The support
-matrix's tiny Gemma 4 enables per-layer input embeddings, which stay refused; these tests switch them off
-(``hidden_size_per_layer_input=0``) and keep everything else the matrix builds.
+global layers) from the source's own rotary module. The first tests switch per-layer input embeddings off
+(``hidden_size_per_layer_input=0``) and keep everything else the matrix builds; the later ones (``PLE``) keep the
+matrix's own per-layer inputs (``lens_aot.core.spec_per_layer``) and the layer scalars, so that both bind.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.read_bridge import read_bridge
 
 NO_PLE = {"hidden_size_per_layer_input": 0}
+PLE = (("hidden_size_per_layer_input", 16),)  # the support matrix's own value
 SCALARS = (0.625, 1.7)  # each layer's layer_scalar (a buffer: 1 in the matrix's model, set here so that it binds)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = None) -> tuple[Any, Any]:
     """(the Hugging Face model, its bridge): the support matrix's tiny random Gemma 4 in ``dtype``, ``fields`` on
     its config (default: no per-layer input embeddings, and the layer scalars :data:`SCALARS`)."""
@@ -40,7 +41,7 @@ def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = Non
         warnings.simplefilter("ignore")
         family = Family("Gemma4ForCausalLM", "test", NO_PLE if fields is None else dict(fields))
         model = build_hf_model(family)
-        if fields is None:
+        if fields is None or fields == PLE:
             with torch.no_grad():
                 for layer, scalar in zip(model.model.layers, SCALARS, strict=True):
                     layer.layer_scalar.fill_(scalar)
@@ -55,10 +56,10 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
-@functools.lru_cache(maxsize=2)
-def _converted(dtype: torch.dtype) -> tuple[Any, Any, Any]:
-    """(Hugging Face model, bridge, converted model) of the tiny Gemma 4 without per-layer inputs."""
-    model, bridge = _models(dtype)
+@functools.lru_cache(maxsize=4)
+def _converted(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = None) -> tuple[Any, Any, Any]:
+    """(Hugging Face model, bridge, converted model) of the tiny Gemma 4 (default: without per-layer inputs)."""
+    model, bridge = _models(dtype, fields)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         aot = lens_aot.convert(bridge, check_tokens=_tokens())
@@ -171,13 +172,6 @@ def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
     assert [b.layer_scalar.scalar for b in loaded.blocks] == [b.layer_scalar.scalar for b in aot.blocks]
 
 
-def test_gemma4_pieces_without_components_are_still_refused() -> None:
-    """The matrix's own tiny Gemma 4 (per-layer input embeddings on) stays refused, naming the piece and layer."""
-    _, bridge = _models(torch.float32, ())
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: a layer with per-layer input embeddings"):
-        read_bridge(bridge)
-
-
 def test_values_that_are_the_keys_are_refused_by_name() -> None:
     """``attention_k_eq_v``: the global layer has no ``v_proj`` (its values are its keys before ``k_norm``)."""
     _, bridge = _models(torch.float32, (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True)))
@@ -194,4 +188,145 @@ def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:
         variant_config(spec, 1e-6)
     spec.layers = [dataclasses.replace(layer, layer_scalar=None) for layer in spec.layers]
     with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's v_norm"):
+        variant_config(spec, 1e-6)
+
+
+def _source_per_layer_inputs(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The source's own per-layer inputs [batch, pos, n_layers, d_ple] (``Gemma4TextModel``'s two steps)."""
+    text = model.model
+    return text.project_per_layer_inputs(text.embed_tokens(tokens), text.get_per_layer_inputs(tokens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_gemma4_with_per_layer_inputs_matches_the_source(dtype: torch.dtype) -> None:
+    """The matrix's tiny Gemma 4 (per-layer inputs on) converts; logits within the bound of the source's own forward,
+    ``embed.per_layer_inputs.hook_per_layer_inputs`` [batch, pos, n_layers, d_ple] the source's per-layer inputs."""
+    model, _, aot = _converted(dtype, PLE)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens).logits
+        got, cache = aot.run_with_cache(tokens, names_filter=lambda n: "per_layer" in n)
+        source = _source_per_layer_inputs(model, tokens)
+    error = float((got.double() - want.double()).abs().max())
+    assert error <= aot.report.logit_bound, (error, aot.report.logit_bound)
+    inputs = cache["embed.per_layer_inputs.hook_per_layer_inputs"]
+    assert inputs.shape == (2, 24, 2, 16)
+    assert torch.allclose(inputs, source, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-12)
+    for layer in range(2):
+        assert torch.equal(cache[f"blocks.{layer}.per_layer.hook_per_layer_input"], inputs[:, :, layer])
+        assert cache[f"blocks.{layer}.per_layer.hook_out"].shape == (2, 24, aot.cfg.d_model)
+    assert aot.embed.per_layer_inputs.store.value is None  # kept for the forward's duration only
+
+
+def _perturbed_reading(part: str, edit: Any) -> Any:
+    """``read_per_layer_inputs``'s ``part`` reader (``_inputs`` / ``_sublayer``) with ``edit`` applied to its spec."""
+    import lens_aot.tl.read_per_layer_inputs as ple
+
+    original = getattr(ple, part)
+
+    def patched(*args: Any) -> Any:
+        spec = original(*args)
+        return None if spec is None else edit(spec)
+
+    return mock.patch.object(ple, part, patched)
+
+
+@pytest.mark.parametrize(
+    "part, edit",
+    [
+        ("_inputs", lambda s: dataclasses.replace(s, input_scale=s.input_scale * (1 + 1e-3))),
+        ("_inputs", lambda s: dataclasses.replace(s, norm=dataclasses.replace(s.norm, eps=s.norm.eps + 1e-3))),
+        ("_sublayer", lambda s: dataclasses.replace(s, post_norm=dataclasses.replace(s.post_norm, eps=1e-3))),
+    ],
+    ids=["input_scale", "inputs_norm_eps", "post_norm_eps"],
+)
+def test_per_layer_readings_perturbed_by_1e3_are_refused(part: str, edit: Any) -> None:
+    """A scale or eps of the per-layer inputs 1e-3 off is refused by the block layout check at layer 0 (the other
+    scales: test_independent_forward_carries_per_layer_inputs)."""
+    bridge = _models(torch.float64, PLE)[1]
+    with _perturbed_reading(part, edit):
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: an output that is not input \+ att"):
+            read_bridge(bridge)
+
+
+def test_independent_forward_carries_per_layer_inputs() -> None:
+    """The plain-torch forward of the spec agrees with the source within the bound; a per-layer scale or eps 1e-3 off
+    in the spec moves it far beyond float64 rounding (so each is carried, not ignored; the reader's refusal of the
+    same perturbations is test_per_layer_readings_perturbed_by_1e3_are_refused)."""
+    from lens_aot.core.reference import independent_logits
+
+    model, _, aot = _converted(torch.float64, PLE)
+    tokens = _tokens()
+    spec = aot.to_spec()
+    with torch.no_grad():
+        want = model(tokens).logits
+        exact = independent_logits(spec, tokens)
+    assert float((exact - want).abs().max()) <= aot.report.logit_bound
+    inputs, sublayer = spec.per_layer_inputs, spec.layers[0].per_layer
+    post = dataclasses.replace(sublayer, post_norm=dataclasses.replace(sublayer.post_norm, eps=1e-3))
+    mutated = [
+        dataclasses.replace(spec, per_layer_inputs=dataclasses.replace(inputs, **{name: value * (1 + 1e-3)}))
+        for name, value in [(n, getattr(inputs, n)) for n in ("embed_scale", "proj_scale", "input_scale")]
+    ]
+    mutated.append(
+        dataclasses.replace(
+            spec, per_layer_inputs=dataclasses.replace(inputs, norm=dataclasses.replace(inputs.norm, eps=1e-3))
+        )
+    )
+    layer0 = dataclasses.replace(spec.layers[0], per_layer=post)
+    mutated.append(dataclasses.replace(spec, layers=[layer0, *spec.layers[1:]]))
+    for moved_spec in mutated:
+        with torch.no_grad():
+            moved = independent_logits(moved_spec, tokens)
+        assert float((moved - exact).abs().max()) > 1e-9
+
+
+def test_per_layer_inputs_save_load_round_trip(tmp_path: Any) -> None:
+    from lens_aot.io import load, save
+
+    aot, tokens = _converted(torch.float32, PLE)[2], _tokens()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save(aot, tmp_path / "g4ple")
+        loaded = load(tmp_path / "g4ple")
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), aot(tokens))
+    assert loaded.to_spec().per_layer_inputs.input_scale == aot.to_spec().per_layer_inputs.input_scale
+    assert all(hasattr(b, "per_layer") for b in loaded.blocks)
+
+
+def test_per_layer_inputs_generate_with_cache_equals_without() -> None:
+    """With a key-value cache each forward embeds its new tokens only, so the blocks read those positions' inputs."""
+    aot, tokens = _converted(torch.float64, PLE)[2], _tokens()[:1, :8]
+    kwargs = dict(max_new_tokens=6, do_sample=False, verbose=False, return_type="tokens")
+    with_cache = aot.generate(tokens, use_past_kv_cache=True, **kwargs)
+    without = aot.generate(tokens, use_past_kv_cache=False, **kwargs)
+    assert with_cache.shape == (1, 14) and torch.equal(with_cache, without)
+
+
+def test_per_layer_inputs_refuse_forwards_without_tokens_and_clear_on_error() -> None:
+    """``start_at_layer`` has no tokens for the per-layer inputs: refused by layer and piece; a forward that raises
+    leaves no inputs behind for the next one."""
+    from lens_aot.errors import InputError
+
+    aot, tokens = _converted(torch.float32, PLE)[2], _tokens()
+    resid = aot(tokens, stop_at_layer=1)
+    with pytest.raises(InputError, match=r"^layer 1 per_layer: Gemma 4's per-layer inputs"):
+        aot(resid, start_at_layer=1)
+
+    def boom(value: torch.Tensor, hook: Any) -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        aot.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_resid_pre", boom)])
+    with pytest.raises(InputError, match=r"^layer 1 per_layer"):
+        aot(resid, start_at_layer=1)
+
+
+def test_revert_to_hooked_refuses_per_layer_inputs_by_name() -> None:
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    spec = _converted(torch.float32, PLE)[2].to_spec()
+    spec.layers = [dataclasses.replace(layer, layer_scalar=None) for layer in spec.layers]
+    with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's per-layer input embeddings"):
         variant_config(spec, 1e-6)

@@ -325,8 +325,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         self.cfg.ungroup_grouped_query_attention = ungroup_grouped_query_attention
 
     def _sync_switches(self) -> None:
-        """Apply the config's switches to the blocks, so that setting ``cfg.use_*`` directly acts as on a
-        HookedTransformer (whose components read the shared config on every forward)."""
+        """Apply ``cfg.use_*`` to the blocks (as on a HookedTransformer); drop the last forward's per-layer inputs."""
+        self.embed.new_forward()  # Gemma 4: each forward computes its own (components/per_layer_inputs.py)
         cfg = self.cfg
         for block in self.blocks:
             block.use_split_qkv_input, block.use_attn_in = cfg.use_split_qkv_input, cfg.use_attn_in

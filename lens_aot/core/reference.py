@@ -97,7 +97,7 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks, and the
     variants: QK-norm (per head or over the projection), QKV clipping, per-layer rotary tables, score and logit
     soft-caps, ALiBi, sliding windows, attention sinks, sandwich and post norms, a post-embedding norm,
-    a prediction head.
+    a prediction head, Gemma 4's layer scalar and per-layer input embeddings (lens_aot.core.spec_per_layer).
 
     A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it."""
 
@@ -228,6 +228,11 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     if tokens.ndim == 1:
         tokens = tokens[None]
     resid = spec.W_E[tokens]
+    ple = spec.per_layer_inputs
+    if ple is not None:  # Gemma 4: P = (norm((e W_proj) s_p) + W_E_ple[t] s_e) s_i, [batch, pos, layer, d_ple]
+        shape = (*tokens.shape, ple.n_layers, ple.d_ple)
+        proj = norm(((resid @ ple.W_proj) * ple.proj_scale).reshape(shape), ple.norm)
+        per_layer_inputs = (proj + (ple.W_E[tokens] * ple.embed_scale).reshape(shape)) * ple.input_scale
     if spec.embed_ln is not None:
         resid = norm(resid, spec.embed_ln)
     if spec.positions == "standard":
@@ -240,7 +245,7 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
         out = f(norm(x, pre))
         return out if post is None else norm(out, post)
 
-    for layer in spec.layers:
+    for index, layer in enumerate(spec.layers):
         if layer.residual_norm:  # post-LN (the original GPT): the norms act on the residual itself
             assert layer.mlp is not None and layer.ln2 is not None
             resid = norm(resid + attention(resid, a=layer.attn), layer.ln1)
@@ -253,6 +258,9 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             mlp_in = resid if layer.parallel else resid + attn_out
             mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
             resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
+        if (p := layer.per_layer) is not None:  # Gemma 4: resid += post_norm(W_proj(act(W_gate resid) ⊙ P[l]))
+            gated = act(p.act_fn, resid @ p.W_gate) * per_layer_inputs[:, :, index]
+            resid = resid + norm(gated @ p.W_proj, p.post_norm)
         if getattr(layer, "layer_scalar", None) is not None:  # Gemma 4: the whole stream, at the layer's end
             resid = resid * layer.layer_scalar
     normed = norm(resid, spec.ln_final)

@@ -17,6 +17,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lens_aot.core.moe_routers import GroupRouterSpec
     from lens_aot.core.spec_mla import MLASpec
+    from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
     from lens_aot.core.spec_prediction_head import PredictionHeadSpec
 
 NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
@@ -169,6 +170,8 @@ class LayerSpec:
     # Gemma 4: the residual stream is multiplied by this constant at the end of the layer (after the MLP), before
     # hook_resid_post (core/components/layer_scalar.py); None: no multiplier.
     layer_scalar: float | None = None
+    # Gemma 4: resid += post_norm(W_proj(act(W_gate·resid) ⊙ per_layer_input)) before the layer scalar (spec_per_layer)
+    per_layer: PerLayerSublayerSpec | None = None
 
 
 @dataclass
@@ -221,6 +224,7 @@ class ModelSpec:
     logits_scale: float | None = None
     # ModernBERT-decoder: ``unembed(head(ln_final(resid)))``, a dense MLP (lens_aot.core.spec_prediction_head).
     prediction_head: PredictionHeadSpec | None = None
+    per_layer_inputs: PerLayerInputsSpec | None = None  # Gemma 4: computed from the tokens (spec_per_layer)
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
@@ -263,6 +267,8 @@ class ModelSpec:
             found.add("a logit multiplier")
         if self.prediction_head is not None:
             found.add("a prediction head")
+        if self.per_layer_inputs is not None or any(layer.per_layer is not None for layer in self.layers):
+            found.add("per-layer input embeddings")
         return sorted(found)
 
     @property

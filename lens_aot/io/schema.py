@@ -11,10 +11,10 @@ Schema (``?``: may be null)::
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
              extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
-             [prediction_head: head] (lens_aot/io/schema_prediction_head.py)}
+             [prediction_head: head] (lens_aot/io/schema_prediction_head.py), [per_layer_inputs] (schema_per_layer.py)}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
-             [post_norm: true], [residual_norm: true], [layer_scalar]}
+             [post_norm: true], [residual_norm: true], [layer_scalar], [per_layer] (schema_per_layer.py)}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
              [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
@@ -62,6 +62,7 @@ from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io import schema_per_layer as ple
 from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
 from lens_aot.io.schema_clamped_swiglu import clamped_swiglu_record, clamped_swiglu_spec
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
@@ -105,8 +106,8 @@ _ATTENTION_VARIANTS = (
     "temperature_scale",
     "temperature_floor",
 )
-_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar")
-_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head")
+_LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar", "per_layer")
+_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head", "per_layer_inputs")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
 _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
@@ -215,6 +216,8 @@ class Encoder:
             out["residual_norm"] = True
         if layer.layer_scalar is not None:
             out["layer_scalar"] = float(layer.layer_scalar)
+        if layer.per_layer is not None:
+            out["per_layer"] = ple.encode_sublayer(self, layer.per_layer, f"{key}.per_layer")
         return out
 
     def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
@@ -247,6 +250,8 @@ class Encoder:
             out["logits_scale"] = float(spec.logits_scale)
         if spec.prediction_head is not None:
             out["prediction_head"] = encode_prediction_head(self, spec.prediction_head, f"{key}.prediction_head")
+        if spec.per_layer_inputs is not None:
+            out["per_layer_inputs"] = ple.encode_inputs(self, spec.per_layer_inputs, f"{key}.per_layer_inputs")
         return out
 
 
@@ -459,6 +464,7 @@ class Decoder:
             post_norm=bool(f.get("post_norm", False)),
             residual_norm=bool(f.get("residual_norm", False)),
             layer_scalar=_float_or_none(f.get("layer_scalar")),
+            per_layer=ple.decode_sublayer(self, f.get("per_layer"), f"{path}.per_layer"),
         )
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:
@@ -497,6 +503,7 @@ class Decoder:
             logits_soft_cap=_float_or_none(f.get("logits_soft_cap")),
             logits_scale=_float_or_none(f.get("logits_scale")),
             prediction_head=decode_prediction_head(self, f.get("prediction_head"), f"{path}.prediction_head"),
+            per_layer_inputs=ple.decode_inputs(self, f.get("per_layer_inputs"), f"{path}.per_layer_inputs"),
         )
 
     def _sigmoid_sum(self, obj: Any, path: str, extra: tuple[str, ...] = ()) -> ActivationFit:

@@ -7,13 +7,10 @@ is found by the module's public attributes (never by class name) and all of a la
 with none of them (its own keys and values, a value norm at most) is a plain pre-norm block with sandwich norms and
 is read as one; its value norm is :mod:`lens_aot.core.components.v_norm`, read by
 :mod:`lens_aot.tl.bridge_delegated_rotary`, and its layer scalar (the whole residual stream multiplied at the end of
-the layer) :mod:`lens_aot.core.components.layer_scalar`, read by :func:`delegated_layer_scalar`. The pieces still
+the layer) :mod:`lens_aot.core.components.layer_scalar`, read by :func:`delegated_layer_scalar`; its per-layer input
+embeddings :mod:`lens_aot.core.spec_per_layer`, read by :mod:`lens_aot.tl.read_per_layer_inputs`. The pieces still
 refused:
 
-* **per-layer input embeddings** (``hidden_size_per_layer_input``): after the MLP,
-  ``resid += norm(W_proj(act(W_gate·resid) ⊙ per_layer_input))``, where ``per_layer_input`` is a second token
-  embedding (``embed_tokens_per_layer``) mixed with a projection of the first: a gated MLP-like sublayer with a
-  per-token input outside the residual stream;
 * **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
   attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
 * **values that are the keys** (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``);
@@ -34,12 +31,6 @@ __all__ = ["delegated_layer_scalar", "refuse_delegated_block"]
 
 def _pieces(layer_module: Any) -> list[str]:
     found = []
-    per_layer = getattr(layer_module, "hidden_size_per_layer_input", None)
-    if per_layer and getattr(layer_module, "per_layer_input_gate", None) is not None:
-        found.append(
-            f"per-layer input embeddings (hidden_size_per_layer_input={per_layer}: resid += norm(W_proj(act(W_gate·"
-            "resid) ⊙ per_layer_input)) after the MLP, per_layer_input from a second token embedding)"
-        )
     attn = getattr(layer_module, "self_attn", None)
     attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
     if bool(getattr(attn, "is_kv_shared_layer", False)):

@@ -22,6 +22,7 @@ naming the piece.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ from lens_aot.tl.read_multipliers import (
 )
 from lens_aot.tl.read_nope import no_rotary
 from lens_aot.tl.read_norms import final_norm_on_embeddings, named_norm, optional_norm
+from lens_aot.tl.read_per_layer_inputs import PLE_PIECES, PerLayerReading
 from lens_aot.tl.read_prediction_head import read_prediction_head
 from lens_aot.tl.read_routed import is_routed, read_routed
 from lens_aot.tl.read_sub_norms import refuse_sub_norms
@@ -97,7 +99,6 @@ _PLAIN_BLOCKS = ("BlockBridge", "ParallelBlockBridge")
 
 # Block bridges (and their pieces) lens_aot has no component for, each named in the refusal.
 _REFUSED_BLOCKS = {
-    "DelegatedAttentionBlockBridge": "attention delegated to another layer's key/value cache (shared-KV layers)",
     "SSMBlockBridge": "a state-space mixer (Mamba-style), not attention",
     "OpaqueBlockBridge": "a recurrent or hybrid mixer block (no attention/MLP pieces to read)",
     "AltUpBlockBridge": "AltUp alternating-updates blocks (Gemma 3n)",
@@ -167,7 +168,7 @@ def _check_block(layer: int, block: Any) -> None:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
         raise refuse_piece(layer, "block", f"a block bridge of type {kind}, which lens_aot does not read")
-    for name in sorted(_subcomponents(block) - {"ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post"}):
+    for name in sorted(_subcomponents(block) - {"ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post", *PLE_PIECES}):
         raise refuse_piece(layer, "block", _EXTRA_BLOCK_PIECES.get(name, f"an extra block piece {name!r}"))
     if _component(block, "attn") is None:
         raise refuse_piece(layer, "block", "no 'attn' piece (not an attention block)")
@@ -184,14 +185,13 @@ def _layout(
     calls: dict[tuple[int, str], Call],
     has: set[str],
     multiplier: float | None = None,
-    layer_scalar: float | None = None,
+    finish: Callable[[Tensor], Tensor] = lambda out: out,
 ) -> tuple[bool, bool]:
     """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
 
-    ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through
-    ``ln1_post`` / ``ln2_post`` when present (sandwich norms, Gemma 2/3; OLMo-2 has only these), then are multiplied
-    by the layer's residual ``multiplier`` when it has one (Granite: ``resid + m·sublayer``); the sum is multiplied by
-    the ``layer_scalar`` when there is one (Gemma 4).
+    ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through the sandwich
+    norms ``ln1_post`` / ``ln2_post`` if any (Gemma 2/3, OLMo-2), then the residual ``multiplier`` (Granite); ``finish``
+    acts on the sum (Gemma 4's per-layer-input sublayer and layer scalar, lens_aot.tl.read_per_layer_inputs).
     """
     block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
     ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
@@ -230,7 +230,7 @@ def _layout(
             )
         shared = False
     out = x + a_out + scaled(_post(layer, "ln2_post", mlp.output, calls, has), multiplier)
-    if not close(block.output, scaled(out, layer_scalar)):
+    if not close(block.output, finish(out)):
         raise refuse_piece(
             layer,
             "block",
@@ -404,12 +404,13 @@ def read_bridge(bridge: Any) -> ModelSpec:
     post_ln = [finite and not native and is_post_ln(i, calls, _pieces(b)) for i, b in enumerate(blocks)]  # GPT-1
     # OLMo-2 under TL 3.9, whose ln1 / ln2 are the post norms (lens_aot.tl.bridge_post_norm)
     post_norm = [finite and not native and is_post_norm(i, calls, _pieces(b)) for i, b in enumerate(blocks)]
+    ple = PerLayerReading(model, blocks, calls, dtype)  # Gemma 4's per-layer inputs (lens_aot.tl.read_per_layer_inputs)
     layouts = [
         None
         if attn_only
         else (False, False)
         if post_ln[layer] or post_norm[layer]
-        else _layout(layer, calls, _pieces(block), multipliers[layer], delegated_layer_scalar(block))
+        else _layout(layer, calls, _pieces(block), multipliers[layer], ple.finish(layer, delegated_layer_scalar(block)))
         if finite
         else (_component(block, "ln2") is None, _component(block, "ln2") is None)  # refused below
         for layer, block in enumerate(blocks)
@@ -537,6 +538,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     if not native:  # NanoChat: the final norm on the embeddings too (lens_aot.tl.read_norms)
         spec.embed_ln = spec.embed_ln or final_norm_on_embeddings(spec, calls)
     _verify_model(spec, calls, len(blocks), embed_multiplier)
+    ple.attach(spec)
     return spec
 
 

@@ -30,7 +30,8 @@ class TransformerBlock(nn.Module):
     Norm placements (:class:`~lens_aot.core.spec.LayerSpec`): sandwich norms ``ln1_post`` / ``ln2_post`` (Gemma 2/3)
     normalize the sublayer's output before ``hook_attn_out`` / ``hook_mlp_out``; ``post_norm`` (OLMo-2) moves
     ``ln1`` / ``ln2`` from the sublayer's input to its output, as TransformerLens does (same module names).
-    A layer scalar (Gemma 4, :mod:`.layer_scalar`) multiplies the residual stream before ``hook_resid_post``.
+    Gemma 4's per-layer-input sublayer (:mod:`.per_layer_sublayer`) adds to the stream after the MLP; a layer
+    scalar (Gemma 4, :mod:`.layer_scalar`) multiplies the residual stream before ``hook_resid_post``.
     """
 
     # TransformerLens 4's readout tools (``tools.analysis.logit_lens``) read a block's output as the residual stream
@@ -48,6 +49,7 @@ class TransformerBlock(nn.Module):
         ln2_post: Norm | None = None,
         post_norm: bool = False,
         layer_scalar: float | None = None,
+        per_layer: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
@@ -73,6 +75,8 @@ class TransformerBlock(nn.Module):
             self.hook_mlp_out = HookPoint()
             if not parallel:
                 self.hook_resid_mid = HookPoint()
+        if per_layer is not None:  # Gemma 4's per-layer-input sublayer (components/per_layer_sublayer.py)
+            self.per_layer = per_layer
         if layer_scalar is not None:
             self.layer_scalar = LayerScalar(layer_scalar)
         self.hook_resid_post = HookPoint()
@@ -102,7 +106,9 @@ class TransformerBlock(nn.Module):
         return self._resid_post(resid_mid + mlp_out)
 
     def _resid_post(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        """``hook_resid_post`` of the layer's output, times the layer scalar when there is one."""
+        """``hook_resid_post`` of the layer's output, after the per-layer-input sublayer and times the layer scalar
+        when there are ones."""
+        resid = self.per_layer(resid) if hasattr(self, "per_layer") else resid
         return self.hook_resid_post(self.layer_scalar(resid) if hasattr(self, "layer_scalar") else resid)
 
     def _mlp_out(self, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
@@ -145,6 +151,7 @@ class TransformerBlock(nn.Module):
             ln2_post=self.ln2_post.spec() if hasattr(self, "ln2_post") else None,
             post_norm=self.post_norm,
             layer_scalar=self.layer_scalar.scalar if hasattr(self, "layer_scalar") else None,
+            per_layer=self.per_layer.spec() if hasattr(self, "per_layer") else None,
         )
         if not self.has_mlp:
             return LayerSpec(self.ln1.spec(), self.attn.spec(), None, None, self.parallel, **variants)

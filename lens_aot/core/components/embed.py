@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
@@ -14,17 +16,30 @@ from lens_aot.core.kv_cache import position_rows
 
 class Embed(nn.Module):
     """``W_E[tokens]``, or ``ln(W_E[tokens])`` with a post-embedding LayerNorm (BLOOM; TransformerLens's
-    ``post_embedding_ln``, the module ``embed.ln`` with its hooks)."""
+    ``post_embedding_ln``, the module ``embed.ln`` with its hooks). Gemma 4's per-layer inputs
+    (``embed.per_layer_inputs``, :mod:`.per_layer_inputs`) are computed here from the tokens and ``W_E[tokens]``."""
 
-    def __init__(self, W_E: Float[Tensor, "d_vocab d_model"], ln: nn.Module | None = None) -> None:
+    def __init__(
+        self, W_E: Float[Tensor, "d_vocab d_model"], ln: nn.Module | None = None, per_layer_inputs: Any = None
+    ) -> None:
         super().__init__()
         self.W_E = parameter(W_E)
         self.ln = ln
+        if per_layer_inputs is not None:
+            self.per_layer_inputs = per_layer_inputs
+
+    def new_forward(self) -> None:
+        """Called as each forward of the converted model starts: forget the last forward's per-layer inputs."""
+        if hasattr(self, "per_layer_inputs"):
+            self.per_layer_inputs.clear()
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        embedded = self.W_E[tokens]
+        if hasattr(self, "per_layer_inputs"):
+            self.per_layer_inputs(tokens, embedded)
         if self.ln is not None:
-            return self.ln(self.W_E[tokens])
-        return self.W_E[tokens]
+            return self.ln(embedded)
+        return embedded
 
 
 class PosEmbed(nn.Module):

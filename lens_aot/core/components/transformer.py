@@ -25,6 +25,8 @@ from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.logit_scale import LogitScale
 from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.ownership import one_table_per_model
+from lens_aot.core.components.per_layer_inputs import PerLayerInputs, PerLayerInputStore
+from lens_aot.core.components.per_layer_sublayer import PerLayerSublayer
 from lens_aot.core.components.post_ln_block import PostLNBlock
 from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.components.soft_cap import SoftCap
@@ -133,6 +135,7 @@ class SpecTransformer(HookedRootModule):
 
     def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module]) -> None:
         blocks = []
+        store = PerLayerInputStore()  # Gemma 4's per-layer inputs, for one forward's duration
         with one_table_per_model():  # the layers share one buffer per rotary table (components/ownership.py)
             for layer, ls in enumerate(spec.layers):
                 mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
@@ -141,15 +144,19 @@ class SpecTransformer(HookedRootModule):
                 ln1_post = None if ls.ln1_post is None else make_norm(ls.ln1_post)
                 ln2_post = None if ls.ln2_post is None or mlp is None else make_norm(ls.ln2_post)
                 block = PostLNBlock if ls.residual_norm else TransformerBlock  # the original GPT's post-LN blocks
-                scalar = {} if ls.layer_scalar is None else {"layer_scalar": ls.layer_scalar}  # Gemma 4
+                scalar: dict[str, Any] = {} if ls.layer_scalar is None else {"layer_scalar": ls.layer_scalar}  # Gemma 4
                 if scalar and ls.residual_norm:
                     raise ValueError(f"layer {layer}: a layer scalar on a post-LN block (no source has one)")
                 norms = (make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post)
+                if ls.per_layer is not None:
+                    last = all(later.per_layer is None for later in spec.layers[layer + 1 :])
+                    scalar["per_layer"] = PerLayerSublayer(ls.per_layer, layer, store, last)
                 blocks.append(block(*norms, post_norm=ls.post_norm, **scalar))
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
         # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
         HookedRootModule.__init__(self)
-        self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln))
+        ple = None if spec.per_layer_inputs is None else PerLayerInputs(spec.per_layer_inputs, store)
+        self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln), ple)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
             assert spec.W_pos is not None
@@ -184,6 +191,7 @@ class SpecTransformer(HookedRootModule):
             "logits_soft_cap": self.logits_soft_cap.cap if hasattr(self, "logits_soft_cap") else None,
             "logits_scale": self.logits_scale.multiplier if hasattr(self, "logits_scale") else None,
             "prediction_head": self.prediction_head.spec() if hasattr(self, "prediction_head") else None,
+            "per_layer_inputs": self.embed.per_layer_inputs.spec() if hasattr(self.embed, "per_layer_inputs") else None,
         }
 
     def output_modules(self) -> list[nn.Module]:

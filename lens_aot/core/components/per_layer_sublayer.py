@@ -1,0 +1,63 @@
+"""Gemma 4's per-layer-input sublayer, after the MLP: ``resid + post_norm(W_proj(act(resid @ W_gate) ⊙ p))``.
+
+``p`` is this layer's slice of the per-layer inputs (:mod:`lens_aot.core.components.per_layer_inputs`, read from
+the store they share for the forward's duration; the last such layer drops it). Hooks: ``hook_per_layer_input``
+[batch, pos, d_ple] (``p``), ``hook_pre`` [batch, pos, d_ple] (``resid @ W_gate``), ``hook_post``
+[batch, pos, d_ple] (``act(·) ⊙ p``), ``hook_out`` [batch, pos, d_model] (after ``post_norm``, what is added).
+
+Not yet neuron heads: each of its ``d_ple`` neurons ``act(resid·w_i)·p_i`` is a neuron-wise product like a gated
+MLP's (Theorem 3's neuron head times a linear factor), but here the linear factor is a per-token input outside the
+residual stream, which the product heads of :mod:`lens_aot.core.gating` do not read yet; this sublayer is a small
+dense component, computed exactly as the source computes it.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.core.activations import reference_activation
+from lens_aot.core.components.float32_norm import make_norm
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.per_layer_inputs import PerLayerInputStore
+from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
+from lens_aot.errors import InputError
+
+__all__ = ["PerLayerSublayer"]
+
+
+class PerLayerSublayer(nn.Module):
+    """Layer ``layer``'s per-layer-input sublayer (module docstring)."""
+
+    def __init__(self, spec: PerLayerSublayerSpec, layer: int, store: PerLayerInputStore, last: bool = False) -> None:
+        super().__init__()
+        self.W_gate = parameter(spec.W_gate)
+        self.W_proj = parameter(spec.W_proj)
+        self.act_fn = spec.act_fn
+        self.post_norm = make_norm(spec.post_norm)
+        self.layer = layer
+        self.store, self.last = store, last  # the last layer with one drops the inputs once read
+        self.hook_per_layer_input = HookPoint()
+        self.hook_pre = HookPoint()
+        self.hook_post = HookPoint()
+        self.hook_out = HookPoint()
+
+    def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        inputs = self.store.value
+        if inputs is None or inputs.shape[:2] != resid.shape[:2]:
+            raise InputError(
+                f"layer {self.layer} per_layer: Gemma 4's per-layer inputs are computed from the input tokens, and "
+                "this forward has none for these positions (it starts from embeddings or a middle layer). Run the "
+                "model from tokens (no start_at_layer)."
+            )
+        if self.last:
+            self.store.value = None
+        p = self.hook_per_layer_input(inputs[:, :, self.layer].to(resid.device))
+        gate = reference_activation(self.act_fn, self.hook_pre(F.linear(resid, self.W_gate.T)))
+        out = self.post_norm(F.linear(self.hook_post(gate * p), self.W_proj.T))
+        return resid + self.hook_out(out)
+
+    def spec(self) -> PerLayerSublayerSpec:
+        return PerLayerSublayerSpec(exported(self.W_gate), exported(self.W_proj), self.act_fn, self.post_norm.spec())
