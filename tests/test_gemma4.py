@@ -321,6 +321,11 @@ def test_per_layer_inputs_refuse_forwards_without_tokens_and_clear_on_error() ->
         aot.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_resid_pre", boom)])
     with pytest.raises(InputError, match=r"^layer 1 per_layer"):
         aot(resid, start_at_layer=1)
+    with torch.no_grad():  # the hook point edits what every block reads
+        zeroed = aot.run_with_hooks(
+            tokens, fwd_hooks=[("embed.per_layer_inputs.hook_per_layer_inputs", lambda v, hook: torch.zeros_like(v))]
+        )
+        assert float((zeroed - aot(tokens)).abs().max()) > 1e-3
 
 
 def test_revert_to_hooked_refuses_per_layer_inputs_by_name() -> None:
