@@ -335,3 +335,15 @@ def test_revert_to_hooked_refuses_per_layer_inputs_by_name() -> None:
     spec.layers = [dataclasses.replace(layer, layer_scalar=None) for layer in spec.layers]
     with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's per-layer input embeddings"):
         variant_config(spec, 1e-6)
+
+
+@pytest.mark.parametrize("granularity", ["neuron", "mlp"])
+def test_circuits_refuse_per_layer_sublayers_at_every_granularity(granularity: str) -> None:
+    """The per-layer-input sublayer is in no node of a circuit graph, so discover refuses it (naming the layer and the
+    piece) before reading any data, instead of leaving part of each layer out of the circuit."""
+    from lens_aot.analysis.circuits.discover import discover
+    from lens_aot.errors import InputError
+
+    aot = _converted(torch.float32, PLE)[2]
+    with pytest.raises(InputError, match=r"^layer 0 per_layer: Gemma 4's per-layer-input sublayer"):
+        discover(aot, [], lambda logits, labels: logits[:, -1, 0], granularity=granularity)  # type: ignore[arg-type]
