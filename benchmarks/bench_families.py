@@ -74,17 +74,23 @@ def shape(layers: int, hidden: int) -> dict[str, Any]:
 
 @contextmanager
 def benchmark_shape(values: dict[str, Any]) -> Iterator[None]:
-    """Build families at ``values`` instead of the matrix's tiny shape (restored on exit)."""
-    saved = dict(fam.TINY), dict(fam.TINY_MOE)
+    """Build families at ``values`` instead of the matrix's tiny shape (restored on exit). Per-family overrides
+    sized by the tiny vocabulary (Gemma 4's ``vocab_size_per_layer_input``) take the benchmark's."""
+    saved = dict(fam.TINY), dict(fam.TINY_MOE), {k: dict(v) for k, v in fam.OVERRIDES.items()}
     for table in (fam.TINY, fam.TINY_MOE):
         for key, (_, names) in list(table.items()):
             if key in values:
                 table[key] = (values[key], names)
+    for override in fam.OVERRIDES.values():
+        if "vocab_size_per_layer_input" in override and "vocab" in values:
+            override["vocab_size_per_layer_input"] = values["vocab"]
     try:
         yield
     finally:
         fam.TINY.clear(), fam.TINY.update(saved[0])
         fam.TINY_MOE.clear(), fam.TINY_MOE.update(saved[1])
+        for name, override in saved[2].items():
+            fam.OVERRIDES[name].clear(), fam.OVERRIDES[name].update(override)
 
 
 def build(name: str, values: dict[str, Any]) -> Any:
