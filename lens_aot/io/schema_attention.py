@@ -27,7 +27,7 @@ from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 
-__all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "encode_attention"]
+__all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "encode_attention", "required_norm"]
 
 _MLA_TENSORS = ("W_Q", "W_kv_a", "W_K", "W_V", "W_O", "b_O", "cos", "sin")
 _MLA_OPTIONAL_TENSORS = ("W_q_a", "b_q_a", "b_kv_a")
@@ -101,7 +101,8 @@ def _layout(decoder: Any, value: Any, path: str) -> str:
     return str(value)
 
 
-def _required_norm(decoder: Any, obj: Any, path: str) -> Any:
+def required_norm(decoder: Any, obj: Any, path: str) -> Any:
+    """The norm record at ``path``, refused when null (the file is corrupt)."""
     norm = decoder.norm(obj, path)
     if norm is None:
         raise LoadError(f"{decoder.where}: {path} is null but must be a norm; the file is corrupt.")
@@ -116,7 +117,7 @@ def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAtten
         return MLASpec(
             **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _MLA_TENSORS},
             **{n: decoder.tensor(f[n], f"{path}.{n}") for n in _MLA_OPTIONAL_TENSORS},
-            kv_a_norm=_required_norm(decoder, f["kv_a_norm"], f"{path}.kv_a_norm"),
+            kv_a_norm=required_norm(decoder, f["kv_a_norm"], f"{path}.kv_a_norm"),
             q_a_norm=decoder.norm(f["q_a_norm"], f"{path}.q_a_norm"),
             scale=float(f["scale"]),
             rope_dim=int(f["rope_dim"]),
@@ -146,7 +147,7 @@ def _decode_indexer(decoder: Any, obj: Any, path: str) -> IndexerSpec:
         raise LoadError(f"{decoder.where}: {path}.scores_dtype is null; the file is corrupt.")
     return IndexerSpec(
         **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _INDEXER_TENSORS},
-        k_norm=_required_norm(decoder, f["k_norm"], f"{path}.k_norm"),
+        k_norm=required_norm(decoder, f["k_norm"], f"{path}.k_norm"),
         top_k=int(f["top_k"]),
         rope_dim=int(f["rope_dim"]),
         rope_layout=_layout(decoder, f["rope_layout"], f"{path}.rope_layout"),

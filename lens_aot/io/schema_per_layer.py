@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from lens_aot.core.activations import canonical_activation
-from lens_aot.core.spec import NormSpec
 from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
 from lens_aot.errors import LoadError, UnsupportedActivationError
+from lens_aot.io.schema_attention import required_norm
 
 __all__ = ["decode_inputs", "decode_sublayer", "encode_inputs", "encode_sublayer"]
 
@@ -48,13 +48,6 @@ def encode_sublayer(encoder: Any, spec: PerLayerSublayerSpec, key: str) -> dict[
     }
 
 
-def _norm(decoder: Any, obj: Any, path: str) -> NormSpec:
-    norm = decoder.norm(obj, path)
-    if norm is None:
-        raise LoadError(f"{decoder.where}: {path} is null but must be a norm; the file is corrupt.")
-    return norm
-
-
 def decode_inputs(decoder: Any, obj: Any, path: str) -> PerLayerInputsSpec | None:
     """The record at ``path`` (None when absent; ``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
     if obj is None:
@@ -65,7 +58,7 @@ def decode_inputs(decoder: Any, obj: Any, path: str) -> PerLayerInputsSpec | Non
         embed_scale=float(f["embed_scale"]),
         W_proj=decoder.required_tensor(f["W_proj"], f"{path}.W_proj"),
         proj_scale=float(f["proj_scale"]),
-        norm=_norm(decoder, f["norm"], f"{path}.norm"),
+        norm=required_norm(decoder, f["norm"], f"{path}.norm"),
         input_scale=float(f["input_scale"]),
         n_layers=int(f["n_layers"]),
     )
@@ -84,5 +77,5 @@ def decode_sublayer(decoder: Any, obj: Any, path: str) -> PerLayerSublayerSpec |
         W_gate=decoder.required_tensor(f["W_gate"], f"{path}.W_gate"),
         W_proj=decoder.required_tensor(f["W_proj"], f"{path}.W_proj"),
         act_fn=act_fn,
-        post_norm=_norm(decoder, f["post_norm"], f"{path}.post_norm"),
+        post_norm=required_norm(decoder, f["post_norm"], f"{path}.post_norm"),
     )
