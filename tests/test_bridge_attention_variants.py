@@ -115,6 +115,8 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Ministral3ForCausalLM",
         {**GQA_FIELDS, "rope_parameters": _MINISTRAL3_ROPE},
     ),
+    # OLMo's clip_qkv: q, k, v clamped after the projections (binding: random q, k, v exceed 0.3)
+    "olmo-clip": ("OlmoConfig", "OlmoForCausalLM", {**GQA_FIELDS, "clip_qkv": 0.3}),
     # the original GPT: post-LN blocks (resid = ln(resid + sublayer(resid))), joint QKV Conv1D, no final norm
     "openai_gpt": (
         "OpenAIGPTConfig",
@@ -166,6 +168,14 @@ def test_mpt_reads_alibi_and_clip() -> None:
     for layer in spec.layers:
         assert torch.equal(layer.attn.alibi_slopes, want) and layer.attn.alibi_key_origin == "last"
         assert layer.attn.clip_qkv == 0.5
+
+
+def test_olmo_reads_clip_qkv_and_a_perturbed_clip_is_refused() -> None:
+    bridge = make("olmo-clip", torch.float64)
+    assert [layer.attn.clip_qkv for layer in read_bridge(bridge).layers] == [0.3, 0.3]
+    with _perturbed(bridge_attention, "_clip_qkv", lambda clip: clip * (1 + 1e-3)):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)
 
 
 def test_gpt_neo_local_layers_get_their_window() -> None:

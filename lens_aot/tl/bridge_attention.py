@@ -141,13 +141,20 @@ def _check_common(
     for attr, what in unread:
         if getattr(hf_attn, attr, None) is not None:
             raise refuse_piece(layer, "attn", what)
-    if getattr(hf_config, "clip_qkv", None) is not None:
-        raise refuse_piece(layer, "attn", f"QKV clipping (clip_qkv={hf_config.clip_qkv})")
+    if getattr(hf_config, "clip_qkv", None) is not None and not position_embeddings:
+        raise refuse_piece(layer, "attn", f"QKV clipping (clip_qkv={hf_config.clip_qkv}) in a {type(attn).__name__}")
     if not bool(getattr(hf_attn, "is_causal", True)) or bool(getattr(hf_config, "use_bidirectional_attention", False)):
         raise refuse_piece(layer, "attn", "non-causal attention in a causal language model", "Use causal attention.")
     cap = getattr(hf_attn, "attn_logit_softcapping", None)
     window = _sliding_window(layer, hf_attn, hf_config)
     return (None if cap is None else float(cap)), (window if window is not None and window < n_ctx else None)
+
+
+def _clip_qkv(hf_config: Any) -> float | None:
+    """OLMo's and OLMoE's ``clip_qkv``: q, k and v clamped to ``±clip_qkv`` after the projections and the QK-norm,
+    before rotary (``OlmoAttention.forward``), where :class:`~lens_aot.core.components.attention.Attention` clamps."""
+    clip = getattr(hf_config, "clip_qkv", None)
+    return None if clip is None else float(clip)
 
 
 def _qk_norms(
@@ -220,6 +227,7 @@ def read_attention(
         norms = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
         reading.q_norm, reading.k_norm, reading.qk_norm_over, reading.qk_norm_after_rotary = norms
         reading.soft_cap, reading.window = cap, window
+        reading.clip_qkv = _clip_qkv(hf_config)
         return reading
     if cls == "AttentionBridge" and type(hf_attn).__name__ == "ModernBertDecoderAttention" and cap is None:
         from lens_aot.tl.bridge_modernbert import read_modernbert_decoder  # rotary, per-layer windows

@@ -24,15 +24,16 @@ from lens_aot.tl.read_gemma4 import scaled_rms_norm
 from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 
 SUPPORTED = (
-    "TransformerBridge architectures read by their structure (docs/families.md) — decoder-only pre-norm blocks, "
-    "sequential (resid += attn(ln1(resid)); resid += mlp(ln2(resid))) or parallel (resid += attn(ln1(resid)) + "
-    "mlp(ln2(resid)), ln2 possibly the same norm as ln1), with optional sandwich norms on the sublayer outputs, a "
-    "plain MLP act(x·W_in + b_in) or a gated one act(x·W_gate + b_gate)·(x·W_in + b_in), fused gate-up included "
-    "(silu, relu, gelu, gelu_new / gelu_pytorch_tanh, gelu_fast), LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their "
-    "parameter-free variants, learned absolute or rotary positions (halves or adjacent pairs, partial, per layer "
-    "type, and linear / llama3 / YaRN scaled, or dynamic / LongRoPE within their original length), multi-head, "
-    "grouped- or multi-query attention (causal, or bidirectional in native models) with optional QK-norm, score and "
-    "final-logit soft-capping and sliding windows, without ALiBi, sinks or QKV clipping, in float32 or float64"
+    "TransformerBridge architectures read by their structure (docs/families.md lists every piece) — decoder-only "
+    "blocks, sequential or parallel (Falcon, Cohere, GPT-J / GPT-NeoX), pre-norm, sandwich or post norms, "
+    "post-embedding LayerNorm, layer scalars and residual / embedding / attention / logit multipliers; plain or "
+    "gated MLPs (fused gate-up included) with any neuron-wise activation (SiLU, ReLU, relu², each GELU form, xIELU, "
+    "GPT-OSS's clamped SwiGLU) and mixtures of experts (routed and shared experts); LayerNorm / RMSNorm (incl. "
+    "Gemma's 1 + w) or their parameter-free variants; learned absolute, rotary (halves or adjacent pairs, partial, "
+    "per layer type; linear / dynamic NTK / llama3 / YaRN / LongRoPE) or ALiBi positions; multi-head, grouped- or "
+    "multi-query and multi-head latent attention, causal, bidirectional, sliding-window or chunked, with QK-norm, "
+    "value norms, output gates, attention sinks, score and final-logit soft-capping (QKV clipping is read on the "
+    "HookedTransformer route only); in float32 or float64"
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
