@@ -9,13 +9,14 @@ is checked piece by piece against the source's recorded forward, so a wrong cons
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
-from conftest import TOLERANCES
+from conftest import TL_MAJOR, TOLERANCES
 from factories_bridge import (
     D_MODEL,
     D_VOCAB,
@@ -117,6 +118,8 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     # OLMo's clip_qkv: q, k, v clamped after the projections (binding: random q, k, v exceed 0.3)
     "olmo-clip": ("OlmoConfig", "OlmoForCausalLM", {**GQA_FIELDS, "clip_qkv": 0.3}),
+    # Cohere's use_qk_norm: a LayerNorm per head with its own weight row, [n_heads, head_dim]
+    "cohere-qk-norm": ("CohereConfig", "CohereForCausalLM", {**GQA_FIELDS, "use_qk_norm": True}),
     # the original GPT: post-LN blocks (resid = ln(resid + sublayer(resid))), joint QKV Conv1D, no final norm
     "openai_gpt": (
         "OpenAIGPTConfig",
@@ -138,8 +141,14 @@ FLOAT32_ONLY = {"gpt_neo-local", "xglm"}
 CASES = [(f, d) for f in CONFIGS for d in (torch.float32, torch.float64) if d == torch.float32 or f not in FLOAT32_ONLY]
 
 
+# TransformerLens 3.9's Cohere adapter declares no q_norm / k_norm, and refuses to build the bridge (its own check)
+NEEDS_TL4 = {"cohere-qk-norm"}
+
+
 def make(family: str, dtype: torch.dtype) -> Any:
     """A tiny random bridge of ``family`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, eager attention."""
+    if family in NEEDS_TL4 and TL_MAJOR < 4:
+        pytest.skip(f"TransformerLens {TL_MAJOR}'s adapter cannot build {family}")
     return eager_hf_bridge(CONFIGS, family, dtype)
 
 
@@ -175,6 +184,29 @@ def test_olmo_reads_clip_qkv_and_a_perturbed_clip_is_refused() -> None:
     assert [layer.attn.clip_qkv for layer in read_bridge(bridge).layers] == [0.3, 0.3]
     with _perturbed(bridge_attention, "_clip_qkv", lambda clip: clip * (1 + 1e-3)):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
+            read_bridge(bridge)
+
+
+def _edit_q_norm_weight(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Any], Any]:
+    def patched(norms: Any) -> Any:
+        q_norm, *rest = norms
+        return (dataclasses.replace(q_norm, w=edit(q_norm.w)), *rest)
+
+    return patched
+
+
+def test_cohere_per_head_qk_norm_weights_are_read_per_head() -> None:
+    bridge = make("cohere-qk-norm", torch.float64)
+    for layer in read_bridge(bridge).layers:
+        assert layer.attn.q_norm.w.shape == (N_HEADS, D_MODEL // N_HEADS) and layer.attn.qk_norm_over == "head"
+        assert layer.attn.k_norm.w.shape == (2, D_MODEL // N_HEADS)
+
+
+@pytest.mark.parametrize("edit", [lambda w: w.flip(0), lambda w: w * (1 + 1e-3)], ids=["heads-swapped", "scaled-1e-3"])
+def test_cohere_per_head_qk_norm_misread_is_refused(edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    bridge = make("cohere-qk-norm", torch.float64)
+    with _perturbed(bridge_attention, "_qk_norms", _edit_q_norm_weight(edit)):
+        with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn"):
             read_bridge(bridge)
 
 
@@ -446,4 +478,26 @@ def test_post_ln_blocks_are_saved_and_refused_by_hooked_transformer(tmp_path: An
     with torch.no_grad():
         assert torch.equal(loaded(tokens), aot(tokens))
     with pytest.raises(UnsupportedArchitectureError, match=r"post-LN"):
+        variant_config(aot.to_spec(), 1e-5)
+
+
+def test_cohere_per_head_qk_norm_is_saved_and_refused_by_hooked_transformer(tmp_path: Any) -> None:
+    """Per-head QK-norm weights survive save / load (same logits, also in the spec's independent forward); a
+    HookedTransformer, whose QK-norm shares one weight across heads, refuses them by name."""
+    from lens_aot.core.reference import independent_logits
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    aot = lens_aot.convert(make("cohere-qk-norm", torch.float64))
+    lens_aot.save(aot, tmp_path / "cohere")
+    loaded = lens_aot.load(tmp_path / "cohere")
+    tokens = torch.randint(0, D_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), aot(tokens))
+        want = aot(tokens)
+        spec = aot.to_spec()
+        assert float((independent_logits(spec, tokens) - want).abs().max()) < 1e-5
+        for layer in spec.layers:  # one shared row instead: the per-head rows matter
+            layer.attn.q_norm = dataclasses.replace(layer.attn.q_norm, w=layer.attn.q_norm.w.mean(0))
+        assert float((independent_logits(spec, tokens) - want).abs().max()) > 1e-5
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0's q_norm has a weight per head"):
         variant_config(aot.to_spec(), 1e-5)

@@ -197,9 +197,10 @@ def check_spec_shapes(spec: Any) -> None:
             h, e, kv = a.W_Q.shape[0], a.W_Q.shape[-1], a.W_K.shape[0]
             for name, heads in (("q_norm", h), ("k_norm", kv)):
                 qk = getattr(a, name)
-                width = e * heads if a.qk_norm_over == "projection" else e
+                width = (e * heads,) if a.qk_norm_over == "projection" else (e,)
+                per_head = qk is not None and qk.w is not None and qk.w.dim() == 2  # Cohere: a row per head
                 for t in ("w", "b"):
-                    expect(f"{p}.{name}.{t}", None if qk is None else getattr(qk, t), width)
+                    expect(f"{p}.{name}.{t}", None if qk is None else getattr(qk, t), *((heads,) * per_head), *width)
             if a.v_norm is not None:  # weightless in Gemma 4; a scale would be per d_head channel
                 expect(f"{p}.v_norm.w", a.v_norm.w, e)
             expect(f"{p}.alibi_slopes", a.alibi_slopes, h)

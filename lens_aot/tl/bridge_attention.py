@@ -170,7 +170,8 @@ def _qk_norms(
     head_dim = int(hf_attn.head_dim)
     weight = getattr(_original(q_bridge), "weight", None) if q_bridge is not None else None
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else ()
-    if shape in ((), (head_dim,)):
+    if shape in ((), (head_dim,)) or (len(shape) == 2 and shape[1] == head_dim):
+        # (n_heads, head_dim): a weight per head (Cohere's use_qk_norm), broadcast over [batch, pos, head, d_head]
         over: QKNormScope = "head"
     elif len(shape) == 1 and shape[0] % head_dim == 0:
         over = "projection"

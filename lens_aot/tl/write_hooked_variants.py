@@ -76,6 +76,10 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
     for i, layer in enumerate(spec.layers):
         for name in ("q_norm", "k_norm"):
             norm = getattr(layer.attn, name)
+            if norm is not None and norm.w is not None and norm.w.dim() == 2:
+                raise _refuse(
+                    f"layer {i}'s {name} has a weight per head (Cohere); TransformerLens's QK-norm shares one"
+                )
             if norm is not None:
                 _check_rms(f"layer {i}'s {name}", norm, eps, spec.dtype)
     sandwich = _uniform(spec, "sandwich norms", lambda layer: (layer.ln1_post is not None, layer.ln2_post is not None))
