@@ -120,6 +120,8 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo-clip": ("OlmoConfig", "OlmoForCausalLM", {**GQA_FIELDS, "clip_qkv": 0.3}),
     # Cohere's use_qk_norm: a LayerNorm per head with its own weight row, [n_heads, head_dim]
     "cohere-qk-norm": ("CohereConfig", "CohereForCausalLM", {**GQA_FIELDS, "use_qk_norm": True}),
+    # StableLM 2's qk_layernorm: one nn.LayerNorm (weight and bias) per head
+    "stablelm-qk-norm": ("StableLmConfig", "StableLmForCausalLM", {**GQA_FIELDS, "qk_layernorm": True}),
     # the original GPT: post-LN blocks (resid = ln(resid + sublayer(resid))), joint QKV Conv1D, no final norm
     "openai_gpt": (
         "OpenAIGPTConfig",
@@ -195,16 +197,22 @@ def _edit_q_norm_weight(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callabl
     return patched
 
 
-def test_cohere_per_head_qk_norm_weights_are_read_per_head() -> None:
-    bridge = make("cohere-qk-norm", torch.float64)
+PER_HEAD_QK_NORM = ["cohere-qk-norm", "stablelm-qk-norm"]
+
+
+@pytest.mark.parametrize("family", PER_HEAD_QK_NORM)
+def test_per_head_qk_norm_weights_are_read_per_head(family: str) -> None:
+    bridge = make(family, torch.float64)
     for layer in read_bridge(bridge).layers:
         assert layer.attn.q_norm.w.shape == (N_HEADS, D_MODEL // N_HEADS) and layer.attn.qk_norm_over == "head"
         assert layer.attn.k_norm.w.shape == (2, D_MODEL // N_HEADS)
+        assert layer.attn.q_norm.b is None  # Cohere's LayerNorm and StableLM's nn.LayerNorm(bias=False) have none
 
 
+@pytest.mark.parametrize("family", PER_HEAD_QK_NORM)
 @pytest.mark.parametrize("edit", [lambda w: w.flip(0), lambda w: w * (1 + 1e-3)], ids=["heads-swapped", "scaled-1e-3"])
-def test_cohere_per_head_qk_norm_misread_is_refused(edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    bridge = make("cohere-qk-norm", torch.float64)
+def test_per_head_qk_norm_misread_is_refused(family: str, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    bridge = make(family, torch.float64)
     with _perturbed(bridge_attention, "_qk_norms", _edit_q_norm_weight(edit)):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn"):
             read_bridge(bridge)

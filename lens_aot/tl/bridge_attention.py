@@ -12,6 +12,7 @@ output (:mod:`lens_aot.tl.bridge_probe`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.spec import NormSpec, OutputGateSpec, QKNormScope, RotarySpec
-from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _subcomponents
+from lens_aot.tl.bridge_components import _component, _copy, _native_norm_module, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
@@ -157,6 +158,24 @@ def _clip_qkv(hf_config: Any) -> float | None:
     return None if clip is None else float(clip)
 
 
+def _qk_norm(layer: int, norm_bridge: Any, dtype: torch.dtype) -> NormSpec:
+    """A QK-norm bridge's norm; a module holding one ``nn.LayerNorm`` per head in ``norms`` (StableLM's
+    ``StableLmLayerNormPerHead``: head ``h`` normalised by ``norms[h]``) as one LayerNorm with ``[n_heads, head_dim]``
+    weights and biases, which :class:`~lens_aot.core.components.qk_norm.QKNorm` applies head by head."""
+    norms = getattr(_original(norm_bridge), "norms", None)
+    if not isinstance(norms, nn.ModuleList) or not norms or not all(isinstance(n, nn.LayerNorm) for n in norms):
+        return _norm(norm_bridge, dtype)
+    specs = [_native_norm_module(n, dtype) for n in norms]
+    if len({(spec.kind, spec.eps) for spec in specs}) != 1:
+        raise refuse_piece(layer, "attn", "per-head QK LayerNorms with different eps or affine settings per head")
+
+    def stacked(name: str) -> Tensor | None:
+        parts = [getattr(spec, name) for spec in specs]
+        return None if parts[0] is None else torch.stack(parts)
+
+    return dataclasses.replace(specs[0], w=stacked("w"), b=stacked("b"))
+
+
 def _qk_norms(
     layer: int, attn: Any, hf_attn: nn.Module, bridge_cfg: Any, dtype: torch.dtype
 ) -> tuple[NormSpec | None, NormSpec | None, QKNormScope, bool]:
@@ -177,8 +196,8 @@ def _qk_norms(
         over = "projection"
     else:
         raise refuse_piece(layer, "attn", f"a QK-norm weight of shape {shape} (per-head weights, Cohere)")
-    q_norm = _norm(q_bridge, dtype) if q_bridge is not None else None
-    k_norm = _norm(k_bridge, dtype) if k_bridge is not None else None
+    q_norm = _qk_norm(layer, q_bridge, dtype) if q_bridge is not None else None
+    k_norm = _qk_norm(layer, k_bridge, dtype) if k_bridge is not None else None
     after = over == "head" and bool(getattr(bridge_cfg, "qk_norm_after_rope", False))
     for norm in (q_norm, k_norm):
         if after and norm is not None and (norm.functional or norm.scale_in_compute_dtype):
