@@ -77,3 +77,26 @@ def test_a_wrong_clamp_is_detected(hooked, piece: str) -> None:
         experts = [dataclasses.replace(e, **step) for e in moe.experts]
         spec.layers[i] = dataclasses.replace(layer, mlp=dataclasses.replace(moe, experts=experts))
     assert _error(source, lens_aot.convert(spec, check=False, max_neuron_error=1e-8), tokens) > tol
+
+
+def test_router_hooks_carry_the_sources_values_and_edits(hooked) -> None:
+    """``hook_expert_weights`` is TransformerLens 3.9's ``GptOssMoE`` meaning (the softmax over the chosen experts,
+    scattered over all experts, 0 elsewhere), bit for bit, as are ``hook_expert_indices``; an edit of the weights
+    (each token's first choice zeroed) changes both models' logits alike."""
+    source, tokens = hooked[torch.float64], _tokens()
+    aot = lens_aot.convert(source)
+    names = ("blocks.0.mlp.hook_expert_weights", "blocks.0.mlp.hook_expert_indices")
+    with torch.no_grad():
+        caches = [model.run_with_cache(tokens, names_filter=lambda n: n in names)[1] for model in (source, aot)]
+    for name in names:
+        assert torch.equal(caches[0][name], caches[1][name]), name
+    assert float((caches[1][names[0]] == 0).double().mean()) == 0.5  # top 2 of 4 experts
+
+    def drop_first_choice(weights: torch.Tensor, hook: Any) -> torch.Tensor:
+        return weights.scatter(1, weights.argmax(-1, keepdim=True), 0.0)
+
+    hooks = [(names[0], drop_first_choice)]
+    with torch.no_grad():
+        edited = [model.run_with_hooks(tokens, fwd_hooks=hooks) for model in (source, aot)]
+        assert float((edited[0] - run_source(source, tokens)).abs().max()) > 1e-2  # the edit matters
+    assert float((edited[1] - edited[0]).abs().max()) <= aot.report.logit_bound

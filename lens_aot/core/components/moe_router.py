@@ -117,22 +117,24 @@ class SigmoidTopK(TopKRouter):
 
 
 class TopKThenSoftmax(TopKRouter):
-    """The top-k logits, then a softmax over those k (JetMoE's ``JetMoeTopKGating``, GraniteMoe's router): the
-    scores are the logits in ``score_dtype`` (the source's ``.float()`` after its projection), and the chosen
-    experts' weights the softmax over their scores (so they sum to 1 without renormalising). GraniteMoe casts its
-    logits to float32 whatever the model dtype: with ``score_dtype`` float32 a float64 model chooses the source's
-    experts with the source's weights, bit for bit."""
+    """The top-k logits, then a softmax over those k (JetMoE's ``JetMoeTopKGating``, GraniteMoe's router, GPT-OSS's):
+    the softmax over the chosen logits (in ``score_dtype``: the source's ``.float()`` after its projection) scattered
+    over all experts, 0 for the others, which is TransformerLens 3.9's ``GptOssMoE.hook_expert_weights``; the choice
+    is its top k (the same experts in the same order: the softmax keeps the logits' order), and their weights those
+    values, gathered (so they sum to 1 without renormalising). GraniteMoe casts its logits to float32 whatever the
+    model dtype: with ``score_dtype`` float32 a float64 model chooses the source's experts with the source's weights,
+    bit for bit."""
 
     scoring = "topk_softmax"
 
     def scores(self, logits: Float[Tensor, "tokens n_experts"]) -> Float[Tensor, "tokens n_experts"]:
-        return self._in_score_dtype(logits)
+        top, indices = torch.topk(self._in_score_dtype(logits), self.top_k, dim=-1)
+        return torch.zeros_like(top[:, :1]).expand_as(logits).scatter(1, indices, torch.softmax(top, dim=-1))
 
     def choose(
         self, scores: Float[Tensor, "tokens n_experts"]
     ) -> tuple[Int[Tensor, "tokens top_k"], Float[Tensor, "tokens top_k"]]:
-        top, indices = torch.topk(scores, self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
+        weights, indices = torch.topk(scores, self.top_k, dim=-1)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return indices, weights
