@@ -27,6 +27,8 @@ from lens_aot.tl.read_bridge import read_bridge
 
 NO_PLE = {"hidden_size_per_layer_input": 0}
 PLE = (("hidden_size_per_layer_input", 16),)  # the support matrix's own value
+# values that are the keys on the global layer (Gemma 4 31B / 26B-A4B), whose one kv head differs from the local two
+K_EQ_V = (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True), ("num_global_key_value_heads", 1))
 SCALARS = (0.625, 1.7)  # each layer's layer_scalar (a buffer: 1 in the matrix's model, set here so that it binds)
 
 
@@ -41,7 +43,7 @@ def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = Non
         warnings.simplefilter("ignore")
         family = Family("Gemma4ForCausalLM", "test", NO_PLE if fields is None else dict(fields))
         model = build_hf_model(family)
-        if fields is None or fields == PLE:
+        if fields is None or fields in (PLE, K_EQ_V):
             with torch.no_grad():
                 for layer, scalar in zip(model.model.layers, SCALARS, strict=True):
                     layer.layer_scalar.fill_(scalar)
@@ -66,9 +68,10 @@ def _converted(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = 
     return model, bridge, aot
 
 
+@pytest.mark.parametrize("fields", [None, K_EQ_V], ids=["own_values", "k_eq_v"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype) -> None:
-    model, _, aot = _converted(dtype)
+def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype, fields: Any) -> None:
+    model, _, aot = _converted(dtype, fields)
     tokens = _tokens()
     with torch.no_grad():
         want = model(tokens).logits
@@ -158,10 +161,11 @@ def test_layer_scalar_perturbed_by_1e3_is_refused() -> None:
             read_bridge(bridge)
 
 
-def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
+@pytest.mark.parametrize("fields", [None, K_EQ_V], ids=["own_values", "k_eq_v"])
+def test_gemma4_save_load_round_trip(tmp_path: Any, fields: Any) -> None:
     from lens_aot.io import load, save
 
-    aot, tokens = _converted(torch.float32)[2], _tokens()
+    aot, tokens = _converted(torch.float32, fields)[2], _tokens()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save(aot, tmp_path / "g4")
@@ -172,11 +176,44 @@ def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
     assert [b.layer_scalar.scalar for b in loaded.blocks] == [b.layer_scalar.scalar for b in aot.blocks]
 
 
-def test_values_that_are_the_keys_are_refused_by_name() -> None:
-    """``attention_k_eq_v``: the global layer has no ``v_proj`` (its values are its keys before ``k_norm``)."""
-    _, bridge = _models(torch.float32, (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True)))
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 block: a layer with values that are the keys"):
-        read_bridge(bridge)
+def test_values_that_are_the_keys_are_the_key_projection() -> None:
+    """``attention_k_eq_v`` (lens_aot.tl.read_k_eq_v): the global layer has no ``v_proj`` and its values are its
+    key projection before ``k_norm``; the converted ``hook_v`` is the source's ``k_proj`` output (the bridge's
+    ``attn.k.hook_out``) bitwise, ``W_V`` a copy of ``W_K`` (one kv head there, two on the local layer), and the
+    plain-torch forward of the spec agrees with the source within the bound."""
+    from lens_aot.core.reference import independent_logits
+
+    model, bridge, aot = _converted(torch.float64, K_EQ_V)
+    assert model.model.layers[1].self_attn.v_proj is None and model.model.layers[0].self_attn.v_proj is not None
+    attn = aot.blocks[1].attn
+    assert torch.equal(attn.W_V, attn.W_K) and attn.W_V.data_ptr() != attn.W_K.data_ptr()
+    assert attn.W_K.shape[0] == 1 and aot.blocks[0].attn.W_K.shape[0] == 2
+    tokens = _tokens()
+    _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n in ("blocks.1.attn.hook_v", "blocks.1.attn.hook_k"))
+    _, source = bridge.run_with_cache(tokens, names_filter=lambda n: n == "blocks.1.attn.k.hook_out")
+    got, want = cache["blocks.1.attn.hook_v"], source["blocks.1.attn.k.hook_out"]
+    assert torch.equal(got, cache["blocks.1.attn.hook_k"])
+    # the residual streams agree within the activation fits' error (the logit bound), so the projections do too
+    assert torch.allclose(got.reshape(want.shape), want, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        exact = independent_logits(aot.to_spec(), tokens)
+        assert float((exact - model(tokens).logits).abs().max()) <= aot.report.logit_bound
+
+
+def test_values_off_the_keys_by_1e3_are_refused() -> None:
+    """A value projection read 1e-3 off the key projection on the global layer is refused by the attention check."""
+    bridge = _models(torch.float64, K_EQ_V)[1]
+    original = reader._attention
+
+    def perturbed(*args: Any) -> Any:
+        spec = original(*args)
+        if spec.W_V.shape[0] == 1:  # the global layer (one kv head): its values are its keys
+            spec.W_V = spec.W_V * (1 + 1e-3)
+        return spec
+
+    with mock.patch.object(reader, "_attention", perturbed):
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 attn: the attention reading"):
+            read_bridge(bridge)
 
 
 def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:

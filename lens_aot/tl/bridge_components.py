@@ -21,6 +21,7 @@ from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_float32 import carry_float32_step
 from lens_aot.tl.read_gemma4 import scaled_rms_norm
+from lens_aot.tl.read_k_eq_v import key_projection_for_values
 from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 
 SUPPORTED = (
@@ -280,8 +281,8 @@ def _attention(
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
     parts = {}
-    for name in ("q", "k", "v", "o"):
-        component = _component(attn_bridge, name)
+    for name in ("q", "k", "v", "o"):  # values that are the keys (Gemma 4): lens_aot.tl.read_k_eq_v
+        component = _component(attn_bridge, key_projection_for_values(attn_bridge, name))
         if component is None:
             raise _refuse(f"an attention bridge {type(attn_bridge).__name__} without a '{name}' projection")
         parts[name] = _linear(_original(component), dtype)

@@ -2,11 +2,12 @@
 them), read by their structure and by what they compute.
 
 Recognised by structure (:func:`is_delegated_rotary`): ``nn.Linear`` projections ``q_proj`` / ``k_proj`` /
-``v_proj`` / ``o_proj``, a float ``scaling``, an ``int`` ``head_dim``, a forward that takes ``position_embeddings``,
-eager attention, and optional ``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms) and a
-``v_norm`` (Gemma 4: a weightless RMSNorm of each head's values, :mod:`lens_aot.core.components.v_norm`). The scale
-is the module's ``scaling``, the softmax float32 (transformers' ``eager_attention_forward``). A forward that also
-takes ``shared_kv_states`` (Gemma 4, on a layer that computes its own keys and values) is probed with an empty one.
+``v_proj`` / ``o_proj`` (``v_proj`` ``None`` where the values are the keys, :mod:`lens_aot.tl.read_k_eq_v`), a float
+``scaling``, an ``int`` ``head_dim``, a forward that takes ``position_embeddings``, eager attention, and optional
+``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms) and a ``v_norm`` (Gemma 4: a weightless
+RMSNorm of each head's values, :mod:`lens_aot.core.components.v_norm`). The scale is the module's ``scaling``, the
+softmax float32 (transformers' ``eager_attention_forward``). A forward that also takes ``shared_kv_states`` (Gemma 4,
+on a layer that computes its own keys and values) is probed with an empty one.
 
 What cannot be read off a module without running it is where its QK-norm sits (NanoChat normalises the rotated q
 and k, ``norm(rope(q))``, :mod:`lens_aot.core.components.qk_norm_after_rotary`) and which way its ``rotate_half``
@@ -33,6 +34,7 @@ from lens_aot.core.spec import OutputGateSpec, RotarySpec
 from lens_aot.tl.bridge_components import _attention, _component, _linear, _norm, _original
 from lens_aot.tl.bridge_delegated import check_eager
 from lens_aot.tl.bridge_probe import close, refuse_piece
+from lens_aot.tl.read_k_eq_v import values_are_keys
 
 __all__ = ["is_delegated_rotary", "read_delegated_rotary"]
 
@@ -46,7 +48,8 @@ def _projection(module: Any) -> Any:
 
 def is_delegated_rotary(hf_attn: nn.Module) -> bool:
     """Whether ``hf_attn`` has the structure this module reads (module docstring)."""
-    if not all(isinstance(_projection(getattr(hf_attn, name, None)), nn.Linear) for name in _PROJECTIONS):
+    names = [n for n in _PROJECTIONS if not (n == "v_proj" and values_are_keys(hf_attn))]  # read_k_eq_v
+    if not all(isinstance(_projection(getattr(hf_attn, name, None)), nn.Linear) for name in names):
         return False
     if not isinstance(getattr(hf_attn, "scaling", None), float) or not isinstance(
         getattr(hf_attn, "head_dim", None), int
