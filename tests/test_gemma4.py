@@ -6,7 +6,9 @@ plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.v_nor
 :mod:`lens_aot.core.components.layer_scalar`, the layers' own head widths and proportional partial rotary (the
 global layers) from the source's own rotary module. The first tests switch per-layer input embeddings off
 (``hidden_size_per_layer_input=0``) and keep everything else the matrix builds; the later ones (``PLE``) keep the
-matrix's own per-layer inputs (``lens_aot.core.spec_per_layer``) and the layer scalars, so that both bind.
+matrix's own per-layer inputs (``lens_aot.core.spec_per_layer``) and the layer scalars, so that both bind;
+``K_EQ_V`` turns on values that are the keys (``attention_k_eq_v``, lens_aot.tl.read_k_eq_v) with one kv head on the
+global layer, as Gemma 4 31B has fewer there.
 """
 
 from __future__ import annotations
@@ -214,6 +216,48 @@ def test_values_off_the_keys_by_1e3_are_refused() -> None:
     with mock.patch.object(reader, "_attention", perturbed):
         with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 attn: the attention reading"):
             read_bridge(bridge)
+
+
+SHARED_KV = (  # E2B / E4B: per-layer inputs on, the last layer reads layer 1's keys and values
+    ("hidden_size_per_layer_input", 16),
+    ("num_hidden_layers", 3),
+    ("layer_types", ("sliding_attention", "full_attention", "full_attention")),
+    ("num_kv_shared_layers", 1),
+)
+MOE = (  # 26B-A4B: values that are the keys and a mixture of experts beside each dense MLP
+    ("hidden_size_per_layer_input", 0),
+    ("attention_k_eq_v", True),
+    ("enable_moe_block", True),
+    ("num_experts", 4),
+    ("top_k_experts", 2),
+    ("moe_intermediate_size", 32),
+)
+
+
+@pytest.mark.parametrize(
+    "fields, refusal",
+    [
+        (SHARED_KV, r"^layer 2 block: a layer with keys and values shared from an earlier layer \(is_kv_shared"),
+        (MOE, r"^layer 0 block: a layer with a mixture of experts beside the dense MLP \(enable_moe_block\)"),
+    ],
+    ids=["shared_kv", "moe_beside_mlp"],
+)
+def test_pieces_still_refused_name_the_layer(fields: Any, refusal: str) -> None:
+    """Shared keys and values (E2B, E4B) and the mixture of experts beside the MLP (26B-A4B) are still refused by
+    layer and piece before any forward; the global layers' values that are the keys are no longer named."""
+    from lens_aot.matrix.families import Family, build_hf_model, tiny_tokenizer
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        family = Family("Gemma4ForCausalLM", "test", {k: list(v) if isinstance(v, tuple) else v for k, v in fields})
+        model = build_hf_model(family)
+        bridge = bridge_from_hf_module(
+            model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), model_name="g4"
+        )
+    with pytest.raises(UnsupportedArchitectureError, match=refusal) as refused:
+        read_bridge(bridge)
+    assert "values that are the keys" not in str(refused.value)
 
 
 def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:
