@@ -33,8 +33,6 @@ def _pieces(layer_module: Any) -> list[str]:
     found = []
     attn = getattr(layer_module, "self_attn", None)
     attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
-    if bool(getattr(attn, "is_kv_shared_layer", False)):
-        found.append("keys and values shared from an earlier layer (is_kv_shared_layer: no k_proj / v_proj)")
     if bool(getattr(layer_module, "enable_moe_block", False)):
         found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
     scalar = getattr(layer_module, "layer_scalar", None)
