@@ -10,10 +10,11 @@ is read as one; its value norm is :mod:`lens_aot.core.components.v_norm`, read b
 the layer) :mod:`lens_aot.core.components.layer_scalar`, read by :func:`delegated_layer_scalar`; its per-layer input
 embeddings :mod:`lens_aot.core.spec_per_layer`, read by :mod:`lens_aot.tl.read_per_layer_inputs`; its values that
 are its keys (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``) a value projection tied
-to the key projection, read by :mod:`lens_aot.tl.read_k_eq_v`. The pieces still refused:
+to the key projection, read by :mod:`lens_aot.tl.read_k_eq_v`; its keys and values shared from an earlier layer
+(``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers, no ``k_proj`` / ``v_proj``)
+:mod:`lens_aot.core.components.shared_kv_attention`, read by :mod:`lens_aot.tl.read_shared_kv`. The piece still
+refused:
 
-* **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
-  attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
 * **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
 """
 
