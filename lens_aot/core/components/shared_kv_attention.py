@@ -54,6 +54,8 @@ class SharedKVAttention(Attention):
             raise ValueError("a shared-KV attention needs kv_from and zero-width W_K / W_V (its keys are another's)")
         if spec.k_norm is not None or spec.v_norm is not None or spec.clip_qkv is not None:
             raise ValueError("a shared-KV attention has no key norm, value norm or clipping of its own")
+        if spec.query_scale_beta is not None or spec.temperature_scale is not None:
+            raise ValueError("a shared-KV attention with a position-dependent query scale (no source has one)")
         super().__init__(spec, causal, rotary)
         del self.hook_k, self.hook_v  # no keys or values of its own
         if hasattr(self, "hook_rot_k"):
@@ -77,8 +79,8 @@ class SharedKVAttention(Attention):
                 f"in this forward (start_at_layer past layer {self.kv_from}?); run the forward from layer "
                 f"{self.kv_from} or earlier"
             )
-        k, v = self.shared.value
         q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
+        k, v = (t.to(q.device) for t in self.shared.value)  # the storing layer may sit on another device
         q, _ = self._qk_norm(q, k, after_rotary=False)
         past = k.shape[1] - q.shape[1]
         if self.rotary_dim:
