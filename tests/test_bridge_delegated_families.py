@@ -148,7 +148,7 @@ def test_gemma4_layers_are_refused_naming_their_pieces() -> None:
         read_bridge(bridge)
     message = str(refuse_delegated_block(3, bridge.blocks[3]))
     assert message.startswith("layer 3 block: a layer with a mixture of experts beside the dense MLP")
-    assert "shared" not in message and "per-layer input" not in message and "v_norm" not in message
+    assert "keys and values shared" not in message and "per-layer input" not in message and "v_norm" not in message
     for module in bridge.original_model.modules():  # the same layers without the experts: nothing named
         if hasattr(module, "enable_moe_block"):
             module.enable_moe_block = False
