@@ -134,21 +134,25 @@ def _matrix_bridge(architecture: str, fields: dict[str, Any] | None = None) -> A
 
 
 def test_gemma4_layers_are_refused_naming_their_pieces() -> None:
-    """Gemma 4's blocks are refused naming what each layer holds: the shared keys / values on the layers that reuse
-    an earlier layer's; the value norm and the per-layer input embeddings are read (tests/test_gemma4.py), never
-    named."""
+    """Gemma 4's blocks are refused naming what each layer still holds: the mixture of experts beside the MLP; the
+    shared keys / values (layers 2, 3 reuse layers 0, 1's), the value norm and the per-layer input embeddings are read
+    (tests/test_gemma4.py), never named."""
     from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
 
     types = ["sliding_attention", "full_attention"] * 2  # layers 2, 3 reuse layers 0, 1's keys and values
+    moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
     bridge = _matrix_bridge(
-        "Gemma4ForCausalLM", {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": types}
+        "Gemma4ForCausalLM", {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": types, **moe}
     )
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 2 block: a layer with keys and values shared"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 block: a layer with a mixture of experts"):
         read_bridge(bridge)
     message = str(refuse_delegated_block(3, bridge.blocks[3]))
-    assert message.startswith("layer 3 block: a layer with keys and values shared from an earlier layer")
-    assert "per-layer input" not in message and "v_norm" not in message
-    assert refuse_delegated_block(0, bridge.blocks[0]) is None
+    assert message.startswith("layer 3 block: a layer with a mixture of experts beside the dense MLP")
+    assert "keys and values shared" not in message and "per-layer input" not in message and "v_norm" not in message
+    for module in bridge.original_model.modules():  # the same layers without the experts: nothing named
+        if hasattr(module, "enable_moe_block"):
+            module.enable_moe_block = False
+    assert refuse_delegated_block(0, bridge.blocks[0]) is None and refuse_delegated_block(3, bridge.blocks[3]) is None
     layer = bridge.blocks[0].original_component
     with torch.no_grad():
         layer.layer_scalar.fill_(0.5)

@@ -6,7 +6,9 @@ plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.v_nor
 :mod:`lens_aot.core.components.layer_scalar`, the layers' own head widths and proportional partial rotary (the
 global layers) from the source's own rotary module. The first tests switch per-layer input embeddings off
 (``hidden_size_per_layer_input=0``) and keep everything else the matrix builds; the later ones (``PLE``) keep the
-matrix's own per-layer inputs (``lens_aot.core.spec_per_layer``) and the layer scalars, so that both bind.
+matrix's own per-layer inputs (``lens_aot.core.spec_per_layer``) and the layer scalars, so that both bind;
+``K_EQ_V`` turns on values that are the keys (``attention_k_eq_v``, lens_aot.tl.read_k_eq_v) with one kv head on the
+global layer, as Gemma 4 31B has fewer there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from lens_aot.tl.read_bridge import read_bridge
 
 NO_PLE = {"hidden_size_per_layer_input": 0}
 PLE = (("hidden_size_per_layer_input", 16),)  # the support matrix's own value
+# values that are the keys on the global layer (Gemma 4 31B / 26B-A4B), whose one kv head differs from the local two
+K_EQ_V = (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True), ("num_global_key_value_heads", 1))
+SHARED_KV = (  # E2B / E4B: per-layer inputs on, the last layer reads layer 1's keys and values
+    ("hidden_size_per_layer_input", 16),
+    ("num_hidden_layers", 3),
+    ("layer_types", ("sliding_attention", "full_attention", "full_attention")),
+    ("num_kv_shared_layers", 1),
+)
 SCALARS = (0.625, 1.7)  # each layer's layer_scalar (a buffer: 1 in the matrix's model, set here so that it binds)
 
 
@@ -39,9 +49,10 @@ def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = Non
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        family = Family("Gemma4ForCausalLM", "test", NO_PLE if fields is None else dict(fields))
+        values = {} if fields is None else {k: list(v) if isinstance(v, tuple) else v for k, v in fields}
+        family = Family("Gemma4ForCausalLM", "test", NO_PLE if fields is None else values)
         model = build_hf_model(family)
-        if fields is None or fields == PLE:
+        if fields is None or fields in (PLE, K_EQ_V):
             with torch.no_grad():
                 for layer, scalar in zip(model.model.layers, SCALARS, strict=True):
                     layer.layer_scalar.fill_(scalar)
@@ -66,9 +77,10 @@ def _converted(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = 
     return model, bridge, aot
 
 
+@pytest.mark.parametrize("fields", [None, K_EQ_V], ids=["own_values", "k_eq_v"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype) -> None:
-    model, _, aot = _converted(dtype)
+def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype, fields: Any) -> None:
+    model, _, aot = _converted(dtype, fields)
     tokens = _tokens()
     with torch.no_grad():
         want = model(tokens).logits
@@ -158,10 +170,11 @@ def test_layer_scalar_perturbed_by_1e3_is_refused() -> None:
             read_bridge(bridge)
 
 
-def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
+@pytest.mark.parametrize("fields", [None, K_EQ_V], ids=["own_values", "k_eq_v"])
+def test_gemma4_save_load_round_trip(tmp_path: Any, fields: Any) -> None:
     from lens_aot.io import load, save
 
-    aot, tokens = _converted(torch.float32)[2], _tokens()
+    aot, tokens = _converted(torch.float32, fields)[2], _tokens()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save(aot, tmp_path / "g4")
@@ -172,11 +185,77 @@ def test_gemma4_save_load_round_trip(tmp_path: Any) -> None:
     assert [b.layer_scalar.scalar for b in loaded.blocks] == [b.layer_scalar.scalar for b in aot.blocks]
 
 
-def test_values_that_are_the_keys_are_refused_by_name() -> None:
-    """``attention_k_eq_v``: the global layer has no ``v_proj`` (its values are its keys before ``k_norm``)."""
-    _, bridge = _models(torch.float32, (("hidden_size_per_layer_input", 0), ("attention_k_eq_v", True)))
-    with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 block: a layer with values that are the keys"):
+def test_values_that_are_the_keys_are_the_key_projection() -> None:
+    """``attention_k_eq_v`` (lens_aot.tl.read_k_eq_v): the global layer has no ``v_proj`` and its values are its
+    key projection before ``k_norm``; the converted ``hook_v`` is the source's ``k_proj`` output (the bridge's
+    ``attn.k.hook_out``) bitwise, ``W_V`` a copy of ``W_K`` (one kv head there, two on the local layer), and the
+    plain-torch forward of the spec agrees with the source within the bound."""
+    from lens_aot.core.reference import independent_logits
+
+    model, bridge, aot = _converted(torch.float64, K_EQ_V)
+    assert model.model.layers[1].self_attn.v_proj is None and model.model.layers[0].self_attn.v_proj is not None
+    attn = aot.blocks[1].attn
+    assert torch.equal(attn.W_V, attn.W_K) and attn.W_V.data_ptr() != attn.W_K.data_ptr()
+    assert attn.W_K.shape[0] == 1 and aot.blocks[0].attn.W_K.shape[0] == 2
+    tokens = _tokens()
+    _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n in ("blocks.1.attn.hook_v", "blocks.1.attn.hook_k"))
+    _, source = bridge.run_with_cache(tokens, names_filter=lambda n: n == "blocks.1.attn.k.hook_out")
+    got, want = cache["blocks.1.attn.hook_v"], source["blocks.1.attn.k.hook_out"]
+    assert torch.equal(got, cache["blocks.1.attn.hook_k"])
+    # the residual streams agree within the activation fits' error (the logit bound), so the projections do too
+    assert torch.allclose(got.reshape(want.shape), want, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        exact = independent_logits(aot.to_spec(), tokens)
+        assert float((exact - model(tokens).logits).abs().max()) <= aot.report.logit_bound
+
+
+def test_values_off_the_keys_by_1e3_are_refused() -> None:
+    """A value projection read 1e-3 off the key projection on the global layer is refused by the attention check."""
+    bridge = _models(torch.float64, K_EQ_V)[1]
+    original = reader._attention
+
+    def perturbed(*args: Any) -> Any:
+        spec = original(*args)
+        if spec.W_V.shape[0] == 1:  # the global layer (one kv head): its values are its keys
+            spec.W_V = spec.W_V * (1 + 1e-3)
+        return spec
+
+    with mock.patch.object(reader, "_attention", perturbed):
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 attn: the attention reading"):
+            read_bridge(bridge)
+
+
+MOE = (  # 26B-A4B: values that are the keys and a mixture of experts beside each dense MLP
+    ("hidden_size_per_layer_input", 0),
+    ("attention_k_eq_v", True),
+    ("enable_moe_block", True),
+    ("num_experts", 4),
+    ("top_k_experts", 2),
+    ("moe_intermediate_size", 32),
+)
+
+
+@pytest.mark.parametrize(
+    "fields, refusal",
+    [(MOE, r"^layer 0 block: a layer with a mixture of experts beside the dense MLP \(enable_moe_block\)")],
+    ids=["moe_beside_mlp"],
+)
+def test_pieces_still_refused_name_the_layer(fields: Any, refusal: str) -> None:
+    """The mixture of experts beside the MLP (26B-A4B) is still refused by layer and piece before any forward; the
+    global layers' values that are the keys are no longer named."""
+    from lens_aot.matrix.families import Family, build_hf_model, tiny_tokenizer
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        family = Family("Gemma4ForCausalLM", "test", {k: list(v) if isinstance(v, tuple) else v for k, v in fields})
+        model = build_hf_model(family)
+        bridge = bridge_from_hf_module(
+            model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), model_name="g4"
+        )
+    with pytest.raises(UnsupportedArchitectureError, match=refusal) as refused:
         read_bridge(bridge)
+    assert "values that are the keys" not in str(refused.value)
 
 
 def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:
@@ -281,10 +360,11 @@ def test_independent_forward_carries_per_layer_inputs() -> None:
         assert float((moved - exact).abs().max()) > 1e-9
 
 
-def test_per_layer_inputs_save_load_round_trip(tmp_path: Any) -> None:
+@pytest.mark.parametrize("fields", [PLE, SHARED_KV], ids=["own_kv", "shared_kv"])
+def test_per_layer_inputs_save_load_round_trip(tmp_path: Any, fields: Any) -> None:
     from lens_aot.io import load, save
 
-    aot, tokens = _converted(torch.float32, PLE)[2], _tokens()
+    aot, tokens = _converted(torch.float32, fields)[2], _tokens()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save(aot, tmp_path / "g4ple")
@@ -293,11 +373,16 @@ def test_per_layer_inputs_save_load_round_trip(tmp_path: Any) -> None:
         assert torch.equal(loaded(tokens), aot(tokens))
     assert loaded.to_spec().per_layer_inputs.input_scale == aot.to_spec().per_layer_inputs.input_scale
     assert all(hasattr(b, "per_layer") for b in loaded.blocks)
+    assert [getattr(b.attn, "kv_from", None) for b in loaded.blocks] == [
+        getattr(b.attn, "kv_from", None) for b in aot.blocks
+    ]
 
 
-def test_per_layer_inputs_generate_with_cache_equals_without() -> None:
-    """With a key-value cache each forward embeds its new tokens only, so the blocks read those positions' inputs."""
-    aot, tokens = _converted(torch.float64, PLE)[2], _tokens()[:1, :8]
+@pytest.mark.parametrize("fields", [PLE, SHARED_KV], ids=["own_kv", "shared_kv"])
+def test_per_layer_inputs_generate_with_cache_equals_without(fields: Any) -> None:
+    """With a key-value cache each forward embeds its new tokens only, so the blocks read those positions' inputs;
+    a layer sharing keys and values reads the storing layer's, cached positions included."""
+    aot, tokens = _converted(torch.float64, fields)[2], _tokens()[:1, :8]
     kwargs = dict(max_new_tokens=6, do_sample=False, verbose=False, return_type="tokens")
     with_cache = aot.generate(tokens, use_past_kv_cache=True, **kwargs)
     without = aot.generate(tokens, use_past_kv_cache=False, **kwargs)
@@ -347,3 +432,85 @@ def test_circuits_refuse_per_layer_sublayers_at_every_granularity(granularity: s
     aot = _converted(torch.float32, PLE)[2]
     with pytest.raises(InputError, match=r"^layer 0 per_layer: Gemma 4's per-layer-input sublayer"):
         discover(aot, [], lambda logits, labels: logits[:, -1, 0], granularity=granularity)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_shared_keys_and_values_match_the_source(dtype: torch.dtype) -> None:
+    """E2B / E4B's shared keys and values (lens_aot.core.components.shared_kv_attention): layer 2 attends with layer
+    1's keys and values; logits within the bound of the source's own forward, and the plain-torch forward of the spec
+    (lens_aot.core.reference) too. The sharing layer has the source bridge's hook points: no hook_k / hook_v."""
+    from lens_aot.core.components.shared_kv_attention import SharedKVAttention
+    from lens_aot.core.reference import independent_logits
+
+    model, bridge, aot = _converted(dtype, SHARED_KV)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens).logits
+        got = aot(tokens)
+        exact = independent_logits(aot.to_spec(), tokens)
+    for logits in (got, exact):
+        error = float((logits.double() - want.double()).abs().max())
+        assert error <= aot.report.logit_bound, (error, aot.report.logit_bound)
+    attn = aot.blocks[2].attn
+    assert isinstance(attn, SharedKVAttention) and attn.kv_from == 1 and attn.W_K.shape[-1] == 0
+    assert not any(isinstance(b.attn, SharedKVAttention) for b in aot.blocks[:2])
+    names = {n for n in aot.hook_dict if n.startswith("blocks.2.attn.hook_")}
+    assert {n for n in bridge.hook_dict if n.startswith("blocks.2.attn.hook_")} >= names - {"blocks.2.attn.hook_rot_q"}
+    assert "blocks.2.attn.hook_k" not in names and "blocks.2.attn.hook_q" in names
+
+
+@pytest.mark.parametrize("hook", ["hook_k", "hook_v"])
+def test_patched_keys_and_values_reach_the_sharing_layer(hook: str) -> None:
+    """A patch of the storing layer's keys or values (``blocks.1.attn.hook_k`` / ``hook_v``, the projections)
+    reaches the sharing layer 2 exactly as in the source's bridge: its pattern and output, and the logits, agree
+    with the patched source's, and the patch moves them."""
+    _, bridge, aot = _converted(torch.float64, SHARED_KV)
+    tokens = _tokens()
+    edit = [(f"blocks.1.attn.{hook}", lambda value, hook: value.flip(-1))]
+    names = ("blocks.2.attn.hook_pattern", "blocks.2.hook_attn_out")
+    with torch.no_grad():
+        plain, plain_cache = aot.run_with_cache(tokens, names_filter=lambda n: n in names)
+        with aot.hooks(fwd_hooks=edit):
+            got, cache = aot.run_with_cache(tokens, names_filter=lambda n: n in names)
+        with bridge.hooks(fwd_hooks=edit):
+            want, source = bridge.run_with_cache(tokens, names_filter=lambda n: n in names)
+    assert float((got - want).abs().max()) <= aot.report.logit_bound
+    assert float((got - plain).abs().max()) > 10 * aot.report.logit_bound  # the patch matters
+    for name in names:
+        moved = float((cache[name] - plain_cache[name]).abs().max())
+        assert float((cache[name] - source[name]).abs().max()) < 1e-2 * moved, name
+
+
+def test_shared_query_weights_perturbed_by_1e3_are_refused() -> None:
+    """The sharing layer's reading is checked against its recorded forward with the storing layer's keys and values:
+    its query weights 1e-3 off are refused by layer and piece."""
+    bridge = _models(torch.float64, SHARED_KV)[1]
+    original = reader._attention
+
+    def perturbed(*args: Any) -> Any:
+        spec = original(*args)
+        if spec.kv_from is not None:
+            spec.W_Q = spec.W_Q * (1 + 1e-3)
+        return spec
+
+    with mock.patch.object(reader, "_attention", perturbed):
+        with pytest.raises(UnsupportedArchitectureError, match=r"^layer 2 attn: the attention reading"):
+            read_bridge(bridge)
+
+
+def test_shared_keys_and_values_refusals_name_the_layer() -> None:
+    """A forward from past the storing layer, circuits (at every granularity) and ``revert(to="hooked")`` refuse the
+    sharing layer by name."""
+    from lens_aot.analysis.circuits.layout import check_supported
+    from lens_aot.errors import InputError
+    from lens_aot.tl.write_hooked_variants import variant_config
+
+    aot, tokens = _converted(torch.float32, SHARED_KV)[2], _tokens()
+    resid = aot(tokens, stop_at_layer=2)
+    with pytest.raises(InputError, match=r"^layer 2 attn: Gemma 4's shared keys and values of layer 1"):
+        aot(resid, start_at_layer=2)
+    for granularity in ("neuron", "mlp"):
+        with pytest.raises(InputError, match=r"^layer 2 attn: Gemma 4's shared keys and values"):
+            check_supported(aot, granularity)
+    with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's num_kv_shared_layers"):
+        variant_config(aot.to_spec(), 1e-6)

@@ -147,8 +147,11 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             partner = torch.cat((-head[..., d // 2 :], head[..., : d // 2]), -1)
         return torch.cat(((head * cos + partner * sin).to(x.dtype), tail), -1)
 
-    def attention(x: Tensor, a: Any) -> Tensor:
+    stored: dict[int, tuple[Tensor, Tensor]] = {}  # each layer's keys and values, for Gemma 4's sharing layers
+
+    def attention(x: Tensor, a: Any, index: int = -1) -> Tensor:
         pos = x.shape[1]
+        shared = getattr(a, "kv_from", None)  # Gemma 4: keys and values of layer `shared`, no projection here
         q = torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q
         k = torch.einsum("bpm,hmd->bphd", x, a.W_K) + a.b_K
         v = torch.einsum("bpm,hmd->bphd", x, a.W_V) + a.b_V
@@ -168,7 +171,7 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":
             r = a.rotary if a.rotary is not None else spec.rotary
-            q, k = rotary(q, pos, r), rotary(k, pos, r)
+            q, k = rotary(q, pos, r), (rotary(k, pos, r) if shared is None else k)
             if getattr(a, "query_scale_beta", None) is not None:  # Ministral 3: in float32 from integer positions
                 p = torch.arange(pos, device=x.device)
                 s = 1 + a.query_scale_beta * torch.log(1 + torch.floor(p / a.query_scale_length))
@@ -179,6 +182,9 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             p1 = torch.arange(pos, device=x.device).float() + 1.0
             t = torch.log1p(torch.floor(p1 / a.temperature_floor)) * a.temperature_scale + 1.0
             q = (q * t[None, :, None, None]).to(q.dtype)
+        if shared is not None:
+            k, v = stored[shared]
+        stored[index] = (k, v)
         group = a.W_Q.shape[0] // a.W_K.shape[0]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         if a.scores_dtype is not None:  # GPT-J / GPT-Neo: q·kᵀ of float32 q and k
@@ -251,7 +257,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             resid = norm(resid + attention(resid, a=layer.attn), layer.ln1)
             resid = norm(resid + mlp(resid, m=layer.mlp), layer.ln2)
             continue
-        attn_out = sublayer(resid, layer.ln1, layer.ln1_post, partial(attention, a=layer.attn), layer.post_norm)
+        attn = partial(attention, a=layer.attn, index=index)
+        attn_out = sublayer(resid, layer.ln1, layer.ln1_post, attn, layer.post_norm)
         if layer.mlp is None:
             resid = resid + attn_out
         else:

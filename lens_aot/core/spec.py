@@ -106,6 +106,10 @@ class AttentionSpec:
     # temperature_floor)) (:mod:`lens_aot.core.components.query_temperature`); None: no temperature.
     temperature_scale: float | None = None
     temperature_floor: float | None = None
+    # Gemma 4's shared keys and values (num_kv_shared_layers): this layer attends with the keys and values layer
+    # ``kv_from`` computed (after its key norm, rotary and value norm) and has no key / value projection of its own:
+    # W_K / W_V / b_K / b_V are then zero-width, [n_kv, d_model, 0] (core/components/shared_kv_attention.py).
+    kv_from: int | None = None
 
 
 @dataclass

@@ -209,10 +209,11 @@ def check_spec_shapes(spec: Any) -> None:
                 expect(f"{p}.rotary.cos", a.rotary.cos, spec.n_ctx, a.rotary.rotary_dim)
                 expect(f"{p}.rotary.sin", a.rotary.sin, spec.n_ctx, a.rotary.rotary_dim)
             expect(f"{p}.W_Q", a.W_Q, h, d, e)
+            ke = 0 if a.kv_from is not None else e  # Gemma 4's shared keys and values: zero-width projections
             for name in ("W_K", "W_V"):
-                expect(f"{p}.{name}", getattr(a, name), kv, d, e)
+                expect(f"{p}.{name}", getattr(a, name), kv, d, ke)
             for name in ("b_K", "b_V"):
-                expect(f"{p}.{name}", getattr(a, name), kv, e)
+                expect(f"{p}.{name}", getattr(a, name), kv, ke)
             expect(f"{p}.W_O", a.W_O, h, e, d)
             expect(f"{p}.b_Q", a.b_Q, h, e)
             expect(f"{p}.b_O", a.b_O, d)

@@ -105,6 +105,7 @@ _ATTENTION_VARIANTS = (
     "chunk",
     "temperature_scale",
     "temperature_floor",
+    "kv_from",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar", "per_layer")
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head", "per_layer_inputs")
@@ -178,6 +179,8 @@ class Encoder:
             out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
         if attn.chunk is not None:
             out["chunk"] = int(attn.chunk)
+        if attn.kv_from is not None:  # Gemma 4's shared keys and values (core/components/shared_kv_attention.py)
+            out["kv_from"] = int(attn.kv_from)
         if attn.temperature_scale is not None:
             out["temperature_scale"] = float(attn.temperature_scale)
             out["temperature_floor"] = _float_or_none(attn.temperature_floor)
@@ -423,6 +426,7 @@ class Decoder:
             query_scale_beta=_float_or_none(f.get("query_scale_beta")),
             query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
             chunk=None if f.get("chunk") is None else int(f["chunk"]),
+            kv_from=None if f.get("kv_from") is None else int(f["kv_from"]),
             temperature_scale=_float_or_none(f.get("temperature_scale")),
             temperature_floor=_float_or_none(f.get("temperature_floor")),
             **variants,

@@ -21,6 +21,7 @@ from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge_float32 import carry_float32_step
 from lens_aot.tl.read_gemma4 import scaled_rms_norm
+from lens_aot.tl.read_k_eq_v import key_projection_for_values
 from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 
 SUPPORTED = (
@@ -280,12 +281,17 @@ def _attention(
     }
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
+    from lens_aot.tl.read_shared_kv import is_kv_shared, shared_kv_spec  # Gemma 4's shared keys and values
+
+    shared = is_kv_shared(attn_bridge) and not {"k", "v"} & _subcomponents(attn_bridge)
     parts = {}
-    for name in ("q", "k", "v", "o"):
-        component = _component(attn_bridge, name)
+    for name in ("q", "o") if shared else ("q", "k", "v", "o"):  # values that are the keys: read_k_eq_v
+        component = _component(attn_bridge, key_projection_for_values(attn_bridge, name))
         if component is None:
             raise _refuse(f"an attention bridge {type(attn_bridge).__name__} without a '{name}' projection")
         parts[name] = _linear(_original(component), dtype)
+    if shared:
+        return shared_kv_spec(-1, attn_bridge, parts, n_heads, attn_scale, softmax_dtype)
     (W_q, b_q), (W_k, b_k), (W_v, b_v), (W_o, b_o) = parts["q"], parts["k"], parts["v"], parts["o"]
     d_model = W_q.shape[0]
     if W_q.shape[1] % n_heads:

@@ -2,11 +2,12 @@
 them), read by their structure and by what they compute.
 
 Recognised by structure (:func:`is_delegated_rotary`): ``nn.Linear`` projections ``q_proj`` / ``k_proj`` /
-``v_proj`` / ``o_proj``, a float ``scaling``, an ``int`` ``head_dim``, a forward that takes ``position_embeddings``,
-eager attention, and optional ``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms) and a
-``v_norm`` (Gemma 4: a weightless RMSNorm of each head's values, :mod:`lens_aot.core.components.v_norm`). The scale
-is the module's ``scaling``, the softmax float32 (transformers' ``eager_attention_forward``). A forward that also
-takes ``shared_kv_states`` (Gemma 4, on a layer that computes its own keys and values) is probed with an empty one.
+``v_proj`` / ``o_proj`` (``v_proj`` ``None`` where the values are the keys, :mod:`lens_aot.tl.read_k_eq_v`), a float
+``scaling``, an ``int`` ``head_dim``, a forward that takes ``position_embeddings``, eager attention, and optional
+``q_norm`` / ``k_norm`` bridge components (weightless or per-head RMS norms) and a ``v_norm`` (Gemma 4: a weightless
+RMSNorm of each head's values, :mod:`lens_aot.core.components.v_norm`). The scale is the module's ``scaling``, the
+softmax float32 (transformers' ``eager_attention_forward``). A forward that also takes ``shared_kv_states`` (Gemma 4,
+on a layer that computes its own keys and values) is probed with an empty one.
 
 What cannot be read off a module without running it is where its QK-norm sits (NanoChat normalises the rotated q
 and k, ``norm(rope(q))``, :mod:`lens_aot.core.components.qk_norm_after_rotary`) and which way its ``rotate_half``
@@ -33,6 +34,8 @@ from lens_aot.core.spec import OutputGateSpec, RotarySpec
 from lens_aot.tl.bridge_components import _attention, _component, _linear, _norm, _original
 from lens_aot.tl.bridge_delegated import check_eager
 from lens_aot.tl.bridge_probe import close, refuse_piece
+from lens_aot.tl.read_k_eq_v import values_are_keys
+from lens_aot.tl.read_shared_kv import is_kv_shared, probe_states
 
 __all__ = ["is_delegated_rotary", "read_delegated_rotary"]
 
@@ -46,7 +49,9 @@ def _projection(module: Any) -> Any:
 
 def is_delegated_rotary(hf_attn: nn.Module) -> bool:
     """Whether ``hf_attn`` has the structure this module reads (module docstring)."""
-    if not all(isinstance(_projection(getattr(hf_attn, name, None)), nn.Linear) for name in _PROJECTIONS):
+    names = [n for n in _PROJECTIONS if not (n == "v_proj" and values_are_keys(hf_attn))]  # read_k_eq_v
+    names = [n for n in names if n in ("q_proj", "o_proj")] if is_kv_shared(hf_attn) else names  # read_shared_kv
+    if not all(isinstance(_projection(getattr(hf_attn, name, None)), nn.Linear) for name in names):
         return False
     if not isinstance(getattr(hf_attn, "scaling", None), float) or not isinstance(
         getattr(hf_attn, "head_dim", None), int
@@ -131,6 +136,8 @@ def read_delegated_rotary(
         cos, sin = _probe_tables(rotary_module, str(types[layer]) if types else None, n, dtype, device)
         with torch.no_grad():
             extra = {"shared_kv_states": {}} if _takes(hf_attn, "shared_kv_states") else {}
+            if spec.kv_from is not None:  # Gemma 4's shared keys and values: seeded ones (read_shared_kv)
+                extra, shared_module = probe_states(layer, spec, hf_attn, n, dtype, device)
             want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask, **extra)
         want = want[0] if isinstance(want, tuple) else want
         if not isinstance(want, Tensor) or want.shape != x.shape[:2] + (spec.W_O.shape[-1],):
@@ -153,7 +160,7 @@ def read_delegated_rotary(
         spec.qk_norm_after_rotary, spec.output_gate = after, gate
         table = RotarySpec(width if rope == "model" else 0, cos[0].to(dtype), (sign * sin[0]).to(dtype))
         try:
-            module = Attention(spec, True, table).to(device)
+            module = (Attention(spec, True, table) if spec.kv_from is None else shared_module(spec, table)).to(device)
         except ValueError:  # a candidate no component has (a float32-scale QK-norm after rotary): not this reading
             continue
         with torch.no_grad():

@@ -8,12 +8,13 @@ with none of them (its own keys and values, a value norm at most) is a plain pre
 is read as one; its value norm is :mod:`lens_aot.core.components.v_norm`, read by
 :mod:`lens_aot.tl.bridge_delegated_rotary`, and its layer scalar (the whole residual stream multiplied at the end of
 the layer) :mod:`lens_aot.core.components.layer_scalar`, read by :func:`delegated_layer_scalar`; its per-layer input
-embeddings :mod:`lens_aot.core.spec_per_layer`, read by :mod:`lens_aot.tl.read_per_layer_inputs`. The pieces still
+embeddings :mod:`lens_aot.core.spec_per_layer`, read by :mod:`lens_aot.tl.read_per_layer_inputs`; its values that
+are its keys (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``) a value projection tied
+to the key projection, read by :mod:`lens_aot.tl.read_k_eq_v`; its keys and values shared from an earlier layer
+(``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers, no ``k_proj`` / ``v_proj``)
+:mod:`lens_aot.core.components.shared_kv_attention`, read by :mod:`lens_aot.tl.read_shared_kv`. The piece still
 refused:
 
-* **shared keys and values** (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers): the layer's
-  attention reads an earlier layer's keys and values and has no ``k_proj`` / ``v_proj`` of its own;
-* **values that are the keys** (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``);
 * **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
 """
 
@@ -33,10 +34,6 @@ def _pieces(layer_module: Any) -> list[str]:
     found = []
     attn = getattr(layer_module, "self_attn", None)
     attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
-    if bool(getattr(attn, "is_kv_shared_layer", False)):
-        found.append("keys and values shared from an earlier layer (is_kv_shared_layer: no k_proj / v_proj)")
-    elif getattr(attn, "k_proj", None) is not None and hasattr(attn, "v_proj") and attn.v_proj is None:
-        found.append("values that are the keys (attention_k_eq_v: no v_proj, v = v_norm(x W_K) before k_norm)")
     if bool(getattr(layer_module, "enable_moe_block", False)):
         found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
     scalar = getattr(layer_module, "layer_scalar", None)

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.components.float32_norm import make_norm
-from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.ownership import borrowing
@@ -90,6 +89,7 @@ from lens_aot.tl.read_norms import final_norm_on_embeddings, named_norm, optiona
 from lens_aot.tl.read_per_layer_inputs import PLE_PIECES, PerLayerReading
 from lens_aot.tl.read_prediction_head import read_prediction_head
 from lens_aot.tl.read_routed import is_routed, read_routed
+from lens_aot.tl.read_shared_kv import checked_attention
 from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
 __all__ = ["SUPPORTED", "read_bridge"]
@@ -250,7 +250,7 @@ def _post(layer: int, piece: str, out: Tensor, calls: dict[tuple[int, str], Call
 
 
 def _verify(
-    layer: int, spec: LayerSpec, rotary: RotarySpec | None, causal: bool, calls: dict[tuple[int, str], Call]
+    layer: int, spec: LayerSpec, rotary: Any, causal: bool, calls: dict[tuple[int, str], Call], layers: list[LayerSpec]
 ) -> None:
     """Check each piece's reading against its recorded output (:mod:`lens_aot.tl.bridge_probe`). The modules built
     for the check use the spec's tensors (no copy of the layer's weights) and are dropped at once."""
@@ -262,7 +262,7 @@ def _verify(
                 check_piece(layer, piece, make_norm(norm)(call.input), call, f"the {norm.kind} reading")
         call = calls.get((layer, "attn"))
         if call is not None:
-            got = attention_module(spec.attn, causal, rotary).to(call.input.device)(call.input)
+            got = checked_attention(layer, spec.attn, causal, rotary, calls, layers)(call.input)  # read_shared_kv
             check_piece(layer, "attn", got, call, "the attention reading (scale, rotary, softmax)")
         call = calls.get((layer, "mlp"))
         if spec.mlp is not None and call is not None:
@@ -468,7 +468,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 layer_scalar=delegated_layer_scalar(block),
             )
         if finite:
-            _verify(layer, spec, info["rotary"], bool(info["causal"]), calls)
+            _verify(layer, spec, info["rotary"], bool(info["causal"]), calls, layers)
         fold_residual_multiplier(layer, spec, multipliers[layer])
         layers.append(spec)
 

@@ -42,6 +42,8 @@ def _check_rms(name: str, norm: NormSpec, eps: float, dtype: torch.dtype) -> Non
 def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
     """``HookedTransformerConfig`` fields for the spec's variants (empty for a spec without any)."""
     kwargs: dict[str, Any] = {}
+    if any(getattr(layer.attn, "kv_from", None) is not None for layer in spec.layers):
+        raise _refuse("some layers attend with an earlier layer's keys and values (Gemma 4's num_kv_shared_layers)")
     attn_only = all(layer.mlp is None for layer in spec.layers)
     qk = _uniform(spec, "QK-norm", lambda layer: (layer.attn.q_norm is not None, layer.attn.k_norm is not None))
     over = _uniform(spec, "QK-norm scope", lambda layer: layer.attn.qk_norm_over if any(qk) else "head")

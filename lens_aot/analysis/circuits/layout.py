@@ -67,7 +67,16 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
     Grouped-query attention is supported: circuits run with ``ungroup_grouped_query_attention`` on
     (:func:`split_inputs`), so each query head has its own k and v input, as in EAP-IG. At every granularity,
     Gemma 4's per-layer-input sublayers (``blocks.{l}.per_layer``, dense: no node holds them) are refused, so that no
-    circuit silently leaves part of a layer out of its graph."""
+    circuit silently leaves part of a layer out of its graph; so are Gemma 4's layers that attend with an earlier
+    layer's keys and values (``attn.kv_from``): their keys and values come from that layer's residual stream, an edge
+    no node of the graph carries."""
+    for layer, block in enumerate(aot.blocks):
+        if getattr(block.attn, "kv_from", None) is not None:
+            raise InputError(
+                f"layer {layer} attn: Gemma 4's shared keys and values (this layer attends with layer "
+                f"{block.attn.kv_from}'s keys and values, an edge from that layer's residual stream that no node of "
+                "the graph carries); patch by hook name or with patch_heads / patch_neurons, which rerun the model"
+            )
     for layer, block in enumerate(aot.blocks):
         if hasattr(block, "per_layer"):
             raise InputError(

@@ -172,6 +172,7 @@ class Attention(nn.Module):
         if self.n_heads % self.n_kv:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_key_value_heads={self.n_kv}")
 
+        self.kv_store: Any = None  # a SharedKeyValues box when later layers share these keys and values (Gemma 4)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -286,6 +287,8 @@ class Attention(nn.Module):
             q = self.hook_rot_q(q)
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
         q, k = self._qk_norm(q, k, after_rotary=True)
+        if self.kv_store is not None:  # Gemma 4: later layers attend with these (shared_kv_attention.py)
+            self.kv_store.value = (k, v)
         if hasattr(self, "query_temperature"):  # Llama 4's NoPE layers, after rotary and QK-norm as the source
             q = self.query_temperature(q, past)
         if k.shape[2] != self.n_heads:

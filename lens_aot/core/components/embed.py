@@ -27,11 +27,15 @@ class Embed(nn.Module):
         self.ln = ln
         if per_layer_inputs is not None:
             self.per_layer_inputs = per_layer_inputs
+        self.forward_stores: list[Any] = []  # boxes holding one forward's values (Gemma 4's shared keys and values)
 
     def new_forward(self) -> None:
-        """Called as each forward of the converted model starts: forget the last forward's per-layer inputs."""
+        """Called as each forward of the converted model starts: forget the last forward's per-layer inputs and
+        shared keys and values."""
         if hasattr(self, "per_layer_inputs"):
             self.per_layer_inputs.clear()
+        for store in self.forward_stores:  # Gemma 4's shared keys and values (shared_kv_attention.py)
+            store.value = None
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
         embedded = self.W_E[tokens]

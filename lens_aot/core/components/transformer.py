@@ -23,12 +23,12 @@ from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.logit_scale import LogitScale
-from lens_aot.core.components.mla_attention import attention_module
 from lens_aot.core.components.ownership import one_table_per_model
 from lens_aot.core.components.per_layer_inputs import PerLayerInputs, PerLayerInputStore
 from lens_aot.core.components.per_layer_sublayer import PerLayerSublayer
 from lens_aot.core.components.post_ln_block import PostLNBlock
 from lens_aot.core.components.prediction_head import PredictionHead
+from lens_aot.core.components.shared_kv_attention import SharedKVBoxes
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 
@@ -136,11 +136,12 @@ class SpecTransformer(HookedRootModule):
     def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module]) -> None:
         blocks = []
         store = PerLayerInputStore()  # Gemma 4's per-layer inputs, for one forward's duration
+        shared_kv = SharedKVBoxes()  # Gemma 4's shared keys and values, for one forward's duration
         with one_table_per_model():  # the layers share one buffer per rotary table (components/ownership.py)
             for layer, ls in enumerate(spec.layers):
                 mlp = None if ls.mlp is None else mlp_for(layer, ls.mlp)
                 ln2 = None if ls.ln2 is None or mlp is None else make_norm(ls.ln2)
-                attn = attention_module(ls.attn, spec.causal, spec.rotary)
+                attn = shared_kv.attention(layer, ls.attn, spec.causal, spec.rotary, blocks)  # Gemma 4
                 ln1_post = None if ls.ln1_post is None else make_norm(ls.ln1_post)
                 ln2_post = None if ls.ln2_post is None or mlp is None else make_norm(ls.ln2_post)
                 block = PostLNBlock if ls.residual_norm else TransformerBlock  # the original GPT's post-LN blocks
@@ -157,6 +158,7 @@ class SpecTransformer(HookedRootModule):
         HookedRootModule.__init__(self)
         ple = None if spec.per_layer_inputs is None else PerLayerInputs(spec.per_layer_inputs, store)
         self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln), ple)
+        self.embed.forward_stores = list(shared_kv.boxes.values())  # emptied as each forward starts
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
             assert spec.W_pos is not None
