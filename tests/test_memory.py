@@ -175,3 +175,45 @@ def test_peak_meter_counts_what_is_held_at_once() -> None:
     assert (meter.peak, meter.live, meter.count) == (11996, 11996, 4)
     del view, d
     assert meter.live == 4000 and b.numel() == 1000
+
+
+class _Rotary(torch.nn.Module):
+    """A rotary module over ``n`` positions (angles ``pos · f``): ``"ids"`` reads its position ids (transformers 4.38+),
+    ``"length"`` too, scaled by its longest position (``dynamic`` rope's dependence on the sequence length),
+    ``"cached"`` ignores them and returns its first rows (older transformers' ``cos_cached[:seq_len]``)."""
+
+    def __init__(self, kind: str, n: int, width: int) -> None:
+        super().__init__()
+        self.kind, self.freqs = kind, torch.rand(width // 2, generator=torch.Generator().manual_seed(0))
+        self.table = torch.arange(n)[:, None] * self.freqs
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.kind == "cached":
+            angles = self.table[: x.shape[1]][None]
+        else:
+            angles = position_ids[..., None].float() * self.freqs
+            angles = angles * (1 + float(position_ids.max()) / 1e4) if self.kind == "length" else angles
+        emb = torch.cat([angles, angles], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["ids", "length", "cached"])
+def test_chunked_rotary_tables_are_the_modules_own(kind: str) -> None:
+    """``model_rotary`` reads the tables a chunk of positions at a time (9,000 positions of width 64: 3 chunks), and
+    gets bitwise what one call over every position gives: a module whose tables depend on the longest position sees
+    the same one in every call, and one that ignores its position ids is called once."""
+    from types import SimpleNamespace
+
+    from lens_aot.tl.bridge_attention import AttentionReading, model_rotary
+
+    n, width = 9000, 64
+    module = _Rotary(kind, n, width)
+    reading = AttentionReading(None, None, "model")
+    spec = model_rotary(SimpleNamespace(original_component=module), reading, width, 1.0, n, torch.float64, "cpu")
+    # one position (the width), then 3 chunks; the cached module is found out by its first chunk and called once more
+    assert module.calls == (4 if kind == "cached" else 5)
+    x = torch.zeros(1, n, 1, dtype=torch.float64)
+    cos, sin = module(x, torch.arange(n)[None])
+    assert spec.rotary_dim == width and torch.equal(spec.cos, cos[0]) and torch.equal(spec.sin, sin[0])
