@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor, nn
 
 from lens_aot.core.spec import NormSpec, OutputGateSpec, QKNormScope, RotarySpec
@@ -24,6 +23,7 @@ from lens_aot.tl.bridge_components import _component, _copy, _norm, _original, _
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
+from lens_aot.tl.rotary_tables import chunked_tables, module_tables
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
 _REFUSED_BRIDGES = {
@@ -462,54 +462,6 @@ def rotary_pct(attn_config: Any) -> float:
     return float(get_rotary_pct_from_config(attn_config))
 
 
-# Positions per call of the source's rotary module while reading its tables (by elements of the widest table, so
-# that the module's temporaries stay a few MiB whatever n_ctx; the tables are written in place, never copied whole).
-_TABLE_CHUNK_ELEMENTS = 1 << 18
-
-
-def _module_tables(
-    module: nn.Module, positions: Tensor, last: int, dtype: torch.dtype, layer_type: str | None
-) -> tuple[Float[Tensor, "rows width"], Float[Tensor, "rows width"]]:
-    """The source rotary module's ``(cos, sin)`` rows at ``positions`` followed by the row of position ``last``
-    (``rows = len(positions) + 1`` for a module that reads its position ids). Passing ``last`` in every call makes a
-    module whose tables depend on the longest position it is given (``dynamic``, ``longrope``) see the same one as a
-    single call over ``0..last``; the extra row tells a module that ignores its position ids (it would differ)."""
-    ids = torch.cat([positions, positions.new_tensor([last])])[None]
-    x = torch.zeros(1, int(ids.shape[1]), 1, dtype=dtype, device=positions.device)
-    with torch.no_grad():
-        tables = module(x, ids) if layer_type is None else module(x, ids, layer_type)
-    if isinstance(tables, Tensor) and tables.is_complex():  # Llama 4's freqs_cis (lens_aot.tl.bridge_llama4)
-        from lens_aot.tl.bridge_llama4 import complex_tables
-
-        tables = complex_tables(tables)
-    cos, sin = tables
-    return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
-
-
-def _chunked_tables(
-    module: nn.Module, n_ctx: int, dtype: torch.dtype, device: torch.device, layer_type: str | None, copies: int
-) -> tuple[Float[Tensor, "n_ctx width"], Float[Tensor, "n_ctx width"], torch.dtype] | None:
-    """The module's tables over ``0..n_ctx-1`` in ``dtype``, each ``copies`` times side by side (GPT-OSS's halves),
-    computed a chunk of positions at a time and written in place (a row depends on its position only), and the
-    module's own table dtype; None for a module that does not read its position ids (see :func:`_module_tables`)."""
-    positions = torch.arange(n_ctx, device=device)
-    first_cos, first_sin = _module_tables(module, positions[:1], n_ctx - 1, dtype, layer_type)
-    width = int(first_cos.shape[-1])
-    out_cos = torch.empty(n_ctx, copies * width, dtype=dtype, device=device)
-    out_sin = torch.empty(n_ctx, copies * width, dtype=dtype, device=device)
-    step = max(1, _TABLE_CHUNK_ELEMENTS // max(copies * width, 1))
-    for start in range(0, n_ctx, step):
-        chunk = positions[start : start + step]
-        cos, sin = _module_tables(module, chunk, n_ctx - 1, dtype, layer_type)
-        same_last = cos.shape == sin.shape == (chunk.shape[0] + 1, width) and torch.equal(cos[-1], first_cos[-1])
-        if not (same_last and torch.equal(sin[-1], first_sin[-1])):
-            return None
-        for out, table in ((out_cos, cos[:-1]), (out_sin, sin[:-1])):
-            for copy in range(copies):
-                out[start : start + chunk.shape[0], copy * width : (copy + 1) * width] = table
-    return out_cos, out_sin, first_cos.dtype
-
-
 def model_rotary(
     rotary_bridge: Any,
     reading: AttentionReading,
@@ -526,17 +478,17 @@ def model_rotary(
     A table half as wide as the head with ``pct`` = 1 is GPT-OSS's un-duplicated layout: the bridge concatenates it
     with itself (rotate-half over the whole head). ``layer_type``: the table of that layer type, for rotary modules
     that keep one per type (Gemma 3's local and global bases). The module runs over chunks of positions written into
-    the tables in place (:func:`_chunked_tables`): reading peaks at the tables plus a few MiB, not several copies of
-    them (issue 22: ``convert``'s peak memory; Gemma 4's global tables are n_ctx × 512)."""
+    the tables in place (:func:`lens_aot.tl.rotary_tables.chunked_tables`): reading peaks at the tables plus a few
+    MiB, not several copies of them (issue 22: ``convert``'s peak memory; Gemma 4's global tables are n_ctx × 512)."""
     if rotary_bridge is None:
         raise refuse_piece(None, "rotary_emb", "rotary attention without a 'rotary_emb' component")
     module = _original(rotary_bridge)
-    probe, _ = _module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
+    probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
     width = int(probe.shape[-1])
     copies = 2 if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables else 1
-    chunked = _chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
+    chunked = chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
     if chunked is None:  # a module that ignores its position ids: one call, its first n_ctx rows
-        cos, sin = _module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
+        cos, sin = module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
         if cos.shape[0] < n_ctx:
             raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
         table_dtype = cos.dtype
