@@ -24,6 +24,7 @@ from lens_aot.tl.bridge_components import _component, _copy, _native_norm_module
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
+from lens_aot.tl.rotary_tables import chunked_tables, module_tables
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
 _REFUSED_BRIDGES = {
@@ -504,36 +505,35 @@ def model_rotary(
 
     A table half as wide as the head with ``pct`` = 1 is GPT-OSS's un-duplicated layout: the bridge concatenates it
     with itself (rotate-half over the whole head). ``layer_type``: the table of that layer type, for rotary modules
-    that keep one per type (Gemma 3's local and global bases)."""
+    that keep one per type (Gemma 3's local and global bases). The module runs over chunks of positions written into
+    the tables in place (:func:`lens_aot.tl.rotary_tables.chunked_tables`): reading peaks at the tables plus a few
+    MiB, not several copies of them (issue 22: ``convert``'s peak memory; Gemma 4's global tables are n_ctx × 512)."""
     if rotary_bridge is None:
         raise refuse_piece(None, "rotary_emb", "rotary attention without a 'rotary_emb' component")
     module = _original(rotary_bridge)
-    x = torch.zeros(1, n_ctx, 1, dtype=dtype, device=device)
-    positions = torch.arange(n_ctx, device=device).unsqueeze(0)
-    with torch.no_grad():
-        tables = module(x, positions) if layer_type is None else module(x, positions, layer_type)
-    if isinstance(tables, Tensor) and tables.is_complex():  # Llama 4's freqs_cis (lens_aot.tl.bridge_llama4)
-        from lens_aot.tl.bridge_llama4 import complex_tables
-
-        tables = complex_tables(tables)
-    cos, sin = tables
+    probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
+    width = int(probe.shape[-1])
+    copies = 2 if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables else 1
+    chunked = chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
+    if chunked is None:  # a module that ignores its position ids: one call, its first n_ctx rows
+        cos, sin = module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
+        if cos.shape[0] < n_ctx:
+            raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
+        table_dtype = cos.dtype
+        cos, sin = (torch.cat([t[:n_ctx].to(dtype)] * copies, dim=-1) for t in (cos, sin))
+    else:
+        cos, sin, table_dtype = chunked
+    width *= copies
     # the dtype the bridge multiplies float32-rounded q and k by (ERNIE 4.5's module keeps float32 tables)
-    table_dtype = cos.dtype if reading.rotary_input_dtype is not None and cos.dtype != dtype else None
-    cos = cos.reshape(-1, cos.shape[-1])[:n_ctx].to(dtype)
-    sin = sin.reshape(-1, sin.shape[-1])[:n_ctx].to(dtype)
-    if cos.shape[0] != n_ctx:
-        raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
-    width = int(cos.shape[-1])
-    if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables:
-        cos, sin, width = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1), head_dim
+    table_dtype = table_dtype if reading.rotary_input_dtype is not None and table_dtype != dtype else None
     if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
-        sin = -sin
+        sin.neg_()
     if reading.relayout:
         cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
     if width > head_dim or width % 2:
         raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
-    return RotarySpec(width, _copy(cos), _copy(sin), reading.adjacent, reading.rotary_input_dtype, table_dtype)
+    return RotarySpec(width, cos, sin, reading.adjacent, reading.rotary_input_dtype, table_dtype)
 
 
 def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:

@@ -142,8 +142,9 @@ def _copy(t: Tensor) -> Tensor:
     return t.detach().clone()
 
 
-def _linear(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
-    """``(W, b)`` with ``y = x @ W + b`` for an ``nn.Linear`` (weight [out, in]) or HF ``Conv1D`` (weight [in, out])."""
+def _linear_view(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
+    """``(W, b)`` with ``y = x @ W + b`` for an ``nn.Linear`` (weight [out, in]) or HF ``Conv1D`` (weight [in, out]):
+    views of the module's own tensors (a fresh zero bias where it has none). Copy before keeping them."""
     if isinstance(module, nn.Linear):
         weight = module.weight.detach().T
     elif type(module).__name__ == "Conv1D":
@@ -152,7 +153,18 @@ def _linear(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in 
         raise _refuse(f"a projection module of type {type(module).__name__} (expected nn.Linear or Conv1D)")
     bias = getattr(module, "bias", None)
     b = torch.zeros(weight.shape[1], dtype=dtype, device=weight.device) if bias is None else bias.detach()
+    return weight, b
+
+
+def _linear(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
+    """:func:`_linear_view`'s ``(W, b)`` as fresh contiguous copies."""
+    weight, b = _linear_view(module, dtype)
     return weight.clone(memory_format=torch.contiguous_format), b.clone()
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` (always a copy, even where ``t`` is already contiguous)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _all_equal(t: Tensor | None, value: float) -> bool:
@@ -289,9 +301,10 @@ def _attention(
         component = _component(attn_bridge, key_projection_for_values(attn_bridge, name))
         if component is None:
             raise _refuse(f"an attention bridge {type(attn_bridge).__name__} without a '{name}' projection")
-        parts[name] = _linear(_original(component), dtype)
+        parts[name] = _linear_view(_original(component), dtype)  # copied once below, straight into head layout
     if shared:
-        return shared_kv_spec(-1, attn_bridge, parts, n_heads, attn_scale, softmax_dtype)
+        fresh = {name: (_fresh(W), _fresh(b)) for name, (W, b) in parts.items()}
+        return shared_kv_spec(-1, attn_bridge, fresh, n_heads, attn_scale, softmax_dtype)
     (W_q, b_q), (W_k, b_k), (W_v, b_v), (W_o, b_o) = parts["q"], parts["k"], parts["v"], parts["o"]
     d_model = W_q.shape[0]
     if W_q.shape[1] % n_heads:
@@ -304,15 +317,16 @@ def _attention(
         raise _refuse(f"{n_heads} query heads not divisible into {n_kv} key/value groups")
     if tuple(W_o.shape) != (n_heads * d_head, d_model):
         raise _refuse(f"an output projection of shape {tuple(W_o.shape)}")
+    # one copy of each projection, from the module's own weight into the head layout (no [in, out] copy between)
     return AttentionSpec(
-        W_Q=W_q.reshape(d_model, n_heads, d_head).permute(1, 0, 2).contiguous(),
-        W_K=W_k.reshape(d_model, n_kv, d_head).permute(1, 0, 2).contiguous(),
-        W_V=W_v.reshape(d_model, n_kv, d_head).permute(1, 0, 2).contiguous(),
-        W_O=W_o.reshape(n_heads, d_head, d_model).contiguous(),
-        b_Q=b_q.reshape(n_heads, d_head).contiguous(),
-        b_K=b_k.reshape(n_kv, d_head).contiguous(),
-        b_V=b_v.reshape(n_kv, d_head).contiguous(),
-        b_O=b_o.contiguous(),
+        W_Q=_fresh(W_q.reshape(d_model, n_heads, d_head).permute(1, 0, 2)),
+        W_K=_fresh(W_k.reshape(d_model, n_kv, d_head).permute(1, 0, 2)),
+        W_V=_fresh(W_v.reshape(d_model, n_kv, d_head).permute(1, 0, 2)),
+        W_O=_fresh(W_o.reshape(n_heads, d_head, d_model)),
+        b_Q=_fresh(b_q.reshape(n_heads, d_head)),
+        b_K=_fresh(b_k.reshape(n_kv, d_head)),
+        b_V=_fresh(b_v.reshape(n_kv, d_head)),
+        b_O=_fresh(b_o),
         attn_scale=float(attn_scale),
         softmax_dtype=softmax_dtype,
     )

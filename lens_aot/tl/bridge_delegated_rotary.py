@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.components.output_gate import GATES
+from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec import OutputGateSpec, RotarySpec
 from lens_aot.tl.bridge_components import _attention, _component, _linear, _norm, _original
 from lens_aot.tl.bridge_delegated import check_eager
@@ -159,12 +160,15 @@ def read_delegated_rotary(
             continue
         spec.qk_norm_after_rotary, spec.output_gate = after, gate
         table = RotarySpec(width if rope == "model" else 0, cos[0].to(dtype), (sign * sin[0]).to(dtype))
-        try:
-            module = (Attention(spec, True, table) if spec.kv_from is None else shared_module(spec, table)).to(device)
+        try:  # a throw-away module over the spec's own tensors (no copy of the layer's weights per candidate)
+            with borrowing():
+                shared = spec.kv_from is not None
+                module = (shared_module(spec, table) if shared else Attention(spec, True, table)).to(device)
         except ValueError:  # a candidate no component has (a float32-scale QK-norm after rotary): not this reading
             continue
         with torch.no_grad():
             got = module(x)
+        del module
         if close(got, want):
             reading = AttentionReading(scale, softmax_dtype, rope)
             reading.q_norm, reading.k_norm, reading.qk_norm_after_rotary = q_norm, k_norm, after
