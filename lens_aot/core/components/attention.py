@@ -54,7 +54,24 @@ def _project(
                 "[batch, pos, head, d_model] with one slice per head (per key-value head for keys and values)."
             )
         return einops.einsum(x, W, "b p h d, h d e -> b p h e") + b
-    return einops.einsum(x, W, "b p d, h d e -> b p h e") + b
+    # one [.., d_model] @ [d_model, head·d_head] product, the same one einsum reduces to (a batch-1 bmm of these
+    # operands), without its dozen view and permute operations
+    n_heads, d_in, d_head = W.shape
+    flat = x.reshape(-1, d_in) @ W.permute(1, 0, 2).reshape(d_in, n_heads * d_head)
+    return flat.view(*x.shape[:-1], n_heads, d_head) + b
+
+
+_GROUP_INDEX: dict[tuple[int, int, torch.device, bool], Tensor] = {}
+
+
+def _group_index(n_heads: int, n_kv: int, device: torch.device) -> Int[Tensor, " n_heads"]:
+    """``[0, 0, …, 1, 1, …]``: the key/value head of each query head (``arange(n_kv).repeat_interleave(group)``),
+    made once per shape, device and inference mode, so the gather costs one operation per forward."""
+    key = (n_heads, n_kv, device, torch.is_inference_mode_enabled())
+    index = _GROUP_INDEX.get(key)
+    if index is None:
+        index = _GROUP_INDEX[key] = torch.arange(n_kv, device=device).repeat_interleave(n_heads // n_kv)
+    return index
 
 
 def fused_z(
@@ -229,23 +246,33 @@ class Attention(nn.Module):
         x: Float[Tensor, "batch pos head d_head"],
         past_kv_pos_offset: int,
         attention_mask: Int[Tensor, "batch offset_pos"] | None,
+        rows: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "batch pos head d_head"]:
-        """Rotate the first ``rotary_dim`` channels of each head by its position's angles.
+        """Rotate the first ``rotary_dim`` channels of each head by its position's angles (``rows``: their
+        :meth:`rotary_rows`, when already read).
 
         As TransformerLens's ``AbstractAttention.apply_rotary``: positions ``past_kv_pos_offset + i`` without a
         mask; with one, each sequence's own positions counted from its first attended token
         (:func:`~lens_aot.core.kv_cache.position_rows`), so a left-padded prompt is rotated as if it were unpadded.
         """
-        cos, sin = (
-            position_rows(table, x.shape[1], past_kv_pos_offset, attention_mask)[:, :, None, :]
-            for table in (self.rotary_cos, self.rotary_sin)
-        )
-        x_rot, x_pass = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = rows if rows is not None else self.rotary_rows(x.shape[1], past_kv_pos_offset, attention_mask)
+        whole = self.rotary_dim == x.shape[-1]  # every channel rotates: no split, no concatenation copy
+        x_rot = x if whole else x[..., : self.rotary_dim]
         if hasattr(self, "rotary_input"):  # the source's float32 rotation (float32_attention.py)
             x_rot = self.rotary_input(x_rot, cos, sin, self.rotary_adjacent_pairs)
         else:
             x_rot = x_rot * cos + rotate(x_rot, self.rotary_adjacent_pairs) * sin
-        return torch.cat((x_rot, x_pass), dim=-1)
+        return x_rot if whole else torch.cat((x_rot, x[..., self.rotary_dim :]), dim=-1)
+
+    def rotary_rows(
+        self, pos: int, past_kv_pos_offset: int, attention_mask: Int[Tensor, "batch offset_pos"] | None
+    ) -> tuple[Float[Tensor, "batch_or_1 pos 1 rotary_dim"], Float[Tensor, "batch_or_1 pos 1 rotary_dim"]]:
+        """The cos and sin rows of ``pos`` positions after ``past_kv_pos_offset`` (see :meth:`apply_rotary`)."""
+        cos, sin = (
+            position_rows(table, pos, past_kv_pos_offset, attention_mask).unsqueeze(2)
+            for table in (self.rotary_cos, self.rotary_sin)
+        )
+        return cos, sin
 
     def forward(
         self,
@@ -280,17 +307,20 @@ class Attention(nn.Module):
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, q.shape[1])
         if self.rotary_dim:
-            q = self.apply_rotary(q, past, attention_mask)
+            rows = self.rotary_rows(q.shape[1], past, attention_mask)
+            q = self.apply_rotary(q, past, attention_mask, rows)
             if hasattr(self, "query_scale"):
                 q = self.query_scale(q, self.rotary_cos.shape[0], past, attention_mask)
             q = self.hook_rot_q(q)
-            k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))  # cached keys are stored unrotated
+            same = past == 0 and k.shape[1] == q.shape[1]  # the keys' positions are the queries': the same rows
+            # cached keys are stored unrotated
+            k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, rows if same else None))
         q, k = self._qk_norm(q, k, after_rotary=True)
         if hasattr(self, "query_temperature"):  # Llama 4's NoPE layers, after rotary and QK-norm as the source
             q = self.query_temperature(q, past)
-        if k.shape[2] != self.n_heads:
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=2)
-            v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
+        if k.shape[2] != self.n_heads:  # grouped-query attention: k.repeat_interleave(group, dim=2), one gather
+            k = k.index_select(2, _group_index(self.n_heads, k.shape[2], k.device))
+            v = v.index_select(2, _group_index(self.n_heads, v.shape[2], v.device))
         mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
         if (
             self.needs_dense_scores
@@ -323,7 +353,8 @@ class Attention(nn.Module):
         if self.use_attn_result:
             result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
             return result.sum(dim=2) + self.b_O
-        return einops.einsum(z, self.W_O, "b p h e, h e d -> b p d") + self.b_O
+        # the [.., head·d_head] @ [head·d_head, d_model] product einsum reduces to, without its view operations
+        return z.flatten(-2) @ self.W_O.flatten(0, 1) + self.b_O
 
     @property
     def needs_dense_scores(self) -> bool:
@@ -355,7 +386,9 @@ class Attention(nn.Module):
         (no cache, no padding) applies. TransformerLens's ``apply_causal_mask``: key ``j`` is visible to query ``i``
         iff ``j <= past + i`` (and ``j > past + i - window`` with a sliding window) and ``attention_mask[:, j]`` is 1.
         """
-        plain = past == 0 and self.window is None and self.chunk is None
+        # a chunked mask over keys that all lie in the first chunk (no padding) is the plain causal mask
+        in_one_chunk = self.chunk is None or (attention_mask is None and n_key <= self.chunk)
+        plain = past == 0 and self.window is None and in_one_chunk
         if attention_mask is None and (not self.causal or plain):
             return None
         if self.causal:
@@ -365,7 +398,7 @@ class Attention(nn.Module):
             if self.window is not None:
                 mask = mask & (key_pos[None, :] > query_pos[:, None] - self.window)
             mask = mask[None, None]
-            if self.chunk is not None:  # Llama 4: block-diagonal causal (chunked_mask.py)
+            if not in_one_chunk:  # Llama 4: block-diagonal causal (chunked_mask.py)
                 mask = mask & same_chunk(query_pos, key_pos, self.chunk, attention_mask)
         else:
             mask = torch.ones(1, 1, n_query, n_key, dtype=torch.bool, device=device)
