@@ -81,13 +81,18 @@ def fused_z(
     mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
     causal: bool,
     attn_scale: float,
+    every_query_sees_a_key: bool = False,
 ) -> Float[Tensor, "batch pos head d_head"]:
     """``z`` through ``F.scaled_dot_product_attention`` (scores ``q·k / attn_scale``; ``mask`` None: plain causal
     masking if ``causal``); a query that sees no key gets ``z = 0`` (the dense path's zero pattern row) rather than
-    SDPA's NaN. The same computation as :meth:`Attention._dense_z` without its [query, key] tensors."""
+    SDPA's NaN. The same computation as :meth:`Attention._dense_z` without its [query, key] tensors.
+    ``every_query_sees_a_key``: known without looking (no padding: every query sees its own position), so no row
+    needs the zero."""
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    if mask is None:
-        return F.scaled_dot_product_attention(*args, is_causal=causal, scale=1 / attn_scale).transpose(1, 2)
+    if mask is None or every_query_sees_a_key:
+        return F.scaled_dot_product_attention(
+            *args, is_causal=causal and mask is None, attn_mask=mask, scale=1 / attn_scale
+        ).transpose(1, 2)
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [batch_or_1, 1, query, 1]
     z = F.scaled_dot_product_attention(*args, attn_mask=mask | ~sees_a_key, scale=1 / attn_scale)
     return torch.where(sees_a_key, z, 0.0).transpose(1, 2)
@@ -98,13 +103,27 @@ def mask_scores(
 ) -> Float[Tensor, "batch head query key"]:
     """``scores`` with -inf where ``mask`` is False (TransformerLens's ``apply_causal_mask``); ``mask`` None: the
     plain causal mask if ``causal``, else every key visible."""
+    # torch.where with a 0-dim -inf of the scores' dtype: the same selection as masked_fill(~mask, -inf), without
+    # the negated mask and about 2.5x faster on CPU (masked_fill's broadcast mask is not vectorised)
     if mask is None and causal:
         pos = scores.shape[-1]
-        future = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).triu(1)
-        return scores.masked_fill(future, float("-inf"))
+        seen = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).tril()
+        return torch.where(seen, scores, _minus_inf(scores))
     if mask is not None:
-        return scores.masked_fill(~mask, float("-inf"))
+        return torch.where(mask, scores, _minus_inf(scores))
     return scores
+
+
+_MINUS_INF: dict[tuple[torch.device, torch.dtype, bool], Tensor] = {}
+
+
+def _minus_inf(like: Tensor) -> Float[Tensor, ""]:
+    """A 0-dim ``-inf`` of ``like``'s dtype and device, made once per inference mode (never written)."""
+    key = (like.device, like.dtype, torch.is_inference_mode_enabled())
+    value = _MINUS_INF.get(key)
+    if value is None:
+        value = _MINUS_INF[key] = torch.full((), float("-inf"), dtype=like.dtype, device=like.device)
+    return value
 
 
 def zero_unseen(
@@ -327,9 +346,9 @@ class Attention(nn.Module):
             or _hooked(self.hook_attn_scores, self.hook_pattern)
             or (self.softmax_dtype not in (None, q.dtype))
         ):
-            z = self._dense_z(q, k, v, mask)
+            z = self._dense_z(q, k, v, mask, attention_mask is None)
         else:  # same computation, fused: the [query, key] tensors never exist
-            z = fused_z(q, k, v, mask, self.causal, self.attn_scale)
+            z = fused_z(q, k, v, mask, self.causal, self.attn_scale, attention_mask is None)
         if hasattr(self, "output_gate"):
             z = self.output_gate(query_input, z)
         z = self.hook_z(z)
@@ -412,15 +431,18 @@ class Attention(nn.Module):
         k: Float[Tensor, "batch key head d_head"],
         v: Float[Tensor, "batch key head d_head"],
         mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
+        every_query_sees_a_key: bool = False,
     ) -> Float[Tensor, "batch pos head d_head"]:
         """Scores and pattern as [batch, head, query, key] tensors, through their hooks, then ``z = pattern @ v``.
 
         Masked scores are -inf (as in TransformerLens); a row with every key masked softmaxes to NaN, which is set
-        to 0 as TransformerLens does."""
+        to 0 as TransformerLens does (``every_query_sees_a_key``: no padding, so no such row to look for). The
+        products are the batched ``[batch·head]`` matmuls the einsums ``bqhe,bkhe->bhqk`` / ``bhqk,bkhe->bqhe``
+        reduce to, without their view and permute dispatches."""
         if hasattr(self, "scores_in") and self.scores_in.dtype != q.dtype:
             scores = self.scores_in(q, k, self.attn_scale).to(q.dtype)
         else:
-            scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") / self.attn_scale
+            scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) / self.attn_scale
         if hasattr(self, "scores_soft_cap"):
             scores = self.scores_soft_cap(scores)
         if hasattr(self, "alibi"):
@@ -430,8 +452,8 @@ class Attention(nn.Module):
             pattern = self.sinks(scores, dtype=self.softmax_dtype)
         else:
             pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
-        pattern = self.hook_pattern(zero_unseen(pattern, mask).to(v.dtype))
-        return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
+        pattern = self.hook_pattern((pattern if every_query_sees_a_key else zero_unseen(pattern, mask)).to(v.dtype))
+        return torch.matmul(pattern, v.transpose(1, 2)).transpose(1, 2)
 
     def spec(self) -> AttentionSpec:
         """The :class:`AttentionSpec` this module implements (used by ``revert``)."""
