@@ -252,13 +252,20 @@ class NeuronAttention(SelfAndSlotHeads):
         coeffs = {k: getattr(self, f"term_{k}") for k in ("alpha", "beta", "b", "d")}
         return neuron_head_derivations("neuron", coeffs, self.heads_per_neuron)
 
-    def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"]) -> Float[Tensor, "... pos d_mlp"]:
-        """Each neuron's activation from its heads' ``hook_z`` (the sum over its terms)."""
-        if self.heads_per_neuron == 1:  # one term (SiLU): the sum is the term itself (a copy, not a view of hook_z)
-            return z.squeeze(-1).clone()
+    def neuron_output(self, z: Float[Tensor, "... pos n_heads 1"], copy: bool = True) -> Float[Tensor, "... pos d_mlp"]:
+        """Each neuron's activation from its heads' ``hook_z`` (the sum over its terms). One term (SiLU): the term
+        itself, a copy so that an in-place edit of the activation (``hook_post`` / ``hook_gate``) does not reach the
+        ``hook_z`` tensor; ``copy=False`` (:meth:`aliasing_unseen`) returns the view."""
+        if self.heads_per_neuron == 1:
+            return z.squeeze(-1).clone() if copy else z.squeeze(-1)
         # a matrix-vector product with ones: the same sum, several times faster than a reduction over K ≤ 8 on CPU
         terms = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron))
         return terms @ terms.new_ones(self.heads_per_neuron)
+
+    def aliasing_unseen(self) -> bool:
+        """Whether nothing can see ``hook_z``'s tensor after the forward used it (no hook on ``hook_z``, no
+        ``use_attn_result``), so :meth:`neuron_output` may return a view of it."""
+        return not self.use_attn_result and not _hooked(self.hook_z)
 
     def spec(self) -> MLPSpec:
         """The MLP this layer implements (used by ``revert``; gate heads: see ``ProductAttention.spec``)."""
