@@ -193,11 +193,19 @@ class NeuronAttention(SelfAndSlotHeads):
     # ---- the head computation, piece by piece (shape-generic: any leading dims before [pos, ...]) ----
     def queries(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``q = b_k·z + d_k`` for every head (``hook_q``): one [..., d_mlp, K] pass, no temporary."""
-        return torch.addcmul(self.term_d, pre[..., None], self.term_b).reshape(*pre.shape[:-1], self.n_heads, 1)
+        return self._per_term(pre, self.term_d, self.term_b)
+
+    def _per_term(self, pre: Tensor, offset: Tensor, slope: Tensor) -> Float[Tensor, "... pos n_heads 1"]:
+        """``offset_k + slope_k·z`` laid out as head ``n·K + k``. One term: the ``[1]`` coefficients broadcast over
+        ``[..., d_mlp]`` itself (the same elementwise ``addcmul``, about 2× faster on CPU than over a trailing
+        dimension of 1, and one operation fewer)."""
+        if self.heads_per_neuron == 1:
+            return torch.addcmul(offset, pre, slope).unsqueeze(-1)
+        return torch.addcmul(offset, pre[..., None], slope).reshape(*pre.shape[:-1], self.n_heads, 1)
 
     def values(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = α_k·z + β_k`` for every head (``hook_v``)."""
-        return torch.addcmul(self.term_beta, pre[..., None], self.term_alpha).reshape(*pre.shape[:-1], self.n_heads, 1)
+        return self._per_term(pre, self.term_beta, self.term_alpha)
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
