@@ -43,7 +43,7 @@ from lens_aot.errors import InputRangeError
 
 
 def interleave(plus: Tensor, minus: Tensor, *trailing: int) -> Tensor:
-    """``[..., n]`` twice -> ``[..., 2n, *trailing]`` (``trailing``: sizes-1 dimensions to append, in the same view)
+    """``[..., n]`` twice -> ``[..., 2n, *trailing]`` (``trailing``: size-1 dimensions to append, in the same view)
     with ``plus`` at the even heads and ``minus`` at the odd ones (heads ``2n`` / ``2n + 1`` of neuron ``n``): the
     same values as ``torch.stack((plus, minus), -1).flatten(-2)``. For float32 / float64 on CPU and CUDA it is written
     as the real view of a complex tensor, one contiguous pass (a stack over a last dimension of 2 is a strided copy,
@@ -201,10 +201,13 @@ class ProductAttention(SelfAndSlotHeads):
 
     def _scale_factors(self) -> tuple[Float[Tensor, " d_mlp"], Float[Tensor, " d_mlp"]]:
         """``ε/2`` and ``2/ε``, computed by the same operations as before, once per value of ``scales`` (kept while
-        ``scales`` is the same tensor, unwritten, and the inference mode the same) instead of three operations per
+        ``scales`` is the same tensor, unwritten, and the inference mode the same; a tensor made under inference mode
+        has no version counter, so its factors are computed each time) instead of three operations per
         forward."""
         scales = self.scales
-        key = (scales._version if not scales.is_inference() else -1, torch.is_inference_mode_enabled())
+        if scales.is_inference():  # no version counter to tell an in-place edit: computed each time
+            return scales / 2, 2 / scales
+        key = (scales._version, torch.is_inference_mode_enabled())
         cached = self.__dict__.get("_scale_cache")
         if cached is None or cached[0] is not scales or cached[1] != key:
             cached = self.__dict__["_scale_cache"] = (scales, key, (scales / 2, 2 / scales))
