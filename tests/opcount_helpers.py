@@ -24,11 +24,20 @@ def assert_ops_and_syncs(source: Any, d_vocab: int, size: tuple[int, int], monke
     tokens = torch.randint(0, d_vocab, size, generator=torch.Generator().manual_seed(0))
     if size == SIZES[-1]:
         monkeypatch.setattr(SumOfLogistics, "CHUNK_FLOATS", 1)
-    with torch.no_grad():
-        src = count_ops(lambda: run_source(source, tokens))
-        assert src.total > 50  # the counter sees the forward
-        for fused in (False, True):
-            aot.set_use_fused_neurons(fused)
-            conv = count_ops(lambda: aot(tokens))
-            assert conv.total <= 2 * src.total, (fused, conv.total, src.total, conv.counts.most_common(10))
-            assert conv.syncs <= src.syncs, (fused, conv.syncs, src.syncs)
+    assert_converted_ops_and_syncs(source, aot, tokens)
+
+
+def assert_converted_ops_and_syncs(source: Any, aot: Any, tokens: torch.Tensor) -> None:
+    """:func:`assert_ops_and_syncs` for an already converted ``aot`` on ``tokens`` (both modes; the default mode
+    restored after)."""
+    try:
+        with torch.no_grad():
+            src = count_ops(lambda: run_source(source, tokens))
+            assert src.total > 50  # the counter sees the forward
+            for fused in (False, True):
+                aot.set_use_fused_neurons(fused)
+                conv = count_ops(lambda: aot(tokens))
+                assert conv.total <= 2 * src.total, (fused, conv.total, src.total, conv.counts.most_common(10))
+                assert conv.syncs <= src.syncs, (fused, conv.syncs, src.syncs)
+    finally:
+        aot.set_use_fused_neurons(False)

@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
+from opcount_helpers import assert_converted_ops_and_syncs
 
 import lens_aot
 from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu, clamped_swiglu_fit
@@ -218,3 +219,11 @@ def test_revert_gives_the_clamped_experts_back(bridges) -> None:
     assert _error(bridge, reference, tokens) <= 1e-10
     experts = reference.to_spec().layers[0].mlp.experts
     assert all(isinstance(e, ClampedSwiGLUSpec) and e.limit == FIELDS["swiglu_limit"] for e in experts)
+
+
+def test_operations_per_forward_at_most_twice_the_source(bridges) -> None:
+    """Issue 22: ≤ 2× the source's ATen operations per forward and no more syncs (default and fused modes): clamped
+    SwiGLU experts, attention sinks, sliding-window layers (2 × 24 tokens, window 8; 1.42× at 83fc4e9, 1.03× after
+    the attention and neuron-head operation cuts)."""
+    source = bridges[torch.float32]
+    assert_converted_ops_and_syncs(source, lens_aot.convert(source), _tokens())

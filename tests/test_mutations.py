@@ -86,3 +86,21 @@ def test_a_gated_output_scale_changed_by_1e_3_is_detected(one_thread) -> None:
         with torch.no_grad():
             err = float((aot(_tokens(spec)) - independent_logits(spec, _tokens(spec))).abs().max())
     assert err > TOLERANCES[("gated", torch.float64)], err
+
+
+def test_an_in_place_edit_of_the_product_scales_reaches_the_next_forward(one_thread) -> None:
+    """The product heads cache ``ε/2`` and ``2/ε`` per value of ``scales`` (``ProductAttention._scale_factors``): an
+    in-place 1e-3 edit of ``scales`` after a forward reaches the next forward, bit for bit what the edited model
+    computes without the cache."""
+    spec = random_spec(dtype=torch.float64)  # Llama-shaped, SwiGLU
+    aot = lens_aot.convert(spec, check=False)
+    tokens = _tokens(spec)
+    heads = aot.blocks[0].mlp.product_heads
+    with torch.no_grad():
+        before = aot(tokens)
+        heads.scales.mul_(1.001)
+        after = aot(tokens)
+        heads.__dict__.pop("_scale_cache")
+        uncached = aot(tokens)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, uncached)

@@ -22,7 +22,7 @@ class InputScaledMoEMLP(MoEMLP):
     input_scaled = True
 
     def weighted(
-        self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "batch pos 1"]
+        self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
     ) -> Float[Tensor, "batch pos d_model"]:
         """One expert's routed contribution: the expert (through ``hook_out``) on its input times its weight."""
         return expert.hook_out(expert(x * weight))

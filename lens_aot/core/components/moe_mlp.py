@@ -105,7 +105,7 @@ class MoEMLP(nn.Module):
 
     def token_groups(
         self, indices: Int[Tensor, "tokens top_k"], weights: Float[Tensor, "tokens top_k"]
-    ) -> tuple[tuple[Int[Tensor, " routed"], ...], tuple[Float[Tensor, " routed"], ...]]:
+    ) -> tuple[tuple[Int[Tensor, " routed"], ...], tuple[Float[Tensor, "routed 1"], ...]]:
         """Per expert, the tokens routed to it and their router weights, slot-major (the order of the source's
         ``one_hot(...).permute`` / ``torch.where``, so ``index_add_`` sums in the source's order): one stable sort of
         the ``top_k·tokens`` choices by expert and one host read of the counts, instead of a mask and a
@@ -115,13 +115,14 @@ class MoEMLP(nn.Module):
         order = torch.sort(choice, stable=True).indices
         counts = torch.bincount(choice, minlength=self.n_experts).tolist()
         tokens = (order % n_tokens).split(counts)
-        return tokens, weights.T.reshape(-1).index_select(0, order).split(counts)
+        # weights.T.reshape(-1)[order] without the copy, as [routed, 1] (broadcasting over d_model)
+        return tokens, weights.T.take(order[:, None]).split(counts)
 
     # ---- forward ----
     input_scaled = False  # the router weight scales each expert's output (InputScaledMoEMLP: its input)
 
     def weighted(
-        self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "batch pos 1"]
+        self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
     ) -> Float[Tensor, "batch pos d_model"]:
         """One expert's routed contribution: its output (through ``hook_out``) times its router weight."""
         return expert.hook_out(expert(x)) * weight
@@ -131,6 +132,7 @@ class MoEMLP(nn.Module):
         flat = x.reshape(-1, d_model)
         indices, weights = self.route(flat)
         out = flat.new_zeros(flat.shape)
+        rows, out_rows = flat[None], out[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
         dense_weights: Tensor | None = None
         groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
         for e, expert in enumerate(self.experts):
@@ -138,14 +140,14 @@ class MoEMLP(nn.Module):
                 if dense_weights is None:
                     dense_weights = weights.new_zeros(flat.shape[0], self.n_experts).scatter(1, indices, weights)
                 y = self.weighted(expert, x, dense_weights[:, e].reshape(batch, pos, 1))
-                out = out + y.reshape(-1, d_model)
+                out.add_(y.reshape(-1, d_model))  # in place: out_rows stays its view
                 continue
             if groups is None:
                 groups = self.token_groups(indices, weights)
             token, weight = groups[0][e], groups[1][e]
             if token.numel() == 0:
                 continue
-            out.index_add_(0, token, self.weighted(expert, flat.index_select(0, token)[None], weight[None, :, None])[0])
+            out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
             if self.W_shared_gate is not None:

@@ -127,7 +127,7 @@ class NeuronMLP(nn.Module):
         if self._fused(heads):
             return heads.activation(pre), None
         z = heads.attend(pre)
-        return heads.neuron_output(z), z
+        return heads.neuron_output(z, copy=not heads.aliasing_unseen()), z
 
     def _gated_post(
         self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None
@@ -142,7 +142,7 @@ class NeuronMLP(nn.Module):
             h = gate.activation(pre)
         else:
             z_gate = gate.attend(pre)
-            h = gate.neuron_output(z_gate)
+            h = gate.neuron_output(z_gate, copy=not gate.aliasing_unseen())
             change = self._result_change(gate, z_gate)
             h = h if isinstance(change, float) else h + change
         h = product.hook_gate(h)

@@ -42,14 +42,16 @@ from lens_aot.core.spec import MLPSpec
 from lens_aot.errors import InputRangeError
 
 
-def interleave(plus: Tensor, minus: Tensor) -> Tensor:
-    """``[..., n]`` twice -> ``[..., 2n]`` with ``plus`` at the even heads and ``minus`` at the odd ones (heads ``2n`` /
-    ``2n + 1`` of neuron ``n``): the same values as ``torch.stack((plus, minus), -1).flatten(-2)``. For float32 /
-    float64 on CPU and CUDA it is written as the real view of a complex tensor, one contiguous pass (a stack over a
-    last dimension of 2 is a strided copy, several times slower on CPU: it was the product heads' largest cost)."""
+def interleave(plus: Tensor, minus: Tensor, *trailing: int) -> Tensor:
+    """``[..., n]`` twice -> ``[..., 2n, *trailing]`` (``trailing``: size-1 dimensions to append, in the same view)
+    with ``plus`` at the even heads and ``minus`` at the odd ones (heads ``2n`` / ``2n + 1`` of neuron ``n``): the
+    same values as ``torch.stack((plus, minus), -1).flatten(-2)``. For float32 / float64 on CPU and CUDA it is written
+    as the real view of a complex tensor, one contiguous pass (a stack over a last dimension of 2 is a strided copy,
+    several times slower on CPU: it was the product heads' largest cost)."""
+    shape = (*plus.shape[:-1], 2 * plus.shape[-1], *trailing)
     if plus.dtype in (torch.float32, torch.float64) and plus.device.type in ("cpu", "cuda"):
-        return torch.view_as_real(torch.complex(plus, minus)).flatten(-2)
-    return torch.stack((plus, minus), dim=-1).flatten(-2)
+        return torch.view_as_real(torch.complex(plus, minus)).reshape(shape)
+    return torch.stack((plus, minus), dim=-1).reshape(shape)
 
 
 class ProductAttention(SelfAndSlotHeads):
@@ -137,11 +139,11 @@ class ProductAttention(SelfAndSlotHeads):
     def queries(self, u: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``q = ±ε·u`` (``hook_q``)."""
         scaled = u * self.scales
-        return interleave(scaled, -scaled)[..., None]
+        return interleave(scaled, -scaled, 1)
 
     def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = h`` for both heads of a neuron (``hook_v``)."""
-        return interleave(h, h)[..., None]
+        return interleave(h, h, 1)
 
     def neuron_output(
         self,
@@ -193,8 +195,23 @@ class ProductAttention(SelfAndSlotHeads):
         operations in the same order)."""
         if torch.is_grad_enabled() and (u.requires_grad or h.requires_grad or self.scales.requires_grad):
             return h * torch.tanh(u * (self.scales / 2)) * (2 / self.scales)
-        out = torch.mul(u, self.scales / 2).tanh_()
-        return out.mul_(h).mul_(2 / self.scales)
+        half, twice = self._scale_factors()
+        out = torch.mul(u, half).tanh_()
+        return out.mul_(h).mul_(twice)
+
+    def _scale_factors(self) -> tuple[Float[Tensor, " d_mlp"], Float[Tensor, " d_mlp"]]:
+        """``ε/2`` and ``2/ε``, computed by the same operations as before, once per value of ``scales`` (kept while
+        ``scales`` is the same tensor, unwritten, and the inference mode the same; a tensor made under inference mode
+        has no version counter, so its factors are computed each time) instead of three operations per
+        forward."""
+        scales = self.scales
+        if scales.is_inference():  # no version counter to tell an in-place edit: computed each time
+            return scales / 2, 2 / scales
+        key = (scales._version, torch.is_inference_mode_enabled())
+        cached = self.__dict__.get("_scale_cache")
+        if cached is None or cached[0] is not scales or cached[1] != key:
+            cached = self.__dict__["_scale_cache"] = (scales, key, (scales / 2, 2 / scales))
+        return cached[2]
 
     def check_range(self, u: Float[Tensor, "... pos d_mlp"], h: Float[Tensor, "... pos d_mlp"]) -> None:
         """Raise :class:`~lens_aot.errors.InputRangeError` if some ``|u_n| > U_n`` or ``|h_n| > H_n`` (the range the

@@ -27,7 +27,7 @@ class QueryTemperature(nn.Module):
         positions = torch.arange(q.shape[1], device=q.device) + past
         # the source's float32 steps: log1p(floor((p + 1.0) / floor_scale)) · attn_scale + 1.0
         scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.scale + 1.0
-        return (q * scale[None, :, None, None]).to(q.dtype)
+        return (q * scale.view(1, -1, 1, 1)).to(q.dtype)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, floor_scale={self.floor_scale}"
