@@ -35,6 +35,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.ownership import exported, parameter, through_hook
+from lens_aot.core.components.workspace import scratch, unobserved
 from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
 
@@ -99,7 +100,10 @@ class SelfAndSlotHeads(nn.Module):
     ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
         """Every head's ``hook_z`` from the tensors its queries and values are computed from, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
-        ``z`` is the standard one: every per-head tensor came through its hook point unwritten, on the closed form."""
+        ``z`` is the standard one: every per-head tensor came through its hook point unwritten, on the closed form.
+        While nothing observes the heads (:meth:`_packable`) the same values are computed by :meth:`_attend_packed`."""
+        if self._packable(q_in, v_in):
+            return self._attend_packed(q_in, v_in)
         q, q_same = through_hook(self.hook_q, self.queries(q_in))
         # Unhooked, hook_k still runs, on a broadcast zero (no [batch, pos, head, 1] buffer to fill); hooked, on a
         # real tensor that hooks may write in place.
@@ -111,6 +115,48 @@ class SelfAndSlotHeads(nn.Module):
     def internal_hooks(self) -> tuple[HookPoint, ...]:
         """The per-head hooks, which need the per-head computation when attached."""
         return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
+
+    # ---- the same computation, packed, while nothing observes the heads ----
+    def write_queries(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        """``queries(x)`` written into ``out`` (subclasses write it directly, by the same operations)."""
+        out.copy_(self.queries(x).squeeze(-1))
+
+    def write_values(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        """``values(x)`` written into ``out``."""
+        out.copy_(self.values(x).squeeze(-1))
+
+    def _packable(self, q_in: Tensor, v_in: Tensor) -> bool:
+        """Whether :meth:`_attend_packed` gives ``z`` bitwise as :func:`attend_self_and_slot` does: float32 / float64
+        on CPU (``glu`` and ``sigmoid`` + ``mul`` are the same vector operations there), no per-head hook or
+        ``hook_result`` that could read or write the tensors, no gradient through them."""
+        return (
+            q_in.device.type == "cpu"
+            and q_in.dtype in (torch.float32, torch.float64)
+            and v_in.dtype == q_in.dtype
+            and not self.use_attn_result
+            and not (torch.is_grad_enabled() and (q_in.requires_grad or v_in.requires_grad))
+            and unobserved(*self.internal_hooks())
+        )
+
+    def _attend_packed(
+        self, q_in: Float[Tensor, "batch pos d_mlp"], v_in: Float[Tensor, "batch pos d_mlp"]
+    ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
+        """``_attend`` with ``v`` and ``q`` written side by side in one buffer and ``z = σ(q)·v`` as one ``glu`` over
+        it (one pass over the heads instead of two), the buffers lent by the forward's workspace
+        (:mod:`~lens_aot.core.components.workspace`): every hook point still runs, on the same values. The returned
+        ``z`` is valid until the next head module's ``attend`` in the same forward; callers read it at once."""
+        shape = (*q_in.shape[:-1], self.n_heads)
+        qv = scratch("neuron_heads.qv", (2, *shape), q_in)
+        self.write_values(v_in, qv[0])
+        self.write_queries(q_in, qv[1])
+        q, q_same = through_hook(self.hook_q, qv[1][..., None])
+        k, keys_zero = through_hook(self.hook_k, q_in.new_zeros(()).expand(*shape, 1))
+        v, v_same = through_hook(self.hook_v, qv[0][..., None])
+        if not (q_same and v_same and keys_zero):  # a hook attached on the way: the general computation
+            return attend_self_and_slot(self, q, k, v, keys_zero, q_same and v_same)
+        z = torch.ops.aten.glu.out(qv, 0, out=scratch("neuron_heads.z", (1, *shape), q_in))[0]
+        z, z_same = through_hook(self.hook_z, z[..., None])
+        return z, z_same
 
 
 class NeuronAttention(SelfAndSlotHeads):
@@ -186,6 +232,12 @@ class NeuronAttention(SelfAndSlotHeads):
     def values(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = α_k·z + β_k`` for every head (``hook_v``)."""
         return torch.addcmul(self.term_beta, pre[..., None], self.term_alpha).flatten(-2)[..., None]
+
+    def write_queries(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        torch.addcmul(self.term_d, pre[..., None], self.term_b, out=out.unflatten(-1, (self.d_mlp, -1)))
+
+    def write_values(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        torch.addcmul(self.term_beta, pre[..., None], self.term_alpha, out=out.unflatten(-1, (self.d_mlp, -1)))
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:

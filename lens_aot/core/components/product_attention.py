@@ -42,13 +42,19 @@ from lens_aot.core.spec import MLPSpec
 from lens_aot.errors import InputRangeError
 
 
-def interleave(plus: Tensor, minus: Tensor) -> Tensor:
+def interleave(plus: Tensor, minus: Tensor, out: Tensor | None = None) -> Tensor:
     """``[..., n]`` twice -> ``[..., 2n]`` with ``plus`` at the even heads and ``minus`` at the odd ones (heads ``2n`` /
     ``2n + 1`` of neuron ``n``): the same values as ``torch.stack((plus, minus), -1).flatten(-2)``. For float32 /
     float64 on CPU and CUDA it is written as the real view of a complex tensor, one contiguous pass (a stack over a
-    last dimension of 2 is a strided copy, several times slower on CPU: it was the product heads' largest cost)."""
+    last dimension of 2 is a strided copy, several times slower on CPU: it was the product heads' largest cost).
+    ``out``: a contiguous ``[..., 2n]`` tensor written (and returned) instead of a new one."""
     if plus.dtype in (torch.float32, torch.float64) and plus.device.type in ("cpu", "cuda"):
+        if out is not None:
+            torch.complex(plus, minus, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+            return out
         return torch.view_as_real(torch.complex(plus, minus)).flatten(-2)
+    if out is not None:
+        return out.copy_(torch.stack((plus, minus), dim=-1).flatten(-2))
     return torch.stack((plus, minus), dim=-1).flatten(-2)
 
 
@@ -142,6 +148,13 @@ class ProductAttention(SelfAndSlotHeads):
     def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = h`` for both heads of a neuron (``hook_v``)."""
         return interleave(h, h)[..., None]
+
+    def write_queries(self, u: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        scaled = u * self.scales
+        interleave(scaled, -scaled, out)
+
+    def write_values(self, h: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        interleave(h, h, out)
 
     def neuron_output(
         self,
