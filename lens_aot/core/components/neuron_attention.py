@@ -147,15 +147,16 @@ class SelfAndSlotHeads(nn.Module):
         ``z`` is valid until the next head module's ``attend`` in the same forward; callers read it at once."""
         shape = (*q_in.shape[:-1], self.n_heads)
         qv = scratch("neuron_heads.qv", (2, *shape), q_in)
-        self.write_values(v_in, qv[0])
-        self.write_queries(q_in, qv[1])
-        q, q_same = through_hook(self.hook_q, qv[1][..., None])
+        v_out, q_out = qv.unbind(0)
+        self.write_values(v_in, v_out)
+        self.write_queries(q_in, q_out)
+        q, q_same = through_hook(self.hook_q, q_out.unsqueeze(-1))
         k, keys_zero = through_hook(self.hook_k, q_in.new_zeros(()).expand(*shape, 1))
-        v, v_same = through_hook(self.hook_v, qv[0][..., None])
+        v, v_same = through_hook(self.hook_v, v_out.unsqueeze(-1))
         if not (q_same and v_same and keys_zero):  # a hook attached on the way: the general computation
             return attend_self_and_slot(self, q, k, v, keys_zero, q_same and v_same)
-        z = torch.ops.aten.glu.out(qv, 0, out=scratch("neuron_heads.z", (1, *shape), q_in))[0]
-        z, z_same = through_hook(self.hook_z, z[..., None])
+        z = torch.ops.aten.glu.out(qv, 0, out=scratch("neuron_heads.z", (1, *shape), q_in))
+        z, z_same = through_hook(self.hook_z, z.view(*shape, 1))
         return z, z_same
 
 

@@ -46,7 +46,10 @@ class Workspace:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer[:numel].view(shape)
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        return buffer.as_strided(shape, strides)  # the first numel elements, contiguous
 
 
 _ACTIVE: ContextVar[Workspace | None] = ContextVar("lens_aot_workspace", default=None)
