@@ -85,9 +85,11 @@ def test_packed_path_only_while_nothing_observes_the_heads() -> None:
     pre = pre.detach()
     assert not heads._packable(pre.half(), pre.half())
     for name in INTERNAL + ("hook_attn_scores", "hook_pattern"):
-        handle = getattr(heads, name).register_forward_hook(lambda *args: None)
-        assert not heads._packable(pre, pre), name
-        handle.remove()
+        for register in ("register_forward_hook", "register_forward_pre_hook"):
+            handle = getattr(getattr(heads, name), register)(lambda *args: None)
+            assert not heads._packable(pre, pre), (name, register)
+            handle.remove()
+    assert heads._packable(pre, pre)
     seen: list[Tensor] = []
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, out: seen.append(out))
     try:

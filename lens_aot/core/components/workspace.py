@@ -21,8 +21,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules import module as _module
+from transformer_lens.hook_points import HookPoint
 
 from lens_aot.tl.hooks import hooked
 
@@ -84,9 +85,12 @@ def scratch(slot: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     return workspace.take(slot, shape, like)
 
 
-def unobserved(*points: nn.Module) -> bool:
-    """True if no hook is attached to ``points`` and no global module hook could see their tensors, so a tensor
-    passed through them is read by the caller alone."""
+def unobserved(*points: HookPoint) -> bool:
+    """True if no hook (pre-hooks included) is attached to ``points`` and no global module hook could see their
+    tensors, so a tensor passed through them is read by the caller alone."""
     names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
     names += ("_global_backward_pre_hooks",)
-    return not hooked(*points) and not any(len(getattr(_module, name, ())) for name in names)  # type: ignore[arg-type]
+    if any(len(getattr(_module, name, ())) for name in names):
+        return False
+    pre_hooks = any(len(p._forward_pre_hooks) or len(getattr(p, "_backward_pre_hooks", ())) for p in points)
+    return not pre_hooks and not hooked(*points)
