@@ -125,6 +125,12 @@ class SelfAndSlotHeads(nn.Module):
         """``values(x)`` written into ``out``."""
         out.copy_(self.values(x).squeeze(-1))
 
+    def write_packed(self, q_in: Tensor, v_in: Tensor, qv: Float[Tensor, "2 ... pos n_heads"]) -> None:
+        """``values(v_in)`` into ``qv[0]`` and ``queries(q_in)`` into ``qv[1]``."""
+        v_out, q_out = qv.unbind(0)
+        self.write_values(v_in, v_out)
+        self.write_queries(q_in, q_out)
+
     def _packable(self, q_in: Tensor, v_in: Tensor) -> bool:
         """Whether :meth:`_attend_packed` gives ``z`` bitwise as :func:`attend_self_and_slot` does: float32 / float64
         on CPU (``glu`` and ``sigmoid`` + ``mul`` are the same vector operations there), no per-head hook or
@@ -147,9 +153,8 @@ class SelfAndSlotHeads(nn.Module):
         ``z`` is valid until the next head module's ``attend`` in the same forward; callers read it at once."""
         shape = (*q_in.shape[:-1], self.n_heads)
         qv = scratch("neuron_heads.qv", (2, *shape), q_in)
+        self.write_packed(q_in, v_in, qv)
         v_out, q_out = qv.unbind(0)
-        self.write_values(v_in, v_out)
-        self.write_queries(q_in, q_out)
         q, q_same = through_hook(self.hook_q, q_out.unsqueeze(-1))
         k, keys_zero = through_hook(self.hook_k, q_in.new_zeros(()).expand(*shape, 1))
         v, v_same = through_hook(self.hook_v, v_out.unsqueeze(-1))
@@ -239,6 +244,19 @@ class NeuronAttention(SelfAndSlotHeads):
 
     def write_values(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         torch.addcmul(self.term_beta, pre[..., None], self.term_alpha, out=out.unflatten(-1, (self.d_mlp, -1)))
+
+    def write_packed(self, q_in: Tensor, v_in: Tensor, qv: Float[Tensor, "2 ... pos n_heads"]) -> None:
+        """With K > 1 terms: ``pre`` repeated K times (a lent buffer), then ``v`` and ``q`` as one contiguous
+        ``addcmul`` with the terms laid out per head: the same fused multiply-add per element as the broadcast one
+        (over a last dimension of K, slower on CPU)."""
+        if self.heads_per_neuron == 1 or v_in is not q_in:
+            return super().write_packed(q_in, v_in, qv)
+        repeated = scratch("neuron_heads.pre", qv.shape[1:], q_in)
+        repeated.unflatten(-1, (self.d_mlp, -1)).copy_(q_in.unsqueeze(-1))
+        lead = (1,) * (q_in.dim() - 1)
+        offsets = torch.stack((self.term_beta, self.term_d)).repeat(1, self.d_mlp).view(2, *lead, -1)
+        slopes = torch.stack((self.term_alpha, self.term_b)).repeat(1, self.d_mlp).view(2, *lead, -1)
+        torch.addcmul(offsets, repeated, slopes, out=qv)
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
