@@ -31,6 +31,7 @@ from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.squared_relu_mlp import neuron_mlp
 from lens_aot.core.components.transformer import SpecTransformer
+from lens_aot.core.components.workspace import forward_workspace
 from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
@@ -76,8 +77,7 @@ class HeadOrigin(NamedTuple):
 
 class ExpertHeadOrigin(NamedTuple):
     """What a neuron head of a mixture-of-experts layer was: neuron ``index`` of expert ``expert`` (an index, or
-    ``"shared"``) of source layer ``layer``'s MLP, ``component`` its position in
-    ``neuron_heads(layer, index, expert=expert)``."""
+    ``"shared"``) of source layer ``layer``'s MLP; ``component``: its place in ``neuron_heads(layer, index, ...)``."""
 
     kind: Literal["neuron"]
     layer: int
@@ -179,9 +179,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         TransformerLens semantics: ``stop_at_layer=l`` returns the residual stream before block ``l``;
         ``start_at_layer=l`` takes ``input`` as the residual stream before block ``l`` (``tokens`` for the loss);
         ``attention_mask`` (1 token, 0 padding) and ``padding_side`` handle padded batches, left padding included
-        (positions count from each sequence's first token); ``past_kv_cache`` (:class:`~lens_aot.core.kv_cache.
-        KeyValueCache`) continues from cached keys and values. Neuron heads attend only to their own position and
-        the bias slot, so padding and the cache concern the source's attention alone.
+        (positions count from each sequence's first token); ``past_kv_cache`` (a :class:`~lens_aot.core.kv_cache.
+        KeyValueCache`) continues from cached keys and values (both concern the source's attention alone).
         """
         self._sync_switches()
         mask = None
@@ -195,12 +194,13 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         else:
             resid = input
             mask = attention_mask
-        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:
-            block, device = self.blocks[layer], self._block_devices[layer]
-            if resid.device != device:  # a model over several devices: the residual follows the blocks
-                resid = resid.to(device)
-            entry = None if past_kv_cache is None else past_kv_cache[layer]
-            resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
+        with forward_workspace():  # the neuron heads' unobserved per-head tensors reuse one buffer, layer to layer
+            for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:
+                block, device = self.blocks[layer], self._block_devices[layer]
+                if resid.device != device:  # a model over several devices: the residual follows the blocks
+                    resid = resid.to(device)
+                entry = None if past_kv_cache is None else past_kv_cache[layer]
+                resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
         if stop_at_layer is not None:
             return resid
         if resid.device != self.unembed.W_U.device:

@@ -35,6 +35,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.ownership import exported, parameter, through_hook
+from lens_aot.core.components.workspace import scratch, unobserved
 from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
 
@@ -111,7 +112,10 @@ class SelfAndSlotHeads(nn.Module):
     ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
         """Every head's ``hook_z`` from the tensors its queries and values are computed from, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
-        ``z`` is the standard one: every per-head tensor came through its hook point unwritten, on the closed form."""
+        ``z`` is the standard one: every per-head tensor came through its hook point unwritten, on the closed form.
+        While nothing observes the heads (:meth:`_packable`) the same values are computed by :meth:`_attend_packed`."""
+        if self._packable(q_in, v_in):
+            return self._attend_packed(q_in, v_in)
         q, q_same = through_hook(self.hook_q, self.queries(q_in))
         # Unhooked, hook_k still runs, on a broadcast zero (no [batch, pos, head, 1] buffer to fill); hooked, on a
         # real tensor that hooks may write in place.
@@ -123,6 +127,55 @@ class SelfAndSlotHeads(nn.Module):
     def internal_hooks(self) -> tuple[HookPoint, ...]:
         """The per-head hooks, which need the per-head computation when attached."""
         return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
+
+    # ---- the same computation, packed, while nothing observes the heads ----
+    def write_queries(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        """``queries(x)`` written into ``out`` (subclasses write it directly, by the same operations; a subclass that
+        changes :meth:`queries` or :meth:`values` changes these and :meth:`write_packed` with them)."""
+        out.copy_(self.queries(x).squeeze(-1))
+
+    def write_values(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        """``values(x)`` written into ``out``."""
+        out.copy_(self.values(x).squeeze(-1))
+
+    def write_packed(self, q_in: Tensor, v_in: Tensor, qv: Float[Tensor, "2 ... pos n_heads"]) -> None:
+        """``values(v_in)`` into ``qv[0]`` and ``queries(q_in)`` into ``qv[1]``."""
+        v_out, q_out = qv.unbind(0)
+        self.write_values(v_in, v_out)
+        self.write_queries(q_in, q_out)
+
+    def _packable(self, q_in: Tensor, v_in: Tensor) -> bool:
+        """Whether :meth:`_attend_packed` gives ``z`` bitwise as :func:`attend_self_and_slot` does: float32 / float64
+        on CPU (``glu`` and ``sigmoid`` + ``mul`` are the same vector operations there), no per-head hook or
+        ``hook_result`` that could read or write the tensors, no gradient through them."""
+        return (
+            q_in.device.type == "cpu"
+            and q_in.dtype in (torch.float32, torch.float64)
+            and v_in.dtype == q_in.dtype
+            and not self.use_attn_result
+            and not (torch.is_grad_enabled() and (q_in.requires_grad or v_in.requires_grad))
+            and unobserved(*self.internal_hooks())
+        )
+
+    def _attend_packed(
+        self, q_in: Float[Tensor, "batch pos d_mlp"], v_in: Float[Tensor, "batch pos d_mlp"]
+    ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
+        """``_attend`` with ``v`` and ``q`` written side by side in one buffer and ``z = σ(q)·v`` as one ``glu`` over
+        it (one pass over the heads instead of two), the buffers lent by the forward's workspace
+        (:mod:`~lens_aot.core.components.workspace`): every hook point still runs, on the same values. The returned
+        ``z`` is valid until the next head module's ``attend`` in the same forward; callers read it at once."""
+        shape = (*q_in.shape[:-1], self.n_heads)
+        qv = scratch("neuron_heads.qv", (2, *shape), q_in)
+        self.write_packed(q_in, v_in, qv)
+        v_out, q_out = qv.unbind(0)
+        q, q_same = through_hook(self.hook_q, q_out.unsqueeze(-1))
+        k, keys_zero = through_hook(self.hook_k, q_in.new_zeros(()).expand(*shape, 1))
+        v, v_same = through_hook(self.hook_v, v_out.unsqueeze(-1))
+        if not (q_same and v_same and keys_zero):  # a hook attached on the way: the general computation
+            return attend_self_and_slot(self, q, k, v, keys_zero, q_same and v_same)
+        z = torch.ops.aten.glu.out(qv, 0, out=scratch("neuron_heads.z", (1, *shape), q_in))
+        z, z_same = through_hook(self.hook_z, z.view(*shape, 1))
+        return z, z_same
 
 
 class NeuronAttention(SelfAndSlotHeads):
@@ -206,6 +259,25 @@ class NeuronAttention(SelfAndSlotHeads):
     def values(self, pre: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = α_k·z + β_k`` for every head (``hook_v``)."""
         return self._per_term(pre, self.term_beta, self.term_alpha)
+
+    def write_queries(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        torch.addcmul(self.term_d, pre[..., None], self.term_b, out=out.unflatten(-1, (self.d_mlp, -1)))
+
+    def write_values(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        torch.addcmul(self.term_beta, pre[..., None], self.term_alpha, out=out.unflatten(-1, (self.d_mlp, -1)))
+
+    def write_packed(self, q_in: Tensor, v_in: Tensor, qv: Float[Tensor, "2 ... pos n_heads"]) -> None:
+        """With K > 1 terms: ``pre`` repeated K times (a lent buffer), then ``v`` and ``q`` as one contiguous
+        ``addcmul`` with the terms laid out per head: the same fused multiply-add per element as the broadcast one
+        (over a last dimension of K, slower on CPU)."""
+        if self.heads_per_neuron == 1 or v_in is not q_in:
+            return super().write_packed(q_in, v_in, qv)
+        repeated = scratch("neuron_heads.pre", qv.shape[1:], q_in)
+        repeated.unflatten(-1, (self.d_mlp, -1)).copy_(q_in.unsqueeze(-1))
+        lead = (1,) * (q_in.dim() - 1)
+        offsets = torch.stack((self.term_beta, self.term_d)).repeat(1, self.d_mlp).view(2, *lead, -1)
+        slopes = torch.stack((self.term_alpha, self.term_b)).repeat(1, self.d_mlp).view(2, *lead, -1)
+        torch.addcmul(offsets, repeated, slopes, out=qv)
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:

@@ -42,14 +42,21 @@ from lens_aot.core.spec import MLPSpec
 from lens_aot.errors import InputRangeError
 
 
-def interleave(plus: Tensor, minus: Tensor, *trailing: int) -> Tensor:
+def interleave(plus: Tensor, minus: Tensor, *trailing: int, out: Tensor | None = None) -> Tensor:
     """``[..., n]`` twice -> ``[..., 2n, *trailing]`` (``trailing``: size-1 dimensions to append, in the same view)
     with ``plus`` at the even heads and ``minus`` at the odd ones (heads ``2n`` / ``2n + 1`` of neuron ``n``): the
     same values as ``torch.stack((plus, minus), -1).flatten(-2)``. For float32 / float64 on CPU and CUDA it is written
     as the real view of a complex tensor, one contiguous pass (a stack over a last dimension of 2 is a strided copy,
-    several times slower on CPU: it was the product heads' largest cost)."""
+    several times slower on CPU: it was the product heads' largest cost). ``out``: a contiguous ``[..., 2n]`` tensor
+    written (and returned) instead of a new one (``trailing`` unused then)."""
+    fast = plus.dtype in (torch.float32, torch.float64) and plus.device.type in ("cpu", "cuda")
+    if out is not None:
+        if fast:
+            torch.complex(plus, minus, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+            return out
+        return out.copy_(torch.stack((plus, minus), dim=-1).flatten(-2))
     shape = (*plus.shape[:-1], 2 * plus.shape[-1], *trailing)
-    if plus.dtype in (torch.float32, torch.float64) and plus.device.type in ("cpu", "cuda"):
+    if fast:
         return torch.view_as_real(torch.complex(plus, minus)).reshape(shape)
     return torch.stack((plus, minus), dim=-1).reshape(shape)
 
@@ -144,6 +151,13 @@ class ProductAttention(SelfAndSlotHeads):
     def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = h`` for both heads of a neuron (``hook_v``)."""
         return interleave(h, h, 1)
+
+    def write_queries(self, u: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        scaled = u * self.scales
+        interleave(scaled, -scaled, out=out)
+
+    def write_values(self, h: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
+        interleave(h, h, out=out)
 
     def neuron_output(
         self,
