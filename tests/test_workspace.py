@@ -53,11 +53,15 @@ def test_packed_neuron_heads_equal_the_per_head_path_bitwise(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_packed_gate_and_product_heads_in_a_model_equal_the_per_head_path(dtype: torch.dtype) -> None:
-    """A gated GELU model: every layer's ``hook_post`` (hooked; the heads unhooked, so packed and lent the same
-    buffers layer after layer) and the logits equal those of the per-head path (a no-op hook on each head's
-    internals), bitwise; the second forward reuses the first one's workspace."""
-    aot = lens_aot.convert(random_spec(act_fn="gelu", gated=True, n_layers=2, d_mlp=40, dtype=dtype)).eval()
+@pytest.mark.parametrize(("act_fn", "gated"), [("gelu", True), ("silu", True), ("silu", False)])
+def test_packed_gate_and_product_heads_in_a_model_equal_the_per_head_path(
+    dtype: torch.dtype, act_fn: str, gated: bool
+) -> None:
+    """A gated GELU model, and SiLU ones (one term: the activation may be a view of ``hook_z``, never of a lent
+    buffer): every layer's ``hook_post`` (hooked; the heads unhooked, so packed and lent the same buffers layer after
+    layer) and the logits equal those of the per-head path (a no-op hook on each head's internals), bitwise; the
+    second forward reuses the first one's workspace."""
+    aot = lens_aot.convert(random_spec(act_fn=act_fn, gated=gated, n_layers=2, d_mlp=40, dtype=dtype)).eval()
     tokens = torch.randint(0, 50, (2, 19), generator=torch.Generator().manual_seed(0))
     posts = [f"blocks.{layer}.mlp.hook_post" for layer in range(2)]
     keep = lambda name: name in posts  # noqa: E731
@@ -67,7 +71,11 @@ def test_packed_gate_and_product_heads_in_a_model_equal_the_per_head_path(dtype:
         again = aot(tokens)
         assert workspace._RETAINED == [retained]  # taken and given back
         heads = [name for name in aot.hook_dict if "_heads." in name and name.split(".")[-1] in INTERNAL]
-        assert any(".gate_heads." in name for name in heads) and any(".product_heads." in name for name in heads)
+        assert (
+            not gated
+            or any(".gate_heads." in name for name in heads)
+            and any(".product_heads." in name for name in heads)
+        )
         with aot.hooks(fwd_hooks=[(name, lambda t, hook: t) for name in heads]):
             per_head_logits, per_head = aot.run_with_cache(tokens, names_filter=keep)
     assert torch.equal(logits, per_head_logits) and torch.equal(again, logits)

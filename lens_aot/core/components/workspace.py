@@ -85,6 +85,15 @@ def scratch(slot: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     return workspace.take(slot, shape, like)
 
 
+def lent(t: Tensor) -> bool:
+    """Whether ``t`` views a buffer of the active workspace (so it must be copied before it outlives the layer)."""
+    workspace = _ACTIVE.get()
+    if workspace is None:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(ptr == b.untyped_storage().data_ptr() for b in workspace._buffers.values())
+
+
 def unobserved(*points: HookPoint) -> bool:
     """True if no hook (pre-hooks included) is attached to ``points`` and no global module hook could see their
     tensors, so a tensor passed through them is read by the caller alone."""
