@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import TOLERANCES
 from factories_moe import N_EXPERTS, TOP_K, moe_bridge
+from opcount_helpers import assert_converted_ops_and_syncs
 
 import lens_aot
 import lens_aot.patching as P
@@ -23,7 +24,6 @@ from lens_aot.core.faithfulness import neuron_sensitivity
 from lens_aot.core.model import ExpertHeadOrigin
 from lens_aot.core.moe import MoEFit, sensitivity_hooks
 from lens_aot.core.names import parse_label
-from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import read_model, run_source
 from lens_aot.core.reference import MLPTransformer
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
@@ -250,14 +250,4 @@ def test_operations_per_forward_at_most_twice_the_source(converted, family: str)
     """Issue 22: the converted MoE forward dispatches ≤ 2× the source's ATen operations (deterministic counts, both
     modes), with no more host-device syncs than the source's own routing loop."""
     bridge, aot = converted[(family, torch.float32)]
-    tokens = _tokens(8, (2, 24))
-    try:
-        with torch.no_grad():
-            src = count_ops(lambda: run_source(bridge, tokens))
-            for fused in (False, True):
-                aot.set_use_fused_neurons(fused)
-                conv = count_ops(lambda: aot(tokens))
-                assert conv.total <= 2 * src.total, (fused, conv.total, src.total, conv.counts.most_common(8))
-                assert conv.syncs <= src.syncs, (fused, conv.syncs, src.syncs)
-    finally:
-        aot.set_use_fused_neurons(False)
+    assert_converted_ops_and_syncs(bridge, aot, _tokens(8, (2, 24)))
