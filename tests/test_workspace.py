@@ -19,6 +19,12 @@ from lens_aot.core.spec import MLPSpec
 INTERNAL = ("hook_q", "hook_k", "hook_v", "hook_z")
 
 
+@pytest.fixture(autouse=True)
+def packed_at_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed path at these tiny sizes too (a model takes it from ``PACKED_MIN_ELEMENTS`` per-head elements)."""
+    monkeypatch.setattr(SelfAndSlotHeads, "PACKED_MIN_ELEMENTS", 0)
+
+
 def per_head_z(heads: SelfAndSlotHeads, q_in: Tensor, v_in: Tensor) -> Tensor:
     """``hook_z`` by the per-head path (queries, values, the closed-form two-key softmax), as before packing."""
     q, v = heads.queries(q_in), heads.values(v_in)
@@ -127,3 +133,11 @@ def test_workspace_lends_one_buffer_per_slot_and_keeps_only_a_small_one(monkeypa
     with workspace.forward_workspace():
         workspace.scratch("x", (5,), like)
     assert workspace._RETAINED == []  # 20 bytes > 16: dropped when its forward ended
+
+
+def test_tiny_inputs_take_the_per_head_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SelfAndSlotHeads, "PACKED_MIN_ELEMENTS", 1 << 16)
+    heads = neuron_heads("gelu", torch.float32)  # 24 neurons x K heads per position
+    small = torch.randn(1, 8, 24)
+    large = torch.randn(1, (1 << 16) // heads.n_heads + 1, 24)
+    assert not heads._packable(small, small) and heads._packable(large, large)

@@ -59,6 +59,10 @@ class SelfAndSlotHeads(nn.Module):
     its heads read)."""
 
     d_head = 1
+    # the packed path (:meth:`_attend_packed`) from this many per-head elements up: it saves the page faults of
+    # allocating large per-head tensors afresh in every layer, and costs ~10 small view operations per module, which
+    # tiny inputs (where allocation is cheap) need not pay
+    PACKED_MIN_ELEMENTS = 1 << 16
     attn_scale = 1.0
     n_heads: int
     W_in: Tensor
@@ -145,11 +149,13 @@ class SelfAndSlotHeads(nn.Module):
         self.write_queries(q_in, q_out)
 
     def _packable(self, q_in: Tensor, v_in: Tensor) -> bool:
-        """Whether :meth:`_attend_packed` gives ``z`` bitwise as :func:`attend_self_and_slot` does: float32 / float64
-        on CPU (``glu`` and ``sigmoid`` + ``mul`` are the same vector operations there), no per-head hook or
-        ``hook_result`` that could read or write the tensors, no gradient through them."""
+        """Whether to take :meth:`_attend_packed`, which gives ``z`` bitwise as :func:`attend_self_and_slot` does:
+        per-head tensors of at least :attr:`PACKED_MIN_ELEMENTS`, float32 / float64 on CPU (``glu`` and ``sigmoid`` +
+        ``mul`` are the same vector operations there), no per-head hook or ``hook_result`` that could read or write
+        the tensors, no gradient through them."""
         return (
             q_in.device.type == "cpu"
+            and q_in.numel() // max(q_in.shape[-1], 1) * self.n_heads >= self.PACKED_MIN_ELEMENTS
             and q_in.dtype in (torch.float32, torch.float64)
             and v_in.dtype == q_in.dtype
             and not self.use_attn_result
