@@ -23,6 +23,7 @@ from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter, table
 from lens_aot.core.components.query_scale import PositionQueryScale
 from lens_aot.core.components.query_temperature import QueryTemperature
+from lens_aot.core.components.scalars import scalar
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.components.v_norm import make_v_norm
@@ -108,22 +109,10 @@ def mask_scores(
     if mask is None and causal:
         pos = scores.shape[-1]
         seen = torch.ones(pos, pos, dtype=torch.bool, device=scores.device).tril()
-        return torch.where(seen, scores, _minus_inf(scores))
+        return torch.where(seen, scores, scalar(float("-inf"), scores))
     if mask is not None:
-        return torch.where(mask, scores, _minus_inf(scores))
+        return torch.where(mask, scores, scalar(float("-inf"), scores))
     return scores
-
-
-_MINUS_INF: dict[tuple[torch.device, torch.dtype, bool], Tensor] = {}
-
-
-def _minus_inf(like: Tensor) -> Float[Tensor, ""]:
-    """A 0-dim ``-inf`` of ``like``'s dtype and device, made once per inference mode (never written)."""
-    key = (like.device, like.dtype, torch.is_inference_mode_enabled())
-    value = _MINUS_INF.get(key)
-    if value is None:
-        value = _MINUS_INF[key] = torch.full((), float("-inf"), dtype=like.dtype, device=like.device)
-    return value
 
 
 def zero_unseen(

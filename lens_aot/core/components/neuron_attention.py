@@ -35,21 +35,10 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.ownership import exported, parameter, through_hook
+from lens_aot.core.components.scalars import scalar
 from lens_aot.core.components.workspace import scratch, unobserved
 from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
-
-_ZEROS: dict[tuple[torch.device, torch.dtype, bool], Tensor] = {}
-
-
-def _zero(like: Tensor) -> Float[Tensor, ""]:
-    """A 0-dim zero of ``like``'s dtype and device, made once (per inference mode): what unhooked ``hook_k`` sees,
-    broadcast (an expanded tensor cannot be written in place, so the shared zero stays 0)."""
-    key = (like.device, like.dtype, torch.is_inference_mode_enabled())
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
-    return zero
 
 
 class SelfAndSlotHeads(nn.Module):
@@ -123,7 +112,7 @@ class SelfAndSlotHeads(nn.Module):
         q, q_same = through_hook(self.hook_q, self.queries(q_in))
         # Unhooked, hook_k still runs, on a broadcast zero (no [batch, pos, head, 1] buffer to fill); hooked, on a
         # real tensor that hooks may write in place.
-        keys = self.keys(q_in) if _hooked(self.hook_k) else _zero(q_in).expand(*q_in.shape[:-1], self.n_heads, 1)
+        keys = self.keys(q_in) if _hooked(self.hook_k) else scalar(0.0, q_in).expand(*q_in.shape[:-1], self.n_heads, 1)
         k, keys_zero = through_hook(self.hook_k, keys)
         v, v_same = through_hook(self.hook_v, self.values(v_in))
         return attend_self_and_slot(self, q, k, v, keys_zero, q_same and v_same)
