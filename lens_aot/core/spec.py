@@ -321,6 +321,9 @@ class MoESpec:
     # Llama 4: each chosen expert's router weight scales its *input* (``expert(w·x)``), not its output
     # (:mod:`lens_aot.core.components.input_scaled_moe`).
     input_scaled: bool = False
+    # The experts' hook names (lens_aot.core.components.source_expert_hooks): "lens_aot" (the dense gated MLP's),
+    # or a TransformerLens 3.9 source's own, "transformer_lens_moe" (``MoE``) / "transformer_lens_gpt_oss_moe".
+    hook_names: str = "lens_aot"
 
     @property
     def max_routed_weight(self) -> float:

@@ -7,7 +7,9 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
              softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor,
              b_out (optional: JetMoE's output bias, written only when set),
              input_scaled (optional: true when the router weights scale the experts' inputs, Llama 4),
-             router (optional: a DeepSeek group-limited router, written only when set)}
+             router (optional: a DeepSeek group-limited router, written only when set),
+             hook_names (optional: the experts' hook names when not lens_aot's, "transformer_lens_moe" or
+             "transformer_lens_gpt_oss_moe": lens_aot.core.components.source_expert_hooks)}
     router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
@@ -22,6 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lens_aot.core.components.source_expert_hooks import HOOK_NAMES, LENS_AOT
 from lens_aot.core.moe import MoEFit
 from lens_aot.core.moe_routers import GroupRouterSpec
 from lens_aot.core.spec import MoESpec
@@ -62,6 +65,8 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
         out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
     if moe.input_scaled:
         out["input_scaled"] = True
+    if moe.hook_names != LENS_AOT:
+        out["hook_names"] = str(moe.hook_names)
     if moe.router is not None:
         r = moe.router
         out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
@@ -93,7 +98,9 @@ def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled"))
+    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names"))
+    if f.get("hook_names", LENS_AOT) not in HOOK_NAMES[1:] and "hook_names" in f:
+        raise LoadError(f"{decoder.where}: {path}.hook_names is {f['hook_names']!r}, not one of {HOOK_NAMES[1:]}.")
     if f.get("input_scaled", False) is not True and "input_scaled" in f:
         raise LoadError(f"{decoder.where}: {path}.input_scaled is {f['input_scaled']!r}, not true; corrupt.")
     if not isinstance(f["experts"], list) or not f["experts"]:
@@ -117,6 +124,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         b_out=decoder.tensor(f["b_out"], f"{path}.b_out") if "b_out" in f else None,
         router=_decode_router(decoder, f.get("router"), f"{path}.router"),
         input_scaled="input_scaled" in f,
+        hook_names=f.get("hook_names", LENS_AOT),
         **tensors,
     )
 

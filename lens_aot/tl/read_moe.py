@@ -78,7 +78,13 @@ def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: in
                 W_gate=_copy(expert.W_gate.weight.T),
             )
         )
-    return MoESpec(_copy(moe.W_gate.weight.T), experts, int(moe.experts_per_token), bool(norm_topk_prob))
+    return MoESpec(
+        _copy(moe.W_gate.weight.T),
+        experts,
+        int(moe.experts_per_token),
+        bool(norm_topk_prob),
+        hook_names="transformer_lens_moe",  # the source's per-expert hooks (core/components/source_expert_hooks.py)
+    )
 
 
 def _act_name(fn: Any, layer: int) -> str:

@@ -137,4 +137,5 @@ def read_hooked_gpt_oss_moe(moe: nn.Module, layer: int) -> MoESpec:
         softmax_dtype=torch.float32,  # F.softmax(top, dtype=torch.float), cast back to the model dtype
         b_router=_copy(router.bias),
         scoring="topk_softmax",
+        hook_names="transformer_lens_gpt_oss_moe",  # the source's per-expert hooks (source_expert_hooks.py)
     )

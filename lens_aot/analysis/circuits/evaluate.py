@@ -38,6 +38,7 @@ from lens_aot.analysis.circuits.layout import (
     split_inputs,
 )
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_values, gated_outputs, group_of, neuron_groups
+from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
 
 _NAME = re.compile(r"^(?:a(\d+)\.h(\d+)|m(\d+)(?:(?:\.e\d+)?\.n(\d+))?)$")
@@ -305,7 +306,8 @@ def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) ->
             cor = _record_corrupted(aot, graph, batch.corrupted, posts)
             clean_logits = aot(batch.clean) if needs_clean_logits(metric) else None
             runner.cor = cor
-            logits = aot.run_with_hooks(batch.clean, fwd_hooks=runner.hooks())
+            with dense_expert_hooks(aot):  # experts on every position (a TransformerLens MoE's: routed otherwise)
+                logits = aot.run_with_hooks(batch.clean, fwd_hooks=runner.hooks())
             results.append(call_metric(metric, logits, batch, clean_logits).detach())
     return torch.cat(results)
 

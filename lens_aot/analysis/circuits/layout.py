@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
 
 
@@ -141,5 +142,6 @@ def record(
         return x
 
     fwd = list(extra or []) + [(name, keep) for name in hooks]
-    logits = aot.run_with_hooks(tokens, fwd_hooks=fwd)
+    with dense_expert_hooks(aot):  # experts on every position (a TransformerLens MoE's hooks: routed otherwise)
+        logits = aot.run_with_hooks(tokens, fwd_hooks=fwd)
     return logits, acts

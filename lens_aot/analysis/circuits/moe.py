@@ -81,9 +81,9 @@ class NeuronGroup:
         """The group's pre-activation hooks and the maps into them (gated: the gate's and the linear branch's)."""
         mlp, p = self.module, self.prefix
         if getattr(mlp, "gated", False):
-            return [
-                PreMap(f"{p}.hook_pre", mlp.gate_heads.W_in, mlp.gate_heads.b_in),
-                PreMap(f"{p}.hook_pre_linear", mlp.product_heads.W_in, mlp.product_heads.b_in),
+            return [  # the gate's and the linear branch's hooks (a TransformerLens MoE's experts: hook_gate, hook_pre)
+                PreMap(f"{p}.{mlp.gate_hook_name}", mlp.gate_heads.W_in, mlp.gate_heads.b_in),
+                PreMap(f"{p}.{mlp.linear_hook_name}", mlp.product_heads.W_in, mlp.product_heads.b_in),
             ]
         return [PreMap(f"{p}.hook_pre", mlp.heads.W_in, mlp.heads.b_in)]
 

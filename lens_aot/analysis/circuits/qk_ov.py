@@ -189,7 +189,13 @@ def circuit_input(
             main = norm(read(input_hook(aot, s)))
     if not reads_scratch(s):
         return main
-    return torch.cat([main, read(scratch_hook(s))], dim=-1)
+    scratch = read(scratch_hook(s))
+    if scratch.shape[:-1] != main.shape[:-1]:  # a TransformerLens MoE's expert, cached on its routed rows
+        raise InputError(
+            f"{scratch_hook(s)} holds the expert's routed rows {list(scratch.shape)}, not every position; cache it "
+            "within lens_aot.core.components.source_expert_hooks.dense_expert_hooks(aot)"
+        )
+    return torch.cat([main, scratch], dim=-1)
 
 
 def circuit_scores(

@@ -79,12 +79,16 @@ def _output_hook(name: str) -> str:
 def _state_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
     """The hooks from which every head output (``hook_z``) of module ``name`` follows: ``hook_z`` for the source's
     heads, the MLP's ``hook_pre`` for neuron/gate heads, its ``hook_pre_linear`` and the product heads' ``hook_gate``
-    for product heads."""
+    for product heads (a TransformerLens 3.9 MoE's experts: their ``hook_gate`` and ``hook_pre``, the MLP's
+    ``gate_hook_name`` / ``linear_hook_name``)."""
     kind = parse_module(name).kind
+    if kind == "attention":
+        return [_z_hook(name)]
+    mlp = aot.get_submodule(mlp_of(name))
     if kind == "product":
-        return [f"{mlp_of(name)}.hook_pre_linear", f"{name}.hook_gate"]
+        return [f"{mlp_of(name)}.{getattr(mlp, 'linear_hook_name', 'hook_pre_linear')}", f"{name}.hook_gate"]
     if kind in ("neuron", "gate"):
-        return [f"{mlp_of(name)}.hook_pre"]
+        return [f"{mlp_of(name)}.{getattr(mlp, 'gate_hook_name', 'hook_pre')}"]
     return [_z_hook(name)]
 
 

@@ -11,6 +11,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from lens_aot.analysis.patching.options import Direction, Method, Metric, ReceiverInput, TokensLike
+from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, one_of
 
@@ -139,7 +140,7 @@ def _capture(hook_names: Iterable[str], store: dict[str, Tensor]) -> list[Hook]:
 
 def _run(aot: AttentionOnlyTransformer, tokens: Tensor, hooks: list[Hook], **kwargs: Any) -> Tensor:
     """One forward with temporary hooks, removed on exit even if the forward raises."""
-    with aot.hooks(fwd_hooks=hooks):
+    with aot.hooks(fwd_hooks=hooks), dense_expert_hooks(aot):
         return aot(tokens, **kwargs)
 
 
@@ -198,7 +199,7 @@ def _forward(
     hooks: list[Hook] = [(name, keep) for name in dict.fromkeys([*record, *grads])]
     if embed is not None:
         hooks.insert(0, ("hook_embed", lambda act, hook: embed.to(act.dtype)))
-    with torch.set_grad_enabled(bool(grads)), aot.hooks(fwd_hooks=hooks):
+    with torch.set_grad_enabled(bool(grads)), aot.hooks(fwd_hooks=hooks), dense_expert_hooks(aot):
         logits = aot(tokens)
         if not grads:
             value = metric(logits)

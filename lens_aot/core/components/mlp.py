@@ -18,8 +18,13 @@ class MLP(nn.Module):
     output ``post·W_out + b_out``.
 
     Hooks: ``hook_pre`` [batch, pos, d_mlp] (the activation's input: ``x·W_gate + b_gate`` when gated),
-    ``hook_pre_linear`` [batch, pos, d_mlp] (gated only: ``x·W_in + b_in``), ``hook_post`` [batch, pos, d_mlp].
+    ``hook_pre_linear`` [batch, pos, d_mlp] (gated only: ``x·W_in + b_in``), ``hook_post`` [batch, pos, d_mlp]. As a
+    TransformerLens 3.9 MoE's expert: ``hook_gate``, ``hook_pre`` (the linear branch), ``hook_post``
+    (:mod:`lens_aot.core.components.source_expert_hooks`).
     """
+
+    gate_hook_name = "hook_pre"  # the gated MLP's gate pre-activation hook and linear-branch hook (as NeuronMLP's)
+    linear_hook_name = "hook_pre_linear"
 
     def __init__(self, spec: MLPSpec) -> None:
         super().__init__()
@@ -53,11 +58,12 @@ class MLP(nn.Module):
         if self.W_gate is None:
             post = self.hook_post(self._act(self.hook_pre(x @ self.W_in + self.b_in)))
         elif self.clamp is not None:
-            gate, up = self.hook_pre(x @ self.W_gate + self.b_gate), self.hook_pre_linear(x @ self.W_in + self.b_in)
+            gate = self._modules[self.gate_hook_name](x @ self.W_gate + self.b_gate)
+            up = self._modules[self.linear_hook_name](x @ self.W_in + self.b_in)
             post = self.hook_post(clamped_swiglu(gate, up, *self.clamp))  # b_post: never set for it
         else:
-            gate = reference_activation(self.act_fn, self.hook_pre(x @ self.W_gate + self.b_gate))
-            post = gate * self.hook_pre_linear(x @ self.W_in + self.b_in)
+            gate = reference_activation(self.act_fn, self._modules[self.gate_hook_name](x @ self.W_gate + self.b_gate))
+            post = gate * self._modules[self.linear_hook_name](x @ self.W_in + self.b_in)
             post = self.hook_post(post if self.b_post is None else post + self.b_post)
         return post @ self.W_out + self.b_out
 

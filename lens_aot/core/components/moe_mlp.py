@@ -36,6 +36,13 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.moe_router import build_router, router_logits
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.source_expert_hooks import (
+    HOOK_NAMES,
+    LENS_AOT,
+    TL_MOE,
+    name_like_source,
+    routed_hooks,
+)
 from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec
@@ -73,8 +80,15 @@ class MoEMLP(nn.Module):
         self.hook_expert_indices = HookPoint()  # [batch·pos, top_k]
         self.hook_topk_weights = HookPoint()  # [batch·pos, top_k]
         self.experts = nn.ModuleList(build_expert(mlp, e) for e, mlp in enumerate(spec.experts))
-        for expert in self.experts:
+        if spec.hook_names not in HOOK_NAMES:
+            raise InputError(f"MoE hook_names must be one of {HOOK_NAMES}; got {spec.hook_names!r}")
+        self.hook_names = spec.hook_names  # the experts' hook names (source_expert_hooks.py)
+        self.dense_hooks = spec.hook_names == LENS_AOT  # whether a hooked expert runs on every position
+        for e, expert in enumerate(self.experts):
+            if spec.hook_names != LENS_AOT:
+                name_like_source(expert, f"MoE expert {e}")
             expert.add_module("hook_out", HookPoint())  # [.., d_model]: the expert's output, before its weight
+        self._routed_hooks = [routed_hooks(expert) for expert in self.experts]
         if spec.shared is not None:
             self.shared_expert = build_expert(spec.shared, None)
             self.shared_expert.add_module("hook_out", HookPoint())
@@ -98,10 +112,11 @@ class MoEMLP(nn.Module):
         indices = self.hook_expert_indices(indices)
         return indices, self.hook_topk_weights(weights.to(flat.dtype))
 
-    @staticmethod
-    def runs_densely(expert: nn.Module) -> bool:
-        """Whether ``expert`` runs on every position (a hook point inside it is hooked), not only its tokens."""
-        return hooked(*(m for m in expert.modules() if isinstance(m, HookPoint)))
+    def runs_densely(self, expert: nn.Module) -> bool:
+        """Whether ``expert`` runs on every position (a hook point inside it is hooked, and :attr:`dense_hooks`:
+        always for lens_aot's names, within :func:`dense_expert_hooks` for a TransformerLens source's), not only on
+        its tokens."""
+        return self.dense_hooks and hooked(*(m for m in expert.modules() if isinstance(m, HookPoint)))
 
     def token_groups(
         self, indices: Int[Tensor, "tokens top_k"], weights: Float[Tensor, "tokens top_k"]
@@ -136,7 +151,10 @@ class MoEMLP(nn.Module):
         dense_weights: Tensor | None = None
         groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
         for e, expert in enumerate(self.experts):
-            if self.runs_densely(expert):
+            dense = self.runs_densely(expert)
+            for hook in self._routed_hooks[e]:
+                hook.routed = not dense
+            if dense:
                 if dense_weights is None:
                     dense_weights = weights.new_zeros(flat.shape[0], self.n_experts).scatter(1, indices, weights)
                 y = self.weighted(expert, x, dense_weights[:, e].reshape(batch, pos, 1))
@@ -145,7 +163,7 @@ class MoEMLP(nn.Module):
             if groups is None:
                 groups = self.token_groups(indices, weights)
             token, weight = groups[0][e], groups[1][e]
-            if token.numel() == 0:
+            if token.numel() == 0 and self.hook_names != TL_MOE:  # TransformerLens's MoE runs it on 0 rows
                 continue
             out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         if hasattr(self, "shared_expert"):
@@ -206,10 +224,12 @@ class MoEMLP(nn.Module):
         return tuple(h for _, expert in self.expert_modules() for h in getattr(expert, "internal_hooks", tuple)())
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
-        """For the compact cache: each expert's derivations, named relative to this MoE layer."""
+        """For the compact cache: each expert's derivations, named relative to this MoE layer (none for a
+        source-named expert: its heads' hooks are cached as they ran, ``[1, routed, ...]``, their sources 2-D)."""
         return {
             f"{name}.{hook}": (tuple(f"{name}.{x}" for x in inputs), how)
             for name, expert in self.expert_modules()
+            if self.hook_names == LENS_AOT
             for hook, (inputs, how) in getattr(expert, "derivations", dict)().items()
         }
 
@@ -242,6 +262,7 @@ class MoEMLP(nn.Module):
             **self.router.spec_fields(),  # type: ignore[arg-type]
             b_out=None if self.b_moe is None else exported(self.b_moe),
             input_scaled=self.input_scaled,
+            hook_names=self.hook_names,
         )
 
 

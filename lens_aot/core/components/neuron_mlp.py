@@ -38,6 +38,11 @@ from lens_aot.tl.hooks import hooked
 class NeuronMLP(nn.Module):
     """An MLP layer computed by neuron heads, with the MLP's hook points and weight names."""
 
+    # the hooks of a gated MLP's gate pre-activation and linear branch (a TransformerLens 3.9 MoE's experts:
+    # "hook_gate" and "hook_pre", lens_aot.core.components.source_expert_hooks)
+    gate_hook_name = "hook_pre"
+    linear_hook_name = "hook_pre_linear"
+
     def __init__(self, mlp: MLPSpec, fit: ActivationFit | GatedFit) -> None:
         super().__init__()
         if isinstance(fit, GatedFit) != mlp.gated:
@@ -136,8 +141,8 @@ class NeuronMLP(nn.Module):
         """``post`` and the product heads' ``hook_z`` (None on the fused path); ``pre``: the gate's pre-activation,
         already through ``hook_pre`` (xIELU's heads share it)."""
         gate, product = self.gate_heads, self.product_heads
-        pre = self.hook_pre(x @ gate.W_in + gate.b_in) if pre is None else pre
-        u = self._product_input(self.hook_pre_linear(self._linear_branch(x, pre)))
+        pre = self._modules[self.gate_hook_name](x @ gate.W_in + gate.b_in) if pre is None else pre
+        u = self._product_input(self._modules[self.linear_hook_name](self._linear_branch(x, pre)))
         pre = self._gate_input(pre)
         if self._fused(gate):
             h = gate.activation(pre)
