@@ -194,3 +194,36 @@ def test_unknown_hook_names_are_refused(models) -> None:
     spec.layers[0] = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, hook_names="mixtral"))
     with pytest.raises(InputError, match="hook_names"):
         lens_aot.convert(spec, check=False)
+
+
+def test_patching_and_attribution_reach_every_expert_neuron_as_before(models) -> None:
+    """lens_aot's patching and attribution over expert neurons (dense experts, :func:`dense_expert_hooks`) give the
+    same numbers, bit for bit, on the source-named conversion as on the same spec with lens_aot's names."""
+    import dataclasses
+
+    from lens_aot import patching as P
+
+    source, _ = models["moe", torch.float64]
+    spec = lens_aot.core.read.read_model(source)
+    renamed = dataclasses.replace(
+        spec,
+        layers=[dataclasses.replace(la, mlp=dataclasses.replace(la.mlp, hook_names="lens_aot")) for la in spec.layers],
+    )
+    ours, theirs = (lens_aot.convert(s, check=False) for s in (spec, renamed))
+    assert "blocks.0.mlp.experts.1.hook_pre_linear" in theirs.hook_dict
+    assert "blocks.0.mlp.experts.1.hook_pre_linear" not in ours.hook_dict
+    clean, corrupted = _tokens("moe"), torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(12))
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 3].sum() - logits[:, -1, 5].sum()
+
+    modules = [
+        f"blocks.{la}.mlp.experts.{e}.{m}" for la, e in ((0, 1), (1, 3)) for m in ("gate_heads", "product_heads")
+    ]
+    assert len(ours.neuron_heads(1, 5, expert=3)) == len(theirs.neuron_heads(1, 5, expert=3)) == 3
+    for fn in (P.patch_heads, P.attribute_heads):
+        got, expected = (fn(model, clean, corrupted, metric, modules=modules) for model in (ours, theirs))
+        labels = [u.label for u in got.units]
+        assert labels == [u.label for u in expected.units] and any("E3N" in label for label in labels)
+        assert torch.equal(torch.as_tensor(got.values), torch.as_tensor(expected.values)), fn.__name__
+        assert float(torch.as_tensor(got.values).abs().sum()) > 0
