@@ -12,15 +12,20 @@ Cost follows top-k, as in the source: an expert runs on the tokens routed to it 
 ``index_add``; the tokens are grouped by expert with one sort, :meth:`MoEMLP.token_groups`). While any hook point
 inside an expert is hooked (caching, patching, attribution), that expert runs on every position instead, so its
 hooks have the dense-MLP shapes ``[batch, pos, ...]`` (patchable between runs that route differently); its output at
-an unchosen position is multiplied by weight 0. The value at every chosen position is the same either way.
+an unchosen position is multiplied by weight 0. The value at every chosen position is the same either way. A
+TransformerLens 3.9 ``MoE`` / ``GptOssMoE`` source's experts (``MoESpec.hook_names``) stay routed while hooked, with
+the source's hooks and shapes, and run densely only within
+:func:`~lens_aot.core.components.source_expert_hooks.dense_expert_hooks` (lens_aot's own tools).
 
 Hooks (TransformerLens 3.9's ``MoE`` names where it has them, with its flat ``[batch·pos, ...]`` shapes):
 ``hook_router_logits`` [batch·pos, n_experts], ``hook_expert_weights`` [batch·pos, n_experts] (the softmax over all
 experts, before top-k, as TransformerLens's), ``hook_expert_indices`` [batch·pos, top_k], ``hook_topk_weights``
 [batch·pos, top_k] (the chosen experts' weights, after renormalisation: what scales each expert); per expert
 ``experts.{e}.hook_pre`` / ``hook_pre_linear`` / ``hook_post`` (the dense gated MLP's names: gate pre-activation,
-linear branch, product), ``experts.{e}.hook_out`` [.., d_model] (the expert's output before its router weight) and
-the neuron heads' own hooks.
+linear branch, product; a TransformerLens 3.9 source's instead: ``hook_gate`` the gate pre-activation, ``hook_pre``
+the linear branch, ``hook_post``, each ``[routed, d_mlp]``, :mod:`~lens_aot.core.components.source_expert_hooks`),
+``experts.{e}.hook_out`` [.., d_model] (the expert's output before its router weight) and the neuron heads' own
+hooks.
 """
 
 from __future__ import annotations

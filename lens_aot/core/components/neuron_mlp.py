@@ -3,7 +3,9 @@
 ``blocks.{l}.mlp`` of a converted model. It keeps the MLP's hook points, ``hook_pre`` [batch, pos, d_mlp] (gated:
 the gate's pre-activation, and ``hook_pre_linear``, the linear branch) and ``hook_post`` [batch, pos, d_mlp], and its
 weights' names (``W_in``, ``b_in``, ``W_out``, ``b_out``; gated: ``W_gate``, ``b_gate``), so code written for the
-source's MLP reads the same tensors. The computation between them is attention heads:
+source's MLP reads the same tensors (as a TransformerLens 3.9 MoE's expert: that source's ``hook_gate`` / ``hook_pre``
+/ ``hook_post``, :mod:`~lens_aot.core.components.source_expert_hooks`). The computation between them is attention
+heads:
 
 * plain MLPs: ``heads`` (:class:`NeuronAttention`), K heads per neuron; ``post`` is the sum of a neuron's ``hook_z``;
 * gated MLPs: ``gate_heads`` (:class:`NeuronAttention` writing ``h ≈ act(gate)`` to the MLP's scratch), then
