@@ -15,6 +15,7 @@ import torch
 from factories_moe import D_EXPERT, N_EXPERTS, hooked_moe
 
 import lens_aot
+from lens_aot.core.cache import LazyHeadTensor
 from lens_aot.core.components.source_expert_hooks import SOURCE_HOOKS, dense_expert_hooks
 from lens_aot.core.read import run_source
 from lens_aot.core.spec import MoESpec
@@ -227,3 +228,24 @@ def test_patching_and_attribution_reach_every_expert_neuron_as_before(models) ->
         assert labels == [u.label for u in expected.units] and any("E3N" in label for label in labels)
         assert torch.equal(torch.as_tensor(got.values), torch.as_tensor(expected.values)), fn.__name__
         assert float(torch.as_tensor(got.values).abs().sum()) > 0
+
+
+@pytest.mark.parametrize("family", ["moe", "gpt_oss"])
+def test_the_compact_cache_derives_the_experts_heads_as_they_ran(models, family: str) -> None:
+    """The compact cache stores each expert's 2-D source hooks and derives its heads' entries from them, with the
+    shapes and values the forward's own hooks give (``compact=False``), ``[1, routed, ...]``."""
+    _, aot = models[family, torch.float64]
+    tokens = _tokens(family)
+    with torch.no_grad():
+        compact = aot.run_with_cache(tokens)[1]
+        eager = aot.run_with_cache(tokens, compact=False)[1]
+    assert set(compact.keys()) == set(eager.keys())
+    pattern = "blocks.1.mlp.experts.2.product_heads.hook_pattern"
+    stored = dict(compact.cache_dict.stored())
+    assert pattern not in stored and "blocks.1.mlp.experts.2.hook_pre" in stored  # derived, not held
+    assert isinstance(compact[pattern], LazyHeadTensor)  # read per head, as for any other neuron heads
+    assert eager[pattern].shape[0] == 1 and eager["blocks.1.mlp.experts.2.hook_pre"].ndim == 2
+    for key in eager.keys():
+        got = compact[key]
+        assert got.shape == eager[key].shape, key
+        torch.testing.assert_close(got, eager[key], rtol=0, atol=1e-12, msg=key)

@@ -132,6 +132,25 @@ def neuron_head_derivations(
     return {h: (sources.get(h, pre), HeadDerivation(family, h, coeffs, heads_per_neuron)) for h in hooks}
 
 
+class RoutedHeadDerivation(HeadDerivation):
+    """A :class:`HeadDerivation` of a source-named mixture-of-experts expert's heads
+    (:mod:`lens_aot.core.components.source_expert_hooks`): its sources ``hook_gate`` / ``hook_pre`` are stored as the
+    source's 2-D ``[routed, d_mlp]``, read as the ``[1, routed, d_mlp]`` the heads ran on, so each derived entry has the
+    shape the forward's hook would have had."""
+
+    @staticmethod
+    def rows(source: Tensor) -> Tensor:
+        return source[None] if source.ndim == 2 else source
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> RoutedHeadDerivation:
+        return RoutedHeadDerivation(
+            self.family, self.hook, {k: fn(v) for k, v in self.coeffs.items()}, self.heads_per_neuron
+        )
+
+    def __call__(self, *sources: Tensor) -> Tensor:
+        return super().__call__(*(self.rows(s) for s in sources))
+
+
 class _Derived:
     """A cache entry computed from other (stored) entries."""
 
@@ -264,7 +283,10 @@ class LazyCacheDict(dict):
         if isinstance(value, _Derived):
             sources = [super(LazyCacheDict, self).__getitem__(src) for src in value.sources]
             if isinstance(value.derive, HeadDerivation) and value.derive.dense:
-                return LazyHeadTensor(value.derive, sources[0])
+                first = (
+                    RoutedHeadDerivation.rows(sources[0]) if isinstance(value.derive, RoutedHeadDerivation) else None
+                )
+                return LazyHeadTensor(value.derive, sources[0] if first is None else first)
             with torch.no_grad():  # like the stored entries, which TransformerLens caches detached
                 return value.derive(*sources)
         return value

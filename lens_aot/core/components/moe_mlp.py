@@ -47,6 +47,7 @@ from lens_aot.core.components.source_expert_hooks import (
     TL_MOE,
     name_like_source,
     routed_hooks,
+    source_named_derivations,
 )
 from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
@@ -229,14 +230,14 @@ class MoEMLP(nn.Module):
         return tuple(h for _, expert in self.expert_modules() for h in getattr(expert, "internal_hooks", tuple)())
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
-        """For the compact cache: each expert's derivations, named relative to this MoE layer (none for a
-        source-named expert: its heads' hooks are cached as they ran, ``[1, routed, ...]``, their sources 2-D)."""
-        return {
+        """For the compact cache: each expert's derivations, named relative to this MoE layer (a source-named
+        expert's: from its ``hook_gate`` / ``hook_pre``, read as the ``[1, routed, d_mlp]`` its heads ran on)."""
+        out = {
             f"{name}.{hook}": (tuple(f"{name}.{x}" for x in inputs), how)
             for name, expert in self.expert_modules()
-            if self.hook_names == LENS_AOT
             for hook, (inputs, how) in getattr(expert, "derivations", dict)().items()
         }
+        return out if self.hook_names == LENS_AOT else source_named_derivations(out)
 
     def neuron_heads(self, neuron: int, expert: int | str | None = None) -> list[tuple[str, int]]:
         """``(attribute, head)`` of the heads computing ``neuron`` of ``expert`` (see :meth:`expert`)."""

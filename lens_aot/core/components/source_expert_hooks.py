@@ -74,6 +74,28 @@ def routed_hooks(expert: nn.Module) -> tuple[RoutedHookPoint, ...]:
     return tuple(getattr(expert, n) for n in SOURCE_HOOKS if isinstance(getattr(expert, n, None), RoutedHookPoint))
 
 
+def source_named_derivations(
+    derivations: dict[str, tuple[tuple[str, ...], Any]],
+) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """An MoE layer's compact-cache derivations (``"experts.{e}.<heads>.<hook>"`` -> (sources, how)) with its experts'
+    sources under the source's names (the gate ``hook_pre`` -> ``hook_gate``, ``hook_pre_linear`` -> ``hook_pre``)
+    and read as ``[1, routed, d_mlp]`` (:class:`~lens_aot.core.cache.RoutedHeadDerivation`)."""
+    from lens_aot.core.cache import HeadDerivation, RoutedHeadDerivation
+
+    rename = {"hook_pre": "hook_gate", "hook_pre_linear": "hook_pre"}
+
+    def source(name: str) -> str:
+        where, _, hook = name.rpartition(".")
+        return f"{where}.{rename.get(hook, hook)}"
+
+    def routed(how: Any) -> Any:
+        if not isinstance(how, HeadDerivation):
+            return how
+        return RoutedHeadDerivation(how.family, how.hook, how.coeffs, how.heads_per_neuron)
+
+    return {key: (tuple(source(s) for s in sources), routed(how)) for key, (sources, how) in derivations.items()}
+
+
 @contextmanager
 def dense_expert_hooks(model: nn.Module) -> Iterator[None]:
     """Within: every source-named MoE layer of ``model`` runs a hooked expert on every position (its hooks
