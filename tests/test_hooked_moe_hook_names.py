@@ -249,3 +249,20 @@ def test_the_compact_cache_derives_the_experts_heads_as_they_ran(models, family:
         got = compact[key]
         assert got.shape == eager[key].shape, key
         torch.testing.assert_close(got, eager[key], rtol=0, atol=1e-12, msg=key)
+
+
+def test_backward_hooks_see_the_sources_routed_gradients(models) -> None:
+    """``incl_bwd``: each expert hook's gradient is the source's, ``[routed, d_mlp]``, within the bound."""
+    source, aot = models["moe", torch.float64]
+    tokens = _tokens("moe")
+
+    def names(name: str) -> bool:
+        return ".experts." in name and name.split(".")[-2].isdigit() and name.endswith(SOURCE_HOOKS)
+
+    src = source.run_with_cache(tokens, names_filter=names, incl_bwd=True, return_type="loss")[1]
+    got = aot.run_with_cache(tokens, names_filter=names, incl_bwd=True, return_type="loss")[1]
+    grads = [k for k in src.keys() if k.endswith("_grad")]
+    assert len(grads) == 2 * N_EXPERTS * 3 and set(src.keys()) == set(got.keys())
+    for key in grads:
+        assert got[key].shape == src[key].shape and got[key].ndim == 2, key
+        torch.testing.assert_close(got[key], src[key], rtol=0, atol=aot.report.logit_bound, msg=key)
