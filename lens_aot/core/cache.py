@@ -138,6 +138,13 @@ class RoutedHeadDerivation(HeadDerivation):
     source's 2-D ``[routed, d_mlp]``, read as the ``[1, routed, d_mlp]`` the heads ran on, so each derived entry has the
     shape the forward's hook would have had."""
 
+    @classmethod
+    def of(cls, how: HeadDerivation) -> RoutedHeadDerivation:
+        """``how`` read from routed sources, sharing its coefficient copies (no second copy per cache)."""
+        out = cls.__new__(cls)
+        out.__dict__.update(how.__dict__)
+        return out
+
     @staticmethod
     def rows(source: Tensor) -> Tensor:
         return source[None] if source.ndim == 2 else source

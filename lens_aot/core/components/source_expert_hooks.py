@@ -48,7 +48,7 @@ class RoutedHookPoint(HookPoint):
         self.routed = False
 
     def __call__(self, x: Float[Tensor, "*lead d"]) -> Float[Tensor, "*lead d"]:  # type: ignore[override]
-        if not self.routed:
+        if not self.routed or not (self._forward_hooks or self._backward_hooks):  # nothing to show: no views
             return super().__call__(x)
         flat = x.reshape(-1, x.shape[-1])  # a view of the contiguous rows: in-place edits reach x
         return super().__call__(flat).reshape(x.shape)
@@ -91,7 +91,7 @@ def source_named_derivations(
     def routed(how: Any) -> Any:
         if not isinstance(how, HeadDerivation):
             return how
-        return RoutedHeadDerivation(how.family, how.hook, how.coeffs, how.heads_per_neuron)
+        return RoutedHeadDerivation.of(how)
 
     return {key: (tuple(source(s) for s in sources), routed(how)) for key, (sources, how) in derivations.items()}
 
