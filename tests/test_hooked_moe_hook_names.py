@@ -266,3 +266,16 @@ def test_backward_hooks_see_the_sources_routed_gradients(models) -> None:
     for key in grads:
         assert got[key].shape == src[key].shape and got[key].ndim == 2, key
         torch.testing.assert_close(got[key], src[key], rtol=0, atol=aot.report.logit_bound, msg=key)
+
+
+def test_a_saved_file_with_unknown_hook_names_is_refused(models, tmp_path) -> None:
+    from lens_aot.errors import LoadError
+
+    _, aot = models["moe", torch.float32]
+    path = lens_aot.save(aot, tmp_path / "moe")
+    config = path / "config.json"
+    text = config.read_text()
+    assert text.count('"transformer_lens_moe"') == 2  # one per layer
+    config.write_text(text.replace('"transformer_lens_moe"', '"mixtral"'))
+    with pytest.raises(LoadError, match=r"layers\.0\.mlp\.hook_names is 'mixtral'"):
+        lens_aot.load(path)
