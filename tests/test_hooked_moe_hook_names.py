@@ -21,6 +21,8 @@ from lens_aot.core.read import run_source
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import InputError
 
+pytest.importorskip("transformer_lens.components.mlps.gpt_oss_moe", reason="TransformerLens 3.9's MoE components")
+
 DTYPES = [torch.float32, torch.float64]
 FAMILIES = ["moe", "moe_renormalised", "gpt_oss"]
 GPT_OSS_LIMIT = 0.5  # binding clamps (tests/test_hooked_moe_routers.py)
