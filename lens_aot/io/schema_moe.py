@@ -7,7 +7,8 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
              softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor,
              b_out (optional: JetMoE's output bias, written only when set),
              input_scaled (optional: true when the router weights scale the experts' inputs, Llama 4),
-             router (optional: a DeepSeek group-limited router, written only when set)}
+             router (optional: a DeepSeek group-limited router, written only when set),
+             beside (optional: Gemma 4's experts beside the dense MLP, lens_aot.io.schema_beside_moe)}
     router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
@@ -26,6 +27,7 @@ from lens_aot.core.moe import MoEFit
 from lens_aot.core.moe_routers import GroupRouterSpec
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import LoadError
+from lens_aot.io.schema_beside_moe import decode_beside, encode_beside
 
 __all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_moe_record", "moe_shape_problems"]
 
@@ -62,6 +64,8 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
         out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
     if moe.input_scaled:
         out["input_scaled"] = True
+    if (beside := encode_beside(encoder, moe, key)) is not None:  # Gemma 4 (lens_aot.io.schema_beside_moe)
+        out["beside"] = beside
     if moe.router is not None:
         r = moe.router
         out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
@@ -93,7 +97,7 @@ def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled"))
+    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "beside"))
     if f.get("input_scaled", False) is not True and "input_scaled" in f:
         raise LoadError(f"{decoder.where}: {path}.input_scaled is {f['input_scaled']!r}, not true; corrupt.")
     if not isinstance(f["experts"], list) or not f["experts"]:
@@ -103,7 +107,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         raise LoadError(f"{decoder.where}: {path}.experts holds a null expert; the file is corrupt.")
     router = decoder.required_tensor(f["W_router"], f"{path}.W_router")
     tensors: dict[str, Tensor | None] = {n: decoder.tensor(f[n], f"{path}.{n}") for n in _TENSORS[1:]}
-    return MoESpec(
+    moe = MoESpec(
         W_router=router,
         experts=experts,
         top_k=int(f["top_k"]),
@@ -119,6 +123,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         input_scaled="input_scaled" in f,
         **tensors,
     )
+    return decode_beside(decoder, f.get("beside"), path, moe)
 
 
 def encode_moe_fit(fit: MoEFit, layer: int, entry: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:
