@@ -232,3 +232,20 @@ def test_sensitivity_perturbs_the_experts_where_their_error_joins() -> None:
         assert neuron_sensitivity(bridge.run_with_hooks, tokens, {0: 1e-4}, base, custom={0: part}) > 1e-6
     with pytest.raises(InputError, match=r"^layer 0 mlp: a mixture of experts beside the dense MLP"):
         beside_sensitivity_hooks(set(), 0, 1e-4, spec)
+
+
+@pytest.mark.parametrize("granularity", ["neuron", "mlp"])
+def test_circuits_refuse_the_experts_beside_the_mlp(granularity: str) -> None:
+    """No circuit node carries the branches' post norms or the router's raw-residual read: discover refuses the layer
+    by name before reading any data; generation with a key-value cache equals generation without."""
+    from lens_aot.analysis.circuits.discover import discover
+    from lens_aot.errors import InputError
+
+    aot = _converted(torch.float32)[2]
+    with pytest.raises(InputError, match=r"^layer 0 mlp: Gemma 4's mixture of experts beside the dense MLP"):
+        discover(aot, [], lambda logits, labels: logits[:, -1, 0], granularity=granularity)  # type: ignore[arg-type]
+    kwargs = dict(max_new_tokens=4, do_sample=False, verbose=False, return_type="tokens")
+    cached = aot.generate(_tokens()[:1, :6], use_past_kv_cache=True, **kwargs)
+    assert cached.shape == (1, 10) and torch.equal(
+        cached, aot.generate(_tokens()[:1, :6], use_past_kv_cache=False, **kwargs)
+    )
