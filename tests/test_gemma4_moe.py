@@ -91,6 +91,7 @@ def test_moe_beside_mlp_matches_the_source(dtype: torch.dtype) -> None:
     component code); both the dense MLP's neurons and every expert's are neuron heads."""
     from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
     from lens_aot.core.reference import independent_logits
+    from lens_aot.core.residual_bound import mlp_output_bound
 
     model, _, aot = _converted(dtype)
     tokens = _tokens()
@@ -106,6 +107,11 @@ def test_moe_beside_mlp_matches_the_source(dtype: torch.dtype) -> None:
     heads = {s.name: s for s in aot.sublayers()}
     assert {"blocks.0.mlp.shared_expert.product_heads", "blocks.1.mlp.experts.3.product_heads"} <= set(heads)
     assert aot.report.neuron_sensitivity > 0
+    # the certified residual bound (lens_aot.core.residual_bound) holds the sublayer's output: two post-normed branches
+    _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n.endswith(("hook_dense_out", "hook_moe_out")))
+    for layer, spec in enumerate(aot.to_spec().layers):
+        out = cache[f"blocks.{layer}.mlp.hook_dense_out"] + cache[f"blocks.{layer}.mlp.hook_moe_out"]
+        assert 0 < float(out.norm(dim=-1).max()) <= mlp_output_bound(spec.mlp, 1.0)
 
 
 def test_router_hooks_are_the_source_router() -> None:
