@@ -225,37 +225,7 @@ def test_values_off_the_keys_by_1e3_are_refused() -> None:
             read_bridge(bridge)
 
 
-MOE = (  # 26B-A4B: values that are the keys and a mixture of experts beside each dense MLP
-    ("hidden_size_per_layer_input", 0),
-    ("attention_k_eq_v", True),
-    ("enable_moe_block", True),
-    ("num_experts", 4),
-    ("top_k_experts", 2),
-    ("moe_intermediate_size", 32),
-)
-
-
-@pytest.mark.parametrize(
-    "fields, refusal",
-    [(MOE, r"^layer 0 block: a layer with a mixture of experts beside the dense MLP \(enable_moe_block\)")],
-    ids=["moe_beside_mlp"],
-)
-def test_pieces_still_refused_name_the_layer(fields: Any, refusal: str) -> None:
-    """The mixture of experts beside the MLP (26B-A4B) is still refused by layer and piece before any forward; the
-    global layers' values that are the keys are no longer named."""
-    from lens_aot.matrix.families import Family, build_hf_model, tiny_tokenizer
-    from lens_aot.tl.build import bridge_from_hf_module
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        family = Family("Gemma4ForCausalLM", "test", {k: list(v) if isinstance(v, tuple) else v for k, v in fields})
-        model = build_hf_model(family)
-        bridge = bridge_from_hf_module(
-            model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), model_name="g4"
-        )
-    with pytest.raises(UnsupportedArchitectureError, match=refusal) as refused:
-        read_bridge(bridge)
-    assert "values that are the keys" not in str(refused.value)
+# 26B-A4B's mixture of experts beside each dense MLP converts: tests/test_gemma4_moe.py
 
 
 def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:

@@ -96,8 +96,13 @@ def output_scale(spec: MoESpec) -> tuple[float, ...]:
 def moe_fit(
     spec: MoESpec, norm: NormSpec, max_neuron_error: float | None = None, heads_per_neuron: int | None = None
 ) -> MoEFit:
-    """The fits of an MoE layer read after ``norm`` (every expert's neurons within ``max_neuron_error``)."""
-    experts = tuple(expert_fit(m, norm, max_neuron_error, heads_per_neuron) for m in spec.experts)
+    """The fits of an MoE layer read after ``norm`` (every expert's neurons within ``max_neuron_error``; Gemma 4's
+    experts beside the dense MLP after their own ``ln_moe``)."""
+    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
+
+    # Gemma 4's experts beside the dense MLP read their own norm of the raw residual (the dense MLP, ``shared``, ln2's)
+    expert_norm = spec.ln_moe if isinstance(spec, MoEBesideMLPSpec) and spec.ln_moe is not None else norm
+    experts = tuple(expert_fit(m, expert_norm, max_neuron_error, heads_per_neuron) for m in spec.experts)
     shared = None if spec.shared is None else expert_fit(spec.shared, norm, max_neuron_error, heads_per_neuron)
     return MoEFit(experts, shared, output_scale(spec))
 
@@ -149,6 +154,12 @@ def sensitivity_hooks(
     """Hooks on a source (its hook names ``names``) putting every neuron of MoE layer ``layer`` off by ``±eps``
     (random signs from the generator; module docstring), as a function of the generator. Without the layer's
     ``spec`` (its experts' ``W_out``), a source without per-expert hooks gets the box corners."""
+    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
+
+    if isinstance(spec, MoEBesideMLPSpec):  # Gemma 4: beside the dense MLP, before post norms (moe_beside_bound)
+        from lens_aot.core.moe_beside_bound import beside_sensitivity_hooks
+
+        return beside_sensitivity_hooks(names, layer, eps, spec)
     prefix = f"blocks.{layer}.mlp"
     posts = [f"{prefix}.experts.{e}.hook_post" for e in range(len(fit.experts))]
     shared = [f"{prefix}.shared_expert.hook_post"] if fit.shared is not None else []

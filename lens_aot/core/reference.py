@@ -97,7 +97,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     heads, softmax in the spec's ``softmax_dtype``), plain and gated MLPs, sequential and parallel blocks, and the
     variants: QK-norm (per head or over the projection), QKV clipping, per-layer rotary tables, score and logit
     soft-caps, ALiBi, sliding windows, attention sinks, sandwich and post norms, a post-embedding norm,
-    a prediction head, Gemma 4's layer scalar and per-layer input embeddings (lens_aot.core.spec_per_layer).
+    a prediction head, Gemma 4's layer scalar and per-layer input embeddings (lens_aot.core.spec_per_layer) and its
+    mixture of experts beside the dense MLP (lens_aot.core.spec_beside_moe; every expert run densely).
 
     A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it."""
 
@@ -231,6 +232,19 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             post = act(m.act_fn, gate) * lin + (0 if m.b_post is None else m.b_post)
         return post @ m.W_out + m.b_out
 
+    def beside_moe(x: Tensor, resid: Tensor, m: Any) -> Tensor:  # Gemma 4: the experts beside the dense MLP
+        flat = resid.reshape(-1, resid.shape[-1])  # the router and the experts' norm read the raw residual
+        h = norm(flat, m.router_norm) * m.router_scale * flat.shape[-1] ** -0.5
+        top, chosen = torch.topk(torch.softmax((h @ m.W_router).float(), -1), m.top_k, -1)
+        w = (top / top.sum(-1, keepdim=True)) * m.per_expert_scale[chosen]
+        xe = norm(flat, m.ln_moe)
+        routed = sum(  # every expert on every token, times its weight (0 where not chosen)
+            ((chosen == e) * w).sum(-1, keepdim=True).to(flat.dtype) * mlp(xe, expert)
+            for e, expert in enumerate(m.experts)
+        )
+        moe_out = norm(routed.reshape(resid.shape), m.ln_moe_post)
+        return norm(mlp(x, m.shared), m.ln_dense_post) + moe_out
+
     if tokens.ndim == 1:
         tokens = tokens[None]
     resid = spec.W_E[tokens]
@@ -263,7 +277,10 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             resid = resid + attn_out
         else:
             mlp_in = resid if layer.parallel else resid + attn_out
-            mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, partial(mlp, m=layer.mlp), layer.post_norm)
+            f = partial(mlp, m=layer.mlp)
+            if getattr(layer.mlp, "router_norm", None) is not None:  # Gemma 4 (lens_aot.core.spec_beside_moe)
+                f = partial(beside_moe, resid=mlp_in, m=layer.mlp)
+            mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, f, layer.post_norm)
             resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
         if (p := layer.per_layer) is not None:  # Gemma 4: resid += post_norm(W_proj(act(W_gate resid) ⊙ P[l]))
             gated = act(p.act_fn, resid @ p.W_gate) * per_layer_inputs[:, :, index]

@@ -13,7 +13,8 @@ output whose norm is bounded in terms of what it reads:
   rotary, ALiBi, soft-caps, windows, QK-norm, only changes the weights; QKV clipping only shrinks the values);
 * an MLP neuron has ``|z_n| ≤ X·‖W_in[:, n]‖ + |b_in[n]|``, ``|act(z)| ≤ |z|`` (SiLU, ReLU, GELU variants),
   ``relu(z)² ≤ z²``, gated ``|act(g)·u| ≤ G·U``, so ``‖out‖ ≤ Σ_n |post_n|·‖W_out[n]‖ + ‖b_out‖``; a mixture of experts
-  at most its largest expert's (router weights sum to at most 1) plus its shared expert's.
+  at most its largest expert's (router weights sum to at most 1) plus its shared expert's; Gemma 4's experts beside
+  the dense MLP (:mod:`lens_aot.core.spec_beside_moe`) at most the two branches' post norms' bounds.
 
 :func:`mlp_input_radii` returns, per layer, ``(1 + RADIUS_MARGIN)`` times the bound at that layer's MLP input: the
 margin covers the converted model's own residual, which differs from the source's by its (much smaller) stated error.
@@ -66,6 +67,10 @@ def _pre_bound(W: Tensor, b: Tensor | None, radius: float) -> Float[Tensor, " d_
 
 def mlp_output_bound(mlp: MLPSpec | MoESpec, radius: float) -> float:
     """The largest norm ``mlp``'s output can have for inputs of norm at most ``radius`` (module docstring)."""
+    ln_dense_post, ln_moe_post = getattr(mlp, "ln_dense_post", None), getattr(mlp, "ln_moe_post", None)
+    if ln_dense_post is not None and ln_moe_post is not None:  # Gemma 4: two branches, each ending in a norm
+        d_model = int(mlp.W_in.shape[0] if isinstance(mlp, MLPSpec) else mlp.W_router.shape[0])
+        return norm_output_bound(ln_dense_post, d_model) + norm_output_bound(ln_moe_post, d_model)
     if isinstance(mlp, MoESpec):
         routed = max(mlp_output_bound(e, radius) for e in mlp.experts)
         bias = 0.0 if mlp.b_out is None else float(_f64(mlp.b_out).norm())

@@ -9,7 +9,8 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
              input_scaled (optional: true when the router weights scale the experts' inputs, Llama 4),
              router (optional: a DeepSeek group-limited router, written only when set),
              hook_names (optional: the experts' hook names when not lens_aot's, "transformer_lens_moe" or
-             "transformer_lens_gpt_oss_moe": lens_aot.core.components.source_expert_hooks)}
+             "transformer_lens_gpt_oss_moe": lens_aot.core.components.source_expert_hooks),
+             beside (optional: Gemma 4's experts beside the dense MLP, lens_aot.io.schema_beside_moe)}
     router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
@@ -29,6 +30,7 @@ from lens_aot.core.moe import MoEFit
 from lens_aot.core.moe_routers import GroupRouterSpec
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import LoadError
+from lens_aot.io.schema_beside_moe import decode_beside, encode_beside
 
 __all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_moe_record", "moe_shape_problems"]
 
@@ -67,6 +69,8 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
         out["input_scaled"] = True
     if moe.hook_names != LENS_AOT:
         out["hook_names"] = str(moe.hook_names)
+    if (beside := encode_beside(encoder, moe, key)) is not None:  # Gemma 4 (lens_aot.io.schema_beside_moe)
+        out["beside"] = beside
     if moe.router is not None:
         r = moe.router
         out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
@@ -98,7 +102,7 @@ def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names"))
+    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names", "beside"))
     if f.get("hook_names", LENS_AOT) not in HOOK_NAMES[1:] and "hook_names" in f:
         raise LoadError(f"{decoder.where}: {path}.hook_names is {f['hook_names']!r}, not one of {HOOK_NAMES[1:]}.")
     if f.get("input_scaled", False) is not True and "input_scaled" in f:
@@ -110,7 +114,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         raise LoadError(f"{decoder.where}: {path}.experts holds a null expert; the file is corrupt.")
     router = decoder.required_tensor(f["W_router"], f"{path}.W_router")
     tensors: dict[str, Tensor | None] = {n: decoder.tensor(f[n], f"{path}.{n}") for n in _TENSORS[1:]}
-    return MoESpec(
+    moe = MoESpec(
         W_router=router,
         experts=experts,
         top_k=int(f["top_k"]),
@@ -127,6 +131,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         hook_names=f.get("hook_names", LENS_AOT),
         **tensors,
     )
+    return decode_beside(decoder, f.get("beside"), path, moe)
 
 
 def encode_moe_fit(fit: MoEFit, layer: int, entry: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:

@@ -12,10 +12,9 @@ embeddings :mod:`lens_aot.core.spec_per_layer`, read by :mod:`lens_aot.tl.read_p
 are its keys (``attention_k_eq_v``, the global layers: no ``v_proj``, ``v = v_norm(x W_K)``) a value projection tied
 to the key projection, read by :mod:`lens_aot.tl.read_k_eq_v`; its keys and values shared from an earlier layer
 (``is_kv_shared_layer``, the last ``num_kv_shared_layers`` layers, no ``k_proj`` / ``v_proj``)
-:mod:`lens_aot.core.components.shared_kv_attention`, read by :mod:`lens_aot.tl.read_shared_kv`. The piece still
-refused:
-
-* **a mixture of experts beside the dense MLP** (``enable_moe_block``), each with its own pre and post norms;
+:mod:`lens_aot.core.components.shared_kv_attention`, read by :mod:`lens_aot.tl.read_shared_kv`; its mixture of
+experts beside the dense MLP (``enable_moe_block``, 26B-A4B) :mod:`lens_aot.core.components.moe_beside_mlp`, read by
+:mod:`lens_aot.tl.read_gemma4_moe`. The piece still refused: a layer scalar with more than one value.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ def _pieces(layer_module: Any) -> list[str]:
     found = []
     attn = getattr(layer_module, "self_attn", None)
     attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
-    if bool(getattr(layer_module, "enable_moe_block", False)):
-        found.append("a mixture of experts beside the dense MLP (enable_moe_block)")
     scalar = getattr(layer_module, "layer_scalar", None)
     if isinstance(scalar, torch.Tensor) and scalar.numel() != 1:
         found.append(f"a layer scalar of shape {tuple(scalar.shape)} (one value per layer is read)")

@@ -15,8 +15,7 @@ public attributes, so a new TransformerLens adapter whose pieces are all support
   piece's recorded output: a piece lens_aot reads wrongly is refused naming the layer and the piece, never converted.
 
 An unsupported piece raises :class:`UnsupportedArchitectureError` naming the piece and the layer (``layer 3 attn:
-QK-norm ...``); encoders, encoder-decoders, state-space and recurrent mixers and multimodal models are refused
-naming the piece.
+QK-norm ...``); encoders, encoder-decoders, state-space and recurrent mixers and multimodal models are refused too.
 """
 
 from __future__ import annotations
@@ -75,6 +74,7 @@ from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_pi
 from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
+from lens_aot.tl.read_gemma4_moe import GEMMA4_PIECES, beside_moe_calls, read_beside_moe
 from lens_aot.tl.read_mla import is_mla, read_mla
 from lens_aot.tl.read_moe import read_bridge_mlp
 from lens_aot.tl.read_multipliers import (
@@ -86,7 +86,7 @@ from lens_aot.tl.read_multipliers import (
 )
 from lens_aot.tl.read_nope import no_rotary
 from lens_aot.tl.read_norms import final_norm_on_embeddings, named_norm, optional_norm
-from lens_aot.tl.read_per_layer_inputs import PLE_PIECES, PerLayerReading
+from lens_aot.tl.read_per_layer_inputs import PerLayerReading
 from lens_aot.tl.read_prediction_head import read_prediction_head
 from lens_aot.tl.read_routed import is_routed, read_routed
 from lens_aot.tl.read_shared_kv import checked_attention
@@ -168,7 +168,7 @@ def _check_block(layer: int, block: Any) -> None:
             raise refuse_piece(layer, "block", _REFUSED_BLOCKS[name])
     if kind not in _PLAIN_BLOCKS and not any(c.__name__ in _PLAIN_BLOCKS for c in type(block).__mro__[1:2]):
         raise refuse_piece(layer, "block", f"a block bridge of type {kind}, which lens_aot does not read")
-    for name in sorted(_subcomponents(block) - {"ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post", *PLE_PIECES}):
+    for name in sorted(_subcomponents(block) - {"ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post", *GEMMA4_PIECES}):
         raise refuse_piece(layer, "block", _EXTRA_BLOCK_PIECES.get(name, f"an extra block piece {name!r}"))
     if _component(block, "attn") is None:
         raise refuse_piece(layer, "block", "no 'attn' piece (not an attention block)")
@@ -384,7 +384,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         info = reader(bridge, model, blocks, dtype)  # MLA, a mixture of attention heads (lens_aot.tl.read_routed)
     try:
         with containerless_mlp_hooks(blocks) as extra:
-            calls = record(bridge, blocks, min(n_ctx, 12))
+            calls = beside_moe_calls(blocks, record(bridge, blocks, min(n_ctx, 12)))  # Gemma 4's MoE sublayer
         merge_containerless(calls, extra, len(blocks))  # OPT's fc1/fc2 (lens_aot.tl.bridge_layout)
     except Exception as error:  # the bridge's own forward fails: nothing can be read from it
         raise refuse_piece(
@@ -459,7 +459,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
                 ln1=ln1,
                 attn=attn,
                 ln2=ln2,
-                mlp=read_bridge_mlp(mlp_bridge, layer, dtype, act),
+                mlp=read_beside_moe(layer, block, read_bridge_mlp(mlp_bridge, layer, dtype, act), calls),
                 parallel=parallel,
                 ln1_post=optional_norm(layer, "ln1_post", block, dtype),
                 ln2_post=optional_norm(layer, "ln2_post", block, dtype),

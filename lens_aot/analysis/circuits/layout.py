@@ -70,7 +70,7 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
     Gemma 4's per-layer-input sublayers (``blocks.{l}.per_layer``, dense: no node holds them) are refused, so that no
     circuit silently leaves part of a layer out of its graph; so are Gemma 4's layers that attend with an earlier
     layer's keys and values (``attn.kv_from``): their keys and values come from that layer's residual stream, an edge
-    no node of the graph carries."""
+    no node of the graph carries; and Gemma 4's mixtures of experts beside the dense MLP (``mlp.reads_residual``)."""
     for layer, block in enumerate(aot.blocks):
         if getattr(block.attn, "kv_from", None) is not None:
             raise InputError(
@@ -85,6 +85,12 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
                 "every node of the graph (it is carried densely, not as neuron heads), so a circuit would cover only "
                 f"part of the layer; patch it by hook name (blocks.{layer}.per_layer.hook_out) or with patch_heads / "
                 "patch_neurons, which rerun the whole model"
+            )
+        if getattr(getattr(block, "mlp", None), "reads_residual", False):  # core/components/moe_beside_mlp.py
+            raise InputError(
+                f"layer {layer} mlp: Gemma 4's mixture of experts beside the dense MLP normalises each branch's output "
+                "and its router and experts read the raw residual through their own norms, which no node or edge of "
+                "the graph carries; patch by hook name or with patch_heads, which rerun the model"
             )
     if granularity != "neuron":
         return

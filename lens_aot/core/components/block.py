@@ -85,6 +85,10 @@ class TransformerBlock(nn.Module):
     def has_mlp(self) -> bool:
         return hasattr(self, "mlp")
 
+    @property
+    def mlp_reads_residual(self) -> bool:
+        return bool(getattr(self.mlp, "reads_residual", False))
+
     def forward(
         self, resid_pre: Float[Tensor, "batch pos d_model"], **attn_kwargs: Any
     ) -> Float[Tensor, "batch pos d_model"]:
@@ -115,7 +119,8 @@ class TransformerBlock(nn.Module):
         """``hook_mlp_out(mlp(ln2(x)))``, with ``ln2_post`` after the MLP (sandwich) or ``ln2`` there (post-norm)."""
         if self.post_norm:
             return self.hook_mlp_out(self.ln2(self.mlp(mlp_in)))
-        out = self.mlp(self.ln2(mlp_in))
+        # Gemma 4's mixture of experts beside the dense MLP also reads the raw residual (components/moe_beside_mlp.py)
+        out = self.mlp(self.ln2(mlp_in), mlp_in) if self.mlp_reads_residual else self.mlp(self.ln2(mlp_in))
         if hasattr(self, "ln2_post"):
             out = self.ln2_post(out)
         return self.hook_mlp_out(out)

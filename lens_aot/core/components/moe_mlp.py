@@ -151,7 +151,24 @@ class MoEMLP(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos, d_model = x.shape
         flat = x.reshape(-1, d_model)
-        indices, weights = self.route(flat)
+        out = self.routed(x, *self.route(flat))
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
+            if self.W_shared_gate is not None:
+                shared = torch.sigmoid(flat @ self.W_shared_gate) * shared
+            out = out + shared
+        out = out.reshape(batch, pos, d_model)
+        return out if self.b_moe is None else out + self.b_moe
+
+    def routed(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        indices: Int[Tensor, "tokens top_k"],
+        weights: Float[Tensor, "tokens top_k"],
+    ) -> Float[Tensor, "tokens d_model"]:
+        """``Σ_k w_k·expert_{e_k}(x)`` per token (flat), summed in expert order as the source's ``index_add_``."""
+        batch, pos, d_model = x.shape
+        flat = x.reshape(-1, d_model)
         out = flat.new_zeros(flat.shape)
         rows, out_rows = flat[None], out[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
         dense_weights: Tensor | None = None
@@ -172,13 +189,7 @@ class MoEMLP(nn.Module):
             if token.numel() == 0 and self.hook_names != TL_MOE:  # TransformerLens's MoE runs it on 0 rows
                 continue
             out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
-        if hasattr(self, "shared_expert"):
-            shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
-            if self.W_shared_gate is not None:
-                shared = torch.sigmoid(flat @ self.W_shared_gate) * shared
-            out = out + shared
-        out = out.reshape(batch, pos, d_model)
-        return out if self.b_moe is None else out + self.b_moe
+        return out
 
     # ---- the experts' parts, for the model's maps, the cache and revert ----
     def expert_modules(self) -> list[tuple[str, nn.Module]]:
@@ -274,7 +285,14 @@ class MoEMLP(nn.Module):
 
 def moe_mlp(spec: MoESpec, build_expert: Callable[[MLPSpec, int | None], nn.Module]) -> MoEMLP:
     """The MoE component ``spec`` describes: :class:`MoEMLP`, or, when its router weights scale the experts' inputs
-    (Llama 4), :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`."""
+    (Llama 4), :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`, or, beside a dense MLP (Gemma
+    4), :class:`~lens_aot.core.components.moe_beside_mlp.MoEBesideMLP`."""
+    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
+
+    if isinstance(spec, MoEBesideMLPSpec):  # Gemma 4: beside the dense MLP (components/moe_beside_mlp.py)
+        from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
+
+        return MoEBesideMLP(spec, build_expert)
     if spec.input_scaled:
         from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
 
