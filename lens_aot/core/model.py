@@ -17,7 +17,7 @@ to move between source neurons and heads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,10 @@ from lens_aot.core.components.workspace import forward_workspace
 from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
+from lens_aot.core.head_refs import ExpertHeadOrigin, HeadOrigin, HeadRef, Sublayer  # noqa: F401 (re-exported)
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
-from lens_aot.core.names import Expert, HeadKind, flat_layout_hint, module_expert, parse_module
+from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
+from lens_aot.core.per_layer_fit import neuron_parts, per_layer_neurons
 from lens_aot.core.placement import Placement
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
@@ -46,54 +48,6 @@ from lens_aot.tl.hooked_model import hooked_class
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
-
-
-class HeadRef(NamedTuple):
-    """A head of the converted model: ``name`` is its head module's hook prefix (``blocks.3.attn``,
-    ``blocks.3.mlp.heads``, ...), ``head`` its index there."""
-
-    name: str
-    head: int
-
-
-class HeadOrigin(NamedTuple):
-    """What a head of the converted model was in the source.
-
-    ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. ``kind`` "neuron": neuron ``index`` of
-    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``. Heads of an
-    expert of a mixture-of-experts layer have an :class:`ExpertHeadOrigin`.
-    """
-
-    kind: Literal["attention", "neuron"]
-    layer: int
-    index: int
-    component: int
-
-    @property
-    def expert(self) -> Expert:
-        """None: the head is not an expert's."""
-        return None
-
-
-class ExpertHeadOrigin(NamedTuple):
-    """What a neuron head of a mixture-of-experts layer was: neuron ``index`` of expert ``expert`` (an index, or
-    ``"shared"``) of source layer ``layer``'s MLP; ``component``: its place in ``neuron_heads(layer, index, ...)``."""
-
-    kind: Literal["neuron"]
-    layer: int
-    index: int
-    component: int
-    expert: int | Literal["shared"]
-
-
-class Sublayer(NamedTuple):
-    """One attention-only sub-layer in the paper's flat ordering: ``name`` its head module, ``kind`` what its heads
-    compute, ``layer`` the source layer it belongs to."""
-
-    index: int
-    name: str
-    kind: HeadKind
-    layer: int
 
 
 class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
@@ -111,10 +65,18 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         spec = args[0] if args else kwargs.get("spec")
         return object.__new__(hooked_class(cls, getattr(spec, "source_kind", None)))
 
-    def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        fits: dict[int, ActivationFit | GatedFit],
+        per_layer_fits: dict[int, GatedFit] | None = None,
+    ) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
-        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
-        super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]))
+        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones);
+        ``per_layer_fits``: Gemma 4's per-layer-input sublayers' (default: :func:`~lens_aot.core.per_layer_fit.
+        per_layer_fits` of ``spec``)."""
+        ple = per_layer_neurons(spec, per_layer_fits)
+        super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]), ple.build)
         attn0 = spec.layers[0].attn if spec.layers else None
         self.cfg = AOTConfig.of(
             spec,
@@ -129,6 +91,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             rotary_dim=None if spec.rotary is None else spec.rotary.rotary_dim,
             source_kind=spec.source_kind,
             activation_fits=dict(fits),
+            per_layer_fits=ple.fits,
             source_config=dict(spec.extra.get("source_config", {})),
         )
         for name, value in derived_source_fields(spec).items():  # where the source had no config of its own
@@ -258,7 +221,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         ``return_cache_object=False``, or hooks already attached to neuron-head internals.
         """
         wanted = _AliasedPredicate(_names_predicate(names_filter), self.hook_aliases_)
-        mlps = [(f"blocks.{i}.mlp", b.mlp) for i, b in enumerate(self.blocks) if b.has_mlp]
+        mlps = [(f"blocks.{i}.{a}", getattr(b, a)) for i, b in enumerate(self.blocks) for a in neuron_parts(b)]
         eager = not compact or incl_bwd or pos_slice is not None or not return_cache_object or self.cfg.use_attn_result
         eager = eager or any(hooked(*mlp.internal_hooks()) for _, mlp in mlps)
         derived: dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]] = {}
@@ -333,9 +296,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             block.use_hook_mlp_in = cfg.use_hook_mlp_in and block.has_mlp
             block.attn.ungroup = cfg.ungroup_grouped_query_attention
             block.attn.use_attn_result = cfg.use_attn_result
-            if block.has_mlp:
-                block.mlp.use_fused = cfg.use_fused_neurons
-                for _, heads in block.mlp.head_modules():
+            for part in neuron_parts(block):  # the MLP, and Gemma 4's per-layer-input sublayer
+                getattr(block, part).use_fused = cfg.use_fused_neurons
+                for _, heads in getattr(block, part).head_modules():
                     heads.use_attn_result = cfg.use_attn_result
 
     def set_use_fused_neurons(self, use_fused_neurons: bool) -> None:
@@ -344,8 +307,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         see those hook points run. Hooks attached by TransformerLens or ``register_forward_hook`` still work."""
         self.cfg.use_fused_neurons = use_fused_neurons
         for block in self.blocks:
-            if block.has_mlp:
-                block.mlp.use_fused = use_fused_neurons
+            for part in neuron_parts(block):
+                getattr(block, part).use_fused = use_fused_neurons
 
     # ------------------------------------------------------------------ neuron <-> head maps
     def sublayers(self) -> list[Sublayer]:
