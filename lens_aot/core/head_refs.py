@@ -23,10 +23,11 @@ class HeadOrigin(NamedTuple):
 
     ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. ``kind`` "neuron": neuron ``index`` of
     source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``. Heads of an
-    expert of a mixture-of-experts layer have an :class:`ExpertHeadOrigin`.
+    expert of a mixture-of-experts layer have an :class:`ExpertHeadOrigin`. ``kind`` "per_layer": neuron ``index`` of
+    Gemma 4's per-layer-input sublayer (``neuron_heads(layer, index, sublayer="per_layer")``).
     """
 
-    kind: Literal["attention", "neuron"]
+    kind: Literal["attention", "neuron", "per_layer"]
     layer: int
     index: int
     component: int

@@ -38,7 +38,7 @@ from lens_aot.core.generate import generate
 from lens_aot.core.head_refs import ExpertHeadOrigin, HeadOrigin, HeadRef, Sublayer  # noqa: F401 (re-exported)
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
-from lens_aot.core.per_layer_fit import neuron_parts, per_layer_neurons
+from lens_aot.core.per_layer_fit import neuron_parts, per_layer_heads, per_layer_neurons
 from lens_aot.core.placement import Placement
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
@@ -341,9 +341,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         block = self.blocks[self._layer(layer)]
         if kind == "attention":
             return block.attn
-        path = name.split(".mlp.", 1)[1]
-        try:
-            return block.mlp.get_submodule(path)  # heads, or experts.{e}.heads of a mixture of experts
+        try:  # mlp.heads, mlp.experts.{e}.heads of a mixture of experts, or Gemma 4's per_layer.gate_heads
+            return block.get_submodule(name.split(".", 2)[2])
         except AttributeError:
             raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them") from None
 
@@ -365,8 +364,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
         return names[-1]
 
-    def neuron_heads(self, layer: int, neuron: int, expert: Expert = None) -> list[HeadRef]:
-        """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP.
+    def neuron_heads(
+        self, layer: int, neuron: int, expert: Expert = None, sublayer: Literal["mlp", "per_layer"] = "mlp"
+    ) -> list[HeadRef]:
+        """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP (``sublayer=
+        "per_layer"``: of Gemma 4's per-layer-input sublayer, ``blocks.{l}.per_layer``, gated, labels ``L{l}P{n}``).
 
         Plain MLPs: one head per term of the activation's fit. Gated MLPs: the gate heads (one per term of the gate
         activation's fit), then the neuron's two product heads (``+``, ``−``). Mixture-of-experts layers: neuron
@@ -374,6 +376,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         scaled by the expert's router weight at each position.
         """
         block = self.blocks[self._layer(layer)]
+        if sublayer != "mlp":
+            return per_layer_heads(block, layer % len(self.blocks), neuron, expert, sublayer)
         if not block.has_mlp:
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
         prefix = f"blocks.{layer % len(self.blocks)}.mlp"
@@ -404,6 +408,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if kind == "attention":
             return HeadOrigin("attention", layer, head, 0)
         k = module.heads_per_neuron
+        if ".per_layer." in name:  # Gemma 4's per-layer-input neurons (core/components/per_layer_neurons.py)
+            offset = self.blocks[layer].per_layer.gate_heads.heads_per_neuron if kind == "product" else 0
+            return HeadOrigin("per_layer", layer, head // k, offset + head % k)
         expert = module_expert(name)
         mlp = self.blocks[layer].mlp if expert is None else self.blocks[layer].mlp.expert(expert)
         offset = mlp.gate_heads.heads_per_neuron if kind == "product" else 0

@@ -51,6 +51,7 @@ __all__ = [
     "PerLayerNeurons",
     "neuron_parts",
     "per_layer_fits",
+    "per_layer_heads",
     "per_layer_input_bound",
     "per_layer_neurons",
     "sensitivity_hooks",
@@ -192,3 +193,18 @@ class PerLayerNeurons:
 def per_layer_neurons(spec: ModelSpec, fits: dict[int, GatedFit] | None = None) -> PerLayerNeurons:
     """The builder for ``spec``'s sublayers with ``fits`` (default: :func:`per_layer_fits` with convert's defaults)."""
     return PerLayerNeurons(per_layer_fits(spec) if fits is None else dict(fits))
+
+
+def per_layer_heads(block: Any, layer: int, neuron: int, expert: Any, sublayer: str) -> list[Any]:
+    """``aot.neuron_heads(layer, neuron, sublayer="per_layer")``: the :class:`~lens_aot.core.head_refs.HeadRef` of
+    the gate heads then the two product heads of neuron ``neuron`` of ``block``'s per-layer-input sublayer."""
+    from lens_aot.core.head_refs import HeadRef
+    from lens_aot.errors import InputError
+
+    if sublayer != "per_layer":
+        raise InputError(f"sublayer must be 'mlp' or 'per_layer'; got {sublayer!r}")
+    if expert is not None:
+        raise InputError(f"layer {layer} per_layer: the per-layer-input sublayer has no experts; leave expert unset")
+    if "per_layer" not in neuron_parts(block):
+        raise InputError(f"layer {layer} per_layer: this layer has no per-layer-input sublayer of neuron heads")
+    return [HeadRef(f"blocks.{layer}.per_layer.{attr}", head) for attr, head in block.per_layer.neuron_heads(neuron)]
