@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,13 +38,12 @@ from lens_aot.core.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, Range
 from lens_aot.core.residual_bound import (
     RADIUS_MARGIN,
     _read,
-    _sublayer,
     attention_output_bound,
     embedding_bound,
     mlp_output_bound,
     norm_output_bound,
 )
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec import ModelSpec, NormSpec
 from lens_aot.core.spec_per_layer import PerLayerInputsSpec
 from lens_aot.errors import UnsupportedArchitectureError
 
@@ -79,6 +79,13 @@ def per_layer_input_bound(inputs: PerLayerInputsSpec, layer: int) -> Float[Tenso
     return (math.sqrt(d) * w + b + token) * abs(inputs.input_scale) * (1 + RADIUS_MARGIN)
 
 
+def _after(post: NormSpec | None, d_model: int, out_bound: Callable[[], float]) -> float:
+    """A sublayer's contribution to the residual: its post norm's output bound when it has one (the sublayer's own
+    bound is then not computed: a layer that attends with an earlier layer's keys and values has no value weights of
+    its own), else ``out_bound()``."""
+    return out_bound() if post is None or post.kind is None else norm_output_bound(post, d_model)
+
+
 def sublayer_input_radii(spec: ModelSpec) -> dict[int, float]:
     """Per layer with a per-layer-input sublayer: a certified bound on the norm of the residual it reads (times
     ``1 + RADIUS_MARGIN``): :func:`lens_aot.core.residual_bound.mlp_input_radii`'s walk, continued through the
@@ -94,13 +101,13 @@ def sublayer_input_radii(spec: ModelSpec) -> dict[int, float]:
         read_bound = max(read_bound, _read(layer.ln1, radius, d))
         attn_in = max(radius, read_bound) if layer.post_norm or layer.ln1.kind is None else read_bound
         attn_post = layer.ln1 if layer.post_norm else layer.ln1_post
-        attn_out = _sublayer(attention_output_bound(layer.attn, attn_in), attn_post, d)
+        attn_out = _after(attn_post, d, partial(attention_output_bound, layer.attn, attn_in))
         mlp_out = 0.0
         if layer.mlp is not None:
             mlp_resid = radius if layer.parallel else radius + attn_out
             mlp_in = mlp_resid if layer.post_norm else _read(layer.ln2, mlp_resid, d)
             mlp_post = layer.ln2 if layer.post_norm else layer.ln2_post
-            mlp_out = _sublayer(mlp_output_bound(layer.mlp, mlp_in), mlp_post, d)
+            mlp_out = _after(mlp_post, d, partial(mlp_output_bound, layer.mlp, mlp_in))
         radius = radius + attn_out + mlp_out
         if layer.per_layer is not None:
             radii[i] = radius * (1 + RADIUS_MARGIN)
