@@ -256,9 +256,10 @@ def test_per_layer_heads_save_load_and_revert(tmp_path: Any) -> None:
 
 def test_per_layer_heads_are_refused_or_named_by_the_analysis_tools() -> None:
     """Patching and attribution warn that they list no per-layer neuron (their output goes through a post norm);
-    circuits refuse the layer by name; a wrong sublayer or neuron is refused by name."""
+    circuits refuse the layer by name (tests/test_gemma4.py); a wrong sublayer or neuron, or an input outside the
+    certified range, is refused by name."""
     from lens_aot.analysis.patching import head_units
-    from lens_aot.errors import InputError
+    from lens_aot.errors import InputError, InputRangeError
 
     aot = _converted(torch.float32)[2]
     with pytest.warns(UserWarning, match=r"^layers \[0, 1\] per_layer: Gemma 4's per-layer-input neurons"):
@@ -269,5 +270,8 @@ def test_per_layer_heads_are_refused_or_named_by_the_analysis_tools() -> None:
     with pytest.raises(InputError, match="sublayer must be 'mlp' or 'per_layer'"):
         aot.neuron_heads(0, 1, sublayer="ple")  # type: ignore[arg-type]
     assert lens_aot.core.names.per_layer_label(3, 17, 5, pair=True) == "L3P17.5+6"
+    # an input outside the range the bound is certified on (only an edit can make one) is refused, not computed
+    with pytest.raises(InputRangeError, match=r"^layer 1 per_layer \(residual norm ≤ [0-9.]+\): "):
+        aot.run_with_hooks(_tokens(), fwd_hooks=[("blocks.1.per_layer.hook_per_layer_input", lambda p, hook: p * 100)])
     with pytest.raises(InputError):
         lens_aot.core.names.parse_label("L3P17")
