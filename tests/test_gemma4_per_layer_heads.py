@@ -136,7 +136,16 @@ def test_per_layer_neurons_are_heads_within_the_stated_bound(dtype: torch.dtype)
         per_neuron, out_bound = _bounds(sub, source[f"post{layer}"], dtype)
         assert _error(got["post"], source[f"post{layer}"]) <= per_neuron
         assert bool(((got["out"] - source[f"out{layer}"]).double().norm(dim=-1) <= out_bound).all())
-    # the neuron heads' bound is in the stated one: the source's response to ±max_error on every such neuron
+    # the neuron heads' bound is in the stated one: the source's response to ±max_error on every such neuron, never
+    # below the MLP neurons' alone (and here above it: the perturbation reaches the source's sublayers)
+    from lens_aot.core.faithfulness import conversion_bound
+
+    with torch.no_grad():
+        expected = bridge(tokens)
+        args = (bridge, tokens, expected, dict(aot.cfg.activation_fits), 2)
+        with_heads = conversion_bound(*args, rounding_dtype=torch.float32, per_layer=dict(aot.cfg.per_layer_fits))
+        mlp_only = conversion_bound(*args, rounding_dtype=torch.float32)
+    assert with_heads[1] > mlp_only[1] and with_heads[0] == pytest.approx(aot.report.logit_bound, rel=1e-6)
     assert aot.report.neuron_heads == sum(b.mlp.d_mlp * 7 for b in aot.blocks) + sum(
         16 * aot.blocks[i].per_layer.fit.n_terms for i in range(2)
     )

@@ -95,27 +95,31 @@ def neuron_sensitivity(
     against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises.
 
     ``custom[l]`` (mixture-of-experts layers, :func:`lens_aot.core.moe.sensitivity_hooks`): the hooks that perturb
-    layer ``l``'s neurons instead, as a function of the trial's generator; ``extra``: more hooks each trial adds (Gemma
-    4's per-layer-input neurons, :func:`lens_aot.core.per_layer_fit.sensitivity_hooks`)."""
+    layer ``l``'s neurons instead, as a function of the trial's generator; ``extra``: more hooks a second run of each
+    trial adds (Gemma 4's per-layer-input neurons, :func:`lens_aot.core.per_layer_fit.sensitivity_hooks`)."""
     custom = custom or {}
     eps = {layer: e for layer, e in eps.items() if e > 0}
     worst = 0.0
-    for trial in range(trials if eps or extra is not None else 0):
-        generator = torch.Generator().manual_seed(trial)
+    # with ``extra``, each trial runs twice: the MLP neurons alone (the same draws as without ``extra``, so the bound
+    # is never below theirs) and with ``extra``'s neurons too
+    variants = ([None] if eps else []) + ([] if extra is None else [extra])
+    for trial in range(trials):
+        for more in variants:
+            generator = torch.Generator().manual_seed(trial)
 
-        def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
-            layer = int(hook.name.split(".")[1])
-            signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype).mul_(2).sub_(1)
-            return act + signs.mul_(eps[layer]).to(act.device)  # ±eps exactly; one temporary of act's size
+            def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
+                layer = int(hook.name.split(".")[1])
+                signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype).mul_(2).sub_(1)
+                return act + signs.mul_(eps[layer]).to(act.device)  # ±eps exactly; one temporary of act's size
 
-        hooks = []
-        for layer in sorted(eps):
-            hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
-        hooks += [] if extra is None else extra(generator)
-        with torch.no_grad():
-            out = run_with_hooks(tokens, fwd_hooks=hooks)
-            worst = max(worst, float(torch.sub(getattr(out, "logits", out), base).abs_().max()))
-            del out  # one trial's logits at a time
+            hooks = []
+            for layer in sorted(eps):
+                hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
+            hooks += [] if more is None else more(generator)
+            with torch.no_grad():
+                out = run_with_hooks(tokens, fwd_hooks=hooks)
+                worst = max(worst, float(torch.sub(getattr(out, "logits", out), base).abs_().max()))
+                del out  # one trial's logits at a time
     return worst
 
 

@@ -152,8 +152,9 @@ def sensitivity_hooks(
     names: Any, fits: dict[int, GatedFit]
 ) -> Callable[[torch.Generator], list[tuple[str, Callable[..., Tensor]]]]:
     """For :func:`lens_aot.core.faithfulness.neuron_sensitivity`: per trial, hooks that add ``±max_error`` (random
-    signs from the trial's generator) to every per-layer-input neuron's ``act(g)·p`` on the source (``names``: its
-    hook names). A source with no such hook is refused by layer and piece, so the bound never leaves them out."""
+    signs, seeded from the trial's generator) to every per-layer-input neuron's ``act(g)·p`` on the source
+    (``names``: its hook names). A source with no such hook is refused by layer and piece, so the bound never leaves
+    them out."""
     points: dict[str, float] = {}
     for layer, fit in fits.items():
         name = next((n.format(layer=layer) for n in SOURCE_POST_HOOKS if n.format(layer=layer) in names), None)
@@ -166,8 +167,12 @@ def sensitivity_hooks(
         points[name] = float(fit.max_error)
 
     def hooks(generator: torch.Generator) -> list[tuple[str, Callable[..., Tensor]]]:
+        # signs from a generator of their own (seeded from the trial's), so the MLP neurons' signs are the ones drawn
+        # without these neurons
+        own = torch.Generator().manual_seed(generator.initial_seed() + 7919)
+
         def perturb(act: Tensor, hook: Any, eps: float) -> Tensor:
-            signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype).mul_(2).sub_(1)
+            signs = torch.randint(0, 2, act.shape, generator=own).to(act.dtype).mul_(2).sub_(1)
             return act + signs.mul_(eps).to(act.device)
 
         return [(name, lambda act, hook, e=eps: perturb(act, hook, e)) for name, eps in points.items()]
