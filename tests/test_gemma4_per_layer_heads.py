@@ -236,6 +236,13 @@ def test_per_layer_head_hooks_cache_and_fused_path() -> None:
             assert torch.allclose(compact[name], eager[name], rtol=0, atol=1e-12), name
         assert eager[f"{prefix}.{module}.hook_pattern"].shape == (2, n, 24, 24)
     assert torch.equal(compact[f"{prefix}.hook_pre_linear"], compact[f"{prefix}.hook_per_layer_input"])
+    # the product heads' TransformerLens-layout weights over [resid, scratch h, per-layer input p] give their q and v
+    product = aot.blocks[1].per_layer.product_heads
+    h, p = compact[f"{prefix}.product_heads.hook_gate"], compact[f"{prefix}.hook_per_layer_input"]
+    x = torch.cat([torch.randn(2, 24, aot.cfg.d_model, dtype=h.dtype), h, p], dim=-1)
+    for w, b, hook in ((product.W_Q, product.b_Q, "hook_q"), (product.W_V, product.b_V, "hook_v")):
+        got = torch.einsum("bpi,hie->bphe", x, w) + b
+        assert torch.allclose(got, compact[f"{prefix}.product_heads.{hook}"], rtol=1e-12, atol=1e-12), hook
     aot.set_use_fused_neurons(True)
     try:
         assert all(b.per_layer.use_fused for b in aot.blocks)
