@@ -119,6 +119,7 @@ def verify_command(args: argparse.Namespace) -> int:
                 aot.cfg.activation_fits,
                 len(spec.layers),
                 rounding_dtype=rounding_dtype(spec),
+                per_layer=getattr(aot.cfg, "per_layer_fits", None),
             )
             diff = (got - expected).abs()
             err, mean = float(diff.max()), float(diff.mean())

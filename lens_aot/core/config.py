@@ -38,6 +38,7 @@ class AOTConfig(SourceConfig):
     original_architecture: str = "lens_aot.AttentionOnlyTransformer"
     source_kind: str = "HookedTransformer"
     activation_fits: dict[int, ActivationFit | GatedFit] = field(default_factory=dict)
+    per_layer_fits: dict[int, GatedFit] = field(default_factory=dict)  # Gemma 4's per-layer-input sublayers
     # the source config's other fields (eps, rotary_base, n_params, ...), also set as attributes of this config
     source_config: dict[str, Any] = field(default_factory=dict)
 

@@ -18,8 +18,10 @@ from lens_aot.core.float32_steps import rounding_dtype
 from lens_aot.core.gating import GatedFit, RangedInput, gated_fit
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
+from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
+from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
 from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
 from lens_aot.tl.hooks import attached_hooks
@@ -149,12 +151,14 @@ def _fits(
     return fits
 
 
-def _neuron_heads(mlp: MLPSpec | MoESpec | None, fit: ActivationFit | GatedFit | MoEFit) -> int:
+def _neuron_heads(mlp: MLPSpec | MoESpec | PerLayerSublayerSpec | None, fit: ActivationFit | GatedFit | MoEFit) -> int:
     """Neuron heads replacing one source MLP (every expert's, for a mixture of experts)."""
     if isinstance(mlp, MoESpec) and isinstance(fit, MoEFit):
         shared = [] if mlp.shared is None or fit.shared is None else [(mlp.shared, fit.shared)]
         pairs = [*zip(mlp.experts, fit.experts, strict=True), *shared]
         return sum(int(m.W_in.shape[1]) * f.n_terms for m, f in pairs)
+    if isinstance(mlp, PerLayerSublayerSpec):  # Gemma 4's per-layer-input neurons
+        return int(mlp.W_gate.shape[1]) * fit.n_terms
     assert isinstance(mlp, MLPSpec)
     return int(mlp.W_in.shape[1]) * fit.n_terms
 
@@ -269,6 +273,7 @@ def _check_agreement(
             len(spec.layers),
             moe=moe,
             rounding_dtype=rounding_dtype(spec),
+            per_layer=getattr(aot.cfg, "per_layer_fits", None),
         )
     return max_err, argmax, bound, sensitivity, rounding
 
@@ -435,10 +440,11 @@ def convert(
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
     elif masks == "explicit":
         fits = _fits(spec, max_neuron_error, heads_per_neuron, max_residual_norm)
+        ple_fits = per_layer_fits(spec, max_neuron_error, heads_per_neuron, max_residual_norm)  # Gemma 4
         # The spec read from a source holds fresh tensors: the model takes them over rather than copying them (one
         # copy of the weights during conversion). A spec passed in by the caller is copied.
         with adopting(_tensors(model)) if spec is not model_spec else nullcontext():
-            aot = AttentionOnlyTransformer(spec, fits)
+            aot = AttentionOnlyTransformer(spec, fits, ple_fits)
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)
@@ -462,7 +468,8 @@ def convert(
         heads_per_neuron=0 if first_fit is None else first_fit.n_terms,
         max_neuron_error=0.0 if first_fit is None else max(f.max_error for f in fits.values()),
         attention_heads=sum(int(layer.attn.W_Q.shape[0]) for layer in spec.layers),
-        neuron_heads=sum(_neuron_heads(spec.layers[i].mlp, f) for i, f in fits.items()),
+        neuron_heads=sum(_neuron_heads(spec.layers[i].mlp, f) for i, f in fits.items())
+        + sum(_neuron_heads(spec.layers[i].per_layer, f) for i, f in getattr(aot.cfg, "per_layer_fits", {}).items()),
         source_parameters=source_count,
         converted_parameters=count,
         source_bytes=source_bytes,

@@ -88,31 +88,38 @@ def neuron_sensitivity(
     base: Float[Tensor, "batch pos d_vocab"],
     trials: int = 1,
     custom: dict[int, Callable[[torch.Generator], list[tuple[str, Callable[..., Any]]]]] | None = None,
+    extra: Callable[[torch.Generator], list[tuple[str, Callable[..., Any]]]] | None = None,
 ) -> float:
     """Max |Δlogit| of a source (``run_with_hooks``: its TransformerLens ``run_with_hooks``) when every neuron of
     layer ``l`` (``blocks.{l}.mlp.hook_post``) gets ``±eps[l]`` with random signs (generator seeds 0..trials−1),
     against its unperturbed logits ``base``. ``run_with_hooks`` removes its hooks even when the forward raises.
 
     ``custom[l]`` (mixture-of-experts layers, :func:`lens_aot.core.moe.sensitivity_hooks`): the hooks that perturb
-    layer ``l``'s neurons instead, as a function of the trial's generator."""
+    layer ``l``'s neurons instead, as a function of the trial's generator; ``extra``: more hooks a second run of each
+    trial adds (Gemma 4's per-layer-input neurons, :func:`lens_aot.core.per_layer_fit.sensitivity_hooks`)."""
     custom = custom or {}
     eps = {layer: e for layer, e in eps.items() if e > 0}
     worst = 0.0
-    for trial in range(trials if eps else 0):
-        generator = torch.Generator().manual_seed(trial)
+    # with ``extra``, each trial runs twice: the MLP neurons alone (the same draws as without ``extra``, so the bound
+    # is never below theirs) and with ``extra``'s neurons too
+    variants = ([None] if eps else []) + ([] if extra is None else [extra])
+    for trial in range(trials):
+        for more in variants:
+            generator = torch.Generator().manual_seed(trial)
 
-        def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
-            layer = int(hook.name.split(".")[1])
-            signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype).mul_(2).sub_(1)
-            return act + signs.mul_(eps[layer]).to(act.device)  # ±eps exactly; one temporary of act's size
+            def perturb(act: Tensor, hook: Any, generator: torch.Generator = generator) -> Tensor:
+                layer = int(hook.name.split(".")[1])
+                signs = torch.randint(0, 2, act.shape, generator=generator).to(act.dtype).mul_(2).sub_(1)
+                return act + signs.mul_(eps[layer]).to(act.device)  # ±eps exactly; one temporary of act's size
 
-        hooks = []
-        for layer in sorted(eps):
-            hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
-        with torch.no_grad():
-            out = run_with_hooks(tokens, fwd_hooks=hooks)
-            worst = max(worst, float(torch.sub(getattr(out, "logits", out), base).abs_().max()))
-            del out  # one trial's logits at a time
+            hooks = []
+            for layer in sorted(eps):
+                hooks += custom[layer](generator) if layer in custom else [(f"blocks.{layer}.mlp.hook_post", perturb)]
+            hooks += [] if more is None else more(generator)
+            with torch.no_grad():
+                out = run_with_hooks(tokens, fwd_hooks=hooks)
+                worst = max(worst, float(torch.sub(getattr(out, "logits", out), base).abs_().max()))
+                del out  # one trial's logits at a time
     return worst
 
 
@@ -124,13 +131,15 @@ def conversion_bound(
     n_layers: int,
     moe: dict[int, Any] | None = None,
     rounding_dtype: torch.dtype | None = None,
+    per_layer: dict[int, Any] | None = None,
 ) -> tuple[float, float, float]:
     """The bound stated for a conversion on ``tokens``: ``(bound, S, R)`` for the source (its logits ``expected``)
     and the conversion's per-layer fits (``ActivationFit`` / ``GatedFit`` / ``MoEFit``, their ``max_error`` = ε_l;
     ``moe``: the :class:`~lens_aot.core.spec.MoESpec` of each mixture-of-experts layer, whose neurons are perturbed
     as :func:`lens_aot.core.moe.sensitivity_hooks` says; ``rounding_dtype``: the narrowest dtype the source computes
     in, :func:`lens_aot.core.float32_steps.rounding_dtype`, whose epsilon ``R`` uses: float32 for a float64 source
-    with float32 steps). Used by ``convert``'s check and ``lens-aot verify`` alike."""
+    with float32 steps; ``per_layer``: the fits of Gemma 4's per-layer-input sublayers, whose neurons are perturbed
+    too, :mod:`lens_aot.core.per_layer_fit`). Used by ``convert``'s check and ``lens-aot verify`` alike."""
     from lens_aot.core.gating import GatedFit
     from lens_aot.core.moe import sensitivity_hooks
 
@@ -144,6 +153,11 @@ def conversion_bound(
         for layer, fit in fits.items()
         if hasattr(fit, "output_scale") and eps[layer] > 0
     }
-    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom)
+    extra = None
+    if per_layer:
+        from lens_aot.core.per_layer_fit import sensitivity_hooks as per_layer_hooks
+
+        extra = per_layer_hooks(names, per_layer)
+    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom, extra=extra)
     rounding = rounding_floor(rounding_dtype or expected.dtype, expected, n_layers)
     return logit_bound(stated, sensitivity, rounding), sensitivity, rounding

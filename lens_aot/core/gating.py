@@ -142,9 +142,27 @@ def gated_fit(
     tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
     if not tol > 0:
         raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
-    act = canonical_activation(mlp.act_fn)
     g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
     u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
+    return bounded_gated_fit(mlp.act_fn, g_bound, u_bound, norm, tol, heads_per_neuron, source_act=source_act)
+
+
+def bounded_gated_fit(
+    act_fn: str,
+    g_bound: Float[Tensor, " d_mlp"],
+    u_bound: Float[Tensor, " d_mlp"],
+    norm: NormSpec,
+    tol: float,
+    heads_per_neuron: int | None = None,
+    piece: str = "mlp",
+    source_act: str | None = None,
+) -> GatedFit:
+    """:func:`gated_fit` given each neuron's certified bounds ``|g_n| ≤ G_n`` (``g_bound``) and ``|u_n| ≤ U_n``
+    (``u_bound``, float64): the gate fit (error δ ≤ ``tol``/(2·max U)) and the scales ``ε_n`` that keep
+    ``U_n·δ + (G_n + δ)·ε_n²·U_n³/12 ≤ tol`` (module docstring). Also used where ``u`` is no projection of the
+    residual (Gemma 4's per-layer inputs, :mod:`lens_aot.core.per_layer_fit`); ``piece`` names it in errors;
+    ``source_act``: the activation the fit records (squared ReLU's, default ``act_fn``)."""
+    act = canonical_activation(act_fn)
     u_max = float(u_bound.max()) if u_bound.numel() else 0.0
     if act == "silu":
         gate = activation_fit("silu", heads_per_neuron=heads_per_neuron)
@@ -155,7 +173,7 @@ def gated_fit(
         except ValueError as err:
             if isinstance(norm, RangedInput):
                 raise UnsupportedArchitectureError(
-                    f"layer {norm.layer} mlp: a gated {act} MLP without a normalization layer before it reads "
+                    f"layer {norm.layer} {piece}: a gated {act} MLP without a normalization layer before it reads "
                     f"residuals of norm up to {norm.radius:.3g} (certified from the weights, or max_residual_norm), so "
                     f"|u| ≤ {u_max:.3g} and its gate's fit error δ must be ≤ {target:.2g}: {err} Pass a smaller "
                     f"lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused at run time)."
@@ -177,7 +195,7 @@ def gated_fit(
     ranges: dict[str, object] = {}
     if isinstance(norm, RangedInput) and float(scales.min()) < MIN_PRODUCT_SCALE:
         raise UnsupportedArchitectureError(
-            f"layer {norm.layer} mlp: a gated MLP without a normalization layer before it reads residuals of norm "
+            f"layer {norm.layer} {piece}: a gated MLP without a normalization layer before it reads residuals of norm "
             f"up to {norm.radius:.3g} (certified from the weights), so its product heads would need a scale ε "
             f"{float(scales.min()):.2g} below {MIN_PRODUCT_SCALE:g}, which float arithmetic cannot carry. Pass the "
             f"residual norm you need as lens_aot.convert(model, max_residual_norm=...) (inputs beyond it are refused "
@@ -190,7 +208,7 @@ def gated_fit(
             layer=norm.layer,
             radius=float(norm.radius),
         )
-    return GatedFit(source_act, gate, tuple(float(s) for s in scales), tol, **ranges)  # type: ignore[arg-type]
+    return GatedFit(source_act or act, gate, tuple(float(s) for s in scales), tol, **ranges)  # type: ignore[arg-type]
 
 
 def input_ranges(fit: GatedFit, like: Tensor) -> tuple[tuple[Tensor, Tensor] | None, str]:

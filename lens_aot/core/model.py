@@ -17,7 +17,7 @@ to move between source neurons and heads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,10 @@ from lens_aot.core.components.workspace import forward_workspace
 from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
+from lens_aot.core.head_refs import ExpertHeadOrigin, HeadOrigin, HeadRef, Sublayer  # noqa: F401 (re-exported)
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
-from lens_aot.core.names import Expert, HeadKind, flat_layout_hint, module_expert, parse_module
+from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
+from lens_aot.core.per_layer_fit import neuron_parts, per_layer_heads, per_layer_neurons
 from lens_aot.core.placement import Placement
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.tokens import Tokenizing
@@ -46,54 +48,6 @@ from lens_aot.tl.hooked_model import hooked_class
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
-
-
-class HeadRef(NamedTuple):
-    """A head of the converted model: ``name`` is its head module's hook prefix (``blocks.3.attn``,
-    ``blocks.3.mlp.heads``, ...), ``head`` its index there."""
-
-    name: str
-    head: int
-
-
-class HeadOrigin(NamedTuple):
-    """What a head of the converted model was in the source.
-
-    ``kind`` "attention": head ``index`` of source layer ``layer``'s attention. ``kind`` "neuron": neuron ``index`` of
-    source layer ``layer``'s MLP, ``component`` the head's position in ``neuron_heads(layer, index)``. Heads of an
-    expert of a mixture-of-experts layer have an :class:`ExpertHeadOrigin`.
-    """
-
-    kind: Literal["attention", "neuron"]
-    layer: int
-    index: int
-    component: int
-
-    @property
-    def expert(self) -> Expert:
-        """None: the head is not an expert's."""
-        return None
-
-
-class ExpertHeadOrigin(NamedTuple):
-    """What a neuron head of a mixture-of-experts layer was: neuron ``index`` of expert ``expert`` (an index, or
-    ``"shared"``) of source layer ``layer``'s MLP; ``component``: its place in ``neuron_heads(layer, index, ...)``."""
-
-    kind: Literal["neuron"]
-    layer: int
-    index: int
-    component: int
-    expert: int | Literal["shared"]
-
-
-class Sublayer(NamedTuple):
-    """One attention-only sub-layer in the paper's flat ordering: ``name`` its head module, ``kind`` what its heads
-    compute, ``layer`` the source layer it belongs to."""
-
-    index: int
-    name: str
-    kind: HeadKind
-    layer: int
 
 
 class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
@@ -111,10 +65,18 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         spec = args[0] if args else kwargs.get("spec")
         return object.__new__(hooked_class(cls, getattr(spec, "source_kind", None)))
 
-    def __init__(self, spec: ModelSpec, fits: dict[int, ActivationFit | GatedFit]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        fits: dict[int, ActivationFit | GatedFit],
+        per_layer_fits: dict[int, GatedFit] | None = None,
+    ) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
-        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones)."""
-        super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]))
+        (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.gating.GatedFit` for gated ones);
+        ``per_layer_fits``: Gemma 4's per-layer-input sublayers' (default: :func:`~lens_aot.core.per_layer_fit.
+        per_layer_fits` of ``spec``)."""
+        ple = per_layer_neurons(spec, per_layer_fits)
+        super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]), ple.build)
         attn0 = spec.layers[0].attn if spec.layers else None
         self.cfg = AOTConfig.of(
             spec,
@@ -129,6 +91,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             rotary_dim=None if spec.rotary is None else spec.rotary.rotary_dim,
             source_kind=spec.source_kind,
             activation_fits=dict(fits),
+            per_layer_fits=ple.fits,
             source_config=dict(spec.extra.get("source_config", {})),
         )
         for name, value in derived_source_fields(spec).items():  # where the source had no config of its own
@@ -258,7 +221,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         ``return_cache_object=False``, or hooks already attached to neuron-head internals.
         """
         wanted = _AliasedPredicate(_names_predicate(names_filter), self.hook_aliases_)
-        mlps = [(f"blocks.{i}.mlp", b.mlp) for i, b in enumerate(self.blocks) if b.has_mlp]
+        mlps = [(f"blocks.{i}.{a}", getattr(b, a)) for i, b in enumerate(self.blocks) for a in neuron_parts(b)]
         eager = not compact or incl_bwd or pos_slice is not None or not return_cache_object or self.cfg.use_attn_result
         eager = eager or any(hooked(*mlp.internal_hooks()) for _, mlp in mlps)
         derived: dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]] = {}
@@ -333,9 +296,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             block.use_hook_mlp_in = cfg.use_hook_mlp_in and block.has_mlp
             block.attn.ungroup = cfg.ungroup_grouped_query_attention
             block.attn.use_attn_result = cfg.use_attn_result
-            if block.has_mlp:
-                block.mlp.use_fused = cfg.use_fused_neurons
-                for _, heads in block.mlp.head_modules():
+            for part in neuron_parts(block):  # the MLP, and Gemma 4's per-layer-input sublayer
+                getattr(block, part).use_fused = cfg.use_fused_neurons
+                for _, heads in getattr(block, part).head_modules():
                     heads.use_attn_result = cfg.use_attn_result
 
     def set_use_fused_neurons(self, use_fused_neurons: bool) -> None:
@@ -344,8 +307,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         see those hook points run. Hooks attached by TransformerLens or ``register_forward_hook`` still work."""
         self.cfg.use_fused_neurons = use_fused_neurons
         for block in self.blocks:
-            if block.has_mlp:
-                block.mlp.use_fused = use_fused_neurons
+            for part in neuron_parts(block):
+                getattr(block, part).use_fused = use_fused_neurons
 
     # ------------------------------------------------------------------ neuron <-> head maps
     def sublayers(self) -> list[Sublayer]:
@@ -378,9 +341,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         block = self.blocks[self._layer(layer)]
         if kind == "attention":
             return block.attn
-        path = name.split(".mlp.", 1)[1]
-        try:
-            return block.mlp.get_submodule(path)  # heads, or experts.{e}.heads of a mixture of experts
+        try:  # mlp.heads, mlp.experts.{e}.heads of a mixture of experts, or Gemma 4's per_layer.gate_heads
+            return block.get_submodule(name.split(".", 2)[2])
         except AttributeError:
             raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them") from None
 
@@ -402,8 +364,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
         return names[-1]
 
-    def neuron_heads(self, layer: int, neuron: int, expert: Expert = None) -> list[HeadRef]:
-        """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP.
+    def neuron_heads(
+        self, layer: int, neuron: int, expert: Expert = None, sublayer: Literal["mlp", "per_layer"] = "mlp"
+    ) -> list[HeadRef]:
+        """The heads that together compute neuron ``neuron`` of source layer ``layer``'s MLP (``sublayer=
+        "per_layer"``: of Gemma 4's per-layer-input sublayer, ``blocks.{l}.per_layer``, gated, labels ``L{l}P{n}``).
 
         Plain MLPs: one head per term of the activation's fit. Gated MLPs: the gate heads (one per term of the gate
         activation's fit), then the neuron's two product heads (``+``, ``−``). Mixture-of-experts layers: neuron
@@ -411,6 +376,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         scaled by the expert's router weight at each position.
         """
         block = self.blocks[self._layer(layer)]
+        if sublayer != "mlp":
+            return per_layer_heads(block, layer % len(self.blocks), neuron, expert, sublayer)
         if not block.has_mlp:
             raise ValueError(f"source layer {layer} has no MLP, so it has no neuron heads")
         prefix = f"blocks.{layer % len(self.blocks)}.mlp"
@@ -441,6 +408,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if kind == "attention":
             return HeadOrigin("attention", layer, head, 0)
         k = module.heads_per_neuron
+        if ".per_layer." in name:  # Gemma 4's per-layer-input neurons (core/components/per_layer_neurons.py)
+            offset = self.blocks[layer].per_layer.gate_heads.heads_per_neuron if kind == "product" else 0
+            return HeadOrigin("per_layer", layer, head // k, offset + head % k)
         expert = module_expert(name)
         mlp = self.blocks[layer].mlp if expert is None else self.blocks[layer].mlp.expert(expert)
         offset = mlp.gate_heads.heads_per_neuron if kind == "product" else 0

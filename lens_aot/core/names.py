@@ -6,8 +6,9 @@ The converted model is numbered like its source (``blocks.{l}`` is source layer 
 ``L3N17`` (neuron), ``L3N17.2`` (the neuron's head at position 2 of ``aot.neuron_heads(3, 17)``), ``L3N17.4+5`` (a
 gated neuron's two product heads, positions 4 and 5, together: the unit patching and attribution use for them).
 Mixture-of-experts layers hold each expert's modules under ``blocks.{l}.mlp.experts.{e}`` (the shared expert:
-``blocks.{l}.mlp.shared_expert``), labelled ``L3E5N17`` / ``L3SN17`` with the same suffixes. This module is the one
-parser of both.
+``blocks.{l}.mlp.shared_expert``), labelled ``L3E5N17`` / ``L3SN17`` with the same suffixes. Gemma 4's per-layer-input
+sublayer's neuron heads are ``blocks.{l}.per_layer.gate_heads`` / ``product_heads``, labelled ``L3P17``
+(:func:`per_layer_label`). This module is the one parser of both.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ HeadKind = Literal["attention", "neuron", "gate", "product"]
 NEURON_MODULES: dict[str, HeadKind] = {"heads": "neuron", "gate_heads": "gate", "product_heads": "product"}
 
 _EXPERT = r"(?:experts\.(0|[1-9]\d*)\.|(shared_expert)\.)?"
-_MODULE = re.compile(rf"^blocks\.(0|[1-9]\d*)\.(attn|mlp\.{_EXPERT}(heads|gate_heads|product_heads))$")
+_MODULE = re.compile(
+    rf"^blocks\.(0|[1-9]\d*)\.(attn|mlp\.{_EXPERT}(heads|gate_heads|product_heads)|per_layer\.(gate_heads|product_heads))$"
+)
 _LABEL = re.compile(
     r"^L(0|[1-9]\d*)(?:H(0|[1-9]\d*)|(?:E(0|[1-9]\d*)|(S))?N(0|[1-9]\d*)(?:\.(0|[1-9]\d*)(?:\+(0|[1-9]\d*))?)?)$"
 )
@@ -111,10 +114,20 @@ def parse_module(name: str) -> ModuleName:
         _MODULE,
         name,
         "a head module name like 'blocks.3.attn', 'blocks.3.mlp.heads', 'blocks.3.mlp.gate_heads', "
-        "'blocks.3.mlp.product_heads' or (mixtures of experts) 'blocks.3.mlp.experts.5.gate_heads'",
+        "'blocks.3.mlp.product_heads', (mixtures of experts) 'blocks.3.mlp.experts.5.gate_heads' or (Gemma 4's "
+        "per-layer-input sublayer) 'blocks.3.per_layer.gate_heads'",
     )
     layer, part = int(match.group(1)), match.group(2)
-    return ModuleName(layer, "attention" if part == "attn" else NEURON_MODULES[match.group(5)])
+    return ModuleName(layer, "attention" if part == "attn" else NEURON_MODULES[match.group(5) or match.group(6)])
+
+
+def per_layer_label(layer: int, neuron: int, component: int | None = None, pair: bool = False) -> str:
+    """A neuron of Gemma 4's per-layer-input sublayer: ``L3P17``, ``L3P17.2`` (its head at position 2 of
+    ``aot.neuron_heads(3, 17, sublayer="per_layer")``), ``L3P17.5+6`` (its product pair). Not a patching unit (the
+    sublayer's output goes through its post norm): :func:`parse_label` refuses it."""
+    if component is None:
+        return f"L{layer}P{neuron}"
+    return f"L{layer}P{neuron}.{component}" + (f"+{component + 1}" if pair else "")
 
 
 def head_label(layer: int, head: int) -> str:

@@ -9,8 +9,10 @@ embedding ``e = W_E[t]``::
     P     = (proj + token) · s_i       [batch, pos, n_layers, d_ple]   (s_i = 2^-½)
 
 and each ``Gemma4TextDecoderLayer`` ends (after the MLP, before the layer scalar) with
-``resid += post_norm(W_proj(act(resid @ W_gate) ⊙ P[:, :, l]))``. Not part of the paper's construction: the sublayer
-is carried as a dense component (:mod:`lens_aot.core.components.per_layer_sublayer`), its neurons not yet heads.
+``resid += post_norm(W_proj(act(resid @ W_gate) ⊙ P[:, :, l]))``. Beyond the paper: the sublayer's neurons are gated
+neurons whose linear factor is ``P[:, :, l]`` (:mod:`lens_aot.core.per_layer_fit`,
+:mod:`lens_aot.core.components.per_layer_neurons`); the reference keeps it dense
+(:mod:`lens_aot.core.components.per_layer_sublayer`).
 """
 
 from __future__ import annotations

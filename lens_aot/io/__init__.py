@@ -5,7 +5,8 @@ A saved model is a directory::
     path/
       config.json          format name and version (2), lens_aot / torch versions, dtype, device, training mode, and the
                            typed schema of :mod:`lens_aot.io.schema`: the source ModelSpec (every field by name), the
-                           activation fits, the set_use_* flags, the ConversionReport, metadata
+                           activation fits (and Gemma 4's per-layer-input neurons' fits, ``per_layer_fits``, when
+                           there are some), the set_use_* flags, the ConversionReport, metadata
       model.safetensors    the tensors (``model.pt``, a ``torch.save`` dict, where safetensors cannot be imported;
                            ``config.json`` names the file and its format)
       tokenizer/           ``tokenizer.save_pretrained`` output, when the model has a tokenizer
@@ -15,14 +16,14 @@ encoder and decoder (:mod:`lens_aot.io.schema`), so moving lens_aot's modules ca
 this lens_aot does not know is refused (the file is newer); a format-1 directory (lens_aot 0.1, whose config named
 module paths) is refused with the fix: convert the source again, then save.
 
-**Exactness.** :func:`load` rebuilds ``AttentionOnlyTransformer(spec, activation_fits)``. :func:`save` writes the
-model's own tensors (the spec is read off the model without copies) and builds the same modules around those very
-tensors (no weight is copied; only buffers are new) to compare its ``state_dict`` bitwise with the model's: entries
-that differ are stored too (keys ``state.<name>``) and written over the rebuilt model on load. (After
-``aot.to(torch.float64)`` the activation-fit buffers hold float32-rounded coefficients that a fresh float64 build
-would not have.) So a loaded model's parameters and buffers equal the saved model's bit for bit, and so do its
-outputs on the same device and dtype; ``load(path, dtype=d)`` equals ``aot.to(d)``. The flags set on the model
-(``use_attn_result``, …) are restored too.
+**Exactness.** :func:`load` rebuilds ``AttentionOnlyTransformer(spec, activation_fits, per_layer_fits)``.
+:func:`save` writes the model's own tensors (the spec is read off the model without copies) and builds the same
+modules around those very tensors (no weight is copied; only buffers are new) to compare its ``state_dict`` bitwise
+with the model's: entries that differ are stored too (keys ``state.<name>``) and written over the rebuilt model on
+load. (After ``aot.to(torch.float64)`` the activation-fit buffers hold float32-rounded coefficients that a fresh
+float64 build would not have.) So a loaded model's parameters and buffers equal the saved model's bit for bit, and
+so do its outputs on the same device and dtype; ``load(path, dtype=d)`` equals ``aot.to(d)``. The flags set on the
+model (``use_attn_result``, …) are restored too.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
         "training": bool(aot.training),
         "spec": encoder.spec(spec),
         "activation_fits": encode_fits(dict(aot.cfg.activation_fits)),
+        # Gemma 4's per-layer-input neurons' fits (core/per_layer_fit.py); written only when there are some
+        **({"per_layer_fits": encode_fits(per_layer)} if (per_layer := dict(aot.cfg.per_layer_fits)) else {}),
         "flags": {name: bool(getattr(aot.cfg, name)) for name in FLAGS if hasattr(aot.cfg, name)},
     }
     report = aot.report
@@ -143,7 +146,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     # Rebuild from what is stored, as load() will, and store the state entries the rebuild does not reproduce. The
     # rebuilt modules take the model's own parameters over (no weight is copied): only their buffers are new.
     with adopting():
-        rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits))
+        rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits), per_layer or None)
     ours, theirs = aot.state_dict(), rebuilt.state_dict()
     if set(ours) != set(theirs):
         raise UnsupportedArchitectureError(
@@ -198,6 +201,7 @@ def load(
     decoder = Decoder(tensors, str(path))
     spec = decoder.spec(config["spec"], load_tokenizer(path, config))
     fits = decoder.fits(config["activation_fits"])
+    per_layer = decoder.fits(config["per_layer_fits"], "per_layer_fits") if "per_layer_fits" in config else None
     flags = decoder.flags(config["flags"])
     report = decoder.report(config.get("report"), ConversionReport)
     try:
@@ -205,7 +209,7 @@ def load(
     except LoadError as e:
         raise LoadError(f"{path}: {e}. The save is corrupt: save the model again.") from None
     try:
-        model = AttentionOnlyTransformer(spec, fits)
+        model = AttentionOnlyTransformer(spec, fits, per_layer)  # type: ignore[arg-type]
     except (ValueError, RuntimeError, KeyError, IndexError, AssertionError) as e:
         raise LoadError(
             f"{path}: the saved spec does not build a model ({type(e).__name__}: {e}); its tensors have inconsistent "

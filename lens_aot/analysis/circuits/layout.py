@@ -67,7 +67,8 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
     no neuron). Expert neurons are nodes ``m{l}.e{e}.n{i}`` (:mod:`lens_aot.analysis.circuits.moe`).
     Grouped-query attention is supported: circuits run with ``ungroup_grouped_query_attention`` on
     (:func:`split_inputs`), so each query head has its own k and v input, as in EAP-IG. At every granularity,
-    Gemma 4's per-layer-input sublayers (``blocks.{l}.per_layer``, dense: no node holds them) are refused, so that no
+    Gemma 4's per-layer-input sublayers (``blocks.{l}.per_layer``: neuron heads whose output goes through a post norm,
+    so no node holds them) are refused, so that no
     circuit silently leaves part of a layer out of its graph; so are Gemma 4's layers that attend with an earlier
     layer's keys and values (``attn.kv_from``): their keys and values come from that layer's residual stream, an edge
     no node of the graph carries; and Gemma 4's mixtures of experts beside the dense MLP (``mlp.reads_residual``)."""
@@ -82,7 +83,8 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
         if hasattr(block, "per_layer"):
             raise InputError(
                 f"layer {layer} per_layer: Gemma 4's per-layer-input sublayer writes to the residual stream outside "
-                "every node of the graph (it is carried densely, not as neuron heads), so a circuit would cover only "
+                "every node of the graph (its neuron heads write through the sublayer's post norm, which no edge "
+                "models), so a circuit would cover only "
                 f"part of the layer; patch it by hook name (blocks.{layer}.per_layer.hook_out) or with patch_heads / "
                 "patch_neurons, which rerun the whole model"
             )

@@ -23,10 +23,15 @@ The source-aligned layout: attention heads read ``blocks.{l}.hook_resid_pre`` th
 ``hook_resid_pre``) through ``ln2``; neuron and product heads write ``blocks.{l}.hook_mlp_out``; gate heads write
 only the MLP's scratch, ``blocks.{l}.mlp.product_heads.hook_gate``, which the product heads read as their values.
 A product module's *input* is therefore its residual and that scratch, side by side (``[d_model + d_mlp]``).
+
+Gemma 4's per-layer-input neurons (``blocks.{l}.per_layer.gate_heads`` / ``product_heads``) are not units: their
+output goes through the sublayer's post norm before the residual, so no head writes linearly to it. They are not in
+``aot.sublayers()``; every patched forward runs them, and each tool built on this index warns that it lists none.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -57,6 +62,7 @@ from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exporte
 )
 from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.core.names import head_label, module_expert, neuron_label, parse_module
+from lens_aot.core.per_layer_fit import neuron_parts
 from lens_aot.errors import InputError
 
 
@@ -189,6 +195,16 @@ class _Index:
         self.n_layers = int(aot.cfg.n_layers)
         self._d_mlp: dict[int, int] = {}
         self._neuron_heads: dict[tuple[int, int], list[HeadRef]] = {}
+        per_layer = [i for i, block in enumerate(aot.blocks) if "per_layer" in neuron_parts(block)]
+        if per_layer:  # not silently left out (module docstring)
+            warnings.warn(
+                f"layers {per_layer} per_layer: Gemma 4's per-layer-input neurons (blocks.{{l}}.per_layer.gate_heads "
+                "/ product_heads) are not units of patching or attribution: their output reaches the residual "
+                "through the sublayer's post norm, which these tools' linear head outputs do not model. They run in "
+                "every forward (patched runs include their response), but no result lists them; patch them by hook "
+                "name (blocks.{l}.per_layer.hook_post[..., n] or product_heads.hook_z)",
+                stacklevel=3,
+            )
 
     def heads_in(self, name: str) -> int:
         """How many heads module ``name`` has."""

@@ -5,10 +5,9 @@ the store they share for the forward's duration; the last such layer drops it). 
 [batch, pos, d_ple] (``p``), ``hook_pre`` [batch, pos, d_ple] (``resid @ W_gate``), ``hook_post``
 [batch, pos, d_ple] (``act(·) ⊙ p``), ``hook_out`` [batch, pos, d_model] (after ``post_norm``, what is added).
 
-Not yet neuron heads: each of its ``d_ple`` neurons ``act(resid·w_i)·p_i`` is a neuron-wise product like a gated
-MLP's (Theorem 3's neuron head times a linear factor), but here the linear factor is a per-token input outside the
-residual stream, which the product heads of :mod:`lens_aot.core.gating` do not read yet; this sublayer is a small
-dense component, computed exactly as the source computes it.
+The reference model's (:class:`~lens_aot.core.reference.MLPTransformer`, ``revert(to="reference")``) and the reading
+check's: computed exactly as the source computes it. The converted model's sublayer has the same hooks with its
+neurons as gate and product heads (:mod:`lens_aot.core.components.per_layer_neurons`).
 """
 
 from __future__ import annotations

@@ -131,9 +131,15 @@ class SpecTransformer(HookedRootModule):
     TransformerLens's ``hook_embed`` / ``hook_pos_embed``; subclasses add the config, the forward and ``setup()``.
 
     Each source layer becomes a :class:`TransformerBlock` of the source's norms and :class:`Attention` and the MLP
-    module ``mlp_for(layer, mlp_spec)`` builds (the converted model's neuron heads, or the reference's plain MLP)."""
+    module ``mlp_for(layer, mlp_spec)`` builds (the converted model's neuron heads, or the reference's plain MLP), and
+    Gemma 4's per-layer-input sublayer the one ``per_layer_for(spec, layer, store, last)`` builds (default: dense)."""
 
-    def __init__(self, spec: ModelSpec, mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        mlp_for: Callable[[int, MLPSpec | MoESpec], nn.Module],
+        per_layer_for: Callable[..., nn.Module] = PerLayerSublayer,
+    ) -> None:
         blocks = []
         store = PerLayerInputStore()  # Gemma 4's per-layer inputs, for one forward's duration
         shared_kv = SharedKVBoxes()  # Gemma 4's shared keys and values, for one forward's duration
@@ -151,7 +157,7 @@ class SpecTransformer(HookedRootModule):
                 norms = (make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post)
                 if ls.per_layer is not None:
                     last = all(later.per_layer is None for later in spec.layers[layer + 1 :])
-                    scalar["per_layer"] = PerLayerSublayer(ls.per_layer, layer, store, last)
+                    scalar["per_layer"] = per_layer_for(ls.per_layer, layer, store, last)
                 blocks.append(block(*norms, post_norm=ls.post_norm, **scalar))
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
         # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
