@@ -11,6 +11,7 @@ the post norm's epsilon moved by 1e-3 leaves those bounds.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import warnings
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 import lens_aot
 from lens_aot.core.components.per_layer_neurons import PerLayerNeuronSublayer
 from lens_aot.core.components.per_layer_sublayer import PerLayerSublayer
+from lens_aot.errors import LoadError
 
 SCALARS = (0.625, 1.7)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -264,6 +266,12 @@ def test_per_layer_heads_save_load_and_revert(tmp_path: Any) -> None:
         assert torch.equal(loaded(tokens), aot(tokens))
     assert loaded.cfg.per_layer_fits == aot.cfg.per_layer_fits
     assert all(isinstance(b.per_layer, PerLayerNeuronSublayer) for b in loaded.blocks)
+    # a save from before these heads (no per_layer_fits entry) is refused with the fix, not rebuilt with other fits
+    config = json.loads((tmp_path / "g4" / "config.json").read_text())
+    del config["per_layer_fits"]
+    (tmp_path / "g4" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match="kept the per-layer-input sublayers dense .* Convert the source again"):
+        lens_aot.load(tmp_path / "g4")
     reference = lens_aot.revert(aot, to="reference")
     assert all(type(b.per_layer) is PerLayerSublayer for b in reference.blocks)
     with torch.no_grad():

@@ -202,6 +202,12 @@ def load(
     spec = decoder.spec(config["spec"], load_tokenizer(path, config))
     fits = decoder.fits(config["activation_fits"])
     per_layer = decoder.fits(config["per_layer_fits"], "per_layer_fits") if "per_layer_fits" in config else None
+    if per_layer is None and any(layer.per_layer is not None for layer in spec.layers):
+        raise LoadError(
+            f"{path}: this Gemma 4 model was saved by a lens_aot that kept the per-layer-input sublayers dense "
+            "(config.json has no per_layer_fits); their neurons are now neuron heads. Convert the source again, then "
+            "save."
+        )
     flags = decoder.flags(config["flags"])
     report = decoder.report(config.get("report"), ConversionReport)
     try:
