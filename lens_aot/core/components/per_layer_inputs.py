@@ -21,6 +21,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec_per_layer import PerLayerInputsSpec
+from lens_aot.errors import InputError
 
 __all__ = ["PerLayerInputStore", "PerLayerInputs"]
 
@@ -30,6 +31,22 @@ class PerLayerInputStore:
 
     def __init__(self) -> None:
         self.value: Tensor | None = None
+
+    def layer_input(
+        self, layer: int, resid: Float[Tensor, "batch pos d_model"], last: bool
+    ) -> Float[Tensor, "batch pos d_ple"]:
+        """Layer ``layer``'s slice of the inputs, on ``resid``'s device (``last``: the last layer with a per-layer
+        sublayer, which drops the inputs once read); raises when this forward has none for ``resid``'s positions."""
+        inputs = self.value
+        if inputs is None or inputs.shape[:2] != resid.shape[:2]:
+            raise InputError(
+                f"layer {layer} per_layer: Gemma 4's per-layer inputs are computed from the input tokens, and "
+                "this forward has none for these positions (it starts from embeddings or a middle layer). Run the "
+                "model from tokens (no start_at_layer)."
+            )
+        if last:
+            self.value = None
+        return inputs[:, :, layer].to(resid.device)
 
 
 class PerLayerInputs(nn.Module):

@@ -32,7 +32,6 @@ from lens_aot.core.components.per_layer_product_attention import PerLayerProduct
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.spec import MLPSpec
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
-from lens_aot.errors import InputError
 
 __all__ = ["PerLayerNeuronSublayer"]
 
@@ -81,16 +80,7 @@ class PerLayerNeuronSublayer(NeuronMLP):
         return self.W_proj
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        inputs = self.store.value
-        if inputs is None or inputs.shape[:2] != resid.shape[:2]:
-            raise InputError(
-                f"layer {self.layer} per_layer: Gemma 4's per-layer inputs are computed from the input tokens, and "
-                "this forward has none for these positions (it starts from embeddings or a middle layer). Run the "
-                "model from tokens (no start_at_layer)."
-            )
-        if self.last:
-            self.store.value = None
-        self._p = self.hook_per_layer_input(inputs[:, :, self.layer].to(resid.device))
+        self._p = self.hook_per_layer_input(self.store.layer_input(self.layer, resid, self.last))
         try:
             post, z = self._gated_post(resid)
         finally:

@@ -22,7 +22,6 @@ from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.per_layer_inputs import PerLayerInputStore
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
-from lens_aot.errors import InputError
 
 __all__ = ["PerLayerSublayer"]
 
@@ -44,16 +43,7 @@ class PerLayerSublayer(nn.Module):
         self.hook_out = HookPoint()
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        inputs = self.store.value
-        if inputs is None or inputs.shape[:2] != resid.shape[:2]:
-            raise InputError(
-                f"layer {self.layer} per_layer: Gemma 4's per-layer inputs are computed from the input tokens, and "
-                "this forward has none for these positions (it starts from embeddings or a middle layer). Run the "
-                "model from tokens (no start_at_layer)."
-            )
-        if self.last:
-            self.store.value = None
-        p = self.hook_per_layer_input(inputs[:, :, self.layer].to(resid.device))
+        p = self.hook_per_layer_input(self.store.layer_input(self.layer, resid, self.last))
         gate = reference_activation(self.act_fn, self.hook_pre(F.linear(resid, self.W_gate.T)))
         out = self.post_norm(F.linear(self.hook_post(gate * p), self.W_proj.T))
         return resid + self.hook_out(out)
