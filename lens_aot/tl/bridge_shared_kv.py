@@ -31,8 +31,6 @@ __all__ = ["delegated_layer_scalar", "refuse_delegated_block"]
 
 def _pieces(layer_module: Any) -> list[str]:
     found = []
-    attn = getattr(layer_module, "self_attn", None)
-    attn = getattr(attn, "original_component", attn)  # the bridge's AttentionBridge wraps the Hugging Face module
     scalar = getattr(layer_module, "layer_scalar", None)
     if isinstance(scalar, torch.Tensor) and scalar.numel() != 1:
         found.append(f"a layer scalar of shape {tuple(scalar.shape)} (one value per layer is read)")
