@@ -58,8 +58,12 @@ class HeadDerivation:
         return f"HeadDerivation({self.family!r}, {self.hook!r}, heads_per_neuron={self.heads_per_neuron})"
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> HeadDerivation:
-        """A copy with ``fn`` applied to every coefficient tensor (device moves, dtype casts)."""
-        return HeadDerivation(self.family, self.hook, {k: fn(v) for k, v in self.coeffs.items()}, self.heads_per_neuron)
+        """A copy (of the same class) with ``fn`` applied to every coefficient tensor (device moves, dtype casts)."""
+        return type(self)(self.family, self.hook, {k: fn(v) for k, v in self.coeffs.items()}, self.heads_per_neuron)
+
+    def rows(self, source: Tensor) -> Tensor:
+        """A stored source entry as the heads ran on it (itself; :class:`RoutedHeadDerivation` reshapes)."""
+        return source
 
     @property
     def dense(self) -> bool:
@@ -145,14 +149,9 @@ class RoutedHeadDerivation(HeadDerivation):
         out.__dict__.update(how.__dict__)
         return out
 
-    @staticmethod
-    def rows(source: Tensor) -> Tensor:
+    def rows(self, source: Tensor) -> Tensor:
+        """The source's 2-D ``[routed, d_mlp]`` entry as the heads' ``[1, routed, d_mlp]``."""
         return source[None] if source.ndim == 2 else source
-
-    def map(self, fn: Callable[[Tensor], Tensor]) -> RoutedHeadDerivation:
-        return RoutedHeadDerivation(
-            self.family, self.hook, {k: fn(v) for k, v in self.coeffs.items()}, self.heads_per_neuron
-        )
 
     def __call__(self, *sources: Tensor) -> Tensor:
         return super().__call__(*(self.rows(s) for s in sources))
@@ -290,10 +289,7 @@ class LazyCacheDict(dict):
         if isinstance(value, _Derived):
             sources = [super(LazyCacheDict, self).__getitem__(src) for src in value.sources]
             if isinstance(value.derive, HeadDerivation) and value.derive.dense:
-                first = (
-                    RoutedHeadDerivation.rows(sources[0]) if isinstance(value.derive, RoutedHeadDerivation) else None
-                )
-                return LazyHeadTensor(value.derive, sources[0] if first is None else first)
+                return LazyHeadTensor(value.derive, value.derive.rows(sources[0]))
             with torch.no_grad():  # like the stored entries, which TransformerLens caches detached
                 return value.derive(*sources)
         return value
