@@ -21,6 +21,8 @@ from unittest import mock
 
 import pytest
 import torch
+from gemma4_helpers import SCALARS, bridge_in
+from gemma4_helpers import tokens as _tokens
 
 import lens_aot
 import lens_aot.tl.read_bridge as reader
@@ -37,15 +39,13 @@ SHARED_KV = (  # E2B / E4B: per-layer inputs on, the last layer reads layer 1's 
     ("layer_types", ("sliding_attention", "full_attention", "full_attention")),
     ("num_kv_shared_layers", 1),
 )
-SCALARS = (0.625, 1.7)  # each layer's layer_scalar (a buffer: 1 in the matrix's model, set here so that it binds)
 
 
 @functools.lru_cache(maxsize=8)
 def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = None) -> tuple[Any, Any]:
     """(the Hugging Face model, its bridge): the support matrix's tiny random Gemma 4 in ``dtype``, ``fields`` on
     its config (default: no per-layer input embeddings, and the layer scalars :data:`SCALARS`)."""
-    from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
-    from lens_aot.tl.build import bridge_from_hf_module
+    from lens_aot.matrix.families import Family, build_hf_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -56,15 +56,7 @@ def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = Non
             with torch.no_grad():
                 for layer, scalar in zip(model.model.layers, SCALARS, strict=True):
                     layer.layer_scalar.fill_(scalar)
-        model = copy_as(model, dtype)
-        bridge = bridge_from_hf_module(
-            model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=dtype, model_name="g4"
-        ).eval()
-    return model, bridge
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+    return bridge_in(model, dtype)
 
 
 @functools.lru_cache(maxsize=4)

@@ -18,6 +18,8 @@ from unittest import mock
 
 import pytest
 import torch
+from gemma4_helpers import bridge_in
+from gemma4_helpers import tokens as _tokens
 
 import lens_aot
 import lens_aot.tl.read_gemma4_moe as moe_reader
@@ -48,8 +50,7 @@ NORMS = (
 @functools.lru_cache(maxsize=2)
 def _models(dtype: torch.dtype) -> tuple[Any, Any]:
     """(the Hugging Face model, its bridge) in ``dtype``, the MoE pieces randomised (module docstring)."""
-    from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
-    from lens_aot.tl.build import bridge_from_hf_module
+    from lens_aot.matrix.families import Family, build_hf_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -65,15 +66,7 @@ def _models(dtype: torch.dtype) -> tuple[Any, Any]:
                 layer.router.proj.weight.copy_(torch.randn(n, d, generator=g))
                 layer.experts.gate_up_proj.copy_(0.1 * torch.randn(n, two_i, d, generator=g))
                 layer.experts.down_proj.copy_(0.1 * torch.randn(n, d, two_i // 2, generator=g))
-        model = copy_as(model, dtype)
-        bridge = bridge_from_hf_module(
-            model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=dtype, model_name="g4"
-        ).eval()
-    return model, bridge
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+    return bridge_in(model, dtype)
 
 
 @functools.lru_cache(maxsize=2)

@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+from gemma4_helpers import SCALARS, bridge_in
+from gemma4_helpers import tokens as _tokens
 
 import lens_aot
 from lens_aot.core.components.per_layer_neurons import PerLayerNeuronSublayer
 from lens_aot.core.components.per_layer_sublayer import PerLayerSublayer
 from lens_aot.errors import LoadError
 
-SCALARS = (0.625, 1.7)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 
 
@@ -50,21 +51,11 @@ def _float32_source() -> Any:
 @functools.lru_cache(maxsize=2)
 def _converted(dtype: torch.dtype) -> tuple[Any, Any, Any]:
     """(Hugging Face model, its bridge, the converted model) in ``dtype``."""
-    from lens_aot.matrix.families import copy_as, tiny_tokenizer
-    from lens_aot.tl.build import bridge_from_hf_module
-
-    model = copy_as(_float32_source(), dtype)
+    model, bridge = bridge_in(_float32_source(), dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bridge = bridge_from_hf_module(
-            model, "Gemma4ForCausalLM", hf_config=model.config, tokenizer=tiny_tokenizer(), dtype=dtype, model_name="g4"
-        ).eval()
         aot = lens_aot.convert(bridge, check_tokens=_tokens())
     return model, bridge, aot
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
 def _error(a: torch.Tensor, b: torch.Tensor) -> float:
