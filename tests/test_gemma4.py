@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 import torch
-from gemma4_helpers import SCALARS, bridge_in
+from gemma4_helpers import SCALARS, SHORT_CONTEXT, bridge_in
 from gemma4_helpers import tokens as _tokens
 
 import lens_aot
@@ -50,7 +50,7 @@ def _models(dtype: torch.dtype, fields: tuple[tuple[str, Any], ...] | None = Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         values = {} if fields is None else {k: list(v) if isinstance(v, tuple) else v for k, v in fields}
-        family = Family("Gemma4ForCausalLM", "test", NO_PLE if fields is None else values)
+        family = Family("Gemma4ForCausalLM", "test", {**SHORT_CONTEXT, **(NO_PLE if fields is None else values)})
         model = build_hf_model(family)
         if fields is None or fields in (PLE, K_EQ_V):
             with torch.no_grad():

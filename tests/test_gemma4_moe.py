@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from gemma4_helpers import bridge_in
+from gemma4_helpers import SHORT_CONTEXT, bridge_in
 from gemma4_helpers import tokens as _tokens
 
 import lens_aot
@@ -36,7 +36,7 @@ FIELDS = {
     "num_experts": 4,
     "top_k_experts": 2,
     "moe_intermediate_size": 16,
-    "max_position_embeddings": 64,  # n_ctx: the rotary tables of the default 131072 positions dominate a read
+    **SHORT_CONTEXT,
 }
 NORMS = (
     "pre_feedforward_layernorm",

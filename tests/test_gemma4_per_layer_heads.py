@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from gemma4_helpers import SCALARS, bridge_in
+from gemma4_helpers import SCALARS, SHORT_CONTEXT, bridge_in
 from gemma4_helpers import tokens as _tokens
 
 import lens_aot
@@ -36,7 +36,7 @@ def _float32_source() -> Any:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_hf_model(Family("Gemma4ForCausalLM", "test", {"hidden_size_per_layer_input": 16}))
+        model = build_hf_model(Family("Gemma4ForCausalLM", "test", {**SHORT_CONTEXT, "hidden_size_per_layer_input": 16}))
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, module in model.named_modules():
