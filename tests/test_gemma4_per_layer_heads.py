@@ -36,7 +36,9 @@ def _float32_source() -> Any:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_hf_model(Family("Gemma4ForCausalLM", "test", {**SHORT_CONTEXT, "hidden_size_per_layer_input": 16}))
+        model = build_hf_model(
+            Family("Gemma4ForCausalLM", "test", {**SHORT_CONTEXT, "hidden_size_per_layer_input": 16})
+        )
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, module in model.named_modules():

@@ -162,7 +162,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     config["metadata"] = meta_json
 
     path.mkdir(parents=True, exist_ok=True)
-    config["tensor_format"], config["tensor_file"] = write_tensors(encoder.tensors, path)
+    config["tensor_format"], config["tensor_file"], config["tensor_aliases"] = write_tensors(encoder.tensors, path)
     config["tokenizer"] = None
     if spec.tokenizer is not None:
         spec.tokenizer.save_pretrained(str(path / TOKENIZER_DIR))

@@ -59,24 +59,54 @@ def bitwise_equal(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
-def write_tensors(tensors: dict[str, Tensor], path: Path) -> tuple[str, str]:
-    """Write ``tensors`` (made contiguous, on CPU, no shared storage) and return ``(format, file name)``."""
-    seen: set[tuple[int, int]] = set()
+def write_tensors(tensors: dict[str, Tensor], path: Path) -> tuple[str, str, dict[str, str]]:
+    """Write ``tensors`` (made contiguous, on CPU) and return ``(format, file name, aliases)``.
+
+    A tensor that is the same view of the same storage as an earlier one (a rotary table every layer of a type shares,
+    Gemma 4's n_ctx × 512 global tables among them) is written once: ``aliases`` maps its key to the written one's,
+    and :func:`read_tensors` gives both keys the same tensor. Another overlap of a written storage is copied (the
+    formats store no shared storage)."""
+    written: dict[tuple[Any, ...], str] = {}
+    starts: set[tuple[int, int]] = set()
+    aliases: dict[str, str] = {}
     out: dict[str, Tensor] = {}
     for key, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if t.numel() and ident in seen:
+        t = t.detach()
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        if t.numel() and view in written:
+            aliases[key] = written[view]
+            continue
+        t = t.to("cpu").contiguous()
+        start = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and start in starts:
             t = t.clone()
-        seen.add(ident)
+        starts.add(start)
+        if t.numel():
+            written[view] = key
         out[key] = t
     st = safetensors_torch()
     if st is not None:
         file = path / SAFETENSORS_FILE
         st.save_file(out, str(file), metadata={"format": "pt", "lens_aot_format_version": str(FORMAT_VERSION)})
-        return "safetensors", SAFETENSORS_FILE
+        return "safetensors", SAFETENSORS_FILE, aliases
     torch.save(out, path / TORCH_FILE)
-    return "torch", TORCH_FILE
+    return "torch", TORCH_FILE, aliases
+
+
+def _with_aliases(path: Path, tensors: dict[str, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
+    """``tensors`` plus each key of ``config["tensor_aliases"]`` (saves before it had none) bound to the tensor it
+    names, the same tensor object, so the loaded layers share it as the saved ones did."""
+    aliases = config.get("tensor_aliases", {})
+    if not isinstance(aliases, dict):
+        raise LoadError(f"{path}: config.json's tensor_aliases is not a mapping; the file is corrupt.")
+    for key, target in aliases.items():
+        if target not in tensors:
+            raise LoadError(
+                f"{path}: config.json makes {key!r} an alias of {target!r}, which the tensor file lacks; the save is "
+                "corrupt or incomplete. Save the model again with lens_aot.save(aot, path)."
+            )
+        tensors[key] = tensors[target]
+    return tensors
 
 
 def read_tensors(path: Path, config: dict[str, Any]) -> dict[str, Tensor]:
@@ -97,7 +127,7 @@ def read_tensors(path: Path, config: dict[str, Any]) -> dict[str, Tensor]:
                     f"{path}: the tensors are in {file.name}, but the safetensors package cannot be imported. "
                     f"Install it: pip install safetensors."
                 )
-            return dict(st.load_file(str(file), device="cpu"))
+            return _with_aliases(path, dict(st.load_file(str(file), device="cpu")), config)
         loaded = torch.load(file, map_location="cpu", weights_only=True)
     except LoadError:
         raise
@@ -108,7 +138,7 @@ def read_tensors(path: Path, config: dict[str, Any]) -> dict[str, Tensor]:
         ) from e
     if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
         raise LoadError(f"{path}: {file.name} does not hold a dict of tensors; the file is corrupt.")
-    return loaded
+    return _with_aliases(path, loaded, config)
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
