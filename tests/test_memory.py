@@ -14,6 +14,7 @@ from factories_bridge import make_bridge
 from factories_spec import random_spec
 
 import lens_aot
+from lens_aot.core.components.rotary_rows import RotaryRows
 from lens_aot.core.memory import AllocationMeter, PeakMeter
 
 # Peak resident memory of a conversion in a fresh process, over what the process held with the source loaded and run
@@ -133,28 +134,51 @@ def test_conversion_holds_one_copy_of_the_weights(architecture: str, fields: dic
     assert meter.live >= own >= 0.9 * weights  # the meter sees the converted model's own copy, made in convert
     # beyond the converted model's own tensors (its weights, rotary tables and fits' buffers: Gemma 4's global tables
     # are 128 x 512), convert holds at most half the weights at once, and keeps nothing once it returns
-    tensors = [*aot.parameters(), *aot.buffers()]
+    # the rotary rows computed on demand and kept (lens_aot/core/components/rotary_rows.py) are the model's own too
+    kept = [t for m in aot.modules() if isinstance(m, RotaryRows) and m._rows is not None for t in m._rows]
+    tensors = [*aot.parameters(), *aot.buffers(), *kept]
     model_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     assert meter.peak - model_bytes <= 0.5 * weights, (meter.peak / weights, model_bytes / weights, meter.count)
     assert meter.live <= model_bytes + 0.01 * weights, (meter.live / weights, model_bytes / weights)
     if architecture != "Gemma4ForCausalLM":
         assert meter.peak <= 1.5 * weights, (meter.peak / weights, meter.count)
-        rotary = [b for n, b in aot.named_buffers(remove_duplicate=False) if n.endswith("rotary_cos")]
-        assert len(rotary) == 2 and len({b.data_ptr() for b in rotary}) == 1  # one table shared by the layers
+        # no n_ctx-row table: one on-demand rotary component shared by the layers, holding the rows a forward used
+        assert not [n for n, _ in aot.named_buffers() if n.endswith(("rotary_cos", "rotary_sin"))]
+        rotary = [m for n, m in aot.named_modules(remove_duplicate=False) if n.endswith("attn.rotary")]
+        assert len(rotary) == 2 and rotary[0] is rotary[1] and isinstance(rotary[0], RotaryRows)
+        assert sum(t.numel() * t.element_size() for t in kept) < 0.05 * weights
 
 
-def test_reading_holds_the_rotary_tables_once() -> None:
+def test_reading_holds_no_rotary_table() -> None:
     """Reading a source whose rotary tables dwarf its weights (Llama at 65,536 positions: 16 MiB of tables, 1.8 MiB of
-    weights) holds at once what the spec keeps plus at most half the tables: the source's rotary module runs over
-    chunks of positions written into the tables in place (``lens_aot.tl.bridge_attention.model_rotary``). Copying
-    its output whole held the tables at least twice (most of Gemma 4's 42x convert peak at the benchmark shape,
-    whose global layers' tables are 131,072 x 512)."""
+    weights) keeps a verified recipe (core/rotary_recipe.py), not the tables, and holds at once at most a quarter of
+    them while checking the recipe against the source's module a chunk of positions at a time (a chunk's rows and the
+    module's temporaries, whatever n_ctx)."""
     from lens_aot.core.read import read_model
 
     source = _family_bridge("LlamaForCausalLM", max_position_embeddings=65536)
     with PeakMeter() as meter:
         spec = read_model(source)
-    assert spec.rotary is not None
+    assert spec.rotary is not None and spec.rotary.recipe is not None
+    tables = 65536 * spec.rotary.rotary_dim * 4 * 2
+    assert meter.peak - meter.live <= 0.25 * tables, ((meter.peak - meter.live) / tables, meter.count)
+    weights = sum(p.numel() * p.element_size() for p in source.parameters())
+    assert meter.live <= weights + 0.05 * tables, (meter.live - weights) / tables  # the spec: the weights, no table
+
+
+def test_reading_holds_the_rotary_tables_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no recipe is verified (here: none is tried), the reader keeps the tables, and holds at once what the spec
+    keeps plus at most half the tables: the source's rotary module runs over chunks of positions written into the
+    tables in place (``lens_aot.tl.bridge_attention.model_rotary``). Copying its output whole held the tables at least
+    twice (most of Gemma 4's 42x convert peak at the benchmark shape, whose global layers' tables are 131,072 x 512)."""
+    from lens_aot.core.read import read_model
+    from lens_aot.tl import bridge_attention
+
+    source = _family_bridge("LlamaForCausalLM", max_position_embeddings=65536)
+    monkeypatch.setattr(bridge_attention, "verified_recipe", lambda *args: None)
+    with PeakMeter() as meter:
+        spec = read_model(source)
+    assert spec.rotary is not None and spec.rotary.recipe is None
     tables = spec.rotary.cos.numel() * spec.rotary.cos.element_size() * 2
     assert tables >= 16 * 2**20 and meter.live >= tables  # the meter sees the tables the spec keeps
     assert meter.peak - meter.live <= 0.5 * tables, ((meter.peak - meter.live) / tables, meter.count)

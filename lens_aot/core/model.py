@@ -40,7 +40,7 @@ from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.per_layer_fit import neuron_parts, per_layer_heads, per_layer_neurons
 from lens_aot.core.placement import Placement
-from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
@@ -481,8 +481,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         first = next((a for a in attns if not a.own_rotary), attns[0] if attns else None)
         rotary = None
         if first is not None and first.rotary_dim:
-            cos, sin = exported(first.rotary_cos), exported(first.rotary_sin)
-            rotary = RotarySpec(first.rotary_dim, cos, sin, first.rotary_adjacent_pairs, *first.rotary_float32_step)
+            rotary = first.rotary_spec()
         extra: dict[str, Any] = {}
         if self.cfg.tokenizer_prepends_bos is not None:
             extra["tokenizer_prepends_bos"] = self.cfg.tokenizer_prepends_bos

@@ -16,6 +16,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from lens_aot.core.moe_routers import GroupRouterSpec
+    from lens_aot.core.rotary_recipe import RotaryRecipe
     from lens_aot.core.spec_mla import MLASpec
     from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
     from lens_aot.core.spec_prediction_head import PredictionHeadSpec
@@ -196,6 +197,29 @@ class RotarySpec:
     # The dtype of the tables the source multiplies those rounded channels by (its rotary module's output: float32 for
     # ERNIE 4.5, whose products are then float32 too); None: the model dtype.
     table_dtype: torch.dtype | None = None
+    # The tables as a verified recipe (core/rotary_recipe.py), computed on demand; cos / sin are then None until
+    # read (a read materialises the n_ctx rows: for export, revert and the reference only).
+    recipe: RotaryRecipe | None = None
+
+
+def _table(index: int) -> property:
+    """``RotarySpec.cos`` / ``.sin``: the stored table, or the recipe's rows over n_ctx (computed when read)."""
+    name = ("_cos", "_sin")[index]
+
+    def get(self: RotarySpec) -> Tensor:
+        stored = self.__dict__.get(name)
+        if stored is None and self.__dict__.get("recipe") is not None:
+            return self.recipe.table()[index]  # type: ignore[union-attr]
+        return stored  # type: ignore[return-value]
+
+    def put(self: RotarySpec, value: Tensor | None) -> None:
+        self.__dict__[name] = value
+
+    return property(get, put)
+
+
+RotarySpec.cos = _table(0)  # type: ignore[method-assign,assignment]
+RotarySpec.sin = _table(1)  # type: ignore[method-assign,assignment]
 
 
 @dataclass

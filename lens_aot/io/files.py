@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lens_aot.errors import LoadError
+from lens_aot.io.schema_rotary import rotary_shape_problems
 
 __all__ = [
     "CONFIG_FILE",
@@ -208,8 +209,7 @@ def check_spec_shapes(spec: Any) -> None:
     expect("b_U", spec.b_U, spec.d_vocab_out)
     expect("W_pos", spec.W_pos, spec.n_ctx, d)
     if spec.rotary is not None:
-        expect("rotary.cos", spec.rotary.cos, spec.n_ctx, spec.rotary.rotary_dim)
-        expect("rotary.sin", spec.rotary.sin, spec.n_ctx, spec.rotary.rotary_dim)
+        problems += rotary_shape_problems(spec.rotary, "rotary", spec.n_ctx)
     norms = [("ln_final", spec.ln_final), ("embed_ln", spec.embed_ln)]
     if spec.prediction_head is not None:  # [d_model, d_model]: its output is the unembedding's input
         head = spec.prediction_head
@@ -236,8 +236,7 @@ def check_spec_shapes(spec: Any) -> None:
             expect(f"{p}.alibi_slopes", a.alibi_slopes, h)
             expect(f"{p}.sinks", a.sinks, h)
             if a.rotary is not None:
-                expect(f"{p}.rotary.cos", a.rotary.cos, spec.n_ctx, a.rotary.rotary_dim)
-                expect(f"{p}.rotary.sin", a.rotary.sin, spec.n_ctx, a.rotary.rotary_dim)
+                problems += rotary_shape_problems(a.rotary, f"{p}.rotary", spec.n_ctx)
             expect(f"{p}.W_Q", a.W_Q, h, d, e)
             ke = 0 if a.kv_from is not None else e  # Gemma 4's shared keys and values: zero-width projections
             for name in ("W_K", "W_V"):

@@ -63,6 +63,7 @@ from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_per_layer as ple
+from lens_aot.io import schema_rotary
 from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
 from lens_aot.io.schema_clamped_swiglu import clamped_swiglu_record, clamped_swiglu_spec
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
@@ -224,14 +225,7 @@ class Encoder:
         return out
 
     def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
-        if rotary is None:
-            return None
-        return {
-            "rotary_dim": int(rotary.rotary_dim),
-            "cos": self.tensor(rotary.cos, f"{key}.cos"),
-            "sin": self.tensor(rotary.sin, f"{key}.sin"),
-            "adjacent_pairs": bool(rotary.adjacent_pairs),
-        } | {name: dtype_name(getattr(rotary, name)) for name in _ROTARY_VARIANTS if getattr(rotary, name) is not None}
+        return None if rotary is None else schema_rotary.encode_rotary(self, rotary, key, _ROTARY_VARIANTS)
 
     def spec(self, spec: ModelSpec, key: str = "spec") -> dict[str, Any]:
         """The spec's fields (its tokenizer is not encoded: it is saved beside the config)."""
@@ -472,17 +466,7 @@ class Decoder:
         )
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:
-        if obj is None:
-            return None
-        f = self.fields(obj, path, ("rotary_dim", "cos", "sin", "adjacent_pairs"), _ROTARY_VARIANTS)
-        return RotarySpec(
-            rotary_dim=int(f["rotary_dim"]),
-            cos=self.required_tensor(f["cos"], f"{path}.cos"),
-            sin=self.required_tensor(f["sin"], f"{path}.sin"),
-            adjacent_pairs=bool(f["adjacent_pairs"]),
-            input_dtype=self.dtype(f.get("input_dtype"), f"{path}.input_dtype"),
-            table_dtype=self.dtype(f.get("table_dtype"), f"{path}.table_dtype"),
-        )
+        return None if obj is None else schema_rotary.decode_rotary(self, obj, path, _ROTARY_VARIANTS)
 
     def spec(self, obj: Any, tokenizer: Any = None, path: str = "spec") -> ModelSpec:
         tensors = ("W_E", "W_pos", "W_U", "b_U")

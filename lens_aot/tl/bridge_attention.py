@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.core.spec import NormSpec, OutputGateSpec, QKNormScope, RotarySpec
 from lens_aot.tl.bridge_components import _component, _copy, _native_norm_module, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
-from lens_aot.tl.rotary_tables import chunked_tables, module_tables
+from lens_aot.tl.rotary_tables import chunked_tables, module_tables, reader_columns, verified_recipe
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
 _REFUSED_BRIDGES = {
@@ -514,6 +515,14 @@ def model_rotary(
     probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
     width = int(probe.shape[-1])
     copies = 2 if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables else 1
+    columns = reader_columns(width, copies, reading.relayout)
+    recipe = verified_recipe(module, n_ctx, dtype, device, layer_type, columns, reading.rotary_sign == -1)
+    if recipe is not None:  # the rows computed on demand, verified bitwise at every position (core/rotary_recipe.py)
+        if recipe.width > head_dim or recipe.width % 2:
+            raise refuse_piece(None, "rotary_emb", f"rotary tables of width {recipe.width} for head_dim {head_dim}")
+        module_dtype = recipe.rounded[0]
+        table_dtype = module_dtype if reading.rotary_input_dtype is not None and module_dtype != dtype else None
+        return RotarySpec(recipe.width, None, None, reading.adjacent, reading.rotary_input_dtype, table_dtype, recipe)
     chunked = chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
     if chunked is None:  # a module that ignores its position ids: one call, its first n_ctx rows
         cos, sin = module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
@@ -545,4 +554,10 @@ def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.d
     angles = torch.arange(n_ctx, dtype=torch.int64, device=device).float()[:, None] * inv_freq
     sin: Tensor = torch.sin(angles).to(dtype).repeat_interleave(2, dim=-1)
     cos: Tensor = torch.cos(angles).to(dtype).repeat_interleave(2, dim=-1)
+    # the same table as a recipe computed on demand, kept only where it gives these rows bitwise (rotary_recipe.py)
+    columns = torch.arange(inv_freq.shape[0]).repeat_interleave(2)
+    recipe = RotaryRecipe(inv_freq.float().cpu(), columns, 1.0, False, (dtype,), n_ctx, torch.device(device).type)
+    ours_cos, ours_sin = recipe.table(device)
+    if torch.equal(ours_cos, cos) and torch.equal(ours_sin, sin):
+        return RotarySpec(rotary_dim, None, None, adjacent_pairs=True, recipe=recipe)  # type: ignore[arg-type]
     return RotarySpec(rotary_dim, cos, sin, adjacent_pairs=True)

@@ -12,14 +12,19 @@ tables are bitwise those of one call over every position (``tests/test_memory.py
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-__all__ = ["chunked_tables", "module_tables"]
+from lens_aot.core.rotary_recipe import BLOCK_ELEMENTS, RotaryRecipe, cast_chain
+
+__all__ = ["chunked_tables", "module_frequencies", "module_tables", "reader_columns", "verified_recipe"]
 
 # Positions per call of the source's rotary module while reading its tables (by elements of the widest table, so
 # that the module's temporaries stay a few MiB whatever n_ctx; the tables are written in place, never copied whole).
 _TABLE_CHUNK_ELEMENTS = 1 << 18
+# Positions per call while checking a recipe against the module (by elements of its output): nothing is kept, so the
+# check holds only a chunk's rows and temporaries (≈ 1 MiB).
+_CHECK_CHUNK_ELEMENTS = 1 << 16
 
 
 def module_tables(
@@ -63,3 +68,80 @@ def chunked_tables(
             for copy in range(copies):
                 out[start : start + chunk.shape[0], copy * width : (copy + 1) * width] = table
     return out_cos, out_sin, first_cos.dtype
+
+
+def module_frequencies(module: nn.Module, layer_type: str | None) -> tuple[Float[Tensor, " half"], float] | None:
+    """The rotary module's own fp32 frequencies (``inv_freq``, or ``{layer_type}_inv_freq`` for a module that keeps
+    one per layer type) and its ``attention_scaling`` (1 where it has none); None where it keeps no real 1-D
+    frequencies (Llama 4 keeps them, but complex tables are still read as tables if the recipe disagrees)."""
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    inv_freq = getattr(module, prefix + "inv_freq", None)
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not inv_freq.is_floating_point():
+        return None
+    scaling = getattr(module, prefix + "attention_scaling", 1.0)
+    if isinstance(scaling, Tensor):
+        scaling = scaling.item() if scaling.numel() == 1 else None
+    if not isinstance(scaling, (int, float)):
+        return None
+    return inv_freq.detach().to(dtype=torch.float), float(scaling)
+
+
+def _matches(
+    recipe: RotaryRecipe, module: nn.Module, dtype: torch.dtype, layer_type: str | None, device: torch.device
+) -> bool:
+    """Whether the module's own rows over every position ``0..n_ctx-1`` (in chunks, each with the last position, as
+    :func:`chunked_tables` reads them) equal the recipe's, bitwise, in the module's dtype and layout."""
+    n_ctx, block = recipe.n_ctx, recipe.block_rows()
+    step = block * max(1, _CHECK_CHUNK_ELEMENTS // BLOCK_ELEMENTS)
+    last = (n_ctx - 1) // block * block  # the block that computes row n_ctx - 1
+    last_cos, last_sin = (t[n_ctx - 1 - last :][:1] for t in recipe.block(last, device))
+    for start in range(0, n_ctx, step):
+        chunk = torch.arange(start, min(start + step, n_ctx), device=device)
+        cos, sin = module_tables(module, chunk, n_ctx - 1, dtype, layer_type)
+        if cos.shape != sin.shape or cos.shape != (chunk.shape[0] + 1, recipe.freqs.shape[0]):
+            return False
+        if cos.dtype != recipe.rounded[0] or sin.dtype != recipe.rounded[0]:
+            return False
+        blocks = [recipe.block(b, device) for b in range(start, start + chunk.shape[0], recipe.block_rows())]
+        ours_cos = torch.cat([torch.cat([b[0] for b in blocks])[: chunk.shape[0]], last_cos])
+        ours_sin = torch.cat([torch.cat([b[1] for b in blocks])[: chunk.shape[0]], last_sin])
+        if not (torch.equal(cos, ours_cos) and torch.equal(sin, ours_sin)):
+            return False
+    return True
+
+
+def verified_recipe(
+    module: nn.Module,
+    n_ctx: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_type: str | None,
+    columns: Int[Tensor, " width"] | None,
+    negate_sin: bool,
+) -> RotaryRecipe | None:
+    """A :class:`~lens_aot.core.rotary_recipe.RotaryRecipe` of the module's tables, cast to ``dtype``, then laid out
+    as the reader lays them out (``columns`` of the module's output; ``negate_sin``), if the module's rows equal the
+    recipe's bitwise at every position ``0..n_ctx-1``; else None (the reader keeps the full tables). The module's
+    frequencies are tried as the halves layout (``cat(inv_freq, inv_freq)``, Llama) or as they are (GPT-OSS)."""
+    found = module_frequencies(module, layer_type)
+    if found is None or n_ctx < 1:
+        return None
+    inv_freq, scaling = found
+    probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
+    width = int(probe.shape[-1])
+    layouts = {2 * inv_freq.shape[0]: torch.cat([inv_freq, inv_freq]), inv_freq.shape[0]: inv_freq}
+    if width not in layouts or (columns is not None and (columns.numel() == 0 or int(columns.max()) >= width)):
+        return None
+    rounded = cast_chain((probe.dtype,), dtype)
+    recipe = RotaryRecipe(layouts[width].cpu(), columns, scaling, negate_sin, rounded, n_ctx, torch.device(device).type)
+    return recipe if _matches(recipe, module, dtype, layer_type, device) else None
+
+
+def reader_columns(width: int, copies: int, relayout: bool) -> Int[Tensor, " table_width"] | None:
+    """The module column of each column of the reader's table (:func:`lens_aot.tl.bridge_attention.model_rotary`):
+    ``copies`` side by side, then with ``relayout`` the first half's columns each twice (adjacent pairs); None when
+    that is the module's layout itself."""
+    columns = torch.arange(width).repeat(copies)
+    if relayout:
+        columns = columns[: columns.shape[0] // 2].repeat_interleave(2)
+    return None if torch.equal(columns, torch.arange(width)) else columns

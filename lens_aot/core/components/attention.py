@@ -23,6 +23,7 @@ from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter, table
 from lens_aot.core.components.query_scale import PositionQueryScale
 from lens_aot.core.components.query_temperature import QueryTemperature
+from lens_aot.core.components.rotary_rows import shared_rows
 from lens_aot.core.components.scalars import scalar
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.components.soft_cap import SoftCap
@@ -237,9 +238,11 @@ class Attention(nn.Module):
             self.rotary_adjacent_pairs = rotary.adjacent_pairs
             if rotary.input_dtype is not None:
                 self.rotary_input = RotationInDtype(rotary.input_dtype, rotary.table_dtype)
-            # on this layer's device (a sharded source's layers are on several)
-            self.register_buffer("rotary_cos", table(rotary.cos, spec.W_Q.device))  # one per model and device
-            self.register_buffer("rotary_sin", table(rotary.sin, spec.W_Q.device))
+            if rotary.recipe is not None:  # rows computed on demand (rotary_rows.py), one per model and device
+                self.rotary = shared_rows(rotary.recipe, spec.W_Q.device)
+            else:  # on this layer's device (a sharded source's layers are on several)
+                self.register_buffer("rotary_cos", table(rotary.cos, spec.W_Q.device))  # one per model and device
+                self.register_buffer("rotary_sin", table(rotary.sin, spec.W_Q.device))
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
@@ -248,6 +251,8 @@ class Attention(nn.Module):
     def __getattr__(self, name: str) -> Any:
         if name in ("W_K", "W_V", "b_K", "b_V") and "_" + name in self._parameters:
             return self._parameters["_" + name]
+        if name in ("rotary_cos", "rotary_sin") and "rotary" in self._modules:  # the whole table, computed
+            return self._modules["rotary"].table()[name == "rotary_sin"]  # type: ignore[operator]
         return super().__getattr__(name)
 
     def apply_rotary(
@@ -277,11 +282,17 @@ class Attention(nn.Module):
         self, pos: int, past_kv_pos_offset: int, attention_mask: Int[Tensor, "batch offset_pos"] | None
     ) -> tuple[Float[Tensor, "batch_or_1 pos 1 rotary_dim"], Float[Tensor, "batch_or_1 pos 1 rotary_dim"]]:
         """The cos and sin rows of ``pos`` positions after ``past_kv_pos_offset`` (see :meth:`apply_rotary`)."""
-        cos, sin = (
-            position_rows(table, pos, past_kv_pos_offset, attention_mask).unsqueeze(2)
-            for table in (self.rotary_cos, self.rotary_sin)
-        )
+        if "rotary" in self._modules:  # the rows up to the last position used (rotary_rows.py)
+            tables = self.rotary.rows(past_kv_pos_offset + pos)
+        else:
+            tables = (self.rotary_cos, self.rotary_sin)
+        cos, sin = (position_rows(table, pos, past_kv_pos_offset, attention_mask).unsqueeze(2) for table in tables)
         return cos, sin
+
+    @property
+    def rotary_n_ctx(self) -> int:
+        """The positions the rotary tables cover (the source's n_ctx)."""
+        return self.rotary.n_ctx if "rotary" in self._modules else int(self._buffers["rotary_cos"].shape[0])
 
     def forward(
         self,
@@ -319,7 +330,7 @@ class Attention(nn.Module):
             rows = self.rotary_rows(q.shape[1], past, attention_mask)
             q = self.apply_rotary(q, past, attention_mask, rows)
             if hasattr(self, "query_scale"):
-                q = self.query_scale(q, self.rotary_cos.shape[0], past, attention_mask)
+                q = self.query_scale(q, self.rotary_n_ctx, past, attention_mask)
             q = self.hook_rot_q(q)
             same = past == 0 and k.shape[1] == q.shape[1]  # the keys' positions are the queries': the same rows
             # cached keys are stored unrotated
@@ -481,10 +492,15 @@ class Attention(nn.Module):
 
     def _own_rotary_spec(self) -> RotarySpec | None:
         """This layer's own rotary tables (``AttentionSpec.rotary``), or None when it uses the model's."""
-        if not self.own_rotary:
-            return None
+        return self.rotary_spec() if self.own_rotary else None
+
+    def rotary_spec(self) -> RotarySpec:
+        """This layer's rotary tables as a :class:`RotarySpec`: its recipe (no rows) or its tables."""
+        step = self.rotary_float32_step
+        if "rotary" in self._modules:
+            return RotarySpec(self.rotary_dim, None, None, self.rotary_adjacent_pairs, *step, recipe=self.rotary.recipe)
         cos, sin = exported(self.rotary_cos), exported(self.rotary_sin)
-        return RotarySpec(self.rotary_dim, cos, sin, self.rotary_adjacent_pairs, *self.rotary_float32_step)
+        return RotarySpec(self.rotary_dim, cos, sin, self.rotary_adjacent_pairs, *step)
 
     @property
     def rotary_float32_step(self) -> tuple[torch.dtype | None, torch.dtype | None]:

@@ -13,7 +13,7 @@ the source's recorded output (:mod:`lens_aot.tl.read_bridge`) and are dropped at
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -75,7 +75,7 @@ def parameter(t: Tensor) -> nn.Parameter:
     return nn.Parameter(_own(t))
 
 
-_TABLES: ContextVar[dict[tuple[Any, ...], tuple[Tensor, Tensor]] | None] = ContextVar("lens_aot_tables", default=None)
+_TABLES: ContextVar[dict[tuple[Any, ...], tuple[Any, Any]] | None] = ContextVar("lens_aot_tables", default=None)
 
 
 @contextmanager
@@ -99,6 +99,18 @@ def table(t: Tensor, device: torch.device) -> Tensor:
     if memo is not None:
         memo[key] = (t, out)  # t is held so that its address is not reused for another table meanwhile
     return out
+
+
+def shared(key: tuple[Any, ...], holder: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` made once per ``key`` inside :func:`one_table_per_model` and then the same object for every layer
+    that asks (a rotary table's on-demand rows, components/rotary_rows.py); ``holder`` (what ``key`` names by id) is
+    kept meanwhile so that its id is not reused. Outside, a new one each time."""
+    memo = _TABLES.get()
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = (holder, make())
+    return memo[key][1]
 
 
 _SHARING: ContextVar[bool] = ContextVar("lens_aot_sharing", default=False)
