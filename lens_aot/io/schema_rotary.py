@@ -88,9 +88,7 @@ def decode_recipe(decoder: Any, obj: Any, path: str) -> RotaryRecipe:
         ) from e
     bad_columns = columns is not None and (columns.numel() == 0 or int(columns.max()) >= freqs.shape[0])
     if not rounded or bad_columns or int(columns.min() if columns is not None else 0) < 0:
-        raise LoadError(
-            f"{decoder.where}: {path}: columns or dtypes out of range; the file is corrupt. Save it again."
-        )
+        raise LoadError(f"{decoder.where}: {path}: columns or dtypes out of range; the file is corrupt. Save it again.")
     return recipe
 
 
