@@ -25,7 +25,13 @@ from lens_aot.tl.bridge_components import _component, _copy, _native_norm_module
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_nope import bridge_skips_rope
-from lens_aot.tl.rotary_tables import chunked_tables, module_tables, reader_columns, verified_recipe
+from lens_aot.tl.rotary_tables import (
+    chunked_tables,
+    module_tables,
+    reader_columns,
+    recipe_of_tables,
+    verified_recipe,
+)
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
 _REFUSED_BRIDGES = {
@@ -557,7 +563,6 @@ def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.d
     # the same table as a recipe computed on demand, kept only where it gives these rows bitwise (rotary_recipe.py)
     columns = torch.arange(inv_freq.shape[0]).repeat_interleave(2)
     recipe = RotaryRecipe(inv_freq.float().cpu(), columns, 1.0, False, (dtype,), n_ctx, torch.device(device).type)
-    ours_cos, ours_sin = recipe.table(device)
-    if torch.equal(ours_cos, cos) and torch.equal(ours_sin, sin):
+    if recipe_of_tables(recipe, cos, sin) is not None:
         return RotarySpec(rotary_dim, None, None, adjacent_pairs=True, recipe=recipe)  # type: ignore[arg-type]
     return RotarySpec(rotary_dim, cos, sin, adjacent_pairs=True)

@@ -17,7 +17,14 @@ from torch import Tensor, nn
 
 from lens_aot.core.rotary_recipe import BLOCK_ELEMENTS, RotaryRecipe, cast_chain
 
-__all__ = ["chunked_tables", "module_frequencies", "module_tables", "reader_columns", "verified_recipe"]
+__all__ = [
+    "chunked_tables",
+    "module_frequencies",
+    "module_tables",
+    "reader_columns",
+    "recipe_of_tables",
+    "verified_recipe",
+]
 
 # Positions per call of the source's rotary module while reading its tables (by elements of the widest table, so
 # that the module's temporaries stay a few MiB whatever n_ctx; the tables are written in place, never copied whole).
@@ -145,3 +152,10 @@ def reader_columns(width: int, copies: int, relayout: bool) -> Int[Tensor, " tab
     if relayout:
         columns = columns[: columns.shape[0] // 2].repeat_interleave(2)
     return None if torch.equal(columns, torch.arange(width)) else columns
+
+
+def recipe_of_tables(recipe: RotaryRecipe, cos: Tensor, sin: Tensor) -> RotaryRecipe | None:
+    """``recipe`` if its rows equal the tables ``cos`` / ``sin`` bitwise (on their device), else None (for tables a
+    reader computes itself from a formula, GPT-J's)."""
+    ours_cos, ours_sin = recipe.table(cos.device)
+    return recipe if torch.equal(ours_cos, cos) and torch.equal(ours_sin, sin) else None
