@@ -135,17 +135,18 @@ def test_conversion_holds_one_copy_of_the_weights(architecture: str, fields: dic
     # beyond the converted model's own tensors (its weights, rotary tables and fits' buffers: Gemma 4's global tables
     # are 128 x 512), convert holds at most half the weights at once, and keeps nothing once it returns
     # the rotary rows computed on demand and kept (lens_aot/core/components/rotary_rows.py) are the model's own too
-    kept = [t for m in aot.modules() if isinstance(m, RotaryRows) and m._rows is not None for t in m._rows]
+    kept = list({id(m.kept): m.kept for m in aot.modules() if isinstance(m, RotaryRows)}.values())
+    kept = [t for rows in kept for t in rows.tensors()]
     tensors = [*aot.parameters(), *aot.buffers(), *kept]
     model_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     assert meter.peak - model_bytes <= 0.5 * weights, (meter.peak / weights, model_bytes / weights, meter.count)
     assert meter.live <= model_bytes + 0.01 * weights, (meter.live / weights, model_bytes / weights)
     if architecture != "Gemma4ForCausalLM":
         assert meter.peak <= 1.5 * weights, (meter.peak / weights, meter.count)
-        # no n_ctx-row table: one on-demand rotary component shared by the layers, holding the rows a forward used
+        # no n_ctx-row table: on-demand rotary rows kept once for the layers, only those a forward used
         assert not [n for n, _ in aot.named_buffers() if n.endswith(("rotary_cos", "rotary_sin"))]
         rotary = [m for n, m in aot.named_modules(remove_duplicate=False) if n.endswith("attn.rotary")]
-        assert len(rotary) == 2 and rotary[0] is rotary[1] and isinstance(rotary[0], RotaryRows)
+        assert len(rotary) == 2 and isinstance(rotary[0], RotaryRows) and rotary[0].kept is rotary[1].kept
         assert sum(t.numel() * t.element_size() for t in kept) < 0.05 * weights
 
 

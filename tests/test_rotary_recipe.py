@@ -164,14 +164,16 @@ def test_generation_with_a_cache_past_the_first_rows_matches_the_source(monkeypa
     monkeypatch.setattr(rotary_recipe, "BLOCK_ELEMENTS", 1)
     source = make_bridge("llama")
     aot = lens_aot.convert(source)
-    rows = aot.blocks[0].attn.rotary
-    rows._rows = None  # what convert's check computed
+    kept = aot.blocks[0].attn.rotary.kept
+    assert kept is aot.blocks[1].attn.rotary.kept  # the layers keep their rows together
+    kept.rows.clear()  # what convert's check computed
     with _tables():
         before = lens_aot.convert(source)
     prompt = TOKENS[:, :3]
     kwargs: dict[str, Any] = {"max_new_tokens": 12, "do_sample": False, "verbose": False, "stop_at_eos": False}
     out = aot.generate(prompt, use_past_kv_cache=True, **kwargs)
-    assert prompt.shape[1] + 10 <= rows._rows[0].shape[0] < aot.cfg.n_ctx  # grown past the prompt's rows, on demand
+    (cos, _), *others = kept.rows.values()
+    assert not others and prompt.shape[1] + 10 <= cos.shape[0] < aot.cfg.n_ctx  # grown past the prompt's, on demand
     assert torch.equal(out, before.generate(prompt, use_past_kv_cache=True, **kwargs))
     with torch.no_grad():
         source_next = run_source(source, out[:, :-1]).argmax(-1)[:, prompt.shape[1] - 1 :]

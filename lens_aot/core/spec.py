@@ -203,13 +203,16 @@ class RotarySpec:
 
 
 def _table(index: int) -> property:
-    """``RotarySpec.cos`` / ``.sin``: the stored table, or the recipe's rows over n_ctx (computed when read)."""
+    """``RotarySpec.cos`` / ``.sin``: the stored table, or the recipe's rows over n_ctx (computed when first read,
+    then kept by this spec, so that the layers that read them share one table: MLA, routed attention, revert)."""
     name = ("_cos", "_sin")[index]
 
     def get(self: RotarySpec) -> Tensor:
         stored = self.__dict__.get(name)
-        if stored is None and self.__dict__.get("recipe") is not None:
-            return self.recipe.table()[index]  # type: ignore[union-attr]
+        if stored is None and self.__dict__.get("recipe") is not None:  # once, then the same tensors (shared)
+            if "_rows" not in self.__dict__:
+                self.__dict__["_rows"] = self.recipe.table()  # type: ignore[union-attr]
+            return self.__dict__["_rows"][index]
         return stored  # type: ignore[return-value]
 
     def put(self: RotarySpec, value: Tensor | None) -> None:

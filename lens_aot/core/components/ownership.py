@@ -103,8 +103,8 @@ def table(t: Tensor, device: torch.device) -> Tensor:
 
 def shared(key: tuple[Any, ...], holder: Any, make: Callable[[], Any]) -> Any:
     """``make()`` made once per ``key`` inside :func:`one_table_per_model` and then the same object for every layer
-    that asks (a rotary table's on-demand rows, components/rotary_rows.py); ``holder`` (what ``key`` names by id) is
-    kept meanwhile so that its id is not reused. Outside, a new one each time."""
+    that asks (the rows a rotary recipe's layers keep, components/rotary_rows.py); ``holder`` (what ``key`` names by
+    id) is kept meanwhile so that its id is not reused. Outside, a new one each time."""
     memo = _TABLES.get()
     if memo is None:
         return make()

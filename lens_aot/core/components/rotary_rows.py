@@ -1,13 +1,15 @@
 """A rotary table's rows computed on demand from a verified recipe (:mod:`lens_aot.core.rotary_recipe`), instead of
 an ``n_ctx``-row buffer (issue 22: memory; Gemma 4's global tables are n_ctx 131,072 × 512).
 
-One :class:`RotaryRows` per recipe and device is shared by the layers that use it (:func:`shared_rows`, inside the
-model's :func:`~lens_aot.core.components.ownership.one_table_per_model`), as ``ownership.table`` shares tables. It
-computes rows ``0..needed-1`` when a forward needs them (a KV cache's past positions included), keeps them, and
-computes more when a longer sequence comes; a row depends on its position only (the recipe's blocks), so the rows
-are bitwise those of the whole table. Casting the model (``.to(dtype)``) casts the empty ``dtype_probe`` buffer; the
-rows then follow the casts a stored table would have gone through (:meth:`RotaryRecipe.cast`), so a bf16 conversion
-cast to fp32 keeps bf16-rounded rows. ``.to(device)`` moves the probe; rows are then recomputed for that device.
+Each layer has its own small :class:`RotaryRows` (so that moving or casting one layer, ``aot.place``, moves or
+casts that layer only), and the layers of one model that use one recipe keep their rows together (:class:`KeptRows`,
+:func:`shared_rows` inside the model's :func:`~lens_aot.core.components.ownership.one_table_per_model`), as
+``ownership.table`` shares one table. Rows ``0..needed-1`` are computed when a forward needs them (a KV cache's past
+positions included), kept, and grown when a longer sequence comes; a row depends on its position only (the recipe's
+blocks), so the rows are bitwise those of the whole table. Casting the model (``.to(dtype)``) casts the empty
+``dtype_probe`` buffer; the rows then follow the casts a stored table would have gone through
+(:meth:`RotaryRecipe.cast`), so a bf16 conversion cast to fp32 keeps bf16-rounded rows. ``.to(device)`` moves the
+probe; rows are then computed for that device.
 """
 
 from __future__ import annotations
@@ -19,19 +21,33 @@ from torch import Tensor, nn
 from lens_aot.core.components import ownership
 from lens_aot.core.rotary_recipe import RotaryRecipe
 
-__all__ = ["RotaryRows", "shared_rows"]
+__all__ = ["KeptRows", "RotaryRows", "shared_rows"]
+
+
+class KeptRows:
+    """The rows computed so far, shared by the layers of one model that use one recipe: one entry per (dtypes,
+    device) a layer uses now (entries no layer uses any more are dropped when another is added)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[tuple[torch.dtype, ...], torch.device], tuple[Tensor, Tensor]] = {}
+        self.members: list[RotaryRows] = []
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor kept (for memory accounting)."""
+        return [t for pair in self.rows.values() for t in pair]
 
 
 class RotaryRows(nn.Module):
-    """The rows of one rotary table (cos and sin), computed from ``recipe`` when asked and kept."""
+    """The rows of one rotary table (cos and sin) for one layer, computed from ``recipe`` when asked; the rows are
+    kept in ``kept``, shared with the other layers of the model (:func:`shared_rows`)."""
 
-    def __init__(self, recipe: RotaryRecipe, device: torch.device) -> None:
+    def __init__(self, recipe: RotaryRecipe, device: torch.device, kept: KeptRows | None = None) -> None:
         super().__init__()
         self._recipe = recipe
-        # holds no values: its dtype and device follow the model's casts and moves (not saved in the state dict)
+        # holds no values: its dtype and device follow this layer's casts and moves (not saved in the state dict)
         self.register_buffer("dtype_probe", torch.empty(0, dtype=recipe.dtype, device=device), persistent=False)
-        self._rows: tuple[Tensor, Tensor] | None = None
-        self._rows_key: tuple[torch.dtype, torch.device] | None = None
+        self.kept = KeptRows() if kept is None else kept
+        self.kept.members.append(self)
 
     @property
     def recipe(self) -> RotaryRecipe:
@@ -50,15 +66,20 @@ class RotaryRows(nn.Module):
         return self._recipe.width
 
     def rows(self, n: int) -> tuple[Float[Tensor, "n width"], Float[Tensor, "n width"]]:
-        """Rows ``0..n-1`` (at least; the kept rows), computing the missing ones (InputError past ``n_ctx``)."""
+        """Rows ``0..n-1`` (at least: the kept rows) in this layer's dtype and on its device, computing the missing
+        ones (InputError past ``n_ctx``): at least one block, and twice what was kept, so that generation computes
+        O(log n) times."""
         recipe, device = self.recipe, self.dtype_probe.device
-        key = (recipe.dtype, device)
-        if self._rows is None or self._rows_key != key or self._rows[0].shape[0] < n:
-            # at least one block, and double what was kept, so that generation recomputes O(log n) times
-            have = 0 if self._rows is None or self._rows_key != key else int(self._rows[0].shape[0])
-            self._rows = recipe.rows(max(n, min(recipe.n_ctx, max(2 * have, recipe.block_rows()))), device)
-            self._rows_key = key
-        return self._rows
+        key = (recipe.rounded, device)
+        have = self.kept.rows.get(key)
+        if have is None or have[0].shape[0] < n:
+            size = 0 if have is None else int(have[0].shape[0])
+            if have is None:  # drop what no layer uses any more (rows of a dtype or device left behind)
+                used = {(m.recipe.rounded, m.dtype_probe.device) for m in self.kept.members}
+                self.kept.rows = {k: v for k, v in self.kept.rows.items() if k in used}
+            grown = max(n, min(recipe.n_ctx, max(2 * size, recipe.block_rows())))
+            have = self.kept.rows[key] = recipe.rows(grown, device)
+        return have
 
     def table(self) -> tuple[Float[Tensor, "n_ctx width"], Float[Tensor, "n_ctx width"]]:
         """Every row up to ``n_ctx`` (not kept): for export and views, never for a forward."""
@@ -70,8 +91,8 @@ class RotaryRows(nn.Module):
 
 
 def shared_rows(recipe: RotaryRecipe, device: torch.device) -> RotaryRows:
-    """The :class:`RotaryRows` of ``recipe`` on ``device``: one per recipe and device within the model's build
-    (:func:`~lens_aot.core.components.ownership.one_table_per_model`), else a new one."""
-    return ownership.shared(
-        ("rotary_rows", id(recipe), torch.device(device)), recipe, lambda: RotaryRows(recipe, device)
-    )
+    """A layer's :class:`RotaryRows` of ``recipe`` on ``device``, keeping its rows with the other layers' of the
+    model's build that use ``recipe`` (:func:`~lens_aot.core.components.ownership.one_table_per_model`): one set of
+    rows per dtype and device, whatever the number of layers; outside a build, its own."""
+    kept = ownership.shared(("rotary_rows", id(recipe)), recipe, KeptRows)
+    return RotaryRows(recipe, device, kept)
