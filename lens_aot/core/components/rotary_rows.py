@@ -14,6 +14,8 @@ probe; rows are then computed for that device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -26,11 +28,10 @@ __all__ = ["KeptRows", "RotaryRows", "shared_rows"]
 
 class KeptRows:
     """The rows computed so far, shared by the layers of one model that use one recipe: one entry per (dtypes,
-    device) a layer uses now (entries no layer uses any more are dropped when another is added)."""
+    device) the layers use (all dropped when a layer is cast or moved: computed again where asked)."""
 
     def __init__(self) -> None:
         self.rows: dict[tuple[tuple[torch.dtype, ...], torch.device], tuple[Tensor, Tensor]] = {}
-        self.members: list[RotaryRows] = []
 
     def tensors(self) -> list[Tensor]:
         """Every tensor kept (for memory accounting)."""
@@ -47,7 +48,12 @@ class RotaryRows(nn.Module):
         # holds no values: its dtype and device follow this layer's casts and moves (not saved in the state dict)
         self.register_buffer("dtype_probe", torch.empty(0, dtype=recipe.dtype, device=device), persistent=False)
         self.kept = KeptRows() if kept is None else kept
-        self.kept.members.append(self)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryRows:
+        """A cast or a move (``.to``, ``.half``, ``aot.place``): the kept rows of the old dtype or device are dropped
+        (no reference cycle tracks which layers still use them; every layer computes its rows again when asked)."""
+        self.kept.rows.clear()
+        return super()._apply(fn, recurse)
 
     @property
     def recipe(self) -> RotaryRecipe:
@@ -74,9 +80,6 @@ class RotaryRows(nn.Module):
         have = self.kept.rows.get(key)
         if have is None or have[0].shape[0] < n:
             size = 0 if have is None else int(have[0].shape[0])
-            if have is None:  # drop what no layer uses any more (rows of a dtype or device left behind)
-                used = {(m.recipe.rounded, m.dtype_probe.device) for m in self.kept.members}
-                self.kept.rows = {k: v for k, v in self.kept.rows.items() if k in used}
             grown = max(n, min(recipe.n_ctx, max(2 * size, recipe.block_rows())))
             have = self.kept.rows[key] = recipe.rows(grown, device)
         return have
