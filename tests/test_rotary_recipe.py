@@ -48,8 +48,23 @@ def _gemma4(dtype: torch.dtype) -> Any:
     return bridge_in(model, dtype)[1]
 
 
+def _matrix(architecture: str, dtype: torch.dtype) -> Any:
+    """The support matrix's tiny ``architecture`` at 64 positions, as a TransformerBridge."""
+    import importlib
+
+    from lens_aot.matrix.measure import _source as matrix_source
+
+    families = importlib.import_module("lens_aot.matrix.families")
+    family = families.Family(architecture, fields={"max_position_embeddings": 64})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return matrix_source(families.build_hf_model(family), family, "bridge", dtype)
+
+
 def _source(family: str, dtype: torch.dtype) -> Any:
-    return _gemma4(dtype) if family == "gemma4" else make_bridge(family, dtype)
+    if family == "gemma4":
+        return _gemma4(dtype)
+    return _matrix(family, dtype) if family.endswith("ForCausalLM") else make_bridge(family, dtype)
 
 
 def _rotations(aot: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -65,7 +80,7 @@ def _table_bytes(aot: Any) -> int:
 
 
 # Llama halves, GPT-J adjacent pairs, GPT-NeoX partial, Gemma 3 per-layer-type bases, Gemma 4 global proportional
-# partial rotary, llama3 and YaRN scaling, Phi-3 (LongRoPE within its original length), StableLM partial
+# partial rotary, llama3 and YaRN scaling, Phi-3 (LongRoPE within its original length), NanoChat's sign
 # (each in float32, and float64 for three of them: the module computes in float32 whatever the model's dtype)
 FP32, FP64 = torch.float32, torch.float64
 LAYOUTS = [
@@ -79,6 +94,7 @@ LAYOUTS = [
     ("llama3-rope", FP32),
     ("qwen2-yarn", FP64),
     ("phi3", FP32),
+    ("NanoChatForCausalLM", FP32),  # the source's rotate-half turns the other way: sin negated
 ]
 
 
@@ -138,6 +154,17 @@ def test_recipe_is_refused_where_the_module_rows_differ() -> None:
     assert verified_recipe(_Lying(module, inv, scaling * (1 + 1e-3)), *args) is None
     assert verified_recipe(_Lying(module, inv, scaling, ignore_ids=True), *args) is None
     assert verified_recipe(_Lying(module, inv[:-1], scaling), *args) is None  # no layout of its width
+
+
+def test_llama4_complex_tables_keep_the_tables() -> None:
+    """Llama 4's rotary module returns complex ``freqs_cis``: no recipe reproduces it, so the reader keeps its tables
+    (and the converted model equals the full-table build)."""
+    source = _matrix("Llama4ForCausalLM", torch.float32)
+    aot = lens_aot.convert(source)
+    assert not any("rotary" in block.attn._modules for block in aot.blocks) and _table_bytes(aot) > 0
+    with _tables():
+        before = lens_aot.convert(source)
+    assert torch.equal(_rotations(aot, TOKENS)[0], _rotations(before, TOKENS)[0])
 
 
 def test_rows_are_computed_on_demand_and_grow() -> None:
