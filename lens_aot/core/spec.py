@@ -183,7 +183,8 @@ class LayerSpec:
 class RotarySpec:
     """Rotary position embedding applied to the first ``rotary_dim`` channels of q and k.
 
-    ``cos``/``sin`` are the source's own tables (so rounding matches it exactly); ``adjacent_pairs`` selects the
+    ``cos``/``sin`` are the source's own tables (so rounding matches it exactly), or, with a ``recipe``, computed
+    from it when read (bitwise the same; verified against the source when read); ``adjacent_pairs`` selects the
     GPT-J layout (rotate channel pairs (0,1), (2,3), …) rather than the GPT-NeoX / Llama halves layout.
     """
 

@@ -7,6 +7,11 @@ global layers: n_ctx 131,072 × 512, 512 MiB for cos and sin). Here it runs over
 written into the tables in place: a row depends on its position only, and each call also passes the last position,
 so that a module whose tables depend on the longest position it is given sees the same one in every call. The
 tables are bitwise those of one call over every position (``tests/test_memory.py``).
+
+Before any table is read, :func:`verified_recipe` tries to replace it by a recipe computed on demand
+(:mod:`lens_aot.core.rotary_recipe`): the module's own frequencies and scaling, checked bitwise against the module's
+rows at every position, a chunk at a time, keeping nothing (``tests/test_rotary_recipe.py``). The tables are read
+only where that check fails.
 """
 
 from __future__ import annotations
