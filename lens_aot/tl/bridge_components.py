@@ -516,38 +516,3 @@ def _rotary_from_tables(cos: Tensor, sin: Tensor, n_ctx: int, dtype: torch.dtype
     if cos.shape[0] != n_ctx:
         raise _refuse(f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx={n_ctx}")
     return RotarySpec(int(cos.shape[-1]), _copy(cos.to(dtype)), _copy(sin.to(dtype)), adjacent_pairs=adjacent)
-
-
-def _hf_rotary(bridge: Any, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
-    """Run the source's own HF rotary module over positions 0..n_ctx-1 (halves layout, as HF applies it).
-
-    HF rotary modules compute cos/sin in float32 and cast to the activation dtype; running the module with an
-    activation of the bridge's dtype reproduces the bridge's tables bit for bit.
-    """
-    rotary = _component(bridge, "rotary_emb")
-    if rotary is None:
-        raise _refuse("rotary positions without a 'rotary_emb' component")
-    module = _original(rotary)
-    x = torch.zeros(1, n_ctx, 1, dtype=dtype, device=device)
-    positions = torch.arange(n_ctx, device=device).unsqueeze(0)
-    with torch.no_grad():
-        cos, sin = module(x, positions)
-    return _rotary_from_tables(cos, sin, n_ctx, dtype, adjacent=False)
-
-
-def _rope_type(hf_config: Any) -> str | None:
-    """The HF rope type (``rope_parameters`` in transformers ≥ 5, ``rope_scaling`` before); None if no rope."""
-    for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(hf_config, attr, None)
-        if isinstance(params, dict):
-            return str(params.get("rope_type") or params.get("type") or "default")
-    return None
-
-
-def _check_rope_unscaled(hf_config: Any) -> None:
-    rope_type = _rope_type(hf_config)
-    if rope_type not in (None, "default"):
-        raise _refuse(
-            f"rope scaling of type {rope_type!r}",
-            "Only unscaled rotary embeddings (rope_type 'default') are supported.",
-        )
