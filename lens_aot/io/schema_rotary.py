@@ -30,16 +30,14 @@ _FIELDS = ("freqs", "columns", "scaling", "negate_sin", "rounded", "n_ctx", "dev
 def encode_rotary(encoder: Any, rotary: RotarySpec, key: str, variants: tuple[str, ...]) -> dict[str, Any]:
     """``rotary``'s record: its recipe, or its tables as tensors under ``key.cos`` / ``key.sin`` (``encoder``: an
     :class:`~lens_aot.io.schema.Encoder`); ``variants``: the dtype fields written when set."""
+    from lens_aot.io.schema import dtype_name  # schema imports this module
+
     if rotary.recipe is not None:  # a few numbers, not n_ctx rows
         tables: dict[str, Any] = {"recipe": encode_recipe(rotary.recipe)}
     else:
         tables = {"cos": encoder.tensor(rotary.cos, f"{key}.cos"), "sin": encoder.tensor(rotary.sin, f"{key}.sin")}
     out = {"rotary_dim": int(rotary.rotary_dim), **tables, "adjacent_pairs": bool(rotary.adjacent_pairs)}
-    return out | {
-        name: str(getattr(rotary, name)).removeprefix("torch.")
-        for name in variants
-        if getattr(rotary, name) is not None
-    }
+    return out | {name: dtype_name(getattr(rotary, name)) for name in variants if getattr(rotary, name) is not None}
 
 
 def decode_rotary(decoder: Any, obj: Any, path: str, variants: tuple[str, ...]) -> RotarySpec:
@@ -61,12 +59,14 @@ def decode_rotary(decoder: Any, obj: Any, path: str, variants: tuple[str, ...]) 
 
 def encode_recipe(recipe: RotaryRecipe) -> dict[str, Any]:
     """``recipe`` as its JSON record (no tensor: every number is in the record)."""
+    from lens_aot.io.schema import dtype_name  # schema imports this module
+
     return {
         "freqs": [float(f) for f in recipe.freqs.tolist()],
         "columns": None if recipe.columns is None else [int(c) for c in recipe.columns.tolist()],
         "scaling": float(recipe.scaling),
         "negate_sin": bool(recipe.negate_sin),
-        "rounded": [str(d).removeprefix("torch.") for d in recipe.rounded],
+        "rounded": [dtype_name(d) for d in recipe.rounded],
         "n_ctx": int(recipe.n_ctx),
         "device_type": str(recipe.device_type),
     }
@@ -86,8 +86,8 @@ def decode_recipe(decoder: Any, obj: Any, path: str) -> RotaryRecipe:
         raise LoadError(
             f"{decoder.where}: {path} is not a rotary recipe ({e}); the file is corrupt. Save it again."
         ) from e
-    bad_columns = columns is not None and (columns.numel() == 0 or int(columns.max()) >= freqs.shape[0])
-    if not rounded or bad_columns or int(columns.min() if columns is not None else 0) < 0:
+    in_range = columns is None or (columns.numel() > 0 and 0 <= int(columns.min()) <= int(columns.max()) < len(freqs))
+    if not rounded or not in_range:
         raise LoadError(f"{decoder.where}: {path}: columns or dtypes out of range; the file is corrupt. Save it again.")
     return recipe
 
