@@ -522,33 +522,37 @@ def model_rotary(
     width = int(probe.shape[-1])
     copies = 2 if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables else 1
     columns = reader_columns(width, copies, reading.relayout)
+    width *= copies  # the reader's table width (the relayout to adjacent pairs keeps it)
+    if width > head_dim or width % 2:
+        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
     recipe = verified_recipe(module, n_ctx, dtype, device, layer_type, columns, reading.rotary_sign == -1)
     if recipe is not None:  # the rows computed on demand, verified bitwise at every position (core/rotary_recipe.py)
-        if recipe.width > head_dim or recipe.width % 2:
-            raise refuse_piece(None, "rotary_emb", f"rotary tables of width {recipe.width} for head_dim {head_dim}")
-        module_dtype = recipe.rounded[0]
-        table_dtype = module_dtype if reading.rotary_input_dtype is not None and module_dtype != dtype else None
-        return RotarySpec(recipe.width, None, None, reading.adjacent, reading.rotary_input_dtype, table_dtype, recipe)
+        table_dtype = _rounded_table_dtype(reading, recipe.rounded[0], dtype)
+        return RotarySpec(width, None, None, reading.adjacent, reading.rotary_input_dtype, table_dtype, recipe)
     chunked = chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
     if chunked is None:  # a module that ignores its position ids: one call, its first n_ctx rows
         cos, sin = module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
         if cos.shape[0] < n_ctx:
             raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
-        table_dtype = cos.dtype
+        module_dtype = cos.dtype
         cos, sin = (torch.cat([t[:n_ctx].to(dtype)] * copies, dim=-1) for t in (cos, sin))
     else:
-        cos, sin, table_dtype = chunked
-    width *= copies
-    # the dtype the bridge multiplies float32-rounded q and k by (ERNIE 4.5's module keeps float32 tables)
-    table_dtype = table_dtype if reading.rotary_input_dtype is not None and table_dtype != dtype else None
+        cos, sin, module_dtype = chunked
     if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
         sin.neg_()
     if reading.relayout:
         cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
-    if width > head_dim or width % 2:
-        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
+    table_dtype = _rounded_table_dtype(reading, module_dtype, dtype)
     return RotarySpec(width, cos, sin, reading.adjacent, reading.rotary_input_dtype, table_dtype)
+
+
+def _rounded_table_dtype(
+    reading: AttentionReading, module_dtype: torch.dtype, dtype: torch.dtype
+) -> torch.dtype | None:
+    """The dtype the bridge multiplies float32-rounded q and k by: the rotary module's own where it differs from the
+    model's (ERNIE 4.5's module keeps float32 tables); None where q and k are not rounded or the dtypes agree."""
+    return module_dtype if reading.rotary_input_dtype is not None and module_dtype != dtype else None
 
 
 def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
