@@ -5,8 +5,10 @@ than CI's budget for one file, so each run checks:
 
 * the whole enumeration: the page lists exactly the families (and scopes) the generator enumerates today;
 * a fixed, deterministic subset regenerated in full: one family per status on the page (the first in the table),
-  plus GPT-2, Llama and GPT-NeoX's sequential layout; status, scope and reason must match the page exactly, and
-  every error must be within its bound, with the bound as on the page to a factor of 2 (not to the digit);
+  plus GPT-2, Llama, GPT-NeoX's sequential layout and XGLM (its float64 source runs only under a float64 default
+  dtype, which its row says: the generator's retry is exercised every run); status, scope and reason must match the
+  page exactly, and every error must be within its bound, with the bound as on the page to a factor of 2 (not to
+  the digit);
 * the summary paragraph is the one the tables give;
 * the generator's robustness: a family that cannot be built, crashes, is refused, converts wrongly or runs past
   its time limit becomes its row and never stops the run.
@@ -40,7 +42,7 @@ from lens_aot.tl import has_hooked_transformer, tl_version
 PAGE = Path(__file__).parent.parent / "docs" / "support-matrix.md"
 TABLES = read_page(PAGE)
 TL_MAJOR = int(tl_version().split(".")[0])
-ALWAYS = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM (sequential)")
+ALWAYS = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM (sequential)", "XGLMForCausalLM")
 
 needs_tl4 = pytest.mark.skipif(
     TL_MAJOR < 4, reason="the page's bridge table is TransformerLens 4.x's registry (3.9 bridges fewer families)"
@@ -246,3 +248,20 @@ def test_readme_summary_is_the_generated_one() -> None:
     page = pattern.search((root / "docs" / "support-matrix.md").read_text(encoding="utf-8"))
     assert readme is not None and page is not None
     assert readme.group(1) == page.group(1), "README summary differs from docs/support-matrix.md: copy it over"
+
+
+def test_float64_default_dtype_retry_only_for_a_float64_source_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source whose own forward raises only under a float32 default dtype is measured under a float64 default in
+    float64 and its row says so (XGLM's case, regenerated above); a float32 source that raises stays unbuilt."""
+    from lens_aot.matrix import measure
+
+    def forward(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+        if torch.get_default_dtype() != torch.float64:
+            torch.full((), torch.finfo(torch.float64).min)  # raises: the default dtype cannot hold it
+        return real(model, tokens)
+
+    real = measure._logits
+    monkeypatch.setattr(measure, "_logits", forward)
+    row = measure_family(Family("GPT2LMHeadModel"), "bridge")
+    assert row.status == "unbuilt" and row.reason.startswith("fp32: the source's own forward raised RuntimeError")
+    assert torch.get_default_dtype() == torch.float32

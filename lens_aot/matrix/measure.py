@@ -11,7 +11,13 @@ Statuses, worst first (a row takes its worst dtype's status; the reason says whi
 * ``refused``: ``convert`` raised a :class:`~lens_aot.errors.LensAOTError`; the reason is its first line;
 * ``unbuilt``: the source itself could not be built or run (transformers or TransformerLens raised), so there is
   nothing to convert; the reason says which step failed;
-* ``faithful``: converted, within its bound in both dtypes.
+* ``faithful``: converted, within its bound in both dtypes. Its reason is empty, or says how the source was run
+  (:data:`DEFAULT_FLOAT64_NOTE`).
+
+A float64 source whose own forward raises under torch's default dtype (float32), and runs under
+``torch.set_default_dtype(torch.float64)``, is measured under that default (its conversion and the converted forward
+too), and the row says so: transformers' XGLM fills its attention mask with ``torch.full((), finfo(float64).min)``,
+which a float32 default cannot hold.
 
 The error is measured here, independently of ``convert``'s own check: ``max |aot(tokens) − source(tokens)|`` on
 :data:`BATCH` × :data:`POS` seeded random tokens, the source in eval mode; the bound is the one ``convert`` states
@@ -38,7 +44,17 @@ from torch import Tensor
 
 from lens_aot.matrix.families import VOCAB, Family, build_hf_model, copy_as, tiny_tokenizer
 
-__all__ = ["BATCH", "DTYPES", "POS", "REPEATS", "STATUSES", "FamilyTimeout", "Row", "measure_family"]
+__all__ = [
+    "BATCH",
+    "DEFAULT_FLOAT64_NOTE",
+    "DTYPES",
+    "POS",
+    "REPEATS",
+    "STATUSES",
+    "FamilyTimeout",
+    "Row",
+    "measure_family",
+]
 
 Backend = Literal["bridge", "hooked"]
 BATCH, POS, REPEATS = 2, 32, 5
@@ -71,6 +87,22 @@ class Row:
 # After a float64 bound whose rounding term is float32's (the source computes some steps in float32): that bound is
 # then the float32 one's.
 FLOAT32_NOTE = " (float32 steps)"
+
+
+# The reason of a faithful row whose float64 source runs only under a float64 default dtype (module docstring).
+DEFAULT_FLOAT64_NOTE = "fp64 under torch.set_default_dtype(torch.float64): the source's own fp64 forward raised "
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` within (None: unchanged), restored after."""
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -175,9 +207,11 @@ def _one_dtype(
     dtype: torch.dtype,
     timing: bool,
     bound_note: dict[str, str] | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[str, str, float | None, float | None, float | None]:
     """(status, reason, bound, error, time ratio) of one dtype; ``bound_note[dtype]`` gets :data:`FLOAT32_NOTE`
-    when the bound's rounding term is a narrower dtype's (a float64 source with float32 steps)."""
+    when the bound's rounding term is a narrower dtype's (a float64 source with float32 steps), and ``notes`` how the
+    source was run where that is not as built (:data:`DEFAULT_FLOAT64_NOTE`)."""
     import lens_aot
     from lens_aot.errors import LensAOTError
 
@@ -186,15 +220,26 @@ def _one_dtype(
         source = _source(model, family, backend, dtype)
     except Exception as e:
         return "unbuilt", f"TransformerLens could not build it: {_describe(e)}", None, None, None
+    default: torch.dtype | None = None
     try:
         expected = _logits(source, tokens)
     except Exception as e:
-        return "unbuilt", f"the source's own forward raised {_describe(e)}", None, None, None
+        failure = f"the source's own forward raised {_describe(e)}"
+        if dtype != torch.float64:
+            return "unbuilt", failure, None, None, None
+        try:  # a source that builds a constant in the default dtype (module docstring)
+            with default_dtype(torch.float64):
+                expected = _logits(source, tokens)
+        except Exception:
+            return "unbuilt", failure, None, None, None
+        default = torch.float64
+        if notes is not None:
+            notes.append(DEFAULT_FLOAT64_NOTE + _describe(e))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), default_dtype(default):
             warnings.simplefilter("ignore")
             aot = lens_aot.convert(source, check="warn", check_tokens=tokens)
-        got = _logits(aot, tokens)
+            got = _logits(aot, tokens)
     except LensAOTError as e:
         return "refused", _first_line(e), None, None, None
     except Exception as e:
@@ -225,9 +270,16 @@ def measure_family(family: Family, backend: Backend = "bridge", seed: int = 0, l
                 return row
             copies = {torch.float64: copy_as(model, torch.float64), torch.float32: model}  # copy before bridging
             worst: tuple[int, str] | None = None
+            notes: list[str] = []
             for dtype in DTYPES:
                 status, reason, bound, error, ratio = _one_dtype(
-                    copies[dtype], family, backend, dtype, timing=dtype == torch.float32, bound_note=row.bound_note
+                    copies[dtype],
+                    family,
+                    backend,
+                    dtype,
+                    timing=dtype == torch.float32,
+                    bound_note=row.bound_note,
+                    notes=notes,
                 )
                 key = _short(dtype)
                 row.bound[key], row.error[key] = bound, error
@@ -236,6 +288,8 @@ def measure_family(family: Family, backend: Backend = "bridge", seed: int = 0, l
                 if status != "faithful" and (worst is None or _RANK[status] > worst[0]):
                     worst = (_RANK[status], status)
                     row.status, row.reason = status, f"{key}: {reason}"
+            if worst is None and notes:
+                row.reason = "; ".join(notes)
     except FamilyTimeout as e:
         row.status, row.reason = "crash", f"{type(e).__name__}: {e}"
     return row
