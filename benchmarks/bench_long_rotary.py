@@ -3,14 +3,15 @@
 
 The support matrix's tiny Llama 4 (:mod:`lens_aot.matrix.families`, ``Llama4ForCausalLM``: head_dim 16, 2 layers) as
 a TransformerBridge, float32, CPU, with ``max_position_embeddings`` raised to ``--positions`` (Llama 4 Scout's
-config has 10,485,760) and, with ``--head-dim``, another head width (Scout's is 128). For each of ``--modes``
+config has 10,485,760) and ``--fields`` (JSON config fields: ``{"head_dim": 128}`` Scout's head width,
+``{"no_rope_layers": [1, 0]}`` a NoPE layer as every fourth of Scout's). For each of ``--modes``
 (``tables``, ``recipe``), alternating, ``--repeats`` times: ``convert``'s wall time, its extra peak
 resident memory over what the process held with the source built and run once (Linux ``VmHWM``, reset through
 ``/proc/self/clear_refs``), and the time spent in the bitwise check of the recipe against the source's rotary module
 at every position (:func:`lens_aot.tl.rotary_tables.verified_recipe`). ``--threads`` CPU threads (default 1).
 
     python benchmarks/bench_long_rotary.py [--positions 1048576 10485760] [--repeats 3] [--threads 1]
-        [--family Llama4ForCausalLM] [--head-dim 128] [--modes tables recipe]
+        [--family Llama4ForCausalLM] [--fields '{"head_dim": 128}'] [--modes tables recipe]
 """
 
 from __future__ import annotations
@@ -42,13 +43,10 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def child(family_name: str, positions: int, mode: str, head_dim: int | None) -> dict[str, Any]:
+def child(family_name: str, positions: int, mode: str, extra: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: build the source, convert it in ``mode`` (``recipe`` / ``tables``), return the figures."""
     families = importlib.import_module("lens_aot.matrix.families")
-    fields: dict[str, Any] = {"max_position_embeddings": positions}
-    if head_dim is not None:
-        fields["head_dim"] = head_dim
-    family = families.Family(family_name, fields=fields)
+    family = families.Family(family_name, fields={"max_position_embeddings": positions, **extra})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         source = _source(families.build_hf_model(family), family, "bridge", torch.float32)
@@ -84,16 +82,16 @@ def main() -> None:
     parser.add_argument("--positions", type=int, nargs="*", default=[1 << 20, 10_485_760])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--fields", type=json.loads, default={})
     parser.add_argument("--modes", nargs="*", default=["tables", "recipe"], choices=["tables", "recipe"])
     parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child is not None:
-        print(json.dumps(child(args.family, int(args.child[0]), args.child[1], args.head_dim)))
+        print(json.dumps(child(args.family, int(args.child[0]), args.child[1], args.fields)))
         return
-    width = "the matrix's head_dim" if args.head_dim is None else f"head_dim {args.head_dim}"
-    print(f"{args.family} ({width}), float32, CPU, {args.threads} thread(s); medians of {args.repeats}, alternating\n")
+    shape = f"{args.family} (the matrix's, with {json.dumps(args.fields)})"
+    print(f"{shape}, float32, CPU, {args.threads} thread(s); medians of {args.repeats}, alternating\n")
     print("| positions | mode | convert | extra peak RSS | bitwise check | layers on a recipe |")
     print("|---|---|---|---|---|---|")
     for positions in args.positions:
@@ -101,7 +99,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in runs:
                 command = [sys.executable, __file__, "--family", args.family, "--threads", str(args.threads)]
-                command += [] if args.head_dim is None else ["--head-dim", str(args.head_dim)]
+                command += ["--fields", json.dumps(args.fields)]
                 command += ["--child", str(positions), mode]
                 out = subprocess.run(command, capture_output=True, text=True, check=True)
                 runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))

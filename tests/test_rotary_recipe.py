@@ -202,6 +202,25 @@ def test_llama4_recipe_is_polar_and_refused_where_the_module_rows_differ() -> No
     assert verified_recipe(_Lying(module, inv, scaling, ignore_ids=True), *args) is None
 
 
+def test_nope_layers_do_not_compute_the_whole_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 4 with a NoPE layer (as every fourth of Scout's): its width-0 tables are made without computing the
+    rotary layer's rows over every position (``RotaryRecipe.table`` is not called by ``convert``), and the model
+    equals the full-table build bitwise."""
+    source = _matrix("Llama4ForCausalLM", torch.float32, {"no_rope_layers": [1, 0]})
+    calls: list[int] = []
+    whole = RotaryRecipe.table
+    monkeypatch.setattr(RotaryRecipe, "table", lambda self, *a: calls.append(self.n_ctx) or whole(self, *a))
+    aot = lens_aot.convert(source)
+    assert calls == [] and "rotary" in aot.blocks[0].attn._modules and _table_bytes(aot) == 0
+    assert aot.blocks[1].attn.rotary_dim == 0
+    with _tables():
+        before = lens_aot.convert(source)
+    logits, rotations = _rotations(aot, TOKENS)
+    logits_before, rotations_before = _rotations(before, TOKENS)
+    assert torch.equal(logits, logits_before) and rotations.keys() == rotations_before.keys()
+    assert all(torch.equal(rotations[k], rotations_before[k]) for k in rotations)
+
+
 def test_rows_are_computed_on_demand_and_grow() -> None:
     """Rows computed for a short sequence, then a longer one, then past a cache's first length, equal the whole
     table's rows bitwise; the component keeps only what was asked for (and at most one block or twice that more)."""
