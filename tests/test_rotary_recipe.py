@@ -4,6 +4,7 @@ no n_ctx-row table held or saved, the recipe refused wherever the source module'
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ import lens_aot
 from lens_aot.core.components.rotary_rows import RotaryRows
 from lens_aot.core.read import run_source
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.tl import bridge_attention
+from lens_aot.tl import bridge_attention, bridge_llama4
 from lens_aot.tl.rotary_tables import verified_recipe
 
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -48,14 +49,27 @@ def _gemma4(dtype: torch.dtype) -> Any:
     return bridge_in(model, dtype)[1]
 
 
-def _matrix(architecture: str, dtype: torch.dtype) -> Any:
-    """The support matrix's tiny ``architecture`` at 64 positions, as a TransformerBridge."""
+# Llama 4 Scout's rotary scaling (its config: llama3, factor 16, theta 5e5) on the matrix's tiny Llama 4
+LLAMA4_SCOUT_ROPE = {
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "high_freq_factor": 1.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+    }
+}
+
+
+def _matrix(architecture: str, dtype: torch.dtype, fields: dict[str, Any] | None = None) -> Any:
+    """The support matrix's tiny ``architecture`` at 64 positions (and ``fields``), as a TransformerBridge."""
     import importlib
 
     from lens_aot.matrix.measure import _source as matrix_source
 
     families = importlib.import_module("lens_aot.matrix.families")
-    family = families.Family(architecture, fields={"max_position_embeddings": 64})
+    family = families.Family(architecture, fields={"max_position_embeddings": 64, **(fields or {})})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return matrix_source(families.build_hf_model(family), family, "bridge", dtype)
@@ -64,6 +78,8 @@ def _matrix(architecture: str, dtype: torch.dtype) -> Any:
 def _source(family: str, dtype: torch.dtype) -> Any:
     if family == "gemma4":
         return _gemma4(dtype)
+    if family == "llama4-scout-rope":
+        return _matrix("Llama4ForCausalLM", dtype, LLAMA4_SCOUT_ROPE)
     return _matrix(family, dtype) if family.endswith("ForCausalLM") else make_bridge(family, dtype)
 
 
@@ -80,8 +96,9 @@ def _table_bytes(aot: Any) -> int:
 
 
 # Llama halves, GPT-J adjacent pairs, GPT-NeoX partial, Gemma 3 per-layer-type bases, Gemma 4 global proportional
-# partial rotary, llama3 and YaRN scaling, Phi-3 (LongRoPE within its original length), NanoChat's sign
-# (each in float32, and float64 for three of them: the module computes in float32 whatever the model's dtype)
+# partial rotary, llama3 and YaRN scaling, Phi-3 (LongRoPE within its original length), NanoChat's sign, Llama 4's
+# complex freqs_cis (a polar recipe, adjacent pairs; with Scout's llama3 scaling too) (each in float32, and float64
+# for four of them: the module computes in float32 whatever the model's dtype)
 FP32, FP64 = torch.float32, torch.float64
 LAYOUTS = [
     ("llama", FP32),
@@ -95,6 +112,9 @@ LAYOUTS = [
     ("qwen2-yarn", FP64),
     ("phi3", FP32),
     ("NanoChatForCausalLM", FP32),  # the source's rotate-half turns the other way: sin negated
+    ("Llama4ForCausalLM", FP32),
+    ("Llama4ForCausalLM", FP64),
+    ("llama4-scout-rope", FP32),
 ]
 
 
@@ -156,15 +176,49 @@ def test_recipe_is_refused_where_the_module_rows_differ() -> None:
     assert verified_recipe(_Lying(module, inv[:-1], scaling), *args) is None  # no layout of its width
 
 
-def test_llama4_complex_tables_keep_the_tables() -> None:
-    """Llama 4's rotary module returns complex ``freqs_cis``: no recipe reproduces it, so the reader keeps its tables
-    (and the converted model equals the full-table build)."""
-    source = _matrix("Llama4ForCausalLM", torch.float32)
+def _llama4_rotary() -> nn.Module:
+    return _matrix("Llama4ForCausalLM", torch.float32).original_model.model.rotary_emb
+
+
+def test_llama4_recipe_is_polar_and_refused_where_the_module_rows_differ() -> None:
+    """Llama 4's complex ``freqs_cis``: a ``polar`` recipe of its frequencies each twice (adjacent pairs), whose rows
+    ``cos`` / ``sin`` would not give bitwise (so the recipe must be ``polar``'s); a frequency or the scaling perturbed
+    by 1e-3, or a module that ignores its position ids: no recipe."""
+    module = _llama4_rotary()
+    inv, scaling = module.inv_freq.clone(), float(module.attention_scaling)
+    args = (2048, torch.float32, torch.device("cpu"), None, None, False)
+    recipe = verified_recipe(module, *args)
+    assert isinstance(recipe, RotaryRecipe) and recipe.polar and recipe.columns is None
+    assert torch.equal(recipe.freqs, inv.repeat_interleave(2))
+    cos, sin = bridge_llama4.complex_tables(module(torch.zeros(1, 2048, 1), torch.arange(2048)[None])[0])
+    assert torch.equal(recipe.table()[0], cos) and torch.equal(recipe.table()[1], sin)
+    real_cos, real_sin = dataclasses.replace(recipe, polar=False).table()
+    assert not (torch.equal(real_cos, cos) and torch.equal(real_sin, sin))  # Tensor.cos is not polar's cos
+    for j in (0, inv.shape[0] - 1):
+        bent = inv.clone()
+        bent[j] *= 1 + 1e-3
+        assert verified_recipe(_Lying(module, bent, scaling), *args) is None, j
+    assert verified_recipe(_Lying(module, inv, scaling * (1 + 1e-3)), *args) is None
+    assert verified_recipe(_Lying(module, inv, scaling, ignore_ids=True), *args) is None
+
+
+def test_nope_layers_do_not_compute_the_whole_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 4 with a NoPE layer (as every fourth of Scout's): its width-0 tables are made without computing the
+    rotary layer's rows over every position (``RotaryRecipe.table`` is not called by ``convert``), and the model
+    equals the full-table build bitwise."""
+    source = _matrix("Llama4ForCausalLM", torch.float32, {"no_rope_layers": [1, 0]})
+    calls: list[int] = []
+    whole = RotaryRecipe.table
+    monkeypatch.setattr(RotaryRecipe, "table", lambda self, *a: calls.append(self.n_ctx) or whole(self, *a))
     aot = lens_aot.convert(source)
-    assert not any("rotary" in block.attn._modules for block in aot.blocks) and _table_bytes(aot) > 0
+    assert calls == [] and "rotary" in aot.blocks[0].attn._modules and _table_bytes(aot) == 0
+    assert aot.blocks[1].attn.rotary_dim == 0
     with _tables():
         before = lens_aot.convert(source)
-    assert torch.equal(_rotations(aot, TOKENS)[0], _rotations(before, TOKENS)[0])
+    logits, rotations = _rotations(aot, TOKENS)
+    logits_before, rotations_before = _rotations(before, TOKENS)
+    assert torch.equal(logits, logits_before) and rotations.keys() == rotations_before.keys()
+    assert all(torch.equal(rotations[k], rotations_before[k]) for k in rotations)
 
 
 def test_rows_are_computed_on_demand_and_grow() -> None:
@@ -183,13 +237,16 @@ def test_rows_are_computed_on_demand_and_grow() -> None:
         rows.rows(2049)
 
 
-def test_generation_with_a_cache_past_the_first_rows_matches_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "Llama4ForCausalLM"])
+def test_generation_with_a_cache_past_the_first_rows_matches_the_source(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Greedy generation with a KV cache beyond the rows the prompt needed (blocks of one row here, so the kept rows
     grow several times) equals the full-table build's and the source's own next tokens."""
     from lens_aot.core import rotary_recipe
 
     monkeypatch.setattr(rotary_recipe, "BLOCK_ELEMENTS", 1)
-    source = make_bridge("llama")
+    source = _source(family, torch.float32)
     aot = lens_aot.convert(source)
     kept = aot.blocks[0].attn.rotary.kept
     assert kept is aot.blocks[1].attn.rotary.kept  # the layers keep their rows together
@@ -221,9 +278,11 @@ def test_casts_keep_the_meaning_of_a_cast_table() -> None:
         assert torch.equal(_rotations(aot, TOKENS)[0], _rotations(before, TOKENS)[0]), dtype
 
 
-def test_save_holds_no_rows_and_loads_bitwise(tmp_path: Path) -> None:
-    """A Gemma 4 save writes each table's recipe, no rows; loading rebuilds the same component, bitwise."""
-    aot = lens_aot.convert(_gemma4(torch.float32))
+@pytest.mark.parametrize("family", ["gemma4", "Llama4ForCausalLM"])
+def test_save_holds_no_rows_and_loads_bitwise(family: str, tmp_path: Path) -> None:
+    """A Gemma 4 or Llama 4 save writes each table's recipe, no rows; loading rebuilds the same component (Llama 4's
+    ``polar`` recipe included), bitwise."""
+    aot = lens_aot.convert(_source(family, torch.float32))
     lens_aot.save(aot, tmp_path / "m")
     from safetensors import safe_open
 
@@ -235,3 +294,4 @@ def test_save_holds_no_rows_and_loads_bitwise(tmp_path: Path) -> None:
     logits_loaded, rotations_loaded = _rotations(loaded, TOKENS)
     assert torch.equal(logits, logits_loaded)
     assert all(torch.equal(rotations[k], rotations_loaded[k]) for k in rotations)
+    assert all(b.attn.rotary.recipe.polar == (family == "Llama4ForCausalLM") for b in loaded.blocks)

@@ -9,6 +9,12 @@ column of each table column (the reader's layout: duplicated halves, relayout to
 only ever built after the reader compared it bitwise with the module's own rows over every position ``0..n_ctx-1``
 (:func:`lens_aot.tl.rotary_tables.verified_recipe`); anything else keeps the full tables.
 
+Llama 4's rotary module returns complex ``freqs_cis = polar(1, pos · f) · s`` instead of ``cos`` / ``sin``
+(``Llama4TextRotaryEmbedding``, read as adjacent-pair tables by :func:`lens_aot.tl.bridge_llama4.complex_tables`).
+A CPU's ``polar`` computes ``cos`` and ``sin`` as scalar library calls, which differ from ``Tensor.cos`` / ``.sin``
+(vectorised) in the last bit at about 5% of the entries, so such a recipe (:attr:`RotaryRecipe.polar`) computes its
+rows with ``polar`` itself, as the module does: its real and imaginary parts.
+
 Rows are computed in blocks of :data:`BLOCK_ELEMENTS` elements at most, each block one single-threaded elementwise
 computation whatever the number of rows asked for, so a row is bitwise the same whatever length is computed (a CPU's
 vectorised ``cos`` and its scalar tail can differ by an ulp, and a multi-threaded call splits where its thread count
@@ -56,7 +62,8 @@ class RotaryRecipe:
     ``freqs``: fp32 frequency of each module column (CPU); ``columns``: the module column of each table column (None:
     the same); ``scaling``: ``attention_scaling``; ``negate_sin``: the source's rotate-half turns the other way
     (NanoChat); ``rounded``: the dtypes the rows were cast to in turn, the module's output dtype first, the current
-    dtype last; ``device_type``: where the rows were verified (``cpu`` / ``cuda``), where they are computed."""
+    dtype last; ``device_type``: where the rows were verified (``cpu`` / ``cuda``), where they are computed;
+    ``polar``: the rows are ``polar(1, angles) · scaling``'s real and imaginary parts (Llama 4's ``freqs_cis``)."""
 
     freqs: Float[Tensor, " module_width"]
     columns: Int[Tensor, " width"] | None
@@ -65,6 +72,7 @@ class RotaryRecipe:
     rounded: tuple[torch.dtype, ...]
     n_ctx: int
     device_type: str = "cpu"
+    polar: bool = False
 
     @property
     def width(self) -> int:
@@ -102,6 +110,9 @@ class RotaryRecipe:
         rows = self.block_rows()
         pos = torch.arange(start, start + rows, device=device)
         angles = pos[:, None].float() * self.freqs.to(device)[None, :]
+        if self.polar:  # Llama4TextRotaryEmbedding.forward: polar(ones, angles) · attention_scaling, complex
+            freqs_cis = torch.polar(torch.ones_like(angles), angles) * self.scaling
+            return freqs_cis.real.to(self.rounded[0]), freqs_cis.imag.to(self.rounded[0])
         cos = (angles.cos() * self.scaling).to(self.rounded[0])
         sin = (angles.sin() * self.scaling).to(self.rounded[0])
         return cos, sin

@@ -5,11 +5,13 @@ Schema::
 
     rotary  {rotary_dim, adjacent_pairs, [input_dtype], [table_dtype],
              cos, sin                                   (tables: tensors of n_ctx rows, as before) or
-             recipe: {freqs: [float], columns: [int] | null, scaling, negate_sin, rounded: [dtype], n_ctx, device_type}}
+             recipe: {freqs: [float], columns: [int] | null, scaling, negate_sin, rounded: [dtype], n_ctx, device_type,
+                      [polar]}}
 
 ``freqs`` are float32 values written as the floats they are (JSON's float round-trips them exactly). Written only
 for a recipe, so a save with tables is what lens_aot wrote before, and a lens_aot that does not know recipes refuses
-such a file by its unknown field (it comes from a newer lens_aot).
+such a file by its unknown field (it comes from a newer lens_aot). ``polar`` (Llama 4's complex rotary) is written
+only when true, so a lens_aot that does not know it refuses the file instead of computing other rows.
 """
 
 from __future__ import annotations
@@ -69,18 +71,28 @@ def encode_recipe(recipe: RotaryRecipe) -> dict[str, Any]:
         "rounded": [dtype_name(d) for d in recipe.rounded],
         "n_ctx": int(recipe.n_ctx),
         "device_type": str(recipe.device_type),
-    }
+    } | ({"polar": True} if recipe.polar else {})
 
 
 def decode_recipe(decoder: Any, obj: Any, path: str) -> RotaryRecipe:
     """The recipe of a record (``decoder``: a :class:`~lens_aot.io.schema.Decoder`, for its errors)."""
-    f = decoder.fields(obj, path, _FIELDS)
+    f = decoder.fields(obj, path, _FIELDS, ("polar",))
     try:
         freqs = torch.tensor([float(x) for x in f["freqs"]], dtype=torch.float32)
         columns = None if f["columns"] is None else torch.tensor([int(c) for c in f["columns"]], dtype=torch.int64)
         rounded = tuple(decoder.dtype(name, f"{path}.rounded") for name in f["rounded"])
+        polar = f.get("polar", False)
+        if not isinstance(polar, bool):
+            raise TypeError(f"polar is {polar!r}, not a boolean")
         recipe = RotaryRecipe(
-            freqs, columns, float(f["scaling"]), bool(f["negate_sin"]), rounded, int(f["n_ctx"]), str(f["device_type"])
+            freqs,
+            columns,
+            float(f["scaling"]),
+            bool(f["negate_sin"]),
+            rounded,
+            int(f["n_ctx"]),
+            str(f["device_type"]),
+            polar,
         )
     except (TypeError, ValueError) as e:
         raise LoadError(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lens_aot.core.spec import RotarySpec
 
 
@@ -22,5 +24,12 @@ def bridge_skips_rope(attn_bridge: Any) -> bool:
 
 
 def no_rotary(like: RotarySpec) -> RotarySpec:
-    """Rotary tables of width 0 (no channel rotated), on ``like``'s positions, dtype and device."""
-    return RotarySpec(0, like.cos[:, :0].clone(), like.sin[:, :0].clone(), like.adjacent_pairs)
+    """Rotary tables of width 0 (no channel rotated), on ``like``'s positions, dtype and device; ``like``'s own rows
+    are not read (a recipe's would be computed over every position: Llama 4 Scout's NoPE layers, 10,485,760)."""
+    recipe = like.recipe
+    if recipe is not None:
+        n_ctx, dtype, device = recipe.n_ctx, recipe.dtype, torch.device(recipe.device_type)
+    else:
+        n_ctx, dtype, device = int(like.cos.shape[0]), like.cos.dtype, like.cos.device
+    cos, sin = (torch.empty(n_ctx, 0, dtype=dtype, device=device) for _ in range(2))
+    return RotarySpec(0, cos, sin, like.adjacent_pairs)

@@ -85,7 +85,7 @@ def chunked_tables(
 def module_frequencies(module: nn.Module, layer_type: str | None) -> tuple[Float[Tensor, " half"], float] | None:
     """The rotary module's own fp32 frequencies (``inv_freq``, or ``{layer_type}_inv_freq`` for a module that keeps
     one per layer type) and its ``attention_scaling`` (1 where it has none); None where it keeps no real 1-D
-    frequencies (Llama 4 keeps them, but complex tables are still read as tables if the recipe disagrees)."""
+    frequencies (Llama 4 keeps real ``inv_freq`` too: its complex rows are a ``polar`` recipe's)."""
     prefix = "" if layer_type is None else f"{layer_type}_"
     inv_freq = getattr(module, prefix + "inv_freq", None)
     if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not inv_freq.is_floating_point():
@@ -99,15 +99,21 @@ def module_frequencies(module: nn.Module, layer_type: str | None) -> tuple[Float
 
 
 def _matches(
-    recipe: RotaryRecipe, module: nn.Module, dtype: torch.dtype, layer_type: str | None, device: torch.device
+    recipe: RotaryRecipe,
+    module: nn.Module,
+    dtype: torch.dtype,
+    layer_type: str | None,
+    device: torch.device,
+    stop: int | None = None,
 ) -> bool:
     """Whether the module's own rows over every position ``0..n_ctx-1`` (in chunks, each with the last position, as
-    :func:`chunked_tables` reads them) equal the recipe's, bitwise, in the module's dtype and layout."""
+    :func:`chunked_tables` reads them) equal the recipe's, bitwise, in the module's dtype and layout. ``stop``: only
+    the chunks that start before it (the first chunk alone, to pick a layout before the whole check)."""
     n_ctx, block = recipe.n_ctx, recipe.block_rows()
     step = block * max(1, _CHECK_CHUNK_ELEMENTS // BLOCK_ELEMENTS)
     last = (n_ctx - 1) // block * block  # the block that computes row n_ctx - 1
     last_cos, last_sin = (t[n_ctx - 1 - last :][:1] for t in recipe.block(last, device))
-    for start in range(0, n_ctx, step):
+    for start in range(0, n_ctx if stop is None else min(stop, n_ctx), step):
         chunk = torch.arange(start, min(start + step, n_ctx), device=device)
         cos, sin = module_tables(module, chunk, n_ctx - 1, dtype, layer_type)
         if cos.shape != sin.shape or cos.shape != (chunk.shape[0] + 1, recipe.freqs.shape[0]):
@@ -133,20 +139,32 @@ def verified_recipe(
 ) -> RotaryRecipe | None:
     """A :class:`~lens_aot.core.rotary_recipe.RotaryRecipe` of the module's tables, cast to ``dtype``, then laid out
     as the reader lays them out (``columns`` of the module's output; ``negate_sin``), if the module's rows equal the
-    recipe's bitwise at every position ``0..n_ctx-1``; else None (the reader keeps the full tables). The module's
-    frequencies are tried as the halves layout (``cat(inv_freq, inv_freq)``, Llama) or as they are (GPT-OSS)."""
+    recipe's bitwise at every position ``0..n_ctx-1``; else None (the reader keeps the full tables).
+
+    The module's frequencies are tried as the halves layout (``cat(inv_freq, inv_freq)``, Llama), as adjacent pairs
+    (``inv_freq`` each twice: Llama 4's complex ``freqs_cis`` as :func:`module_tables` reads it) or as they are
+    (GPT-OSS), each computed with ``cos`` / ``sin`` or with ``polar`` (Llama 4): the first whose rows equal the
+    module's over the first chunk of positions is then checked at every position (one full check, whatever the
+    number of candidates)."""
     found = module_frequencies(module, layer_type)
     if found is None or n_ctx < 1:
         return None
     inv_freq, scaling = found
     probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
     width = int(probe.shape[-1])
-    layouts = {2 * inv_freq.shape[0]: torch.cat([inv_freq, inv_freq]), inv_freq.shape[0]: inv_freq}
+    layouts = {
+        2 * inv_freq.shape[0]: (torch.cat([inv_freq, inv_freq]), inv_freq.repeat_interleave(2)),
+        inv_freq.shape[0]: (inv_freq,),
+    }
     if width not in layouts or (columns is not None and (columns.numel() == 0 or int(columns.max()) >= width)):
         return None
-    rounded = cast_chain((probe.dtype,), dtype)
-    recipe = RotaryRecipe(layouts[width].cpu(), columns, scaling, negate_sin, rounded, n_ctx, torch.device(device).type)
-    return recipe if _matches(recipe, module, dtype, layer_type, device) else None
+    rounded, device_type = cast_chain((probe.dtype,), dtype), torch.device(device).type
+    for freqs in layouts[width]:
+        for polar in (False, True):
+            recipe = RotaryRecipe(freqs.cpu(), columns, scaling, negate_sin, rounded, n_ctx, device_type, polar)
+            if _matches(recipe, module, dtype, layer_type, device, stop=1):
+                return recipe if _matches(recipe, module, dtype, layer_type, device) else None
+    return None
 
 
 def reader_columns(width: int, copies: int, relayout: bool) -> Int[Tensor, " table_width"] | None:
