@@ -30,7 +30,6 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.product_attention import ProductAttention
-from lens_aot.core.components.workspace import lent
 from lens_aot.core.gating import GatedFit, input_ranges
 from lens_aot.core.names import NEURON_MODULES
 from lens_aot.core.spec import MLPSpec
@@ -134,8 +133,7 @@ class NeuronMLP(nn.Module):
         pre = self.hook_pre(x @ heads.W_in + heads.b_in)
         if self._fused(heads):
             return heads.activation(pre), None
-        z = heads.attend(pre)
-        return heads.neuron_output(z, copy=not heads.aliasing_unseen() or lent(z)), z
+        return heads.attend_and_sum(pre)
 
     def _gated_post(
         self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None
@@ -149,8 +147,7 @@ class NeuronMLP(nn.Module):
         if self._fused(gate):
             h = gate.activation(pre)
         else:
-            z_gate = gate.attend(pre)
-            h = gate.neuron_output(z_gate, copy=not gate.aliasing_unseen() or lent(z_gate))
+            h, z_gate = gate.attend_and_sum(pre)
             change = self._result_change(gate, z_gate)
             h = h if isinstance(change, float) else h + change
         h = product.hook_gate(h)

@@ -95,11 +95,13 @@ def lent(t: Tensor) -> bool:
 
 
 def unobserved(*points: HookPoint) -> bool:
-    """True if no hook (pre-hooks included) is attached to ``points`` and no global module hook could see their
-    tensors, so a tensor passed through them is read by the caller alone."""
+    """True if no hook (pre-hooks included) is attached to ``points``, none has a ``forward`` of its own (a tool that
+    wraps modules, such as nnsight, sets one on the instance) and no global module hook could see their tensors, so a
+    tensor passed through them is read by the caller alone (and a caller may skip calling them)."""
     names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
     names += ("_global_backward_pre_hooks",)
     if any(len(getattr(_module, name, ())) for name in names):
         return False
     pre_hooks = any(len(p._forward_pre_hooks) or len(getattr(p, "_backward_pre_hooks", ())) for p in points)
-    return not pre_hooks and not hooked(*points)
+    wrapped = any("forward" in p.__dict__ for p in points)
+    return not pre_hooks and not wrapped and not hooked(*points)
