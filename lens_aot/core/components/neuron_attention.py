@@ -20,7 +20,9 @@ Hooks carry TransformerLens's shapes: ``hook_q``, ``hook_k``, ``hook_v`` [batch,
 ``1 − pattern.sum(-1)``; its value is 0, so ``z = pattern @ v`` exactly), ``hook_z`` [batch, pos, head, 1],
 ``hook_result`` [batch, pos, head, d_model] when ``use_attn_result``. The dense [query, key] tensors are built
 only while a hook is attached to them; otherwise the two-key softmax is computed in closed form, at the cost of
-the MLP it replaces.
+the MLP it replaces. While nothing can see the per-head tensors (no hook on the per-head hook points, no global module
+hook, no wrapped ``forward``, no gradient; CPU float32 / float64) they are never held whole: ``q``, ``v``, ``z`` and
+the neurons' sum are computed in row chunks (:mod:`~lens_aot.core.components.head_chunks`), bitwise the same values.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ class SelfAndSlotHeads(nn.Module):
     its heads read)."""
 
     d_head = 1
-    # the packed path (:meth:`_attend_packed`) from this many per-head elements up: it saves the page faults of
-    # allocating large per-head tensors afresh in every layer, and costs ~10 small view operations per module, which
-    # tiny inputs (where allocation is cheap) need not pay
+    # the chunked path (:meth:`_attend_chunked`) from this many per-head elements up: it saves the page faults of
+    # allocating large per-head tensors afresh in every layer and keeps each pass in cache, and costs a few small
+    # operations per chunk, which tiny inputs (where allocation is cheap) need not pay
     PACKED_MIN_ELEMENTS = 1 << 16
     attn_scale = 1.0
     n_heads: int
@@ -126,7 +128,7 @@ class SelfAndSlotHeads(nn.Module):
         """The per-head hooks, which need the per-head computation when attached."""
         return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
 
-    # ---- the same computation, packed, while nothing observes the heads ----
+    # ---- the same computation, packed in row chunks, while nothing observes the heads ----
     def write_queries(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         """``queries(x)`` written into ``out`` (subclasses write it directly, by the same operations; a subclass that
         changes :meth:`queries` or :meth:`values` changes these and :meth:`write_packed` with them)."""

@@ -11,10 +11,13 @@ heads:
 * gated MLPs: ``gate_heads`` (:class:`NeuronAttention` writing ``h ≈ act(gate)`` to the MLP's scratch), then
   ``product_heads`` (:class:`ProductAttention`, two per neuron) turning ``h`` and ``u`` into ``post``.
 
-Every cheap hook point runs on every forward pass: ``hook_pre``, each head module's ``hook_q`` / ``hook_k`` /
-``hook_v`` / ``hook_z``, ``hook_post`` (so torch forward hooks and tools that wrap modules, such as nnsight, see
-them). The dense ``[batch, head, query, key]`` ``hook_attn_scores`` / ``hook_pattern`` are built only while hooked;
-``hook_result`` only with ``use_attn_result``. ``use_fused`` (``aot.set_use_fused_neurons``) skips the per-head
+``hook_pre`` and ``hook_post`` run on every forward pass (so torch forward hooks and tools that wrap modules, such as
+nnsight, see them); each head module's ``hook_q`` / ``hook_k`` / ``hook_v`` / ``hook_z`` run, on whole tensors,
+whenever anything could see them (a hook or pre-hook on one of them, a global module hook, an instance ``forward`` as
+nnsight sets, ``use_attn_result``, a gradient, CUDA or half precision); otherwise the heads are computed in row
+chunks without calling them, bitwise the same values (:mod:`~lens_aot.core.components.head_chunks`). The dense
+``[batch, head, query, key]`` ``hook_attn_scores`` / ``hook_pattern`` are built only while hooked; ``hook_result``
+only with ``use_attn_result``. ``use_fused`` (``aot.set_use_fused_neurons``) skips the per-head
 tensors while none of them is hooked, computing the activation in closed form (the fast path).
 """
 
