@@ -70,26 +70,23 @@ def logistic_times(
     out = torch.empty(q.shape, dtype=q.dtype)
     if step >= rows:
         return torch.sigmoid(q, out=out).mul_(v)
-    q2, v2, out2 = q.reshape(rows, heads), v.reshape(rows, heads), out.view(rows, heads)
-    for start in range(0, rows, step):
-        torch.sigmoid(q2[start : start + step], out=out2[start : start + step]).mul_(v2[start : start + step])
+    parts = (t.split(step) for t in (q.reshape(rows, heads), v.reshape(rows, heads), out.view(rows, heads)))
+    for q_rows, v_rows, out_rows in zip(*parts, strict=True):
+        torch.sigmoid(q_rows, out=out_rows).mul_(v_rows)
     return out
 
 
-def sum_terms(
-    terms: Float[Tensor, "... pos d_mlp k"], ones: Float[Tensor, " k"], out: Tensor | None = None
-) -> Float[Tensor, "... pos d_mlp"]:
+def sum_terms(terms: Float[Tensor, "... pos d_mlp k"], ones: Float[Tensor, " k"]) -> Float[Tensor, "... pos d_mlp"]:
     """Each neuron's sum over its ``k`` heads, as a product with ``ones`` (several times faster than a reduction over
-    k ≤ 8 on CPU), over the chunks of :func:`chunk_rows` on CPU float32 / float64 (so the same products whoever asks),
-    into ``out`` when given (autograd's whole product with a gradient through ``terms``)."""
+    k ≤ 8 on CPU), over the chunks of :func:`chunk_rows` on CPU float32 / float64 (so the same products whoever asks;
+    autograd's whole product with a gradient through ``terms``)."""
     if not chunked(terms) or terms.dim() < 3 or (torch.is_grad_enabled() and terms.requires_grad):
-        return torch.matmul(terms, ones) if out is None else torch.matmul(terms, ones, out=out)
+        return terms @ ones
     d_mlp, k = terms.shape[-2:]
     rows = terms.numel() // max(d_mlp * k, 1)
     step = chunk_rows(rows, d_mlp * k)
-    out = torch.empty(terms.shape[:-1], dtype=terms.dtype) if out is None else out
-    flat, out1 = terms.reshape(rows * d_mlp, k), out.view(-1)
-    for start in range(0, rows, step):  # a matrix-vector product per chunk, as the chunked packed path's
-        end = min(start + step, rows)
-        torch.mv(flat[start * d_mlp : end * d_mlp], ones, out=out1[start * d_mlp : end * d_mlp])
+    out = torch.empty(terms.shape[:-1], dtype=terms.dtype)
+    parts = (terms.reshape(rows * d_mlp, k).split(step * d_mlp), out.view(-1).split(step * d_mlp))
+    for rows_in, rows_out in zip(*parts, strict=True):  # a matrix-vector product per chunk, as the chunked path's
+        torch.mv(rows_in, ones, out=rows_out)
     return out

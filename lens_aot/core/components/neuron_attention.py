@@ -159,15 +159,15 @@ class SelfAndSlotHeads(nn.Module):
             and unobserved(*self.internal_hooks())
         )
 
-    def packed_writer(self, q2: Tensor, v2: Tensor) -> Callable[[int, int, Tensor], None]:
-        """``write(start, n, qv)``: :meth:`write_packed` for rows ``start .. start + n`` of ``q2`` / ``v2`` (the
-        inputs as [rows, width]; ``v2 is q2`` when the heads read one tensor) into ``qv`` [2, n, n_heads]. A subclass
-        may lay out its per-call constants once here, for every chunk."""
-        rows = q2.shape[0]
+    def packed_writer(self, q2: Tensor, v2: Tensor, step: int) -> Callable[[int, Tensor], None]:
+        """``write(i, qv)``: :meth:`write_packed` for chunk ``i`` (rows ``i·step ..``) of ``q2`` / ``v2`` (the inputs
+        as [rows, width]; ``v2 is q2`` when the heads read one tensor) into ``qv`` [2, rows in the chunk, n_heads]. A
+        subclass may lay out its per-call constants once here, for every chunk."""
+        q_rows = q2.split(step)
+        v_rows = q_rows if v2 is q2 else v2.split(step)
 
-        def write(start: int, n: int, qv: Tensor) -> None:
-            q = q2 if n == rows else q2[start : start + n]
-            self.write_packed(q, q if v2 is q2 else v2 if n == rows else v2[start : start + n], qv)
+        def write(i: int, qv: Tensor) -> None:
+            self.write_packed(q_rows[i], q_rows[i] if v_rows is q_rows else v_rows[i], qv)
 
         return write
 
@@ -176,32 +176,34 @@ class SelfAndSlotHeads(nn.Module):
         q_in: Float[Tensor, "... d_q"],
         v_in: Float[Tensor, "... d_v"],
         z_out: Float[Tensor, "rows n_heads"] | None,
-        reduce: Callable[[Tensor, int, int], None] | None = None,
+        reduce: Callable[[Tensor, int], None] | None = None,
     ) -> None:
         """The heads' ``q`` and ``v`` (written side by side in one buffer) and ``z = σ(q)·v`` (one ``glu`` over it),
         :func:`~lens_aot.core.components.head_chunks.chunk_rows` rows at a time, so each pass reads the previous
         one's output from cache. Each chunk's ``z`` [1, n, n_heads] goes to its rows of ``z_out`` (else to a lent
-        buffer), then to ``reduce(z, start, n)`` (e.g. the neurons' sum). The per-head hook points do not run:
-        nothing observes them (:meth:`_packable`). The buffers are lent by the forward's workspace
-        (:mod:`~lens_aot.core.components.workspace`); full chunks reuse the same views (a few operations per chunk)."""
+        buffer), then to ``reduce(z, i)`` (``i``: the chunk's index; e.g. the neurons' sum). The per-head hook
+        points do not run: nothing observes them (:meth:`_packable`). The buffers are lent by the forward's workspace
+        (:mod:`~lens_aot.core.components.workspace`); full chunks reuse the same views, and inputs and outputs are
+        split once, so a chunk costs a few operations."""
         rows = q_in.numel() // max(q_in.shape[-1], 1)
         q2 = q_in.reshape(rows, q_in.shape[-1])
         v2 = q2 if v_in is q_in else v_in.reshape(rows, v_in.shape[-1])
-        step, write = chunk_rows(rows, self.n_heads), self.packed_writer(q2, v2)
+        step = chunk_rows(rows, self.n_heads)
+        write = self.packed_writer(q2, v2, step)
         n = min(step, rows)
         qv = scratch("neuron_heads.qv", (2, n, self.n_heads), q_in)
         z_lent = scratch("neuron_heads.z_rows", (1, n, self.n_heads), q_in) if z_out is None else None
-        z_all = None if z_out is None else z_out.unsqueeze(0)
-        for start in range(0, rows, step):
+        z_parts = None if z_out is None else z_out.unsqueeze(0).split(step, dim=1)
+        for i, start in enumerate(range(0, rows, step)):
             if rows - start < n:  # the last, shorter chunk: contiguous views of the same buffers
                 n = rows - start
                 qv = scratch("neuron_heads.qv", (2, n, self.n_heads), q_in)
                 z_lent = None if z_lent is None else scratch("neuron_heads.z_rows", (1, n, self.n_heads), q_in)
-            write(start, n, qv)
-            z = z_lent if z_all is None else z_all if n == rows else z_all[:, start : start + n]
+            write(i, qv)
+            z = z_lent if z_parts is None else z_parts[i]
             torch.ops.aten.glu.out(qv, 0, out=z)
             if reduce is not None:
-                reduce(z, start, n)
+                reduce(z, i)
 
 
 class NeuronAttention(SelfAndSlotHeads):
@@ -292,31 +294,30 @@ class NeuronAttention(SelfAndSlotHeads):
     def write_values(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         torch.addcmul(self.term_beta, pre[..., None], self.term_alpha, out=out.unflatten(-1, (self.d_mlp, -1)))
 
-    def packed_writer(self, q2: Tensor, v2: Tensor) -> Callable[[int, int, Tensor], None]:
+    def packed_writer(self, q2: Tensor, v2: Tensor, step: int) -> Callable[[int, Tensor], None]:
         """With one input: ``v`` and ``q`` as one contiguous ``addcmul`` with the terms laid out per head (once per
         call) over ``pre`` (K > 1 terms: ``pre`` repeated K times into a lent buffer first): the same fused
         multiply-add per element as :meth:`queries` / :meth:`values`' broadcast one (over a last dimension of K, slower
         on CPU)."""
         if v2 is not q2:
-            return super().packed_writer(q2, v2)
-        rows, K = q2.shape[0], self.heads_per_neuron
+            return super().packed_writer(q2, v2, step)
+        K = self.heads_per_neuron
         offsets = torch.stack((self.term_beta, self.term_d)).repeat(1, self.d_mlp).view(2, 1, -1)
         slopes = torch.stack((self.term_alpha, self.term_b)).repeat(1, self.d_mlp).view(2, 1, -1)
-        q3, repeated = q2.unsqueeze(-1), {}
 
-        def write_one(start: int, n: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
-            # one term: the [2, 1, d_mlp] terms broadcast over the rows themselves (no repeat)
-            torch.addcmul(offsets, q2 if n == rows else q2[start : start + n], slopes, out=qv)
+        if K == 1:  # the [2, 1, d_mlp] terms broadcast over the rows themselves (no repeat)
+            q_rows = q2.split(step)
+            return lambda i, qv: torch.addcmul(offsets, q_rows[i], slopes, out=qv)  # type: ignore[return-value]
 
-        if K == 1:
-            return write_one
+        per_row, repeated = q2.unsqueeze(-1).split(step), {}
 
-        def write(start: int, n: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
+        def write(i: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
+            n = qv.shape[1]
             if n not in repeated:  # [n, n_heads] and its [n, d_mlp, K] view, once per chunk length
                 flat = scratch("neuron_heads.pre", (n, self.n_heads), q2)
                 repeated[n] = (flat, flat.view(n, self.d_mlp, K))
             flat, per_term = repeated[n]
-            per_term.copy_(q3 if n == rows else q3[start : start + n])
+            per_term.copy_(per_row[i])
             torch.addcmul(offsets, flat, slopes, out=qv)
 
         return write
@@ -396,15 +397,16 @@ class NeuronAttention(SelfAndSlotHeads):
             if self.heads_per_neuron == 1:  # the sum of one term is the term: z is written in place
                 self._attend_chunked(pre, pre, flat)
                 return out, None
-            ones, rows, terms = pre.new_ones(self.heads_per_neuron), flat.shape[0], {}
-            out1 = out.view(-1)
+            d, K = self.d_mlp, self.heads_per_neuron
+            ones, terms = pre.new_ones(K), {}
+            outs = out.view(-1).split(chunk_rows(flat.shape[0], self.n_heads) * d)  # _attend_chunked's chunks
 
-            def neuron_sum(z: Float[Tensor, "1 n n_heads"], start: int, n: int) -> None:
+            def neuron_sum(z: Float[Tensor, "1 n n_heads"], i: int) -> None:
                 # the same matrix-vector products as neuron_output's (head_chunks.sum_terms): one per chunk
+                n = z.shape[1]
                 if n not in terms:
-                    terms[n] = z.view(n * self.d_mlp, self.heads_per_neuron)
-                d = self.d_mlp
-                torch.mv(terms[n], ones, out=out1 if n == rows else out1[start * d : (start + n) * d])
+                    terms[n] = z.view(n * d, K)
+                torch.mv(terms[n], ones, out=outs[i])
 
             self._attend_chunked(pre, pre, None, neuron_sum)
             return out, None

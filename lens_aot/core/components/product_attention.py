@@ -161,19 +161,19 @@ class ProductAttention(SelfAndSlotHeads):
     def write_values(self, h: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         interleave(h, h, out=out)
 
-    def packed_writer(self, u2: Tensor, h2: Tensor) -> Callable[[int, int, Tensor], None]:
-        """Rows ``start .. start + n`` of :meth:`values` and :meth:`queries` into ``qv`` [2, n, n_heads] by the same
-        operations (:func:`interleave`'s complex view of each half taken once per chunk length)."""
-        rows, views = u2.shape[0], {}
+    def packed_writer(self, u2: Tensor, h2: Tensor, step: int) -> Callable[[int, Tensor], None]:
+        """Chunk ``i`` of :meth:`values` and :meth:`queries` into ``qv`` [2, n, n_heads] by the same operations
+        (:func:`interleave`'s complex view of each half taken once per chunk length)."""
+        u_rows, h_rows, views = u2.split(step), h2.split(step), {}
 
-        def write(start: int, n: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
+        def write(i: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
+            n = qv.shape[1]
             if n not in views:
                 views[n] = torch.view_as_complex(qv.unflatten(-1, (-1, 2))).unbind(0)
             v_out, q_out = views[n]
-            u, h = (u2, h2) if n == rows else (u2[start : start + n], h2[start : start + n])
-            scaled = u * self.scales
+            scaled = u_rows[i] * self.scales
             torch.complex(scaled, -scaled, out=q_out)
-            torch.complex(h, h, out=v_out)
+            torch.complex(h_rows[i], h_rows[i], out=v_out)
 
         return write
 
