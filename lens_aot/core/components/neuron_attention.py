@@ -131,7 +131,8 @@ class SelfAndSlotHeads(nn.Module):
     # ---- the same computation, packed in row chunks, while nothing observes the heads ----
     def write_queries(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         """``queries(x)`` written into ``out`` (subclasses write it directly, by the same operations; a subclass that
-        changes :meth:`queries` or :meth:`values` changes these and :meth:`write_packed` with them)."""
+        changes :meth:`queries` or :meth:`values` changes these, :meth:`write_packed` and :meth:`packed_writer` with
+        them)."""
         out.copy_(self.queries(x).squeeze(-1))
 
     def write_values(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
