@@ -32,12 +32,12 @@ __all__ = ["CHUNK_ELEMENTS", "MAX_CHUNKS", "chunk_rows", "chunked", "logistic_ti
 # count, so each thread of a multi-threaded elementwise call still gets a cache-sized share (ATen splits a call's
 # range evenly between its threads, from 32,768 elements up).
 CHUNK_ELEMENTS = 1 << 18
-# At most this many chunks per call: each chunk dispatches the same ~10 operations (slices, the writes, the glu, the
-# sum), so this bounds the operations a forward adds however long the input (issue 22: ≤ 2× the source's; the
-# operation-count tests take this worst case). At 8 a chunk of the largest benchmark layer (256 tokens × 24,576
-# heads) is 32 rows, 0.8 M elements: measured as fast as 4-16 rows (1 thread), where 4 chunks (64 rows) were ~1.5×
-# slower.
-MAX_CHUNKS = 8
+# At most this many chunks per call: each chunk dispatches the same 2-5 operations per head module (the writes, the
+# glu, the sum), so this bounds the operations a forward adds however long the input (issue 22: ≤ 2× the source's; the
+# operation-count tests take this worst case), as SumOfLogistics.MAX_CHUNKS does for the fused mode. Measured at 2
+# layers, hidden 1024 (1 thread): 4 chunks gave the same forward times as 8 (ModernBERT-decoder, Gemma 4) with fewer
+# operations (ModernBERT-decoder 1.44× → 1.19× the source's, Gemma 4 1.58× → 1.40×, Llama 4 2.94× → 2.78×).
+MAX_CHUNKS = 4
 
 
 def chunked(t: Tensor) -> bool:
