@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import lens_aot
-from lens_aot.core.components.neuron_attention import SumOfLogistics
+from lens_aot.core.components import head_chunks
+from lens_aot.core.components.neuron_attention import SelfAndSlotHeads, SumOfLogistics
 from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import run_source
 
-# (batch, pos) per size; the larger one also runs the fused mode with the neuron heads' CPU chunking at its maximum (the
-# worst case for its operations per forward: every layer evaluated in SumOfLogistics.MAX_CHUNKS chunks).
+# (batch, pos) per size; the larger one runs with the neuron heads' CPU chunking at its maximum (the worst case for the
+# operations per forward: every layer's fused sum in SumOfLogistics.MAX_CHUNKS chunks, and in the default mode every
+# head module's rows in head_chunks.MAX_CHUNKS chunks, from any size).
 SIZES = ((1, 4), (2, 24))
 
 
@@ -24,6 +26,8 @@ def assert_ops_and_syncs(source: Any, d_vocab: int, size: tuple[int, int], monke
     tokens = torch.randint(0, d_vocab, size, generator=torch.Generator().manual_seed(0))
     if size == SIZES[-1]:
         monkeypatch.setattr(SumOfLogistics, "CHUNK_FLOATS", 1)
+        monkeypatch.setattr(head_chunks, "CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(SelfAndSlotHeads, "PACKED_MIN_ELEMENTS", 0)
     assert_converted_ops_and_syncs(source, aot, tokens)
 
 

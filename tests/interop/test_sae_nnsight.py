@@ -123,3 +123,16 @@ def test_nnsight_sees_every_hook_point(pair: Pair) -> None:
         if SELFCHECK:  # a TransformerBridge's hook_z module sees [batch, pos, n_heads·d_head]; its cache reshapes
             value = value.reshape(cache[name].shape)
         assert_close(value, cache[name], 0.0, f"nnsight {name}")
+
+
+def test_nnsight_sees_whole_head_tensors_where_heads_run_in_chunks(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with the heads' row chunks at every size (:mod:`lens_aot.core.components.head_chunks`): a hook point
+    nnsight wraps (an instance ``forward``) keeps its module on the per-head path, so ``hook_z.output`` is still the
+    whole tensor, equal to the cached one. Without gradients (a gradient through the heads keeps them whole too)."""
+    from lens_aot.core.components import head_chunks
+    from lens_aot.core.components.neuron_attention import SelfAndSlotHeads
+
+    monkeypatch.setattr(SelfAndSlotHeads, "PACKED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(head_chunks, "CHUNK_ELEMENTS", 64)
+    with torch.no_grad():
+        test_nnsight_sees_every_hook_point(pair)

@@ -20,11 +20,14 @@ Hooks carry TransformerLens's shapes: ``hook_q``, ``hook_k``, ``hook_v`` [batch,
 ``1 − pattern.sum(-1)``; its value is 0, so ``z = pattern @ v`` exactly), ``hook_z`` [batch, pos, head, 1],
 ``hook_result`` [batch, pos, head, d_model] when ``use_attn_result``. The dense [query, key] tensors are built
 only while a hook is attached to them; otherwise the two-key softmax is computed in closed form, at the cost of
-the MLP it replaces.
+the MLP it replaces. While nothing can see the per-head tensors (no hook on the per-head hook points, no global module
+hook, no wrapped ``forward``, no gradient; CPU float32 / float64) they are never held whole: ``q``, ``v``, ``z`` and
+the neurons' sum are computed in row chunks (:mod:`~lens_aot.core.components.head_chunks`), bitwise the same values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import einops
@@ -34,9 +37,10 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
+from lens_aot.core.components.head_chunks import chunk_rows, chunked, logistic_times, sum_terms
 from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.components.scalars import scalar
-from lens_aot.core.components.workspace import scratch, unobserved
+from lens_aot.core.components.workspace import lent, scratch, unobserved
 from lens_aot.core.spec import MLPSpec
 from lens_aot.tl.hooks import hooked as _hooked
 
@@ -48,9 +52,9 @@ class SelfAndSlotHeads(nn.Module):
     its heads read)."""
 
     d_head = 1
-    # the packed path (:meth:`_attend_packed`) from this many per-head elements up: it saves the page faults of
-    # allocating large per-head tensors afresh in every layer, and costs ~10 small view operations per module, which
-    # tiny inputs (where allocation is cheap) need not pay
+    # the chunked path (:meth:`_attend_chunked`) from this many per-head elements up: it saves the page faults of
+    # allocating large per-head tensors afresh in every layer and keeps each pass in cache, and costs a few small
+    # operations per chunk, which tiny inputs (where allocation is cheap) need not pay
     PACKED_MIN_ELEMENTS = 1 << 16
     attn_scale = 1.0
     n_heads: int
@@ -106,9 +110,12 @@ class SelfAndSlotHeads(nn.Module):
         """Every head's ``hook_z`` from the tensors its queries and values are computed from, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
         ``z`` is the standard one: every per-head tensor came through its hook point unwritten, on the closed form.
-        While nothing observes the heads (:meth:`_packable`) the same values are computed by :meth:`_attend_packed`."""
+        While nothing observes the heads (:meth:`_packable`) the same values are computed in row chunks
+        (:meth:`_attend_chunked`), without running the per-head hook points."""
         if self._packable(q_in, v_in):
-            return self._attend_packed(q_in, v_in)
+            z = scratch("neuron_heads.z", (*q_in.shape[:-1], self.n_heads, 1), q_in)
+            self._attend_chunked(q_in, v_in, z.view(-1, self.n_heads))
+            return z, True
         q, q_same = through_hook(self.hook_q, self.queries(q_in))
         # Unhooked, hook_k still runs, on a broadcast zero (no [batch, pos, head, 1] buffer to fill); hooked, on a
         # real tensor that hooks may write in place.
@@ -121,10 +128,11 @@ class SelfAndSlotHeads(nn.Module):
         """The per-head hooks, which need the per-head computation when attached."""
         return (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern, self.hook_z)
 
-    # ---- the same computation, packed, while nothing observes the heads ----
+    # ---- the same computation, packed in row chunks, while nothing observes the heads ----
     def write_queries(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         """``queries(x)`` written into ``out`` (subclasses write it directly, by the same operations; a subclass that
-        changes :meth:`queries` or :meth:`values` changes these and :meth:`write_packed` with them)."""
+        changes :meth:`queries` or :meth:`values` changes these, :meth:`write_packed` and :meth:`packed_writer` with
+        them)."""
         out.copy_(self.queries(x).squeeze(-1))
 
     def write_values(self, x: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
@@ -138,39 +146,65 @@ class SelfAndSlotHeads(nn.Module):
         self.write_queries(q_in, q_out)
 
     def _packable(self, q_in: Tensor, v_in: Tensor) -> bool:
-        """Whether to take :meth:`_attend_packed`, which gives ``z`` bitwise as :func:`attend_self_and_slot` does:
-        per-head tensors of at least :attr:`PACKED_MIN_ELEMENTS`, float32 / float64 on CPU (``glu`` and ``sigmoid`` +
-        ``mul`` are the same vector operations there), no per-head hook or ``hook_result`` that could read or write
-        the tensors, no gradient through them."""
+        """Whether to take :meth:`_attend_chunked`, which gives ``z`` bitwise as :func:`attend_self_and_slot` does
+        (the same row chunks, :mod:`~lens_aot.core.components.head_chunks`): per-head tensors of at least
+        :attr:`PACKED_MIN_ELEMENTS`, float32 / float64 on CPU (``glu`` and ``sigmoid`` + ``mul`` are the same vector
+        operations there), no per-head hook, pre-hook, global module hook or wrapped ``forward`` (nnsight) on the
+        per-head hook points and no ``hook_result`` that could see the tensors, no gradient through them."""
         return (
-            q_in.device.type == "cpu"
+            chunked(q_in)
             and q_in.numel() // max(q_in.shape[-1], 1) * self.n_heads >= self.PACKED_MIN_ELEMENTS
-            and q_in.dtype in (torch.float32, torch.float64)
             and v_in.dtype == q_in.dtype
             and not self.use_attn_result
             and not (torch.is_grad_enabled() and (q_in.requires_grad or v_in.requires_grad))
             and unobserved(*self.internal_hooks())
         )
 
-    def _attend_packed(
-        self, q_in: Float[Tensor, "batch pos d_mlp"], v_in: Float[Tensor, "batch pos d_mlp"]
-    ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
-        """``_attend`` with ``v`` and ``q`` written side by side in one buffer and ``z = σ(q)·v`` as one ``glu`` over
-        it (one pass over the heads instead of two), the buffers lent by the forward's workspace
-        (:mod:`~lens_aot.core.components.workspace`): every hook point still runs, on the same values. The returned
-        ``z`` is valid until the next head module's ``attend`` in the same forward; callers read it at once."""
-        shape = (*q_in.shape[:-1], self.n_heads)
-        qv = scratch("neuron_heads.qv", (2, *shape), q_in)
-        self.write_packed(q_in, v_in, qv)
-        v_out, q_out = qv.unbind(0)
-        q, q_same = through_hook(self.hook_q, q_out.unsqueeze(-1))
-        k, keys_zero = through_hook(self.hook_k, q_in.new_zeros(()).expand(*shape, 1))
-        v, v_same = through_hook(self.hook_v, v_out.unsqueeze(-1))
-        if not (q_same and v_same and keys_zero):  # a hook attached on the way: the general computation
-            return attend_self_and_slot(self, q, k, v, keys_zero, q_same and v_same)
-        z = torch.ops.aten.glu.out(qv, 0, out=scratch("neuron_heads.z", (1, *shape), q_in))
-        z, z_same = through_hook(self.hook_z, z.view(*shape, 1))
-        return z, z_same
+    def packed_writer(self, q2: Tensor, v2: Tensor, step: int) -> Callable[[int, Tensor], None]:
+        """``write(i, qv)``: :meth:`write_packed` for chunk ``i`` (rows ``i·step ..``) of ``q2`` / ``v2`` (the inputs
+        as [rows, width]; ``v2 is q2`` when the heads read one tensor) into ``qv`` [2, rows in the chunk, n_heads]. A
+        subclass may lay out its per-call constants once here, for every chunk."""
+        q_rows = q2.split(step)
+        v_rows = q_rows if v2 is q2 else v2.split(step)
+
+        def write(i: int, qv: Tensor) -> None:
+            self.write_packed(q_rows[i], q_rows[i] if v_rows is q_rows else v_rows[i], qv)
+
+        return write
+
+    def _attend_chunked(
+        self,
+        q_in: Float[Tensor, "... d_q"],
+        v_in: Float[Tensor, "... d_v"],
+        z_out: Float[Tensor, "rows n_heads"] | None,
+        reduce: Callable[[Tensor, int], None] | None = None,
+    ) -> None:
+        """The heads' ``q`` and ``v`` (written side by side in one buffer) and ``z = σ(q)·v`` (one ``glu`` over it),
+        :func:`~lens_aot.core.components.head_chunks.chunk_rows` rows at a time, so each pass reads the previous
+        one's output from cache. Each chunk's ``z`` [1, n, n_heads] goes to its rows of ``z_out`` (else to a lent
+        buffer), then to ``reduce(z, i)`` (``i``: the chunk's index; e.g. the neurons' sum). The per-head hook
+        points do not run: nothing observes them (:meth:`_packable`). The buffers are lent by the forward's workspace
+        (:mod:`~lens_aot.core.components.workspace`); full chunks reuse the same views, and inputs and outputs are
+        split once, so a chunk costs a few operations."""
+        rows = q_in.numel() // max(q_in.shape[-1], 1)
+        q2 = q_in.reshape(rows, q_in.shape[-1])
+        v2 = q2 if v_in is q_in else v_in.reshape(rows, v_in.shape[-1])
+        step = chunk_rows(rows, self.n_heads)
+        write = self.packed_writer(q2, v2, step)
+        n = min(step, rows)
+        qv = scratch("neuron_heads.qv", (2, n, self.n_heads), q_in)
+        z_lent = scratch("neuron_heads.z_rows", (1, n, self.n_heads), q_in) if z_out is None else None
+        z_parts = None if z_out is None else z_out.unsqueeze(0).split(step, dim=1)
+        for i, start in enumerate(range(0, rows, step)):
+            if rows - start < n:  # the last, shorter chunk: contiguous views of the same buffers
+                n = rows - start
+                qv = scratch("neuron_heads.qv", (2, n, self.n_heads), q_in)
+                z_lent = None if z_lent is None else scratch("neuron_heads.z_rows", (1, n, self.n_heads), q_in)
+            write(i, qv)
+            z = z_lent if z_parts is None else z_parts[i]
+            torch.ops.aten.glu.out(qv, 0, out=z)
+            if reduce is not None:
+                reduce(z, i)
 
 
 class NeuronAttention(SelfAndSlotHeads):
@@ -261,18 +295,33 @@ class NeuronAttention(SelfAndSlotHeads):
     def write_values(self, pre: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         torch.addcmul(self.term_beta, pre[..., None], self.term_alpha, out=out.unflatten(-1, (self.d_mlp, -1)))
 
-    def write_packed(self, q_in: Tensor, v_in: Tensor, qv: Float[Tensor, "2 ... pos n_heads"]) -> None:
-        """With K > 1 terms: ``pre`` repeated K times (a lent buffer), then ``v`` and ``q`` as one contiguous
-        ``addcmul`` with the terms laid out per head: the same fused multiply-add per element as the broadcast one
-        (over a last dimension of K, slower on CPU)."""
-        if self.heads_per_neuron == 1 or v_in is not q_in:
-            return super().write_packed(q_in, v_in, qv)
-        repeated = scratch("neuron_heads.pre", qv.shape[1:], q_in)
-        repeated.unflatten(-1, (self.d_mlp, -1)).copy_(q_in.unsqueeze(-1))
-        lead = (1,) * (q_in.dim() - 1)
-        offsets = torch.stack((self.term_beta, self.term_d)).repeat(1, self.d_mlp).view(2, *lead, -1)
-        slopes = torch.stack((self.term_alpha, self.term_b)).repeat(1, self.d_mlp).view(2, *lead, -1)
-        torch.addcmul(offsets, repeated, slopes, out=qv)
+    def packed_writer(self, q2: Tensor, v2: Tensor, step: int) -> Callable[[int, Tensor], None]:
+        """With one input: ``v`` and ``q`` as one contiguous ``addcmul`` with the terms laid out per head (once per
+        call) over ``pre`` (K > 1 terms: ``pre`` repeated K times into a lent buffer first): the same fused
+        multiply-add per element as :meth:`queries` / :meth:`values`' broadcast one (over a last dimension of K, slower
+        on CPU)."""
+        if v2 is not q2:
+            return super().packed_writer(q2, v2, step)
+        K = self.heads_per_neuron
+        offsets = torch.stack((self.term_beta, self.term_d)).repeat(1, self.d_mlp).view(2, 1, -1)
+        slopes = torch.stack((self.term_alpha, self.term_b)).repeat(1, self.d_mlp).view(2, 1, -1)
+
+        if K == 1:  # the [2, 1, d_mlp] terms broadcast over the rows themselves (no repeat)
+            q_rows = q2.split(step)
+            return lambda i, qv: torch.addcmul(offsets, q_rows[i], slopes, out=qv)  # type: ignore[return-value]
+
+        per_row, repeated = q2.unsqueeze(-1).split(step), {}
+
+        def write(i: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
+            n = qv.shape[1]
+            if n not in repeated:  # [n, n_heads] and its [n, d_mlp, K] view, once per chunk length
+                flat = scratch("neuron_heads.pre", (n, self.n_heads), q2)
+                repeated[n] = (flat, flat.view(n, self.d_mlp, K))
+            flat, per_term = repeated[n]
+            per_term.copy_(per_row[i])
+            torch.addcmul(offsets, flat, slopes, out=qv)
+
+        return write
 
     @staticmethod
     def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
@@ -335,7 +384,35 @@ class NeuronAttention(SelfAndSlotHeads):
             return z.squeeze(-1).clone() if copy else z.squeeze(-1)
         # a matrix-vector product with ones: the same sum, several times faster than a reduction over K ≤ 8 on CPU
         terms = z.squeeze(-1).unflatten(-1, (self.d_mlp, self.heads_per_neuron))
-        return terms @ terms.new_ones(self.heads_per_neuron)
+        return sum_terms(terms, terms.new_ones(self.heads_per_neuron))
+
+    def attend_and_sum(
+        self, pre: Float[Tensor, "batch pos d_mlp"]
+    ) -> tuple[Float[Tensor, "batch pos d_mlp"], Float[Tensor, "batch pos n_heads 1"] | None]:
+        """Each neuron's activation from its heads (:meth:`attend`, then :meth:`neuron_output`) and the heads'
+        ``hook_z``. While nothing observes the heads (:meth:`_packable`) both are computed together, row chunk by
+        row chunk (:meth:`_attend_chunked`, bitwise the same values), and ``z`` is None: it was never held whole."""
+        if self._packable(pre, pre):
+            out = pre.new_empty(pre.shape)
+            flat = out.view(-1, self.d_mlp)
+            if self.heads_per_neuron == 1:  # the sum of one term is the term: z is written in place
+                self._attend_chunked(pre, pre, flat)
+                return out, None
+            d, K = self.d_mlp, self.heads_per_neuron
+            ones, terms = pre.new_ones(K), {}
+            outs = out.view(-1).split(chunk_rows(flat.shape[0], self.n_heads) * d)  # _attend_chunked's chunks
+
+            def neuron_sum(z: Float[Tensor, "1 n n_heads"], i: int) -> None:
+                # the same matrix-vector products as neuron_output's (head_chunks.sum_terms): one per chunk
+                n = z.shape[1]
+                if n not in terms:
+                    terms[n] = z.view(n * d, K)
+                torch.mv(terms[n], ones, out=outs[i])
+
+            self._attend_chunked(pre, pre, None, neuron_sum)
+            return out, None
+        z = self.attend(pre)
+        return self.neuron_output(z, copy=not self.aliasing_unseen() or lent(z)), z
 
     def aliasing_unseen(self) -> bool:
         """Whether nothing can see ``hook_z``'s tensor after the forward used it (no hook on ``hook_z``, no
@@ -381,7 +458,7 @@ def attend_self_and_slot(
         pattern = heads.hook_pattern(NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / heads.attn_scale))
         return heads.hook_z(einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")), False
     if keys_zero and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)):
-        z = torch.sigmoid(q).mul_(v)  # one buffer: the weights, then z in place (autograd needs neither kept)
+        z = logistic_times(q, v)  # one buffer (autograd needs none kept), in the chunks the packed path uses
     else:
         z = (torch.sigmoid(q) if keys_zero else NeuronAttention.self_weight(q, k)) * v
     z, z_same = through_hook(heads.hook_z, z)

@@ -11,10 +11,13 @@ heads:
 * gated MLPs: ``gate_heads`` (:class:`NeuronAttention` writing ``h ≈ act(gate)`` to the MLP's scratch), then
   ``product_heads`` (:class:`ProductAttention`, two per neuron) turning ``h`` and ``u`` into ``post``.
 
-Every cheap hook point runs on every forward pass: ``hook_pre``, each head module's ``hook_q`` / ``hook_k`` /
-``hook_v`` / ``hook_z``, ``hook_post`` (so torch forward hooks and tools that wrap modules, such as nnsight, see
-them). The dense ``[batch, head, query, key]`` ``hook_attn_scores`` / ``hook_pattern`` are built only while hooked;
-``hook_result`` only with ``use_attn_result``. ``use_fused`` (``aot.set_use_fused_neurons``) skips the per-head
+``hook_pre`` and ``hook_post`` run on every forward pass (so torch forward hooks and tools that wrap modules, such as
+nnsight, see them); each head module's ``hook_q`` / ``hook_k`` / ``hook_v`` / ``hook_z`` run, on whole tensors,
+whenever anything could see them (a hook or pre-hook on one of them, a global module hook, an instance ``forward`` as
+nnsight sets, ``use_attn_result``, a gradient, CUDA or half precision); otherwise the heads are computed in row
+chunks without calling them, bitwise the same values (:mod:`~lens_aot.core.components.head_chunks`). The dense
+``[batch, head, query, key]`` ``hook_attn_scores`` / ``hook_pattern`` are built only while hooked; ``hook_result``
+only with ``use_attn_result``. ``use_fused`` (``aot.set_use_fused_neurons``) skips the per-head
 tensors while none of them is hooked, computing the activation in closed form (the fast path).
 """
 
@@ -30,7 +33,6 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.product_attention import ProductAttention
-from lens_aot.core.components.workspace import lent
 from lens_aot.core.gating import GatedFit, input_ranges
 from lens_aot.core.names import NEURON_MODULES
 from lens_aot.core.spec import MLPSpec
@@ -134,8 +136,7 @@ class NeuronMLP(nn.Module):
         pre = self.hook_pre(x @ heads.W_in + heads.b_in)
         if self._fused(heads):
             return heads.activation(pre), None
-        z = heads.attend(pre)
-        return heads.neuron_output(z, copy=not heads.aliasing_unseen() or lent(z)), z
+        return heads.attend_and_sum(pre)
 
     def _gated_post(
         self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None
@@ -149,8 +150,7 @@ class NeuronMLP(nn.Module):
         if self._fused(gate):
             h = gate.activation(pre)
         else:
-            z_gate = gate.attend(pre)
-            h = gate.neuron_output(z_gate, copy=not gate.aliasing_unseen() or lent(z_gate))
+            h, z_gate = gate.attend_and_sum(pre)
             change = self._result_change(gate, z_gate)
             h = h if isinstance(change, float) else h + change
         h = product.hook_gate(h)

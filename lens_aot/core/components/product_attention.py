@@ -28,6 +28,7 @@ Hooks: ``hook_gate`` [batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import einops
@@ -36,6 +37,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.head_chunks import logistic_times
 from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MLPSpec
@@ -159,6 +161,22 @@ class ProductAttention(SelfAndSlotHeads):
     def write_values(self, h: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
         interleave(h, h, out=out)
 
+    def packed_writer(self, u2: Tensor, h2: Tensor, step: int) -> Callable[[int, Tensor], None]:
+        """Chunk ``i`` of :meth:`values` and :meth:`queries` into ``qv`` [2, n, n_heads] by the same operations
+        (:func:`interleave`'s complex view of each half taken once per chunk length)."""
+        u_rows, h_rows, views = u2.split(step), h2.split(step), {}
+
+        def write(i: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
+            n = qv.shape[1]
+            if n not in views:
+                views[n] = torch.view_as_complex(qv.unflatten(-1, (-1, 2))).unbind(0)
+            v_out, q_out = views[n]
+            scaled = u_rows[i] * self.scales
+            torch.complex(scaled, -scaled, out=q_out)
+            torch.complex(h_rows[i], h_rows[i], out=v_out)
+
+        return write
+
     def neuron_output(
         self,
         z: Float[Tensor, "... pos n_heads 1"],
@@ -200,7 +218,7 @@ class ProductAttention(SelfAndSlotHeads):
             scores = NeuronAttention.dense_scores((q * k).squeeze(-1) / self.attn_scale)
             pattern = NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / self.attn_scale)
             return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
-        return NeuronAttention.self_weight(q, k) * v
+        return logistic_times(q * k + q, v)  # self_weight(q, k) · v, in the per-head path's chunks
 
     def product(
         self, u: Float[Tensor, "... pos d_mlp"], h: Float[Tensor, "... pos d_mlp"]
@@ -254,10 +272,15 @@ class ProductAttention(SelfAndSlotHeads):
     # ---- forward ----
     def attend(
         self, u: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
-    ) -> tuple[Float[Tensor, "batch pos n_heads 1"], bool]:
+    ) -> tuple[Float[Tensor, "batch pos n_heads 1"] | None, bool]:
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
-        it is the standard ``z`` (nothing written on the way: :meth:`neuron_output`'s correction is then 0)."""
+        it is the standard ``z`` (nothing written on the way: :meth:`neuron_output`'s correction is then 0). While
+        nothing observes the heads (:meth:`_packable`) they are computed in row chunks (bitwise the same values) and
+        ``z`` is None: it was never held whole, and the standard ``z``'s ``post`` is the closed form."""
+        if self._packable(u, h):
+            self._attend_chunked(u, h, None)
+            return None, True
         return self._attend(u, h)
 
     def spec(self, W_gate: Tensor, b_gate: Tensor, act_fn: str) -> MLPSpec:

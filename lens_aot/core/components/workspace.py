@@ -5,8 +5,9 @@ In the default mode every neuron-head module builds its per-head ``q``, ``v`` an
 (Theorem 3's heads, :mod:`lens_aot.core.components.neuron_attention`). Allocated afresh in every layer, buffers of
 that size are mapped and unmapped by the C allocator each time: on CPU the page faults cost about as much as the
 arithmetic. While nothing can observe them (no hook on the module's hook points, no global module hook, no
-gradient), the tensors live only until the next line that reads them, so :func:`forward_workspace` (opened by the
-converted model's forward) lends one buffer per slot to every layer in turn. A workspace of at most
+gradient), the tensors live only until the next line that reads them (and are computed a few rows at a time,
+:mod:`~lens_aot.core.components.head_chunks`), so :func:`forward_workspace` (opened by the converted model's forward)
+lends one buffer per slot to every layer in turn. A workspace of at most
 :data:`RETAINED_BYTES` is kept for the next forward pass (one per process, taken by one forward at a time), so
 small-batch CPU work maps no new pages at all; a larger one is dropped when its forward ends. Outside
 :func:`forward_workspace`, :func:`scratch` returns a fresh tensor, so a module used on its own (a HookedTransformer's
@@ -95,11 +96,13 @@ def lent(t: Tensor) -> bool:
 
 
 def unobserved(*points: HookPoint) -> bool:
-    """True if no hook (pre-hooks included) is attached to ``points`` and no global module hook could see their
-    tensors, so a tensor passed through them is read by the caller alone."""
+    """True if no hook (pre-hooks included) is attached to ``points``, none has a ``forward`` of its own (a tool that
+    wraps modules, such as nnsight, sets one on the instance) and no global module hook could see their tensors, so a
+    tensor passed through them is read by the caller alone (and a caller may skip calling them)."""
     names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
     names += ("_global_backward_pre_hooks",)
     if any(len(getattr(_module, name, ())) for name in names):
         return False
     pre_hooks = any(len(p._forward_pre_hooks) or len(getattr(p, "_backward_pre_hooks", ())) for p in points)
-    return not pre_hooks and not hooked(*points)
+    wrapped = any("forward" in p.__dict__ for p in points)
+    return not pre_hooks and not wrapped and not hooked(*points)

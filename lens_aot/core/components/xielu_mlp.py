@@ -51,8 +51,7 @@ class XIELUMLP(PlainAsGatedMLP):
         if self._fused(heads):
             direct, z_direct = heads.activation(pre), None
         else:
-            z_direct = heads.attend(pre)
-            direct = heads.neuron_output(z_direct)
+            direct, z_direct = heads.attend_and_sum(pre)
         product, z = self._gated_post(x, pre)
         out = self.hook_post(direct + product) @ self.W_out + self.b_out
         return out + self._result_change(self.product_heads, z) + self._result_change(heads, z_direct)
