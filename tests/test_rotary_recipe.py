@@ -159,6 +159,18 @@ def _llama_rotary() -> nn.Module:
     return make_bridge("llama").original_model.model.rotary_emb
 
 
+def _assert_perturbed_modules_get_no_recipe(
+    module: nn.Module, inv: torch.Tensor, scaling: float, args: tuple[Any, ...]
+) -> None:
+    """The first and last frequency, or the scaling, perturbed by 1e-3, or position ids ignored: no recipe."""
+    for j in (0, inv.shape[0] - 1):
+        bent = inv.clone()
+        bent[j] *= 1 + 1e-3
+        assert verified_recipe(_Lying(module, bent, scaling), *args) is None, j
+    assert verified_recipe(_Lying(module, inv, scaling * (1 + 1e-3)), *args) is None
+    assert verified_recipe(_Lying(module, inv, scaling, ignore_ids=True), *args) is None
+
+
 def test_recipe_is_refused_where_the_module_rows_differ() -> None:
     """A frequency or the scaling perturbed by 1e-3, or a module that ignores its position ids: no recipe (the reader
     keeps the tables); the module as it is: a recipe."""
@@ -167,12 +179,7 @@ def test_recipe_is_refused_where_the_module_rows_differ() -> None:
     args = (64, torch.float32, torch.device("cpu"), None, None, False)
     assert isinstance(verified_recipe(module, *args), RotaryRecipe)
     assert isinstance(verified_recipe(_Lying(module, inv, scaling), *args), RotaryRecipe)
-    for j in (0, inv.shape[0] - 1):
-        bent = inv.clone()
-        bent[j] *= 1 + 1e-3
-        assert verified_recipe(_Lying(module, bent, scaling), *args) is None, j
-    assert verified_recipe(_Lying(module, inv, scaling * (1 + 1e-3)), *args) is None
-    assert verified_recipe(_Lying(module, inv, scaling, ignore_ids=True), *args) is None
+    _assert_perturbed_modules_get_no_recipe(module, inv, scaling, args)
     assert verified_recipe(_Lying(module, inv[:-1], scaling), *args) is None  # no layout of its width
 
 
@@ -194,12 +201,7 @@ def test_llama4_recipe_is_polar_and_refused_where_the_module_rows_differ() -> No
     assert torch.equal(recipe.table()[0], cos) and torch.equal(recipe.table()[1], sin)
     real_cos, real_sin = dataclasses.replace(recipe, polar=False).table()
     assert not (torch.equal(real_cos, cos) and torch.equal(real_sin, sin))  # Tensor.cos is not polar's cos
-    for j in (0, inv.shape[0] - 1):
-        bent = inv.clone()
-        bent[j] *= 1 + 1e-3
-        assert verified_recipe(_Lying(module, bent, scaling), *args) is None, j
-    assert verified_recipe(_Lying(module, inv, scaling * (1 + 1e-3)), *args) is None
-    assert verified_recipe(_Lying(module, inv, scaling, ignore_ids=True), *args) is None
+    _assert_perturbed_modules_get_no_recipe(module, inv, scaling, args)
 
 
 def test_nope_layers_do_not_compute_the_whole_table(monkeypatch: pytest.MonkeyPatch) -> None:
