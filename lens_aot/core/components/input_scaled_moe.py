@@ -21,8 +21,14 @@ class InputScaledMoEMLP(MoEMLP):
 
     input_scaled = True
 
-    def weighted(
-        self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
-    ) -> Float[Tensor, "batch pos d_model"]:
-        """One expert's routed contribution: the expert (through ``hook_out``) on its input times its weight."""
-        return expert.hook_out(expert(x * weight))
+    def expert_input(
+        self, x: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
+    ) -> Float[Tensor, "*batch pos d_model"]:
+        """The expert reads its input times its router weight."""
+        return x * weight
+
+    def expert_output(
+        self, expert: nn.Module, y: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
+    ) -> Float[Tensor, "*batch pos d_model"]:
+        """The expert's output through ``hook_out``, not scaled again."""
+        return expert.hook_out(y)

@@ -39,6 +39,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components import expert_batch
+from lens_aot.core.components.head_chunks import chunked
 from lens_aot.core.components.moe_router import build_router, router_logits
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.source_expert_hooks import (
@@ -146,7 +148,19 @@ class MoEMLP(nn.Module):
         self, expert: nn.Module, x: Float[Tensor, "batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
     ) -> Float[Tensor, "batch pos d_model"]:
         """One expert's routed contribution: its output (through ``hook_out``) times its router weight."""
-        return expert.hook_out(expert(x)) * weight
+        return self.expert_output(expert, expert(self.expert_input(x, weight)), weight)
+
+    def expert_input(
+        self, x: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
+    ) -> Float[Tensor, "*batch pos d_model"]:
+        """What an expert reads: ``x`` (:class:`InputScaledMoEMLP`: ``x`` times the router weight)."""
+        return x
+
+    def expert_output(
+        self, expert: nn.Module, y: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
+    ) -> Float[Tensor, "*batch pos d_model"]:
+        """An expert's contribution from its output ``y``: through ``hook_out``, times its router weight."""
+        return expert.hook_out(y) * weight
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos, d_model = x.shape
@@ -173,10 +187,14 @@ class MoEMLP(nn.Module):
         rows, out_rows = flat[None], out[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
         dense_weights: Tensor | None = None
         groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
-        for e, expert in enumerate(self.experts):
-            dense = self.runs_densely(expert)
+        plan = [self.runs_densely(expert) for expert in self.experts]
+        for e, dense in enumerate(plan):
             for hook in self._routed_hooks[e]:
                 hook.routed = not dense
+        if not any(plan) and chunked(flat):  # every expert on its rows: the heads batched where unobserved
+            return self.routed_batched(rows, out, *self.token_groups(indices, weights))
+        for e, expert in enumerate(self.experts):
+            dense = plan[e]
             if dense:
                 if dense_weights is None:
                     dense_weights = weights.new_zeros(flat.shape[0], self.n_experts).scatter(1, indices, weights)
@@ -189,6 +207,33 @@ class MoEMLP(nn.Module):
             if token.numel() == 0 and self.hook_names != TL_MOE:  # TransformerLens's MoE runs it on 0 rows
                 continue
             out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
+        return out
+
+    def routed_batched(
+        self,
+        rows: Float[Tensor, "1 tokens d_model"],
+        out: Float[Tensor, "tokens d_model"],
+        tokens: tuple[Int[Tensor, " routed"], ...],
+        weights: tuple[Float[Tensor, "routed 1"], ...],
+    ) -> Float[Tensor, "tokens d_model"]:
+        """:meth:`routed` with every expert on its own rows: the experts' outputs by
+        :func:`~lens_aot.core.components.expert_batch.expert_outputs` (the unobserved experts' neuron heads in one
+        chunked pass per head kind, bitwise each expert's own values), summed by ``index_add_`` in expert order as
+        :meth:`routed` does."""
+        run = [e for e in range(self.n_experts) if tokens[e].numel() or self.hook_names == TL_MOE]
+        together = expert_batch.admitted([self.experts[e] for e in run], [tokens[e].numel() for e in run], rows)
+        batched = [e for e, ok in zip(run, together, strict=True) if ok]
+        inputs = [self.expert_input(rows[0].index_select(0, tokens[e]), weights[e]) for e in batched]
+        outputs = dict(
+            zip(batched, expert_batch.expert_outputs([self.experts[e] for e in batched], inputs), strict=True)
+        )
+        out_rows = out[None]
+        for e in run:
+            expert, token, weight = self.experts[e], tokens[e], weights[e]
+            if e in outputs:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
+                out.index_add_(0, token, self.expert_output(expert, outputs[e], weight))
+            else:
+                out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         return out
 
     # ---- the experts' parts, for the model's maps, the cache and revert ----

@@ -1,0 +1,170 @@
+"""A mixture of experts' routed neuron heads in one chunked pass per layer (CPU float32 / float64; issue 22).
+
+Each routed expert of a :class:`~lens_aot.core.components.moe_mlp.MoEMLP` is a gated
+:class:`~lens_aot.core.components.neuron_mlp.NeuronMLP`: gate heads then product heads (Huben & Morris 2023,
+Theorem 3 per neuron), each run on the expert's own routed rows. While nothing observes an expert (no hook, pre-hook or
+wrapped ``forward`` anywhere in it, no global module hook, no gradient, no ``use_attn_result``, not fused) and its
+heads would take the chunked path (:meth:`~lens_aot.core.components.neuron_attention.SelfAndSlotHeads._packable`),
+:func:`expert_outputs` runs every such expert's gate heads in one loop and their product heads in another, with the
+per-call constants laid out once for all experts (one ``stack`` of every expert's fit terms, one output buffer, one
+``split``) instead of once per head module: the same operations per chunk, fewer per expert.
+
+**Bitwise the same values.** The row chunks are each expert's own
+(:func:`~lens_aot.core.components.head_chunks.chunk_rows` of its row count, never crossing an expert's boundary), and
+each chunk is computed by the same kernels on tensors of the same shape, strides and constants (each expert's own fit
+terms and scales) as that expert's own call, so every element is computed exactly as before
+(:mod:`~lens_aot.core.components.head_chunks` explains why the partition matters). The expert's weights, hooks (run,
+unhooked, in the expert's own order) and ``W_out`` product are its own; the caller sums in expert order as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.core.components.head_chunks import chunk_rows, chunked
+from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.components.neuron_mlp import NeuronMLP
+from lens_aot.core.components.product_attention import ProductAttention
+from lens_aot.core.components.workspace import scratch, unobserved
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOKS += ("_global_backward_pre_hooks",)
+
+
+def unseen(expert: nn.Module) -> bool:
+    """Whether nothing can observe ``expert``'s computation: no hook or pre-hook (forward or backward) on it or any of
+    its submodules, no wrapped ``forward`` (nnsight), no hook on its hook points and no global module hook."""
+    if any(len(getattr(_module, name, ())) for name in _GLOBAL_HOOKS):
+        return False
+    for m in expert.modules():
+        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, getattr(m, "_backward_pre_hooks", {}))
+        if any(len(h) for h in hooks) or "forward" in m.__dict__:
+            return False
+    return unobserved(*(m for m in expert.modules() if isinstance(m, HookPoint)))
+
+
+def batchable(expert: nn.Module, rows: int, like: Tensor) -> bool:
+    """Whether ``expert`` on ``rows`` routed rows (of ``like``'s dtype and device) may join the layer's batched pass:
+    a gated :class:`NeuronMLP` with the standard forward, not fused, unobserved (:func:`unseen`), no gradient, and
+    both head modules on their chunked path (CPU float32 / float64, at least ``PACKED_MIN_ELEMENTS`` per-head
+    elements, as :meth:`~lens_aot.core.components.neuron_attention.SelfAndSlotHeads._packable` decides)."""
+    if not isinstance(expert, NeuronMLP) or not expert.gated or expert.use_fused:
+        return False
+    if type(expert).forward is not NeuronMLP.forward or type(expert)._gated_post is not NeuronMLP._gated_post:
+        return False
+    gate, product = expert.gate_heads, expert.product_heads
+    if not chunked(like) or gate.use_attn_result or product.use_attn_result:
+        return False
+    if min(rows * gate.n_heads, rows * product.n_heads) < gate.PACKED_MIN_ELEMENTS:
+        return False
+    if torch.is_grad_enabled() and (like.requires_grad or any(p.requires_grad for p in expert.parameters())):
+        return False
+    return unseen(expert)
+
+
+def admitted(experts: list[nn.Module], rows: list[int], like: Tensor) -> list[bool]:
+    """Which experts :func:`expert_outputs` computes together: those :func:`batchable` admits with the first admitted
+    one's ``d_mlp`` and terms per neuron (its fit's shape), if there are at least two; none otherwise."""
+    ok = [batchable(e, r, like) for e, r in zip(experts, rows, strict=True)]
+    if any(ok):
+        first = experts[ok.index(True)]
+        shape = (first.d_mlp, first.gate_heads.heads_per_neuron)
+        ok = [o and (e.d_mlp, e.gate_heads.heads_per_neuron) == shape for o, e in zip(ok, experts, strict=True)]
+    return ok if sum(ok) >= 2 else [False] * len(experts)
+
+
+def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_model"]]) -> list[Tensor]:
+    """``expert(x)`` ([rows, d_model]) for each expert that :func:`admitted` admits and its routed rows, bitwise as the
+    expert's own forward on ``x[None]``: :meth:`NeuronMLP.forward`, with the gate heads of every expert in one chunked
+    pass and their product heads in another. The matrix products run on the [rows, d] inputs themselves (the same
+    ``mm`` that ``[1, rows, d] @ W`` folds to)."""
+    if not experts:
+        return []
+    pres, us = [], []
+    for expert, x in zip(experts, xs, strict=True):  # NeuronMLP._gated_post's inputs, by the same calls
+        gate = expert.gate_heads
+        pre = expert._modules[expert.gate_hook_name](x @ gate.W_in + gate.b_in)
+        us.append(expert._product_input(expert._modules[expert.linear_hook_name](expert._linear_branch(x, pre))))
+        pres.append(expert._gate_input(pre))
+    hs = _gate_pass([e.gate_heads for e in experts], pres)
+    for expert, u, h in zip(experts, us, hs, strict=True):
+        expert.product_heads.hook_gate(h)  # unhooked: the same tensor (an unseen expert)
+        expert.product_heads.check_range(u, h)
+    _product_pass([e.product_heads for e in experts], us, hs)
+    outs = []
+    for expert, u, h in zip(experts, us, hs, strict=True):
+        product = expert.product_heads
+        post = product.product(u, h)
+        post = post if product.b_post is None else post + product.b_post
+        outs.append(expert.hook_post(post) @ expert.W_out + expert.b_out)  # NeuronMLP.forward's, no result change
+    return outs
+
+
+def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> list[Float[Tensor, "rows d_mlp"]]:
+    """Each expert's gate activations ``h`` ([rows, d_mlp], views of one buffer), as
+    :meth:`NeuronAttention.attend_and_sum`'s chunked path computes them: per chunk of each expert's rows (its own
+    :func:`chunk_rows`), ``v`` and ``q`` by one ``addcmul`` with its terms laid out per head (K > 1: ``pre`` repeated
+    K times first), one ``glu``, and (K > 1) the sum over a neuron's K heads as one ``mv``."""
+    d, K = gates[0].d_mlp, gates[0].heads_per_neuron
+    n_heads = d * K
+    rows = [p.shape[0] for p in pres]
+    steps = [chunk_rows(r, n_heads) for r in rows]
+    sizes = [min(s, r - start) for r, s in zip(rows, steps, strict=True) for start in range(0, r, s)]
+    # every expert's [v offsets, q offsets, v slopes, q slopes] laid out per head (NeuronAttention.packed_writer's)
+    terms = torch.stack([t for g in gates for t in (g.term_beta, g.term_d, g.term_alpha, g.term_b)])
+    per_expert = terms.repeat(1, d).view(len(gates), 2, 2, 1, n_heads).unbind(0)
+    out = pres[0].new_empty((1, sum(rows), d))
+    buffers: dict[int, tuple[Tensor, ...]] = {}
+    if K == 1:
+        z_parts = out.split(sizes, dim=1)  # the chunks' z is their h, written in place
+    else:
+        ones, outs = pres[0].new_ones(K), out.view(-1).split([n * d for n in sizes])
+    chunk = 0
+    for pre, step, (offsets, slopes) in zip(pres, steps, (t.unbind(0) for t in per_expert), strict=True):
+        for q_in in pre.split(step) if K == 1 else pre.unsqueeze(-1).split(step):
+            n = q_in.shape[0]
+            if n not in buffers:
+                qv = scratch("neuron_heads.qv", (2, n, n_heads), pre)
+                if K == 1:
+                    buffers[n] = (qv,)
+                else:
+                    flat = scratch("neuron_heads.pre", (n, n_heads), pre)
+                    z = scratch("neuron_heads.z_rows", (1, n, n_heads), pre)
+                    buffers[n] = (qv, flat, flat.view(n, d, K), z, z.view(n * d, K))
+            if K == 1:
+                qv = buffers[n][0]
+                torch.addcmul(offsets, q_in, slopes, out=qv)
+                torch.ops.aten.glu.out(qv, 0, out=z_parts[chunk])
+            else:
+                qv, flat, per_term, z, terms_view = buffers[n]
+                per_term.copy_(q_in)
+                torch.addcmul(offsets, flat, slopes, out=qv)
+                torch.ops.aten.glu.out(qv, 0, out=z)
+                torch.mv(terms_view, ones, out=outs[chunk])
+            chunk += 1
+    return list(out[0].split(rows))
+
+
+def _product_pass(products: list[ProductAttention], us: list[Tensor], hs: list[Tensor]) -> None:
+    """The product heads' ``z`` per chunk of each expert's rows, as :meth:`ProductAttention.attend`'s chunked path
+    computes it (and, like it, not kept: the standard ``z``'s ``post`` is the closed form)."""
+    d = products[0].d_mlp
+    n_heads = 2 * d
+    views: dict[int, tuple[Tensor, ...]] = {}
+    for product, u, h in zip(products, us, hs, strict=True):
+        step = chunk_rows(u.shape[0], n_heads)
+        for u_rows, h_rows in zip(u.split(step), h.split(step), strict=True):
+            n = u_rows.shape[0]
+            if n not in views:
+                qv = scratch("neuron_heads.qv", (2, n, n_heads), u)
+                z = scratch("neuron_heads.z_rows", (1, n, n_heads), u)
+                views[n] = (qv, z, *torch.view_as_complex(qv.unflatten(-1, (-1, 2))).unbind(0))
+            qv, z, v_out, q_out = views[n]
+            scaled = u_rows * product.scales
+            torch.complex(scaled, -scaled, out=q_out)
+            torch.complex(h_rows, h_rows, out=v_out)
+            torch.ops.aten.glu.out(qv, 0, out=z)
