@@ -150,21 +150,31 @@ def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> list[Float[T
 
 
 def _product_pass(products: list[ProductAttention], us: list[Tensor], hs: list[Tensor]) -> None:
-    """The product heads' ``z`` per chunk of each expert's rows, as :meth:`ProductAttention.attend`'s chunked path
-    computes it (and, like it, not kept: the standard ``z``'s ``post`` is the closed form)."""
+    """The product heads' ``z = σ(q)·v`` (``q = ±ε·u``, ``v = h``: :meth:`ProductAttention.queries` / ``values``) of
+    every expert, over the row chunks of :func:`chunk_rows` of all experts' rows together (a chunk that spans two
+    experts split at the boundary, each part with its expert's scales). As in :meth:`ProductAttention.attend`'s chunked
+    path, ``z`` is not kept (the standard ``z``'s ``post`` is the closed form), so its chunks need not be each expert's
+    own: no value the forward returns depends on them. Per chunk: ``q`` as one product of ``u`` with the signed scales
+    ``(ε, −ε)`` per neuron (``−(ε·u) = (−ε)·u`` exactly), ``v`` as one broadcast copy of ``h``, and one ``glu``."""
     d = products[0].d_mlp
     n_heads = 2 * d
+    rows = [u.shape[0] for u in us]
+    step = chunk_rows(sum(rows), n_heads)
+    scales = torch.stack([p.scales for p in products])
+    signed = torch.stack((scales, -scales), dim=-1).unbind(0)  # per expert [d_mlp, 2]: head 2n is +ε_n, 2n+1 is −ε_n
     views: dict[int, tuple[Tensor, ...]] = {}
-    for product, u, h in zip(products, us, hs, strict=True):
-        step = chunk_rows(u.shape[0], n_heads)
-        for u_rows, h_rows in zip(u.split(step), h.split(step), strict=True):
+    start = 0
+    for u, h, r, sign in zip(us, hs, rows, signed, strict=True):
+        cuts = sorted({0, r} | {c - start for c in range(0, start + r, step) if c > start})
+        sizes = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+        start += r
+        for u_rows, h_rows in zip(u.unsqueeze(-1).split(sizes), h.unsqueeze(-1).split(sizes), strict=True):
             n = u_rows.shape[0]
             if n not in views:
                 qv = scratch("neuron_heads.qv", (2, n, n_heads), u)
                 z = scratch("neuron_heads.z_rows", (1, n, n_heads), u)
-                views[n] = (qv, z, *torch.view_as_complex(qv.unflatten(-1, (-1, 2))).unbind(0))
+                views[n] = (qv, z, *qv.view(2, n, d, 2).unbind(0))
             qv, z, v_out, q_out = views[n]
-            scaled = u_rows * product.scales
-            torch.complex(scaled, -scaled, out=q_out)
-            torch.complex(h_rows, h_rows, out=v_out)
+            torch.mul(u_rows, sign, out=q_out)
+            v_out.copy_(h_rows)
             torch.ops.aten.glu.out(qv, 0, out=z)

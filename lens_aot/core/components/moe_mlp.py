@@ -165,9 +165,11 @@ class MoEMLP(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos, d_model = x.shape
         flat = x.reshape(-1, d_model)
-        out = self.routed(x, *self.route(flat))
+        joined: list[Tensor] = []  # the shared expert's output, when it joined the routed experts' batched pass
+        out = self.routed(x, *self.route(flat), shared_out=joined if hasattr(self, "shared_expert") else None)
         if hasattr(self, "shared_expert"):
-            shared = self.shared_expert.hook_out(self.shared_expert(x)).reshape(-1, d_model)
+            y = joined[0] if joined else self.shared_expert(x)
+            shared = self.shared_expert.hook_out(y).reshape(-1, d_model)
             if self.W_shared_gate is not None:
                 shared = torch.sigmoid(flat @ self.W_shared_gate) * shared
             out = out + shared
@@ -179,8 +181,11 @@ class MoEMLP(nn.Module):
         x: Float[Tensor, "batch pos d_model"],
         indices: Int[Tensor, "tokens top_k"],
         weights: Float[Tensor, "tokens top_k"],
+        shared_out: list[Tensor] | None = None,
     ) -> Float[Tensor, "tokens d_model"]:
-        """``Σ_k w_k·expert_{e_k}(x)`` per token (flat), summed in expert order as the source's ``index_add_``."""
+        """``Σ_k w_k·expert_{e_k}(x)`` per token (flat), summed in expert order as the source's ``index_add_``.
+        ``shared_out``: a list to which the shared expert's output on every token ([tokens, d_model], before
+        ``hook_out``) is appended when it joined the routed experts' batched pass (:meth:`routed_batched`)."""
         batch, pos, d_model = x.shape
         flat = x.reshape(-1, d_model)
         out = flat.new_zeros(flat.shape)
@@ -192,7 +197,7 @@ class MoEMLP(nn.Module):
             for hook in self._routed_hooks[e]:
                 hook.routed = not dense
         if not any(plan) and chunked(flat):  # every expert on its rows: the heads batched where unobserved
-            return self.routed_batched(rows, out, *self.token_groups(indices, weights))
+            return self.routed_batched(rows, out, *self.token_groups(indices, weights), shared_out)
         for e, expert in enumerate(self.experts):
             dense = plan[e]
             if dense:
@@ -215,23 +220,30 @@ class MoEMLP(nn.Module):
         out: Float[Tensor, "tokens d_model"],
         tokens: tuple[Int[Tensor, " routed"], ...],
         weights: tuple[Float[Tensor, "routed 1"], ...],
+        shared_out: list[Tensor] | None = None,
     ) -> Float[Tensor, "tokens d_model"]:
         """:meth:`routed` with every expert on its own rows: the experts' outputs by
         :func:`~lens_aot.core.components.expert_batch.expert_outputs` (the unobserved experts' neuron heads in one
         chunked pass per head kind, bitwise each expert's own values), summed by ``index_add_`` in expert order as
         :meth:`routed` does."""
         run = [e for e in range(self.n_experts) if tokens[e].numel() or self.hook_names == TL_MOE]
-        together = expert_batch.admitted([self.experts[e] for e in run], [tokens[e].numel() for e in run], rows)
-        batched = [e for e, ok in zip(run, together, strict=True) if ok]
-        inputs = [self.expert_input(rows[0].index_select(0, tokens[e]), weights[e]) for e in batched]
-        outputs = dict(
-            zip(batched, expert_batch.expert_outputs([self.experts[e] for e in batched], inputs), strict=True)
-        )
+        experts, counts = [self.experts[e] for e in run], [tokens[e].numel() for e in run]
+        if shared_out is not None:  # the shared expert (last, as it runs after them) on every token
+            experts, counts = [*experts, self.shared_expert], [*counts, out.shape[0]]
+        together = expert_batch.admitted(experts, counts, rows)
+        batched = [i for i, ok in enumerate(together) if ok]
+        inputs = [
+            rows[0] if i == len(run) else self.expert_input(rows[0].index_select(0, tokens[run[i]]), weights[run[i]])
+            for i in batched
+        ]
+        outputs = dict(zip(batched, expert_batch.expert_outputs([experts[i] for i in batched], inputs), strict=True))
+        if shared_out is not None and len(run) in outputs:
+            shared_out.append(outputs[len(run)])
         out_rows = out[None]
-        for e in run:
+        for i, e in enumerate(run):
             expert, token, weight = self.experts[e], tokens[e], weights[e]
-            if e in outputs:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
-                out.index_add_(0, token, self.expert_output(expert, outputs[e], weight))
+            if i in outputs:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
+                out.index_add_(0, token, self.expert_output(expert, outputs[i], weight))
             else:
                 out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         return out
