@@ -90,11 +90,12 @@ def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_mode
         pre = expert._modules[expert.gate_hook_name](x @ gate.W_in + gate.b_in)
         us.append(expert._product_input(expert._modules[expert.linear_hook_name](expert._linear_branch(x, pre))))
         pres.append(expert._gate_input(pre))
-    hs = _gate_pass([e.gate_heads for e in experts], pres)
+    h_all = _gate_pass([e.gate_heads for e in experts], pres)
+    hs = h_all.split([p.shape[0] for p in pres])
     for expert, u, h in zip(experts, us, hs, strict=True):
         expert.product_heads.hook_gate(h)  # unhooked: the same tensor (an unseen expert)
         expert.product_heads.check_range(u, h)
-    _product_pass([e.product_heads for e in experts], us, hs)
+    _product_pass([e.product_heads for e in experts], us, h_all)
     outs = []
     for expert, u, h in zip(experts, us, hs, strict=True):
         product = expert.product_heads
@@ -104,8 +105,8 @@ def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_mode
     return outs
 
 
-def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> list[Float[Tensor, "rows d_mlp"]]:
-    """Each expert's gate activations ``h`` ([rows, d_mlp], views of one buffer), as
+def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> Float[Tensor, "rows d_mlp"]:
+    """Every expert's gate activations ``h``, stacked in the experts' order, as
     :meth:`NeuronAttention.attend_and_sum`'s chunked path computes them: per chunk of each expert's rows (its own
     :func:`chunk_rows`), ``v`` and ``q`` by one ``addcmul`` with its terms laid out per head (K > 1: ``pre`` repeated
     K times first), one ``glu``, and (K > 1) the sum over a neuron's K heads as one ``mv``."""
@@ -115,8 +116,9 @@ def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> list[Float[T
     steps = [chunk_rows(r, n_heads) for r in rows]
     sizes = [min(s, r - start) for r, s in zip(rows, steps, strict=True) for start in range(0, r, s)]
     # every expert's [v offsets, q offsets, v slopes, q slopes] laid out per head (NeuronAttention.packed_writer's)
-    terms = torch.stack([t for g in gates for t in (g.term_beta, g.term_d, g.term_alpha, g.term_b)])
-    per_expert = terms.repeat(1, d).view(len(gates), 2, 2, 1, n_heads).unbind(0)
+    # (every expert's offsets, then every expert's slopes): [2, 1, n_heads] each, from one stack, repeat and unbind
+    terms = [t for g in gates for t in (g.term_beta, g.term_d)] + [t for g in gates for t in (g.term_alpha, g.term_b)]
+    per_expert = torch.stack(terms).repeat(1, d).view(2 * len(gates), 2, 1, n_heads).unbind(0)
     out = pres[0].new_empty((1, sum(rows), d))
     buffers: dict[int, tuple[Tensor, ...]] = {}
     if K == 1:
@@ -124,7 +126,8 @@ def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> list[Float[T
     else:
         ones, outs = pres[0].new_ones(K), out.view(-1).split([n * d for n in sizes])
     chunk = 0
-    for pre, step, (offsets, slopes) in zip(pres, steps, (t.unbind(0) for t in per_expert), strict=True):
+    for e, (pre, step) in enumerate(zip(pres, steps, strict=True)):
+        offsets, slopes = per_expert[e], per_expert[len(gates) + e]
         for q_in in pre.split(step) if K == 1 else pre.unsqueeze(-1).split(step):
             n = q_in.shape[0]
             if n not in buffers:
@@ -146,10 +149,10 @@ def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> list[Float[T
                 torch.ops.aten.glu.out(qv, 0, out=z)
                 torch.mv(terms_view, ones, out=outs[chunk])
             chunk += 1
-    return list(out[0].split(rows))
+    return out[0]
 
 
-def _product_pass(products: list[ProductAttention], us: list[Tensor], hs: list[Tensor]) -> None:
+def _product_pass(products: list[ProductAttention], us: list[Tensor], h_all: Float[Tensor, "rows d_mlp"]) -> None:
     """The product heads' ``z = σ(q)·v`` (``q = ±ε·u``, ``v = h``: :meth:`ProductAttention.queries` / ``values``) of
     every expert, over the row chunks of :func:`chunk_rows` of all experts' rows together (a chunk that spans two
     experts split at the boundary, each part with its expert's scales). As in :meth:`ProductAttention.attend`'s chunked
@@ -158,17 +161,20 @@ def _product_pass(products: list[ProductAttention], us: list[Tensor], hs: list[T
     ``(ε, −ε)`` per neuron (``−(ε·u) = (−ε)·u`` exactly), ``v`` as one broadcast copy of ``h``, and one ``glu``."""
     d = products[0].d_mlp
     n_heads = 2 * d
-    rows = [u.shape[0] for u in us]
+    rows = [u.shape[0] for u in us]  # h_all: every expert's h, stacked in this order (_gate_pass's buffer)
     step = chunk_rows(sum(rows), n_heads)
     scales = torch.stack([p.scales for p in products])
     signed = torch.stack((scales, -scales), dim=-1).unbind(0)  # per expert [d_mlp, 2]: head 2n is +ε_n, 2n+1 is −ε_n
     views: dict[int, tuple[Tensor, ...]] = {}
-    start = 0
-    for u, h, r, sign in zip(us, hs, rows, signed, strict=True):
+    pieces, start = [], 0  # per expert, its rows cut at the chunks' boundaries
+    for r in rows:
         cuts = sorted({0, r} | {c - start for c in range(0, start + r, step) if c > start})
-        sizes = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+        pieces.append([b - a for a, b in zip(cuts, cuts[1:], strict=False)])
         start += r
-        for u_rows, h_rows in zip(u.unsqueeze(-1).split(sizes), h.unsqueeze(-1).split(sizes), strict=True):
+    h_pieces = iter(h_all.unsqueeze(-1).split([n for p in pieces for n in p]))  # each expert's pieces, in order
+    for u, sizes, sign in zip(us, pieces, signed, strict=True):
+        for u_rows in u.unsqueeze(-1).split(sizes):
+            h_rows = next(h_pieces)
             n = u_rows.shape[0]
             if n not in views:
                 qv = scratch("neuron_heads.qv", (2, n, n_heads), u)
