@@ -33,12 +33,16 @@ def small_chunks(elements: int) -> Iterator[None]:
 
 
 def _source(family: str, dtype: torch.dtype) -> Any:
+    if family == "gemma4":  # experts beside the MLP, GELU-tanh gates: K > 1 heads per neuron
+        from test_gemma4_moe import _models
+
+        return _models(dtype)[1]
     return moe_bridge("mixtral", dtype) if family == "mixtral" else llama4(dtype)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
-@pytest.mark.parametrize("family", ["mixtral", "llama4"])
+@pytest.mark.parametrize("family", ["mixtral", "llama4", "gemma4"])
 def test_batched_experts_equal_the_per_expert_path_bitwise(family: str, dtype: torch.dtype, threads: int) -> None:
     aot = lens_aot.convert(_source(family, dtype))
     tokens = torch.randint(1, 97, (2, 23), generator=torch.Generator().manual_seed(5))  # odd row counts
@@ -73,6 +77,8 @@ def test_batched_experts_equal_the_per_expert_path_bitwise(family: str, dtype: t
         torch.set_num_threads(previous)
     assert torch.equal(together, alone) and torch.equal(together, observed)
     assert any("experts.0.hook_post" in k for k in cache.keys())
+    gates = [e.gate_heads for m in moes for e in m.experts]
+    assert family != "gemma4" or min(g.heads_per_neuron for g in gates) > 1  # the K > 1 pass (pre repeated, mv)
 
 
 def test_an_expert_with_a_hook_keeps_its_own_forward() -> None:
