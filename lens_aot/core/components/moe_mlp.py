@@ -197,7 +197,7 @@ class MoEMLP(nn.Module):
             for hook in self._routed_hooks[e]:
                 hook.routed = not dense
         if not any(plan) and chunked(flat):  # every expert on its rows: the heads batched where unobserved
-            return self.routed_batched(rows, out, *self.token_groups(indices, weights), shared_out)
+            return self.routed_batched((flat, rows), (out, out_rows), *self.token_groups(indices, weights), shared_out)
         for e, expert in enumerate(self.experts):
             dense = plan[e]
             if dense:
@@ -216,8 +216,8 @@ class MoEMLP(nn.Module):
 
     def routed_batched(
         self,
-        rows: Float[Tensor, "1 tokens d_model"],
-        out: Float[Tensor, "tokens d_model"],
+        inputs: tuple[Float[Tensor, "tokens d_model"], Float[Tensor, "1 tokens d_model"]],
+        outputs: tuple[Float[Tensor, "tokens d_model"], Float[Tensor, "1 tokens d_model"]],
         tokens: tuple[Int[Tensor, " routed"], ...],
         weights: tuple[Float[Tensor, "routed 1"], ...],
         shared_out: list[Tensor] | None = None,
@@ -226,24 +226,22 @@ class MoEMLP(nn.Module):
         :func:`~lens_aot.core.components.expert_batch.expert_outputs` (the unobserved experts' neuron heads in one
         chunked pass per head kind, bitwise each expert's own values), summed by ``index_add_`` in expert order as
         :meth:`routed` does."""
+        (flat, rows), (out, out_rows) = inputs, outputs  # the tokens' rows and the sum, flat and as [1, tokens, ..]
         run = [e for e in range(self.n_experts) if tokens[e].numel() or self.hook_names == TL_MOE]
         experts, counts = [self.experts[e] for e in run], [tokens[e].numel() for e in run]
         if shared_out is not None:  # the shared expert (last, as it runs after them) on every token
             experts, counts = [*experts, self.shared_expert], [*counts, out.shape[0]]
         together = expert_batch.admitted(experts, counts, rows)
         batched = [i for i, ok in enumerate(together) if ok]
-        inputs = [
-            rows[0] if i == len(run) else self.expert_input(rows[0].index_select(0, tokens[run[i]]), weights[run[i]])
-            for i in batched
-        ]
-        outputs = dict(zip(batched, expert_batch.expert_outputs([experts[i] for i in batched], inputs), strict=True))
-        if shared_out is not None and len(run) in outputs:
-            shared_out.append(outputs[len(run)])
-        out_rows = out[None]
+        xs = [flat if i == len(run) else self.expert_input(flat.index_select(0, tokens[run[i]]), weights[run[i]])
+              for i in batched]  # fmt: skip
+        ys = dict(zip(batched, expert_batch.expert_outputs([experts[i] for i in batched], xs), strict=True))
+        if shared_out is not None and len(run) in ys:
+            shared_out.append(ys[len(run)])
         for i, e in enumerate(run):
             expert, token, weight = self.experts[e], tokens[e], weights[e]
-            if i in outputs:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
-                out.index_add_(0, token, self.expert_output(expert, outputs[i], weight))
+            if i in ys:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
+                out.index_add_(0, token, self.expert_output(expert, ys[i], weight))
             else:
                 out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         return out
