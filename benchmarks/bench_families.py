@@ -10,14 +10,18 @@ experts top-2, 64 wide. Random weights, float32, CPU, eager attention in the sou
 model in its default (dense) attention. Families the conversion refuses get their refusal as their row.
 
 * **forward**: median of ``--repeats`` forwards of 1 × ``--tokens`` tokens after one warm-up, ``--threads`` CPU
-  threads (default 1), source (the TransformerBridge) and converted model alternating.
+  threads (default 1), source (the TransformerBridge) and converted model alternating. With ``--isolated R``, each
+  model is timed in its own fresh process instead (R rounds, source and converted processes alternating; each
+  process builds the source and converts it, then times only its model; the row gives the median over rounds):
+  on CPU one model's forward leaves the C allocator in a state that speeds or slows the other's by up to ~25%
+  (glibc's mmap threshold and heap trimming), so the alternating ratio measures the pair, not each model alone.
 * **ops**: ATen operations dispatched by one forward (:func:`lens_aot.core.opcount.count_ops`), converted / source.
 * **convert peak**: extra peak resident memory of ``lens_aot.convert`` (its agreement check included) in a fresh
   process, over what the process held with the source built and run once (Linux ``VmHWM``, reset through
   ``/proc/self/clear_refs``), as a multiple of the source's parameter bytes. ``--no-memory`` skips it.
 
     python benchmarks/bench_families.py [--families GPT2LMHeadModel LlamaForCausalLM ...] [--threads 1]
-        [--repeats 5] [--tokens 256] [--layers 4] [--hidden 256] [--no-memory]
+        [--repeats 5] [--tokens 256] [--layers 4] [--hidden 256] [--no-memory] [--isolated ROUNDS]
 """
 
 from __future__ import annotations
@@ -140,6 +144,30 @@ def convert_peak(name: str, args: argparse.Namespace) -> float:
     return result["extra"] / result["params"]
 
 
+def time_child(name: str, which: str, args: argparse.Namespace) -> None:
+    """In a fresh process: build the source, convert it, then print the median forward time of ``which`` only
+    (``source`` or ``converted``), as JSON."""
+    source = build(name, shape(args.layers, args.hidden))
+    aot = lens_aot.convert(source).eval()
+    model = source if which == "source" else aot
+    tokens = torch.randint(0, 2000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (seconds,) = median_times([lambda: model(tokens)], args.repeats)
+    print(json.dumps({"seconds": seconds}))
+
+
+def isolated_times(name: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Median forward times (source, converted) over ``--isolated`` rounds of fresh processes, alternating."""
+    command = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden)]
+    command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    times: dict[str, list[float]] = {"source": [], "converted": []}
+    for _ in range(args.isolated):
+        for which in times:
+            out = subprocess.run([*command, "--time-child", name, which], capture_output=True, text=True, check=True)
+            times[which].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+    return statistics.median(times["source"]), statistics.median(times["converted"])
+
+
 def row(name: str, args: argparse.Namespace) -> str:
     """One markdown row: the family's figures, or its refusal."""
     values = shape(args.layers, args.hidden)
@@ -153,7 +181,11 @@ def row(name: str, args: argparse.Namespace) -> str:
         return f"| {name} | refused: {str(error).splitlines()[0][:120]} | | | | |"
     tokens = torch.randint(0, 2000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        source_s, aot_s = median_times([lambda: source(tokens), lambda: aot(tokens)], args.repeats)
+        source(tokens), aot(tokens)  # warm-up: first-call work (rotary rows, workspaces) is not counted below
+        if args.isolated:
+            source_s, aot_s = isolated_times(name, args)
+        else:
+            source_s, aot_s = median_times([lambda: source(tokens), lambda: aot(tokens)], args.repeats)
         ops = count_ops(lambda: aot(tokens)).total / count_ops(lambda: source(tokens)).total
     memory = "" if args.no_memory else f"{convert_peak(name, args):.2f}×"
     return (
@@ -170,16 +202,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--isolated", type=int, default=0, metavar="ROUNDS", help="time each model in its own process")
     parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--time-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.time_child:
+        time_child(*args.time_child, args)
+        return
     if args.peak_child:
         peak_child(args.peak_child, shape(args.layers, args.hidden))
         return
     names = args.families or [f.name for f in fam.families(bridge_architectures()) if f.in_scope]
     print(
         f"TransformerBridge sources, float32, CPU, {torch.get_num_threads()} thread(s), 1 × {args.tokens} tokens, "
-        f"{args.layers} layers, hidden {args.hidden}; targets: forward ≤ {TARGETS['forward']}×, ops ≤ "
+        f"{args.layers} layers, hidden {args.hidden}"
+        + (f", each model timed in its own process ({args.isolated} rounds)" if args.isolated else "")
+        + f"; targets: forward ≤ {TARGETS['forward']}×, ops ≤ "
         f"{TARGETS['ops']}×, convert peak ≤ {TARGETS['memory']}× the parameter bytes\n"
     )
     print("| family | source forward | converted forward | ratio | ops ratio | convert peak / params |")
