@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.head_chunks import chunk_rows, chunked
@@ -31,15 +30,11 @@ from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.product_attention import ProductAttention
 from lens_aot.core.components.workspace import scratch, unobserved
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-_GLOBAL_HOOKS += ("_global_backward_pre_hooks",)
-
 
 def unseen(expert: nn.Module) -> bool:
     """Whether nothing can observe ``expert``'s computation: no hook or pre-hook (forward or backward) on it or any of
-    its submodules, no wrapped ``forward`` (nnsight), no hook on its hook points and no global module hook."""
-    if any(len(getattr(_module, name, ())) for name in _GLOBAL_HOOKS):
-        return False
+    its submodules, no wrapped ``forward`` (nnsight), no hook on its hook points and no global module hook (the last
+    two: :func:`~lens_aot.core.components.workspace.unobserved`)."""
     for m in expert.modules():
         hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, getattr(m, "_backward_pre_hooks", {}))
         if any(len(h) for h in hooks) or "forward" in m.__dict__:
@@ -84,12 +79,8 @@ def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_mode
     ``mm`` that ``[1, rows, d] @ W`` folds to)."""
     if not experts:
         return []
-    pres, us = [], []
-    for expert, x in zip(experts, xs, strict=True):  # NeuronMLP._gated_post's inputs, by the same calls
-        gate = expert.gate_heads
-        pre = expert._modules[expert.gate_hook_name](x @ gate.W_in + gate.b_in)
-        us.append(expert._product_input(expert._modules[expert.linear_hook_name](expert._linear_branch(x, pre))))
-        pres.append(expert._gate_input(pre))
+    inputs = [expert._gated_inputs(x) for expert, x in zip(experts, xs, strict=True)]  # NeuronMLP._gated_post's
+    pres, us = [pre for pre, _ in inputs], [u for _, u in inputs]
     h_all = _gate_pass([e.gate_heads for e in experts], pres)
     hs = h_all.split([p.shape[0] for p in pres])
     for expert, u, h in zip(experts, us, hs, strict=True):
@@ -97,11 +88,8 @@ def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_mode
         expert.product_heads.check_range(u, h)
     _product_pass([e.product_heads for e in experts], us, h_all)
     outs = []
-    for expert, u, h in zip(experts, us, hs, strict=True):
-        product = expert.product_heads
-        post = product.product(u, h)
-        post = post if product.b_post is None else post + product.b_post
-        outs.append(expert.hook_post(post) @ expert.W_out + expert.b_out)  # NeuronMLP.forward's, no result change
+    for expert, u, h in zip(experts, us, hs, strict=True):  # NeuronMLP.forward's, no result change
+        outs.append(expert.hook_post(expert._standard_post(u, h)) @ expert.W_out + expert.b_out)
     return outs
 
 

@@ -144,9 +144,7 @@ class NeuronMLP(nn.Module):
         """``post`` and the product heads' ``hook_z`` (None on the fused path); ``pre``: the gate's pre-activation,
         already through ``hook_pre`` (xIELU's heads share it)."""
         gate, product = self.gate_heads, self.product_heads
-        pre = self._modules[self.gate_hook_name](x @ gate.W_in + gate.b_in) if pre is None else pre
-        u = self._product_input(self._modules[self.linear_hook_name](self._linear_branch(x, pre)))
-        pre = self._gate_input(pre)
+        pre, u = self._gated_inputs(x, pre)
         if self._fused(gate):
             h = gate.activation(pre)
         else:
@@ -159,9 +157,27 @@ class NeuronMLP(nn.Module):
         if standard:
             # fused, or nothing written on the way (z is the standard z, its change 0): the closed form, without
             # recomputing q, k, v and z to compare them with (the same value)
-            post = product.product(u, h)
-            return (post if product.b_post is None else post + product.b_post), z
+            return self._standard_post(u, h), z
         return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
+
+    def _gated_inputs(
+        self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None
+    ) -> tuple[Float[Tensor, "batch pos d_mlp"], Float[Tensor, "batch pos d_mlp"]]:
+        """What the gate heads read (the gate's pre-activation through its hook, then :meth:`_gate_input`) and the
+        product heads' linear factor ``u`` (through its hook, then :meth:`_product_input`); ``pre``: the gate's
+        pre-activation already through its hook (xIELU's heads share it)."""
+        gate = self.gate_heads
+        pre = self._modules[self.gate_hook_name](x @ gate.W_in + gate.b_in) if pre is None else pre
+        u = self._product_input(self._modules[self.linear_hook_name](self._linear_branch(x, pre)))
+        return self._gate_input(pre), u
+
+    def _standard_post(
+        self, u: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos d_mlp"]:
+        """``post`` of the standard product heads in closed form, ``u·h`` (``+ b_post`` where it has one)."""
+        product = self.product_heads
+        post = product.product(u, h)
+        return post if product.b_post is None else post + product.b_post
 
     def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
         """``u = x·W_in + b_in``, the product heads' input (``pre``: the gate's pre-activation, already computed)."""
