@@ -136,11 +136,15 @@ def peak_child(name: str, values: dict[str, Any]) -> None:
     print(json.dumps({"params": params, "extra": _status("VmHWM") - base}))
 
 
+def child(*arguments: str) -> dict[str, Any]:
+    """Run this script in a fresh process with ``arguments`` and return the JSON its last output line holds."""
+    out = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def convert_peak(name: str, args: argparse.Namespace) -> float:
     """``convert``'s extra peak resident memory over the source's parameter bytes, measured in a fresh process."""
-    command = [sys.executable, __file__, "--peak-child", name, "--layers", str(args.layers)]
-    out = subprocess.run([*command, "--hidden", str(args.hidden)], capture_output=True, text=True, check=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = child("--peak-child", name, "--layers", str(args.layers), "--hidden", str(args.hidden))
     return result["extra"] / result["params"]
 
 
@@ -158,13 +162,12 @@ def time_child(name: str, which: str, args: argparse.Namespace) -> None:
 
 def isolated_times(name: str, args: argparse.Namespace) -> tuple[float, float]:
     """Median forward times (source, converted) over ``--isolated`` rounds of fresh processes, alternating."""
-    command = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden)]
-    command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    shape_args = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--tokens", str(args.tokens)]
+    shape_args += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
     times: dict[str, list[float]] = {"source": [], "converted": []}
     for _ in range(args.isolated):
         for which in times:
-            out = subprocess.run([*command, "--time-child", name, which], capture_output=True, text=True, check=True)
-            times[which].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+            times[which].append(child(*shape_args, "--time-child", name, which)["seconds"])
     return statistics.median(times["source"]), statistics.median(times["converted"])
 
 
