@@ -5,14 +5,16 @@ Each routed expert of a :class:`~lens_aot.core.components.moe_mlp.MoEMLP` is a g
 Theorem 3 per neuron), each run on the expert's own routed rows. While nothing observes an expert (no hook, pre-hook or
 wrapped ``forward`` anywhere in it, no global module hook, no gradient, no ``use_attn_result``, not fused) and its
 heads would take the chunked path (:meth:`~lens_aot.core.components.neuron_attention.SelfAndSlotHeads._packable`),
-:func:`expert_outputs` runs every such expert's gate heads in one loop and their product heads in another, with the
-per-call constants laid out once for all experts (one ``stack`` of every expert's fit terms, one output buffer, one
-``split``) instead of once per head module: the same operations per chunk, fewer per expert.
+:func:`expert_outputs` runs every such expert's gate heads in one loop, with the per-call constants laid out once for
+all experts (one ``stack`` of every expert's fit terms, one output buffer, one ``split``) instead of once per head
+module: the same operations per chunk, fewer per expert. The product heads' output is the closed form ``u·h``, as on
+their own unobserved path (:meth:`~lens_aot.core.components.product_attention.ProductAttention.attend`): nothing can
+see their per-head tensors, so they are not computed.
 
 **Bitwise the same values.** The row chunks are each expert's own
 (:func:`~lens_aot.core.components.head_chunks.chunk_rows` of its row count, never crossing an expert's boundary), and
 each chunk is computed by the same kernels on tensors of the same shape, strides and constants (each expert's own fit
-terms and scales) as that expert's own call, so every element is computed exactly as before
+terms) as that expert's own call, so every element is computed exactly as before
 (:mod:`~lens_aot.core.components.head_chunks` explains why the partition matters). The expert's weights, hooks (run,
 unhooked, in the expert's own order) and ``W_out`` product are its own; the caller sums in expert order as before.
 """
@@ -27,7 +29,6 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.head_chunks import chunk_rows, chunked
 from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.neuron_mlp import NeuronMLP
-from lens_aot.core.components.product_attention import ProductAttention
 from lens_aot.core.components.workspace import scratch, unobserved
 
 
@@ -75,7 +76,7 @@ def admitted(experts: list[nn.Module], rows: list[int], like: Tensor) -> list[bo
 def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_model"]]) -> list[Tensor]:
     """``expert(x)`` ([rows, d_model]) for each expert that :func:`admitted` admits and its routed rows, bitwise as the
     expert's own forward on ``x[None]``: :meth:`NeuronMLP.forward`, with the gate heads of every expert in one chunked
-    pass and their product heads in another. The matrix products run on the [rows, d] inputs themselves (the same
+    pass and the product heads' closed form. The matrix products run on the [rows, d] inputs themselves (the same
     ``mm`` that ``[1, rows, d] @ W`` folds to)."""
     if not experts:
         return []
@@ -86,7 +87,6 @@ def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_mode
     for expert, u, h in zip(experts, us, hs, strict=True):
         expert.product_heads.hook_gate(h)  # unhooked: the same tensor (an unseen expert)
         expert.product_heads.check_range(u, h)
-    _product_pass([e.product_heads for e in experts], us, h_all)
     outs = []
     for expert, u, h in zip(experts, us, hs, strict=True):  # NeuronMLP.forward's, no result change
         outs.append(expert.hook_post(expert._standard_post(u, h)) @ expert.W_out + expert.b_out)
@@ -138,37 +138,3 @@ def _gate_pass(gates: list[NeuronAttention], pres: list[Tensor]) -> Float[Tensor
                 torch.mv(terms_view, ones, out=outs[chunk])
             chunk += 1
     return out[0]
-
-
-def _product_pass(products: list[ProductAttention], us: list[Tensor], h_all: Float[Tensor, "rows d_mlp"]) -> None:
-    """The product heads' ``z = σ(q)·v`` (``q = ±ε·u``, ``v = h``: :meth:`ProductAttention.queries` / ``values``) of
-    every expert, over the row chunks of :func:`chunk_rows` of all experts' rows together (a chunk that spans two
-    experts split at the boundary, each part with its expert's scales). As in :meth:`ProductAttention.attend`'s chunked
-    path, ``z`` is not kept (the standard ``z``'s ``post`` is the closed form), so its chunks need not be each expert's
-    own: no value the forward returns depends on them. Per chunk: ``q`` as one product of ``u`` with the signed scales
-    ``(ε, −ε)`` per neuron (``−(ε·u) = (−ε)·u`` exactly), ``v`` as one broadcast copy of ``h``, and one ``glu``."""
-    d = products[0].d_mlp
-    n_heads = 2 * d
-    rows = [u.shape[0] for u in us]  # h_all: every expert's h, stacked in this order (_gate_pass's buffer)
-    step = chunk_rows(sum(rows), n_heads)
-    scales = torch.stack([p.scales for p in products])
-    signed = torch.stack((scales, -scales), dim=-1).unbind(0)  # per expert [d_mlp, 2]: head 2n is +ε_n, 2n+1 is −ε_n
-    views: dict[int, tuple[Tensor, ...]] = {}
-    pieces, start = [], 0  # per expert, its rows cut at the chunks' boundaries
-    for r in rows:
-        cuts = sorted({0, r} | {c - start for c in range(0, start + r, step) if c > start})
-        pieces.append([b - a for a, b in zip(cuts, cuts[1:], strict=False)])
-        start += r
-    h_pieces = iter(h_all.unsqueeze(-1).split([n for p in pieces for n in p]))  # each expert's pieces, in order
-    for u, sizes, sign in zip(us, pieces, signed, strict=True):
-        for u_rows in u.unsqueeze(-1).split(sizes):
-            h_rows = next(h_pieces)
-            n = u_rows.shape[0]
-            if n not in views:
-                qv = scratch("neuron_heads.qv", (2, n, n_heads), u)
-                z = scratch("neuron_heads.z_rows", (1, n, n_heads), u)
-                views[n] = (qv, z, *qv.view(2, n, d, 2).unbind(0))
-            qv, z, v_out, q_out = views[n]
-            torch.mul(u_rows, sign, out=q_out)
-            v_out.copy_(h_rows)
-            torch.ops.aten.glu.out(qv, 0, out=z)

@@ -28,7 +28,6 @@ Hooks: ``hook_gate`` [batch, pos, d_mlp] (``h``, read from scratch), ``hook_q``/
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import einops
@@ -44,19 +43,13 @@ from lens_aot.core.spec import MLPSpec
 from lens_aot.errors import InputRangeError
 
 
-def interleave(plus: Tensor, minus: Tensor, *trailing: int, out: Tensor | None = None) -> Tensor:
+def interleave(plus: Tensor, minus: Tensor, *trailing: int) -> Tensor:
     """``[..., n]`` twice -> ``[..., 2n, *trailing]`` (``trailing``: size-1 dimensions to append, in the same view)
     with ``plus`` at the even heads and ``minus`` at the odd ones (heads ``2n`` / ``2n + 1`` of neuron ``n``): the
     same values as ``torch.stack((plus, minus), -1).flatten(-2)``. For float32 / float64 on CPU and CUDA it is written
     as the real view of a complex tensor, one contiguous pass (a stack over a last dimension of 2 is a strided copy,
-    several times slower on CPU: it was the product heads' largest cost). ``out``: a contiguous ``[..., 2n]`` tensor
-    written (and returned) instead of a new one (``trailing`` unused then)."""
+    several times slower on CPU: it was the product heads' largest cost)."""
     fast = plus.dtype in (torch.float32, torch.float64) and plus.device.type in ("cpu", "cuda")
-    if out is not None:
-        if fast:
-            torch.complex(plus, minus, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
-            return out
-        return out.copy_(torch.stack((plus, minus), dim=-1).flatten(-2))
     shape = (*plus.shape[:-1], 2 * plus.shape[-1], *trailing)
     if fast:
         return torch.view_as_real(torch.complex(plus, minus)).reshape(shape)
@@ -153,29 +146,6 @@ class ProductAttention(SelfAndSlotHeads):
     def values(self, h: Float[Tensor, "... pos d_mlp"]) -> Float[Tensor, "... pos n_heads 1"]:
         """``v = h`` for both heads of a neuron (``hook_v``)."""
         return interleave(h, h, 1)
-
-    def write_queries(self, u: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
-        scaled = u * self.scales
-        interleave(scaled, -scaled, out=out)
-
-    def write_values(self, h: Float[Tensor, "... pos d_mlp"], out: Float[Tensor, "... pos n_heads"]) -> None:
-        interleave(h, h, out=out)
-
-    def packed_writer(self, u2: Tensor, h2: Tensor, step: int) -> Callable[[int, Tensor], None]:
-        """Chunk ``i`` of :meth:`values` and :meth:`queries` into ``qv`` [2, n, n_heads] by the same operations
-        (:func:`interleave`'s complex view of each half taken once per chunk length)."""
-        u_rows, h_rows, views = u2.split(step), h2.split(step), {}
-
-        def write(i: int, qv: Float[Tensor, "2 n n_heads"]) -> None:
-            n = qv.shape[1]
-            if n not in views:
-                views[n] = torch.view_as_complex(qv.unflatten(-1, (-1, 2))).unbind(0)
-            v_out, q_out = views[n]
-            scaled = u_rows[i] * self.scales
-            torch.complex(scaled, -scaled, out=q_out)
-            torch.complex(h_rows[i], h_rows[i], out=v_out)
-
-        return write
 
     def neuron_output(
         self,
@@ -276,10 +246,9 @@ class ProductAttention(SelfAndSlotHeads):
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
         it is the standard ``z`` (nothing written on the way: :meth:`neuron_output`'s correction is then 0). While
-        nothing observes the heads (:meth:`_packable`) they are computed in row chunks (bitwise the same values) and
-        ``z`` is None: it was never held whole, and the standard ``z``'s ``post`` is the closed form."""
+        nothing observes the heads (:meth:`_packable`) ``z`` is None and not computed: nothing can see it, and the
+        standard ``z``'s ``post`` is the closed form."""
         if self._packable(u, h):
-            self._attend_chunked(u, h, None)
             return None, True
         return self._attend(u, h)
 
