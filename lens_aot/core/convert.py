@@ -20,9 +20,11 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
+from lens_aot.core.source_keys import attach as attach_source_keys
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
+from lens_aot.tl import is_bridge
 from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
 from lens_aot.tl.hooks import attached_hooks
 
@@ -445,6 +447,8 @@ def convert(
         # copy of the weights during conversion). A spec passed in by the caller is copied.
         with adopting(_tensors(model)) if spec is not model_spec else nullcontext():
             aot = AttentionOnlyTransformer(spec, fits, ple_fits)
+        if is_bridge(model):  # the source bridge's state_dict keys too (issue 23)
+            attach_source_keys(aot, model)
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
     aot.train(False)

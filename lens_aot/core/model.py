@@ -489,6 +489,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             extra["source_config"] = dict(self.cfg.source_config)
         if self.compatibility_mode:
             extra["compatibility_mode"] = True
+        unread = getattr(self.pos_embed, "W_pos_unread", None) if hasattr(self, "pos_embed") else None  # OPT's rows
         return ModelSpec(
             d_model=self.cfg.d_model,
             n_ctx=self.cfg.n_ctx,
@@ -502,6 +503,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             b_U=exported(self.unembed.b_U),
             positions=self.cfg.positional_embedding_type,  # type: ignore[arg-type]
             W_pos=None if self.W_pos is None else exported(self.W_pos),
+            W_pos_unread=None if unread is None else exported(unread),
             rotary=rotary,
             tokenizer=self.tokenizer,
             default_prepend_bos=self.cfg.default_prepend_bos,

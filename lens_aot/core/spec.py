@@ -257,6 +257,9 @@ class ModelSpec:
     # ModernBERT-decoder: ``unembed(head(ln_final(resid)))``, a dense MLP (lens_aot.core.spec_prediction_head).
     prediction_head: PredictionHeadSpec | None = None
     per_layer_inputs: PerLayerInputsSpec | None = None  # Gemma 4: computed from the tokens (spec_per_layer)
+    # The rows of the source's position table before its offset, which no forward reads (OPT looks positions up at
+    # position + 2): kept unread, so that the source's state_dict key holds its whole table (core/source_keys.py).
+    W_pos_unread: Float[Tensor, "offset d_model"] | None = None
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the

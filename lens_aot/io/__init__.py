@@ -38,6 +38,9 @@ from typing import Any
 import torch
 
 from lens_aot.core.components.ownership import adopting, sharing
+from lens_aot.core.source_keys import encode as encode_source_keys
+from lens_aot.core.source_keys import own_keys
+from lens_aot.core.source_keys import restore as restore_source_keys
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.files import (
     CONFIG_FILE,
@@ -147,7 +150,9 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     # rebuilt modules take the model's own parameters over (no weight is copied): only their buffers are new.
     with adopting():
         rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits), per_layer or None)
-    ours, theirs = aot.state_dict(), rebuilt.state_dict()
+    with own_keys(aot):  # a bridge source's keys are computed from these (core/source_keys.py), not stored
+        ours = aot.state_dict()
+    theirs = rebuilt.state_dict()
     if set(ours) != set(theirs):
         raise UnsupportedArchitectureError(
             f"this model cannot be saved faithfully: rebuilding it from its spec gives different state entries "
@@ -159,6 +164,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     for key in overrides:
         encoder.tensors[f"state.{key}"] = ours[key]
     config["state_overrides"] = overrides
+    config["source_keys"] = encode_source_keys(aot)
     config["metadata"] = meta_json
 
     path.mkdir(parents=True, exist_ok=True)
@@ -223,6 +229,7 @@ def load(
         ) from e
 
     state = model.state_dict(keep_vars=True)
+    restore_source_keys(model, config.get("source_keys", []))
     overrides = config.get("state_overrides", [])
     with torch.no_grad():
         for key in overrides:

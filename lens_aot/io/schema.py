@@ -109,7 +109,7 @@ _ATTENTION_VARIANTS = (
     "kv_from",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar", "per_layer")
-_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head", "per_layer_inputs")
+_SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head", "per_layer_inputs", "W_pos_unread")
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
 _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
@@ -234,6 +234,8 @@ class Encoder:
         out["extra"] = _json_only(dict(spec.extra), f"{key}.extra")
         out["W_E"] = self.tensor(spec.W_E, f"{key}.W_E")
         out["W_pos"] = self.tensor(spec.W_pos, f"{key}.W_pos")
+        if spec.W_pos_unread is not None:  # written only when there are some (OPT)
+            out["W_pos_unread"] = self.tensor(spec.W_pos_unread, f"{key}.W_pos_unread")
         out["W_U"] = self.tensor(spec.W_U, f"{key}.W_U")
         out["b_U"] = self.tensor(spec.b_U, f"{key}.b_U")
         out["ln_final"] = self.norm(spec.ln_final, f"{key}.ln_final")
@@ -480,6 +482,7 @@ class Decoder:
             **{name: str(f[name]) for name in _SPEC_NAMES},
             W_E=self.required_tensor(f["W_E"], f"{path}.W_E"),
             W_pos=self.tensor(f["W_pos"], f"{path}.W_pos"),
+            W_pos_unread=self.tensor(f.get("W_pos_unread"), f"{path}.W_pos_unread"),
             W_U=self.required_tensor(f["W_U"], f"{path}.W_U"),
             b_U=self.required_tensor(f["b_U"], f"{path}.b_U"),
             ln_final=ln_final,

@@ -25,7 +25,7 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.tl.bridge_components import _component, _copy
+from lens_aot.tl.bridge_components import _component, _copy, _original
 from lens_aot.tl.bridge_probe import Call, refuse_piece
 
 __all__ = [
@@ -94,6 +94,17 @@ def position_table(module: nn.Module, n_ctx: int) -> Float[Tensor, "n_ctx d_mode
     if table.shape[0] < offset + n_ctx:
         raise refuse_piece(None, "pos_embed", f"a position table of {table.shape[0] - offset} rows for n_ctx={n_ctx}")
     return _copy(table[offset : offset + n_ctx])
+
+
+def unread_position_rows(bridge: Any) -> Float[Tensor, "offset d_model"] | None:
+    """The rows before the offset of a position table looked up at ``position + offset`` (OPT's 2), which no forward
+    reads, or None."""
+    component = _component(bridge, "pos_embed")
+    module = None if component is None else _original(component)
+    offset = getattr(module, "offset", None)
+    if not isinstance(module, nn.Embedding) or not isinstance(offset, int) or offset <= 0:
+        return None
+    return _copy(module.weight[:offset])
 
 
 def check_embedding_projection(hf_config: Any) -> None:

@@ -67,6 +67,7 @@ from lens_aot.tl.bridge_layout import (
     merge_containerless,
     position_table,
     unmapped_position_table,
+    unread_position_rows,
 )
 from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
@@ -511,10 +512,9 @@ def read_bridge(bridge: Any) -> ModelSpec:
         b_U=b_U,
         positions=info["positions"],
         W_pos=W_pos,
+        W_pos_unread=None if W_pos is None else unread_position_rows(bridge),
         rotary=info["rotary"],
-        embed_ln=named_norm(None, "embed_ln", embed_ln, dtype)
-        if (embed_ln := _component(bridge, "embed_ln")) is not None
-        else None,
+        embed_ln=optional_norm(None, "embed_ln", bridge, dtype),
         logits_soft_cap=None if info.get("logits_soft_cap") is None else float(info["logits_soft_cap"]),
         logits_scale=None if native else logit_multiplier(hf_config, calls, info.get("logits_soft_cap")),
         prediction_head=prediction_head,

@@ -49,8 +49,9 @@ def named_norm(layer: int | None, piece: str, norm_bridge: Any, dtype: Any) -> N
         raise type(error)(f"{where}: {error}") from error
 
 
-def optional_norm(layer: int, piece: str, block: Any, dtype: Any) -> NormSpec | None:
-    """The block's norm ``piece`` (``ln1_post`` / ``ln2_post``) read by :func:`named_norm`, or None without one."""
+def optional_norm(layer: int | None, piece: str, block: Any, dtype: Any) -> NormSpec | None:
+    """The block's norm ``piece`` (``ln1_post`` / ``ln2_post``; ``layer`` None: the model's, e.g. ``embed_ln``) read
+    by :func:`named_norm`, or None without one."""
     component = getattr(block, "_modules", {}).get(piece)
     return None if component is None else named_norm(layer, piece, component, dtype)
 

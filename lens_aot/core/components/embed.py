@@ -49,11 +49,16 @@ class Embed(nn.Module):
 class PosEmbed(nn.Module):
     """Learned absolute positions, as TransformerLens's ``PosEmbed``: ``W_pos[offset : offset + pos]`` for every
     sequence, or with an ``attention_mask`` each sequence's own positions counted from its first token (left pads
-    get a zero embedding)."""
+    get a zero embedding). ``unread``: rows of the source's table before its offset, kept as the buffer
+    ``W_pos_unread`` and never read (OPT's 2)."""
 
-    def __init__(self, W_pos: Float[Tensor, "n_ctx d_model"]) -> None:
+    def __init__(
+        self, W_pos: Float[Tensor, "n_ctx d_model"], unread: Float[Tensor, "offset d_model"] | None = None
+    ) -> None:
         super().__init__()
         self.W_pos = parameter(W_pos)
+        if unread is not None:
+            self.register_buffer("W_pos_unread", unread.detach().clone())
 
     def forward(
         self,

@@ -168,7 +168,7 @@ class SpecTransformer(HookedRootModule):
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if spec.positions == "standard":
             assert spec.W_pos is not None
-            self.pos_embed = PosEmbed(spec.W_pos)
+            self.pos_embed = PosEmbed(spec.W_pos, spec.W_pos_unread)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = make_norm(spec.ln_final)
