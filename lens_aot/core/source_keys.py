@@ -373,7 +373,7 @@ def register(aot: nn.Module) -> None:
     """The hooks that read ``aot.source_keys`` (once per model)."""
     if getattr(aot, "_source_key_hooks", False):
         return
-    aot._register_state_dict_hook(_state_dict_post_hook)
+    aot.register_state_dict_post_hook(_state_dict_post_hook)
     aot.register_load_state_dict_pre_hook(_load_pre_hook)
     aot.register_load_state_dict_post_hook(_load_post_hook)
     aot._source_key_hooks = True
