@@ -70,6 +70,8 @@ OFFSETS: dict[str, Layout] = {
     "offset_f32": (lambda x: x - 1, lambda s, shape: (s.float() + 1).to(s.dtype)),
 }
 
+_EVERY_LAYOUT = {**LAYOUTS, **OFFSETS}
+
 
 @dataclass(frozen=True)
 class SourceKey:
@@ -86,7 +88,7 @@ class SourceKey:
 
     def layout(self, i: int) -> Layout:
         """The ``i``-th converted tensor's layout: (to the source's, back)."""
-        return OFFSETS[self.layouts[i]] if self.layouts[i] in OFFSETS else LAYOUTS[self.layouts[i]]
+        return _EVERY_LAYOUT[self.layouts[i]]
 
     def value(self, tensors: dict[str, Tensor]) -> Tensor:
         """The source's tensor, from the converted model's ``tensors`` (by our keys)."""
@@ -159,8 +161,8 @@ def _layouts(x: Tensor, shape: torch.Size) -> Iterator[str]:
 
 def _holds(x: Tensor, s: Tensor, layout: str) -> bool:
     """Whether ``x`` in ``layout`` is exactly ``s``, compared in ``x``'s layout: ``s`` taken back is a view of it
-    (every layout's way back only splits and permutes dimensions), so nothing is copied."""
-    view = LAYOUTS[layout][1](s, x.shape)
+    for :data:`LAYOUTS` (their way back only splits and permutes dimensions), so nothing is copied."""
+    view = _EVERY_LAYOUT[layout][1](s, x.shape)
     return torch.equal(view[:1], x[:1]) and torch.equal(view, x)  # the first row first: most candidates differ there
 
 
@@ -196,9 +198,9 @@ def _offset(key: str, s: Tensor, candidates: dict[str, Tensor]) -> SourceKey | N
         return None
     hits = [
         (name, layout)
-        for layout, (_, back) in OFFSETS.items()
+        for layout in OFFSETS
         for name, x in candidates.items()
-        if x.shape == s.shape and torch.equal(back(s, x.shape), x)
+        if x.shape == s.shape and _holds(x, s, layout)
     ]
     if not hits:
         return None
@@ -279,13 +281,15 @@ def _with_copies(found: list[SourceKey], source_state: dict[str, Tensor], ours: 
     for entry in found:
         if len(entry.ours) == 1 and entry.layouts[0] in LAYOUTS:
             name, s = entry.ours[0], source_state[entry.key]
+            parent = _module(_module(name))  # sibling modules only (ln1 / ln2, embed / unembed)
             also = []
             for other, x in ours.items():
-                if other in claimed or x.numel() != s.numel() or x.dtype != s.dtype:
-                    continue
-                if _module(_module(other)) != _module(
-                    _module(name)
-                ):  # sibling modules only (ln1 / ln2, embed / unembed)
+                if (
+                    other in claimed
+                    or x.numel() != s.numel()
+                    or x.dtype != s.dtype
+                    or _module(_module(other)) != parent
+                ):
                     continue
                 hit = _copy_of(name, other, x.detach(), s)
                 if hit is not None:
@@ -319,11 +323,13 @@ def _load_pre_hook(
     """``load_state_dict()``: a source key becomes the converted tensors it holds; given with them, it must agree."""
     if prefix:
         return
-    shapes = {name: t.shape for name, t in module.named_parameters(remove_duplicate=False)}
-    shapes.update((name, t.shape) for name, t in module.named_buffers(remove_duplicate=False))
     entries = getattr(module, "source_keys", ())
     given = [entry for entry in entries if entry.key in state]
     module._complete_source_state = bool(entries) and len(given) == len(entries)
+    if not given:  # the converted model's own keys: nothing to translate
+        return
+    shapes = {name: t.shape for name, t in module.named_parameters(remove_duplicate=False)}
+    shapes.update((name, t.shape) for name, t in module.named_buffers(remove_duplicate=False))
     for entry in given:
         value = state.pop(entry.key)
         if all(name in state for name in entry.ours):

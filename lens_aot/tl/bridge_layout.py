@@ -84,11 +84,18 @@ def merge_containerless(calls: dict[tuple[int, str], Call], extra: dict[tuple[in
                 calls[(layer, piece)] = Call(call.input.reshape(*shape[:2], -1), call.output.reshape(*shape[:2], -1))
 
 
-def position_table(module: nn.Module, n_ctx: int) -> Float[Tensor, "n_ctx d_model"] | None:
-    """Rows ``offset … offset + n_ctx`` of an ``nn.Embedding`` subclass that looks positions up at ``position +
-    offset`` (its public integer ``offset``), or None for any other module."""
+def _lookup_offset(module: nn.Module | None) -> int | None:
+    """The public integer ``offset`` of an ``nn.Embedding`` subclass that looks positions up at ``position +
+    offset`` (OPT's 2), or None for any other module."""
     offset = getattr(module, "offset", None)
-    if not isinstance(module, nn.Embedding) or not isinstance(offset, int) or offset < 0:
+    return offset if isinstance(module, nn.Embedding) and isinstance(offset, int) and offset >= 0 else None
+
+
+def position_table(module: nn.Module, n_ctx: int) -> Float[Tensor, "n_ctx d_model"] | None:
+    """Rows ``offset … offset + n_ctx`` of a position table looked up at ``position + offset``
+    (:func:`_lookup_offset`), or None for any other module."""
+    offset = _lookup_offset(module)
+    if offset is None:
         return None
     table = module.weight
     if table.shape[0] < offset + n_ctx:
@@ -101,10 +108,8 @@ def unread_position_rows(bridge: Any) -> Float[Tensor, "offset d_model"] | None:
     reads, or None."""
     component = _component(bridge, "pos_embed")
     module = None if component is None else _original(component)
-    offset = getattr(module, "offset", None)
-    if not isinstance(module, nn.Embedding) or not isinstance(offset, int) or offset <= 0:
-        return None
-    return _copy(module.weight[:offset])
+    offset = _lookup_offset(module)
+    return None if not offset else _copy(module.weight[:offset])
 
 
 def check_embedding_projection(hf_config: Any) -> None:
