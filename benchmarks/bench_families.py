@@ -6,8 +6,10 @@ Every family of the support matrix (TransformerBridge, TransformerLens 4.x; or t
 built from its own ``transformers`` config class, as the matrix builds it (:mod:`lens_aot.matrix.families`), but at
 a benchmark shape instead of the matrix's tiny one: ``--layers`` layers (4), hidden ``--hidden`` (256), 8 heads of
 32 (4 key/value heads where the config has them), MLP 4 × hidden, vocabulary 2,000; mixtures of experts keep 4
-experts top-2, 64 wide. Random weights, float32, CPU, eager attention in the source (the bridge's), the converted
-model in its default (dense) attention. Families the conversion refuses get their refusal as their row.
+experts top-2, 64 wide (``--experts``, ``--top-k``, ``--expert-mlp``: e.g. 64 experts top-8 for many small experts,
+the shared expert as wide as a routed one). Random weights, float32, CPU, eager attention in the source (the
+bridge's), the converted model in its default (dense) attention. Families the conversion refuses get their refusal
+as their row.
 
 * **forward**: median of ``--repeats`` forwards of 1 × ``--tokens`` tokens after one warm-up, ``--threads`` CPU
   threads (default 1), source (the TransformerBridge) and converted model alternating. With ``--isolated R``, each
@@ -21,7 +23,8 @@ model in its default (dense) attention. Families the conversion refuses get thei
   ``/proc/self/clear_refs``), as a multiple of the source's parameter bytes. ``--no-memory`` skips it.
 
     python benchmarks/bench_families.py [--families GPT2LMHeadModel LlamaForCausalLM ...] [--threads 1]
-        [--repeats 5] [--tokens 256] [--layers 4] [--hidden 256] [--no-memory] [--isolated ROUNDS]
+        [--repeats 5] [--tokens 256] [--layers 4] [--hidden 256] [--experts 4] [--top-k 2] [--expert-mlp 64]
+        [--no-memory] [--isolated ROUNDS]
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ fam = importlib.import_module("lens_aot.matrix.families")  # the module (the pac
 TARGETS = {"forward": 1.25, "ops": 2.0, "memory": 1.5}
 
 
-def shape(layers: int, hidden: int) -> dict[str, Any]:
-    """The benchmark shape, as overrides of :data:`lens_aot.matrix.families.TINY` / ``TINY_MOE`` values."""
-    heads, head_dim = 8, hidden // 8
+def shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark shape of ``args`` (``--layers``, ``--hidden``, the experts' ``--experts``, ``--top-k`` and
+    ``--expert-mlp``), as overrides of :data:`lens_aot.matrix.families.TINY` / ``TINY_MOE`` values."""
+    layers, hidden, heads, head_dim = args.layers, args.hidden, 8, args.hidden // 8
     return {
         "vocab": 2000,
         "hidden": hidden,
@@ -71,8 +75,10 @@ def shape(layers: int, hidden: int) -> dict[str, Any]:
         "qk_nope_head_dim": head_dim,
         "qk_rope_head_dim": head_dim // 2,
         "v_head_dim": head_dim,
-        "expert_mlp": 64,
-        "shared_expert_mlp": 64,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "expert_mlp": args.expert_mlp,
+        "shared_expert_mlp": args.expert_mlp,
     }
 
 
@@ -142,16 +148,22 @@ def child(*arguments: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def shape_arguments(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments that give a child process this run's shape."""
+    keys = ("layers", "hidden", "experts", "top_k", "expert_mlp")
+    return [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in keys]
+
+
 def convert_peak(name: str, args: argparse.Namespace) -> float:
     """``convert``'s extra peak resident memory over the source's parameter bytes, measured in a fresh process."""
-    result = child("--peak-child", name, "--layers", str(args.layers), "--hidden", str(args.hidden))
+    result = child("--peak-child", name, *shape_arguments(args))
     return result["extra"] / result["params"]
 
 
 def time_child(name: str, which: str, args: argparse.Namespace) -> None:
     """In a fresh process: build the source, convert it, then print the median forward time of ``which`` only
     (``source`` or ``converted``), as JSON."""
-    source = build(name, shape(args.layers, args.hidden))
+    source = build(name, shape(args))
     aot = lens_aot.convert(source).eval()
     model = source if which == "source" else aot
     tokens = torch.randint(0, 2000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
@@ -162,7 +174,7 @@ def time_child(name: str, which: str, args: argparse.Namespace) -> None:
 
 def isolated_times(name: str, args: argparse.Namespace) -> tuple[float, float]:
     """Median forward times (source, converted) over ``--isolated`` rounds of fresh processes, alternating."""
-    shape_args = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--tokens", str(args.tokens)]
+    shape_args = [*shape_arguments(args), "--tokens", str(args.tokens)]
     shape_args += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
     times: dict[str, list[float]] = {"source": [], "converted": []}
     for _ in range(args.isolated):
@@ -173,16 +185,21 @@ def isolated_times(name: str, args: argparse.Namespace) -> tuple[float, float]:
 
 def row(name: str, args: argparse.Namespace) -> str:
     """One markdown row: the family's figures, or its refusal."""
-    values = shape(args.layers, args.hidden)
+    values = shape(args)
     try:
         source = build(name, values)
     except Exception as error:  # noqa: BLE001 - a family transformers or TransformerLens cannot build is a row
         return f"| {name} | not built: {type(error).__name__} | | | | |"
+    tokens = torch.randint(0, 2000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            source(tokens)
+    except Exception as error:  # noqa: BLE001 - a source that cannot run at this shape is a row, not a refusal
+        return f"| {name} | the source's own forward raised {type(error).__name__} at this shape | | | | |"
     try:
         aot = lens_aot.convert(source).eval()
     except LensAOTError as error:
         return f"| {name} | refused: {str(error).splitlines()[0][:120]} | | | | |"
-    tokens = torch.randint(0, 2000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         source(tokens), aot(tokens)  # warm-up: first-call work (rotary rows, workspaces) is not counted below
         if args.isolated:
@@ -204,6 +221,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
+    parser.add_argument("--top-k", type=int, default=2, help="experts chosen per token")
+    parser.add_argument("--expert-mlp", type=int, default=64, help="each expert's (and the shared expert's) width")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--isolated", type=int, default=0, metavar="ROUNDS", help="time each model in its own process")
     parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
@@ -214,12 +234,12 @@ def main() -> None:
         time_child(*args.time_child, args)
         return
     if args.peak_child:
-        peak_child(args.peak_child, shape(args.layers, args.hidden))
+        peak_child(args.peak_child, shape(args))
         return
     names = args.families or [f.name for f in fam.families(bridge_architectures()) if f.in_scope]
     print(
         f"TransformerBridge sources, float32, CPU, {torch.get_num_threads()} thread(s), 1 × {args.tokens} tokens, "
-        f"{args.layers} layers, hidden {args.hidden}"
+        f"{args.layers} layers, hidden {args.hidden}, MoE {args.experts} experts top-{args.top_k} of {args.expert_mlp}"
         + (f", each model timed in its own process ({args.isolated} rounds)" if args.isolated else "")
         + f"; targets: forward ≤ {TARGETS['forward']}×, ops ≤ "
         f"{TARGETS['ops']}×, convert peak ≤ {TARGETS['memory']}× the parameter bytes\n"

@@ -89,3 +89,12 @@ def test_revert_gives_the_source_computation() -> None:
     tokens = _tokens(4, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens), model(tokens), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_source_named_small_experts_run_quiet_bitwise(dtype: torch.dtype) -> None:
+    """The quiet pass (``test_moe_batched.py``) on experts under TransformerLens 3.9's hook names: every expert with
+    rows in one pass calling no hook point, bitwise the per-expert forward's logits."""
+    from test_moe_batched import assert_quiet_bitwise
+
+    assert_quiet_bitwise(hooked_moe(dtype))

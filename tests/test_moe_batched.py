@@ -1,10 +1,12 @@
 """The routed experts' neuron heads in one chunked pass per layer (issue 22, ``expert_batch``): taken while nothing
-observes the experts, bitwise the per-expert path's values, and Llama 4 within 2× the source's operations."""
+observes the experts (the quiet pass, at every number of rows, found by :class:`expert_batch.Watch`), bitwise the
+per-expert path's values, and Llama 4 within 2× the source's operations."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from copy import deepcopy
 from typing import Any
 from unittest import mock
 
@@ -15,6 +17,7 @@ from test_llama4 import make as llama4
 
 import lens_aot
 from lens_aot.core.components import expert_batch, head_chunks
+from lens_aot.core.components.moe_mlp import _WATCHES, MoEMLP
 from lens_aot.core.components.neuron_attention import SelfAndSlotHeads
 from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import run_source
@@ -30,6 +33,11 @@ def small_chunks(elements: int) -> Iterator[None]:
         mock.patch.object(head_chunks, "CHUNK_ELEMENTS", elements),
     ):
         yield
+
+
+def none_admitted(experts: list[Any], rows: list[int], like: torch.Tensor, quiet: bool = False) -> list[bool]:
+    """``expert_batch.admitted`` admitting no expert: each runs its own forward (the path before batching)."""
+    return [False] * len(experts)
 
 
 def _source(family: str, dtype: torch.dtype) -> Any:
@@ -49,9 +57,9 @@ def test_batched_experts_equal_the_per_expert_path_bitwise(family: str, dtype: t
     batched: list[int] = []
     original = expert_batch.expert_outputs
 
-    def spy(experts: list[Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def spy(experts: list[Any], xs: list[torch.Tensor], quiet: bool = False) -> list[torch.Tensor]:
         batched.append(len(experts))
-        return original(experts, xs)
+        return original(experts, xs, quiet)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -60,7 +68,7 @@ def test_batched_experts_equal_the_per_expert_path_bitwise(family: str, dtype: t
             with mock.patch.object(expert_batch, "expert_outputs", spy):
                 together = aot(tokens)
             assert batched and max(batched) >= 2, batched  # the batched pass ran, on several experts at once
-            with mock.patch.object(expert_batch, "admitted", lambda experts, rows, like: [False] * len(experts)):
+            with mock.patch.object(expert_batch, "admitted", none_admitted):
                 alone = aot(tokens)  # every expert through its own forward (the path before batching)
             moes = [m for m in aot.modules() if hasattr(m, "experts")]
             handles = [e.register_forward_hook(lambda *a: None) for m in moes for _, e in m.expert_modules()]
@@ -114,7 +122,121 @@ def test_llama4_operations_on_the_chunked_path_at_most_twice_the_source() -> Non
     with torch.no_grad(), small_chunks(1 << 18):
         src = count_ops(lambda: run_source(source, tokens)).total
         conv = count_ops(lambda: aot(tokens))
-        with mock.patch.object(expert_batch, "admitted", lambda experts, rows, like: [False] * len(experts)):
+        with mock.patch.object(expert_batch, "admitted", none_admitted):
             alone = count_ops(lambda: aot(tokens)).total
     assert conv.total < alone  # the batched pass saves operations
     assert conv.total <= 2 * src, (conv.total, src, conv.counts.most_common(10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_small_experts_run_quiet_bitwise(family: str, dtype: torch.dtype) -> None:
+    assert_quiet_bitwise(moe_bridge(family, dtype))
+
+
+def assert_quiet_bitwise(source: Any) -> None:
+    """Experts of a few rows each (below the chunked path's ``PACKED_MIN_ELEMENTS``, the sizes' own thresholds): while
+    nothing observes any expert of a layer, every routed expert with rows (and a shared expert) joins one quiet pass
+    that calls no hook point, and the logits are bitwise those of the per-expert forward (a no-op hook on every
+    expert; the quiet check off). TransformerLens 3.9's source-named experts: ``test_hooked_moe.py``."""
+    aot = lens_aot.convert(source)
+    moes = [m for m in aot.modules() if isinstance(m, MoEMLP)]
+    tokens = torch.randint(1, 97, (2, 23), generator=torch.Generator().manual_seed(7))
+    calls: list[tuple[int, bool]] = []
+    original = expert_batch.expert_outputs
+
+    def spy(experts: list[Any], xs: list[torch.Tensor], quiet: bool = False) -> list[torch.Tensor]:
+        calls.append((len(experts), quiet))
+        return original(experts, xs, quiet)
+
+    with torch.no_grad():
+        with mock.patch.object(expert_batch, "expert_outputs", spy):
+            quiet = aot(tokens)
+        with mock.patch.object(MoEMLP, "quiet", lambda self, flat: False):
+            loud = aot(tokens)
+        handles = [e.register_forward_hook(lambda *a: None) for m in moes for _, e in m.expert_modules()]
+        try:
+            observed = aot(tokens)
+        finally:
+            for h in handles:
+                h.remove()
+    gate = moes[0].experts[0].gate_heads
+    assert 46 * gate.n_heads < gate.PACKED_MIN_ELEMENTS  # each expert's heads below the chunked path's size
+    assert len(calls) == len(moes) and all(q and n >= 2 for n, q in calls), calls
+    assert torch.equal(quiet, loud) and torch.equal(quiet, observed)
+
+
+def test_the_watch_sees_what_is_attached_after_it_was_gathered() -> None:
+    """The quiet check is gathered once per layer, and still sees a hook, pre-hook, wrapped ``forward`` (nnsight's
+    controller) or global hook attached later, a module spliced in at a hook point's name (gathered again, and not a
+    plain hook point: the spliced module is applied), and a gradient."""
+    aot = lens_aot.convert(moe_bridge("mixtral", torch.float32))
+    moe = next(m for m in aot.modules() if isinstance(m, MoEMLP))
+    flat = torch.zeros(3, moe.W_gate.shape[0])
+    expert = moe.experts[1]
+    with torch.no_grad():
+        assert moe.quiet(flat)
+        watch = _WATCHES[moe]
+        for attach in (
+            lambda: expert.hook_post.register_forward_hook(lambda *a: None),
+            lambda: expert.product_heads.hook_z.register_forward_pre_hook(lambda *a: None),
+            lambda: expert.gate_heads.register_forward_hook(lambda *a: None),
+            lambda: expert.hook_pre.register_full_backward_hook(lambda *a: None),
+            lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None),
+        ):
+            handle = attach()
+            assert not moe.quiet(flat)
+            handle.remove()
+            assert moe.quiet(flat) and _WATCHES[moe] is watch
+        expert.hook_out.__dict__["forward"] = lambda x: x  # as nnsight installs its controller
+        assert not moe.quiet(flat)
+        del expert.hook_out.__dict__["forward"]
+        assert moe.quiet(flat)
+        copy = deepcopy(moe)  # a copy gathers its own modules
+        copy.experts[1].hook_out.__dict__["forward"] = lambda x: x
+        assert not copy.quiet(flat) and moe.quiet(flat)
+        assert not moe.quiet(flat.half())  # half precision: the per-expert path
+    assert not moe.quiet(flat)  # a gradient is recorded
+
+    tokens = torch.randint(1, 97, (1, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        clean = aot(tokens)
+        hooks = [(f"blocks.{b}.mlp.experts.{e}.hook_post", lambda t, hook: t * 0) for b in range(2) for e in range(4)]
+        zeroed = aot.run_with_hooks(tokens, fwd_hooks=hooks)
+        points = [(m, e, e.hook_post) for m in (b.mlp for b in aot.blocks) for e in m.experts]
+        for _, e, _ in points:
+            e.hook_post = Zero()  # an SAE-like module spliced in at every expert's hook_post
+        try:
+            spliced = aot(tokens)
+            assert not moe.quiet(flat) and _WATCHES[moe] is not watch
+        finally:
+            for _, e, point in points:
+                e.hook_post = point
+        assert moe.quiet(flat) and torch.equal(aot(tokens), clean)
+    assert not torch.allclose(spliced, clean)
+    torch.testing.assert_close(spliced, zeroed)
+
+
+class Zero(torch.nn.Module):
+    """A module that zeroes what it is given (spliced in place of a hook point)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0
+
+
+def test_unobserved_product_heads_compute_no_per_head_tensors_at_any_size() -> None:
+    """Nothing can see the product heads' per-head tensors while their hook points are unhooked, so at a size below the
+    chunked path's they are not computed (their ``post`` is the closed form); a hook on ``hook_z`` gets them."""
+    aot = lens_aot.convert(moe_bridge("mixtral", torch.float32))
+    product = aot.blocks[0].mlp.experts[0].product_heads
+    u, h = torch.randn(1, 5, product.d_mlp), torch.randn(1, 5, product.d_mlp)
+    with torch.no_grad():
+        assert count_ops(lambda: product.attend(u, h)).total == 0
+        assert product.attend(u, h) == (None, True)
+        seen: list[torch.Tensor] = []
+        handle = product.hook_z.register_forward_hook(lambda module, args, out: seen.append(out))
+        try:
+            z, standard = product.attend(u, h)
+        finally:
+            handle.remove()
+    assert standard and z is not None and z.shape == (1, 5, product.n_heads, 1) and seen

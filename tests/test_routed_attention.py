@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TL_MAJOR
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import lens_aot
 from lens_aot.core.components.mlp import MLP
@@ -66,6 +67,36 @@ def test_routed_attention_is_the_sources_and_a_scale_change_fails(dtype: torch.d
             assert _relative(RoutedAttention(wide, causal=True)(x), want) > 1e-11
 
 
+def test_only_the_chosen_attention_experts_are_computed() -> None:
+    """Cost follows top-k, as in the source: each token's query and output maps are its chosen experts' only. With
+    every expert duplicated (twice the experts, the same top-k), the matrix products grow by the router's extra
+    columns alone; and an expert that no token chooses (one token here) may hold NaN maps, the output unchanged."""
+    source, bridge = _bridge(torch.float64)
+    spec = read_routed(bridge, source, list(bridge.blocks), torch.float64)["routed"][0]
+    doubled = dataclasses.replace(
+        spec,
+        **{k: torch.cat([getattr(spec, k)] * 2, dim=-1 if k == "W_router" else 0) for k in ("W_router", "W_Q", "W_O")},
+    )
+    x = _x(torch.float64)
+
+    def matmul_flops(module: RoutedAttention) -> int:
+        with torch.no_grad(), FlopCounterMode(display=False) as flops:
+            module(x)
+        return sum(flops.get_flop_counts()["Global"].values())
+
+    extra = matmul_flops(RoutedAttention(doubled, causal=True)) - matmul_flops(RoutedAttention(spec, causal=True))
+    assert extra == 2 * x.shape[0] * x.shape[1] * spec.W_Q.shape[2] * spec.W_Q.shape[0]  # the router's, [d_model, E]
+    attn = RoutedAttention(spec, causal=True)
+    one = x[:1, :1]
+    with torch.no_grad():
+        want = attn(one)
+        never = [e for e in range(attn.n_experts) if e not in attn.route(one)[0].unique().tolist()]
+        assert len(never) == attn.n_experts - attn.top_k > 0
+        attn.W_Q_experts[never] = float("nan")
+        attn.W_O_experts[never] = float("nan")
+        assert torch.equal(attn(one), want)
+
+
 def test_routed_attention_hooks_and_per_head_maps() -> None:
     """The router hooks hold the choice and weights, each slot head's result sums to the output, and the per-head
     query map (which depends on the token's routing) is refused by name."""
@@ -73,7 +104,8 @@ def test_routed_attention_hooks_and_per_head_maps() -> None:
     spec = read_routed(bridge, source, list(bridge.blocks), torch.float64)["routed"][0]
     attn = RoutedAttention(spec, causal=True)
     seen: dict[str, torch.Tensor] = {}
-    for name in ("hook_router_logits", "hook_expert_indices", "hook_expert_weights", "hook_pattern", "hook_result"):
+    for name in ("hook_router_logits", "hook_expert_indices", "hook_expert_weights", "hook_q", "hook_pattern",
+                 "hook_result"):  # fmt: skip
         getattr(attn, name).add_hook(lambda t, hook, n=name: seen.__setitem__(n, t.detach()))
     attn.use_attn_result = True
     x = _x(torch.float64)
@@ -84,6 +116,12 @@ def test_routed_attention_hooks_and_per_head_maps() -> None:
     assert torch.equal(seen["hook_expert_indices"], seen["hook_router_logits"].topk(spec.top_k, dim=-1).indices)
     torch.testing.assert_close(seen["hook_expert_weights"].sum(-1), torch.ones(3, 11, dtype=torch.float64))
     assert seen["hook_pattern"].shape == (3, spec.n_heads, 11, 11)
+    # slot j's head h: the query of the expert chosen in slot j, x · W_Q[e_j, h] (only the chosen experts computed)
+    every = torch.einsum("bpd,ehdf->bpehf", x, spec.W_Q)
+    slots = seen["hook_expert_indices"][..., None, None].expand(-1, -1, -1, *spec.W_Q.shape[1:2], spec.W_Q.shape[3])
+    reference = every.gather(2, slots).flatten(2, 3)
+    assert seen["hook_q"].shape == (3, 11, spec.n_heads, spec.W_Q.shape[3])
+    torch.testing.assert_close(seen["hook_q"], reference, rtol=0, atol=1e-12)
     torch.testing.assert_close(seen["hook_result"].sum(2) + spec.b_O, out, rtol=0, atol=1e-12)
     with pytest.raises(RoutedWeightError, match="no W_Q: each token's query and output maps"):
         _ = attn.W_Q

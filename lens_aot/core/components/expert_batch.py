@@ -21,33 +21,80 @@ unhooked, in the expert's own order) and ``W_out`` product are its own; the call
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+from itertools import repeat
+
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.head_chunks import chunk_rows, chunked
-from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads
 from lens_aot.core.components.neuron_mlp import NeuronMLP
-from lens_aot.core.components.workspace import scratch, unobserved
+from lens_aot.core.components.source_expert_hooks import RoutedHookPoint
+from lens_aot.core.components.workspace import global_hooks, scratch
+
+PLAIN_HOOK_POINTS = (HookPoint, RoutedHookPoint)  # identities while unhooked: a quiet pass need not call them
+
+
+class Watch:
+    """Every module of some experts, gathered once, so that :meth:`unseen` tells whether anything can observe them by a
+    few passes over their hook dictionaries in C (issue 22: at 64 small experts per layer, walking each expert's
+    ``modules()`` on every forward cost as much as its arithmetic).
+
+    What can observe an expert: a hook or pre-hook (forward or backward) on any of its modules, hook points included;
+    a wrapped ``forward`` on an instance (nnsight installs its controller there); a global module hook; or a module
+    that is not one of the expert's own kinds (a :class:`NeuronMLP`, its head modules and plain hook points, e.g. an
+    SAE spliced in at a hook point's name), found when the modules are gathered. :meth:`intact` tells whether the
+    experts' module tree is still the one gathered: a module replaced or removed anywhere in it is seen (one added
+    under a new name is never called by the experts' forward)."""
+
+    def __init__(self, experts: Sequence[nn.Module]) -> None:
+        self.experts = tuple(experts)
+        modules = [m for expert in self.experts for m in expert.modules()]
+        links = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
+        self._links = tuple(zip(*links, strict=True)) if links else ((), (), ())
+        hook_dicts = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+        self._hooks = tuple(getattr(m, name) for m in modules for name in hook_dicts if hasattr(m, name))
+        self._instances = tuple(m.__dict__ for m in modules)
+        self._own_kinds = all(
+            isinstance(m, NeuronMLP | SelfAndSlotHeads) or type(m) in PLAIN_HOOK_POINTS for m in modules
+        )
+
+    def intact(self, experts: Sequence[nn.Module]) -> bool:
+        """Whether ``experts`` are the gathered ones and each module still holds its gathered children."""
+        parents, names, children = self._links
+        return (
+            len(experts) == len(self.experts)
+            and all(map(operator.is_, experts, self.experts))
+            and all(map(operator.is_, map(dict.get, parents, names), children))
+        )
+
+    def unseen(self) -> bool:
+        """Whether nothing can observe the experts' computation (the class docstring)."""
+        return (
+            self._own_kinds
+            and not any(self._hooks)
+            and not any(map(operator.contains, self._instances, repeat("forward")))
+            and not global_hooks()
+        )
 
 
 def unseen(expert: nn.Module) -> bool:
-    """Whether nothing can observe ``expert``'s computation: no hook or pre-hook (forward or backward) on it or any of
-    its submodules, no wrapped ``forward`` (nnsight), no hook on its hook points and no global module hook (the last
-    two: :func:`~lens_aot.core.components.workspace.unobserved`)."""
-    for m in expert.modules():
-        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, getattr(m, "_backward_pre_hooks", {}))
-        if any(len(h) for h in hooks) or "forward" in m.__dict__:
-            return False
-    return unobserved(*(m for m in expert.modules() if isinstance(m, HookPoint)))
+    """Whether nothing can observe ``expert``'s computation (:meth:`Watch.unseen`)."""
+    return Watch([expert]).unseen()
 
 
-def batchable(expert: nn.Module, rows: int, like: Tensor) -> bool:
+def batchable(expert: nn.Module, rows: int, like: Tensor, quiet: bool = False) -> bool:
     """Whether ``expert`` on ``rows`` routed rows (of ``like``'s dtype and device) may join the layer's batched pass:
     a gated :class:`NeuronMLP` with the standard forward, not fused, unobserved (:func:`unseen`), no gradient, and
     both head modules on their chunked path (CPU float32 / float64, at least ``PACKED_MIN_ELEMENTS`` per-head
-    elements, as :meth:`~lens_aot.core.components.neuron_attention.SelfAndSlotHeads._packable` decides)."""
+    elements, as :meth:`~lens_aot.core.components.neuron_attention.SelfAndSlotHeads._packable` decides). ``quiet``:
+    the caller found that nothing observes any of the layer's experts (:meth:`Watch.unseen`) and that no gradient is
+    recorded (:meth:`~lens_aot.core.components.moe_mlp.MoEMLP.quiet`), so any number of rows from 1 is admitted
+    (:func:`expert_outputs` computes them bitwise as the expert's own forward at every size)."""
     if not isinstance(expert, NeuronMLP) or not expert.gated or expert.use_fused:
         return False
     if type(expert).forward is not NeuronMLP.forward or type(expert)._gated_post is not NeuronMLP._gated_post:
@@ -55,6 +102,8 @@ def batchable(expert: nn.Module, rows: int, like: Tensor) -> bool:
     gate, product = expert.gate_heads, expert.product_heads
     if not chunked(like) or gate.use_attn_result or product.use_attn_result:
         return False
+    if quiet:
+        return rows > 0
     if min(rows * gate.n_heads, rows * product.n_heads) < gate.PACKED_MIN_ELEMENTS:
         return False
     if torch.is_grad_enabled() and (like.requires_grad or any(p.requires_grad for p in expert.parameters())):
@@ -62,10 +111,10 @@ def batchable(expert: nn.Module, rows: int, like: Tensor) -> bool:
     return unseen(expert)
 
 
-def admitted(experts: list[nn.Module], rows: list[int], like: Tensor) -> list[bool]:
+def admitted(experts: list[nn.Module], rows: list[int], like: Tensor, quiet: bool = False) -> list[bool]:
     """Which experts :func:`expert_outputs` computes together: those :func:`batchable` admits with the first admitted
     one's ``d_mlp`` and terms per neuron (its fit's shape), if there are at least two; none otherwise."""
-    ok = [batchable(e, r, like) for e, r in zip(experts, rows, strict=True)]
+    ok = [batchable(e, r, like, quiet) for e, r in zip(experts, rows, strict=True)]
     if any(ok):
         first = experts[ok.index(True)]
         shape = (first.d_mlp, first.gate_heads.heads_per_neuron)
@@ -73,23 +122,27 @@ def admitted(experts: list[nn.Module], rows: list[int], like: Tensor) -> list[bo
     return ok if sum(ok) >= 2 else [False] * len(experts)
 
 
-def expert_outputs(experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_model"]]) -> list[Tensor]:
+def expert_outputs(
+    experts: list[NeuronMLP], xs: list[Float[Tensor, "rows d_model"]], quiet: bool = False
+) -> list[Tensor]:
     """``expert(x)`` ([rows, d_model]) for each expert that :func:`admitted` admits and its routed rows, bitwise as the
     expert's own forward on ``x[None]``: :meth:`NeuronMLP.forward`, with the gate heads of every expert in one chunked
     pass and the product heads' closed form. The matrix products run on the [rows, d] inputs themselves (the same
-    ``mm`` that ``[1, rows, d] @ W`` folds to)."""
+    ``mm`` that ``[1, rows, d] @ W`` folds to). ``quiet`` (:meth:`Watch.unseen` held for every expert): the experts'
+    hook points are not called (plain and unhooked, each returns its input)."""
     if not experts:
         return []
-    inputs = [expert._gated_inputs(x) for expert, x in zip(experts, xs, strict=True)]  # NeuronMLP._gated_post's
+    inputs = [expert._gated_inputs(x, quiet=quiet) for expert, x in zip(experts, xs, strict=True)]
     pres, us = [pre for pre, _ in inputs], [u for _, u in inputs]
     h_all = _gate_pass([e.gate_heads for e in experts], pres)
     hs = h_all.split([p.shape[0] for p in pres])
-    for expert, u, h in zip(experts, us, hs, strict=True):
-        expert.product_heads.hook_gate(h)  # unhooked: the same tensor (an unseen expert)
-        expert.product_heads.check_range(u, h)
     outs = []
-    for expert, u, h in zip(experts, us, hs, strict=True):  # NeuronMLP.forward's, no result change
-        outs.append(expert.hook_post(expert._standard_post(u, h)) @ expert.W_out + expert.b_out)
+    for expert, u, h in zip(experts, us, hs, strict=True):  # NeuronMLP._gated_post's and forward's, no result change
+        product = expert.product_heads
+        h = h if quiet else product.hook_gate(h)  # unhooked: the same tensor (an unseen expert)
+        product.check_range(u, h)
+        post = expert._standard_post(u, h)
+        outs.append((post if quiet else expert.hook_post(post)) @ expert.W_out + expert.b_out)
     return outs
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxtyping import Float
-from torch import Tensor, nn
+from torch import Tensor
 
 from lens_aot.core.components.moe_mlp import MoEMLP
 
@@ -27,8 +27,8 @@ class InputScaledMoEMLP(MoEMLP):
         """The expert reads its input times its router weight."""
         return x * weight
 
-    def expert_output(
-        self, expert: nn.Module, y: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
+    def scaled_output(
+        self, y: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
     ) -> Float[Tensor, "*batch pos d_model"]:
-        """The expert's output through ``hook_out``, not scaled again."""
-        return expert.hook_out(y)
+        """The expert's output, not scaled again."""
+        return y

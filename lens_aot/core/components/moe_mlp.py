@@ -12,7 +12,10 @@ Cost follows top-k, as in the source: an expert runs on the tokens routed to it 
 ``index_add``; the tokens are grouped by expert with one sort, :meth:`MoEMLP.token_groups`). While any hook point
 inside an expert is hooked (caching, patching, attribution), that expert runs on every position instead, so its
 hooks have the dense-MLP shapes ``[batch, pos, ...]`` (patchable between runs that route differently); its output at
-an unchosen position is multiplied by weight 0. The value at every chosen position is the same either way. A
+an unchosen position is multiplied by weight 0. The value at every chosen position is the same either way. While
+nothing can observe any expert (:meth:`MoEMLP.quiet`, :class:`~lens_aot.core.components.expert_batch.Watch`), the
+experts run in one quiet pass that calls none of their hook points (unhooked, each would return its input), bitwise
+the per-expert values. A
 TransformerLens 3.9 ``MoE`` / ``GptOssMoE`` source's experts (``MoESpec.hook_names``) stay routed while hooked, with
 the source's hooks and shapes, and run densely only within
 :func:`~lens_aot.core.components.source_expert_hooks.dense_expert_hooks` (lens_aot's own tools).
@@ -30,6 +33,7 @@ hooks.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -58,6 +62,8 @@ from lens_aot.errors import InputError
 from lens_aot.tl.hooks import hooked
 
 SHARED = "shared_expert"
+# each layer's Watch, beside the module rather than in it: a copy or a pickle of the model gathers its own
+_WATCHES: weakref.WeakKeyDictionary[nn.Module, expert_batch.Watch] = weakref.WeakKeyDictionary()
 
 
 class MoEMLP(nn.Module):
@@ -159,8 +165,26 @@ class MoEMLP(nn.Module):
     def expert_output(
         self, expert: nn.Module, y: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
     ) -> Float[Tensor, "*batch pos d_model"]:
-        """An expert's contribution from its output ``y``: through ``hook_out``, times its router weight."""
-        return expert.hook_out(y) * weight
+        """An expert's contribution from its output ``y``: through ``hook_out``, then :meth:`scaled_output`."""
+        return self.scaled_output(expert.hook_out(y), weight)
+
+    def scaled_output(
+        self, y: Float[Tensor, "*batch pos d_model"], weight: Float[Tensor, "*batch pos 1"]
+    ) -> Float[Tensor, "*batch pos d_model"]:
+        """An expert's output times its router weight (:class:`InputScaledMoEMLP`: unscaled)."""
+        return y * weight
+
+    def quiet(self, flat: Float[Tensor, "tokens d_model"]) -> bool:
+        """Whether nothing can observe any expert (:class:`~lens_aot.core.components.expert_batch.Watch`, gathered once
+        and again whenever the experts' module tree changes) and no gradient is recorded, on CPU float32 / float64: the
+        experts then run without calling their hook points, in one batched pass (:meth:`routed_batched`)."""
+        if torch.is_grad_enabled() or not chunked(flat):
+            return False
+        experts = [expert for _, expert in self.expert_modules()]
+        watch = _WATCHES.get(self)
+        if watch is None or not watch.intact(experts):
+            watch = _WATCHES[self] = expert_batch.Watch(experts)
+        return watch.unseen()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         batch, pos, d_model = x.shape
@@ -192,6 +216,9 @@ class MoEMLP(nn.Module):
         rows, out_rows = flat[None], out[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
         dense_weights: Tensor | None = None
         groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
+        if self.quiet(flat):  # nothing hooked, so no expert runs densely
+            groups = self.token_groups(indices, weights)
+            return self.routed_batched((flat, rows), (out, out_rows), *groups, shared_out, quiet=True)
         plan = [self.runs_densely(expert) for expert in self.experts]
         for e, dense in enumerate(plan):
             for hook in self._routed_hooks[e]:
@@ -221,26 +248,30 @@ class MoEMLP(nn.Module):
         tokens: tuple[Int[Tensor, " routed"], ...],
         weights: tuple[Float[Tensor, "routed 1"], ...],
         shared_out: list[Tensor] | None = None,
+        quiet: bool = False,
     ) -> Float[Tensor, "tokens d_model"]:
         """:meth:`routed` with every expert on its own rows: the experts' outputs by
         :func:`~lens_aot.core.components.expert_batch.expert_outputs` (the unobserved experts' neuron heads in one
         chunked pass per head kind, bitwise each expert's own values), summed by ``index_add_`` in expert order as
-        :meth:`routed` does."""
+        :meth:`routed` does. ``quiet`` (:meth:`quiet`): every expert joins that pass whatever its number of rows, and
+        no hook point is called."""
         (flat, rows), (out, out_rows) = inputs, outputs  # the tokens' rows and the sum, flat and as [1, tokens, ..]
         run = [e for e in range(self.n_experts) if tokens[e].numel() or self.hook_names == TL_MOE]
         experts, counts = [self.experts[e] for e in run], [tokens[e].numel() for e in run]
         if shared_out is not None:  # the shared expert (last, as it runs after them) on every token
             experts, counts = [*experts, self.shared_expert], [*counts, out.shape[0]]
-        together = expert_batch.admitted(experts, counts, rows)
+        together = expert_batch.admitted(experts, counts, rows, quiet)
         batched = [i for i, ok in enumerate(together) if ok]
         xs = [flat if i == len(run) else self.expert_input(flat.index_select(0, tokens[run[i]]), weights[run[i]])
               for i in batched]  # fmt: skip
-        ys = dict(zip(batched, expert_batch.expert_outputs([experts[i] for i in batched], xs), strict=True))
+        ys = dict(zip(batched, expert_batch.expert_outputs([experts[i] for i in batched], xs, quiet), strict=True))
         if shared_out is not None and len(run) in ys:
             shared_out.append(ys[len(run)])
         for i, e in enumerate(run):
             expert, token, weight = self.experts[e], tokens[e], weights[e]
-            if i in ys:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
+            if i in ys and quiet:  # hook_out is a plain, unhooked hook point: not called
+                out.index_add_(0, token, self.scaled_output(ys[i], weight))
+            elif i in ys:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
                 out.index_add_(0, token, self.expert_output(expert, ys[i], weight))
             else:
                 out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))

@@ -155,10 +155,14 @@ class SelfAndSlotHeads(nn.Module):
             chunked(q_in)
             and q_in.numel() // max(q_in.shape[-1], 1) * self.n_heads >= self.PACKED_MIN_ELEMENTS
             and v_in.dtype == q_in.dtype
-            and not self.use_attn_result
             and not (torch.is_grad_enabled() and (q_in.requires_grad or v_in.requires_grad))
-            and unobserved(*self.internal_hooks())
+            and self._unseen()
         )
+
+    def _unseen(self) -> bool:
+        """Whether nothing can see the per-head tensors: no hook, pre-hook, global module hook or wrapped ``forward``
+        on the per-head hook points, and no ``use_attn_result``."""
+        return not self.use_attn_result and unobserved(*self.internal_hooks())
 
     def packed_writer(self, q2: Tensor, v2: Tensor, step: int) -> Callable[[int, Tensor], None]:
         """``write(i, qv)``: :meth:`write_packed` for chunk ``i`` (rows ``i·step ..``) of ``q2`` / ``v2`` (the inputs

@@ -12,13 +12,15 @@ heads:
   ``product_heads`` (:class:`ProductAttention`, two per neuron) turning ``h`` and ``u`` into ``post``.
 
 ``hook_pre`` and ``hook_post`` run on every forward pass (so torch forward hooks and tools that wrap modules, such as
-nnsight, see them); each head module's ``hook_q`` / ``hook_k`` / ``hook_v`` / ``hook_z`` run, on whole tensors,
-whenever anything could see them (a hook or pre-hook on one of them, a global module hook, an instance ``forward`` as
-nnsight sets, ``use_attn_result``, a gradient, CUDA or half precision); otherwise the heads are computed in row
-chunks without calling them, bitwise the same values (:mod:`~lens_aot.core.components.head_chunks`). The dense
-``[batch, head, query, key]`` ``hook_attn_scores`` / ``hook_pattern`` are built only while hooked; ``hook_result``
-only with ``use_attn_result``. ``use_fused`` (``aot.set_use_fused_neurons``) skips the per-head
-tensors while none of them is hooked, computing the activation in closed form (the fast path).
+nnsight, see them; an MoE layer's experts skip them only while nothing could see them,
+:class:`~lens_aot.core.components.expert_batch.Watch`); each head module's ``hook_q`` / ``hook_k`` / ``hook_v`` /
+``hook_z`` run, on whole tensors, whenever anything could see them (a hook or pre-hook on one of them, a global module
+hook, an instance ``forward`` as nnsight sets, ``use_attn_result``, a gradient, CUDA or half precision); otherwise the
+heads are computed in row chunks without calling them, bitwise the same values
+(:mod:`~lens_aot.core.components.head_chunks`). The dense ``[batch, head, query, key]`` ``hook_attn_scores`` /
+``hook_pattern`` are built only while hooked; ``hook_result`` only with ``use_attn_result``. ``use_fused``
+(``aot.set_use_fused_neurons``) skips the per-head tensors while none of them is hooked, computing the activation in
+closed form (the fast path).
 """
 
 from __future__ import annotations
@@ -161,14 +163,19 @@ class NeuronMLP(nn.Module):
         return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
 
     def _gated_inputs(
-        self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None
+        self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None, quiet: bool = False
     ) -> tuple[Float[Tensor, "batch pos d_mlp"], Float[Tensor, "batch pos d_mlp"]]:
         """What the gate heads read (the gate's pre-activation through its hook, then :meth:`_gate_input`) and the
         product heads' linear factor ``u`` (through its hook, then :meth:`_product_input`); ``pre``: the gate's
-        pre-activation already through its hook (xIELU's heads share it)."""
+        pre-activation already through its hook (xIELU's heads share it). ``quiet``: the hooks are plain, unhooked
+        hook points that nothing observes (:class:`~lens_aot.core.components.expert_batch.Watch`), so they are not
+        called: the same tensors."""
         gate = self.gate_heads
-        pre = self._modules[self.gate_hook_name](x @ gate.W_in + gate.b_in) if pre is None else pre
-        u = self._product_input(self._modules[self.linear_hook_name](self._linear_branch(x, pre)))
+        if pre is None:
+            pre = x @ gate.W_in + gate.b_in
+            pre = pre if quiet else self._modules[self.gate_hook_name](pre)
+        u = self._linear_branch(x, pre)
+        u = self._product_input(u if quiet else self._modules[self.linear_hook_name](u))
         return self._gate_input(pre), u
 
     def _standard_post(

@@ -246,9 +246,10 @@ class ProductAttention(SelfAndSlotHeads):
         """Every head's ``hook_z`` from the linear branch ``u`` and the gate activations ``h``, through ``hook_q``,
         ``hook_k``, ``hook_v`` (and, while hooked, the dense ``hook_attn_scores`` / ``hook_pattern``), and whether
         it is the standard ``z`` (nothing written on the way: :meth:`neuron_output`'s correction is then 0). While
-        nothing observes the heads (:meth:`_packable`) ``z`` is None and not computed: nothing can see it, and the
-        standard ``z``'s ``post`` is the closed form."""
-        if self._packable(u, h):
+        nothing observes the heads (:meth:`_unseen`, at any size, on any device and with a gradient too) ``z`` is None
+        and not computed: nothing can see it, and the standard ``z``'s ``post`` is the closed form, which reads only
+        ``u`` and ``h``."""
+        if self._unseen():
             return None, True
         return self._attend(u, h)
 

@@ -118,9 +118,9 @@ class RoutedAttention(ScaledDenseHeads):
         x = query_input
         batch, pos, _ = x.shape
         indices, weights = self.route(x)
-        every = einops.einsum(x, self.W_Q_experts, "b p d, e h d f -> b p e h f")
-        slots = indices[..., None, None].expand(-1, -1, -1, self.n_kv, self.d_head)
-        q = self.hook_q(every.gather(2, slots).reshape(batch, pos, self.n_heads, self.d_head))
+        groups = self.expert_choices(indices)
+        q = self.per_expert(x.reshape(-1, self.d_model), groups, self.W_Q_experts, "n d, h d f -> n h f", True)
+        q = self.hook_q(q.view(batch, pos, self.n_heads, self.d_head))
         k = self.hook_k(einops.einsum(x, self.W_K, "b p d, h d f -> b p h f"))
         v = self.hook_v(einops.einsum(x, self.W_V, "b p d, h d f -> b p h f"))
         k, v, past = with_cached(past_kv_cache_entry, k, v, attention_mask, pos)
@@ -130,29 +130,56 @@ class RoutedAttention(ScaledDenseHeads):
         k, v = k.repeat(1, 1, self.top_k, 1), v.repeat(1, 1, self.top_k, 1)
         mask = self._mask(pos, k.shape[1], past, attention_mask, x.device)
         z = self.hook_z(self._z(q, k, v, mask))
-        return self.write_out(z, indices, weights)
+        return self.write_out(z, groups, weights)
+
+    def expert_choices(
+        self, indices: Int[Tensor, "batch pos top_k"]
+    ) -> tuple[tuple[Int[Tensor, " chosen"], ...], list[int]]:
+        """The flat choices ``t·top_k + j`` (token ``t``'s slot ``j``) of each expert, and how many: one stable sort and
+        one host read of the counts, so that only the chosen experts' maps run, on their own rows (as the source's
+        ``JetMoeMoA`` does), and the cost follows top-k, not the number of experts."""
+        choice = indices.reshape(-1)
+        counts = torch.bincount(choice, minlength=self.n_experts).tolist()
+        return torch.sort(choice, stable=True).indices.split(counts), counts
+
+    def per_expert(
+        self,
+        rows: Float[Tensor, "rows d_in"],
+        groups: tuple[tuple[Int[Tensor, " chosen"], ...], list[int]],
+        maps: Float[Tensor, "n_experts ..."],
+        pattern: str,
+        per_token: bool,
+    ) -> Float[Tensor, "choices ..."]:
+        """Each choice's row (of ``rows``: one per token if ``per_token``, else one per choice) through its expert's map
+        ``maps[e]`` (``pattern``: the einsum of one expert's rows with its map), in the choices' order."""
+        chosen, counts = groups
+        out: Tensor | None = None
+        for e, choice in enumerate(chosen):
+            if not counts[e]:
+                continue
+            y = einops.einsum(rows.index_select(0, choice // self.top_k if per_token else choice), maps[e], pattern)
+            if out is None:
+                out = y.new_empty(sum(counts), *y.shape[1:])
+            out.index_copy_(0, choice, y)
+        assert out is not None  # every choice names an expert: some expert has rows
+        return out
 
     def write_out(
         self,
         z: Float[Tensor, "batch pos head d_head"],
-        indices: Int[Tensor, "batch pos top_k"],
+        groups: tuple[tuple[Int[Tensor, " chosen"], ...], list[int]],
         weights: Float[Tensor, "batch pos top_k"],
     ) -> Float[Tensor, "batch pos d_model"]:
         """``Σ_j w_j Σ_h z[j·n_kv + h] W_O[e_j, h] + b_O``: each slot through its chosen expert's output map (only the
         chosen experts run, as in the source), through ``hook_result`` per slot head when ``use_attn_result``."""
         batch, pos = z.shape[:2]
-        slots = z.reshape(batch, pos, self.top_k, self.n_kv, self.d_head)
-        per_head = self.use_attn_result
-        out = z.new_zeros(batch, pos, self.top_k, *((self.n_kv,) if per_head else ()), self.d_model)
-        for e in range(self.n_experts):
-            chosen = indices == e
-            if bool(chosen.any()):
-                pattern = "n h f, h f d -> n h d" if per_head else "n h f, h f d -> n d"
-                out[chosen] = einops.einsum(slots[chosen], self.W_O_experts[e], pattern)
-        if per_head:
-            result = self.hook_result((out * weights[..., None, None]).reshape(batch, pos, self.n_heads, self.d_model))
-            return result.sum(dim=2) + self.b_O
-        return (out * weights[..., None]).sum(dim=2) + self.b_O
+        slots = z.reshape(-1, self.n_kv, self.d_head)  # choice t·top_k + j: slot j's heads of token t
+        if self.use_attn_result:
+            out = self.per_expert(slots, groups, self.W_O_experts, "n h f, h f d -> n h d", False)
+            out = out.view(batch, pos, self.top_k, self.n_kv, self.d_model) * weights[..., None, None]
+            return self.hook_result(out.reshape(batch, pos, self.n_heads, self.d_model)).sum(dim=2) + self.b_O
+        out = self.per_expert(slots, groups, self.W_O_experts, "n h f, h f d -> n d", False)
+        return (out.view(batch, pos, self.top_k, self.d_model) * weights[..., None]).sum(dim=2) + self.b_O
 
     def spec(self) -> RoutedAttentionSpec:
         """The :class:`RoutedAttentionSpec` this module implements (used by ``revert`` / ``to_spec``)."""

@@ -95,13 +95,21 @@ def lent(t: Tensor) -> bool:
     return any(ptr == b.untyped_storage().data_ptr() for b in workspace._buffers.values())
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOKS += ("_global_backward_pre_hooks",)
+
+
+def global_hooks() -> bool:
+    """Whether a global module hook is registered (``torch.nn.modules.module.register_module_forward_hook`` and
+    kin): it sees every module's call."""
+    return any(len(getattr(_module, name, ())) for name in _GLOBAL_HOOKS)
+
+
 def unobserved(*points: HookPoint) -> bool:
     """True if no hook (pre-hooks included) is attached to ``points``, none has a ``forward`` of its own (a tool that
     wraps modules, such as nnsight, sets one on the instance) and no global module hook could see their tensors, so a
     tensor passed through them is read by the caller alone (and a caller may skip calling them)."""
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-    names += ("_global_backward_pre_hooks",)
-    if any(len(getattr(_module, name, ())) for name in names):
+    if global_hooks():
         return False
     pre_hooks = any(len(p._forward_pre_hooks) or len(getattr(p, "_backward_pre_hooks", ())) for p in points)
     wrapped = any("forward" in p.__dict__ for p in points)
