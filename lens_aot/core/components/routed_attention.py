@@ -10,6 +10,7 @@ become neuron heads (Huben & Morris 2023, Theorem 3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import einops
@@ -119,7 +120,7 @@ class RoutedAttention(ScaledDenseHeads):
         batch, pos, _ = x.shape
         indices, weights = self.route(x)
         groups = self.expert_choices(indices)
-        q = self.per_expert(x.reshape(-1, self.d_model), groups, self.W_Q_experts, "n d, h d f -> n h f", True)
+        q = self.per_expert(x.reshape(-1, self.d_model), groups, self._query, per_token=True)
         q = self.hook_q(q.view(batch, pos, self.n_heads, self.d_head))
         k = self.hook_k(einops.einsum(x, self.W_K, "b p d, h d f -> b p h f"))
         v = self.hook_v(einops.einsum(x, self.W_V, "b p d, h d f -> b p h f"))
@@ -132,42 +133,37 @@ class RoutedAttention(ScaledDenseHeads):
         z = self.hook_z(self._z(q, k, v, mask))
         return self.write_out(z, groups, weights)
 
-    def expert_choices(
-        self, indices: Int[Tensor, "batch pos top_k"]
-    ) -> tuple[tuple[Int[Tensor, " chosen"], ...], list[int]]:
-        """The flat choices ``t·top_k + j`` (token ``t``'s slot ``j``) of each expert, and how many: one stable sort and
-        one host read of the counts, so that only the chosen experts' maps run, on their own rows (as the source's
-        ``JetMoeMoA`` does), and the cost follows top-k, not the number of experts."""
+    def expert_choices(self, indices: Int[Tensor, "batch pos top_k"]) -> tuple[Int[Tensor, " choices"], list[int]]:
+        """The flat choices ``t·top_k + j`` (token ``t``'s slot ``j``) sorted by expert (stably), and each expert's
+        count: one sort and one host read of the counts, so that only the chosen experts' maps run, on their own rows
+        (as the source's ``JetMoeMoA`` does), and the cost follows top-k, not the number of experts."""
         choice = indices.reshape(-1)
-        counts = torch.bincount(choice, minlength=self.n_experts).tolist()
-        return torch.sort(choice, stable=True).indices.split(counts), counts
+        return torch.sort(choice, stable=True).indices, torch.bincount(choice, minlength=self.n_experts).tolist()
 
     def per_expert(
         self,
-        rows: Float[Tensor, "rows d_in"],
-        groups: tuple[tuple[Int[Tensor, " chosen"], ...], list[int]],
-        maps: Float[Tensor, "n_experts ..."],
-        pattern: str,
+        rows: Float[Tensor, "rows ..."],
+        groups: tuple[Int[Tensor, " choices"], list[int]],
+        apply: Callable[[Tensor, int], Tensor],
         per_token: bool,
     ) -> Float[Tensor, "choices ..."]:
-        """Each choice's row (of ``rows``: one per token if ``per_token``, else one per choice) through its expert's map
-        ``maps[e]`` (``pattern``: the einsum of one expert's rows with its map), in the choices' order."""
-        chosen, counts = groups
-        out: Tensor | None = None
-        for e, choice in enumerate(chosen):
-            if not counts[e]:
-                continue
-            y = einops.einsum(rows.index_select(0, choice // self.top_k if per_token else choice), maps[e], pattern)
-            if out is None:
-                out = y.new_empty(sum(counts), *y.shape[1:])
-            out.index_copy_(0, choice, y)
-        assert out is not None  # every choice names an expert: some expert has rows
-        return out
+        """Each choice's row (of ``rows``: one per token if ``per_token``, else one per choice) through its expert,
+        ``apply(expert's rows, e)``, in the choices' order: the rows gathered in expert order once, each chosen
+        expert's block through its map, and the results put back in the choices' order once."""
+        order, counts = groups
+        blocks = rows.index_select(0, order // self.top_k if per_token else order).split(counts)
+        sorted_out = torch.cat([apply(block, e) for e, block in enumerate(blocks) if counts[e]])
+        return sorted_out.new_empty(sorted_out.shape).index_copy_(0, order, sorted_out)
+
+    def _query(self, rows: Float[Tensor, "n d_model"], e: int) -> Float[Tensor, "n kv_d_head"]:
+        """Expert ``e``'s queries of ``rows``, its ``n_kv`` heads side by side: one ``mm`` with its map as
+        ``[d_model, n_kv·d_head]`` (a copy of that expert's map only)."""
+        return rows @ self.W_Q_experts[e].permute(1, 0, 2).reshape(self.d_model, -1)
 
     def write_out(
         self,
         z: Float[Tensor, "batch pos head d_head"],
-        groups: tuple[tuple[Int[Tensor, " chosen"], ...], list[int]],
+        groups: tuple[Int[Tensor, " choices"], list[int]],
         weights: Float[Tensor, "batch pos top_k"],
     ) -> Float[Tensor, "batch pos d_model"]:
         """``Σ_j w_j Σ_h z[j·n_kv + h] W_O[e_j, h] + b_O``: each slot through its chosen expert's output map (only the
@@ -175,10 +171,18 @@ class RoutedAttention(ScaledDenseHeads):
         batch, pos = z.shape[:2]
         slots = z.reshape(-1, self.n_kv, self.d_head)  # choice t·top_k + j: slot j's heads of token t
         if self.use_attn_result:
-            out = self.per_expert(slots, groups, self.W_O_experts, "n h f, h f d -> n h d", False)
+
+            def per_head(rows: Float[Tensor, "n n_kv d_head"], e: int) -> Float[Tensor, "n n_kv d_model"]:
+                return einops.einsum(rows, self.W_O_experts[e], "n h f, h f d -> n h d")
+
+            out = self.per_expert(slots, groups, per_head, per_token=False)
             out = out.view(batch, pos, self.top_k, self.n_kv, self.d_model) * weights[..., None, None]
             return self.hook_result(out.reshape(batch, pos, self.n_heads, self.d_model)).sum(dim=2) + self.b_O
-        out = self.per_expert(slots, groups, self.W_O_experts, "n h f, h f d -> n d", False)
+
+        def summed(rows: Float[Tensor, "n kv_d_head"], e: int) -> Float[Tensor, "n d_model"]:
+            return rows @ self.W_O_experts[e].reshape(-1, self.d_model)  # Σ_h z_h W_O[e, h]: one mm
+
+        out = self.per_expert(slots.flatten(1), groups, summed, per_token=False)
         return (out.view(batch, pos, self.top_k, self.d_model) * weights[..., None]).sum(dim=2) + self.b_O
 
     def spec(self) -> RoutedAttentionSpec:
