@@ -95,6 +95,7 @@ def test_only_the_chosen_attention_experts_are_computed() -> None:
         attn.W_Q_experts[never] = float("nan")
         attn.W_O_experts[never] = float("nan")
         assert torch.equal(attn(one), want)
+        assert attn(x[:, :0]).shape == (x.shape[0], 0, x.shape[2])  # no positions: no choices, no rows
 
 
 def test_routed_attention_hooks_and_per_head_maps() -> None:

@@ -292,14 +292,15 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         self.embed.new_forward()  # Gemma 4: each forward computes its own (components/per_layer_inputs.py)
         cfg = self.cfg
         for block in self.blocks:
-            block.use_split_qkv_input, block.use_attn_in = cfg.use_split_qkv_input, cfg.use_attn_in
-            block.use_hook_mlp_in = cfg.use_hook_mlp_in and block.has_mlp
-            block.attn.ungroup = cfg.ungroup_grouped_query_attention
-            block.attn.use_attn_result = cfg.use_attn_result
+            _switch(block, "use_split_qkv_input", cfg.use_split_qkv_input)
+            _switch(block, "use_attn_in", cfg.use_attn_in)
+            _switch(block, "use_hook_mlp_in", cfg.use_hook_mlp_in and block.has_mlp)
+            _switch(block.attn, "ungroup", cfg.ungroup_grouped_query_attention)
+            _switch(block.attn, "use_attn_result", cfg.use_attn_result)
             for part in neuron_parts(block):  # the MLP, and Gemma 4's per-layer-input sublayer
-                getattr(block, part).use_fused = cfg.use_fused_neurons
+                _switch(getattr(block, part), "use_fused", cfg.use_fused_neurons)
                 for _, heads in getattr(block, part).head_modules():
-                    heads.use_attn_result = cfg.use_attn_result
+                    _switch(heads, "use_attn_result", cfg.use_attn_result)
 
     def set_use_fused_neurons(self, use_fused_neurons: bool) -> None:
         """Skip the neuron heads' per-head tensors (``hook_q/k/v/z``) while none of them is hooked, computing each
@@ -512,6 +513,13 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             extra=extra,
             **self.variant_specs(),
         )
+
+
+def _switch(module: nn.Module, name: str, value: Any) -> None:
+    """``setattr(module, name, value)`` only where it changes (``nn.Module.__setattr__`` takes microseconds, and a
+    forward syncs the switches of every head module: hundreds per layer in a mixture of 64 experts)."""
+    if getattr(module, name, None) != value:
+        setattr(module, name, value)
 
 
 def _names_predicate(names_filter: str | list[str] | Callable[[str], bool] | None) -> Callable[[str], bool]:

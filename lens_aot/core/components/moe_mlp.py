@@ -312,7 +312,8 @@ class MoEMLP(nn.Module):
     @use_fused.setter
     def use_fused(self, value: bool) -> None:
         for _, expert in self.expert_modules():
-            expert.use_fused = value
+            if expert.use_fused != value:  # nn.Module.__setattr__ only where it changes
+                expert.use_fused = value
 
     @property
     def b_out(self) -> Float[Tensor, " d_model"]:

@@ -115,7 +115,8 @@ class NeuronMLP(nn.Module):
 
     def head_modules(self) -> list[tuple[str, NeuronAttention | ProductAttention]]:
         """``(attribute, module)`` of the neuron-head modules, in forward order."""
-        return [(attr, getattr(self, attr)) for attr in NEURON_MODULES if hasattr(self, attr)]
+        modules = self._modules  # (not hasattr: a missing name costs an AttributeError through nn.Module)
+        return [(attr, modules[attr]) for attr in NEURON_MODULES if modules.get(attr) is not None]
 
     @property
     def _out_heads(self) -> NeuronAttention | ProductAttention:

@@ -149,10 +149,12 @@ class RoutedAttention(ScaledDenseHeads):
     ) -> Float[Tensor, "choices ..."]:
         """Each choice's row (of ``rows``: one per token if ``per_token``, else one per choice) through its expert,
         ``apply(expert's rows, e)``, in the choices' order: the rows gathered in expert order once, each chosen
-        expert's block through its map, and the results put back in the choices' order once."""
+        expert's block through its map, and the results put back in the choices' order once (no choices, as for an
+        input of no positions: no rows)."""
         order, counts = groups
         blocks = rows.index_select(0, order // self.top_k if per_token else order).split(counts)
-        sorted_out = torch.cat([apply(block, e) for e, block in enumerate(blocks) if counts[e]])
+        parts = [apply(block, e) for e, block in enumerate(blocks) if counts[e]] or [apply(rows[:0], 0)]
+        sorted_out = torch.cat(parts)
         return sorted_out.new_empty(sorted_out.shape).index_copy_(0, order, sorted_out)
 
     def _query(self, rows: Float[Tensor, "n d_model"], e: int) -> Float[Tensor, "n kv_d_head"]:

@@ -95,8 +95,12 @@ def lent(t: Tensor) -> bool:
     return any(ptr == b.untyped_storage().data_ptr() for b in workspace._buffers.values())
 
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-_GLOBAL_HOOKS += ("_global_backward_pre_hooks",)
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 
 
 def global_hooks() -> bool:
