@@ -216,15 +216,14 @@ class MoEMLP(nn.Module):
         rows, out_rows = flat[None], out[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
         dense_weights: Tensor | None = None
         groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
-        if self.quiet(flat):  # nothing hooked, so no expert runs densely
-            groups = self.token_groups(indices, weights)
-            return self.routed_batched((flat, rows), (out, out_rows), *groups, shared_out, quiet=True)
-        plan = [self.runs_densely(expert) for expert in self.experts]
+        quiet = self.quiet(flat)  # nothing can observe any expert, so none is hooked to run densely
+        plan = [False] * self.n_experts if quiet else [self.runs_densely(expert) for expert in self.experts]
         for e, dense in enumerate(plan):
             for hook in self._routed_hooks[e]:
                 hook.routed = not dense
         if not any(plan) and chunked(flat):  # every expert on its rows: the heads batched where unobserved
-            return self.routed_batched((flat, rows), (out, out_rows), *self.token_groups(indices, weights), shared_out)
+            groups = self.token_groups(indices, weights)
+            return self.routed_batched((flat, rows), (out, out_rows), *groups, shared_out, quiet)
         for e, expert in enumerate(self.experts):
             dense = plan[e]
             if dense:
