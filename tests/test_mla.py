@@ -8,6 +8,7 @@ conversion states. The pieces are also checked alone, tightly (float64: the comp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cache
 from typing import Any
@@ -17,9 +18,11 @@ import torch
 from torch import nn
 
 import lens_aot
+import lens_aot.tl.read_mla as read_mla_module
 from lens_aot.core.components.mla_attention import MLAAttention
 from lens_aot.core.components.mlp import MLP
 from lens_aot.core.components.moe_mlp import MoEMLP
+from lens_aot.core.kv_cache import KeyValueCache
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import LoadError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
@@ -110,10 +113,10 @@ def test_mla_attention_is_exact_and_scale_or_eps_changes_fail(arch: str) -> None
     want = _source_attention(hf_attn, rotary, x)
     with torch.no_grad():
         assert _relative(MLAAttention(spec, True)(x), want) <= 1e-12
-        scaled = MLASpec(**{**spec.__dict__, "scale": spec.scale * (1 + 1e-3)})
+        scaled = dataclasses.replace(spec, scale=spec.scale * (1 + 1e-3))
         assert _relative(MLAAttention(scaled, True)(x), want) > 1e-10
         norm = spec.kv_a_norm
-        eps = MLASpec(**{**spec.__dict__, "kv_a_norm": type(norm)(**{**norm.__dict__, "eps": norm.eps + 1e-3})})
+        eps = dataclasses.replace(spec, kv_a_norm=dataclasses.replace(norm, eps=norm.eps + 1e-3))
         assert _relative(MLAAttention(eps, True)(x), want) > 1e-10
 
 
@@ -151,15 +154,46 @@ def test_generate_and_reference_model_follow_the_source() -> None:
         assert (MLPTransformer(spec)(tokens) - source(tokens).logits).abs().max().item() <= 1e-10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("arch", [*MLA_FAMILIES, "JetMoeForCausalLM"])
+def test_rotary_recipe_is_bitwise_the_tables_and_holds_no_n_ctx_rows(
+    arch: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLA's and routed attention's rotary tables are a recipe verified against the source's rotary module, their rows
+    computed on demand: the logits, and those of positions after a key-value cache's, are bitwise those of the model
+    built with the n_ctx-row tables, and the converted model holds no tensor of n_ctx rows (it held two before)."""
+    aot = lens_aot.convert(_bridge(arch, dtype)[1])
+    attn = aot.blocks[0].attn
+    assert "rotary" in attn._modules and "rope_cos" not in attn._buffers
+    n_ctx = attn.rotary.n_ctx
+    assert not [t.shape for t in (*aot.parameters(), *aot.buffers()) if t.ndim == 2 and t.shape[0] == n_ctx]
+    with monkeypatch.context() as patched:
+        patched.setattr(read_mla_module, "verified_recipe", lambda *args: None)
+        tables = lens_aot.convert(_bridge(arch, dtype)[1])
+    assert tables.blocks[0].attn._buffers["rope_cos"].shape[0] == n_ctx
+    tokens = tokens_for(seed=3)
+    with torch.no_grad():
+        assert torch.equal(aot(tokens), tables(tokens))
+        steps = []
+        for model in (aot, tables):  # positions after cached ones: the rows past the prompt's
+            past = KeyValueCache.init_cache(model.cfg, "cpu", tokens.shape[0])
+            model(tokens[:, :5], past_kv_cache=past)
+            steps.append(model(tokens[:, 5:9], past_kv_cache=past))
+    assert torch.equal(*steps)
+
+
 def assert_round_trips(aot: Any, path: Any) -> Any:
     """Save ``aot`` to ``path`` and load it back: the loaded model shares no tensor with ``aot``, has the same hook
     names and state, and its float32 logits equal ``aot``'s exactly (torch.equal). Returns the loaded model."""
     lens_aot.save(aot, path)
     loaded = lens_aot.load(path)
     tokens = tokens_for(seed=3)
+
     # the models' own tensors (a bridge source's state_dict keys are computed on the call: temporaries)
-    ours = {t.untyped_storage().data_ptr() for t in (*aot.parameters(), *aot.buffers())}
-    assert not ours & {t.untyped_storage().data_ptr() for t in (*loaded.parameters(), *loaded.buffers())}
+    def storages(model: Any) -> set[int]:  # (an empty tensor, a rotary recipe's dtype probe, has no storage)
+        return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+
+    assert not storages(aot) & storages(loaded)
     assert sorted(loaded.hook_dict) == sorted(aot.hook_dict)
     assert loaded.state_dict().keys() == aot.state_dict().keys()
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in aot.state_dict().items())
@@ -213,6 +247,36 @@ def test_mla_and_group_router_save_and_load(arch: str, tmp_path: Any) -> None:
             with pytest.raises(LoadError, match=message):
                 lens_aot.load(tmp_path / "mla")
             record.pop(field) if old is None else record.__setitem__(field, old)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "JetMoeForCausalLM"])
+def test_rotary_tables_saved_as_a_recipe_or_as_rows(arch: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converted model saves its MLA / routed attention's rotary tables as a recipe record (no rows); a save with
+    the rows (every save before recipes, here a model built with them) still loads, to the same logits; a record with
+    neither, or with both, is refused by path."""
+    aot = lens_aot.convert(_bridge(arch, torch.float32)[1])
+    lens_aot.save(aot, tmp_path / "recipe")
+    with monkeypatch.context() as patched:
+        patched.setattr(read_mla_module, "verified_recipe", lambda *args: None)
+        tables = lens_aot.convert(_bridge(arch, torch.float32)[1])
+    lens_aot.save(tables, tmp_path / "rows")
+    config = {k: json.loads((tmp_path / k / "config.json").read_text()) for k in ("recipe", "rows")}
+    attn = {k: c["spec"]["layers"][0]["attn"] for k, c in config.items()}
+    assert "rope_recipe" in attn["recipe"] and "cos" not in attn["recipe"] and "sin" not in attn["recipe"]
+    assert "rope_recipe" not in attn["rows"] and {"cos", "sin"} <= attn["rows"].keys()
+    tokens = tokens_for(seed=3)
+    with torch.no_grad():
+        logits = aot(tokens)
+        assert torch.equal(lens_aot.load(tmp_path / "rows")(tokens), logits)
+        assert torch.equal(lens_aot.load(tmp_path / "recipe")(tokens), logits)
+    for edit in ({"rope_recipe": attn["recipe"]["rope_recipe"]}, {"cos": None, "sin": None}):
+        record = config["rows"]["spec"]["layers"][0]["attn"]
+        saved = dict(record)
+        record.update(edit)
+        (tmp_path / "rows" / "config.json").write_text(json.dumps(config["rows"]))
+        with pytest.raises(LoadError, match=r"layers.0.attn must hold either cos and sin or rope_recipe"):
+            lens_aot.load(tmp_path / "rows")
+        record.clear(), record.update(saved)
 
 
 def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:

@@ -203,12 +203,13 @@ class RotarySpec:
     recipe: RotaryRecipe | None = None
 
 
-def _table(index: int) -> property:
-    """``RotarySpec.cos`` / ``.sin``: the stored table, or the recipe's rows over n_ctx (computed when first read,
-    then kept by this spec, so that the layers that read them share one table: MLA, routed attention, revert)."""
+def recipe_table(index: int) -> property:
+    """``cos`` / ``.sin`` of a spec with an optional ``recipe`` (:class:`RotarySpec`, MLA, routed attention): the stored
+    table, or the recipe's rows over n_ctx (computed when first read, then kept by this spec, so that what reads them
+    shares one table: revert, the reference, a save of an old format)."""
     name = ("_cos", "_sin")[index]
 
-    def get(self: RotarySpec) -> Tensor:
+    def get(self: Any) -> Tensor:
         stored = self.__dict__.get(name)
         if stored is None and self.__dict__.get("recipe") is not None:  # once, then the same tensors (shared)
             if "_rows" not in self.__dict__:
@@ -216,14 +217,14 @@ def _table(index: int) -> property:
             return self.__dict__["_rows"][index]
         return stored  # type: ignore[return-value]
 
-    def put(self: RotarySpec, value: Tensor | None) -> None:
+    def put(self: Any, value: Tensor | None) -> None:
         self.__dict__[name] = value
 
     return property(get, put)
 
 
-RotarySpec.cos = _table(0)  # type: ignore[method-assign,assignment]
-RotarySpec.sin = _table(1)  # type: ignore[method-assign,assignment]
+RotarySpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
+RotarySpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]
 
 
 @dataclass

@@ -18,7 +18,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.spec import NormSpec
+from lens_aot.core.rotary_recipe import RotaryRecipe
+from lens_aot.core.spec import NormSpec, recipe_table
 from lens_aot.core.spec_dsa import IndexerSpec
 from lens_aot.core.spec_scaled import NoAttentionVariants
 
@@ -35,7 +36,9 @@ class MLASpec(NoAttentionVariants):
     ``W_Q`` maps the query input (``x`` without query compression, else the normed query latent) to each head's
     query; its first dimension is the number of heads, as for :class:`~lens_aot.core.spec.AttentionSpec`. The key
     and value maps ``W_K`` / ``W_V`` read the normed key-value latent. ``cos`` / ``sin`` are the source's own rotary
-    tables over ``rope_dim`` channels (for "complex": the real and imaginary parts of its complex table).
+    tables over ``rope_dim`` channels (for "complex": the real and imaginary parts of its complex table), or, with a
+    ``recipe``, computed from it on demand (bitwise the same: verified against the source when read; ``cos`` / ``sin``
+    are then None until read, and a read materialises the n_ctx rows: for export, revert and the reference only).
     """
 
     W_Q: Float[Tensor, "n_heads q_in d_qk"]
@@ -57,6 +60,7 @@ class MLASpec(NoAttentionVariants):
     softmax_dtype: torch.dtype | None = torch.float32
     # DeepSeek Sparse Attention's indexer (GLM-MoE-DSA): each query keeps only its top-k keys (lens_aot.core.spec_dsa)
     indexer: IndexerSpec | None = None
+    recipe: RotaryRecipe | None = None  # cos / sin computed on demand (lens_aot.core.rotary_recipe)
 
     @property
     def n_heads(self) -> int:
@@ -65,3 +69,7 @@ class MLASpec(NoAttentionVariants):
     @property
     def kv_rank(self) -> int:
         return int(self.W_K.shape[1])
+
+
+MLASpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
+MLASpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]

@@ -20,13 +20,16 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.rotary_recipe import RotaryRecipe
+from lens_aot.core.spec import recipe_table
 from lens_aot.core.spec_scaled import NoAttentionVariants
 
 
 @dataclass
 class RoutedAttentionSpec(NoAttentionVariants):
     """One mixture-of-attention-heads layer (module docstring). ``cos`` / ``sin``: the source's rotary tables over the
-    whole head (rotate-half layout), one row per position."""
+    whole head (rotate-half layout), one row per position, or, with a ``recipe``, computed from it on demand (as
+    :class:`~lens_aot.core.spec_mla.MLASpec`'s)."""
 
     W_router: Float[Tensor, "d_model n_experts"]
     top_k: int
@@ -40,6 +43,7 @@ class RoutedAttentionSpec(NoAttentionVariants):
     sin: Float[Tensor, "n_ctx d_head"]
     router_dtype: torch.dtype | None = torch.float32  # the router logits are cast to it after the projection
     softmax_dtype: torch.dtype | None = torch.float32
+    recipe: RotaryRecipe | None = None  # cos / sin computed on demand (lens_aot.core.rotary_recipe)
 
     @property
     def n_experts(self) -> int:
@@ -53,3 +57,7 @@ class RoutedAttentionSpec(NoAttentionVariants):
     def n_heads(self) -> int:
         """The slot heads: ``top_k · n_kv``."""
         return int(self.top_k) * self.n_kv
+
+
+RoutedAttentionSpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
+RoutedAttentionSpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]

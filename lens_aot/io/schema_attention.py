@@ -5,12 +5,17 @@ indexer (:class:`~lens_aot.core.spec_dsa.IndexerSpec`), and JetMoE's mixture of 
 
 Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
 
-    mla     {kind: "mla", W_Q, W_kv_a, kv_a_norm: norm, W_K, W_V, W_O, b_O, scale, rope_dim, cos, sin, rope_layout,
+    mla     {kind: "mla", W_Q, W_kv_a, kv_a_norm: norm, W_K, W_V, W_O, b_O, scale, rope_dim, rope, rope_layout,
              W_q_a?, b_q_a?, q_a_norm?: norm, b_kv_a?, softmax_dtype?, [indexer: indexer]}
     indexer {W_q, W_k, k_norm: norm, W_weights, top_k, rope_dim, rope_layout, softmax_scale, weights_scale,
              scores_dtype}
-    routed  {kind: "routed", W_router, top_k, W_Q, W_K, W_V, W_O, b_O, scale, cos, sin, router_dtype?,
+    routed  {kind: "routed", W_router, top_k, W_Q, W_K, W_V, W_O, b_O, scale, rope, router_dtype?,
              softmax_dtype?}
+    rope    cos, sin  |  rope_recipe: recipe
+
+``rope`` is the rotary tables: the rows ``cos`` / ``sin`` (every save before recipes), or a ``rope_recipe`` record
+(:mod:`lens_aot.io.schema_rotary`: a few numbers, not n_ctx rows); a lens_aot that does not know ``rope_recipe``
+refuses such a file by its unknown field.
 
 A layer's ``attn`` record is one of these exactly when it has ``kind`` (a plain attention record has none, so files
 without these kinds are unchanged); a lens_aot that does not know them refuses such a file by its unknown fields.
@@ -26,17 +31,19 @@ from lens_aot.core.spec_dsa import IndexerSpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io.schema_rotary import decode_recipe, encode_recipe
 
 __all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "encode_attention", "required_norm"]
 
-_MLA_TENSORS = ("W_Q", "W_kv_a", "W_K", "W_V", "W_O", "b_O", "cos", "sin")
+_MLA_TENSORS = ("W_Q", "W_kv_a", "W_K", "W_V", "W_O", "b_O")
+_ROPE = ("cos", "sin", "rope_recipe")  # the tables, or a recipe (one or the other)
 _MLA_OPTIONAL_TENSORS = ("W_q_a", "b_q_a", "b_kv_a")
 _MLA_FIELDS = ("kind", *_MLA_TENSORS, *_MLA_OPTIONAL_TENSORS, "kv_a_norm", "q_a_norm", "scale", "rope_dim")
 _MLA_FIELDS += ("rope_layout", "softmax_dtype")
 _INDEXER_TENSORS = ("W_q", "W_k", "W_weights")
 _INDEXER_FIELDS = (*_INDEXER_TENSORS, "k_norm", "top_k", "rope_dim", "rope_layout", "softmax_scale", "weights_scale")
 _INDEXER_FIELDS += ("scores_dtype",)
-_ROUTED_TENSORS = ("W_router", "W_Q", "W_K", "W_V", "W_O", "b_O", "cos", "sin")
+_ROUTED_TENSORS = ("W_router", "W_Q", "W_K", "W_V", "W_O", "b_O")
 _ROUTED_FIELDS = ("kind", *_ROUTED_TENSORS, "top_k", "scale", "router_dtype", "softmax_dtype")
 _ROPE_LAYOUTS = ("halves", "interleaved", "complex")
 # AttentionSpec's variants, which these specs carry only as "off" (a set one would be silently dropped on save).
@@ -69,7 +76,7 @@ def encode_attention(encoder: Any, attn: MLASpec | RoutedAttentionSpec, key: str
     """``attn`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
     _check_off(attn, key)
     if isinstance(attn, MLASpec):
-        out: dict[str, Any] = {"kind": "mla"}
+        out: dict[str, Any] = {"kind": "mla", **_encode_rope(encoder, attn, key)}
         out |= {n: encoder.tensor(getattr(attn, n), f"{key}.{n}") for n in (*_MLA_TENSORS, *_MLA_OPTIONAL_TENSORS)}
         out |= {n: encoder.norm(getattr(attn, n), f"{key}.{n}") for n in ("kv_a_norm", "q_a_norm")}
         out |= {"scale": float(attn.scale), "rope_dim": int(attn.rope_dim), "rope_layout": str(attn.rope_layout)}
@@ -79,12 +86,32 @@ def encode_attention(encoder: Any, attn: MLASpec | RoutedAttentionSpec, key: str
         return out
     if isinstance(attn, RoutedAttentionSpec):
         out = {"kind": "routed", **{n: encoder.tensor(getattr(attn, n), f"{key}.{n}") for n in _ROUTED_TENSORS}}
+        out |= _encode_rope(encoder, attn, key)
         out |= {"top_k": int(attn.top_k), "scale": float(attn.scale)}
         return out | {n: _dtype(attn, n) for n in ("router_dtype", "softmax_dtype")}
     raise UnsupportedArchitectureError(
         f"{key}: an attention of type {type(attn).__name__} has no saved format; save a model returned by "
         f"lens_aot.convert, or convert the source again instead of saving."
     )
+
+
+def _encode_rope(encoder: Any, attn: MLASpec | RoutedAttentionSpec, key: str) -> dict[str, Any]:
+    """The rotary tables' fields: the recipe's record, or (no recipe) the rows as tensors."""
+    if attn.recipe is not None:
+        return {"rope_recipe": encode_recipe(attn.recipe)}
+    return {n: encoder.tensor(getattr(attn, n), f"{key}.{n}") for n in ("cos", "sin")}
+
+
+def _decode_rope(decoder: Any, f: dict[str, Any], path: str) -> dict[str, Any]:
+    """The spec's ``cos`` / ``sin`` / ``recipe`` from a record's fields: exactly the tables or the recipe."""
+    if (f.get("rope_recipe") is None) == (f.get("cos") is None or f.get("sin") is None):
+        raise LoadError(
+            f"{decoder.where}: {path} must hold either cos and sin or rope_recipe (the rotary tables); the file is "
+            "corrupt. Save the model again."
+        )
+    if f.get("rope_recipe") is not None:
+        return {"cos": None, "sin": None, "recipe": decode_recipe(decoder, f["rope_recipe"], f"{path}.rope_recipe")}
+    return {n: decoder.required_tensor(f[n], f"{path}.{n}") for n in ("cos", "sin")} | {"recipe": None}
 
 
 def _encode_indexer(encoder: Any, indexer: IndexerSpec, key: str) -> dict[str, Any]:
@@ -113,9 +140,10 @@ def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAtten
     """The inverse of :func:`encode_attention` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
     kind = attention_kind(obj)
     if kind == "mla":
-        f = decoder.fields(obj, path, _MLA_FIELDS, ("indexer",))
+        f = decoder.fields(obj, path, _MLA_FIELDS, ("indexer", *_ROPE))
         return MLASpec(
             **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _MLA_TENSORS},
+            **_decode_rope(decoder, f, path),
             **{n: decoder.tensor(f[n], f"{path}.{n}") for n in _MLA_OPTIONAL_TENSORS},
             kv_a_norm=required_norm(decoder, f["kv_a_norm"], f"{path}.kv_a_norm"),
             q_a_norm=decoder.norm(f["q_a_norm"], f"{path}.q_a_norm"),
@@ -126,9 +154,10 @@ def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAtten
             indexer=None if f.get("indexer") is None else _decode_indexer(decoder, f["indexer"], f"{path}.indexer"),
         )
     if kind == "routed":
-        f = decoder.fields(obj, path, _ROUTED_FIELDS)
+        f = decoder.fields(obj, path, _ROUTED_FIELDS, _ROPE)
         return RoutedAttentionSpec(
             **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _ROUTED_TENSORS},
+            **_decode_rope(decoder, f, path),
             top_k=int(f["top_k"]),
             scale=float(f["scale"]),
             router_dtype=decoder.dtype(f["router_dtype"], f"{path}.router_dtype"),
@@ -177,8 +206,7 @@ def attention_shape_problems(attn: Any, path: str, d_model: int, n_ctx: int) -> 
         expect("W_q_a", attn.W_q_a, d_model, q_in)
         expect("b_q_a", attn.b_q_a, q_in)
         table = attn.rope_dim // 2 if attn.rope_layout == "complex" else attn.rope_dim  # complex: one per pair
-        expect("cos", attn.cos, n_ctx, table)
-        expect("sin", attn.sin, n_ctx, table)
+        problems += _rope_problems(attn, path, n_ctx, table)
         if attn.indexer is not None:
             ix = attn.indexer
             expect("indexer.W_q", ix.W_q, q_in, ix.n_heads, ix.W_k.shape[1])
@@ -190,9 +218,18 @@ def attention_shape_problems(attn: Any, path: str, d_model: int, n_ctx: int) -> 
         expect("W_Q", attn.W_Q, n, kv, d_model, e)
         expect("W_V", attn.W_V, kv, d_model, e)
         expect("W_O", attn.W_O, n, kv, e, d_model)
-        expect("cos", attn.cos, n_ctx, e)
-        expect("sin", attn.sin, n_ctx, e)
+        problems += _rope_problems(attn, path, n_ctx, e)
         if not 1 <= attn.top_k <= n:
             problems.append(f"{path}.top_k is {attn.top_k}, expected 1..{n}")
     expect("b_O", attn.b_O, d_model)
     return problems
+
+
+def _rope_problems(attn: MLASpec | RoutedAttentionSpec, path: str, n_ctx: int, width: int) -> list[str]:
+    """Shape disagreements of the rotary tables (or of the recipe's rows, without computing them)."""
+    want = (n_ctx, width)
+    if attn.recipe is not None:
+        got = (attn.recipe.n_ctx, attn.recipe.width)
+        return [] if got == want else [f"{path}.rope_recipe gives {list(got)} rows, expected {list(want)}"]
+    shapes = {n: tuple(t.shape) for n in ("cos", "sin") if (t := attn.__dict__.get("_" + n)) is not None}
+    return [f"{path}.{n} has shape {list(s)}, expected {list(want)}" for n, s in shapes.items() if s != want]

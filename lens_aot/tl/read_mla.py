@@ -7,7 +7,9 @@ bridge's components (``q_proj`` or ``q_a_proj`` → ``q_a_layernorm`` → ``q_b_
 ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), its softmax scale from
 the module's ``scaling`` (YaRN's mscale² included, as the source computed it), the rotary layout from the config's
 ``rope_interleave`` or the rotary module's output (a complex table: DeepSeek-V2), and the rotary tables from the
-source's own rotary module. The bridge probe then checks each layer's reading against its recorded forward.
+source's own rotary module: as a recipe computed on demand where its rows equal the module's bitwise at every position
+(:func:`lens_aot.tl.rotary_tables.verified_recipe`), else the n_ctx rows themselves. The bridge probe then checks
+each layer's reading against its recorded forward.
 
 GLM-MoE-DSA's sparse-attention indexer (each query attends only to the ``index_topk`` keys its indexer scores
 highest) is carried as its own component (:mod:`lens_aot.core.components.dsa_indexer`), for any ``n_ctx``; a layer
@@ -17,11 +19,14 @@ that reuses an earlier layer's selection (``indexer_types`` "shared") is refused
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from jaxtyping import Float
+from torch import Tensor, nn
 
+from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.core.spec import NormSpec
 from lens_aot.core.spec_dsa import IndexerSpec
 from lens_aot.core.spec_mla import MLASpec, RopeLayout
@@ -29,6 +34,20 @@ from lens_aot.tl.bridge_attention import check_rope_type
 from lens_aot.tl.bridge_components import _component, _copy, _linear, _native_norm_module, _norm, _original
 from lens_aot.tl.bridge_probe import refuse_piece
 from lens_aot.tl.read_moe import _unwrap
+from lens_aot.tl.rotary_tables import verified_recipe
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """The source's rotary tables for MLA and routed attention: a verified ``recipe`` (``cos`` / ``sin`` None: rows
+    computed on demand) or the ``cos`` / ``sin`` rows over n_ctx; ``complex``: the module's table is complex
+    (DeepSeek-V2; ``cos`` / ``sin`` its real and imaginary parts); ``width``: the columns of a row."""
+
+    cos: Float[Tensor, "n_ctx width"] | None
+    sin: Float[Tensor, "n_ctx width"] | None
+    complex: bool
+    width: int
+    recipe: RotaryRecipe | None = None
 
 
 def is_mla(block: Any) -> bool:
@@ -49,22 +68,33 @@ def _projection(layer: int, attn_bridge: Any, name: str, dtype: torch.dtype, bia
     return W, (b if module.bias is not None else None)
 
 
-def _tables(bridge: Any, model: nn.Module, n_ctx: int, dtype: torch.dtype) -> tuple[Any, Any, bool]:
-    """The source rotary module's tables for positions ``0..n_ctx-1``: ``(cos, sin, complex)``; a complex table
-    (DeepSeek-V2) gives its real and imaginary parts."""
+def _tables(bridge: Any, model: nn.Module, n_ctx: int, dtype: torch.dtype) -> RopeTables:
+    """The source rotary module's tables for positions ``0..n_ctx-1``: a recipe verified bitwise against the module's
+    rows at every position, else the rows (a complex table, DeepSeek-V2's, gives its real and imaginary parts)."""
     rotary_bridge = _component(bridge, "rotary_emb")
     inner = getattr(model, "model", None)
     rotary = _original(rotary_bridge) if rotary_bridge is not None else getattr(inner, "rotary_emb", None)
     if not isinstance(rotary, nn.Module):
         raise refuse_piece(None, "rotary_emb", "multi-head latent attention without a rotary module")
     device = next(model.parameters()).device
+    with torch.no_grad():
+        first = rotary(
+            torch.zeros(1, 1, 1, dtype=dtype, device=device), torch.zeros(1, 1, dtype=torch.long, device=device)
+        )
+    complex_table = isinstance(first, Tensor) and first.is_complex()
+    width = int((first if complex_table else first[0]).shape[-1])
+    # a complex row as the recipe lays it out: [re, re, ...] / [im, im, ...], each frequency twice (module_tables)
+    columns = torch.arange(0, 2 * width, 2) if complex_table else None
+    recipe = verified_recipe(rotary, n_ctx, dtype, device, None, columns, False)
+    if recipe is not None:
+        return RopeTables(None, None, complex_table, width, recipe)
     positions = torch.arange(n_ctx, device=device)[None]
     with torch.no_grad():
         out = rotary(torch.zeros(1, n_ctx, 1, dtype=dtype, device=device), positions)
-    if isinstance(out, torch.Tensor) and out.is_complex():
-        return _copy(out[0].real), _copy(out[0].imag), True
+    if complex_table:
+        return RopeTables(_copy(out[0].real), _copy(out[0].imag), True, width)
     cos, sin = out
-    return _copy(cos[0]), _copy(sin[0]), False
+    return RopeTables(_copy(cos[0]), _copy(sin[0]), False, width)
 
 
 def _mla_norm(attn_bridge: Any, name: str, dtype: torch.dtype) -> NormSpec:
@@ -80,7 +110,7 @@ def _mla_norm(attn_bridge: Any, name: str, dtype: torch.dtype) -> NormSpec:
 
 
 def read_mla_layer(
-    layer: int, attn_bridge: Any, config: Any, dtype: torch.dtype, tables: tuple[Any, Any, bool], n_ctx: int
+    layer: int, attn_bridge: Any, config: Any, dtype: torch.dtype, tables: RopeTables, n_ctx: int
 ) -> MLASpec:
     """One layer's :class:`MLASpec` (module docstring)."""
     module = _original(attn_bridge)
@@ -111,11 +141,10 @@ def read_mla_layer(
     if W_kv_a.shape[1] != kv_rank + rope or W_kv_b.shape != (kv_rank, n_heads * (nope + d_v)):
         raise refuse_piece(layer, "attn", "MLA projections whose widths disagree with kv_lora_rank / head widths")
     kv_b = W_kv_b.reshape(kv_rank, n_heads, nope + d_v).permute(1, 0, 2)  # [head, kv_rank, nope + d_v]
-    cos, sin, complex_table = tables
     # the config's rope_interleave; GLM-MoE-DSA's attention (the one with an indexer) always interleaves
     interleave = getattr(config, "rope_interleave", None)
     interleave = indexer is not None if interleave is None else bool(interleave)
-    layout: RopeLayout = "complex" if complex_table else ("interleaved" if interleave else "halves")
+    layout: RopeLayout = "complex" if tables.complex else ("interleaved" if interleave else "halves")
 
     return MLASpec(
         W_Q=W_q.reshape(W_q.shape[0], n_heads, nope + rope).permute(1, 0, 2).contiguous(),
@@ -127,8 +156,9 @@ def read_mla_layer(
         b_O=b_o if b_o is not None else torch.zeros(W_o.shape[1], dtype=W_o.dtype, device=W_o.device),
         scale=float(module.scaling),
         rope_dim=rope,
-        cos=cos,
-        sin=sin,
+        cos=tables.cos,  # type: ignore[arg-type]
+        sin=tables.sin,  # type: ignore[arg-type]
+        recipe=tables.recipe,
         rope_layout=layout,
         W_q_a=W_q_a,
         b_q_a=b_q_a,
@@ -162,7 +192,7 @@ def read_indexer(layer: int, indexer: nn.Module, q_a: bool, dtype: torch.dtype) 
 
 def every_block_tables(
     bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype, test: Callable[[Any], bool], what: str
-) -> tuple[Any, Any, bool]:
+) -> RopeTables:
     """Check that every block's attention passes ``test`` (refusing ``what`` "in some layers only") and the rotary
     scaling is one the tables cover, then read the source's rotary tables (:func:`_tables`)."""
     n_ctx = int(bridge.cfg.n_ctx)

@@ -11,6 +11,7 @@ against its recorded forward (:func:`lens_aot.tl.read_bridge._verify`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.tl.bridge_components import _component, _copy, _original
 from lens_aot.tl.bridge_probe import refuse_piece
-from lens_aot.tl.read_mla import every_block_reading, every_block_tables
+from lens_aot.tl.read_mla import RopeTables, every_block_reading, every_block_tables
 from lens_aot.tl.read_moe import _unwrap
 
 __all__ = ["is_routed", "read_routed"]
@@ -40,9 +41,7 @@ def _weight(layer: int, module: Any, name: str, ndim: int) -> Tensor:
     return weight.detach()
 
 
-def read_routed_layer(
-    layer: int, attn_bridge: Any, dtype: torch.dtype, cos: Tensor, sin: Tensor
-) -> RoutedAttentionSpec:
+def read_routed_layer(layer: int, attn_bridge: Any, dtype: torch.dtype, tables: RopeTables) -> RoutedAttentionSpec:
     """One layer's :class:`RoutedAttentionSpec` (module docstring)."""
     module = _original(attn_bridge)
     moa, kv_proj = _unwrap(module.experts), _unwrap(getattr(module, "kv_proj", None))
@@ -59,8 +58,8 @@ def read_routed_layer(
         raise refuse_piece(layer, "attn", "mixture-of-attention widths that disagree with head_dim / kv heads / top_k")
     bias = getattr(moa, "bias", None)
     b_O = _copy(bias.detach()) if isinstance(bias, Tensor) else W_in.new_zeros(d_model)
-    if cos.shape[-1] != d_head:
-        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {cos.shape[-1]} for head_dim {d_head}")
+    if tables.width != d_head:
+        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {tables.width} for head_dim {d_head}")
 
     def per_head(W: Tensor) -> Tensor:  # [n_kv·d_head, d_model] -> [n_kv, d_model, d_head]
         return _copy(W.reshape(n_kv, d_head, d_model).transpose(1, 2))
@@ -74,19 +73,19 @@ def read_routed_layer(
         W_O=_copy(W_out.transpose(1, 2).reshape(n_experts, n_kv, d_head, d_model)),
         b_O=b_O,
         scale=float(module.scaling),
-        cos=cos,
-        sin=sin,
+        cos=tables.cos,  # type: ignore[arg-type]
+        sin=tables.sin,  # type: ignore[arg-type]
+        recipe=tables.recipe,
     )
 
 
 def read_routed(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     """What :func:`lens_aot.tl.read_bridge.read_bridge` reads off a Hugging Face source whose every block is a
     mixture of attention heads (the same keys as its ``_read_hf``, plus ``"routed"``: each layer's spec)."""
-    cos, sin, complex_table = every_block_tables(
-        bridge, model, blocks, dtype, is_routed, "a mixture of attention heads"
-    )
-    if complex_table:
+    tables = every_block_tables(bridge, model, blocks, dtype, is_routed, "a mixture of attention heads")
+    if tables.complex:
         raise refuse_piece(None, "rotary_emb", "a complex rotary table beside a mixture of attention heads")
-    cos, sin = cos.to(dtype), sin.to(dtype)
-    specs = [read_routed_layer(i, _component(b, "attn"), dtype, cos, sin) for i, b in enumerate(blocks)]
+    if tables.recipe is None:  # (a recipe's rows are already in dtype: verified_recipe casts them)
+        tables = dataclasses.replace(tables, cos=tables.cos.to(dtype), sin=tables.sin.to(dtype))  # type: ignore[union-attr]
+    specs = [read_routed_layer(i, _component(b, "attn"), dtype, tables) for i, b in enumerate(blocks)]
     return every_block_reading(model, "routed", specs)

@@ -19,7 +19,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import Attention, with_cached
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.components.ownership import exported, parameter, table
+from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.scaled_heads import ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec import AttentionSpec, RotarySpec
@@ -101,8 +101,7 @@ class MLAAttention(ScaledDenseHeads):
         self._no_variants()
         self.rope_layout = spec.rope_layout
         self.rope_dim = int(spec.rope_dim)
-        self.register_buffer("rope_cos", table(spec.cos, spec.W_Q.device))  # one per model and device
-        self.register_buffer("rope_sin", table(spec.sin, spec.W_Q.device))
+        self._keep_rope(spec, spec.W_Q.device)
         self.n_heads, _, self.d_head = spec.W_Q.shape
         self.n_kv = self.n_heads  # every head has its own key and value (from the shared latent)
         self.d_model = int(spec.W_O.shape[2])
@@ -238,8 +237,6 @@ class MLAAttention(ScaledDenseHeads):
             b_O=exported(self.b_O),
             scale=self.scale,
             rope_dim=self.rope_dim,
-            cos=exported(self.rope_cos),
-            sin=exported(self.rope_sin),
             rope_layout=self.rope_layout,  # type: ignore[arg-type]
             W_q_a=exported(self.W_q_a) if q_a else None,
             b_q_a=exported(self.b_q_a) if q_a and self.b_q_a is not None else None,
@@ -247,6 +244,7 @@ class MLAAttention(ScaledDenseHeads):
             b_kv_a=None if self.b_kv_a is None else exported(self.b_kv_a),
             softmax_dtype=self.softmax_dtype,
             indexer=self.indexer.spec() if hasattr(self, "indexer") else None,
+            **self.rope_fields(),  # type: ignore[arg-type]
         )
 
 

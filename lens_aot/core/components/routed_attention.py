@@ -63,8 +63,7 @@ class RoutedAttention(ScaledDenseHeads):
         self.scale = float(spec.scale)
         self.router_dtype = spec.router_dtype
         self.softmax_dtype = spec.softmax_dtype
-        self.register_buffer("rope_cos", spec.cos.detach().to(spec.W_Q.device, copy=True))
-        self.register_buffer("rope_sin", spec.sin.detach().to(spec.W_Q.device, copy=True))
+        self._keep_rope(spec, spec.W_Q.device)
         self.causal = causal
         self._no_variants()
         for name in ("router_logits", "expert_indices", "expert_weights", "q", "k", "v", "rot_q", "rot_k"):
@@ -198,10 +197,9 @@ class RoutedAttention(ScaledDenseHeads):
             W_O=exported(self.W_O_experts),
             b_O=exported(self.b_O),
             scale=self.scale,
-            cos=exported(self.rope_cos),
-            sin=exported(self.rope_sin),
             router_dtype=self.router_dtype,
             softmax_dtype=self.softmax_dtype,
+            **self.rope_fields(),  # type: ignore[arg-type]
         )
 
 

@@ -10,21 +10,26 @@ TransformerLens's ``apply_causal_mask``, a softmax in ``softmax_dtype`` cast bac
 
 from __future__ import annotations
 
+from typing import Any
+
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from lens_aot.core.components.attention import Attention, mask_scores, zero_unseen
+from lens_aot.core.components.ownership import exported, table
+from lens_aot.core.components.rotary_rows import shared_rows
 from lens_aot.core.kv_cache import position_rows
+from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.errors import InputError
 
 
 class ScaledDenseHeads(nn.Module):
     """The shared part of :class:`~.mla_attention.MLAAttention` and :class:`~.routed_attention.RoutedAttention`.
 
-    A subclass sets ``scale``, ``causal``, ``softmax_dtype``, the ``rope_cos`` / ``rope_sin`` buffers and the hook
-    points ``hook_attn_scores`` / ``hook_pattern``, and calls :meth:`_no_variants` in its ``__init__``.
+    A subclass sets ``scale``, ``causal``, ``softmax_dtype`` and the hook points ``hook_attn_scores`` /
+    ``hook_pattern``, and calls :meth:`_no_variants` and :meth:`_keep_rope` in its ``__init__``.
     """
 
     needs_dense_scores = True
@@ -58,12 +63,32 @@ class ScaledDenseHeads(nn.Module):
                 "apply to it. Turn those switches off."
             )
 
+    def _keep_rope(self, spec: Any, device: torch.device) -> None:
+        """Keep the spec's rotary tables: its verified recipe as rows computed on demand, shared by the model's layers
+        (:class:`~.rotary_rows.RotaryRows`; the source's own module computes them on the fly too), or else its
+        ``cos`` / ``sin`` as the ``rope_cos`` / ``rope_sin`` buffers, one per model and device."""
+        if spec.recipe is not None:
+            self.rotary = shared_rows(spec.recipe, device)
+        else:
+            self.register_buffer("rope_cos", table(spec.cos, device))
+            self.register_buffer("rope_sin", table(spec.sin, device))
+
+    def rope_fields(self) -> dict[str, Tensor | RotaryRecipe | None]:
+        """The spec's ``cos`` / ``sin`` / ``recipe`` (the recipe as the tables stand now: casts applied)."""
+        if "rotary" in self._modules:
+            return {"cos": None, "sin": None, "recipe": self.rotary.recipe}
+        return {"cos": exported(self.rope_cos), "sin": exported(self.rope_sin), "recipe": None}
+
     def rope_rows(
         self, pos: int, past: int, attention_mask: Int[Tensor, "batch offset_pos"] | None
     ) -> tuple[Float[Tensor, "batch_or_1 pos 1 table_dim"], Float[Tensor, "batch_or_1 pos 1 table_dim"]]:
         """The rotary tables' rows for ``pos`` positions after ``past`` cached ones (left padding counted as
         :meth:`Attention.apply_rotary` counts it), shaped to broadcast over heads."""
-        rows = (position_rows(t, pos, past, attention_mask)[:, :, None, :] for t in (self.rope_cos, self.rope_sin))
+        if "rotary" in self._modules:  # the rows up to the last position used (rotary_rows.py)
+            tables = self.rotary.rows(past + pos)
+        else:
+            tables = (self.rope_cos, self.rope_sin)
+        rows = (position_rows(t, pos, past, attention_mask)[:, :, None, :] for t in tables)
         return next(rows), next(rows)
 
     def _z(
