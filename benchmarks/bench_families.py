@@ -85,7 +85,8 @@ def shape(args: argparse.Namespace) -> dict[str, Any]:
 @contextmanager
 def benchmark_shape(values: dict[str, Any]) -> Iterator[None]:
     """Build families at ``values`` instead of the matrix's tiny shape (restored on exit). Per-family overrides
-    sized by the tiny vocabulary (Gemma 4's ``vocab_size_per_layer_input``) take the benchmark's."""
+    sized by the tiny vocabulary (Gemma 4's ``vocab_size_per_layer_input``) or layer count (GPT-Neo's
+    ``attention_types``) take the benchmark's."""
     saved = dict(fam.TINY), dict(fam.TINY_MOE), {k: dict(v) for k, v in fam.OVERRIDES.items()}
     for table in (fam.TINY, fam.TINY_MOE):
         for key, (_, names) in list(table.items()):
@@ -94,6 +95,9 @@ def benchmark_shape(values: dict[str, Any]) -> Iterator[None]:
     for override in fam.OVERRIDES.values():
         if "vocab_size_per_layer_input" in override and "vocab" in values:
             override["vocab_size_per_layer_input"] = values["vocab"]
+        if "attention_types" in override and "layers" in values:  # GPT-Neo: one (global, local) pair per 2 layers
+            (pattern, _), *_ = override["attention_types"]
+            override["attention_types"] = [[pattern, -(-values["layers"] // len(pattern))]]
     try:
         yield
     finally:

@@ -265,3 +265,19 @@ def test_float64_default_dtype_retry_only_for_a_float64_source_and_said(monkeypa
     row = measure_family(Family("GPT2LMHeadModel"), "bridge")
     assert row.status == "unbuilt" and row.reason.startswith("fp32: the source's own forward raised RuntimeError")
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_variant_that_switches_experts_on_gets_the_tiny_experts() -> None:
+    """Gemma 4's experts row (26B-A4B's layout, ``enable_moe_block``): its config, whose expert count defaults to
+    None, gets the matrix's tiny experts; the plain Gemma 4 row has none."""
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, "Gemma4TextConfig", None)
+    if config_class is None:
+        pytest.skip("this transformers has no Gemma 4")
+    from lens_aot.matrix.families import TINY_MOE, VARIANTS, tiny_config
+
+    fields = next(f for a, label, f in VARIANTS if (a, label) == ("Gemma4ForCausalLM", "experts"))
+    config = tiny_config(config_class, fields)
+    want = (True, TINY_MOE["experts"][0], TINY_MOE["top_k"][0], TINY_MOE["expert_mlp"][0])
+    assert (config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size) == want
+    assert tiny_config(config_class).num_experts is None

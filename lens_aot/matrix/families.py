@@ -140,7 +140,16 @@ OUT_OF_SCOPE: dict[str, str] = {
 # Extra rows for a family whose config switches its block layout: (architecture, variant label, config fields).
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("GPTNeoXForCausalLM", "sequential", {"use_parallel_residual": False}),
+    # Gemma 4 26B-A4B's layout: experts beside each dense MLP, values shared with keys, no per-layer inputs
+    (
+        "Gemma4ForCausalLM",
+        "experts",
+        {"enable_moe_block": True, "attention_k_eq_v": True, "hidden_size_per_layer_input": 0},
+    ),
 ]
+
+# Config fields that switch on experts whose count defaults to None (the variant's experts then get TINY_MOE's shape).
+MOE_SWITCHES = ("enable_moe_block",)
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,10 @@ def tiny_config(config_class: type, extra: dict[str, Any] | None = None) -> Any:
     defaults = _defaults(config_class)
     kwargs: dict[str, Any] = {}
     experts = next((n for n in TINY_MOE["experts"][1] if n in defaults), None)
-    groups = [*TINY.items(), *(TINY_MOE.items() if experts and defaults[experts] is not None else ())]
+    has_experts = experts is not None and (
+        defaults[experts] is not None or any((extra or {}).get(s) for s in MOE_SWITCHES)
+    )
+    groups = [*TINY.items(), *(TINY_MOE.items() if has_experts else ())]
     for key, (value, names) in groups:
         name = next((n for n in names if n in defaults), None)
         if name is not None and not (key in DERIVED and defaults[name] is None):

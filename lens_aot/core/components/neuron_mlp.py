@@ -71,6 +71,8 @@ class NeuronMLP(nn.Module):
         self._shared = self._source_names()
         for name, (attr, weight) in self._shared.items():
             self.register_parameter(name, getattr(self, attr)._parameters.pop(weight))
+        if "W_gate" not in self._shared:  # a plain source MLP has no gate (as TransformerLens's ``W_gate`` stack reads
+            self.__dict__["W_gate"] = None  # it); a plain attribute, so that no read goes through a __getattr__
         self._point_heads()
 
     # ---- the source MLP's weights, under its names, one copy ----
@@ -100,13 +102,6 @@ class NeuronMLP(nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._point_heads()  # load_state_dict(assign=True) replaces them
-
-    def __getattr__(self, name: str) -> Any:
-        if (
-            name == "W_gate" and not self.gated
-        ):  # a plain MLP has no gate (as TransformerLens's ``W_gate`` stack reads it)
-            return None
-        return super().__getattr__(name)
 
     # ---- the source MLP's names ----
     @property

@@ -52,11 +52,6 @@ class PlainAsGatedMLP(NeuronMLP):
                 object.__setattr__(module, name, self._parameters[name])
         super()._point_heads()
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "W_gate":  # the source MLP is plain: no gate (as TransformerLens's ``W_gate`` stack reads it)
-            return None
-        return super().__getattr__(name)
-
     @property
     def b_gate(self) -> Float[Tensor, " d_mlp"] | None:
         return None
