@@ -253,7 +253,7 @@ def test_mla_and_group_router_save_and_load(arch: str, tmp_path: Any) -> None:
 def test_rotary_tables_saved_as_a_recipe_or_as_rows(arch: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A converted model saves its MLA / routed attention's rotary tables as a recipe record (no rows); a save with
     the rows (every save before recipes, here a model built with them) still loads, to the same logits; a record with
-    neither, or with both, is refused by path."""
+    neither, or with both, or a recipe of another n_ctx, is refused by path."""
     aot = lens_aot.convert(_bridge(arch, torch.float32)[1])
     lens_aot.save(aot, tmp_path / "recipe")
     with monkeypatch.context() as patched:
@@ -277,6 +277,10 @@ def test_rotary_tables_saved_as_a_recipe_or_as_rows(arch: str, tmp_path: Any, mo
         with pytest.raises(LoadError, match=r"layers.0.attn must hold either cos and sin or rope_recipe"):
             lens_aot.load(tmp_path / "rows")
         record.clear(), record.update(saved)
+    attn["recipe"]["rope_recipe"]["n_ctx"] += 1  # rows the model's n_ctx does not have: refused, not computed
+    (tmp_path / "recipe" / "config.json").write_text(json.dumps(config["recipe"]))
+    with pytest.raises(LoadError, match=r"layers.0.attn.rope_recipe gives \[\d+, \d+\] rows, expected"):
+        lens_aot.load(tmp_path / "recipe")
 
 
 def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:
