@@ -597,3 +597,33 @@ def assert_faithful(bridge: Any, dtype: torch.dtype, what: str, d_vocab: int | N
     tol = TOLERANCES[("gated" if gated else aot.cfg.act_fn, dtype)]
     assert err <= tol, f"{what}/{dtype}: max |Δlogit| {err:.3g} > {tol:g}"
     return aot, err
+
+
+def matrix_bridges(model: nn.Module, architecture: str, dtypes: list[torch.dtype]) -> dict[torch.dtype, Any]:
+    """``model`` (a float32 model from :func:`lens_aot.matrix.families.build_hf_model`) as an eval-mode
+    TransformerBridge in each of ``dtypes``, each over its own copy (copied before bridging: a bridge takes its
+    model's modules over)."""
+    from lens_aot.matrix.families import copy_as
+    from lens_aot.matrix.families import tiny_tokenizer as matrix_tokenizer
+    from lens_aot.tl.build import bridge_from_hf_module
+
+    copies = {d: model if d == torch.float32 else copy_as(model, d) for d in dtypes}  # all before bridging
+    return {
+        d: bridge_from_hf_module(
+            copies[d],
+            architecture,
+            hf_config=copies[d].config,
+            tokenizer=matrix_tokenizer(),
+            dtype=d,
+            model_name=architecture,
+        ).eval()
+        for d in dtypes
+    }
+
+
+def source_error(source: Any, aot: Any, tokens: torch.Tensor) -> float:
+    """max |Δlogit| of ``aot`` against ``source``'s own forward on ``tokens``."""
+    from lens_aot.core.read import run_source
+
+    with torch.no_grad():
+        return float((aot(tokens) - run_source(source, tokens)).abs().max())

@@ -15,14 +15,14 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TOLERANCES
+from factories_bridge import matrix_bridges, source_error
 from opcount_helpers import assert_converted_ops_and_syncs
 
 import lens_aot
 from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu, clamped_swiglu_fit
-from lens_aot.core.read import read_model, run_source
+from lens_aot.core.read import read_model
 from lens_aot.core.spec import MoESpec, NormSpec
-from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
-from lens_aot.tl.build import bridge_from_hf_module
+from lens_aot.matrix.families import Family, build_hf_model
 
 DTYPES = [torch.float32, torch.float64]
 ARCH = "GptOssForCausalLM"
@@ -37,18 +37,10 @@ def _tokens(seed: int = 3) -> torch.Tensor:
 def bridges() -> dict[torch.dtype, Any]:
     torch.set_num_threads(1)
     model = build_hf_model(Family(ARCH, "test", FIELDS))
-    copies = {torch.float64: copy_as(model, torch.float64), torch.float32: model}  # copy before bridging
-    return {
-        d: bridge_from_hf_module(
-            copies[d], ARCH, hf_config=copies[d].config, tokenizer=tiny_tokenizer(), dtype=d, model_name=ARCH
-        ).eval()
-        for d in DTYPES
-    }
+    return matrix_bridges(model, ARCH, DTYPES)
 
 
-def _error(source: Any, aot: Any, tokens: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float((aot(tokens) - run_source(source, tokens)).abs().max())
+_error = source_error
 
 
 def _clamped_share(hf: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, float]:

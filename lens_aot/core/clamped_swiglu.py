@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from torch.nn import functional as F
 
 from lens_aot.core.activations import RELU_ERROR_CONSTANT, ActivationFit
 from lens_aot.core.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, normalized_input_bound
@@ -51,11 +52,15 @@ class ClampedSwiGLUSpec(MLPSpec):
 
     alpha: float = 1.702
     limit: float = 7.0
+    # Added to the clamped linear branch: GPT-OSS's ``clamp(u) + 1``; DeepSeek-V4's ``silu(min(g, limit))·clamp(u)``
+    # (its ``DeepseekV4Experts._apply_gate`` and ``DeepseekV4MLP``, alpha 1) adds nothing.
+    up_offset: float = 1.0
 
     @classmethod
-    def of(cls, mlp: MLPSpec, alpha: float, limit: float) -> ClampedSwiGLUSpec:
-        """``mlp``'s weights (every :class:`MLPSpec` field) with GPT-OSS's two scalars."""
-        return cls(**{f.name: getattr(mlp, f.name) for f in dataclasses.fields(MLPSpec)}, alpha=alpha, limit=limit)
+    def of(cls, mlp: MLPSpec, alpha: float, limit: float, up_offset: float = 1.0) -> ClampedSwiGLUSpec:
+        """``mlp``'s weights (every :class:`MLPSpec` field) with the source's scalars (GPT-OSS's by default)."""
+        fields = {f.name: getattr(mlp, f.name) for f in dataclasses.fields(MLPSpec)}
+        return cls(**fields, alpha=alpha, limit=limit, up_offset=up_offset)
 
 
 def check_clamp(alpha: float, limit: float, where: str) -> None:
@@ -68,12 +73,19 @@ def check_clamp(alpha: float, limit: float, where: str) -> None:
 
 
 def clamped_swiglu(
-    gate: Float[Tensor, "... d_mlp"], up: Float[Tensor, "... d_mlp"], alpha: float, limit: float
+    gate: Float[Tensor, "... d_mlp"],
+    up: Float[Tensor, "... d_mlp"],
+    alpha: float,
+    limit: float,
+    up_offset: float = 1.0,
 ) -> Float[Tensor, "... d_mlp"]:
-    """The source's activation, its operations in its order (``GptOssExperts._apply_gate``)."""
+    """The source's activation, its operations in its order (``GptOssExperts._apply_gate``; DeepSeek-V4's
+    ``silu(min(g, limit))·clamp(u)`` with ``alpha`` 1 and ``up_offset`` 0)."""
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if not up_offset:
+        return F.silu(gate) * up if alpha == 1.0 else (gate * torch.sigmoid(gate * alpha)) * up
+    return (up + up_offset) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gate_fit(alpha: float) -> ActivationFit:
@@ -101,11 +113,11 @@ def clamped_swiglu_fit(
         raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
     h_max = max(mlp.limit, RELU_ERROR_CONSTANT / mlp.alpha)
     if norm.kind is None:  # no norm before it: the clamps alone bound both factors, for every input
-        u_bound = torch.full((mlp.W_in.shape[1],), mlp.limit + 1.0, dtype=torch.float64)
+        u_bound = torch.full((mlp.W_in.shape[1],), mlp.limit + abs(mlp.up_offset), dtype=torch.float64)
         h_bound = torch.full_like(u_bound, h_max)
     else:
         g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
-        u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in).clamp(max=mlp.limit) + 1.0
+        u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in).clamp(max=mlp.limit) + abs(mlp.up_offset)
         h_bound = g_bound.clamp(max=h_max)
     denominator = (h_bound * u_bound.pow(3)).clamp_min(1e-300)
     scales = torch.sqrt(12.0 * tol / denominator).clamp(max=1.0)

@@ -21,7 +21,7 @@ from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.source_keys import attach as attach_source_keys
-from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
+from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec, head_shape
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
 from lens_aot.tl import is_bridge
@@ -471,7 +471,7 @@ def convert(
         activation=None if first_fit is None else first_fit.act_fn,
         heads_per_neuron=0 if first_fit is None else first_fit.n_terms,
         max_neuron_error=0.0 if first_fit is None else max(f.max_error for f in fits.values()),
-        attention_heads=sum(int(layer.attn.W_Q.shape[0]) for layer in spec.layers),
+        attention_heads=sum(head_shape(layer.attn)[0] for layer in spec.layers),
         neuron_heads=sum(_neuron_heads(spec.layers[i].mlp, f) for i, f in fits.items())
         + sum(_neuron_heads(spec.layers[i].per_layer, f) for i, f in getattr(aot.cfg, "per_layer_fits", {}).items()),
         source_parameters=source_count,

@@ -57,8 +57,9 @@ def _attention_steps(where: str, attn: AttentionSpec | MLASpec, dtype: torch.dty
     router_dtype = getattr(attn, "router_dtype", None)  # a mixture of attention heads' router (JetMoE)
     if router_dtype is not None and _narrower(router_dtype, dtype):
         steps.append((f"{where}: router logits in {router_dtype}", router_dtype))
-    if attn.softmax_dtype is not None and _narrower(attn.softmax_dtype, dtype):
-        steps.append((f"{where}: softmax in {attn.softmax_dtype}", attn.softmax_dtype))
+    softmax_dtype = getattr(attn, "softmax_dtype", None)  # DeepSeek-V4's attention: its own step below
+    if softmax_dtype is not None and _narrower(softmax_dtype, dtype):
+        steps.append((f"{where}: softmax in {softmax_dtype}", softmax_dtype))
     return steps
 
 
@@ -72,6 +73,13 @@ def _steps(spec: ModelSpec) -> list[Step]:
         mlp = layer.mlp
         if isinstance(mlp, MoESpec) and mlp.softmax_dtype is not None and _narrower(mlp.softmax_dtype, dtype):
             steps.append((f"blocks.{i}.mlp: router softmax in {mlp.softmax_dtype}", mlp.softmax_dtype))
+        for name in ("hc_attn", "hc_mlp"):  # DeepSeek-V4's hyper-connections: their weights in float32 (`.float()`)
+            if getattr(layer, name) is not None and _narrower(torch.float32, dtype):
+                steps.append((f"blocks.{i}.{name}: the stream weights in float32", torch.float32))
+        if type(layer.attn).__name__ == "CompressedAttentionSpec" and _narrower(torch.float32, dtype):
+            steps.append((f"blocks.{i}.attn: rotary, indexer scores and softmaxes in float32", torch.float32))
+    if spec.hc_head is not None and _narrower(torch.float32, dtype):
+        steps.append(("hc_head: the stream weights in float32", torch.float32))
     return steps + _norm_steps("ln_final", spec.ln_final, dtype)
 
 

@@ -131,7 +131,8 @@ def generate(
     A sequence that produces an end-of-sequence id (``eos_token_id``, else the tokenizer's) is continued with that
     id while the others run on; generation stops early once all have. ``return_type`` "input" returns the type given
     (text for text, tokens for tokens); "str" decodes with the tokenizer; "tokens" gives the prompt's tokens followed
-    by the new ones. Padded prompts keep their padding in the returned tokens.
+    by the new ones. Padded prompts keep their padding in the returned tokens. A model whose attention keeps no
+    key-value cache (DeepSeek-V4's compressed attention) generates without one whatever ``use_past_kv_cache`` says.
     """
     if return_type not in ("input", "str", "tokens"):
         raise InputError(f"return_type must be 'input', 'str' or 'tokens'; got {return_type!r}.")
@@ -144,6 +145,10 @@ def generate(
     stop_tokens, eos_for_padding = _stop_tokens(model, stop_at_eos, eos_token_id)
     batch, device = tokens.shape[0], tokens.device
     mask = torch.ones_like(tokens) if initial_mask is None else initial_mask
+    # an attention that keeps no key-value cache (DeepSeek-V4's compressed attention) reruns the whole prefix each
+    # step instead: the same tokens, without the cache's speed
+    blocks = getattr(model, "blocks", [])
+    use_past_kv_cache = use_past_kv_cache and all(getattr(b.attn, "caches_keys", True) for b in blocks)
     cache = KeyValueCache.init_cache(model.cfg, device, batch) if use_past_kv_cache else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     model.eval()

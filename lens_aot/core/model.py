@@ -30,6 +30,7 @@ from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.squared_relu_mlp import neuron_mlp
+from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SpecTransformer
 from lens_aot.core.components.workspace import forward_workspace
 from lens_aot.core.config import AOTConfig, derived_source_fields
@@ -40,7 +41,7 @@ from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.per_layer_fit import neuron_parts, per_layer_heads, per_layer_neurons
 from lens_aot.core.placement import Placement
-from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec
+from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, head_shape
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, InputError
@@ -77,14 +78,12 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         per_layer_fits` of ``spec``)."""
         ple = per_layer_neurons(spec, per_layer_fits)
         super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]), ple.build)
-        attn0 = spec.layers[0].attn if spec.layers else None
+        n_heads, d_head, n_kv = head_shape(spec.layers[0].attn if spec.layers else None)
         self.cfg = AOTConfig.of(
             spec,
-            n_heads=attn0.W_Q.shape[0] if attn0 is not None else 0,
-            d_head=attn0.W_Q.shape[2] if attn0 is not None else 0,
-            n_key_value_heads=(
-                None if attn0 is None or attn0.W_K.shape[0] == attn0.W_Q.shape[0] else attn0.W_K.shape[0]
-            ),
+            n_heads=n_heads,
+            d_head=d_head,
+            n_key_value_heads=None if n_kv == n_heads else n_kv,
             model_name=f"{spec.model_name} (attention-only)",
             default_prepend_bos=spec.default_prepend_bos,
             tokenizer_prepends_bos=spec.extra.get("tokenizer_prepends_bos"),
@@ -154,10 +153,12 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             resid = self.hook_embed(self.embed(tokens))
             if hasattr(self, "pos_embed"):
                 resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset, mask))
+            resid = self.streams(resid)  # DeepSeek-V4's hc_mult streams
         else:
             resid = input
             mask = attention_mask
-        with forward_workspace():  # the neuron heads' unobserved per-head tensors reuse one buffer, layer to layer
+        # token ids reach the pieces that read them (DeepSeek-V4's hash routing, components/token_ids.py)
+        with forward_workspace(), token_ids_in_scope(tokens):  # neuron heads' unobserved tensors reuse one buffer
             for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:
                 block, device = self.blocks[layer], self._block_devices[layer]
                 if resid.device != device:  # a model over several devices: the residual follows the blocks

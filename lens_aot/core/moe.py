@@ -110,9 +110,12 @@ def moe_fit(
 Hook = tuple[str, Callable[..., Any]]
 
 
-def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float[Tensor, "tokens top_k"]]:
+def route(
+    spec: MoESpec, x: Float[Tensor, "... d_model"], tokens: Tensor | None = None
+) -> tuple[Tensor, Float[Tensor, "tokens top_k"]]:
     """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
-    same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks)."""
+    same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks); a hash-routed layer
+    (DeepSeek-V4) reads the token ids ``tokens``."""
     from lens_aot.core.components.moe_router import build_router, router_logits
 
     flat = x.reshape(-1, x.shape[-1])
@@ -123,6 +126,11 @@ def route(spec: MoESpec, x: Float[Tensor, "... d_model"]) -> tuple[Tensor, Float
     bias = None if spec.b_router is None else spec.b_router.to(flat.device)
     logits = router_logits(flat, spec.W_router.to(flat.device), spec.logits_dtype, bias)
     router = build_router(spec).to(flat.device)
+    if spec.hash_table is not None:  # DeepSeek-V4's hash routing: the experts of each token id
+        if tokens is None:
+            raise ValueError("a hash-routed MoE layer's routing needs the token ids")
+        indices = spec.hash_table.to(flat.device)[tokens.reshape(-1).to(flat.device)]
+        return indices, router.weights_of(router.scores(logits), indices).to(flat.dtype)  # type: ignore[operator]
     indices, weights = router.choose(router.scores(logits))
     return indices, weights.to(flat.dtype)
 
@@ -183,7 +191,11 @@ def sensitivity_hooks(
     shared_after = shared_after and not all(n in names for n in shared)
     if shared_after:
         shared = []
+    # a hash-routed layer (DeepSeek-V4) routes by token id: the embedding's input gives them
+    hashed = spec is not None and spec.hash_table is not None
     if spec is not None and (own_routing or ln2 in names) and all(n in names for n in shared):
+        if hashed and "embed.hook_in" not in names:
+            raise ValueError(f"layer {layer}: a hash-routed MoE source without embed.hook_in (its token ids)")
         moe = spec
 
         def hooks(gen: torch.Generator) -> list[Hook]:
@@ -197,7 +209,8 @@ def sensitivity_hooks(
                 # or when they do not carry the indices (TransformerLens 4.3's GraniteMoe router hooks read the wrong
                 # elements of the router's output on transformers 5)
                 if not own_routing or seen["hook_expert_indices"].is_floating_point():
-                    seen["hook_expert_indices"], seen["hook_expert_weights"] = route(moe, seen["moe_input"])
+                    routed = route(moe, seen["moe_input"], seen.get("tokens"))  # tokens: hash routing (DeepSeek-V4)
+                    seen["hook_expert_indices"], seen["hook_expert_weights"] = routed
                 indices, weights = seen["hook_expert_indices"], seen["hook_expert_weights"]
                 if weights.shape != indices.shape:  # the softmax over all experts (TransformerLens's meaning)
                     weights = weights.reshape(-1, spec.n_experts).gather(1, indices.reshape(-1, spec.top_k))
@@ -215,6 +228,7 @@ def sensitivity_hooks(
                 return out + eps * step.reshape(out.shape)
 
             return [
+                *([("embed.hook_in", lambda a, hook: record(a, hook, "tokens"))] if hashed else []),
                 *([(routing[0], record), (routing[1], record)] if own_routing else []),
                 *([(ln2, lambda a, hook: record(a, hook, "moe_input"))] if ln2 in names else []),
                 *[(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in shared],

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec import ModelSpec, attention_device
 
 DeviceLike = torch.device | str | int
 
@@ -50,7 +50,7 @@ class Placement:
     @staticmethod
     def of_spec(spec: ModelSpec) -> Placement:
         """Where a spec's tensors are (a reader keeps each of the source's tensors on its device)."""
-        return Placement(spec.W_E.device, tuple(layer.attn.W_Q.device for layer in spec.layers), spec.W_U.device)
+        return Placement(spec.W_E.device, tuple(attention_device(layer.attn) for layer in spec.layers), spec.W_U.device)
 
     @staticmethod
     def from_n_devices(n_layers: int, n_devices: int, device: DeviceLike = "cuda") -> Placement:

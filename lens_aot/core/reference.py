@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lens_aot.core.components import MLP
 from lens_aot.core.components.moe_mlp import moe_mlp
+from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.spec import ModelSpec, MoESpec
 
@@ -57,8 +58,10 @@ class MLPTransformer(SpecTransformer):
         resid = self.hook_embed(self.embed(tokens))
         if hasattr(self, "pos_embed"):
             resid = resid + self.hook_pos_embed(self.pos_embed(tokens))
-        for block in self.blocks:
-            resid = block(resid)
+        resid = self.streams(resid)  # DeepSeek-V4's hc_mult streams
+        with token_ids_in_scope(tokens):  # DeepSeek-V4's hash routing (components/token_ids.py)
+            for block in self.blocks:
+                resid = block(resid)
         if return_type is None:
             return None
         return self.logits(resid)
@@ -100,7 +103,12 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     a prediction head, Gemma 4's layer scalar and per-layer input embeddings (lens_aot.core.spec_per_layer) and its
     mixture of experts beside the dense MLP (lens_aot.core.spec_beside_moe; every expert run densely).
 
-    A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it."""
+    A second, independent ground truth: tests check :class:`MLPTransformer` and converted models against it. The
+    attentions it does not spell out (multi-head latent, routed, DeepSeek-V4's compressed) and hyper-connections are
+    refused by name (their own tests compare them with the source's modules)."""
+    unread = {type(layer.attn).__name__ for layer in spec.layers} - {"AttentionSpec"}
+    if unread or spec.hc_head is not None:
+        raise ValueError(f"independent_logits spells out plain attention and one residual stream, not {sorted(unread)}")
 
     def norm(x: Tensor, n: Any) -> Tensor:
         if n.kind is None:

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 if TYPE_CHECKING:
     from lens_aot.core.moe_routers import GroupRouterSpec
     from lens_aot.core.rotary_recipe import RotaryRecipe
+    from lens_aot.core.spec_compressed import CompressedAttentionSpec
+    from lens_aot.core.spec_hyper import HyperConnectionSpec, HyperHeadSpec
     from lens_aot.core.spec_mla import MLASpec
     from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
     from lens_aot.core.spec_prediction_head import PredictionHeadSpec
@@ -157,7 +159,8 @@ class LayerSpec:
     """
 
     ln1: NormSpec
-    attn: AttentionSpec | MLASpec  # MLASpec: multi-head latent attention (lens_aot.core.spec_mla)
+    # MLASpec: multi-head latent attention (lens_aot.core.spec_mla); CompressedAttentionSpec: DeepSeek-V4's
+    attn: AttentionSpec | MLASpec | CompressedAttentionSpec
     ln2: NormSpec | None = None
     mlp: MLPSpec | MoESpec | None = None
     parallel: bool = False
@@ -177,6 +180,11 @@ class LayerSpec:
     layer_scalar: float | None = None
     # Gemma 4: resid += post_norm(W_proj(act(W_gate·resid) ⊙ per_layer_input)) before the layer scalar (spec_per_layer)
     per_layer: PerLayerSublayerSpec | None = None
+    # DeepSeek-V4's hyper-connections (mHC, lens_aot.core.spec_hyper): the residual stream is hc_mult streams; each
+    # sublayer reads the streams collapsed by ``hc_attn`` / ``hc_mlp`` and is written back into every stream
+    # (core/components/hyper_block.py). Both set or both None.
+    hc_attn: HyperConnectionSpec | None = None
+    hc_mlp: HyperConnectionSpec | None = None
 
 
 @dataclass
@@ -227,6 +235,24 @@ RotarySpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
 RotarySpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]
 
 
+def head_shape(attn: Any) -> tuple[int, int, int]:
+    """``(n_heads, d_head, n_kv)`` of a layer's attention spec (None: ``(0, 0, 0)``): from ``W_Q`` / ``W_K``, or, for
+    an attention with no per-head map of the residual stream (DeepSeek-V4's: one shared key-value head), from its own
+    fields."""
+    if attn is None:
+        return 0, 0, 0
+    if not hasattr(attn, "W_Q"):
+        return int(attn.n_heads), int(attn.d_head), 1
+    return int(attn.W_Q.shape[0]), int(attn.W_Q.shape[2]), int(attn.W_K.shape[0])
+
+
+def attention_device(attn: Any) -> torch.device:
+    """The device of a layer's attention spec (of its first tensor field for one without ``W_Q``)."""
+    if hasattr(attn, "W_Q"):
+        return attn.W_Q.device
+    return next(v for v in vars(attn).values() if isinstance(v, Tensor)).device
+
+
 @dataclass
 class ModelSpec:
     """A whole source model, read into TransformerLens layout."""
@@ -261,6 +287,9 @@ class ModelSpec:
     # The rows of the source's position table before its offset, which no forward reads (OPT looks positions up at
     # position + 2): kept unread, so that the source's state_dict key holds its whole table (core/source_keys.py).
     W_pos_unread: Float[Tensor, "offset d_model"] | None = None
+    # DeepSeek-V4: the embedding is copied into hc_mult residual streams, and the streams are collapsed into one by
+    # this head before ``ln_final`` (lens_aot.core.spec_hyper); None: one residual stream.
+    hc_head: HyperHeadSpec | None = None
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
@@ -295,6 +324,10 @@ class ModelSpec:
                 found.add("post-LN residual norms")
             if layer.layer_scalar is not None:
                 found.add("a layer scalar")
+            if layer.hc_attn is not None:
+                found.add("hyper-connections")
+            if type(layer.attn).__name__ == "CompressedAttentionSpec":
+                found.add("compressed attention")
         if self.embed_ln is not None:
             found.add("a post-embedding norm")
         if self.logits_soft_cap is not None:
@@ -353,6 +386,9 @@ class MoESpec:
     # Llama 4: each chosen expert's router weight scales its *input* (``expert(w·x)``), not its output
     # (:mod:`lens_aot.core.components.input_scaled_moe`).
     input_scaled: bool = False
+    # DeepSeek-V4's hash-routed layers: the chosen experts are ``hash_table[token id]`` ([d_vocab, top_k], the
+    # source's ``tid2eid``), their weights the router's scores of those experts (:mod:`.components.token_ids`).
+    hash_table: Int[Tensor, "d_vocab top_k"] | None = None
     # The experts' hook names (lens_aot.core.components.source_expert_hooks): "lens_aot" (the dense gated MLP's),
     # or a TransformerLens 3.9 source's own, "transformer_lens_moe" (``MoE``) / "transformer_lens_gpt_oss_moe".
     hook_names: str = "lens_aot"

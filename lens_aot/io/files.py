@@ -219,7 +219,7 @@ def check_spec_shapes(spec: Any) -> None:
     for i, layer in enumerate(spec.layers):
         norms += [(f"layers.{i}.{n}", getattr(layer, n)) for n in ("ln1", "ln2", "ln1_post", "ln2_post")]
         a, p = layer.attn, f"layers.{i}.attn"
-        if hasattr(a, "scale"):  # MLA or routed attention (lens_aot/io/schema_attention.py)
+        if hasattr(a, "scale"):  # MLA, routed or DeepSeek-V4 attention (lens_aot/io/schema_attention.py)
             from lens_aot.io.schema_attention import attention_shape_problems
 
             problems += attention_shape_problems(a, p, d, spec.n_ctx)
@@ -263,6 +263,10 @@ def check_spec_shapes(spec: Any) -> None:
             problems += moe_shape_problems(m, p, d, expect_mlp)
         elif m is not None:
             expect_mlp(m, p)
+    if spec.hc_head is not None or any(layer.hc_attn is not None for layer in spec.layers):  # DeepSeek-V4's
+        from lens_aot.io.schema_hyper import hyper_shape_problems
+
+        problems += hyper_shape_problems(spec)
     for name, norm in norms:
         if norm is not None:
             expect(f"{name}.w", norm.w, d)

@@ -11,15 +11,17 @@ Schema (``?``: may be null)::
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
              extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
-             [prediction_head: head] (lens_aot/io/schema_prediction_head.py), [per_layer_inputs] (schema_per_layer.py)}
+             [prediction_head: head] (lens_aot/io/schema_prediction_head.py), [per_layer_inputs] (schema_per_layer.py),
+             [hc_head] (schema_hyper.py)}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
-             [post_norm: true], [residual_norm: true], [layer_scalar], [per_layer] (schema_per_layer.py)}
+             [post_norm: true], [residual_norm: true], [layer_scalar], [per_layer] (schema_per_layer.py),
+             [hc_attn, hc_mlp] (schema_hyper.py)}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
              [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
              [query_scale_beta], [query_scale_length], [chunk], [temperature_scale, temperature_floor]}
-             | mla | routed (lens_aot/io/schema_attention.py)
+             | mla | routed | compressed (lens_aot/io/schema_attention.py, schema_compressed.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu], [clamped_swiglu]}
             | moe (lens_aot/io/schema_moe.py)
@@ -58,10 +60,12 @@ from lens_aot.core.spec import (
     OutputGateSpec,
     RotarySpec,
 )
+from lens_aot.core.spec_compressed import CompressedAttentionSpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.core.xielu import XIELUFit
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io import schema_hyper as hyper
 from lens_aot.io import schema_per_layer as ple
 from lens_aot.io import schema_rotary
 from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
@@ -109,7 +113,9 @@ _ATTENTION_VARIANTS = (
     "kv_from",
 )
 _LAYER_VARIANTS = ("ln1_post", "ln2_post", "post_norm", "residual_norm", "layer_scalar", "per_layer")
+_LAYER_VARIANTS += hyper.LAYER_FIELDS  # DeepSeek-V4's hyper-connections (schema_hyper.py)
 _SPEC_VARIANTS = ("embed_ln", "logits_soft_cap", "logits_scale", "prediction_head", "per_layer_inputs", "W_pos_unread")
+_SPEC_VARIANTS += (hyper.HEAD_FIELD,)
 _ATTENTION_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 _MLP_TENSORS = ("W_in", "b_in", "W_out", "b_out")
 _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
@@ -147,8 +153,10 @@ class Encoder:
             "rsqrt": bool(norm.rsqrt),
         } | {name: True for name in _NORM_VARIANTS if getattr(norm, name)}
 
-    def attention(self, attn: AttentionSpec | MLASpec | RoutedAttentionSpec, key: str) -> dict[str, Any]:
-        if not isinstance(attn, AttentionSpec):  # MLA (with its DSA indexer) or routed attention
+    def attention(
+        self, attn: AttentionSpec | MLASpec | RoutedAttentionSpec | CompressedAttentionSpec, key: str
+    ) -> dict[str, Any]:
+        if not isinstance(attn, AttentionSpec):  # MLA (with its DSA indexer), routed or DeepSeek-V4 attention
             return encode_attention(self, attn, key)
         out: dict[str, Any] = {name: self.tensor(getattr(attn, name), f"{key}.{name}") for name in _ATTENTION_TENSORS}
         out["attn_scale"] = float(attn.attn_scale)
@@ -222,6 +230,8 @@ class Encoder:
             out["layer_scalar"] = float(layer.layer_scalar)
         if layer.per_layer is not None:
             out["per_layer"] = ple.encode_sublayer(self, layer.per_layer, f"{key}.per_layer")
+        for name in hyper.LAYER_FIELDS:  # DeepSeek-V4's, written only when set
+            out |= hyper.encode_hyper(self, getattr(layer, name), f"{key}.{name}")
         return out
 
     def rotary(self, rotary: RotarySpec | None, key: str) -> dict[str, Any] | None:
@@ -251,6 +261,7 @@ class Encoder:
             out["prediction_head"] = encode_prediction_head(self, spec.prediction_head, f"{key}.prediction_head")
         if spec.per_layer_inputs is not None:
             out["per_layer_inputs"] = ple.encode_inputs(self, spec.per_layer_inputs, f"{key}.per_layer_inputs")
+        out |= hyper.encode_hyper(self, spec.hc_head, f"{key}.{hyper.HEAD_FIELD}")  # DeepSeek-V4's, only when set
         return out
 
 
@@ -395,7 +406,7 @@ class Decoder:
             functional=bool(f.get("functional", False)),
         )
 
-    def attention(self, obj: Any, path: str) -> AttentionSpec | MLASpec | RoutedAttentionSpec:
+    def attention(self, obj: Any, path: str) -> AttentionSpec | MLASpec | RoutedAttentionSpec | CompressedAttentionSpec:
         if attention_kind(obj) is not None:
             return decode_attention(self, obj, path)
         f = self.fields(obj, path, (*_ATTENTION_TENSORS, "attn_scale", "softmax_dtype"), _ATTENTION_VARIANTS)
@@ -453,6 +464,7 @@ class Decoder:
         ln1 = self.norm(f["ln1"], f"{path}.ln1")
         if ln1 is None:
             raise LoadError(f"{self.where}: {path}.ln1 is null; the file is corrupt.")
+        hyper.check_hyper_layers(self, f, path)
         return LayerSpec(
             ln1=ln1,
             attn=self.attention(f["attn"], f"{path}.attn"),
@@ -465,6 +477,7 @@ class Decoder:
             residual_norm=bool(f.get("residual_norm", False)),
             layer_scalar=_float_or_none(f.get("layer_scalar")),
             per_layer=ple.decode_sublayer(self, f.get("per_layer"), f"{path}.per_layer"),
+            **{n: hyper.decode_hyper(self, f.get(n), f"{path}.{n}") for n in hyper.LAYER_FIELDS},
         )
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:
@@ -477,7 +490,7 @@ class Decoder:
         ln_final = self.norm(f["ln_final"], f"{path}.ln_final")
         if ln_final is None or not isinstance(f["layers"], list) or not isinstance(f["extra"], dict):
             raise LoadError(f"{self.where}: {path} has a null ln_final, or layers / extra of the wrong type; corrupt.")
-        return ModelSpec(
+        spec = ModelSpec(
             **{name: f[name] for name in _SPEC_SCALARS},
             **{name: str(f[name]) for name in _SPEC_NAMES},
             W_E=self.required_tensor(f["W_E"], f"{path}.W_E"),
@@ -495,7 +508,10 @@ class Decoder:
             logits_scale=_float_or_none(f.get("logits_scale")),
             prediction_head=decode_prediction_head(self, f.get("prediction_head"), f"{path}.prediction_head"),
             per_layer_inputs=ple.decode_inputs(self, f.get("per_layer_inputs"), f"{path}.per_layer_inputs"),
+            hc_head=hyper.decode_hyper(self, f.get(hyper.HEAD_FIELD), f"{path}.{hyper.HEAD_FIELD}", head=True),
         )
+        hyper.check_hyper_model(self, spec, path)
+        return spec
 
     def _sigmoid_sum(self, obj: Any, path: str, extra: tuple[str, ...] = ()) -> ActivationFit:
         f = self.fields(obj, path, (*_SIGMOID_SUM, *extra))

@@ -11,6 +11,7 @@ Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
              scores_dtype}
     routed  {kind: "routed", W_router, top_k, W_Q, W_K, W_V, W_O, b_O, scale, rope, router_dtype?,
              softmax_dtype?}
+    compressed {kind: "compressed", …} (DeepSeek-V4's attention: lens_aot/io/schema_compressed.py)
     rope    cos, sin  |  rope_recipe: recipe
 
 ``rope`` is the rotary tables: the rows ``cos`` / ``sin`` (every save before recipes), or a ``rope_recipe`` record
@@ -19,18 +20,21 @@ refuses such a file by its unknown field.
 
 A layer's ``attn`` record is one of these exactly when it has ``kind`` (a plain attention record has none, so files
 without these kinds are unchanged); a lens_aot that does not know them refuses such a file by its unknown fields.
-These kinds never carry AttentionSpec's variants (their specs fix them off), so none are written. Nothing is
-approximated: the tensors and scalars are the spec's own, so the rebuilt heads compute exactly what was saved.
+These kinds never carry AttentionSpec's variants (their specs fix them off; DeepSeek-V4's window and sinks are
+fields of its own record), so none are written. Nothing is approximated: the tensors and scalars are the spec's own,
+so the rebuilt heads compute exactly what was saved.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lens_aot.core.spec_compressed import CompressedAttentionSpec
 from lens_aot.core.spec_dsa import IndexerSpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
+from lens_aot.io import schema_compressed
 from lens_aot.io.schema_rotary import decode_recipe, encode_recipe
 
 __all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "encode_attention", "required_norm"]
@@ -52,7 +56,7 @@ _OFF |= {"clip_qkv": None, "alibi_slopes": None, "sinks": None, "rotary": None}
 
 
 def attention_kind(obj: Any) -> str | None:
-    """``"mla"`` or ``"routed"`` for those records; None for a plain attention record."""
+    """``"mla"``, ``"routed"`` or ``"compressed"`` for those records; None for a plain attention record."""
     return obj.get("kind") if isinstance(obj, dict) and "kind" in obj else None
 
 
@@ -63,8 +67,10 @@ def _dtype(attn: Any, name: str) -> str | None:
     return None if value is None else dtype_name(value)
 
 
-def _check_off(attn: Any, key: str) -> None:
-    on = [n for n, off in _OFF.items() if (getattr(attn, n) is not None if off is None else getattr(attn, n) != off)]
+def _check_off(attn: Any, key: str, real: tuple[str, ...] = ()) -> None:
+    """Refuse ``attn`` with one of AttentionSpec's variants set, but for ``real`` (fields of its own by those names)."""
+    checked = {n: off for n, off in _OFF.items() if n not in real}
+    on = [n for n, off in checked.items() if (getattr(attn, n) is not None if off is None else getattr(attn, n) != off)]
     if on:
         raise UnsupportedArchitectureError(
             f"{key}: {type(attn).__name__} has {on} set, which its saved format does not hold (lens_aot never sets "
@@ -72,8 +78,13 @@ def _check_off(attn: Any, key: str) -> None:
         )
 
 
-def encode_attention(encoder: Any, attn: MLASpec | RoutedAttentionSpec, key: str) -> dict[str, Any]:
+def encode_attention(
+    encoder: Any, attn: MLASpec | RoutedAttentionSpec | CompressedAttentionSpec, key: str
+) -> dict[str, Any]:
     """``attn`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
+    if isinstance(attn, CompressedAttentionSpec):  # DeepSeek-V4's: its window and sinks are its own fields
+        _check_off(attn, key, ("window", "sinks"))
+        return schema_compressed.encode_compressed(encoder, attn, key)
     _check_off(attn, key)
     if isinstance(attn, MLASpec):
         out: dict[str, Any] = {"kind": "mla", **_encode_rope(encoder, attn, key)}
@@ -136,9 +147,11 @@ def required_norm(decoder: Any, obj: Any, path: str) -> Any:
     return norm
 
 
-def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAttentionSpec:
+def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAttentionSpec | CompressedAttentionSpec:
     """The inverse of :func:`encode_attention` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
     kind = attention_kind(obj)
+    if kind == schema_compressed.KIND:
+        return schema_compressed.decode_compressed(decoder, obj, path)
     if kind == "mla":
         f = decoder.fields(obj, path, _MLA_FIELDS, ("indexer", *_ROPE))
         return MLASpec(
@@ -187,7 +200,10 @@ def _decode_indexer(decoder: Any, obj: Any, path: str) -> IndexerSpec:
 
 
 def attention_shape_problems(attn: Any, path: str, d_model: int, n_ctx: int) -> list[str]:
-    """Shape disagreements of an MLA or routed attention's tensors with each other and the model's dimensions."""
+    """Shape disagreements of an MLA, routed or DeepSeek-V4 attention's tensors with each other and the model's
+    dimensions."""
+    if isinstance(attn, CompressedAttentionSpec):
+        return schema_compressed.compressed_shape_problems(attn, path, d_model)
     problems: list[str] = []
 
     def expect(name: str, t: Any, *shape: int) -> None:

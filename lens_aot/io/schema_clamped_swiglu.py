@@ -1,7 +1,7 @@
 """The saved form of GPT-OSS's clamped-SwiGLU MLPs (:class:`~lens_aot.core.clamped_swiglu.ClampedSwiGLUSpec`), part of
 :mod:`lens_aot.io.schema`'s format::
 
-    mlp     {…gated mlp…, clamped_swiglu: {alpha, limit}}
+    mlp     {…gated mlp…, clamped_swiglu: {alpha, limit, up_offset?}}
 
 Their fits are ordinary ``gated`` fit records (the gate head ``(1, 0, alpha, 0)`` and the product scales). JSON
 round-trips float64 exactly, so the scalars load bit for bit. A lens_aot that does not know the clamped SwiGLU
@@ -25,7 +25,10 @@ def clamped_swiglu_record(mlp: MLPSpec) -> dict[str, Any]:
     """``{"clamped_swiglu": {alpha, limit}}`` for a clamped-SwiGLU MLP record, ``{}`` for any other MLP."""
     if not isinstance(mlp, ClampedSwiGLUSpec):
         return {}
-    return {"clamped_swiglu": {name: float(getattr(mlp, name)) for name in SCALARS}}
+    record = {name: float(getattr(mlp, name)) for name in SCALARS}
+    if mlp.up_offset != 1.0:  # DeepSeek-V4's (0); GPT-OSS's files keep their format
+        record["up_offset"] = float(mlp.up_offset)
+    return {"clamped_swiglu": record}
 
 
 def clamped_swiglu_spec(decoder: Any, mlp: MLPSpec, record: Any, path: str) -> MLPSpec:
@@ -35,5 +38,5 @@ def clamped_swiglu_spec(decoder: Any, mlp: MLPSpec, record: Any, path: str) -> M
         return mlp
     if mlp.W_gate is None:
         raise LoadError(f"{decoder.where}: {path} is a clamped SwiGLU without W_gate; the file is corrupt.")
-    f = decoder.fields(record, f"{path}.clamped_swiglu", SCALARS)
-    return ClampedSwiGLUSpec.of(mlp, float(f["alpha"]), float(f["limit"]))
+    f = decoder.fields(record, f"{path}.clamped_swiglu", SCALARS, optional=("up_offset",))
+    return ClampedSwiGLUSpec.of(mlp, float(f["alpha"]), float(f["limit"]), float(f.get("up_offset", 1.0)))

@@ -67,6 +67,8 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
         out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
     if moe.input_scaled:
         out["input_scaled"] = True
+    if moe.hash_table is not None:  # DeepSeek-V4's hash-routed layers
+        out["hash_table"] = encoder.tensor(moe.hash_table, f"{key}.hash_table")
     if moe.hook_names != LENS_AOT:
         out["hook_names"] = str(moe.hook_names)
     if (beside := encode_beside(encoder, moe, key)) is not None:  # Gemma 4 (lens_aot.io.schema_beside_moe)
@@ -102,7 +104,7 @@ def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names", "beside"))
+    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names", "beside", "hash_table"))
     if f.get("hook_names", LENS_AOT) not in HOOK_NAMES[1:] and "hook_names" in f:
         raise LoadError(f"{decoder.where}: {path}.hook_names is {f['hook_names']!r}, not one of {HOOK_NAMES[1:]}.")
     if f.get("input_scaled", False) is not True and "input_scaled" in f:
@@ -129,6 +131,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         router=_decode_router(decoder, f.get("router"), f"{path}.router"),
         input_scaled="input_scaled" in f,
         hook_names=f.get("hook_names", LENS_AOT),
+        hash_table=decoder.tensor(f["hash_table"], f"{path}.hash_table") if "hash_table" in f else None,
         **tensors,
     )
     return decode_beside(decoder, f.get("beside"), path, moe)

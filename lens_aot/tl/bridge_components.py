@@ -27,13 +27,14 @@ from lens_aot.tl.read_norms import computes_gemma_rmsnorm
 SUPPORTED = (
     "TransformerBridge architectures read by their structure (docs/families.md lists every piece) — decoder-only "
     "blocks, sequential or parallel (Falcon, Cohere, GPT-J / GPT-NeoX), pre-norm, sandwich or post norms, "
-    "post-embedding LayerNorm, layer scalars and residual / embedding / attention / logit multipliers; plain or "
-    "gated MLPs (fused gate-up included) with any neuron-wise activation (SiLU, ReLU, relu², each GELU form, xIELU, "
-    "GPT-OSS's clamped SwiGLU) and mixtures of experts (routed and shared experts); LayerNorm / RMSNorm (incl. "
-    "Gemma's 1 + w) or their parameter-free variants; learned absolute, rotary (halves or adjacent pairs, partial, "
-    "per layer type; linear / dynamic NTK / llama3 / YaRN / LongRoPE) or ALiBi positions; multi-head, grouped- or "
-    "multi-query and multi-head latent attention, causal, bidirectional, sliding-window or chunked, with QK-norm, "
-    "value norms, output gates, attention sinks, score and final-logit soft-capping (QKV clipping is read on the "
+    "post-embedding LayerNorm, layer scalars and residual / embedding / attention / logit multipliers; plain or gated "
+    "MLPs (fused gate-up included) with any neuron-wise activation (SiLU, ReLU, relu², each GELU form, xIELU, GPT-OSS's"
+    " and DeepSeek-V4's clamped SwiGLU) and mixtures of experts (routed, hash-routed and shared experts); "
+    "hyper-connections (several residual streams, DeepSeek-V4); LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their "
+    "parameter-free variants; learned absolute, rotary (halves or adjacent pairs, partial, per layer type; linear / "
+    "dynamic NTK / llama3 / YaRN / LongRoPE) or ALiBi positions; multi-head, grouped- or multi-query, multi-head latent"
+    " and DeepSeek-V4's compressed attention, causal, bidirectional, sliding-window or chunked, with QK-norm, value "
+    "norms, output gates, attention sinks, score and final-logit soft-capping (QKV clipping is read on the "
     "HookedTransformer route only); in float32 or float64"
 )
 
@@ -51,6 +52,20 @@ def _refuse(what: str, fix: str = "") -> UnsupportedArchitectureError:
 # ---------------------------------------------------------------------------------------------------------------
 # Version helpers: the only places that know TransformerLens 3.9 and 4.x differ.
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def bridge_extra(bridge: Any) -> dict[str, Any]:
+    """The ``ModelSpec.extra`` facts every bridge reading records: the tokenizer's BOS, the architecture, whether the
+    bridge is in compatibility mode, and the source config's HookedTransformerConfig-named fields."""
+    from lens_aot.tl.hooked_model import source_config_fields
+
+    cfg = bridge.cfg
+    return {
+        "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
+        "architecture": getattr(cfg, "architecture", None),
+        "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
+        "source_config": source_config_fields(cfg),
+    }
 
 
 def _source_model(bridge: Any) -> nn.Module:

@@ -59,6 +59,7 @@ from lens_aot.tl.bridge_components import (
     _refuse,
     _source_model,
     _subcomponents,
+    bridge_extra,
 )
 from lens_aot.tl.bridge_delegated_rotary import rotary_component
 from lens_aot.tl.bridge_layout import (
@@ -73,7 +74,6 @@ from lens_aot.tl.bridge_post_ln import is_post_ln
 from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
 from lens_aot.tl.bridge_probe import Call, check_piece, close, record, refuse_piece
 from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
-from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_bridge_native import check_native_config, read_native
 from lens_aot.tl.read_gemma4_moe import GEMMA4_PIECES, beside_moe_calls, read_beside_moe
 from lens_aot.tl.read_mla import is_mla, read_mla
@@ -91,6 +91,7 @@ from lens_aot.tl.read_per_layer_inputs import PerLayerReading
 from lens_aot.tl.read_prediction_head import read_prediction_head
 from lens_aot.tl.read_routed import is_routed, read_routed
 from lens_aot.tl.read_shared_kv import checked_attention
+from lens_aot.tl.read_streams import has_streams, read_streams
 from lens_aot.tl.read_sub_norms import refuse_sub_norms
 
 __all__ = ["SUPPORTED", "read_bridge"]
@@ -108,22 +109,12 @@ _REFUSED_BLOCKS = {
     "T5Gemma2DecoderBlockBridge": "an encoder-decoder block (T5Gemma 2)",
 }
 
-_HYPER_CONNECTIONS = (
-    "hyper-connections (DeepSeek-V4's mHC: the residual stream is hc_mult parallel streams [batch, pos, hc_mult, "
-    "d_model], hc_mult times d_model wide; each sublayer reads a weighted sum of the streams and writes to each "
-    "stream with weights, and the streams are remixed by a Sinkhorn-normalised matrix, all three computed per token "
-    "from an RMS norm across every stream, so the block is not resid + sublayer(resid) on one residual stream)"
-)
-
 _EXTRA_BLOCK_PIECES = {
     "mixer": "a state-space / recurrent mixer",
     "mamba": "a Mamba state-space mixer beside attention (hybrid block)",
     "conv": "a short convolution mixer",
     "linear_attn": "linear attention (a recurrent mixer)",
     "cross_attn": "cross-attention",
-    # DeepSeek-V4's manifold-constrained hyper-connections (mHC, Xie et al. 2026), one before each sublayer
-    "attn_hc": f"'attn_hc', {_HYPER_CONNECTIONS}",
-    "ffn_hc": f"'ffn_hc', {_HYPER_CONNECTIONS}",
 }
 
 _MLP_REFUSALS: dict[str, str] = {}
@@ -374,6 +365,8 @@ def read_bridge(bridge: Any) -> ModelSpec:
     dtype = _check_dtype(model)
     n_heads = int(cfg.n_heads)
     n_ctx = int(cfg.n_ctx)
+    if not native and has_streams(blocks):  # several residual streams (DeepSeek-V4's hyper-connections)
+        return read_streams(bridge, model, blocks, dtype)
     if not native:
         for layer, block in enumerate(blocks):
             _check_block(layer, block)
@@ -523,10 +516,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         model_name=str(getattr(cfg, "model_name", "unnamed")),
         source_kind="TransformerBridge",
         extra={
-            "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
-            "architecture": getattr(cfg, "architecture", None),
-            "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
-            "source_config": source_config_fields(cfg),
+            **bridge_extra(bridge),
             "multipliers": {
                 "embedding": embed_multiplier,
                 "residual": multipliers,

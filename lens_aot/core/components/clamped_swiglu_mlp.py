@@ -4,9 +4,10 @@
 (:class:`~lens_aot.core.components.neuron_mlp.NeuronMLP`) whose two inputs pass through the source's clamps, exactly,
 before its heads. Hooks, beyond the gated MLP's ``hook_pre`` (``g``), ``hook_pre_linear`` (``u``) and ``hook_post``:
 ``hook_gate_clamped`` (``g'``, what the gate heads read) and ``hook_linear_clamped`` (``clamp(u, ±limit) + 1``, the
-product heads' linear factor), both [batch, pos, d_mlp]. The gate heads are one Theorem-3 head per neuron with query
-slope ``alpha`` (exact); the product heads are the gated MLP's. Weights keep the gated MLP's names (``W_gate``,
-``b_gate``, ``W_in``, ``b_in``, ``W_out``, ``b_out``); ``alpha`` and ``limit`` are the source's floats.
+product heads' linear factor; DeepSeek-V4's experts add nothing, ``up_offset`` 0), both [batch, pos, d_mlp]. The gate
+heads are one Theorem-3 head per neuron with query slope ``alpha`` (exact); the product heads are the gated MLP's.
+Weights keep the gated MLP's names (``W_gate``, ``b_gate``, ``W_in``, ``b_in``, ``W_out``, ``b_out``); ``alpha`` and
+``limit`` are the source's floats.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ClampedSwiGLUMLP(NeuronMLP):
         if fit.gate.b != (float(mlp.alpha),) or fit.gate.alpha != (1.0,):
             raise ValueError(f"a clamped SwiGLU's gate head is g·σ({mlp.alpha}·g); the fit's is {fit.gate}")
         super().__init__(mlp, fit)
-        self.alpha, self.limit = float(mlp.alpha), float(mlp.limit)
+        self.alpha, self.limit, self.up_offset = float(mlp.alpha), float(mlp.limit), float(mlp.up_offset)
         self.hook_gate_clamped = HookPoint()  # [batch, pos, d_mlp]
         self.hook_linear_clamped = HookPoint()  # [batch, pos, d_mlp]
 
@@ -43,8 +44,10 @@ class ClampedSwiGLUMLP(NeuronMLP):
         return self.hook_gate_clamped(pre.clamp(min=None, max=self.limit))
 
     def _product_input(self, u: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos d_mlp"]:
-        """``clamp(u, −limit, limit) + 1``, as the source computes it."""
-        return self.hook_linear_clamped(u.clamp(min=-self.limit, max=self.limit) + 1)
+        """``clamp(u, −limit, limit) + 1`` (GPT-OSS; DeepSeek-V4: ``clamp(u, −limit, limit)``), as the source computes
+        it."""
+        clamped = u.clamp(min=-self.limit, max=self.limit)
+        return self.hook_linear_clamped(clamped + self.up_offset if self.up_offset else clamped)
 
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """The gated MLP's derivations, read from the clamped inputs (what the heads actually read)."""
@@ -57,4 +60,4 @@ class ClampedSwiGLUMLP(NeuronMLP):
     def spec(self) -> ClampedSwiGLUSpec:
         """The clamped-SwiGLU MLP these heads implement, with the source's scalars."""
         gated = super().spec()
-        return ClampedSwiGLUSpec.of(gated, self.alpha, self.limit)
+        return ClampedSwiGLUSpec.of(gated, self.alpha, self.limit, self.up_offset)

@@ -251,10 +251,15 @@ class MLAAttention(ScaledDenseHeads):
 def attention_module(
     spec: AttentionSpec | MLASpec, causal: bool, rotary: RotarySpec | None = None
 ) -> Attention | MLAAttention:
-    """The attention component for a layer's spec: :class:`MLAAttention` for multi-head latent attention, else
+    """The attention component for a layer's spec: :class:`MLAAttention` for multi-head latent attention,
+    ``CompressedAttention`` for DeepSeek-V4's, ``RoutedAttention`` for a mixture of attention heads, else
     :class:`Attention`."""
     if isinstance(spec, MLASpec):
         return MLAAttention(spec, causal)
+    if type(spec).__name__ == "CompressedAttentionSpec":  # DeepSeek-V4's sliding / compressed attention
+        from lens_aot.core.components.compressed_attention import CompressedAttention
+
+        return CompressedAttention(spec, causal)  # type: ignore[arg-type,return-value]
     if type(spec).__name__ == "RoutedAttentionSpec":  # a mixture of attention heads (JetMoE's MoA)
         from lens_aot.core.components.routed_attention import RoutedAttention
 

@@ -48,8 +48,9 @@ class MLP(nn.Module):
         self.xielu = None
         if isinstance(spec, XIELUSpec):
             self.xielu = (spec.alpha_p, spec.alpha_n, spec.beta, spec.eps)
-        # GPT-OSS's clamped SwiGLU (alpha, limit) (lens_aot.core.clamped_swiglu); None for other gated MLPs
-        self.clamp = (spec.alpha, spec.limit) if isinstance(spec, ClampedSwiGLUSpec) else None
+        # GPT-OSS's / DeepSeek-V4's clamped SwiGLU (alpha, limit, up_offset) (lens_aot.core.clamped_swiglu); None for
+        # other gated MLPs
+        self.clamp = (spec.alpha, spec.limit, spec.up_offset) if isinstance(spec, ClampedSwiGLUSpec) else None
 
     def _act(self, z: Tensor) -> Tensor:
         return reference_activation(self.act_fn, z) if self.xielu is None else xielu(z, *self.xielu)

@@ -55,6 +55,7 @@ from lens_aot.core.components.source_expert_hooks import (
     routed_hooks,
     source_named_derivations,
 )
+from lens_aot.core.components.token_ids import current_token_ids
 from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec
@@ -108,6 +109,11 @@ class MoEMLP(nn.Module):
             self.shared_expert.add_module("hook_out", HookPoint())
             self.W_shared_gate = None if spec.W_shared_gate is None else parameter(spec.W_shared_gate)
         self.b_moe = None if spec.b_out is None else parameter(spec.b_out)  # JetMoE's output bias
+        # DeepSeek-V4's hash-routed layers: the experts of each token id ([d_vocab, top_k]; None: routed by scores)
+        if spec.hash_table is not None and not hasattr(self.router, "weights_of"):
+            raise InputError(f"hash routing needs a router that weighs given experts; {spec.scoring!r} does not")
+        self.register_buffer("hash_table", None if spec.hash_table is None else spec.hash_table.detach().clone())
+        self.layer_name = "?"  # set by the model (blocks.{l}.mlp), for errors
 
     # ---- routing ----
     def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
@@ -122,6 +128,11 @@ class MoEMLP(nn.Module):
             return self.hook_expert_indices(indices), self.hook_topk_weights(weights.to(flat.dtype))
         logits = self.hook_router_logits(router_logits(flat, self.W_gate, self.logits_dtype, self.b_gate))
         probs = self.hook_expert_weights(self.router.scores(logits))
+        if self.hash_table is not None:  # DeepSeek-V4's hash routing: the experts of each token id
+            tokens = current_token_ids(f"MoE layer {self.layer_name}")
+            indices = self.hash_table[tokens.reshape(-1).to(self.hash_table.device)]
+            indices = self.hook_expert_indices(indices)
+            return indices, self.hook_topk_weights(self.router.weights_of(probs, indices).to(flat.dtype))
         indices, weights = self.router.choose(probs)
         indices = self.hook_expert_indices(indices)
         return indices, self.hook_topk_weights(weights.to(flat.dtype))
@@ -365,6 +376,7 @@ class MoEMLP(nn.Module):
             **self.router.spec_fields(),  # type: ignore[arg-type]
             b_out=None if self.b_moe is None else exported(self.b_moe),
             input_scaled=self.input_scaled,
+            hash_table=None if self.hash_table is None else self.hash_table.clone(),
             hook_names=self.hook_names,
         )
 

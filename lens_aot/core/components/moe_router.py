@@ -6,7 +6,8 @@ Every router turns the router logits ``[tokens, n_experts]`` into
 
 * ``scores`` (:meth:`TopKRouter.scores`, the value of ``hook_expert_weights``): the softmax over all experts
   (:class:`SoftmaxTopK`: Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, TransformerLens's ``MoE``) or a sigmoid per expert
-  (:class:`SigmoidTopK`: MiniMax-M2, GLM-4-MoE, AFMoE), computed in ``score_dtype`` (float32 in the Hugging Face
+  (:class:`SigmoidTopK`: MiniMax-M2, GLM-4-MoE, AFMoE) or ``sqrt(softplus)`` per expert (:class:`SqrtSoftplusTopK`:
+  DeepSeek-V4), computed in ``score_dtype`` (float32 in the Hugging Face
   sources, whatever the model dtype: a float64 model's routing is then the source's float32 routing, bit for bit);
 * the chosen experts (:meth:`TopKRouter.choose`): ``torch.topk`` of ``scores + e_score_correction_bias`` (the
   correction bias steers the choice only; ERNIE 4.5, MiniMax-M2 and GLM-4-MoE have one);
@@ -164,11 +165,41 @@ class TopKThenSigmoid(TopKRouter):
         return indices, weights
 
 
+class SqrtSoftplusTopK(TopKRouter):
+    """Scores = ``sqrt(softplus(logits))`` per expert (DeepSeek-V4's ``DeepseekV4TopKRouter``, ``scoring_func``
+    "sqrtsoftplus"), in the activation dtype; the choice is ``torch.topk(scores + e_score_correction_bias,
+    sorted=False)`` (the source's call: its unsorted order is the order the weights are summed in), the weights the
+    chosen scores over their sum ``+ 1e-20``, times ``routed_scaling_factor``. Its hash-routed layers
+    (``DeepseekV4HashRouter``) take the experts from a token-id table instead (:meth:`weights_of` gives their weights
+    the same way; :class:`~lens_aot.core.components.moe_mlp.MoEMLP` looks them up)."""
+
+    scoring = "sqrtsoftplus"
+
+    def scores(self, logits: Float[Tensor, "tokens n_experts"]) -> Float[Tensor, "tokens n_experts"]:
+        return F.softplus(self._in_score_dtype(logits)).sqrt()
+
+    def choose(
+        self, scores: Float[Tensor, "tokens n_experts"]
+    ) -> tuple[Int[Tensor, "tokens top_k"], Float[Tensor, "tokens top_k"]]:
+        bias = self.e_score_correction_bias
+        indices = torch.topk(scores if bias is None else scores + bias, self.top_k, dim=-1, sorted=False).indices
+        return indices, self.weights_of(scores, indices)
+
+    def weights_of(
+        self, scores: Float[Tensor, "tokens n_experts"], indices: Int[Tensor, "tokens top_k"]
+    ) -> Float[Tensor, "tokens top_k"]:
+        """The chosen experts' scores over their sum (``+ 1e-20``, the source's), times the routed scaling."""
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor
+
+
 ROUTERS: dict[str, type[TopKRouter]] = {
     "softmax": SoftmaxTopK,
     "sigmoid": SigmoidTopK,
     "topk_softmax": TopKThenSoftmax,
     "topk_sigmoid": TopKThenSigmoid,
+    "sqrtsoftplus": SqrtSoftplusTopK,
 }
 
 

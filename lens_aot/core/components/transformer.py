@@ -30,7 +30,7 @@ from lens_aot.core.components.post_ln_block import PostLNBlock
 from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.components.shared_kv_attention import SharedKVBoxes
 from lens_aot.core.components.soft_cap import SoftCap
-from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec
+from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -158,6 +158,9 @@ class SpecTransformer(HookedRootModule):
                 if ls.per_layer is not None:
                     last = all(later.per_layer is None for later in spec.layers[layer + 1 :])
                     scalar["per_layer"] = per_layer_for(ls.per_layer, layer, store, last)
+                if ls.hc_attn is not None:  # DeepSeek-V4's hyper-connections
+                    blocks.append(hyper_block(layer, ls, norms))
+                    continue
                 blocks.append(block(*norms, post_norm=ls.post_norm, **scalar))
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
         # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
@@ -171,6 +174,13 @@ class SpecTransformer(HookedRootModule):
             self.pos_embed = PosEmbed(spec.W_pos, spec.W_pos_unread)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(blocks)
+        for layer, block in enumerate(blocks):  # named in the errors of a hash-routed MoE layer (DeepSeek-V4)
+            if hasattr(getattr(block, "mlp", None), "layer_name"):
+                block.mlp.layer_name = str(layer)
+        if spec.hc_head is not None:  # DeepSeek-V4: the streams collapsed into one before ln_final
+            from lens_aot.core.components.hyper_connection import HyperHead
+
+            self.hc_head = HyperHead(spec.hc_head)
         self.ln_final = make_norm(spec.ln_final)
         if spec.prediction_head is not None:  # ModernBERT-decoder: a dense MLP, not neuron heads
             self.prediction_head = PredictionHead(spec.prediction_head)
@@ -186,11 +196,22 @@ class SpecTransformer(HookedRootModule):
         prediction head, ModernBERT-decoder), times the source's logit multiplier if it has one (Cohere, Granite),
         then soft-capped when the source caps its logits (both after ``unembed.hook_out``, as TransformerLens's
         ``output_logits_soft_cap``)."""
+        if hasattr(self, "hc_head"):  # DeepSeek-V4: the hc_mult streams collapsed into one
+            resid = self.hc_head(resid)
         normed = self.ln_final(resid)
         logits = self.unembed(self.prediction_head(normed) if hasattr(self, "prediction_head") else normed)
         if hasattr(self, "logits_scale"):
             logits = self.logits_scale(logits)
         return self.logits_soft_cap(logits) if hasattr(self, "logits_soft_cap") else logits
+
+    def streams(self, embedded: Float[Tensor, "batch pos d_model"]) -> Tensor:
+        """The residual stream the first block reads: the embedding itself, or (DeepSeek-V4's hyper-connections) its
+        copy in each of the hc_mult streams, ``[batch, pos, hc_mult, d_model]``, as the source expands it."""
+        if not hasattr(self, "hc_head"):
+            return embedded
+        from lens_aot.core.components.hyper_connection import expand_streams
+
+        return expand_streams(embedded, self.hc_head.hc_mult)
 
     def variant_specs(self) -> dict[str, Any]:
         """The model-level variant fields of the spec this model was built from (``to_spec`` / ``revert``)."""
@@ -200,9 +221,28 @@ class SpecTransformer(HookedRootModule):
             "logits_scale": self.logits_scale.multiplier if hasattr(self, "logits_scale") else None,
             "prediction_head": self.prediction_head.spec() if hasattr(self, "prediction_head") else None,
             "per_layer_inputs": self.embed.per_layer_inputs.spec() if hasattr(self.embed, "per_layer_inputs") else None,
+            "hc_head": self.hc_head.spec() if hasattr(self, "hc_head") else None,
         }
 
     def output_modules(self) -> list[nn.Module]:
-        """What lies after the blocks, in order: ``ln_final``, the prediction head if any, ``unembed``."""
+        """What lies after the blocks, in order: the hyper-connection head if any, ``ln_final``, the prediction head if
+        any, ``unembed``."""
         head = [self.prediction_head] if hasattr(self, "prediction_head") else []
-        return [self.ln_final, *head, self.unembed]
+        hc_head = [self.hc_head] if hasattr(self, "hc_head") else []
+        return [*hc_head, self.ln_final, *head, self.unembed]
+
+
+def hyper_block(layer: int, spec: LayerSpec, pieces: tuple[Any, ...]) -> nn.Module:
+    """DeepSeek-V4's layer ``layer`` (:mod:`~lens_aot.core.components.hyper_block`) from its spec and the pieces built
+    for a plain block (``ln1``, attention, ``ln2``, MLP, ...); refuses what its source never combines with them."""
+    from lens_aot.core.components.hyper_block import HyperConnectionBlock
+    from lens_aot.core.components.hyper_connection import HyperConnection
+
+    ln1, attn, ln2, mlp, parallel, ln1_post, ln2_post = pieces
+    others = [name for name, on in (("a parallel layout", parallel), ("sandwich norms", ln1_post or ln2_post)) if on]
+    others += [n for n in ("post_norm", "residual_norm", "layer_scalar", "per_layer") if getattr(spec, n)]
+    if spec.hc_mlp is None or mlp is None or ln2 is None or others:
+        raise ValueError(
+            f"layer {layer}: hyper-connections need both sublayers and nothing else; this layer has {others}"
+        )
+    return HyperConnectionBlock(ln1, attn, ln2, mlp, HyperConnection(spec.hc_attn), HyperConnection(spec.hc_mlp))
