@@ -242,3 +242,25 @@ def test_chunked_rotary_tables_are_the_modules_own(kind: str) -> None:
     x = torch.zeros(1, n, 1, dtype=torch.float64)
     cos, sin = module(x, torch.arange(n)[None])
     assert spec.rotary_dim == width and torch.equal(spec.cos, cos[0]) and torch.equal(spec.sin, sin[0])
+
+
+@pytest.mark.parametrize("kind", ["RMS", "LN", "ranged"])
+def test_the_neurons_input_bound_is_computed_in_blocks(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """``normalized_input_bound`` (the product heads' input range) over blocks of neurons is bitwise its value over
+    the whole matrix, and its float64 temporaries stay near one block instead of four times ``W``'s bytes."""
+    import lens_aot.core.gating as gating
+    from lens_aot.core.gating import RangedInput, normalized_input_bound
+    from lens_aot.core.spec import NormSpec
+
+    gen = torch.Generator().manual_seed(0)
+    d_model, d_mlp = 256, 4096
+    W, b = torch.randn(d_model, d_mlp, generator=gen), torch.randn(d_mlp, generator=gen)
+    w, nb = torch.randn(d_model, generator=gen), torch.randn(d_model, generator=gen)
+    norm = RangedInput(None, radius=3.0) if kind == "ranged" else NormSpec(kind, 1e-5, w, nb if kind == "LN" else None)
+    monkeypatch.setattr(gating, "BOUND_BLOCK_BYTES", 1 << 40)
+    whole = normalized_input_bound(norm, W, b)
+    monkeypatch.setattr(gating, "BOUND_BLOCK_BYTES", 1 << 20)
+    with PeakMeter() as meter:
+        blocks = normalized_input_bound(norm, W, b)
+    assert torch.equal(blocks, whole)
+    assert meter.peak < 4 * (1 << 20) + 4 * 8 * d_mlp < 4 * W.numel() * W.element_size()

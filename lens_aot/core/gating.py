@@ -82,6 +82,9 @@ class RangedInput(NormSpec):
     layer: int | None = None
 
 
+BOUND_BLOCK_BYTES = 8 << 20  # float64 bytes of one block of neurons in normalized_input_bound
+
+
 def normalized_input_bound(
     norm: NormSpec, W: Float[Tensor, "d_model d_mlp"], b: Float[Tensor, " d_mlp"] | None
 ) -> Float[Tensor, " d_mlp"]:
@@ -90,7 +93,19 @@ def normalized_input_bound(
     ``norm(x) = x̂·w + b_norm`` where ``x̂`` (centred for LayerNorm) has ``‖x̂‖ ≤ sqrt(d_model)``; by Cauchy–Schwarz
     the bound is ``sqrt(d_model)·‖w ⊙ W[:, n]‖ + |b_norm·W[:, n] + b[n]|`` (for LayerNorm ``x̂ ⊥ 1``, so the mean of
     ``w ⊙ W[:, n]`` is removed first).
+
+    Computed in blocks of neurons (:data:`BOUND_BLOCK_BYTES` of float64 per block): each neuron's bound is its own
+    column's, bitwise the same as over the whole matrix, and the float64 temporaries stay a few MB instead of four
+    times ``W``'s float32 bytes (convert's peak memory).
     """
+    step = max(1, BOUND_BLOCK_BYTES // (8 * max(1, W.shape[0])))
+    if W.shape[1] > step:
+        return torch.cat(
+            [
+                normalized_input_bound(norm, W[:, i : i + step], None if b is None else b[i : i + step])
+                for i in range(0, W.shape[1], step)
+            ]
+        )
     if isinstance(norm, RangedInput) and math.isfinite(norm.radius):
         W64 = W.detach().to(torch.float64)
         bias = W64.new_zeros(W64.shape[1]) if b is None else b.detach().to(torch.float64).abs()
