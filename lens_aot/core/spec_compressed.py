@@ -39,29 +39,19 @@ CompressorKind = Literal["csa", "hca"]
 
 
 @dataclass(kw_only=True)
-class CompressIndexerSpec:
-    """The Lightning indexer of a compressed-sparse-attention layer (transformers' ``DeepseekV4Indexer``): its own
-    compressor at ``d_head`` (two series, as the "csa" compressor's) for keys, queries ``q_b_proj`` of the attention's
-    query latent, and scores ``Σ_h w_h · relu(q_h · k) · softmax_scale`` with ``w = x weights_proj ·
-    weights_scaling`` (float32); each query keeps its ``top_k`` best-scored entries among those it may see."""
+class WindowPoolSpec:
+    """What the compressor and the indexer share: every ``compress_rate`` positions pooled into one entry by a
+    softmax gate (``kv_proj``, ``gate_proj``, ``position_bias``), normed (``kv_norm``) and rotated by their own rotary
+    (``inv_freq``, float32, and ``attention_scaling``: the "compress" rope). The projections are ``d_head`` wide, or
+    ``2 · d_head`` for two overlapping series (the previous window's, then this window's: "csa" and the indexer)."""
 
-    d_head: int
-    top_k: int
     compress_rate: int
-    kv_proj: Float[Tensor, "two_d_head d_model"]
-    gate_proj: Float[Tensor, "two_d_head d_model"]
-    position_bias: Float[Tensor, "compress_rate two_d_head"]
+    kv_proj: Float[Tensor, "width_d_head d_model"]
+    gate_proj: Float[Tensor, "width_d_head d_model"]
+    position_bias: Float[Tensor, "compress_rate width_d_head"]
     kv_norm: NormSpec
-    q_b_proj: Float[Tensor, "n_heads_d_head q_rank"]
-    weights_proj: Float[Tensor, "n_heads d_model"]
-    softmax_scale: float
-    weights_scaling: float
-    inv_freq: Float[Tensor, " half_rope_dim"]  # float32, the indexer's own rotary ("compress")
+    inv_freq: Float[Tensor, " half_rope_dim"]
     attention_scaling: float = 1.0
-
-    @property
-    def n_heads(self) -> int:
-        return int(self.weights_proj.shape[0])
 
     @property
     def rope_dim(self) -> int:
@@ -69,24 +59,32 @@ class CompressIndexerSpec:
 
 
 @dataclass(kw_only=True)
-class CompressorSpec:
-    """The compressor of a compressed layer (transformers' ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor``;
-    module docstring). "csa": ``kv_proj`` / ``gate_proj`` / ``position_bias`` are ``2 · d_head`` wide (the previous
-    window's series, then this window's) and ``indexer`` is set; "hca": ``d_head`` wide, no indexer."""
+class CompressIndexerSpec(WindowPoolSpec):
+    """The Lightning indexer of a compressed-sparse-attention layer (transformers' ``DeepseekV4Indexer``): its own
+    pooled keys at ``d_head`` (two series, as the "csa" compressor's), queries ``q_b_proj`` of the attention's query
+    latent, and scores ``Σ_h w_h · relu(q_h · k) · softmax_scale`` with ``w = x weights_proj · weights_scaling``
+    (float32); each query keeps its ``top_k`` best-scored entries among those it may see."""
 
-    kind: CompressorKind
-    compress_rate: int
-    kv_proj: Float[Tensor, "width_d_head d_model"]
-    gate_proj: Float[Tensor, "width_d_head d_model"]
-    position_bias: Float[Tensor, "compress_rate width_d_head"]
-    kv_norm: NormSpec
-    inv_freq: Float[Tensor, " half_rope_dim"]  # float32, the compressor's own rotary ("compress")
-    attention_scaling: float = 1.0
-    indexer: CompressIndexerSpec | None = None
+    d_head: int
+    top_k: int
+    q_b_proj: Float[Tensor, "n_heads_d_head q_rank"]
+    weights_proj: Float[Tensor, "n_heads d_model"]
+    softmax_scale: float
+    weights_scaling: float
 
     @property
-    def rope_dim(self) -> int:
-        return 2 * int(self.inv_freq.shape[0])
+    def n_heads(self) -> int:
+        return int(self.weights_proj.shape[0])
+
+
+@dataclass(kw_only=True)
+class CompressorSpec(WindowPoolSpec):
+    """The compressor of a compressed layer (transformers' ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor``;
+    module docstring). "csa": two series, ``2 · d_head`` wide, and ``indexer`` is set; "hca": ``d_head`` wide, no
+    indexer."""
+
+    kind: CompressorKind
+    indexer: CompressIndexerSpec | None = None
 
 
 @dataclass(kw_only=True)
@@ -126,4 +124,4 @@ class CompressedAttentionSpec(NoAttentionVariants):
         return int(self.q_a_proj.shape[1])
 
 
-__all__ = ["CompressIndexerSpec", "CompressedAttentionSpec", "CompressorKind", "CompressorSpec"]
+__all__ = ["CompressIndexerSpec", "CompressedAttentionSpec", "CompressorKind", "CompressorSpec", "WindowPoolSpec"]

@@ -29,7 +29,7 @@ from lens_aot.core.components.scaled_heads import ScaledDenseHeads
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec import NormSpec
-from lens_aot.core.spec_compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
+from lens_aot.core.spec_compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec, WindowPoolSpec
 from lens_aot.errors import InputError, LensAOTError
 
 _NO_RESIDUAL_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
@@ -151,23 +151,59 @@ def causal_threshold(position_ids: Int[Tensor, "batch_or_1 pos"], rate: int) -> 
     return (position_ids + 1) // rate
 
 
-class CompressIndexer(nn.Module):
+class WindowPool(nn.Module):
+    """The pooling the compressor and the indexer share (:class:`~lens_aot.core.spec_compressed.WindowPoolSpec`): its
+    weights, its own rotary, and :func:`compress_windows` over them (``overlap``: two series, "csa" and the
+    indexer)."""
+
+    def __init__(self, spec: WindowPoolSpec, d_head: int, overlap: bool) -> None:
+        super().__init__()
+        self.compress_rate = int(spec.compress_rate)
+        self.d_head = int(d_head)
+        self.overlap = overlap
+        self.kv_proj = parameter(spec.kv_proj)
+        self.gate_proj = parameter(spec.gate_proj)
+        self.position_bias = parameter(spec.position_bias)
+        self.kv_norm = SourceRMSNorm(spec.kv_norm)
+        self.rotary_emb = RotaryAngles(spec.inv_freq, spec.attention_scaling)
+
+    def pool(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch n_entries d_head"]:
+        """The pooled entries (keys and values at once for the compressor, keys for the indexer)."""
+        return compress_windows(
+            x,
+            self.kv_proj,
+            self.gate_proj,
+            self.position_bias,
+            self.kv_norm,
+            self.compress_rate,
+            self.d_head,
+            self.overlap,
+            self.rotary_emb,
+        )
+
+    def pool_fields(self) -> dict[str, Any]:
+        """The :class:`WindowPoolSpec` fields of this pooling (for the subclasses' ``spec()``)."""
+        return dict(
+            compress_rate=self.compress_rate,
+            kv_proj=exported(self.kv_proj),
+            gate_proj=exported(self.gate_proj),
+            position_bias=exported(self.position_bias),
+            kv_norm=self.kv_norm.spec(),
+            inv_freq=exported(self.rotary_emb.inv_freq),
+            attention_scaling=self.rotary_emb.attention_scaling,
+        )
+
+
+class CompressIndexer(WindowPool):
     """The Lightning indexer of a compressed-sparse-attention layer (:class:`CompressIndexerSpec`; transformers'
     ``DeepseekV4Indexer``): its own compressed keys and each query's scores over them, as the source computes them.
     The attention hooks the scores and the chosen entries (``hook_index_scores``, ``hook_indexer_topk``)."""
 
     def __init__(self, spec: CompressIndexerSpec) -> None:
-        super().__init__()
-        self.kv_proj = parameter(spec.kv_proj)
-        self.gate_proj = parameter(spec.gate_proj)
-        self.position_bias = parameter(spec.position_bias)
-        self.kv_norm = SourceRMSNorm(spec.kv_norm)
+        super().__init__(spec, spec.d_head, overlap=True)
         self.q_b_proj = parameter(spec.q_b_proj)
         self.weights_proj = parameter(spec.weights_proj)
-        self.rotary_emb = RotaryAngles(spec.inv_freq, spec.attention_scaling)
-        self.d_head = int(spec.d_head)
         self.top_k = int(spec.top_k)
-        self.compress_rate = int(spec.compress_rate)
         self.softmax_scale = float(spec.softmax_scale)
         self.weights_scaling = float(spec.weights_scaling)
 
@@ -184,17 +220,7 @@ class CompressIndexer(nn.Module):
         """Each query's float32 scores ``Σ_h w_h · relu(q_h · k) · softmax_scale`` over the indexer's entries,
         ``-inf`` on the entries the query may not see yet."""
         batch, pos, _ = x.shape
-        keys = compress_windows(
-            x,
-            self.kv_proj,
-            self.gate_proj,
-            self.position_bias,
-            self.kv_norm,
-            self.compress_rate,
-            self.d_head,
-            True,
-            self.rotary_emb,
-        )
+        keys = self.pool(x)
         cos, sin = self.rotary_emb(x, position_ids)
         q = F.linear(q_latent, self.q_b_proj).view(batch, pos, -1, self.d_head).transpose(1, 2)
         q = rotate_tail(q, cos, sin).transpose(1, 2)  # [batch, pos, head, d_head]
@@ -221,65 +247,37 @@ class CompressIndexer(nn.Module):
 
     def spec(self) -> CompressIndexerSpec:
         return CompressIndexerSpec(
+            **self.pool_fields(),
             d_head=self.d_head,
             top_k=self.top_k,
-            compress_rate=self.compress_rate,
-            kv_proj=exported(self.kv_proj),
-            gate_proj=exported(self.gate_proj),
-            position_bias=exported(self.position_bias),
-            kv_norm=self.kv_norm.spec(),
             q_b_proj=exported(self.q_b_proj),
             weights_proj=exported(self.weights_proj),
             softmax_scale=self.softmax_scale,
             weights_scaling=self.weights_scaling,
-            inv_freq=exported(self.rotary_emb.inv_freq),
-            attention_scaling=self.rotary_emb.attention_scaling,
         )
 
 
-class KVCompressor(nn.Module):
+class KVCompressor(WindowPool):
     """The compressor of a compressed layer (:class:`CompressorSpec`; transformers' ``DeepseekV4CSACompressor`` /
-    ``DeepseekV4HCACompressor``): its entries (:func:`compress_windows`) and, for "csa", its indexer."""
+    ``DeepseekV4HCACompressor``): its entries (:func:`compress_windows`, two series for "csa") and, for "csa", its
+    indexer."""
 
     def __init__(self, spec: CompressorSpec, d_head: int) -> None:
-        super().__init__()
         if (spec.kind == "csa") != (spec.indexer is not None):
             raise ValueError(f"a {spec.kind!r} compressor {'needs' if spec.kind == 'csa' else 'has no'} indexer")
+        super().__init__(spec, d_head, overlap=spec.kind == "csa")
         self.kind = spec.kind
-        self.compress_rate = int(spec.compress_rate)
-        self.d_head = int(d_head)
-        self.kv_proj = parameter(spec.kv_proj)
-        self.gate_proj = parameter(spec.gate_proj)
-        self.position_bias = parameter(spec.position_bias)
-        self.kv_norm = SourceRMSNorm(spec.kv_norm)
-        self.rotary_emb = RotaryAngles(spec.inv_freq, spec.attention_scaling)
         if spec.indexer is not None:
             self.indexer = CompressIndexer(spec.indexer)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch n_entries d_head"]:
         """The compressed entries, keys and values at once."""
-        return compress_windows(
-            x,
-            self.kv_proj,
-            self.gate_proj,
-            self.position_bias,
-            self.kv_norm,
-            self.compress_rate,
-            self.d_head,
-            self.kind == "csa",
-            self.rotary_emb,
-        )
+        return self.pool(x)
 
     def spec(self) -> CompressorSpec:
         return CompressorSpec(
+            **self.pool_fields(),
             kind=self.kind,  # type: ignore[arg-type]
-            compress_rate=self.compress_rate,
-            kv_proj=exported(self.kv_proj),
-            gate_proj=exported(self.gate_proj),
-            position_bias=exported(self.position_bias),
-            kv_norm=self.kv_norm.spec(),
-            inv_freq=exported(self.rotary_emb.inv_freq),
-            attention_scaling=self.rotary_emb.attention_scaling,
             indexer=self.indexer.spec() if hasattr(self, "indexer") else None,
         )
 
@@ -505,7 +503,7 @@ class CompressedAttention(ScaledDenseHeads):
         combined = torch.cat([scores, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
-        pattern = self.hook_pattern(F.dropout(probs[..., :-1], p=0.0, training=False).to(values.dtype))
+        pattern = self.hook_pattern(probs[..., :-1].to(values.dtype))  # the source's dropout: p = 0, an identity
         return torch.matmul(pattern, values).transpose(1, 2).contiguous()
 
     def _grouped_out(self, z: Float[Tensor, "batch pos group group_in"]) -> Float[Tensor, "batch pos group o_rank"]:
@@ -551,6 +549,7 @@ __all__ = [
     "KVCompressor",
     "RotaryAngles",
     "SourceRMSNorm",
+    "WindowPool",
     "rotate_tail",
     "source_rms_norm_spec",
     "unweighted_rms_norm",
