@@ -129,9 +129,10 @@ def route(
     if spec.hash_table is not None:  # DeepSeek-V4's hash routing: the experts of each token id
         if tokens is None:
             raise ValueError("a hash-routed MoE layer's routing needs the token ids")
-        indices = spec.hash_table.to(flat.device)[tokens.reshape(-1).to(flat.device)]
-        return indices, router.weights_of(router.scores(logits), indices).to(flat.dtype)  # type: ignore[operator]
-    indices, weights = router.choose(router.scores(logits))
+        table = spec.hash_table.to(flat.device)
+        indices, weights = router.choose_from_table(router.scores(logits), table, tokens)  # type: ignore[operator]
+    else:
+        indices, weights = router.choose(router.scores(logits))
     return indices, weights.to(flat.dtype)
 
 

@@ -110,10 +110,9 @@ class MoEMLP(nn.Module):
             self.W_shared_gate = None if spec.W_shared_gate is None else parameter(spec.W_shared_gate)
         self.b_moe = None if spec.b_out is None else parameter(spec.b_out)  # JetMoE's output bias
         # DeepSeek-V4's hash-routed layers: the experts of each token id ([d_vocab, top_k]; None: routed by scores)
-        if spec.hash_table is not None and not hasattr(self.router, "weights_of"):
+        if spec.hash_table is not None and not hasattr(self.router, "choose_from_table"):
             raise InputError(f"hash routing needs a router that weighs given experts; {spec.scoring!r} does not")
         self.register_buffer("hash_table", None if spec.hash_table is None else spec.hash_table.detach().clone())
-        self.layer_name = "?"  # set by the model (blocks.{l}.mlp), for errors
 
     # ---- routing ----
     def route(self, flat: Float[Tensor, "tokens d_model"]) -> tuple[torch.Tensor, Float[Tensor, "tokens top_k"]]:
@@ -129,11 +128,12 @@ class MoEMLP(nn.Module):
         logits = self.hook_router_logits(router_logits(flat, self.W_gate, self.logits_dtype, self.b_gate))
         probs = self.hook_expert_weights(self.router.scores(logits))
         if self.hash_table is not None:  # DeepSeek-V4's hash routing: the experts of each token id
-            tokens = current_token_ids(f"MoE layer {self.layer_name}")
-            indices = self.hash_table[tokens.reshape(-1).to(self.hash_table.device)]
-            indices = self.hook_expert_indices(indices)
-            return indices, self.hook_topk_weights(self.router.weights_of(probs, indices).to(flat.dtype))
-        indices, weights = self.router.choose(probs)
+            name = self.hook_expert_indices.name or ""  # blocks.{l}.mlp.hook_expert_indices
+            layer = name.split(".")[1] if name.startswith("blocks.") else "?"
+            tokens = current_token_ids(f"MoE layer {layer}")
+            indices, weights = self.router.choose_from_table(probs, self.hash_table, tokens)
+        else:
+            indices, weights = self.router.choose(probs)
         indices = self.hook_expert_indices(indices)
         return indices, self.hook_topk_weights(weights.to(flat.dtype))
 

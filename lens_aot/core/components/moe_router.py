@@ -170,8 +170,7 @@ class SqrtSoftplusTopK(TopKRouter):
     "sqrtsoftplus"), in the activation dtype; the choice is ``torch.topk(scores + e_score_correction_bias,
     sorted=False)`` (the source's call: its unsorted order is the order the weights are summed in), the weights the
     chosen scores over their sum ``+ 1e-20``, times ``routed_scaling_factor``. Its hash-routed layers
-    (``DeepseekV4HashRouter``) take the experts from a token-id table instead (:meth:`weights_of` gives their weights
-    the same way; :class:`~lens_aot.core.components.moe_mlp.MoEMLP` looks them up)."""
+    (``DeepseekV4HashRouter``) take the experts from a token-id table instead (:meth:`choose_from_table`)."""
 
     scoring = "sqrtsoftplus"
 
@@ -183,6 +182,14 @@ class SqrtSoftplusTopK(TopKRouter):
     ) -> tuple[Int[Tensor, "tokens top_k"], Float[Tensor, "tokens top_k"]]:
         bias = self.e_score_correction_bias
         indices = torch.topk(scores if bias is None else scores + bias, self.top_k, dim=-1, sorted=False).indices
+        return indices, self.weights_of(scores, indices)
+
+    def choose_from_table(
+        self, scores: Float[Tensor, "tokens n_experts"], table: Int[Tensor, "d_vocab top_k"], tokens: Tensor
+    ) -> tuple[Int[Tensor, "tokens top_k"], Float[Tensor, "tokens top_k"]]:
+        """A hash-routed layer's choice: the experts ``table[token id]`` of each token, weighed as :meth:`choose`
+        weighs its own."""
+        indices = table[tokens.reshape(-1).to(table.device)]
         return indices, self.weights_of(scores, indices)
 
     def weights_of(

@@ -174,9 +174,6 @@ class SpecTransformer(HookedRootModule):
             self.pos_embed = PosEmbed(spec.W_pos, spec.W_pos_unread)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(blocks)
-        for layer, block in enumerate(blocks):  # named in the errors of a hash-routed MoE layer (DeepSeek-V4)
-            if hasattr(getattr(block, "mlp", None), "layer_name"):
-                block.mlp.layer_name = str(layer)
         if spec.hc_head is not None:  # DeepSeek-V4: the streams collapsed into one before ln_final
             from lens_aot.core.components.hyper_connection import HyperHead
 
