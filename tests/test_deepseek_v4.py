@@ -102,9 +102,8 @@ def test_what_the_test_exercises_happens(bridges) -> None:
     assert bool((cache["blocks.0.attn.hook_pattern"][..., :24].triu(-8) == 0).any())  # the window binds
     table = bridge.original_model.model.layers[0].mlp.gate.tid2eid
     assert torch.equal(cache["blocks.0.mlp.hook_expert_indices"], table[tokens.reshape(-1)])
-    gate = cache["blocks.1.mlp.experts.0.hook_pre"] if "blocks.1.mlp.experts.0.hook_pre" in cache else None
-    if gate is not None:
-        assert bool((gate > 0.5).any())  # the gate clamp binds
+    assert bool((cache["blocks.1.mlp.experts.0.hook_pre"] > 0.5).any())  # the gate clamp binds
+    assert bool((cache["blocks.1.mlp.shared_expert.hook_pre_linear"].abs() > 0.5).any())  # and the linear one
     assert cache["blocks.1.hook_resid_pre"].shape == (2, 24, 3, 64)
     assert cache["blocks.1.mlp_hc.hook_comb"].shape == (2, 24, 3, 3)
 

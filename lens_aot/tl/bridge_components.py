@@ -101,6 +101,19 @@ def _original(component: Any) -> nn.Module:
     return module
 
 
+def unwrapped(module: Any) -> Any:
+    """``module`` itself, or the module a TransformerBridge component wraps in its place (a bridge replaces the
+    Hugging Face model's submodules with components that hold the originals)."""
+    while getattr(module, "original_component", None) is not None:
+        module = module.original_component
+    return module
+
+
+def child(owner: Any, name: str) -> Any:
+    """``owner``'s submodule (or attribute) ``name``, unwrapped from its bridge component; None without one."""
+    return unwrapped(getattr(owner, name, None))
+
+
 def _blocks(bridge: Any) -> list[Any]:
     blocks = _component(bridge, "blocks")
     if blocks is None:

@@ -24,24 +24,12 @@ from torch import Tensor, nn
 from lens_aot.core.components.compressed_attention import source_rms_norm_spec
 from lens_aot.core.spec import NormSpec
 from lens_aot.core.spec_compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
+from lens_aot.tl.bridge_components import child, unwrapped
 from lens_aot.tl.bridge_probe import refuse_piece
 
 __all__ = ["read_compressed_attention"]
 
 _KINDS = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
-
-
-def unwrapped(module: Any) -> Any:
-    """``module`` itself, or the module a TransformerBridge component wraps in its place (a bridge replaces the
-    Hugging Face model's submodules with components that hold the originals)."""
-    while getattr(module, "original_component", None) is not None:
-        module = module.original_component
-    return module
-
-
-def child(owner: Any, name: str) -> Any:
-    """``owner``'s submodule (or attribute) ``name``, unwrapped from its bridge component; None without one."""
-    return unwrapped(getattr(owner, name, None))
 
 
 def _weight(layer: int, owner: nn.Module, name: str) -> Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from lens_aot.core.components.hyper_connection import HyperConnection, HyperHead
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec_hyper import HyperConnectionSpec, HyperHeadSpec
+from lens_aot.tl.bridge_components import unwrapped
 from lens_aot.tl.bridge_probe import PROBE_TOLERANCE, refuse_piece, relative_error
 
 __all__ = ["read_hyper_connection", "read_hyper_head"]
@@ -26,7 +27,7 @@ __all__ = ["read_hyper_connection", "read_hyper_head"]
 def read_hyper_connection(module: Any, layer: int | None = None, piece: str = "attn_hc") -> HyperConnectionSpec:
     """``module`` (a ``DeepseekV4HyperConnection`` or a bridge component wrapping one) as a
     :class:`HyperConnectionSpec`, checked against it; refuses, naming ``layer`` / ``piece``, one of another layout."""
-    module = _unwrapped(module)
+    module = unwrapped(module)
     hc, iters, hc_eps, norm_eps = _attributes(module, ("hc_mult", "hc_sinkhorn_iters", "hc_eps"), layer, piece)
     fn, base, scale = _weights(module, ("fn", "base", "scale"), layer, piece)
     n_weights = (2 + hc) * hc
@@ -52,7 +53,7 @@ def read_hyper_connection(module: Any, layer: int | None = None, piece: str = "a
 def read_hyper_head(module: Any, piece: str = "hc_head") -> HyperHeadSpec:
     """``module`` (a ``DeepseekV4HyperHead`` or a bridge component wrapping one) as a :class:`HyperHeadSpec`,
     checked against it; refuses, naming ``piece``, one of another layout."""
-    module = _unwrapped(module)
+    module = unwrapped(module)
     hc, hc_eps, norm_eps = _attributes(module, ("hc_mult", "eps"), None, piece)
     fn, base, scale = _weights(module, ("hc_fn", "hc_base", "hc_scale"), None, piece)
     if fn.ndim != 2 or fn.shape[0] != hc or fn.shape[1] % hc or base.shape != (hc,) or scale.shape != (1,):
@@ -66,12 +67,6 @@ def read_hyper_head(module: Any, piece: str = "hc_head") -> HyperHeadSpec:
     spec = HyperHeadSpec(int(hc), float(hc_eps), float(norm_eps), fn, base, scale)
     _check(module, spec, HyperHead, None, piece)
     return spec
-
-
-def _unwrapped(module: Any) -> nn.Module:
-    """The transformers module itself: ``module``, or the one a bridge component wraps."""
-    original = getattr(module, "original_component", None)
-    return original if isinstance(original, nn.Module) else module
 
 
 def _refuse(module: nn.Module, layer: int | None, piece: str, what: str) -> Exception:

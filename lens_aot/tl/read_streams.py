@@ -19,9 +19,17 @@ from torch import nn
 
 from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, check_clamp
 from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec
-from lens_aot.tl.bridge_components import _component, _embedding, _linear, _original, _subcomponents, bridge_extra
+from lens_aot.tl.bridge_components import (
+    _component,
+    _embedding,
+    _linear,
+    _original,
+    _subcomponents,
+    bridge_extra,
+    child,
+)
 from lens_aot.tl.bridge_probe import refuse_piece
-from lens_aot.tl.read_compressed import child, read_compressed_attention
+from lens_aot.tl.read_compressed import read_compressed_attention
 from lens_aot.tl.read_hyper import read_hyper_connection, read_hyper_head
 from lens_aot.tl.read_norms import named_norm
 
