@@ -71,6 +71,8 @@ def test_an_edit_shows_on_both_models(tokens: torch.Tensor) -> None:
     with torch.no_grad():
         aot.blocks[0].attn.W_Q[2] += 1.0
     assert torch.equal(source.blocks[0].attn.W_Q, aot.blocks[0].attn.W_Q)
+    source.blocks[0].attn.W_K = torch.nn.Parameter(source.blocks[0].attn.W_K.detach() * 2)  # replaced: not shared
+    assert not torch.equal(source.blocks[0].attn.W_K, aot.blocks[0].attn.W_K)
 
 
 def test_shared_model_saves_and_loads(tmp_path: Path, tokens: torch.Tensor) -> None:
@@ -101,6 +103,8 @@ def test_consumed_source_holds_nothing_and_refuses_to_run(tokens: torch.Tensor) 
         source(tokens)
     with pytest.raises(InputError, match="share_weights=True"):
         source.run_with_cache(tokens)
+    with pytest.raises(InputError, match="consumed"):
+        source.generate(tokens[:1], max_new_tokens=1, stop_at_eos=False, verbose=False)
 
 
 def test_sharing_refuses_what_it_cannot_share() -> None:
