@@ -20,7 +20,7 @@ SHAPE = dict(d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=512, n_ctx=32)
 
 
 def _source(family: str = "ln-standard", dtype: torch.dtype = torch.float32) -> Any:
-    return make_hooked(family, "silu" if family == "llama" else "gelu", dtype=dtype, **SHAPE).eval()
+    return make_hooked(family, "silu" if family in ("llama", "neox-parallel") else "gelu", dtype=dtype, **SHAPE).eval()
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:
@@ -34,7 +34,14 @@ def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("family", "dtype"),
-    [("ln-standard", torch.float32), ("llama", torch.float32), ("llama", torch.bfloat16)],
+    [
+        ("ln-standard", torch.float32),
+        ("rms-rotary-gqa", torch.float32),
+        ("neox-parallel", torch.float32),
+        ("llama", torch.float32),
+        ("llama", torch.bfloat16),
+        ("llama", torch.float16),
+    ],
 )
 def test_shared_conversion_holds_one_copy(family: str, dtype: torch.dtype, tokens: torch.Tensor) -> None:
     """Source and converted model together hold at most 1.1x the source's parameter bytes (each storage counted
