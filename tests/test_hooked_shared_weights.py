@@ -122,3 +122,17 @@ def test_sharing_refuses_what_it_cannot_share() -> None:
     spec = lens_aot.core.read.read_model(source)
     with pytest.raises(InputError, match="ModelSpec"):
         lens_aot.convert(spec, consume=True)
+
+
+def test_a_sharded_source_shares_on_each_device() -> None:
+    """Layer 1 and the unembedding on ``meta`` (a stand-in for a second GPU): with ``share_weights=True`` each
+    converted block is built on its layer's device, and layer 0's weights (on the CPU) are the source's tensors."""
+    source = _source()
+    for module in (source.blocks[1], source.ln_final, source.unembed):
+        module.to("meta")
+    aot = lens_aot.convert(source, share_weights=True, check=False)
+    assert aot.placement.layers == (torch.device("cpu"), torch.device("meta"))
+    assert {p.device.type for p in aot.blocks[1].parameters()} == {"meta"}
+    shared = {p.untyped_storage().data_ptr() for p in source.blocks[0].parameters()}
+    assert {p.untyped_storage().data_ptr() for p in aot.blocks[0].parameters()} <= shared
+    assert aot.shared_parameters["blocks.0.mlp.W_in"] == "blocks.0.mlp.W_in"
