@@ -64,14 +64,15 @@ def borrowing() -> Iterator[None]:
 
 def _own(t: Tensor) -> Tensor:
     """``t`` for a new module: ``t`` itself inside :func:`borrowing`, or inside :func:`adopting` when it may be
-    taken (whole storage, not the source's, not taken before); else a copy."""
+    taken (whole storage, not the source's, not taken before) or shared (a view of one of ``adopting``'s ``share``
+    tensors); else a copy."""
     t = t.detach()
     if _BORROWING.get():
         return t
     taken = _TAKEN.get()
     storage = t.untyped_storage()
-    if t.device.type != "meta" and storage.data_ptr() in _SHARED.get():
-        return t
+    if t.device.type != "meta" and storage.data_ptr() in _SHARED.get() and not t.is_inference():
+        return t  # an inference-mode tensor cannot be a parameter that tracks gradients: copied below
     whole = storage.nbytes() == t.numel() * t.element_size()
     if taken is None or not whole or storage.data_ptr() in taken or t.device.type == "meta":
         return t.clone()
