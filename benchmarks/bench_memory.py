@@ -9,7 +9,13 @@
   what it held with the GPT-2-shaped source loaded and run once (Linux VmHWM, reset through /proc/self/clear_refs),
   as a multiple of the source's parameter bytes. Target ≤ 1.5x.
 
+* ``one copy`` (``--one-copy``): the same conversion with ``share_weights=True`` (HookedTransformer) and
+  ``consume=True``: its extra peak, and the bytes source and converted model hold together afterwards
+  (``lens_aot.core.memory.held_bytes``: each storage once), as multiples of the source's parameter bytes. Target
+  after conversion ≤ 1.1x (the default conversion: 2x).
+
     python benchmarks/bench_memory.py [--source hooked|bridge|auto] [--threads N] [--tokens 1024]
+    python benchmarks/bench_memory.py --one-copy [--source hooked|bridge|auto]
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from bench_shapes import build_source, default_source_kind
 
 import lens_aot
 from lens_aot.core.cache import pattern_hook
-from lens_aot.core.memory import AllocationMeter
+from lens_aot.core.memory import AllocationMeter, held_bytes
 
 MB = 1e6
 
@@ -76,8 +82,10 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def conversion_peak_child(kind: str) -> None:
-    """Run in a fresh process: print the conversion's extra peak RSS and the source's parameter bytes as JSON."""
+def conversion_peak_child(kind: str, option: str = "copy") -> None:
+    """Run in a fresh process: print the conversion's extra peak RSS, the source's parameter bytes and what source and
+    converted model hold together afterwards as JSON. ``option``: "copy" (default conversion), "share"
+    (``share_weights=True``) or "consume" (``consume=True``)."""
     source = build_source("gpt2", kind, "cpu")
     params = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in source.parameters()}.values())
     with torch.no_grad():
@@ -86,17 +94,34 @@ def conversion_peak_child(kind: str) -> None:
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    aot = lens_aot.convert(source)
+    aot = lens_aot.convert(source, share_weights=option == "share", consume=option == "consume")
     extra = _status("VmHWM") - base
     converted = sum(p.numel() * p.element_size() for p in aot.parameters())
-    print(json.dumps({"params": params, "extra": extra, "converted": converted}))
+    held = held_bytes(source, aot)
+    print(json.dumps({"params": params, "extra": extra, "converted": converted, "held": held}))
+
+
+def _child(kind: str, option: str = "copy") -> dict[str, int]:
+    command = [sys.executable, __file__, "--peak-child", kind, "--option", option]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def one_copy(kind: str) -> list[str]:
+    """Rows of the one-copy table: per option, extra peak and bytes held after, as multiples of the parameters."""
+    rows = []
+    for option in ("copy", "share", "consume") if kind == "hooked" else ("copy", "consume"):
+        r = _child(kind, option)
+        call = {"copy": "convert(source)", "share": "share_weights=True", "consume": "consume=True"}[option]
+        rows.append(
+            f"| {kind} | `{call}` | {r['extra'] / r['params']:.2f}x | {r['held'] / r['params']:.2f}x "
+            f"({r['held'] / MB:.0f} MB of {r['params'] / MB:.0f} MB parameters) |"
+        )
+    return rows
 
 
 def conversion_peak(kind: str) -> str:
-    out = subprocess.run(
-        [sys.executable, __file__, "--peak-child", kind], capture_output=True, text=True, check=True
-    ).stdout
-    r = json.loads(out.strip().splitlines()[-1])
+    r = _child(kind)
     return (
         f"| `convert`, extra peak RSS | | {r['extra'] / MB:.0f} MB = {r['extra'] / r['params']:.2f}x the source's "
         f"{r['params'] / MB:.0f} MB of parameters (the converted model's own: {r['converted'] / MB:.0f} MB) | ≤ 1.5x |"
@@ -108,14 +133,21 @@ def main() -> None:
     parser.add_argument("--source", choices=["hooked", "bridge", "auto"], default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--one-copy", action="store_true", help="only the share_weights / consume table")
     parser.add_argument("--peak-child", choices=["hooked", "bridge"], help=argparse.SUPPRESS)
+    parser.add_argument("--option", choices=["copy", "share", "consume"], default="copy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak_child:
-        conversion_peak_child(args.peak_child)
+        conversion_peak_child(args.peak_child, args.option)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
     kind = default_source_kind() if args.source == "auto" else args.source
+    if args.one_copy:
+        print(f"GPT-2-small shape, {kind} source, float32, CPU: extra peak of convert, and held after\n")
+        print("| source | call | extra peak | source + converted after |\n|---|---|---|---|")
+        print("\n".join(one_copy(kind)))
+        return
     aot = lens_aot.convert(build_source("gpt2", kind, "cpu"), check=False)
     print(f"GPT-2-small shape, {kind} source, float32, CPU, {torch.get_num_threads()} thread(s)\n")
     print("| measure | time | memory | target |\n|---|---|---|---|")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit
-from lens_aot.core.components.ownership import adopting
+from lens_aot.core.components.ownership import adopting, sharing
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
 from lens_aot.core.float32_steps import rounding_dtype
 from lens_aot.core.gating import GatedFit, RangedInput, gated_fit
@@ -20,6 +20,7 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
+from lens_aot.core.shared_weights import release, share_again, shared_parameters
 from lens_aot.core.source_keys import attach as attach_source_keys
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec, head_shape
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
@@ -359,6 +360,8 @@ def convert(
     check_tokens: torch.Tensor | None = None,
     max_residual_norm: float | None = None,
     into: type | None = None,
+    share_weights: bool = False,
+    consume: bool = False,
 ) -> Any:
     """Convert a TransformerLens model into an attention-only model whose MLP neurons are attention heads.
 
@@ -399,6 +402,20 @@ def convert(
             are carried over (detached from the source while it is converted and checked, then re-attached to both).
             ``sae_lens.HookedSAETransformer``: one, from any source. ``HookedTransformer``: the converted class (a
             ``HookedSAETransformer`` source's SAEs are detached for the conversion, then re-attached to it only).
+        share_weights: ``HookedTransformer`` sources: the converted model's parameters read from the source in its own
+            layout are the source's tensors (the same storage), not copies: attention weights and biases, embeddings
+            ``W_E`` / ``W_pos``, unembedding ``W_U`` / ``b_U``, norm weights and biases, and the MLPs' ``W_in``,
+            ``W_out``, ``b_out`` (plain MLPs also ``b_in``; gated MLPs ``W_gate``, and ``b_in`` as the converted
+            ``b_post``). ``aot.shared_parameters`` lists them (converted name -> source name). The two models then
+            hold one copy of those weights, the logits are bit for bit those of a copying conversion, and an in-place
+            edit of a shared weight on either model shows on both (docs/performance.md#one-copy-of-the-weights).
+            Mixture-of-experts experts and tables computed at conversion stay copies. A ``TransformerBridge``'s
+            weights are in Hugging Face's layout: use ``consume=True``.
+        consume: hand the source's weights over to the converted model: after the conversion and its check (run
+            against the source's own forward), every parameter and buffer of the source becomes a ``meta`` tensor and
+            calling the source raises :class:`~lens_aot.errors.InputError`; the process then holds one copy of the
+            weights, the converted model's, for any source (HookedTransformer sources are also read without copies,
+            as with ``share_weights``, which lowers the conversion's peak).
 
     Returns:
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
@@ -417,16 +434,22 @@ def convert(
             masks=masks,
             omega=omega,
             max_residual_norm=max_residual_norm,
+            share_weights=share_weights,
+            consume=consume,
         )
         with carrying_saes(model) as saes:  # the check compares the models without the source's SAEs
             aot = convert(model, check=check, check_tokens=check_tokens, into=AttentionOnlyTransformer, **options)
         return aot if target is None else as_hooked_sae_transformer(aot, saes)
     _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
+    share = _check_sharing(model, masks, share_weights, consume)
     half = half_dtype(model)
     if half is not None:
         options = dict(max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron, masks=masks, omega=omega)
         options["max_residual_norm"] = max_residual_norm
-        return _convert_half(model, half, check, check_tokens, **options)
+        aot = _convert_half(model, half, check, check_tokens, share_weights=share, **options)
+        if share:  # read in float32: the half converted parameters point at the half source's again
+            aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
+        return _hand_over(model, aot) if consume else aot
     model_spec = model if isinstance(model, ModelSpec) else None
     if isinstance(model, ModelSpec):  # a spec (e.g. hand-built): its reference forward is the source
         from lens_aot.core.reference import MLPTransformer
@@ -434,7 +457,8 @@ def convert(
         check_finite(model)
         spec, model = model, MLPTransformer(model)
     else:
-        spec = read_model(model)
+        with sharing() if share else nullcontext():  # the source's own tensors, not copies
+            spec = read_model(model)
     if masks == "weights":
         from lens_aot.standard_mask import to_standard_mask_model
 
@@ -445,8 +469,13 @@ def convert(
         ple_fits = per_layer_fits(spec, max_neuron_error, heads_per_neuron, max_residual_norm)  # Gemma 4
         # The spec read from a source holds fresh tensors: the model takes them over rather than copying them (one
         # copy of the weights during conversion). A spec passed in by the caller is copied.
-        with adopting(_tensors(model)) if spec is not model_spec else nullcontext():
+        with (
+            adopting(_tensors(model), share=_tensors(model) if share else ())
+            if spec is not model_spec
+            else nullcontext()
+        ):
             aot = AttentionOnlyTransformer(spec, fits, ple_fits)
+        aot.shared_parameters = shared_parameters(aot, model) if share else {}
         if is_bridge(model):  # the source bridge's state_dict keys too (issue 23)
             attach_source_keys(aot, model)
     else:
@@ -501,4 +530,37 @@ def convert(
             f"the model anyway."
         )
         _refuse(message, check, stacklevel=3)
+    return _hand_over(model, aot) if consume else aot
+
+
+def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -> bool:
+    """Whether the conversion reads the source without copies (``share_weights``, or ``consume`` of a
+    HookedTransformer); refuses what cannot share or be consumed, naming the fix."""
+    if not share_weights and not consume:
+        return False
+    option = "share_weights=True" if share_weights else "consume=True"
+    if isinstance(model, ModelSpec):
+        raise InputError(
+            f"{option} applies to a TransformerLens source; a ModelSpec's tensors are copied. Pass the source model, "
+            f"or build the model from the spec inside lens_aot.core.components.ownership.adopting() to take them over."
+        )
+    if share_weights and is_bridge(model):
+        raise InputError(
+            "share_weights=True needs a HookedTransformer source: a TransformerBridge keeps its weights in Hugging "
+            "Face's layouts (transposed, fused), which the converted model does not compute with. Pass consume=True "
+            "instead (the bridge's weights are handed over: one copy, the converted model's)."
+        )
+    if share_weights and masks != "explicit":
+        raise InputError(
+            f"share_weights=True needs masks='explicit' (got {masks!r}): the standard-mask model's dense blocks are "
+            f"not the source's tensors. Drop share_weights, or pass consume=True to hand the source's weights over."
+        )
+    return masks == "explicit" and not is_bridge(model)
+
+
+def _hand_over(model: Any, aot: Any) -> Any:
+    """``consume=True``: the source's weights released (:func:`lens_aot.core.shared_weights.release`), after the
+    check; the converted model then shares nothing with it."""
+    release(model)
+    aot.shared_parameters = {}
     return aot

@@ -1,5 +1,6 @@
 """Measuring memory: bytes of new tensor storage allocated by torch operations (any device, CPU included): their
-total (:class:`AllocationMeter`) and the most held at once (:class:`PeakMeter`)."""
+total (:class:`AllocationMeter`) and the most held at once (:class:`PeakMeter`); and the bytes models hold
+(:func:`held_bytes`: each storage once, however many parameters view it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import weakref
 from collections.abc import Container, Iterator
 from typing import Any
 
-from torch import Tensor, UntypedStorage
+from torch import Tensor, UntypedStorage, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -56,6 +57,17 @@ def _has_storage(t: Any) -> bool:
     except (RuntimeError, NotImplementedError):  # wrapper tensors (lazy cache entries) hold no storage
         return False
     return True
+
+
+def held_bytes(*modules: nn.Module) -> int:
+    """Bytes of the distinct storages that ``modules``' parameters and buffers hold together (a storage shared by
+    several tensors or models counts once; ``meta`` tensors hold none): what the models cost in memory."""
+    storages: dict[int, int] = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            if _has_storage(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 class PeakMeter(TorchDispatchMode):

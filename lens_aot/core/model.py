@@ -97,6 +97,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             if name not in self.cfg.source_config:
                 setattr(self.cfg, name, value)
         self.report: Any = None  # set by lens_aot.convert
+        # converted name -> source name of the parameters that are the source's own tensors (share_weights=True)
+        self.shared_parameters: dict[str, str] = {}
         self.compatibility_mode = bool(spec.extra.get("compatibility_mode", False))  # the source bridge's
         self._block_devices = self._devices_of_blocks()
         self.setup()

@@ -1,8 +1,10 @@
 """Read a TransformerLens 3.x ``HookedTransformer`` into a :class:`ModelSpec`.
 
 HookedTransformer only exists in TransformerLens < 4, so nothing here imports it: modules are recognised by class
-name and read through their attributes. The configuration is checked against a whitelist: any feature that
-changes the forward pass and that the spec cannot express raises :class:`UnsupportedArchitectureError`.
+name and read through their attributes. Every weight is read in the source's own layout, as a copy or, inside
+:func:`~lens_aot.core.components.ownership.sharing` (``convert(share_weights=True)``), as the source's tensor
+itself (:func:`~lens_aot.core.components.ownership.exported`). The configuration is checked against a whitelist:
+any feature that changes the forward pass and that the spec cannot express raises :class:`UnsupportedArchitectureError`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from lens_aot.core.activations import canonical_activation
+from lens_aot.core.components.ownership import exported
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.hooked_model import source_config_fields
@@ -113,8 +116,8 @@ def _norm(module: nn.Module | None, eps: float) -> NormSpec:
     return NormSpec(
         _NORM_CLASSES[name],
         float(getattr(module, "eps", eps)),
-        None if w is None else w.detach().clone(),
-        None if b is None else b.detach().clone(),
+        None if w is None else exported(w),
+        None if b is None else exported(b),
     )
 
 
@@ -157,21 +160,21 @@ def _attention(attn: nn.Module, cfg: Any = None) -> AttentionSpec:
     bounded = cfg.positional_embedding_type in ("standard", "rotary")
     local = local and not (bounded and int(cfg.window_size) >= int(cfg.n_ctx))
     return AttentionSpec(
-        W_Q=attn.W_Q.detach().clone(),
-        W_K=get("W_K").detach().clone(),
-        W_V=get("W_V").detach().clone(),
-        W_O=attn.W_O.detach().clone(),
-        b_Q=attn.b_Q.detach().clone(),
-        b_K=get("b_K").detach().clone(),
-        b_V=get("b_V").detach().clone(),
-        b_O=attn.b_O.detach().clone(),
+        W_Q=exported(attn.W_Q),
+        W_K=exported(get("W_K")),
+        W_V=exported(get("W_V")),
+        W_O=exported(attn.W_O),
+        b_Q=exported(attn.b_Q),
+        b_K=exported(get("b_K")),
+        b_V=exported(get("b_V")),
+        b_O=exported(attn.b_O),
         attn_scale=float(attn.attn_scale),  # includes scale_attn_by_inverse_layer_idx
         **_qk_norms(attn, cfg),
         scores_soft_cap=soft_cap if soft_cap > 0 else None,
         window=int(cfg.window_size) if local else None,
         clip_qkv=None if cfg.clip_qkv is None else float(cfg.clip_qkv),
         alibi_slopes=alibi,
-        sinks=sinks.detach().clone() if cfg.use_attention_sinks and sinks is not None else None,
+        sinks=exported(sinks) if cfg.use_attention_sinks and sinks is not None else None,
     )
 
 
@@ -187,19 +190,16 @@ def _mlp(m: nn.Module, gated: bool, act_fn: str) -> MLPSpec:
     if name != expected:
         raise _refuse(f"an MLP of type {name} (expected {expected} for gated_mlp={gated})")
 
-    def copy(p: torch.Tensor) -> torch.Tensor:
-        return p.detach().clone()
-
     if not gated:
-        return MLPSpec(copy(m.W_in), copy(m.b_in), copy(m.W_out), copy(m.b_out), act_fn)
+        return MLPSpec(exported(m.W_in), exported(m.b_in), exported(m.W_out), exported(m.b_out), act_fn)
     return MLPSpec(
-        copy(m.W_in),
+        exported(m.W_in),
         torch.zeros_like(m.b_in.detach()),
-        copy(m.W_out),
-        copy(m.b_out),
+        exported(m.W_out),
+        exported(m.b_out),
         act_fn,
-        W_gate=copy(m.W_gate),
-        b_post=copy(m.b_in),
+        W_gate=exported(m.W_gate),
+        b_post=exported(m.b_in),
     )
 
 
@@ -300,13 +300,13 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         d_vocab=cfg.d_vocab,
         d_vocab_out=cfg.d_vocab_out,
         causal=cfg.attention_dir == "causal",
-        W_E=model.embed.W_E.detach().clone(),
+        W_E=exported(model.embed.W_E),
         layers=layers,
         ln_final=_norm(getattr(model, "ln_final", None), cfg.eps),
-        W_U=model.unembed.W_U.detach().clone(),
-        b_U=model.unembed.b_U.detach().clone(),
+        W_U=exported(model.unembed.W_U),
+        b_U=exported(model.unembed.b_U),
         positions=positions,
-        W_pos=model.pos_embed.W_pos.detach().clone() if positions == "standard" else None,
+        W_pos=exported(model.pos_embed.W_pos) if positions == "standard" else None,
         rotary=model_rotary,
         embed_ln=_embed_ln(model),
         logits_soft_cap=logits_cap if logits_cap > 0 else None,

@@ -4,6 +4,9 @@
 converted model inside :func:`adopting`: each component then takes the spec's tensor as its parameter instead of
 copying it, so conversion holds one copy of the weights (the converted model's), not two. Outside :func:`adopting`
 (a hand-built spec, ``load``, ``revert``) components copy, so a model never shares storage with its inputs.
+``convert(share_weights=True)`` reads the source without copying (:func:`sharing`) and passes its tensors as
+``adopting(share=...)``: components then use the source's own tensors, views included, so converted and source hold
+one copy of those weights between them.
 
 Constant tables (rotary ``cos`` / ``sin``) are the same for every layer: within :func:`one_table_per_model` (the
 model's build) each is copied (or taken over) once per device and that one buffer is shared by the layers. Inside
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 from lens_aot.tl.hooks import hooked
 
 _TAKEN: ContextVar[set[int] | None] = ContextVar("lens_aot_adopting", default=None)
+_SHARED: ContextVar[frozenset[int]] = ContextVar("lens_aot_shared", default=frozenset())
 
 
 @contextmanager
@@ -37,10 +41,13 @@ def _set_within(var: ContextVar[Any], value: Any) -> Iterator[None]:
 
 
 @contextmanager
-def adopting(keep: Iterable[Tensor] = ()) -> Iterator[None]:
+def adopting(keep: Iterable[Tensor] = (), share: Iterable[Tensor] = ()) -> Iterator[None]:
     """Within, :func:`parameter` takes tensors over instead of copying them, except tensors sharing storage with
-    ``keep`` (the source model's), with another adopted tensor, or viewing only part of their storage."""
-    with _set_within(_TAKEN, {t.untyped_storage().data_ptr() for t in keep}):
+    ``keep`` (the source model's), with another adopted tensor, or viewing only part of their storage. A tensor
+    sharing storage with one of ``share`` (the source's, for ``convert(share_weights=True)``) is used as it is, view
+    or not: the new module and the source then hold the same storage."""
+    shared = frozenset(t.untyped_storage().data_ptr() for t in share if t.device.type != "meta")
+    with _set_within(_TAKEN, {t.untyped_storage().data_ptr() for t in keep}), _set_within(_SHARED, shared):
         yield
 
 
@@ -57,12 +64,15 @@ def borrowing() -> Iterator[None]:
 
 def _own(t: Tensor) -> Tensor:
     """``t`` for a new module: ``t`` itself inside :func:`borrowing`, or inside :func:`adopting` when it may be
-    taken (whole storage, not the source's, not taken before); else a copy."""
+    taken (whole storage, not the source's, not taken before) or shared (a view of one of ``adopting``'s ``share``
+    tensors); else a copy."""
     t = t.detach()
     if _BORROWING.get():
         return t
     taken = _TAKEN.get()
     storage = t.untyped_storage()
+    if t.device.type != "meta" and storage.data_ptr() in _SHARED.get() and not t.is_inference():
+        return t  # an inference-mode tensor cannot be a parameter that tracks gradients: copied below
     whole = storage.nbytes() == t.numel() * t.element_size()
     if taken is None or not whole or storage.data_ptr() in taken or t.device.type == "meta":
         return t.clone()
@@ -119,7 +129,8 @@ _SHARING: ContextVar[bool] = ContextVar("lens_aot_sharing", default=False)
 @contextmanager
 def sharing() -> Iterator[None]:
     """Within, ``spec()`` / ``to_spec()`` return the model's own tensors (detached) instead of copies: for writing
-    them out (``lens_aot.save``) without a second copy of the weights."""
+    them out (``lens_aot.save``) without a second copy of the weights. A HookedTransformer's reader
+    (:mod:`lens_aot.tl.read_hooked`) then reads the source's own tensors too (``convert(share_weights=True)``)."""
     with _set_within(_SHARING, True):
         yield
 

@@ -1,0 +1,111 @@
+"""One copy of the weights: ``convert(share_weights=True)`` and ``convert(consume=True)``.
+
+With ``share_weights=True`` a ``HookedTransformer`` source is read without copies (its reader returns the source's
+own tensors, :func:`lens_aot.core.components.ownership.sharing`) and the converted model's components use those
+tensors as their parameters (``ownership.adopting(share=...)``): each converted parameter read from a source
+parameter in the same layout *is* that parameter's storage. :func:`shared_parameters` lists them (converted name ->
+source name, ``aot.shared_parameters``); for a float16 / bfloat16 source, read in float32, :func:`share_again` points
+the half converted parameters back at the half source's, which they equal bit for bit.
+
+With ``consume=True`` the source's weights are handed over instead: after the conversion and its check (which runs
+the source's own forward), :func:`release` replaces every parameter and buffer of the source by a ``meta`` tensor
+of its shape (no storage) and its forward by one raising :class:`~lens_aot.errors.InputError`, so the process holds
+one copy of the weights, the converted model's, whatever the source's layout (a TransformerBridge's included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from lens_aot.errors import InputError
+
+__all__ = ["consumed", "release", "share_again", "shared_parameters"]
+
+_CONSUMED = "_lens_aot_consumed"
+
+
+def _whole_view(converted: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether ``converted`` is exactly ``source``'s tensor: same storage, offset, shape, strides, dtype."""
+    return (
+        converted.device == source.device
+        and converted.dtype == source.dtype
+        and converted.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        and converted.storage_offset() == source.storage_offset()
+        and converted.shape == source.shape
+        and converted.stride() == source.stride()
+    )
+
+
+def shared_parameters(aot: nn.Module, source: nn.Module) -> dict[str, str]:
+    """Converted parameter name -> source parameter name, for each parameter of ``aot`` that is a source
+    parameter's own tensor (the same storage, offset, shape and strides)."""
+    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in source.named_parameters():
+        if p.device.type != "meta":
+            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+    shared: dict[str, str] = {}
+    for name, p in aot.named_parameters():
+        if p.device.type == "meta":
+            continue
+        for source_name, q in by_storage.get(p.untyped_storage().data_ptr(), []):
+            if _whole_view(p, q):
+                shared[name] = source_name
+                break
+    return shared
+
+
+def share_again(aot: nn.Module, source: nn.Module, names: dict[str, str]) -> dict[str, str]:
+    """Point each converted parameter of ``names`` (converted -> source name, from :func:`shared_parameters` on the
+    float32 conversion of a half source) at the source parameter's tensor again, where both now have the same
+    dtype, device, shape and strides and equal values bit for bit (half → float32 → half is exact). Returns the
+    pairs now shared; a pair that does not match keeps its own copy."""
+    now: dict[str, str] = {}
+    for name, source_name in names.items():
+        ours, theirs = aot.get_parameter(name), source.get_parameter(source_name)
+        same_layout = (ours.dtype, ours.device, ours.shape, ours.stride()) == (
+            theirs.dtype,
+            theirs.device,
+            theirs.shape,
+            theirs.stride(),
+        )
+        if not same_layout:
+            continue
+        if not _whole_view(ours, theirs):
+            if not torch.equal(ours.detach(), theirs.detach()):
+                continue
+            ours.data = theirs.detach()
+        now[name] = source_name
+    return now
+
+
+def consumed(model: Any) -> bool:
+    """Whether ``model`` was consumed by ``lens_aot.convert(..., consume=True)`` (its weights handed over)."""
+    return bool(getattr(model, _CONSUMED, False))
+
+
+def release(model: nn.Module) -> None:
+    """Hand ``model``'s weights over: every parameter and buffer becomes a ``meta`` tensor of its shape and dtype (no
+    storage: the memory goes once nothing else holds it), and calling the model (``model(...)``,
+    ``model.forward``, ``run_with_cache``, ``generate``) raises :class:`~lens_aot.errors.InputError`."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.detach().to("meta")
+    kind = type(model).__name__
+
+    def forward(*args: Any, **kwargs: Any) -> NoReturn:
+        raise InputError(
+            f"this {kind} was consumed by lens_aot.convert(..., consume=True): its weights now live in the converted "
+            f"model and it holds none. Use the converted model; to keep the source usable, convert with "
+            f"share_weights=True (HookedTransformer: one copy, shared) or without consume (two copies), or load the "
+            f"source again."
+        )
+
+    object.__setattr__(model, "forward", forward)
+    object.__setattr__(model, _CONSUMED, True)
