@@ -32,6 +32,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.data import Batch, CircuitMetric, Dataset, batches, call_metric, needs_clean_logits
 from lens_aot.analysis.circuits.graph import Granularity, Graph, _granularity
 from lens_aot.analysis.circuits.layout import (
@@ -311,6 +312,7 @@ def _neuron_scores(
 
 
 @torch.no_grad()
+@converted_only(metric="circuit")
 def discover(
     aot: Any,
     dataset: Dataset,

@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from lens_aot.analysis.checks import pyplot
 from lens_aot.analysis.circuits.evaluate import node_address
 from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.errors import InputError
@@ -120,8 +121,8 @@ class Drawing:
         return self.svg()
 
     def figure(self) -> Any:
-        """The same drawing as a matplotlib figure (for PNG and other raster formats)."""
-        import matplotlib.pyplot as plt
+        """The same drawing as a matplotlib figure (for PNG and other raster formats; needs the ``viz`` extra)."""
+        plt = pyplot("Drawing.figure() (and saving as .png / .pdf; .svg needs nothing)")
         from matplotlib.patches import FancyBboxPatch
 
         lay, g = self.layout, self.graph
@@ -161,14 +162,13 @@ class Drawing:
         return fig
 
     def save(self, path: str | Path) -> Path:
-        """Write the drawing: ``.svg`` as SVG text, ``.png`` (or ``.pdf``) through matplotlib."""
+        """Write the drawing: ``.svg`` as SVG text, ``.png`` (or ``.pdf``) through matplotlib (the ``viz`` extra)."""
         path = Path(path)
         suffix = path.suffix.lower()
         if suffix == ".svg":
             path.write_text(self.svg())
         elif suffix in (".png", ".pdf"):
-            import matplotlib.pyplot as plt
-
+            plt = pyplot(f"Drawing.save({path.name!r}) (.svg needs nothing)")
             fig = self.figure()
             fig.savefig(path, dpi=150, facecolor="white")
             plt.close(fig)
