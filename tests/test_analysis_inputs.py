@@ -113,6 +113,10 @@ PATCHING_CALLS = {
     "attribute_neurons": lambda aot, c, k, m: lens_aot.patching.attribute_neurons(aot, c, k, m),
     "path_patch": lambda aot, c, k, m: lens_aot.patching.path_patch(aot, c, k, m, [("blocks.0.attn", 0)], ["logits"]),
     "attribute_edges": lambda aot, c, k, m: lens_aot.patching.attribute_edges(aot, c, k, m),
+    "verify_attribution": lambda aot, c, k, m: lens_aot.patching.verify_attribution(aot, None, c, k, m),
+    "get_act_patch_neuron_head_out_all_pos": lambda aot, c, k, m: (
+        lens_aot.patching.get_act_patch_neuron_head_out_all_pos(aot, k, aot.run_with_cache(c)[1], m)
+    ),
 }
 
 

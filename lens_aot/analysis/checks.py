@@ -54,14 +54,15 @@ def require_converted(model: Any, what: str) -> None:
 MetricForm = Literal["patching", "circuit"]
 
 
-def converted_only(fn: F | None = None, *, metric: MetricForm | None = None) -> Any:
+def converted_only(fn: F | None = None, *, metric: MetricForm | None = None, name: str | None = None) -> Any:
     """Wrap a public analysis function whose first argument is the model so that, before anything else runs, it
     refuses a model that is not converted (:func:`require_converted`) and, with ``metric``, a metric argument
     (``metric`` or ``patching_metric``) not of that form (:func:`patching_metric` / :func:`circuit_metric`).
-    ``@converted_only`` or ``@converted_only(metric="patching")``."""
+    ``@converted_only`` or ``@converted_only(metric="patching")``; ``name``: the function's public name in messages
+    (default: its own)."""
     if fn is None:
-        return functools.partial(converted_only, metric=metric)
-    what = fn.__name__.lstrip("_")
+        return functools.partial(converted_only, metric=metric, name=name)
+    what = name or fn.__name__
     signature = inspect.signature(fn)
     check = {None: None, "patching": patching_metric, "circuit": circuit_metric}[metric]
 

@@ -64,7 +64,7 @@ def neuron_head_columns(model: AttentionOnlyTransformer) -> list[list[PatchUnit]
     ]
 
 
-@converted_only(metric="patching")
+@converted_only(metric="patching", name="get_act_patch_neuron_head_out_all_pos / _by_pos")
 def _neuron_head_patch(
     model: AttentionOnlyTransformer,
     corrupted_tokens: Int[Tensor, "batch pos"],
