@@ -177,7 +177,7 @@ VIZ = r'pip install "lens-aot\[viz\]"'
 def _scored_graph(aot: Any) -> Any:
     g = lens_aot.circuits.Graph.from_model(aot, "mlp")
     g.scores = torch.randn(len(g.src), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    return g.apply_topn(6)
+    return g.apply_topn(6, prune=False)
 
 
 def test_drawing_save_png_names_the_viz_extra(aot, tmp_path, no_matplotlib) -> None:
