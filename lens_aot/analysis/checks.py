@@ -74,9 +74,9 @@ def converted_only(fn: F | None = None, *, metric: MetricForm | None = None, nam
                 bound = signature.bind_partial(model, *args, **kwargs).arguments
             except TypeError:  # the call itself is malformed: let the function say so
                 bound = {}
-            for name in ("metric", "patching_metric"):
-                if name in bound:
-                    check(bound[name], what)
+            for arg in ("metric", "patching_metric"):
+                if arg in bound:
+                    check(bound[arg], what)
         return fn(model, *args, **kwargs)
 
     return checked
