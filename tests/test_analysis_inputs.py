@@ -209,3 +209,10 @@ def test_verify_attribution_warns_when_it_cannot_plot(aot, no_matplotlib) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # plot=False asks for no figure: no warning
         assert lens_aot.patching.verify_attribution(aot, est, clean, corrupted, metric, k=2, plot=False).figure is None
+
+
+def test_graph_from_json_refuses_an_unconverted_model(aot, bridge, tmp_path) -> None:
+    lens_aot.circuits.Graph.from_model(aot, "mlp").to_json(tmp_path / "g.json")
+    with pytest.raises(InputError, match=r"lens_aot\.convert\(model\)"):
+        lens_aot.circuits.Graph.from_json(tmp_path / "g.json", model=bridge)
+    assert lens_aot.circuits.Graph.from_json(tmp_path / "g.json", model=aot).nodes[0] == "input"
