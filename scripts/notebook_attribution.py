@@ -147,8 +147,8 @@ _RAW: list[tuple[str, str]] = [
         """
         ## The circuit
 
-        Nodes: the attention heads, the top neuron heads, the logits; edges: attributed path effects (blue raises
-        the correct logit, red lowers it; width ∝ |effect|), the strongest 40 shown.
+        Nodes: the attention heads, the top neuron heads, the logits; edges: attributed path effects (blue supports
+        the clean answer, red opposes it; width ∝ |effect|), the strongest 40 shown.
         """,
     ),
     (

@@ -321,8 +321,8 @@ _RAW: list[tuple[str, str]] = [
              (paths.effect()[:, 1], "direct to the logits"))
         ):
             ax.bar(x + 0.27 * (i - 1), values, width=0.27, label=label)
-        ax.set(xticks=x, xticklabels=[u.label for u in senders], ylabel="change of logit diff",
-               title="corrupting one attention head (clean run)")
+        ax.set(xticks=x, xticklabels=[u.label for u in senders], ylabel="effect (+ supports the answer)",
+               title="corrupting one attention head (clean run): logit diff lost")
         ax.axhline(0, color="grey", lw=0.8)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         plt.show()
@@ -352,7 +352,7 @@ _RAW: list[tuple[str, str]] = [
             ax.set(title=f"through {receiver_input}", xticks=range(12), yticks=range(4),
                    xticklabels=[f"N{n.neuron}" for n in top_neurons], yticklabels=[u.label for u in senders])
             ax.tick_params(axis="x", rotation=90)
-        fig.colorbar(im, ax=axes, label="change of logit diff")
+        fig.colorbar(im, ax=axes, label="effect (+ supports the answer)")
         plt.show()
         """,
     ),

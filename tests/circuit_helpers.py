@@ -145,7 +145,8 @@ def reference_edge_scores(
         with torch.no_grad():
             _, cor = model.run_with_cache(corrupted)
             _, cln = model.run_with_cache(clean)
-            delta = {s: _outputs(model, cor, s) - _outputs(model, cln, s) for s in senders}
+            # lens_aot's sign: (out^clean − out^corrupted) · ∂metric/∂in, positive = supports the clean answer
+            delta = {s: _outputs(model, cln, s) - _outputs(model, cor, s) for s in senders}
         alphas = [None] if steps is None else [k / steps for k in range(steps)]
         for alpha in alphas:
             b, p = clean.shape

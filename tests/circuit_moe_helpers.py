@@ -178,7 +178,8 @@ def brute_force_evaluate(ref: SourceReference, edges: Edges, clean: Tensor, corr
 def reference_edge_scores(
     ref: SourceReference, data: list[tuple[Tensor, Tensor, Tensor]], metric: Any, steps: int | None
 ) -> dict[tuple[str, str, str], float]:
-    """EAP (``steps`` None) or EAP-IG-inputs scores ``Σ Δ_s · ∂metric/∂(r's input)`` of every edge, by autograd
+    """EAP (``steps`` None) or EAP-IG-inputs scores ``Σ (out_s^clean − out_s^corrupted) · ∂metric/∂(r's input)`` (the
+    sign lens_aot's discover reports: positive = supports the clean answer) of every edge, by autograd
     through a zero perturbation of each receiver's own input, averaged over examples."""
     receivers = [(h, q) for h in ref.heads for q in "qkv"] + [(n, "") for n in ref.neurons] + [("logits", "")]
     totals: dict[tuple[str, str, str], float] = {}
@@ -199,6 +200,6 @@ def reference_edge_scores(
                     continue
                 for s in ref.senders_of(r):
                     key = (s, r, q)
-                    delta = cor[s] - cln[s]
+                    delta = cln[s] - cor[s]  # lens_aot's sign: positive = supports the clean answer
                     totals[key] = totals.get(key, 0.0) + float((delta * g).sum()) / len(alphas)
     return {k: v / n_examples for k, v in totals.items()}

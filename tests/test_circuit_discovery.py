@@ -9,6 +9,8 @@ error. Comparisons with the source's own forward and with EAP-IG are in the test
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from circuit_helpers import label_metric, random_batches
@@ -192,8 +194,9 @@ def test_faithfulness_curve_compare_and_draw(aot, tmp_path) -> None:
     # drawing: one line per edge of the circuit, width by |score|, colour by sign; SVG and PNG files
     svg = g.draw(title="top 20%").svg()
     assert svg.count("<line") == g.n_edges and svg.count("<rect") == len(g.draw().layout.nodes) + 1
-    assert ("#2166ac" in svg) == bool((g.scores[g.in_graph] >= 0).any())
-    assert ("#b2182b" in svg) == bool((g.scores[g.in_graph] < 0).any())
+    edge_colours = re.findall(r'<line [^>]*stroke="(#[0-9a-f]{6})"', svg)  # the legend shows both colours
+    assert ("#2166ac" in edge_colours) == bool((g.scores[g.in_graph] >= 0).any())
+    assert ("#b2182b" in edge_colours) == bool((g.scores[g.in_graph] < 0).any())
     assert g._repr_svg_() == g.draw().svg() and g.draw()._repr_svg_().startswith("<svg")
     assert g.draw().save(tmp_path / "c.svg").read_text() == g.draw().svg()
     assert g.draw().save(tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

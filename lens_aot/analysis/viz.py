@@ -23,6 +23,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens import ActivationCache
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.names import (
     HeadLike,
     SublayerLike,
@@ -91,6 +92,7 @@ def _pattern(aot: AttentionOnlyTransformer, cache: Any, ref: HeadRef, batch: int
     return torch.diag_embed(torch.softmax(scores, dim=-1)[..., 0])
 
 
+@converted_only
 def head_patterns(
     aot: AttentionOnlyTransformer,
     cache: Any,
@@ -131,6 +133,7 @@ def _as_str_tokens(aot: AttentionOnlyTransformer, tokens: Any, pos: int) -> list
     return tokens
 
 
+@converted_only
 def attention_patterns(
     aot: AttentionOnlyTransformer,
     cache: Any,
@@ -181,6 +184,7 @@ class HeadStat(NamedTuple):
     value: float
 
 
+@converted_only
 def head_statistic(
     aot: AttentionOnlyTransformer,
     cache: Any,
@@ -219,6 +223,7 @@ def head_statistic(
         return (_STATS[stat] if isinstance(stat, str) else stat)(values)
 
 
+@converted_only
 def top_neuron_heads(
     aot: AttentionOnlyTransformer,
     cache: Any,

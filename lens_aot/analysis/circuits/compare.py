@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lens_aot.analysis.checks import converted_only, pyplot
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
 from lens_aot.analysis.circuits.discover import DiscoverMethod, discover
 from lens_aot.analysis.circuits.faithfulness import FaithfulnessCurve, faithfulness_curve
@@ -71,7 +72,8 @@ class GranularityComparison:
         return "\n".join(lines)
 
     def plot(self) -> Any:
-        """Both faithfulness curves on one axis; returns the matplotlib figure."""
+        """Both faithfulness curves on one axis; returns the matplotlib figure (needs the ``viz`` extra)."""
+        pyplot("GranularityComparison.plot()")
         fig = self.mlp_curve.plot(label=f"mlp (CPR {self.mlp_curve.cpr:.3f})")
         return self.neuron_curve.plot(ax=fig.axes[0], label=f"neuron (CPR {self.neuron_curve.cpr:.3f})")
 
@@ -81,6 +83,7 @@ def _geometric(total: int, count: int = 10) -> list[int]:
     return [n for n in out if n <= total]
 
 
+@converted_only(metric="circuit")
 def compare_granularities(
     aot: Any,
     dataset: Dataset,

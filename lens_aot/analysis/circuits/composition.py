@@ -12,6 +12,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits import names
 from lens_aot.analysis.circuits.weights import _fold_norm, _has_neuron_layout, _neuron_out_rows, _pad_cols
 from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
@@ -232,6 +233,7 @@ def _scores(send: _Factors, recv: _Factors, mode: str, seen: _Factors | None = N
     return scores.masked_fill(send.ov_zero[:, None] | zero_B[None, :], 0.0)
 
 
+@converted_only
 def composition_scores(
     aot: AttentionOnlyTransformer,
     sender: names.SublayerLike,
@@ -284,6 +286,7 @@ def composition_scores(
     )
 
 
+@converted_only
 def composition_score(
     aot: AttentionOnlyTransformer, sender: names.HeadLike, receiver: names.HeadLike, mode: Mode, *, fold_ln: bool = True
 ) -> float:

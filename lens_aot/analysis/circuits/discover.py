@@ -1,8 +1,9 @@
 """Discover a circuit: score every edge of a converted model's graph with EAP or EAP-IG over a task dataset.
 
 An edge's EAP score (Syed et al. 2023, "Attribution Patching Outperforms Automated Circuit Discovery") is
-``(out_s^corrupted − out_s^clean) · ∂metric/∂(receiver's input)`` on the clean run, summed over positions and averaged
-over examples; EAP-IG (Hanna et al. 2024, "Have Faith in Faithfulness"; EAP-IG's ``"EAP-IG-inputs"``) averages the
+``(out_s^clean − out_s^corrupted) · ∂metric/∂(receiver's input)`` on the clean run, summed over positions and averaged
+over examples: the first-order estimate of how much the metric falls when the edge carries the corrupted value instead
+of the clean one. EAP-IG (Hanna et al. 2024, "Have Faith in Faithfulness"; EAP-IG's ``"EAP-IG-inputs"``) averages the
 gradient over ``steps`` runs whose token embeddings are ``e_corrupted + (k / steps)·(e_clean − e_corrupted)``,
 ``k = 0 … steps − 1``. A receiver's input is read before its norm: a head's q, k or v input, an MLP's input, a
 neuron's own input (each neuron is a head with its own copy of the residual and its own ``ln2``: Huben & Morris 2023,
@@ -14,10 +15,16 @@ the pre-activations' (``∂metric/∂pre · W_in``, the gate already inside) and
 (``(∂metric/∂mlp_out · W_out[i]) · post · ∂gate/∂y``; 0 where the expert is not chosen, the top-k choice being locally
 constant).
 
+**Sign convention** (the same as the ``effect()`` of ``patch_*`` / ``attribute_*``): a positive score supports the
+clean answer (the edge moves the metric towards its clean value), a negative one opposes it. EAP-IG's own code
+accumulates ``(out^corrupted − out^clean) · ∂metric/∂in``: run with a loss (minus the metric) it gives the same sign as
+here; with one and the same metric, its scores are the negation of these.
+
 At neuron granularity the edge set is quadratic in neurons (GPT-2 small: 36,864), so discover first scores every
-node (a node's score is the sum of its outgoing edges' scores, ``Δout · ∂metric/∂out``), keeps the ``top_nodes``
-neurons of largest ``|score|`` (and every attention head), and scores exactly every edge among the kept nodes. The
-returned graph's ``cfg`` records the method, the steps, ``top_nodes`` and how many neurons were scored.
+node (a node's score is the sum of its outgoing edges' scores, ``(out^clean − out^corrupted) · ∂metric/∂out``),
+keeps the ``top_nodes`` neurons of largest ``|score|`` (and every attention head), and scores exactly every edge among
+the kept nodes. The returned graph's ``cfg`` records the method, the steps, ``top_nodes`` and how many neurons were
+scored.
 
 >>> g = discover(aot, data, metric, method="EAP-IG", granularity="neuron", top_nodes=500)
 >>> g.apply_topn(200); evaluate(aot, g, data, metric).mean()
@@ -32,6 +39,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.data import Batch, CircuitMetric, Dataset, batches, call_metric, needs_clean_logits
 from lens_aot.analysis.circuits.graph import Granularity, Graph, _granularity
 from lens_aot.analysis.circuits.layout import (
@@ -311,6 +319,7 @@ def _neuron_scores(
 
 
 @torch.no_grad()
+@converted_only(metric="circuit")
 def discover(
     aot: Any,
     dataset: Dataset,
@@ -323,6 +332,7 @@ def discover(
 ) -> Graph:
     """Score every edge (among the kept nodes) with EAP or EAP-IG; returns a :class:`Graph` with ``scores`` and
     ``node_scores`` set and nothing in the circuit yet (``apply_topn`` / ``apply_threshold`` / ``apply_greedy``).
+    Positive scores support the clean answer, negative ones oppose it (module docstring).
 
     Args:
         aot: the converted model.
@@ -351,7 +361,9 @@ def discover(
         scorer = _Scorer(aot, graph)
         for batch in data:
             _score_batch(aot, graph, scorer, batch, metric, alphas, granularity)
-    graph.scores = (
+    # Sign: the scorer accumulates EAP's (out_corrupted − out_clean) · ∂metric/∂in; the scores returned are its
+    # negation, (out_clean − out_corrupted) · ∂metric/∂in, so that positive = supports the clean answer (docstring).
+    graph.scores = -(
         scorer.T[
             graph.src,
             torch.tensor(
@@ -361,7 +373,7 @@ def discover(
         ]
         / n_examples
     )
-    graph.node_scores = scorer.node_scores / n_examples
+    graph.node_scores = -scorer.node_scores / n_examples
     graph.node_scores[-1] = float("nan")
     graph.cfg.update(
         method=method,

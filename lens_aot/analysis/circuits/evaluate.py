@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset, batches, call_metric, needs_clean_logits
 from lens_aot.analysis.circuits.graph import Graph, check_model
 from lens_aot.analysis.circuits.layout import (
@@ -288,6 +289,7 @@ def _record_corrupted(aot: Any, graph: Graph, tokens: Tensor, posts: set[str]) -
 
 
 @torch.no_grad()
+@converted_only(metric="circuit")
 def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) -> Float[Tensor, " example"]:
     """The metric per example with the circuit ``graph`` (its edges with ``in_graph``) kept and every other edge
     carrying its sender's corrupted output (EAP-IG's ``evaluate_graph`` with ``intervention="patching"``).
@@ -313,6 +315,7 @@ def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) ->
 
 
 @torch.no_grad()
+@converted_only(metric="circuit")
 def evaluate_baseline(aot: Any, dataset: Dataset, metric: CircuitMetric) -> Baseline:
     """The metric per example on the clean and on the corrupted input, without intervention (the full and the
     empty circuit)."""

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lens_aot.analysis.checks import converted_only, pyplot
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
 from lens_aot.analysis.circuits.evaluate import evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.graph import Graph
@@ -63,8 +64,9 @@ class FaithfulnessCurve:
         )
 
     def plot(self, ax: Any = None, label: str | None = None) -> Any:
-        """Faithfulness against circuit size (fraction of edges, log scale); returns the matplotlib figure."""
-        import matplotlib.pyplot as plt
+        """Faithfulness against circuit size (fraction of edges, log scale); returns the matplotlib figure (needs
+        the ``viz`` extra)."""
+        plt = pyplot("FaithfulnessCurve.plot()")
 
         if ax is None:
             fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -101,6 +103,7 @@ def units(graph: Graph) -> int:
     return c["attention"] + c["mlp"] + c["neuron"]
 
 
+@converted_only(metric="circuit")
 def faithfulness_curve(
     aot: Any,
     graph: Graph,

@@ -30,6 +30,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.checks import require_converted
 from lens_aot.analysis.circuits.layout import check_supported
 from lens_aot.errors import InputError, LoadError, one_of
 
@@ -139,6 +140,7 @@ class Graph:
         ``(e, i)`` and a shared-expert neuron an int). Under grouped-query attention each query head has its own k
         and v input (EAP-IG's ``ungroup_grouped_query_attention``), so ``a{l}.h{h}<k>`` is one head's edge. Raises
         :class:`InputError` when the edges would exceed ``MAX_EDGES``."""
+        require_converted(aot, "Graph.from_model")
         granularity = _granularity(granularity)
         cfg = model_cfg(aot, granularity)
         check_supported(aot, granularity)
@@ -362,6 +364,8 @@ class Graph:
         """Read a graph written by :meth:`to_json` or by EAP-IG (no ``granularity`` in ``cfg``: ``"mlp"``). With
         ``model``, check that the graph is of that model (layers, heads, width, MLP widths); with ``granularity``,
         that it is at that granularity."""
+        if model is not None:
+            require_converted(model, "Graph.from_json")
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:

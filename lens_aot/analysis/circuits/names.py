@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.core import names as core_names
 from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
@@ -50,6 +51,7 @@ def sublayer(aot: AttentionOnlyTransformer, key: Any) -> Sublayer:
     return subs[key]
 
 
+@converted_only
 def neuron_sublayers(aot: AttentionOnlyTransformer) -> list[Sublayer]:
     """The sub-layers whose heads are former MLP neurons (neuron, gate and product heads)."""
     return [sub for sub in aot.sublayers() if sub.kind != "attention"]
@@ -132,6 +134,7 @@ def _from_label(aot: AttentionOnlyTransformer, label: str) -> HeadRef:
     return refs[component]
 
 
+@converted_only
 def as_head_ref(aot: AttentionOnlyTransformer, head: HeadLike) -> HeadRef:
     """Any head address (``HeadRef``, ``(sub-layer, head)``, ``("blocks.3.attn", head)``, ``"L3H2"``,
     ``"L3N17.2"``) as a checked ``HeadRef``."""
@@ -159,6 +162,7 @@ def head_origin(aot: AttentionOnlyTransformer, ref: HeadRef) -> HeadOrigin:
     return aot.head_origin(ref.name, ref.head)
 
 
+@converted_only
 def head_label(aot: AttentionOnlyTransformer, head: HeadLike) -> str:
     """The head's label: ``"L1H3"`` for head 3 of layer 1's attention, ``"L1N17.2"`` for head 2 of
     ``aot.neuron_heads(1, 17)`` (always with the head's index, even for one head per neuron); ``"L1E2N17.2"`` for

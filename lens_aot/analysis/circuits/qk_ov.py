@@ -12,6 +12,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.names import (
     HeadLike,
     SublayerLike,
@@ -55,6 +56,7 @@ def _unembedding(aot: AttentionOnlyTransformer, w: HeadWeights, fold_ln: bool) -
     return W_U
 
 
+@converted_only
 def qk_circuit(
     aot: AttentionOnlyTransformer,
     head: HeadLike,
@@ -95,6 +97,7 @@ def qk_circuit(
     return FactoredMatrix(torch.cat(rows), torch.cat(cols).T)
 
 
+@converted_only
 def ov_circuit(
     aot: AttentionOnlyTransformer,
     head: HeadLike,
@@ -134,6 +137,7 @@ def ov_circuit(
     return FactoredMatrix(torch.cat(rows), out)
 
 
+@converted_only
 def self_vs_slot_direction(
     aot: AttentionOnlyTransformer, head: HeadLike, *, fold_ln: bool = True
 ) -> tuple[Float[Tensor, " d_model"], float]:
@@ -159,6 +163,7 @@ def self_vs_slot_direction(
     return w.W_Q @ delta, float(w.b_Q @ delta)
 
 
+@converted_only
 def circuit_input(
     aot: AttentionOnlyTransformer, cache: Any, sub: SublayerLike, *, fold_ln: bool = True
 ) -> Float[Tensor, "... pos d_in"]:
@@ -198,6 +203,7 @@ def circuit_input(
     return torch.cat([main, scratch], dim=-1)
 
 
+@converted_only
 def circuit_scores(
     aot: AttentionOnlyTransformer, head: HeadLike, x: Float[Tensor, "... pos d_in"], *, fold_ln: bool = True
 ) -> Float[Tensor, "... query key_and_slots"]:

@@ -12,6 +12,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_module, head_norm, sublayer
 from lens_aot.core.components import NeuronAttention
 from lens_aot.core.model import AttentionOnlyTransformer
@@ -141,6 +142,7 @@ def _raw_head_weights(attn: Any, h: int) -> dict[str, Tensor]:
     )
 
 
+@converted_only
 def head_weights(aot: AttentionOnlyTransformer, head: HeadLike, *, fold_ln: bool = True) -> HeadWeights:
     """A head's weights (detached), with the norm its sub-layer reads through folded in when ``fold_ln`` (see the
     module docstring).

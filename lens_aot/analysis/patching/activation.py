@@ -16,6 +16,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.options import Direction, Metric, TokensLike
 from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
@@ -101,6 +102,7 @@ def _delta(
 
 
 # ==================================================================================================== patching
+@converted_only(metric="patching")
 def patch_units(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,
@@ -223,6 +225,7 @@ def _replace_hook(
     return hook
 
 
+@converted_only(metric="patching")
 def patch_heads(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,
@@ -248,6 +251,7 @@ def patch_heads(
     return patch_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
 
 
+@converted_only(metric="patching")
 def patch_neurons(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,

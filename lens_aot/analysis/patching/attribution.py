@@ -54,6 +54,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
@@ -158,6 +159,7 @@ def _position_weights(n_pos: int, positions: list[int] | None, per_position: boo
     return w
 
 
+@converted_only(metric="patching")
 def attribute_units(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,
@@ -249,6 +251,7 @@ def _unit_sums(
     return out
 
 
+@converted_only(metric="patching")
 def attribute_heads(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,
@@ -267,6 +270,7 @@ def attribute_heads(
     return attribute_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
 
 
+@converted_only(metric="patching")
 def attribute_neurons(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,

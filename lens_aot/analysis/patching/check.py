@@ -9,12 +9,14 @@ plot.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only, pyplot
 from lens_aot.analysis.patching.activation import patch_units
 from lens_aot.analysis.patching.options import Metric, TokensLike
 from lens_aot.analysis.patching.path import path_patch
@@ -32,8 +34,9 @@ class Verification:
 
     ``rows``: one dict per entry (``label``, ``position``, ``receiver`` for edges, ``attribution`` and ``patched``
     effects, ``error``), largest attribution first; ``truth``: the patching result over the same units;
-    ``pearson``: correlation of the two effect columns; ``figure``: the scatter plot (matplotlib, None if
-    matplotlib is missing). :attr:`table` is a pandas DataFrame when pandas is installed, else ``rows``.
+    ``pearson``: correlation of the two effect columns; ``figure``: the scatter plot (matplotlib; None with
+    ``plot=False``, or with a warning naming the ``viz`` extra when matplotlib is missing). :attr:`table` is a
+    pandas DataFrame when pandas is installed, else ``rows``.
     """
 
     rows: list[dict[str, Any]]
@@ -66,6 +69,7 @@ def _pearson(x: Tensor, y: Tensor) -> float:
     return float((x * y).sum()) / denom if denom > 0 else math.nan
 
 
+@converted_only(metric="patching")
 def verify_attribution(
     aot: AttentionOnlyTransformer,
     result: PatchingResult | PathPatchingResult,
@@ -128,8 +132,9 @@ def verify_attribution(
 
 def _scatter(rows: list[dict[str, Any]], pearson: float) -> Any:
     try:
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - depends on the environment
+        plt = pyplot("verify_attribution's plot")
+    except ModuleNotFoundError as err:
+        warnings.warn(f"{err} The table is returned with figure=None; pass plot=False not to ask.", stacklevel=3)
         return None
     fig, ax = plt.subplots(figsize=(5, 5))
     x = [r["patched"] for r in rows]

@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.attribution import _head_z, _method, _warn_split_pairs
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
@@ -54,6 +55,7 @@ from lens_aot.errors import InputError
 __all__ = ["attribute_edges"]
 
 
+@converted_only(metric="patching")
 def attribute_edges(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,

@@ -18,6 +18,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.activation import _delta, _variants_per_forward
 from lens_aot.analysis.patching.options import Direction, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
@@ -56,6 +57,7 @@ from lens_aot.core.model import AttentionOnlyTransformer
 __all__ = ["path_patch"]
 
 
+@converted_only(metric="patching")
 def path_patch(
     aot: AttentionOnlyTransformer,
     clean: TokensLike,

@@ -40,7 +40,8 @@ Ranking = Literal["abs_effect", "effect", "-effect"]
 
 class PatchEntry(NamedTuple):
     """One number of a result: the unit (the sender, for path patching), the position patched (None: all), the
-    metric, its change from the unpatched run (``effect``), and the receiver (path patching only)."""
+    metric, the effect (:meth:`PatchingResult.effect`: positive = supports the clean answer), and the receiver (path
+    patching only)."""
 
     unit: PatchUnit
     position: int | None
@@ -93,8 +94,16 @@ class _Numbers:
         return self.corrupted_metric if self.direction == "denoise" else self.clean_metric
 
     def effect(self) -> Tensor:
-        """``values − baseline``: how much each patch (each path) moved the metric."""
-        return self.values - self.baseline
+        """Each unit's (each path's) share of the clean behaviour, signed so that **positive = supports the clean
+        answer** whatever the direction (the sign ``discover``'s scores take too): ``values − corrupted`` for
+        "denoise" (how much patching in the clean value moves the metric towards clean), ``clean − values`` for
+        "noise" (how much patching in the corrupted value moves it away). For the metric's raw change under the
+        patch, use ``values − baseline``."""
+        return self._signed(self.values)
+
+    def _signed(self, value: Any) -> Any:
+        """The effect of a metric value (:meth:`effect`'s sign convention)."""
+        return value - self.baseline if self.direction == "denoise" else self.baseline - value
 
     def normalized(self) -> Tensor:
         """``(values − corrupted) / (clean − corrupted)``: 1 = clean behaviour, 0 = corrupted behaviour."""
@@ -239,7 +248,7 @@ class PatchingResult(_Numbers):
             unit_idx, pos_idx = divmod(flat, n_pos)
             value = float(self.values.reshape(-1)[flat])
             pos = None if self.positions is None else self.positions[pos_idx]
-            out.append(PatchEntry(self.units[unit_idx], pos, value, value - self.baseline))
+            out.append(PatchEntry(self.units[unit_idx], pos, value, self._signed(value)))
         return out
 
     def to_records(self) -> list[dict[str, Any]]:
@@ -248,7 +257,7 @@ class PatchingResult(_Numbers):
         for i, unit in enumerate(self.units):
             row = self.values[i].reshape(-1).tolist()
             for pos, value in zip([None] if self.positions is None else self.positions, row, strict=True):
-                records.append(_unit_record(unit) | {"position": pos, "value": value, "effect": value - self.baseline})
+                records.append(_unit_record(unit) | {"position": pos, "value": value, "effect": self._signed(value)})
         return records
 
     def __repr__(self) -> str:
@@ -267,7 +276,8 @@ class PathPatchingResult(_Numbers):
     """Path-patching results: ``values[s, r]`` is ``metric(logits)`` when sender ``senders[s]``'s switch reaches the
     model only through receiver ``receivers[r]``'s ``receiver_input`` ("logits": straight through the residual).
 
-    ``baseline``: the unpatched base run's metric (clean for "noise"); :meth:`effect` is ``values − baseline``.
+    ``baseline``: the unpatched base run's metric (clean for "noise"); :meth:`effect` is signed so that positive =
+    the path supports the clean answer (``baseline − values`` for "noise", ``values − baseline`` for "denoise").
     Index with ``res[sender, receiver]`` (units, heads, ``(module, head)``, neurons, labels or "logits").
     """
 
@@ -306,7 +316,7 @@ class PathPatchingResult(_Numbers):
         for flat in _ranked(self.effect(), by, k):
             s, r = divmod(flat, len(self.receivers))
             value = float(self.values[s, r])
-            out.append(PatchEntry(self.senders[s], None, value, value - self.baseline, self.receivers[r]))
+            out.append(PatchEntry(self.senders[s], None, value, self._signed(value), self.receivers[r]))
         return out
 
     def to_records(self) -> list[dict[str, Any]]:
@@ -321,7 +331,7 @@ class PathPatchingResult(_Numbers):
                 else:
                     rec |= {f"receiver_{k}": v for k, v in _unit_record(receiver).items()}
                     rec["receiver_input"] = "".join(self.receiver_input)
-                records.append(rec | {"value": value, "effect": value - self.baseline})
+                records.append(rec | {"value": value, "effect": self._signed(value)})
         return records
 
     def __repr__(self) -> str:

@@ -32,6 +32,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.units import PatchUnit, _Index
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
@@ -47,6 +48,7 @@ __all__ = [
 PatchingMetric = Callable[[Float[Tensor, "batch pos d_vocab"]], Any]
 
 
+@converted_only
 def neuron_head_columns(model: AttentionOnlyTransformer) -> list[list[PatchUnit]]:
     """Per layer, the unit of each column of :func:`get_act_patch_neuron_head_out_all_pos`'s rows (its ``heads`` and
     ``label``; one neuron head, or a gated neuron's product pair ``L1N17.4+5``); empty for a layer without an MLP."""
@@ -62,6 +64,7 @@ def neuron_head_columns(model: AttentionOnlyTransformer) -> list[list[PatchUnit]
     ]
 
 
+@converted_only(metric="patching", name="get_act_patch_neuron_head_out_all_pos / _by_pos")
 def _neuron_head_patch(
     model: AttentionOnlyTransformer,
     corrupted_tokens: Int[Tensor, "batch pos"],

@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
+from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exported to the other patching modules)
     _final_resid_hook,
     _head_grads,
@@ -359,6 +360,7 @@ class _Index:
 
 
 # ==================================================================================================== unit lists
+@converted_only
 def head_units(
     aot: AttentionOnlyTransformer,
     heads: Iterable[HeadLike] | None = None,
@@ -393,6 +395,7 @@ def _head_units(
     return units
 
 
+@converted_only
 def group(aot: AttentionOnlyTransformer, items: Iterable[UnitLike], name: str) -> PatchUnit:
     """One unit made of all the heads of ``items`` (units, heads, ``(module, head)``, neurons), patched together and
     labelled ``name``: e.g. a whole MLP as one receiver, ``group(aot, neuron_units(aot, layers=[0]), "MLP0")``, or
@@ -406,6 +409,7 @@ def group(aot: AttentionOnlyTransformer, items: Iterable[UnitLike], name: str) -
     return PatchUnit("group", -1, -1, None, heads, name)
 
 
+@converted_only
 def neuron_units(
     aot: AttentionOnlyTransformer,
     layers: Iterable[int] | None = None,
