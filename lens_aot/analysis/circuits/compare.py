@@ -20,7 +20,7 @@ from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.errors import InputError
 
 
-@dataclass
+@dataclass(repr=False)
 class GranularityComparison:
     """Both graphs, their curves at the same edge counts, and each MLP's neurons by share of |score|."""
 
@@ -63,17 +63,29 @@ class GranularityComparison:
         for g, curve in (("mlp", self.mlp_curve), ("neuron", self.neuron_curve)):
             best = self.smallest(g)
             reach = (
-                f"{best['edges']} edges / {best['units']} units (f = {best['faithfulness']:.3f})"
+                f"f >= {self.target} at {best['edges']} edges / {best['units']} units (f = {best['faithfulness']:.3f})"
                 if best
-                else f"not reached up to {curve.n_edges[-1]} edges"
+                else f"f >= {self.target} not reached (largest circuit evaluated: {curve.n_edges[-1]} edges / "
+                f"{curve.n_units[-1]} units, f = {curve.faithfulness[-1]:.3f})"
             )
-            lines.append(f"{g:>6}: f >= {self.target} at {reach}; CPR {curve.cpr:.3f}, CMD {curve.cmd:.3f}")
+            lines.append(f"{g:>6}: {reach}; CPR {curve.cpr:.3f}, CMD {curve.cmd:.3f}")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        """The summary, and each MLP's strongest neurons by share of the layer's |node score|."""
+        shares = "; ".join(
+            f"{layer}: " + ", ".join(f"{name} {share:.0%}" for name, share in top[:3])
+            for layer, top in self.shares.items()
+        )
+        counts = f"{len(self.sizes)} edge counts {self.sizes[0]}…{self.sizes[-1]}"
+        head = f"GranularityComparison(target f >= {self.target}, {counts})"
+        return "\n".join([head, self.summary()] + ([f"  top neurons: {shares}"] if shares else []))
+
     def plot(self) -> Any:
-        """Both faithfulness curves on one axis; returns the matplotlib figure."""
-        fig = self.mlp_curve.plot(label=f"mlp (CPR {self.mlp_curve.cpr:.3f})")
-        return self.neuron_curve.plot(ax=fig.axes[0], label=f"neuron (CPR {self.neuron_curve.cpr:.3f})")
+        """Both faithfulness curves on one axis against the circuits' edge counts (the sizes are matched in edges;
+        each graph's fraction of its own edges would put them on different scales); returns the matplotlib figure."""
+        fig = self.mlp_curve.plot(label=f"mlp (CPR {self.mlp_curve.cpr:.3f})", x="edges")
+        return self.neuron_curve.plot(ax=fig.axes[0], label=f"neuron (CPR {self.neuron_curve.cpr:.3f})", x="edges")
 
 
 def _geometric(total: int, count: int = 10) -> list[int]:
