@@ -57,8 +57,8 @@ def task(ns: dict[str, Any]) -> dict[str, Any]:
         "cache": clean_cache,
         "ref": ref,
         "heads": ["L0H1", ref],
-        "senders": ["L0H1", "L0H2"],
-        "receivers": ["L1H0"],
+        "senders": [("blocks.0.attn", 1), ("blocks.0.attn", 2)],
+        "receivers": [("blocks.1.attn", 0)],
     }
 
 
@@ -102,11 +102,19 @@ def sae(ns: dict[str, Any]) -> dict[str, Any]:
     return {**out, "hooked_sae_transformer": hst, "sae": sae_}
 
 
-def mixtral(ns: dict[str, Any]) -> dict[str, Any]:
-    """``mixtral_bridge``: a tiny random Mixtral TransformerBridge (4 experts, top-2, 2 layers)."""
-    from factories_moe import moe_bridge
+def moe(ns: dict[str, Any]) -> dict[str, Any]:
+    """``mixtral_bridge`` and ``qwen2_moe_bridge``: tiny random TransformerBridges (4 experts, top-2, 2 layers; Qwen2-MoE
+    with a shared expert), and ``hf_moe_model``: a tiny random ``MixtralForCausalLM``."""
+    from factories_moe import _hf, moe_bridge
 
-    return {"lens_aot": lens_aot, "torch": torch, "mixtral_bridge": moe_bridge("mixtral")}
+    hf_moe_model, _ = _hf("mixtral")
+    return {
+        "lens_aot": lens_aot,
+        "torch": torch,
+        "mixtral_bridge": moe_bridge("mixtral"),
+        "qwen2_moe_bridge": moe_bridge("qwen2_moe"),
+        "hf_moe_model": hf_moe_model.eval(),
+    }
 
 
 SETUPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -116,5 +124,5 @@ SETUPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "bridge-source": bridge_source,
     "eap": eap,
     "sae": sae,
-    "mixtral": mixtral,
+    "moe": moe,
 }
