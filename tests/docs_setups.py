@@ -18,8 +18,8 @@ from factories_bridge import D_VOCAB, make_bridge
 import lens_aot
 
 
-def _tokens(seed: int = 0, shape: tuple[int, int] = (2, 6)) -> torch.Tensor:
-    return torch.randint(1, D_VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+def _tokens(seed: int = 0, shape: tuple[int, int] = (2, 6), vocab: int = D_VOCAB) -> torch.Tensor:
+    return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def tiny(ns: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +72,8 @@ def hooked(ns: dict[str, Any]) -> dict[str, Any]:
     from factories_hooked import make_hooked
 
     source = make_hooked("ln-standard", "silu", torch.float32)
-    return {"torch": torch, "lens_aot": lens_aot, "source": source, "aot": lens_aot.convert(source), "tokens": _tokens()}
+    tokens = _tokens(vocab=int(source.cfg.d_vocab))
+    return {"torch": torch, "lens_aot": lens_aot, "source": source, "aot": lens_aot.convert(source), "tokens": tokens}
 
 
 def bridge_source(ns: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +87,8 @@ def eap(ns: dict[str, Any]) -> dict[str, Any]:
     """:func:`hooked`, and ``dataloader``: EAP-IG's batches ``(clean, corrupted, labels)`` of token tensors."""
     pytest.importorskip("eap.graph", reason="EAP-IG needs TransformerLens 3.x")
     out = hooked(ns)
-    return {**out, "dataloader": [(_tokens(4), _tokens(5), _tokens(6, (2, 1))[:, 0])]}
+    v = int(out["source"].cfg.d_vocab)
+    return {**out, "dataloader": [(_tokens(4, vocab=v), _tokens(5, vocab=v), _tokens(6, (2, 1), vocab=v)[:, 0])]}
 
 
 def sae(ns: dict[str, Any]) -> dict[str, Any]:
