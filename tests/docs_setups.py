@@ -105,8 +105,8 @@ def sae(ns: dict[str, Any]) -> dict[str, Any]:
 
 
 def moe(ns: dict[str, Any]) -> dict[str, Any]:
-    """``mixtral_bridge`` and ``qwen2_moe_bridge``: tiny random TransformerBridges (4 experts, top-2, 2 layers; Qwen2-MoE
-    with a shared expert), and ``hf_moe_model``: a tiny random ``MixtralForCausalLM``."""
+    """``mixtral_bridge`` and ``qwen2_moe_bridge``: tiny random TransformerBridges (4 experts, top-2, 2 layers;
+    Qwen2-MoE with a shared expert), and ``hf_moe_model``: a tiny random ``MixtralForCausalLM``."""
     from factories_moe import _hf, moe_bridge
 
     hf_moe_model, _ = _hf("mixtral")
