@@ -519,22 +519,27 @@ class Edge:
 
     @property
     def name(self) -> str:
+        """EAP-IG's name of the edge."""
         return self.graph.edge_name(self.index)
 
     @property
     def parent(self) -> str:
+        """The sender node's name."""
         return self.graph.nodes[int(self.graph.src[self.index])]
 
     @property
     def child(self) -> str:
+        """The receiver node's name."""
         return self.graph.nodes[int(self.graph.dst[self.index])]
 
     @property
     def qkv(self) -> str | None:
+        """The receiver's input: ``"q"``, ``"k"``, ``"v"``, or None (not an attention head)."""
         return QKV[int(self.graph.qkv[self.index])] or None
 
     @property
     def score(self) -> float:
+        """The edge's score (``graph.scores``); settable."""
         return float(self.graph.scores[self.index])
 
     @score.setter
@@ -543,6 +548,7 @@ class Edge:
 
     @property
     def in_graph(self) -> bool:
+        """Whether the edge is in the circuit (``graph.in_graph``); settable."""
         return bool(self.graph.in_graph[self.index])
 
     @in_graph.setter
