@@ -80,9 +80,9 @@ def weights_fingerprint(aot: Any) -> list[float]:
     out: list[float] = []
     named = sorted((name, p) for name, p in aot.named_parameters() if p.numel() and p.device.type != "meta")
     for _, p in named[:FINGERPRINT_PARAMETERS]:
-        flat = p.detach().reshape(-1)
-        at = torch.linspace(0, flat.numel() - 1, 4).long().to(flat.device)
-        out += [float(v) for v in flat[at].double().cpu().tolist()]
+        at = torch.linspace(0, p.numel() - 1, 4).long()
+        index = torch.unravel_index(at, tuple(p.shape))  # no flat copy of a non-contiguous parameter
+        out += [float(v) for v in p.detach()[tuple(i.to(p.device) for i in index)].double().cpu().tolist()]
     return out
 
 
