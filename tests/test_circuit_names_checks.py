@@ -56,6 +56,8 @@ def test_from_model_refuses_neurons_and_layers_out_of_range(aot) -> None:
     assert [n for n in Graph.from_model(aot, "neuron", neurons={1: [d_mlp - 1]}).nodes if ".n" in n] == [
         f"m1.n{d_mlp - 1}"
     ]
+    tensors = Graph.from_model(aot, "neuron", neurons={torch.tensor(0): torch.tensor([5, 3])})  # integer tensors too
+    assert [n for n in tensors.nodes if ".n" in n] == ["m0.n3", "m0.n5"]
 
 
 def test_a_graph_of_another_model_with_the_same_shape_is_refused(aot, data, tmp_path) -> None:

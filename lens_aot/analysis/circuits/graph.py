@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import operator
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -126,35 +127,56 @@ def _moe_names(layer: int, moe: dict[str, Any], chosen: Sequence[NeuronKey] | No
     return [f"m{layer}.e{e}.n{i}" for e, i in sorted(routed)] + [f"m{layer}.n{i}" for i in sorted(plain)]
 
 
-def _check_neurons(cfg: dict[str, Any], neurons: dict[int, Sequence[NeuronKey]] | None, d_mlp: Sequence[int]) -> None:
-    """Refuse a ``neurons={layer: [neuron, ...]}`` subset naming a layer the model lacks (or one without an MLP), or
-    a dense layer's neuron outside ``0 .. d_mlp − 1`` (a mixture-of-experts layer's keys are checked by
-    :func:`_moe_names`)."""
+def _check_neurons(
+    cfg: dict[str, Any], neurons: dict[int, Sequence[NeuronKey]] | None, d_mlp: Sequence[int]
+) -> dict[int, list[NeuronKey]] | None:
+    """``neurons={layer: [neuron, ...]}`` with plain ints (integer tensors and NumPy integers accepted), checked:
+    refuse a layer the model lacks (or one without an MLP) and a dense layer's neuron outside ``0 .. d_mlp − 1`` (a
+    mixture-of-experts layer's keys are checked by :func:`_moe_names`)."""
     if neurons is None:
-        return
+        return None
     n_layers = int(cfg["n_layers"])
     if cfg.get("granularity", "mlp") != "neuron":
         raise InputError("neurons= chooses neuron nodes: it applies at granularity='neuron' only")
     if not isinstance(neurons, dict):
         raise InputError(f"neurons must be a dict {{layer: [neuron, ...]}}; got {type(neurons).__name__}")
     moe = cfg.get("moe") or [None] * n_layers
+    out: dict[int, list[NeuronKey]] = {}
     for layer, keys in neurons.items():
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        index = _as_int(layer)
+        if index is None or not 0 <= index < n_layers:
             raise InputError(
                 f"neurons names layer {layer!r}, but the model has layers 0 .. {n_layers - 1}: give "
                 f"neurons={{layer: [neuron, ...]}} with layers in that range"
             )
-        if not d_mlp[layer] and keys:
-            raise InputError(f"neurons names neurons of layer {layer}, which has no MLP")
-        if moe[layer] is not None:
+        keys = list(keys)
+        if not d_mlp[index] and keys:
+            raise InputError(f"neurons names neurons of layer {index}, which has no MLP")
+        if moe[index] is not None:
+            out[index] = keys
             continue
+        checked: list[NeuronKey] = []
         for key in keys:
             if isinstance(key, tuple):
-                raise InputError(f"layer {layer} mlp: not a mixture of experts; name its neurons by index (ints)")
-            if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < d_mlp[layer]:
+                raise InputError(f"layer {index} mlp: not a mixture of experts; name its neurons by index (ints)")
+            n = _as_int(key)
+            if n is None or not 0 <= n < d_mlp[index]:
                 raise InputError(
-                    f"layer {layer} mlp: {key!r} is no neuron of it; its neurons are 0 .. {d_mlp[layer] - 1}"
+                    f"layer {index} mlp: {key!r} is no neuron of it; its neurons are 0 .. {d_mlp[index] - 1}"
                 )
+            checked.append(n)
+        out[index] = checked
+    return out
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (an int, a NumPy integer, a 0-d integer tensor; not a bool)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class Graph:
@@ -208,7 +230,7 @@ class Graph:
         d_mlp = cfg.get("d_mlp") or [1] * n_layers
         parallel = bool(cfg["parallel_attn_mlp"])
         moe = cfg.get("moe") or [None] * n_layers
-        _check_neurons(cfg, neurons, d_mlp)
+        neurons = _check_neurons(cfg, neurons, d_mlp)
         names: list[str] = ["input"]
         rank: list[int] = [-1]  # senders: position in the forward order
         reads: list[int] = [-1]  # receivers: reads senders of rank < reads
