@@ -3,17 +3,19 @@
 An edge's EAP score (Syed et al. 2023, "Attribution Patching Outperforms Automated Circuit Discovery") is
 ``(out_s^corrupted − out_s^clean) · ∂metric/∂(receiver's input)`` on the clean run, summed over positions and averaged
 over examples; EAP-IG (Hanna et al. 2024, "Have Faith in Faithfulness"; EAP-IG's ``"EAP-IG-inputs"``) averages the
-gradient over ``ig_steps`` runs whose token embeddings are ``e_corrupted + (k / steps)·(e_clean − e_corrupted)``, ``k =
-0 … steps − 1``; EAP-IG's ``"EAP-IG-activations"`` averages it over ``ig_steps`` runs per node group (the input, each
-layer's attention, each layer's MLP) in which that group's output alone is the constant ``(k / steps)·out_clean + (1 − k
-/ steps)·out_corrupted``, ``k = 1 … steps``. A receiver's input is read before its norm: a head's q, k or v input, an
-MLP's input, a neuron's own input (each neuron is a head with its own copy of the residual and its own ``ln2``: Huben &
-Morris 2023, Theorem 3; the gradient of its pre-activation(s) is pulled back through ``ln2`` for that neuron alone), or
-the final residual (logits). In a mixture-of-experts layer an expert neuron ``m{l}.e{e}.n{i}`` (and a shared-expert
-neuron) sends ``gate·post·W_out[i]`` and computes its pre-activation and its gate (router weight or shared sigmoid gate)
-from its own input (:mod:`lens_aot.analysis.circuits.moe`), so its input gradient has two parts pulled back through
-``ln2``: the pre-activations' (``∂metric/∂pre · W_in``, the gate already inside) and the gate's (``(∂metric/∂mlp_out ·
-W_out[i]) · post · ∂gate/∂y``; 0 where the expert is not chosen, the top-k choice being locally constant).
+gradient over ``steps`` runs whose token embeddings are ``e_corrupted + (k / steps)·(e_clean − e_corrupted)``,
+``k = 0 … steps − 1``; EAP-IG's ``"EAP-IG-activations"`` averages it over ``steps`` runs per node group (the input,
+each layer's attention, each layer's MLP) in which that group's output alone is the constant
+``(k / steps)·out_clean + (1 − k / steps)·out_corrupted``, ``k = 1 … steps`` (``steps``: EAP-IG's ``ig_steps``).
+A receiver's input is read before its norm: a head's q, k or v input, an MLP's input, a
+neuron's own input (each neuron is a head with its own copy of the residual and its own ``ln2``: Huben & Morris 2023,
+Theorem 3; the gradient of its pre-activation(s) is pulled back through ``ln2`` for that neuron alone), or the final
+residual (logits). In a mixture-of-experts layer an expert neuron ``m{l}.e{e}.n{i}`` (and a shared-expert neuron)
+sends ``gate·post·W_out[i]`` and computes its pre-activation and its gate (router weight or shared sigmoid gate) from
+its own input (:mod:`lens_aot.analysis.circuits.moe`), so its input gradient has two parts pulled back through ``ln2``:
+the pre-activations' (``∂metric/∂pre · W_in``, the gate already inside) and the gate's
+(``(∂metric/∂mlp_out · W_out[i]) · post · ∂gate/∂y``; 0 where the expert is not chosen, the top-k choice being locally
+constant).
 
 At neuron granularity the edge set is quadratic in neurons (GPT-2 small: 36,864), so discover first scores every
 node (a node's score is the sum of its outgoing edges' scores, ``Δout · ∂metric/∂out``), keeps the ``top_nodes``
