@@ -21,6 +21,7 @@ from lens_aot.circuits import (
     GranularityComparison,
     Graph,
     MetricGapWarning,
+    compare_granularities,
     discover,
     evaluate,
     evaluate_baseline,
@@ -130,6 +131,8 @@ def test_eap_ig_method_names_and_ig_steps(aot, data) -> None:
     assert float(eap.scores[into_last_mlp].abs().max()) > 1e-4
     two = discover(aot, data, label_metric, method="EAP-IG-activations", granularity="neuron", ig_steps=2, top_nodes=8)
     assert two.cfg["gradient_runs"] == 2 * runs and bool(two.scores.abs().sum() > 0)
+    cmp = compare_granularities(aot, data, label_metric, "EAP-IG-inputs", ig_steps=2, n_edges=[5], top_nodes=4)
+    assert cmp.mlp.cfg["steps"] == cmp.neuron.cfg["steps"] == 2 and cmp.mlp.cfg["method"] == "EAP-IG-inputs"
     with pytest.raises(InputError, match="'EAP-IG-inputs'.*'EAP-IG-activations'"):
         discover(aot, data, label_metric, method="IG")
     with pytest.raises(InputError, match="ig_steps=3 and steps=2 disagree"):

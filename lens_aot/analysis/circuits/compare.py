@@ -103,18 +103,20 @@ def compare_granularities(
     target: float = 0.8,
     top_nodes: int | None = 1000,
     steps: int = 5,
+    ig_steps: int | None = None,
     top_neurons: int = 5,
     selection: str = "topn",
 ) -> GranularityComparison:
     """Discover at mlp and neuron granularity, evaluate both at the same edge counts ``n_edges`` (default: twelve
     geometric steps up to the larger graph's edge count; a graph with fewer edges is evaluated whole there), with
     ``selection`` "topn" or "greedy" (:func:`~lens_aot.circuits.faithfulness_curve`), and list each MLP's
-    ``top_neurons`` neurons by share of the layer's total ``|node score|`` (over the kept neurons)."""
+    ``top_neurons`` neurons by share of the layer's total ``|node score|`` (over the kept neurons). ``method``,
+    ``steps`` / ``ig_steps``: :func:`~lens_aot.circuits.discover`'s."""
     data = list(dataset)
     if not data:
         raise InputError("the dataset is empty: give at least one (clean, corrupted, labels) batch")
-    mlp = discover(aot, data, metric, method, "mlp", steps=steps)
-    neuron = discover(aot, data, metric, method, "neuron", steps=steps, top_nodes=top_nodes)
+    mlp = discover(aot, data, metric, method, "mlp", steps=steps, ig_steps=ig_steps)
+    neuron = discover(aot, data, metric, method, "neuron", steps=steps, ig_steps=ig_steps, top_nodes=top_nodes)
     sizes = list(n_edges) if n_edges is not None else _geometric(max(len(mlp.src), len(neuron.src)), 12)
     mlp_curve = faithfulness_curve(aot, mlp, data, metric, n_edges=sizes, selection=selection)
     neuron_curve = faithfulness_curve(aot, neuron, data, metric, n_edges=sizes, selection=selection)
