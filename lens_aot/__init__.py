@@ -26,6 +26,7 @@ from lens_aot.errors import (
     UnsupportedArchitectureError,
 )
 from lens_aot.io import load, save
+from lens_aot.tl.build import bridge_from_hf_module
 
 # Modules whose home moved keep their public import paths: `import lens_aot.patching`, `from lens_aot.circuits import
 # X` (lens_aot.analysis.*), `lens_aot.standard_mask` (lens_aot.constructions.standard_mask); lens_aot.attribution and
@@ -60,6 +61,7 @@ __all__ = [
     "UnsupportedActivationError",
     "UnsupportedArchitectureError",
     "activation_fit",
+    "bridge_from_hf_module",
     "circuits",
     "convert",
     "load",

@@ -44,6 +44,11 @@ class HookNameError(LensAOTError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class IndexRangeError(InputError, IndexError):
+    """A layer, neuron or head index the model does not have (``aot.neuron_heads(0, 9999)``); an ``IndexError`` too,
+    as Python's own sequences raise."""
+
+
 class InputRangeError(InputError):
     """A converted gated MLP with no normalization before it was given an input outside the range its stated error
     bound holds on (``convert``'s ``max_residual_norm``): raised instead of returning an output beyond that bound."""

@@ -183,7 +183,11 @@ def circuit_discovery_cells() -> list[tuple[str, str]]:
             "print(f'CPR {curve.cpr:.3f}, CMD {curve.cmd:.3f}')\ncurve.plot()\ncurve.to_dataframe()",
         ),
         ("md", "## Draw a small circuit (grown greedily from the logits)"),
-        ("code", "graph.apply_greedy(30)\ngraph.draw(title='modular addition: 30 edges, neuron granularity')"),
+        (
+            "code",
+            "graph.apply_greedy(30)  # 30 edges grown from the logits, then pruned: those that reach no input are "
+            "dropped\ngraph.draw(title=f'modular addition: {graph.n_edges} edges, neuron granularity')",
+        ),
         (
             "code",
             "import tempfile\nfrom pathlib import Path\n\n"

@@ -131,3 +131,76 @@ def test_api_pages_report_undocumented_public_members(caplog: pytest.LogCaptureF
     api = "".join(p.read_text(encoding="utf-8") for p in sorted((DOCS / "api").glob("*.md")))
     blocks = re.findall(r"^::: ([\w.]+)", api, re.MULTILINE)
     assert len(blocks) >= 10 and not [path for path in blocks if hooks.undocumented(path)]
+
+
+# ---------------------------------------------------------------------------------------------------- code blocks
+# Every ```python block of README.md and docs/*.md runs here (docs_setups.py states the marker convention):
+# ``<!-- docs-test: setup=NAME -->`` on the lines just above a block gives the page docs_setups.SETUPS[NAME]'s names
+# first; ``<!-- docs-test: skip REASON -->`` keeps a block that cannot run offline on a CPU out, with its reason.
+_MARK = re.compile(r"^<!-- docs-test: (setup=(?P<setup>[\w-]+)|skip (?P<reason>.+?)) -->$")
+MAX_SKIPPED = 4
+PAGES_WITH_CODE = sorted(
+    str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *DOCS.glob("*.md")] if "\n```python\n" in p.read_text()
+)
+
+
+def _code_blocks(text: str) -> list[tuple[int, str, list[str], str | None]]:
+    """``(line, code, setups, skip reason)`` for each ```python block, its markers read from the lines above it."""
+    lines = text.splitlines()
+    out = []
+    i = 0
+    while i < len(lines):
+        if lines[i] == "```python":
+            setups, reason = [], None
+            j = i - 1
+            while j >= 0 and lines[j].startswith("<!-- docs-test:"):
+                m = _MARK.match(lines[j])
+                assert m, f"line {j + 1}: malformed marker {lines[j]!r} (setup=NAME or skip REASON)"
+                if m["setup"]:
+                    setups.append(m["setup"])
+                else:
+                    reason = m["reason"]
+                j -= 1
+            end = lines.index("```", i + 1)
+            out.append((i + 1, "\n".join(lines[i + 1 : end]) + "\n", setups[::-1], reason))
+            i = end
+        i += 1
+    return out
+
+
+def test_code_block_markers_are_few_and_explained() -> None:
+    from docs_setups import SETUPS
+
+    skipped = []
+    for page in PAGES_WITH_CODE:
+        for line, _, setups, reason in _code_blocks((ROOT / page).read_text(encoding="utf-8")):
+            assert set(setups) <= set(SETUPS), f"{page}:{line}: unknown setup {setups} (tests/docs_setups.py)"
+            if reason is not None:
+                skipped.append(f"{page}:{line}")
+                assert len(reason.split()) >= 3, f"{page}:{line}: say why the block cannot run"
+    assert len(PAGES_WITH_CODE) >= 8 and "docs/first-hour.md" in PAGES_WITH_CODE
+    assert len(skipped) <= MAX_SKIPPED, f"too many docs code blocks skipped: {skipped}"
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES_WITH_CODE if any(b[3] is None for b in _code_blocks((ROOT / p).read_text()))]
+)
+def test_docs_code_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page's code blocks, in order, in one namespace, in a scratch directory (files they write land there)."""
+    from docs_setups import SETUPS
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    done: set[str] = set()
+    ran = 0
+    for line, code, setups, reason in _code_blocks((ROOT / page).read_text(encoding="utf-8")):
+        if reason is not None:
+            continue
+        for name in setups:
+            if name not in done:
+                namespace.update(SETUPS[name](namespace))
+                done.add(name)
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102
+        ran += 1
+    assert ran

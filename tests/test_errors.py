@@ -584,3 +584,22 @@ def test_active_dropout_is_refused_and_the_check_runs_without_it() -> None:
 def test_check_accepts_only_true_false_or_warn(bridge: Any) -> None:
     with pytest.raises(ValueError, match=r"check must be True, False or 'warn'"):
         lens_aot.convert(bridge, check="strict")  # type: ignore[arg-type]
+
+
+def test_bad_cache_names_and_indices_raise_lens_aot_errors(aot: lens_aot.AttentionOnlyTransformer) -> None:
+    """docs/errors.md: a cache name the cache lacks is a HookNameError (a KeyError too) naming the closest keys; an
+    index out of range (neuron, head, layer) an IndexRangeError (an InputError and an IndexError too)."""
+    from lens_aot.errors import HookNameError, IndexRangeError, InputError
+
+    _, cache = aot.run_with_cache(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(HookNameError, match="Close names: blocks.0.hook_resid_pre") as caught:
+        cache["blocks.0.hook_resid_pree"]
+    assert isinstance(caught.value, KeyError)
+    for call in (
+        lambda: aot.neuron_heads(0, 9999),
+        lambda: aot.head_origin("blocks.0.attn", 99),
+        lambda: aot.neuron_heads(99, 0),
+    ):
+        with pytest.raises(IndexRangeError, match="out of range") as caught:
+            call()
+        assert isinstance(caught.value, IndexError) and isinstance(caught.value, InputError)

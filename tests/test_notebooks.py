@@ -69,6 +69,19 @@ def test_notebook_executes_as_stored(path: Path) -> None:
     assert TOOL.signature(fresh) == TOOL.signature(stored), FIX
 
 
+def test_drawing_titles_count_the_drawn_edges() -> None:
+    """A circuit drawing's title gives ``graph.n_edges`` (what is drawn, after pruning), never a literal count: a
+    title of "30 edges" over ``apply_greedy(30)`` drew 13 once pruned."""
+    titles = [
+        title
+        for cells in GENERATED.values()
+        for kind, src in cells
+        if kind == "code"
+        for title in re.findall(r"draw\(title=(f?['\"][^'\"]*)", src)
+    ]
+    assert titles and not [t for t in titles if re.search(r"\d+ edges", t)], titles
+
+
 # --- the checks above can fail: each defect of a stored copy is caught ---------------------------------------------
 
 

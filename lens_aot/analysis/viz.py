@@ -138,7 +138,7 @@ def attention_patterns(
     aot: AttentionOnlyTransformer,
     cache: Any,
     heads: Sequence[HeadLike],
-    tokens: Sequence[str] | Int[Tensor, " pos"],
+    tokens: Sequence[str] | Int[Tensor, " pos"] | Int[Tensor, "batch pos"],
     *,
     batch: int = 0,
     bias_slot: bool = True,
@@ -148,9 +148,10 @@ def attention_patterns(
     """Render the patterns of ``heads`` with circuitsvis, from a cache, labelled ``"L0N17.0"`` / ``"L1H3"``.
 
     ``tokens``: one label per position (strings, or the token ids of batch element ``batch``, decoded with the
-    model's tokenizer when it has one). ``bias_slot`` (default) shows the neuron heads' bias slot as a first token,
-    so their rows sum to 1. ``kind="heads"``: ``circuitsvis.attention.attention_heads`` (one panel per head, head
-    names shown; ``kwargs`` go to it); ``"patterns"``: ``attention_patterns``. Returns circuitsvis's
+    model's tokenizer when it has one), or the run's ``[batch, pos]`` tokens (row ``batch`` is used).
+    ``bias_slot`` (default) shows the neuron heads' bias slot as a first token, so their rows sum to 1.
+    ``kind="heads"``: ``circuitsvis.attention.attention_heads`` (one panel per head, head names shown; ``kwargs``
+    go to it); ``"patterns"``: ``attention_patterns``. Returns circuitsvis's
     ``RenderedHTML`` (``str(...)`` is the HTML; it displays itself in Jupyter).
     """
     try:
@@ -162,6 +163,8 @@ def attention_patterns(
         ) from err
     patterns = head_patterns(aot, cache, heads, batch=batch, bias_slot=bias_slot)
     pos = patterns.shape[-1] - int(bias_slot)
+    if isinstance(tokens, Tensor) and tokens.ndim == 2:  # the run's [batch, pos] tokens: batch element `batch`'s
+        tokens = tokens[batch]
     labels = _as_str_tokens(aot, tokens, pos)
     if bias_slot:
         labels = [SLOT_TOKEN, *labels]

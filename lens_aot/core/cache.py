@@ -21,6 +21,7 @@ function, a method, printing) materialises the whole ``[batch, head, query, key]
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, ItemsView, Iterator, Sequence, ValuesView
 from typing import Any, Literal
 
@@ -354,10 +355,16 @@ class NeuronHeadCache(ActivationCache):
 
             name = key if isinstance(key, str) else None
             hint = None if name is None else flat_layout_hint(name, self.model.cfg.n_layers)
-            if hint is None:
-                raise
             from lens_aot.errors import HookNameError
 
+            if hint is None:
+                close = difflib.get_close_matches(name, list(self.keys()), n=3) if name else []
+                hint = (
+                    f"{key!r} is not in this cache: not a hook name of this model, or a hook this run did not cache "
+                    f"(names_filter, stop_at_layer). "
+                    + (f"Close names: {', '.join(close)}. " if close else "")
+                    + "cache.keys() lists what is there"
+                )
             raise HookNameError(hint) from error
 
     def _batch_size(self) -> int:

@@ -44,7 +44,7 @@ from lens_aot.core.placement import Placement
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, head_shape
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
-from lens_aot.errors import HookNameError, InputError
+from lens_aot.errors import HookNameError, IndexRangeError, InputError
 from lens_aot.tl.hooked_model import hooked_class
 from lens_aot.tl.hooks import hooked
 
@@ -331,7 +331,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         subs = self.sublayers()
         if isinstance(key, int):
             if not -len(subs) <= key < len(subs):
-                raise IndexError(f"sub-layer {key} out of range: the model has {len(subs)} sub-layers")
+                raise IndexRangeError(f"sub-layer {key} out of range: the model has {len(subs)} sub-layers")
             return subs[key]
         for sub in subs:
             if sub.name == key:
@@ -396,7 +396,10 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if expert is not None:
             raise InputError(f"source layer {layer}'s MLP is not a mixture of experts; leave expert unset")
         if not 0 <= neuron < block.mlp.d_mlp:
-            raise IndexError(f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={block.mlp.d_mlp}")
+            raise IndexRangeError(
+                f"neuron {neuron} out of range: layer {layer}'s MLP has d_mlp={block.mlp.d_mlp} (neurons 0 .. "
+                f"{block.mlp.d_mlp - 1})"
+            )
         return [HeadRef(f"{prefix}.{attr}", head) for attr, head in block.mlp.neuron_heads(neuron)]
 
     def head_origin(self, name: str, head: int) -> HeadOrigin | ExpertHeadOrigin:
@@ -408,7 +411,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         layer, kind = parse_module(name)
         module = self.head_module(name)
         if not 0 <= head < module.n_heads:
-            raise IndexError(f"head {head} out of range: {name} has {module.n_heads} heads")
+            raise IndexRangeError(
+                f"head {head} out of range: {name} has {module.n_heads} heads (0 .. {module.n_heads - 1})"
+            )
         if kind == "attention":
             return HeadOrigin("attention", layer, head, 0)
         k = module.heads_per_neuron
@@ -430,7 +435,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def _layer(self, layer: int) -> int:
         n = len(self.blocks)
         if not -n <= layer < n:
-            raise IndexError(f"source layer {layer} out of range: the source had {n} layers")
+            raise IndexRangeError(f"source layer {layer} out of range: the source had {n} layers")
         return layer % n
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> AttentionOnlyTransformer:

@@ -171,13 +171,37 @@ def native_bridge(
 
 
 def bridge_from_hf_module(
-    model: nn.Module, architecture: str, *, hf_config: Any, model_name: str, **options: Any
+    model: nn.Module,
+    architecture: str | None = None,
+    *,
+    hf_config: Any = None,
+    model_name: str | None = None,
+    **options: Any,
 ) -> Any:
-    """A ``TransformerBridge`` over an in-memory Hugging Face model (``architecture`` e.g. ``"GPT2LMHeadModel"``),
-    built without the Hub, as ``boot_transformers`` builds it (TransformerLens 3.9 and 4.x). ``options`` (e.g.
-    ``tokenizer``, ``dtype``) go to TransformerLens's builder."""
+    """A ``TransformerBridge`` over an in-memory Hugging Face model, built offline (no Hub access) the way
+    ``TransformerBridge.boot_transformers`` builds one (TransformerLens 3.9 and 4.x): the recipe for a model made from
+    a ``transformers`` config (random weights, tests) or loaded from local files.
+
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97)).eval()
+    >>> aot = lens_aot.convert(lens_aot.bridge_from_hf_module(hf))
+
+    Args:
+        model: the ``transformers`` model (e.g. ``GPT2LMHeadModel``), in eval mode.
+        architecture: its architecture name (``"GPT2LMHeadModel"``); default ``hf_config.architectures[0]``, else
+            the model's class name.
+        hf_config: its config; default ``model.config``.
+        model_name: the bridge's ``cfg.model_name``; default the config's ``name_or_path``, else the class name.
+        options: TransformerLens's builder's keywords, e.g. ``tokenizer=`` (a tokenizer object, no download) and
+            ``dtype=``.
+    """
     from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
 
+    hf_config = model.config if hf_config is None else hf_config  # type: ignore[union-attr]
+    if architecture is None:
+        architecture = (getattr(hf_config, "architectures", None) or [type(model).__name__])[0]
+    if model_name is None:
+        model_name = getattr(hf_config, "name_or_path", "") or type(model).__name__
     return build_bridge_from_module(model, architecture, hf_config=hf_config, model_name=model_name, **options)
 
 

@@ -267,3 +267,20 @@ def test_circuits_and_faithfulness_agree(family_name: str, select: str) -> None:
 def teardown_module() -> None:
     for name, figures in FIGURES.items():
         print(f"EAP-IG {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(figures.items())))
+
+
+@pytest.mark.parametrize("method", ["EAP", "EAP-IG-inputs", "EAP-IG-activations"])
+def test_discover_in_eap_ig_names_scores_as_eap_ig_attribute(method: str) -> None:
+    """lens_aot.circuits.discover at mlp granularity, called as EAP-IG's attribute is (its method names, ig_steps, its
+    scalar metric and string batches), gives EAP-IG's scores on the source, edge by edge. EAP-IG's scalar metric is
+    the batch's mean and it divides the sum over batches by the number of examples again, so its scores are lens_aot's
+    over the batch size."""
+    from lens_aot.circuits import discover
+
+    f = _family("ln-gelu")
+    src = _scores(f.source, f, method, "patching")
+    ours = discover(f.aot, f.data, _metric(True), method=method, granularity="mlp", ig_steps=3)
+    batch = len(f.data[0][0])
+    assert all(len(clean) == batch for clean, _, _ in f.data)
+    theirs = torch.tensor([float(src.edges[name].score) for name in ours.edge_names], dtype=torch.float64)
+    _compare_scores(f, theirs, ours.scores / batch, f"discover({method!r})")

@@ -64,8 +64,8 @@ from lens_aot.analysis.circuits.composition import CompositionScores, compositio
 from lens_aot.analysis.circuits.discover import discover
 from lens_aot.analysis.circuits.draw import Drawing, draw_graph
 from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
-from lens_aot.analysis.circuits.faithfulness import MIB_SIZES, FaithfulnessCurve, faithfulness_curve
-from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.analysis.circuits.faithfulness import MIB_SIZES, FaithfulnessCurve, MetricGapWarning, faithfulness_curve
+from lens_aot.analysis.circuits.graph import Edge, Graph
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,
@@ -79,10 +79,12 @@ from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
 __all__ = [
     "Baseline",
     "Drawing",
+    "Edge",
     "FaithfulnessCurve",
     "Graph",
     "GranularityComparison",
     "MIB_SIZES",
+    "MetricGapWarning",
     "compare_granularities",
     "draw_graph",
     "faithfulness_curve",

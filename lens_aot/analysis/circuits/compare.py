@@ -21,7 +21,7 @@ from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.errors import InputError
 
 
-@dataclass
+@dataclass(repr=False)
 class GranularityComparison:
     """Both graphs, their curves at the same edge counts, and each MLP's neurons by share of |score|."""
 
@@ -64,18 +64,31 @@ class GranularityComparison:
         for g, curve in (("mlp", self.mlp_curve), ("neuron", self.neuron_curve)):
             best = self.smallest(g)
             reach = (
-                f"{best['edges']} edges / {best['units']} units (f = {best['faithfulness']:.3f})"
+                f"f >= {self.target} at {best['edges']} edges / {best['units']} units (f = {best['faithfulness']:.3f})"
                 if best
-                else f"not reached up to {curve.n_edges[-1]} edges"
+                else f"f >= {self.target} not reached (largest circuit evaluated: {curve.n_edges[-1]} edges / "
+                f"{curve.n_units[-1]} units, f = {curve.faithfulness[-1]:.3f})"
             )
-            lines.append(f"{g:>6}: f >= {self.target} at {reach}; CPR {curve.cpr:.3f}, CMD {curve.cmd:.3f}")
+            lines.append(f"{g:>6}: {reach}; CPR {curve.cpr:.3f}, CMD {curve.cmd:.3f}")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        """The summary, and each MLP's strongest neurons by share of the layer's |node score|."""
+        shares = "; ".join(
+            f"{layer}: " + ", ".join(f"{name} {share:.0%}" for name, share in top[:3])
+            for layer, top in self.shares.items()
+        )
+        counts = f"{len(self.sizes)} edge counts {self.sizes[0]}…{self.sizes[-1]}"
+        head = f"GranularityComparison(target f >= {self.target}, {counts})"
+        return "\n".join([head, self.summary()] + ([f"  top neurons: {shares}"] if shares else []))
+
     def plot(self) -> Any:
-        """Both faithfulness curves on one axis; returns the matplotlib figure (needs the ``viz`` extra)."""
+        """Both faithfulness curves on one axis against the circuits' edge counts (the sizes are matched in edges;
+        each graph's fraction of its own edges would put them on different scales); returns the matplotlib figure
+        (needs the ``viz`` extra)."""
         pyplot("GranularityComparison.plot()")
-        fig = self.mlp_curve.plot(label=f"mlp (CPR {self.mlp_curve.cpr:.3f})")
-        return self.neuron_curve.plot(ax=fig.axes[0], label=f"neuron (CPR {self.neuron_curve.cpr:.3f})")
+        fig = self.mlp_curve.plot(label=f"mlp (CPR {self.mlp_curve.cpr:.3f})", x="edges")
+        return self.neuron_curve.plot(ax=fig.axes[0], label=f"neuron (CPR {self.neuron_curve.cpr:.3f})", x="edges")
 
 
 def _geometric(total: int, count: int = 10) -> list[int]:
@@ -94,18 +107,20 @@ def compare_granularities(
     target: float = 0.8,
     top_nodes: int | None = 1000,
     steps: int = 5,
+    ig_steps: int | None = None,
     top_neurons: int = 5,
     selection: str = "topn",
 ) -> GranularityComparison:
     """Discover at mlp and neuron granularity, evaluate both at the same edge counts ``n_edges`` (default: twelve
     geometric steps up to the larger graph's edge count; a graph with fewer edges is evaluated whole there), with
     ``selection`` "topn" or "greedy" (:func:`~lens_aot.circuits.faithfulness_curve`), and list each MLP's
-    ``top_neurons`` neurons by share of the layer's total ``|node score|`` (over the kept neurons)."""
+    ``top_neurons`` neurons by share of the layer's total ``|node score|`` (over the kept neurons). ``method``,
+    ``steps`` / ``ig_steps``: :func:`~lens_aot.circuits.discover`'s."""
     data = list(dataset)
     if not data:
         raise InputError("the dataset is empty: give at least one (clean, corrupted, labels) batch")
-    mlp = discover(aot, data, metric, method, "mlp", steps=steps)
-    neuron = discover(aot, data, metric, method, "neuron", steps=steps, top_nodes=top_nodes)
+    mlp = discover(aot, data, metric, method, "mlp", steps=steps, ig_steps=ig_steps)
+    neuron = discover(aot, data, metric, method, "neuron", steps=steps, ig_steps=ig_steps, top_nodes=top_nodes)
     sizes = list(n_edges) if n_edges is not None else _geometric(max(len(mlp.src), len(neuron.src)), 12)
     mlp_curve = faithfulness_curve(aot, mlp, data, metric, n_edges=sizes, selection=selection)
     neuron_curve = faithfulness_curve(aot, neuron, data, metric, n_edges=sizes, selection=selection)

@@ -3,7 +3,9 @@
 A dataset is any iterable (a list, a generator factory's output, a ``torch.utils.data.DataLoader``) of batches
 ``(clean, corrupted, labels)``: token tensors ``[batch, pos]`` (or lists of strings when the model has a tokenizer)
 and labels (a tensor or list with one entry per example). A metric is ``metric(logits, labels)`` returning one value
-per example (``[batch]``); EAP-IG's signature ``metric(logits, clean_logits, input_lengths, labels)`` is accepted too.
+per example (``[batch]``); EAP-IG's signature ``metric(logits, clean_logits, input_lengths, labels)`` is accepted too,
+returning ``[batch]`` or, as EAP-IG's metrics with ``mean=True`` do, a scalar: read as the batch's mean (each example
+of the batch gets it; gradients, the sum over the batch, are those of the per-example form).
 Everything here refuses bad input with an :class:`~lens_aot.errors.InputError` naming the problem and the fix.
 """
 
@@ -116,6 +118,8 @@ def call_metric(
         raise InputError(f"metric must be callable, metric(logits, labels) -> [batch]; got {type(metric).__name__}")
     if _eap_signature(metric):
         value = metric(logits, clean_logits, batch.input_lengths.to(logits.device), batch.labels)
+        if isinstance(value, Tensor) and value.ndim == 0:  # EAP-IG's scalar form (mean=True): the batch's mean
+            value = value.expand(len(batch))
     else:
         value = metric(logits, batch.labels)
     n = len(batch)

@@ -5,7 +5,10 @@ An edge's EAP score (Syed et al. 2023, "Attribution Patching Outperforms Automat
 over examples: the first-order estimate of how much the metric falls when the edge carries the corrupted value instead
 of the clean one. EAP-IG (Hanna et al. 2024, "Have Faith in Faithfulness"; EAP-IG's ``"EAP-IG-inputs"``) averages the
 gradient over ``steps`` runs whose token embeddings are ``e_corrupted + (k / steps)·(e_clean − e_corrupted)``,
-``k = 0 … steps − 1``. A receiver's input is read before its norm: a head's q, k or v input, an MLP's input, a
+``k = 0 … steps − 1``; EAP-IG's ``"EAP-IG-activations"`` averages it over ``steps`` runs per node group (the input,
+each layer's attention, each layer's MLP) in which that group's output alone is the constant
+``(k / steps)·out_clean + (1 − k / steps)·out_corrupted``, ``k = 1 … steps`` (``steps``: EAP-IG's ``ig_steps``).
+A receiver's input is read before its norm: a head's q, k or v input, an MLP's input, a
 neuron's own input (each neuron is a head with its own copy of the residual and its own ``ln2``: Huben & Morris 2023,
 Theorem 3; the gradient of its pre-activation(s) is pulled back through ``ln2`` for that neuron alone), or the final
 residual (logits). In a mixture-of-experts layer an expert neuron ``m{l}.e{e}.n{i}`` (and a shared-expert neuron)
@@ -26,7 +29,7 @@ keeps the ``top_nodes`` neurons of largest ``|score|`` (and every attention head
 the kept nodes. The returned graph's ``cfg`` records the method, the steps, ``top_nodes`` and how many neurons were
 scored.
 
->>> g = discover(aot, data, metric, method="EAP-IG", granularity="neuron", top_nodes=500)
+>>> g = discover(aot, data, metric, method="EAP-IG-inputs", ig_steps=5, granularity="neuron", top_nodes=500)
 >>> g.apply_topn(200); evaluate(aot, g, data, metric).mean()
 """
 
@@ -55,21 +58,40 @@ from lens_aot.analysis.circuits.layout import (
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_jacobians, gated_outputs, group_of, neuron_groups
 from lens_aot.errors import InputError, one_of
 
-DiscoverMethod = Literal["EAP", "EAP-IG"]
+DiscoverMethod = Literal["EAP", "EAP-IG", "EAP-IG-inputs", "EAP-IG-activations"]
+Run = float | tuple[str, float] | None  # a gradient run: clean (None), inputs at alpha, or one hook's output at alpha
 _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _method(method: str, steps: int) -> list[float | None]:
-    """The interpolation points of the gradient runs: None (the clean run, EAP) or ``k / steps`` (EAP-IG)."""
+def _method(method: str, steps: int, aot: Any = None, granularity: Granularity = "mlp") -> list[Run]:
+    """The gradient runs: None (the clean run, EAP); ``k / steps`` for ``k = 0 … steps − 1`` (EAP-IG-inputs: token
+    embeddings interpolated); ``(hook, k / steps)`` for ``k = 1 … steps`` and each node group's output hook (EAP-IG's
+    "EAP-IG-activations": the input, each layer's attention, each layer's MLP, one at a time)."""
     options = {
         "EAP": "one gradient on the clean run",
-        "EAP-IG": "gradients averaged over `steps` inputs interpolated from corrupted to clean",
+        "EAP-IG": "the same as 'EAP-IG-inputs'",
+        "EAP-IG-inputs": "gradients averaged over `ig_steps` inputs interpolated from corrupted to clean",
+        "EAP-IG-activations": "gradients averaged over `ig_steps` interpolations of each layer's outputs in turn",
     }
     one_of("method", method, options)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps must be a positive int (interpolation points for method='EAP-IG'); got {steps!r}")
-    return [None] if method == "EAP" else [k / steps for k in range(steps)]
+        raise InputError(f"ig_steps must be a positive int (interpolation points of EAP-IG); got {steps!r}")
+    if method == "EAP":
+        return [None]
+    if method != "EAP-IG-activations":
+        return [k / steps for k in range(steps)]
+    hooks = ["hook_embed"]
+    for layer in range(len(aot.blocks)):
+        hooks.append(f"blocks.{layer}.attn.hook_z")
+        if has_mlp(aot, layer):
+            hooks.append(f"blocks.{layer}.hook_mlp_out")
+    return [(hook, k / steps) for hook in hooks for k in range(1, steps + 1)]
+
+
+def _interpolated(runs: list[Run]) -> list[str]:
+    """The hooks whose clean and corrupted values EAP-IG-activations' runs interpolate."""
+    return sorted({run[0] for run in runs if isinstance(run, tuple)})
 
 
 @dataclass
@@ -102,9 +124,13 @@ def _gate_hooks(aot: Any, granularity: Granularity) -> list[str]:
     return [mlp_reads(aot, layer) for layer in range(len(aot.blocks)) if is_moe(aot, layer)]
 
 
-def _record_outputs(aot: Any, tokens: Tensor, granularity: Granularity) -> tuple[Tensor, dict[str, Tensor]]:
-    """A run's senders' outputs: at neuron granularity each MoE group's ``hook_post`` holds ``gate·post``."""
-    logits, acts = record(aot, tokens, _sender_hooks(aot, granularity) + _gate_hooks(aot, granularity))
+def _record_outputs(
+    aot: Any, tokens: Tensor, granularity: Granularity, extra: list[str] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A run's senders' outputs (and the hooks in ``extra``): at neuron granularity each MoE group's ``hook_post``
+    holds ``gate·post``."""
+    hooks = _sender_hooks(aot, granularity) + _gate_hooks(aot, granularity)
+    logits, acts = record(aot, tokens, hooks + [h for h in extra or [] if h not in hooks])
     for layer in range(len(aot.blocks)):
         if granularity == "neuron" and is_moe(aot, layer):
             gated_outputs(aot, layer, acts, mlp_reads(aot, layer))
@@ -112,26 +138,38 @@ def _record_outputs(aot: Any, tokens: Tensor, granularity: Granularity) -> tuple
 
 
 @torch.no_grad()
-def _endpoints(aot: Any, batch: Batch, granularity: Granularity, metric: CircuitMetric) -> _Endpoints:
+def _endpoints(
+    aot: Any, batch: Batch, granularity: Granularity, metric: CircuitMetric, extra: list[str] | None = None
+) -> _Endpoints:
     hooks = _sender_hooks(aot, granularity)
-    _, cor = _record_outputs(aot, batch.corrupted, granularity)
-    clean_logits, clean = _record_outputs(aot, batch.clean, granularity)
+    _, cor = _record_outputs(aot, batch.corrupted, granularity, extra)
+    clean_logits, clean = _record_outputs(aot, batch.clean, granularity, extra)
     ends = _Endpoints(cor, clean, clean_logits if needs_clean_logits(metric) else None)
     ends.diff = {name: cor[name] - clean[name] for name in hooks if name != "hook_embed"}
     return ends
 
 
 def _grad_run(
-    aot: Any, batch: Batch, ends: _Endpoints, metric: CircuitMetric, alpha: float | None, wanted: list[str]
+    aot: Any, batch: Batch, ends: _Endpoints, metric: CircuitMetric, alpha: Run, wanted: list[str]
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """One clean run (token embeddings interpolated at ``alpha`` for EAP-IG) and ``∂Σ metric/∂`` each hook in
-    ``wanted`` (zeros where the metric does not depend on it); also returns the values at ``wanted``."""
+    """One clean run (token embeddings interpolated at ``alpha`` for EAP-IG-inputs; for ``alpha = (hook, a)``,
+    EAP-IG-activations, that hook's output replaced by ``a·clean + (1 − a)·corrupted``, a constant: paths through it
+    carry no gradient in this run, as in EAP-IG) and ``∂Σ metric/∂`` each hook in ``wanted`` (zeros where the metric
+    does not depend on it); also returns the values at ``wanted``."""
 
     def start(x: Tensor, hook: Any) -> Tensor:
         return x.detach().requires_grad_(True)
 
     extra: list[tuple[str, Any]] = []
-    if alpha is not None:
+    if isinstance(alpha, tuple):
+        name, a = alpha
+        mix = (a * ends.clean[name] + (1 - a) * ends.cor[name]).detach()
+
+        def replace(x: Tensor, hook: Any) -> Tensor:
+            return mix.clone().requires_grad_(True)
+
+        extra.append((name, replace))
+    elif alpha is not None:
         e_cor, e_clean = ends.cor["hook_embed"], ends.clean["hook_embed"]
 
         def interpolate(x: Tensor, hook: Any) -> Tensor:
@@ -291,7 +329,7 @@ def _norm_backward(
 
 
 def _neuron_scores(
-    aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[float | None]
+    aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[Run]
 ) -> list[tuple[float, int, int | tuple[int, int]]]:
     """Every neuron's score ``Σ Δout · ∂metric/∂out`` (the sum of its outgoing edges' scores; ``out`` is ``post``, or
     ``gate·post`` in an MoE layer), summed over positions and averaged over examples and gradient runs, as
@@ -304,7 +342,7 @@ def _neuron_scores(
     totals = [torch.zeros(g.d_mlp, dtype=torch.float64) for g in groups]
     n = 0
     for batch in data:
-        ends = _endpoints(aot, batch, "neuron", metric)
+        ends = _endpoints(aot, batch, "neuron", metric, _interpolated(alphas))
         for alpha in alphas:
             grads, _ = _grad_run(aot, batch, ends, metric, alpha, wanted)
             for g, total in zip(groups, totals, strict=True):
@@ -328,6 +366,7 @@ def discover(
     granularity: Granularity = "neuron",
     *,
     steps: int = 5,
+    ig_steps: int | None = None,
     top_nodes: int | None = 1000,
 ) -> Graph:
     """Score every edge (among the kept nodes) with EAP or EAP-IG; returns a :class:`Graph` with ``scores`` and
@@ -338,13 +377,22 @@ def discover(
         aot: the converted model.
         dataset: batches ``(clean, corrupted, labels)`` (:mod:`.data`); metric: ``metric(logits, labels)`` ->
             ``[batch]`` or EAP-IG's ``metric(logits, clean_logits, input_lengths, labels)``.
-        method: "EAP" or "EAP-IG" (``steps`` interpolation points, as EAP-IG's "EAP-IG-inputs").
+        method: EAP-IG's names: "EAP"; "EAP-IG-inputs" (or "EAP-IG"): gradients averaged over ``ig_steps`` runs whose
+            token embeddings go from corrupted to clean; "EAP-IG-activations": averaged over ``ig_steps`` runs per
+            node group (the input, each layer's attention, each layer's MLP) whose output alone is interpolated
+            (``k / ig_steps``, ``k = 1 … ig_steps``).
         granularity: "neuron" (one node per MLP neuron) or "mlp" (EAP-IG's graph).
+        steps, ig_steps: the interpolation points of the EAP-IG methods (``ig_steps``, EAP-IG's name, wins; giving
+            both with different values is refused).
         top_nodes: at neuron granularity, how many neurons to keep (largest ``|node score|``); None keeps all.
     """
     granularity = _granularity(granularity)
-    alphas = _method(method, steps)
+    if ig_steps is not None and steps != 5 and ig_steps != steps:
+        raise InputError(
+            f"ig_steps={ig_steps!r} and steps={steps!r} disagree: give one of them (ig_steps, EAP-IG's name)"
+        )
     check_supported(aot, granularity)
+    alphas = _method(method, steps if ig_steps is None else ig_steps, aot, granularity)
     if top_nodes is not None and (isinstance(top_nodes, bool) or not isinstance(top_nodes, int) or top_nodes < 1):
         raise InputError(f"top_nodes must be a positive int or None (keep every neuron); got {top_nodes!r}")
     data = list(batches(aot, dataset))
@@ -377,7 +425,8 @@ def discover(
     graph.node_scores[-1] = float("nan")
     graph.cfg.update(
         method=method,
-        steps=len(alphas),
+        steps=1 if method == "EAP" else (steps if ig_steps is None else ig_steps),
+        gradient_runs=len(alphas),
         top_nodes=top_nodes if granularity == "neuron" else None,
         neurons_scored=n_neurons if granularity == "neuron" else 0,
         neurons_kept=sum(1 for name in graph.nodes if ".n" in name),
@@ -393,10 +442,10 @@ def _score_batch(
     scorer: _Scorer,
     batch: Batch,
     metric: CircuitMetric,
-    alphas: list[float | None],
+    alphas: list[Run],
     granularity: Granularity,
 ) -> None:
-    ends = _endpoints(aot, batch, granularity, metric)
+    ends = _endpoints(aot, batch, granularity, metric, _interpolated(alphas))
     n_layers = len(aot.blocks)
     wanted = [h for h in _sender_hooks(aot, granularity) if h != "hook_embed"]
     by_layer: dict[int, list[Any]] = {}  # layer -> its groups with kept neurons

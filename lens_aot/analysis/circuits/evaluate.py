@@ -51,6 +51,14 @@ class Baseline(NamedTuple):
     clean: Float[Tensor, " example"]
     corrupted: Float[Tensor, " example"]
 
+    def __repr__(self) -> str:
+        """Means and the gap, not the per-example tensors (``.clean`` / ``.corrupted`` hold those)."""
+        clean, corrupted = float(self.clean.double().mean()), float(self.corrupted.double().mean())
+        return (
+            f"Baseline({len(self.clean)} examples: clean mean {clean:.4g}, corrupted mean {corrupted:.4g}, gap "
+            f"{clean - corrupted:.4g}; per example in .clean / .corrupted)"
+        )
+
 
 def node_address(name: str) -> tuple[str, int, int]:
     """``(kind, layer, index)`` of a node name: ("input", -1, 0), ("attention", l, h), ("mlp", l, 0),

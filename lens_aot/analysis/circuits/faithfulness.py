@@ -14,20 +14,56 @@ kept nodes (``graph.cfg["top_nodes"]``).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lens_aot.analysis.checks import converted_only, pyplot
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
-from lens_aot.analysis.circuits.evaluate import evaluate, evaluate_baseline
+from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.errors import InputError, one_of
 
 MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+GAP_STANDARD_ERRORS = 2.0  # a gap below this many standard errors of the per-example difference is noise
+GAP_RELATIVE = 0.01  # a gap below this fraction of the metric's size is too small to divide by
 
 
-@dataclass
+class MetricGapWarning(UserWarning):
+    """The clean − corrupted gap of the metric is too small for faithfulness ``(m(C) − m(∅)) / (m(full) − m(∅))``
+    to mean much: f is then mostly noise (far below 0 or above 1)."""
+
+
+def check_gap(base: Baseline) -> None:
+    """Warn (:class:`MetricGapWarning`) when the mean gap ``m(full) − m(∅)`` is within :data:`GAP_STANDARD_ERRORS`
+    standard errors of 0 (per-example differences ``clean − corrupted``) or below :data:`GAP_RELATIVE` of the metric's
+    size ``max(|m(full)|, |m(∅)|)``; raise :class:`InputError` when it is 0."""
+    d = (base.clean - base.corrupted).double().flatten()
+    clean, corrupted, gap = float(base.clean.double().mean()), float(base.corrupted.double().mean()), float(d.mean())
+    size = max(abs(clean), abs(corrupted))
+    if abs(gap) <= 1e-12 * max(1.0, size):
+        raise InputError(
+            "the metric is the same on the clean and the corrupted inputs, so faithfulness (m(C) − m(∅)) / (m(full) − "
+            "m(∅)) is undefined: choose a metric (or corrupted inputs) that the task changes"
+        )
+    se = float(d.std() / math.sqrt(len(d))) if len(d) > 1 else 0.0
+    if abs(gap) < GAP_STANDARD_ERRORS * se or abs(gap) < GAP_RELATIVE * size:
+        warnings.warn(
+            f"the clean − corrupted gap of the metric, {gap:.4g} (clean {clean:.4g}, corrupted {corrupted:.4g}), is "
+            + (
+                f"within {GAP_STANDARD_ERRORS:g} standard errors ({se:.3g}) of 0 over {len(d)} examples"
+                if abs(gap) < GAP_STANDARD_ERRORS * se
+                else f"below {GAP_RELATIVE:.0%} of the metric's size"
+            )
+            + ": faithfulness divides by it and is mostly noise. Use more examples, corrupted inputs that change "
+            "the answer, or a metric the task moves (e.g. the logit difference of the clean and corrupted answers)",
+            MetricGapWarning,
+            stacklevel=3,
+        )
+
+
+@dataclass(repr=False)
 class FaithfulnessCurve:
     """Faithfulness at each circuit size, and its areas.
 
@@ -48,6 +84,24 @@ class FaithfulnessCurve:
     cmd: float
     granularity: str
 
+    def __repr__(self) -> str:
+        """A summary: granularity, end points, areas, and one line per size (edges, units, f)."""
+        head = (
+            f"FaithfulnessCurve({self.granularity} granularity, {len(self.sizes)} sizes; m(full) {self.clean:.4g}, "
+            f"m(∅) {self.corrupted:.4g}; CPR {self.cpr:.3f}, CMD {self.cmd:.3f})"
+        )
+        rows = [f"  {'size':>8} {'edges':>7} {'units':>6} {'f':>8}"]
+        shown = list(range(len(self.sizes)))
+        if len(shown) > 12:
+            shown = shown[:5] + [-1] + shown[-5:]
+        for i in shown:
+            if i < 0:
+                rows.append(f"  {'…':>8}")
+                continue
+            size = f"{100 * self.sizes[i]:.3g}%"
+            rows.append(f"  {size:>8} {self.n_edges[i]:>7} {self.n_units[i]:>6} {self.faithfulness[i]:>8.3f}")
+        return "\n".join([head, *rows])
+
     def to_dataframe(self) -> Any:
         """One row per size: ``size``, ``edges``, ``nodes``, ``units``, ``metric``, ``faithfulness``."""
         import pandas
@@ -63,9 +117,11 @@ class FaithfulnessCurve:
             }
         )
 
-    def plot(self, ax: Any = None, label: str | None = None) -> Any:
-        """Faithfulness against circuit size (fraction of edges, log scale); returns the matplotlib figure (needs
+    def plot(self, ax: Any = None, label: str | None = None, x: str = "fraction") -> Any:
+        """Faithfulness against circuit size, log scale: ``x="fraction"`` of the graph's edges, or ``x="edges"`` (the
+        circuits' edge counts, comparable between graphs of different sizes); returns the matplotlib figure (needs
         the ``viz`` extra)."""
+        one_of("x", x, {"fraction": "fraction of the graph's edges", "edges": "the circuits' edge counts"})
         plt = pyplot("FaithfulnessCurve.plot()")
 
         if ax is None:
@@ -73,10 +129,10 @@ class FaithfulnessCurve:
         else:
             fig = ax.figure
         label = label or f"{self.granularity} (CPR {self.cpr:.3f}, CMD {self.cmd:.3f})"
-        ax.plot(self.sizes, self.faithfulness, marker="o", label=label)
+        ax.plot(self.sizes if x == "fraction" else self.n_edges, self.faithfulness, marker="o", label=label)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
-        ax.set_xlabel("circuit size (fraction of edges)")
+        ax.set_xlabel("circuit size (fraction of edges)" if x == "fraction" else "circuit size (edges)")
         ax.set_ylabel("faithfulness f")
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -117,7 +173,9 @@ def faithfulness_curve(
     """MIB's faithfulness curve of the scored ``graph``'s top circuits (module docstring). ``n_edges`` gives sizes
     as edge counts instead of fractions (counts above the graph's edges are clipped to it); ``selection`` "topn"
     (MIB: the top edges by ``|score|``, then pruned) or "greedy" (EAP-IG's ``apply_greedy``: grown from the logits, so
-    every edge is connected). ``graph``'s own circuit is left as it was."""
+    every edge is connected). ``graph``'s own circuit is left as it was. Raises :class:`InputError` on a graph
+    without scores, and warns (:class:`MetricGapWarning`) when the metric's clean − corrupted gap is too small to
+    normalise by (:func:`check_gap`)."""
     one_of("selection", selection, {"topn": "the top edges, pruned", "greedy": "grown from the logits"})
     total = len(graph.src)
     if n_edges is None:
@@ -130,14 +188,11 @@ def faithfulness_curve(
         if not counts or any(n < 1 for n in counts) or sorted(counts) != counts:
             raise InputError(f"n_edges must be increasing positive edge counts; got {list(n_edges)!r}")
         fr = [n / total for n in counts]
+    graph.require_scores("faithfulness_curve")
     data = list(dataset) if not isinstance(dataset, list) else dataset
     base = evaluate_baseline(aot, data, metric)
     clean, corrupted = float(base.clean.mean()), float(base.corrupted.mean())
-    if abs(clean - corrupted) < 1e-12 * max(1.0, abs(clean)):
-        raise InputError(
-            "the metric is the same on the clean and the corrupted inputs, so faithfulness (m(C) − m(∅)) / (m(full) − "
-            "m(∅)) is undefined: choose a metric (or corrupted inputs) that the task changes"
-        )
+    check_gap(base)
     saved = (graph.in_graph.clone(), graph.nodes_in_graph.clone())
     rows: list[tuple[int, int, int, float]] = []
     try:
@@ -164,4 +219,4 @@ def faithfulness_curve(
     )
 
 
-__all__ = ["MIB_SIZES", "FaithfulnessCurve", "areas", "faithfulness_curve", "units"]
+__all__ = ["MIB_SIZES", "FaithfulnessCurve", "MetricGapWarning", "areas", "check_gap", "faithfulness_curve", "units"]

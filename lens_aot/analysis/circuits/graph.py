@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import heapq
 import json
+import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,8 @@ QKV = ("", "q", "k", "v")  # code 0: a receiver without q/k/v (an MLP, a neuron,
 _NODE = re.compile(r"^(?:input|logits|a(\d+)\.h(\d+)|m(\d+)(?:(?:\.e(\d+))?\.n(\d+))?)$")
 NeuronKey = int | tuple[int, int]  # a dense or shared-expert neuron i, or routed expert e's neuron (e, i)
 MAX_EDGES = 20_000_000
+FINGERPRINT_PARAMETERS = 64  # parameters sampled (in name order) for a graph's fingerprint of its model's weights
+FINGERPRINT_TOLERANCE = 0.05  # relative distance between two fingerprints above which the models differ
 
 
 def _granularity(granularity: str) -> Granularity:
@@ -64,10 +67,35 @@ def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
         "granularity": granularity,
         "d_mlp": d_mlp,
         "model_name": str(getattr(cfg, "model_name", "") or ""),
+        "fingerprint": weights_fingerprint(aot),
     }
     if any(m is not None for m in moe):  # mixture-of-experts layers: their experts' widths (dense cfgs unchanged)
         out["moe"] = moe
     return out
+
+
+def weights_fingerprint(aot: Any) -> list[float]:
+    """Four values of each of the first :data:`FINGERPRINT_PARAMETERS` parameters (by name), at evenly spaced flat
+    positions, as floats: what tells two models of the same shape apart. Two fingerprints are of the same model when
+    their relative distance is below :data:`FINGERPRINT_TOLERANCE` (:func:`same_weights`), so the model in another
+    dtype or on another device matches, and a model with other weights (another seed, another checkpoint) does not."""
+    out: list[float] = []
+    named = sorted((name, p) for name, p in aot.named_parameters() if p.numel() and p.device.type != "meta")
+    for _, p in named[:FINGERPRINT_PARAMETERS]:
+        at = torch.linspace(0, p.numel() - 1, 4).long()
+        index = torch.unravel_index(at, tuple(p.shape))  # no flat copy of a non-contiguous parameter
+        out += [float(v) for v in p.detach()[tuple(i.to(p.device) for i in index)].double().cpu().tolist()]
+    return out
+
+
+def same_weights(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two :func:`weights_fingerprint` lists are of the same weights (relative distance at most
+    :data:`FINGERPRINT_TOLERANCE`)."""
+    if len(a) != len(b):
+        return False
+    ta, tb = torch.tensor(list(a), dtype=torch.float64), torch.tensor(list(b), dtype=torch.float64)
+    scale = max(float(ta.norm()), float(tb.norm()), 1e-30)
+    return float((ta - tb).norm()) <= FINGERPRINT_TOLERANCE * scale
 
 
 def _moe_cfg(mlp: Any) -> dict[str, Any]:
@@ -98,6 +126,58 @@ def _moe_names(layer: int, moe: dict[str, Any], chosen: Sequence[NeuronKey] | No
                 + (f", or shared-expert neuron i (an int below {shared})" if shared else " (it has no shared expert)")
             )
     return [f"m{layer}.e{e}.n{i}" for e, i in sorted(routed)] + [f"m{layer}.n{i}" for i in sorted(plain)]
+
+
+def _check_neurons(
+    cfg: dict[str, Any], neurons: dict[int, Sequence[NeuronKey]] | None, d_mlp: Sequence[int]
+) -> dict[int, list[NeuronKey]] | None:
+    """``neurons={layer: [neuron, ...]}`` with plain ints (integer tensors and NumPy integers accepted), checked:
+    refuse a layer the model lacks (or one without an MLP) and a dense layer's neuron outside ``0 .. d_mlp − 1`` (a
+    mixture-of-experts layer's keys are checked by :func:`_moe_names`)."""
+    if neurons is None:
+        return None
+    n_layers = int(cfg["n_layers"])
+    if cfg.get("granularity", "mlp") != "neuron":
+        raise InputError("neurons= chooses neuron nodes: it applies at granularity='neuron' only")
+    if not isinstance(neurons, dict):
+        raise InputError(f"neurons must be a dict {{layer: [neuron, ...]}}; got {type(neurons).__name__}")
+    moe = cfg.get("moe") or [None] * n_layers
+    out: dict[int, list[NeuronKey]] = {}
+    for layer, keys in neurons.items():
+        index = _as_int(layer)
+        if index is None or not 0 <= index < n_layers:
+            raise InputError(
+                f"neurons names layer {layer!r}, but the model has layers 0 .. {n_layers - 1}: give "
+                f"neurons={{layer: [neuron, ...]}} with layers in that range"
+            )
+        keys = list(keys)
+        if not d_mlp[index] and keys:
+            raise InputError(f"neurons names neurons of layer {index}, which has no MLP")
+        if moe[index] is not None:
+            out[index] = keys
+            continue
+        checked: list[NeuronKey] = []
+        for key in keys:
+            if isinstance(key, tuple):
+                raise InputError(f"layer {index} mlp: not a mixture of experts; name its neurons by index (ints)")
+            n = _as_int(key)
+            if n is None or not 0 <= n < d_mlp[index]:
+                raise InputError(
+                    f"layer {index} mlp: {key!r} is no neuron of it; its neurons are 0 .. {d_mlp[index] - 1}"
+                )
+            checked.append(n)
+        out[index] = checked
+    return out
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (an int, a NumPy integer, a 0-d integer tensor; not a bool)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class Graph:
@@ -152,6 +232,7 @@ class Graph:
         d_mlp = cfg.get("d_mlp") or [1] * n_layers
         parallel = bool(cfg["parallel_attn_mlp"])
         moe = cfg.get("moe") or [None] * n_layers
+        neurons = _check_neurons(cfg, neurons, d_mlp)
         names: list[str] = ["input"]
         rank: list[int] = [-1]  # senders: position in the forward order
         reads: list[int] = [-1]  # receivers: reads senders of rank < reads
@@ -169,8 +250,6 @@ class Graph:
             elif moe[layer] is not None:
                 mlp_names = _moe_names(layer, moe[layer], None if neurons is None else neurons.get(layer, ()))
             else:
-                if neurons is not None and any(isinstance(k, tuple) for k in neurons.get(layer, ())):
-                    raise InputError(f"layer {layer} mlp: not a mixture of experts; name its neurons by index (ints)")
                 chosen = range(d_mlp[layer]) if neurons is None else sorted(set(neurons.get(layer, ())))
                 mlp_names = [f"m{layer}.n{i}" for i in chosen]
             names += mlp_names
@@ -233,6 +312,20 @@ class Graph:
         return self._edge_index[name]
 
     @property
+    def edges(self) -> EdgeView:
+        """EAP-IG's ``graph.edges``: ``graph.edges["a0.h1->m0"].score`` and ``.in_graph`` (read and set), by name."""
+        return EdgeView(self)
+
+    def top_edges(self, k: int = 10, absolute: bool = True) -> list[Edge]:
+        """The ``k`` edges of largest (absolute) score, best first, as :class:`Edge` views (``.name``, ``.score``,
+        ``.in_graph``)."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InputError(f"k must be a non-negative int; got {k!r}")
+        self.require_scores("top_edges")
+        order = torch.argsort(self._ranked(absolute), descending=True, stable=True)[:k]
+        return [Edge(self, int(i)) for i in order.tolist()]
+
+    @property
     def granularity(self) -> Granularity:
         return self.cfg["granularity"]
 
@@ -283,10 +376,27 @@ class Graph:
         self.nodes_in_graph[self.src[self.in_graph]] = True
         self.nodes_in_graph[self.dst[self.in_graph]] = True
 
+    @property
+    def scored(self) -> bool:
+        """Whether any edge has a score (a graph from :meth:`from_model` has none until :func:`discover` scores it or
+        ``graph.scores`` is set)."""
+        return bool(self.scores.any())
+
+    def require_scores(self, what: str) -> None:
+        """Raise :class:`InputError` when the graph is not scored: ``what`` would pick edges by score at random."""
+        if not self.scored:
+            raise InputError(
+                f"{what} selects edges by score, but this graph has none (every edge's score is 0): score it first "
+                f"with lens_aot.circuits.discover(aot, data, metric) (or set graph.scores), or choose edges "
+                f"yourself by setting graph.in_graph"
+            )
+
     def apply_topn(self, n: int, absolute: bool = True, prune: bool = True) -> Graph:
-        """Keep the ``n`` edges of largest (absolute) score; then :meth:`prune` unless ``prune=False``."""
+        """Keep the ``n`` edges of largest (absolute) score; then :meth:`prune` unless ``prune=False``. Raises
+        :class:`InputError` on a graph without scores."""
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self.src):
             raise InputError(f"n must be an int between 0 and the number of edges ({len(self.src)}); got {n!r}")
+        self.require_scores("apply_topn")
         order = torch.argsort(self._ranked(absolute), descending=True, stable=True)
         self.in_graph[:] = False
         self.in_graph[order[:n]] = True
@@ -295,6 +405,7 @@ class Graph:
 
     def apply_threshold(self, threshold: float, absolute: bool = True, prune: bool = True) -> Graph:
         """Keep the edges whose (absolute) score is at least ``threshold``."""
+        self.require_scores("apply_threshold")
         self.in_graph[:] = self._ranked(absolute) >= float(threshold)
         self._nodes_from_edges()
         return self.prune() if prune else self
@@ -304,6 +415,7 @@ class Graph:
         node already in it, ``n`` edges in all."""
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self.src):
             raise InputError(f"n must be an int between 0 and the number of edges ({len(self.src)}); got {n!r}")
+        self.require_scores("apply_greedy")
         ranked = self._ranked(absolute).tolist()
         into: dict[int, list[int]] = {}
         for i, r in enumerate(self.dst.tolist()):
@@ -423,8 +535,85 @@ class Graph:
         return self.draw()._repr_svg_() if self.n_edges else None
 
 
+class Edge:
+    """One edge of a :class:`Graph`, as EAP-IG's ``Edge``: ``name`` (``"a0.h1->m0"``, ``"m0->a1.h2<q>"``),
+    ``parent`` / ``child`` (node names), ``qkv`` (``"q"``, ``"k"``, ``"v"`` or None), and ``score`` / ``in_graph`` read
+    from and written to the graph's tensors."""
+
+    def __init__(self, graph: Graph, index: int) -> None:
+        self.graph, self.index = graph, index
+
+    @property
+    def name(self) -> str:
+        """EAP-IG's name of the edge."""
+        return self.graph.edge_name(self.index)
+
+    @property
+    def parent(self) -> str:
+        """The sender node's name."""
+        return self.graph.nodes[int(self.graph.src[self.index])]
+
+    @property
+    def child(self) -> str:
+        """The receiver node's name."""
+        return self.graph.nodes[int(self.graph.dst[self.index])]
+
+    @property
+    def qkv(self) -> str | None:
+        """The receiver's input: ``"q"``, ``"k"``, ``"v"``, or None (not an attention head)."""
+        return QKV[int(self.graph.qkv[self.index])] or None
+
+    @property
+    def score(self) -> float:
+        """The edge's score (``graph.scores``); settable."""
+        return float(self.graph.scores[self.index])
+
+    @score.setter
+    def score(self, value: float) -> None:
+        self.graph.scores[self.index] = float(value)
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether the edge is in the circuit (``graph.in_graph``); settable."""
+        return bool(self.graph.in_graph[self.index])
+
+    @in_graph.setter
+    def in_graph(self, value: bool) -> None:
+        self.graph.in_graph[self.index] = bool(value)
+
+    def __repr__(self) -> str:
+        return f"Edge({self.name}, score: {self.score:.4g}, in_graph: {self.in_graph})"
+
+
+class EdgeView(Mapping[str, Edge]):
+    """A graph's edges by EAP-IG name (``graph.edges``): ``len``, iteration over names, ``in``, ``[name]``."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+
+    def __getitem__(self, name: str) -> Edge:
+        if not isinstance(name, str):
+            raise InputError(f"an edge is named as EAP-IG names it, e.g. 'a0.h1->m0' or 'm0->a1.h2<q>'; got {name!r}")
+        return Edge(self.graph, self.graph.edge_index(name))
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self.graph.edge_index(name)  # type: ignore[arg-type]
+        except (InputError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.graph.edge_names)
+
+    def __len__(self) -> int:
+        return len(self.graph.src)
+
+
 def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None:
-    """Raise :class:`InputError` unless a graph ``cfg`` describes ``aot`` (layers, heads, width, MLP widths)."""
+    """Raise :class:`InputError` unless a graph ``cfg`` describes ``aot``: layers, heads, width, MLP widths and, when
+    the graph records one (lens_aot's files; EAP-IG's do not), its fingerprint of the weights (:func:`same_weights`),
+    so a graph of another model with the same shape is refused too."""
     mine = model_cfg(aot, cfg.get("granularity", "mlp"))
     keys = ["n_layers", "n_heads", "d_model", "parallel_attn_mlp"]
     if cfg.get("granularity") == "neuron" or cfg.get("d_mlp") not in (None, [1] * mine["n_layers"]):
@@ -434,6 +623,12 @@ def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None
     if cfg.get("model_name") and mine["model_name"]:  # EAP-IG's files name no model
         keys.append("model_name")
     diff = {k: (cfg.get(k), mine.get(k)) for k in keys if cfg.get(k) != mine.get(k)}
+    if not diff and cfg.get("fingerprint") and not same_weights(cfg["fingerprint"], mine["fingerprint"]):
+        raise InputError(
+            f"{where} is of another model: the same shape, but other weights (the graph's fingerprint of the weights "
+            f"differs from this model's). Build the graph with Graph.from_model(aot, ...) or discover(aot, ...) on "
+            f"this model"
+        )
     if diff:
         raise InputError(
             f"{where} is of another model: "

@@ -59,7 +59,7 @@ from lens_aot.core.components.token_ids import current_token_ids
 from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec
-from lens_aot.errors import InputError
+from lens_aot.errors import IndexRangeError, InputError
 from lens_aot.tl.hooks import hooked
 
 SHARED = "shared_expert"
@@ -352,7 +352,7 @@ class MoEMLP(nn.Module):
         module = self.expert(expert)
         prefix = SHARED if expert == "shared" else f"experts.{expert}"
         if not 0 <= neuron < module.d_mlp:
-            raise IndexError(f"neuron {neuron} out of range: the expert has d_mlp={module.d_mlp}")
+            raise IndexRangeError(f"neuron {neuron} out of range: the expert has d_mlp={module.d_mlp}")
         return [(f"{prefix}.{attr}", head) for attr, head in module.neuron_heads(neuron)]
 
     def _bias_copy(self) -> Float[Tensor, " n_experts"] | None:

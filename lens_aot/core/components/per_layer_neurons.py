@@ -32,6 +32,7 @@ from lens_aot.core.components.per_layer_product_attention import PerLayerProduct
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.spec import MLPSpec
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
+from lens_aot.errors import IndexRangeError
 
 __all__ = ["PerLayerNeuronSublayer"]
 
@@ -102,5 +103,7 @@ class PerLayerNeuronSublayer(NeuronMLP):
     def neuron_heads(self, neuron: int) -> list[tuple[str, int]]:
         """``(attribute, head index)`` of the heads computing ``neuron``: its gate heads, then its two product heads."""
         if not 0 <= neuron < self.d_mlp:
-            raise IndexError(f"neuron {neuron} out of range: layer {self.layer}'s per_layer has d_ple={self.d_mlp}")
+            raise IndexRangeError(
+                f"neuron {neuron} out of range: layer {self.layer}'s per_layer has d_ple={self.d_mlp}"
+            )
         return super().neuron_heads(neuron)
