@@ -9,6 +9,7 @@
 
 import sys as _sys
 
+import lens_aot.tl  # noqa: F401  (registers the TransformerLens layer the core calls: lens_aot.core.source_layer)
 from lens_aot.analysis import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.constructions import standard_mask
 from lens_aot.core.activations import ActivationFit, activation_fit

@@ -21,12 +21,11 @@ from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.source_keys import attach as attach_source_keys
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec, head_shape
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
-from lens_aot.tl import is_bridge
-from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
-from lens_aot.tl.hooks import attached_hooks
+from lens_aot.hooks import attached_hooks
 
 
 @dataclass(frozen=True)
@@ -404,8 +403,9 @@ def convert(
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
-    target = conversion_target(model, into)
-    if target is not None or has_attached_saes(model):  # SAELens's HookedSAETransformer (tl/hooked_sae.py)
+    tl = source_layer()
+    target = tl.conversion_target(model, into)
+    if target is not None or tl.has_attached_saes(model):  # SAELens's HookedSAETransformer (tl/hooked_sae.py)
         if target is not None and masks != "explicit":
             raise InputError(
                 f"into=HookedSAETransformer needs masks='explicit' (got {masks!r}): pass into="
@@ -418,9 +418,9 @@ def convert(
             omega=omega,
             max_residual_norm=max_residual_norm,
         )
-        with carrying_saes(model) as saes:  # the check compares the models without the source's SAEs
+        with tl.carrying_saes(model) as saes:  # the check compares the models without the source's SAEs
             aot = convert(model, check=check, check_tokens=check_tokens, into=AttentionOnlyTransformer, **options)
-        return aot if target is None else as_hooked_sae_transformer(aot, saes)
+        return aot if target is None else tl.as_hooked_sae_transformer(aot, saes)
     _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
     half = half_dtype(model)
     if half is not None:
@@ -447,7 +447,7 @@ def convert(
         # copy of the weights during conversion). A spec passed in by the caller is copied.
         with adopting(_tensors(model)) if spec is not model_spec else nullcontext():
             aot = AttentionOnlyTransformer(spec, fits, ple_fits)
-        if is_bridge(model):  # the source bridge's state_dict keys too (issue 23)
+        if source_layer().is_bridge(model):  # the source bridge's state_dict keys too (issue 23)
             attach_source_keys(aot, model)
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")

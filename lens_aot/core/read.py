@@ -1,7 +1,8 @@
 """Reading a source model into a spec, checked: ``read_model`` (and ``run_source``, the source's logits).
 
 ``read_model`` refuses a model lens_aot already converted, has :func:`lens_aot.tl.read_source` (the TransformerLens
-layer, the only code that knows TransformerLens versions and model classes) read a HookedTransformer (3.x) or a
+layer, the only code that knows TransformerLens versions and model classes; registered with the core in
+:mod:`lens_aot.core.source_layer`) read a HookedTransformer (3.x) or a
 TransformerBridge (3.9 / 4.x) into a :class:`ModelSpec`, and refuses non-finite weights. Everything else in lens_aot
 works on specs. Also here: running a half-precision source in float32 (``upcast_half``) and sample tokens.
 """
@@ -16,6 +17,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
 
@@ -66,9 +68,7 @@ def read_model(model: Any) -> ModelSpec:
             "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "
             "would have nothing to replace. Pass the original HookedTransformer or TransformerBridge to convert()."
         )
-    from lens_aot.tl import read_source
-
-    spec = read_source(model)
+    spec = source_layer().read_source(model)
     if spec is None:
         raise UnsupportedArchitectureError(
             f"convert() takes a TransformerLens HookedTransformer (3.x) or TransformerBridge (3.9 / 4.x); got "

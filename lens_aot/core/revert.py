@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec, MoESpec
 from lens_aot.core.xielu import XIELUSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import has_hooked_transformer
 
 Target = Literal["auto", "hooked", "reference"]
 
@@ -45,7 +45,12 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
     moe = any(isinstance(layer.mlp, MoESpec) for layer in spec.layers)
     xielu = next((i for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, XIELUSpec)), None)
     if to == "auto":
-        hooked = spec.source_kind == "HookedTransformer" and has_hooked_transformer() and not moe and xielu is None
+        hooked = (
+            spec.source_kind == "HookedTransformer"
+            and source_layer().has_hooked_transformer()
+            and not moe
+            and xielu is None
+        )
         hooked = hooked and spec.prediction_head is None
         to = "hooked" if hooked else "reference"
     if to == "hooked" and xielu is not None:
@@ -66,9 +71,7 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
             "Use to='reference' (an MLPTransformer with the source's router and experts; to='auto' picks it)."
         )
     if to == "hooked":
-        from lens_aot.tl.write_hooked import hooked_from_spec
-
-        model = hooked_from_spec(spec)
+        model = source_layer().hooked_from_spec(spec)
     elif to == "reference":
         from lens_aot.core.reference import MLPTransformer
 

@@ -60,7 +60,7 @@ from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import InputError
-from lens_aot.tl.hooks import hooked
+from lens_aot.hooks import hooked
 
 SHARED = "shared_expert"
 # each layer's Watch, beside the module rather than in it: a copy or a pickle of the model gathers its own

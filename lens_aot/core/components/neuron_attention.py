@@ -42,7 +42,7 @@ from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.components.scalars import scalar
 from lens_aot.core.components.workspace import lent, scratch, unobserved
 from lens_aot.core.spec import MLPSpec
-from lens_aot.tl.hooks import hooked as _hooked
+from lens_aot.hooks import hooked as _hooked
 
 
 class SelfAndSlotHeads(nn.Module):

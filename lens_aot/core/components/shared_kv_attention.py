@@ -29,7 +29,7 @@ from lens_aot.core.components.attention import Attention, _project, fused_z
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.errors import InputError
-from lens_aot.tl.hooks import hooked as _hooked
+from lens_aot.hooks import hooked as _hooked
 
 __all__ = ["SharedKVAttention", "SharedKVBoxes", "SharedKeyValues"]
 
