@@ -27,9 +27,9 @@ from transformer_lens import ActivationCache, HookedRootModule
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
+from lens_aot.core.components.factory import neuron_mlp
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.ownership import exported
-from lens_aot.core.components.squared_relu_mlp import neuron_mlp
 from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SpecTransformer
 from lens_aot.core.components.workspace import forward_workspace

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lens_aot.core.components.factory import moe_mlp
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec

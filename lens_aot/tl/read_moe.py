@@ -173,8 +173,8 @@ def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> Mo
     """The candidate whose MoE output is closest to the block's own on a seeded probe input, if it is close (the
     router read by what it computes); the first candidate when the block cannot run here (the bridge's recorded
     forward then checks the reading, :func:`lens_aot.tl.read_bridge._verify`)."""
+    from lens_aot.core.components.factory import moe_mlp
     from lens_aot.core.components.mlp import MLP
-    from lens_aot.core.components.moe_mlp import moe_mlp
     from lens_aot.core.components.ownership import borrowing
     from lens_aot.tl.bridge_probe import close, relative_error
 

@@ -110,8 +110,8 @@ def checked_attention(
 ) -> nn.Module:
     """The module that checks layer ``layer``'s attention reading against its recorded call: for a sharing layer, a
     :class:`SharedKVAttention` holding the keys and values the storing layer's reading computes from that layer's
-    recorded input; else :func:`~lens_aot.core.components.mla_attention.attention_module`."""
-    from lens_aot.core.components.mla_attention import attention_module
+    recorded input; else :func:`~lens_aot.core.components.factory.attention_module`."""
+    from lens_aot.core.components.factory import attention_module
     from lens_aot.core.components.shared_kv_attention import SharedKeyValues, SharedKVAttention
 
     source = getattr(attn, "kv_from", None)

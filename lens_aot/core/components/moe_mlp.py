@@ -379,20 +379,3 @@ class MoEMLP(nn.Module):
             hash_table=None if self.hash_table is None else self.hash_table.clone(),
             hook_names=self.hook_names,
         )
-
-
-def moe_mlp(spec: MoESpec, build_expert: Callable[[MLPSpec, int | None], nn.Module]) -> MoEMLP:
-    """The MoE component ``spec`` describes: :class:`MoEMLP`, or, when its router weights scale the experts' inputs
-    (Llama 4), :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`, or, beside a dense MLP (Gemma
-    4), :class:`~lens_aot.core.components.moe_beside_mlp.MoEBesideMLP`."""
-    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
-
-    if isinstance(spec, MoEBesideMLPSpec):  # Gemma 4: beside the dense MLP (components/moe_beside_mlp.py)
-        from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
-
-        return MoEBesideMLP(spec, build_expert)
-    if spec.input_scaled:
-        from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
-
-        return InputScaledMoEMLP(spec, build_expert)
-    return MoEMLP(spec, build_expert)
