@@ -27,6 +27,7 @@ from lens_aot.errors import (
     UnsupportedArchitectureError,
 )
 from lens_aot.io import load, save
+from lens_aot.version import __version__ as __version__
 
 # Modules whose home moved keep their public import paths: `import lens_aot.patching`, `from lens_aot.circuits import
 # X` (lens_aot.analysis.*), `lens_aot.standard_mask` (lens_aot.constructions.standard_mask); lens_aot.attribution and
@@ -42,8 +43,6 @@ for _name, _module in {
 }.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
-
-__version__ = "0.2.0"
 
 __all__ = [
     "AOTConfig",

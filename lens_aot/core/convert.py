@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from lens_aot.constructions.standard_mask import to_standard_mask_model
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit
 from lens_aot.core.components.ownership import adopting
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
@@ -436,8 +437,6 @@ def convert(
     else:
         spec = read_model(model)
     if masks == "weights":
-        from lens_aot.standard_mask import to_standard_mask_model
-
         aot = to_standard_mask_model(spec, omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
     elif masks == "explicit":

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lens_aot.errors import LoadError
 from lens_aot.io.schema_rotary import rotary_shape_problems
+from lens_aot.version import __version__
 
 __all__ = [
     "CONFIG_FILE",
@@ -39,9 +40,8 @@ TOKENIZER_DIR = "tokenizer"
 
 
 def lens_aot_version() -> str:
-    import lens_aot
-
-    return str(getattr(lens_aot, "__version__", "unknown"))
+    """The installed lens_aot's version (:mod:`lens_aot.version`), as a saved config records it."""
+    return __version__
 
 
 def safetensors_torch() -> Any:
