@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lens_aot.analysis.circuits.evaluate import node_address
-from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.analysis.circuits.node_names import node_address
 from lens_aot.errors import InputError
+
+if TYPE_CHECKING:
+    from lens_aot.analysis.circuits.graph import Graph
 
 FILL = {"input": "#d9d9d9", "logits": "#d9d9d9", "attention": "#fdb863", "mlp": "#a6dba0", "neuron": "#a6dba0"}
 POSITIVE, NEGATIVE = "#2166ac", "#b2182b"
