@@ -36,6 +36,8 @@ from lens_aot.core.components.head_derivations import (  # noqa: F401  (re-expor
     RoutedHeadDerivation,
     neuron_head_derivations,
 )
+from lens_aot.core.names import flat_layout_hint, parse_module
+from lens_aot.errors import HookNameError
 
 HeadIndex = int | slice | Sequence[int] | Tensor
 
@@ -233,13 +235,10 @@ class NeuronHeadCache(ActivationCache):
         try:
             return super().__getitem__(key)
         except KeyError as error:
-            from lens_aot.core.names import flat_layout_hint
-
             name = key if isinstance(key, str) else None
             hint = None if name is None else flat_layout_hint(name, self.model.cfg.n_layers)
             if hint is None:
                 raise
-            from lens_aot.errors import HookNameError
 
             raise HookNameError(hint) from error
 
@@ -300,8 +299,6 @@ def pattern_hook(
     hooks the MLP's ``hook_pre`` (product heads: ``hook_pre_linear``), so the model never builds the whole block. It
     observes: to change patterns, hook ``hook_pattern`` itself (which builds every head).
     """
-    from lens_aot.core.names import parse_module
-
     parsed = parse_module(module)
     if parsed.kind == "attention":
         raise ValueError(f"{module} holds the source's own attention heads; hook its hook_pattern directly")

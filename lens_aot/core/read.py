@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
@@ -61,8 +62,6 @@ def check_finite(spec: ModelSpec) -> None:
 
 def read_model(model: Any) -> ModelSpec:
     """Read any supported source model into a :class:`ModelSpec`, refusing what cannot be converted faithfully."""
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     if isinstance(model, AttentionOnlyTransformer) or type(model).__name__ == "StandardMaskTransformer":
         raise AlreadyConvertedError(
             "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.reference import MLPTransformer
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec, MoESpec
 from lens_aot.core.xielu import XIELUSpec
@@ -73,8 +75,6 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
     if to == "hooked":
         model = source_layer().hooked_from_spec(spec)
     elif to == "reference":
-        from lens_aot.core.reference import MLPTransformer
-
         model = MLPTransformer(spec)
     else:
         raise ValueError(f'to must be "auto", "hooked" or "reference"; got {to!r}')
@@ -82,8 +82,6 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
 
 
 def _spec_of(aot: Any) -> ModelSpec:
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     if isinstance(aot, AttentionOnlyTransformer):
         return aot.to_spec()
     if type(aot).__name__ == "StandardMaskTransformer":

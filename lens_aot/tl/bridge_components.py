@@ -19,9 +19,11 @@ from torch import Tensor, nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.bridge_activation import activation_by_values
 from lens_aot.tl.bridge_float32 import carry_float32_step
 from lens_aot.tl.bridge_probe import SUPPORTED
 from lens_aot.tl.gemma_norm import computes_gemma_rmsnorm
+from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_gemma4 import scaled_rms_norm
 from lens_aot.tl.read_k_eq_v import key_projection_for_values
 from lens_aot.tl.read_shared_kv import is_kv_shared, shared_kv_spec  # Gemma 4's shared keys and values
@@ -45,8 +47,6 @@ def _refuse(what: str, fix: str = "") -> UnsupportedArchitectureError:
 def bridge_extra(bridge: Any) -> dict[str, Any]:
     """The ``ModelSpec.extra`` facts every bridge reading records: the tokenizer's BOS, the architecture, whether the
     bridge is in compatibility mode, and the source config's HookedTransformerConfig-named fields."""
-    from lens_aot.tl.hooked_model import source_config_fields
-
     cfg = bridge.cfg
     return {
         "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
@@ -403,7 +403,6 @@ def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
         name = getattr(hf_config, field, None)
         if isinstance(name, str):
             return canonical_activation(name)
-    from lens_aot.tl.bridge_activation import activation_by_values
 
     by_values = None if module is None else activation_by_values(module)  # BLOOM's BloomGelu (tl.bridge_activation)
     if by_values is not None:
