@@ -174,12 +174,16 @@ def test_the_graph_reads_imports() -> None:
     """The walker sees relative, ``from package import module`` and function-level imports, and skips
     ``TYPE_CHECKING`` blocks (so a green graph above means something)."""
     known = modules()
-    found = {(t, f) for t, f, _ in imports("lens_aot.tl", known["lens_aot.tl"], known)}
-    assert ("lens_aot.tl.read_bridge", False) in found and ("lens_aot.core.source_layer", False) in found
-    factory = {t for t, _, _ in imports("lens_aot.core.components.factory", known["lens_aot.core.components.factory"], known)}
-    assert "lens_aot.core.components.mla_attention" in factory
-    draw = {t for t, _, _ in imports("lens_aot.analysis.circuits.draw", known["lens_aot.analysis.circuits.draw"], known)}
-    assert "lens_aot.analysis.circuits.graph" not in draw  # under TYPE_CHECKING
+
+    def read(module: str) -> set[tuple[str, bool]]:
+        return {(target, in_function) for target, in_function, _ in imports(module, known[module], known)}
+
+    tl = read("lens_aot.tl")
+    assert ("lens_aot.tl.read_bridge", False) in tl and ("lens_aot.core.source_layer", False) in tl
+    assert ("lens_aot.core.components.mla_attention", False) in read("lens_aot.core.components.factory")
+    assert ("lens_aot.hooks", False) in read("lens_aot.tl.hooks")
+    assert ("lens_aot.analysis.circuits.graph", False) not in read("lens_aot.analysis.circuits.draw")  # TYPE_CHECKING
+    assert ("lens_aot.cli.demo", True) in read("lens_aot.cli")  # inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
 
 
