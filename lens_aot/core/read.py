@@ -20,6 +20,7 @@ from torch import Tensor
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec
+from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
 
 
@@ -62,7 +63,7 @@ def check_finite(spec: ModelSpec) -> None:
 
 def read_model(model: Any) -> ModelSpec:
     """Read any supported source model into a :class:`ModelSpec`, refusing what cannot be converted faithfully."""
-    if isinstance(model, AttentionOnlyTransformer) or type(model).__name__ == "StandardMaskTransformer":
+    if isinstance(model, AttentionOnlyTransformer | StandardMaskModel):
         raise AlreadyConvertedError(
             "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "
             "would have nothing to replace. Pass the original HookedTransformer or TransformerBridge to convert()."

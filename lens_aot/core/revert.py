@@ -23,6 +23,7 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.reference import MLPTransformer
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec, MoESpec
+from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.core.xielu import XIELUSpec
 from lens_aot.errors import UnsupportedArchitectureError
 
@@ -84,7 +85,7 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
 def _spec_of(aot: Any) -> ModelSpec:
     if isinstance(aot, AttentionOnlyTransformer):
         return aot.to_spec()
-    if type(aot).__name__ == "StandardMaskTransformer":
+    if isinstance(aot, StandardMaskModel):
         raise UnsupportedArchitectureError(
             "revert does not take a standard-mask model (convert(..., masks='weights')): its weights mix the source's "
             "with mask channels and are not read back. Revert the default conversion (lens_aot.convert(model)), "

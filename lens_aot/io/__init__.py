@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from lens_aot.constructions.standard_mask import StandardMaskTransformer
 from lens_aot.core.components.ownership import adopting, sharing
 from lens_aot.core.convert import ConversionReport
 from lens_aot.core.model import AttentionOnlyTransformer
@@ -87,7 +88,7 @@ __all__ = [
 def _check_saveable(aot: Any) -> None:
     if isinstance(aot, AttentionOnlyTransformer):
         return
-    if type(aot).__name__ == "StandardMaskTransformer":
+    if isinstance(aot, StandardMaskTransformer):
         raise UnsupportedArchitectureError(
             "saving a standard-mask model (convert(..., masks='weights')) is not supported: its weights are built "
             "from the source with calibrations that are not stored. Save the source model, or the default "
