@@ -9,6 +9,7 @@
 
 import sys as _sys
 
+import lens_aot.tl  # noqa: F401  (registers the TransformerLens layer the core calls: lens_aot.core.source_layer)
 from lens_aot.analysis import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.constructions import standard_mask
 from lens_aot.core.activations import ActivationFit, activation_fit
@@ -27,6 +28,7 @@ from lens_aot.errors import (
 )
 from lens_aot.io import load, save
 from lens_aot.tl.build import bridge_from_hf_module
+from lens_aot.version import __version__ as __version__
 
 # Modules whose home moved keep their public import paths: `import lens_aot.patching`, `from lens_aot.circuits import
 # X` (lens_aot.analysis.*), `lens_aot.standard_mask` (lens_aot.constructions.standard_mask); lens_aot.attribution and
@@ -42,8 +44,6 @@ for _name, _module in {
 }.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
-
-__version__ = "0.2.0"
 
 __all__ = [
     "AOTConfig",

@@ -143,7 +143,7 @@ def test_a_wrong_piece_is_detected(bridges, piece: str) -> None:
 def test_the_clamped_bound_holds_at_and_beyond_the_clamps() -> None:
     """The per-neuron bound of clamped_swiglu_fit (exact gate head, product heads on the clamped factors) over
     pre-activations that reach far past the clamps, with and without a norm before the MLP."""
-    from lens_aot.core.components.squared_relu_mlp import neuron_mlp
+    from lens_aot.core.components.factory import neuron_mlp
 
     gen = torch.Generator().manual_seed(0)
     d_model = d_mlp = 16  # W_out = I: the output is post

@@ -83,6 +83,7 @@ from lens_aot.constructions.standard_mask_blocks import (
 )
 from lens_aot.core.activations import ActivationFit, activation_fit
 from lens_aot.core.spec import ModelSpec
+from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 
 DEFAULT_OMEGA = 1e6
@@ -123,7 +124,7 @@ class StandardMaskConfig:
     attn_only: bool = True
 
 
-class StandardMaskTransformer(HookedRootModule):
+class StandardMaskTransformer(StandardMaskModel, HookedRootModule):
     """An attention-only transformer equal to its source, every head under the source's own mask (Theorem 9).
 
     ``model(tokens)`` takes the source's tokens ``[batch, pos]`` and returns logits ``[batch, pos, d_vocab_out]``

@@ -26,136 +26,21 @@ from collections.abc import Callable, ItemsView, Iterator, Sequence, ValuesView
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 from torch.utils._pytree import tree_map
 from transformer_lens import ActivationCache
 
-from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.components.head_derivations import (  # noqa: F401  (re-exported: their home moved)
+    DENSE_HOOKS,
+    Family,
+    HeadDerivation,
+    RoutedHeadDerivation,
+    neuron_head_derivations,
+)
+from lens_aot.core.names import flat_layout_hint, parse_module
+from lens_aot.errors import HookNameError
 
-Family = Literal["neuron", "product"]
 HeadIndex = int | slice | Sequence[int] | Tensor
-# Hooks whose derived value is [batch, head, query, key]: read lazily (LazyHeadTensor), per head on indexing.
-DENSE_HOOKS = ("hook_attn_scores", "hook_pattern")
-
-
-class HeadDerivation:
-    """How one per-head hook of a neuron block follows from the block's stored entries, as picklable data.
-
-    ``family`` "neuron" (Theorem 3 neuron heads, and gate heads; source ``hook_pre``): head ``h = n·K + t`` has
-    ``q = b_t·z_n + d_t``, ``v = α_t·z_n + β_t``; ``coeffs`` holds ``alpha``, ``beta``, ``b``, ``d`` [K].
-    "product" (product heads; sources ``hook_pre_linear`` = u, and ``hook_gate`` = h for values and z): head
-    ``2n + s`` has ``q = ±ε_n·u_n``, ``v = h_n``; ``coeffs`` holds ``scales`` [d_mlp]. Every head's key on real
-    positions is 0 and on the bias slot −1, so its pattern is ``σ(q)`` on the diagonal (the bias slot takes the rest).
-    """
-
-    def __init__(self, family: Family, hook: str, coeffs: dict[str, Tensor], heads_per_neuron: int) -> None:
-        self.family = family
-        self.hook = hook
-        self.coeffs = {k: v.detach().clone() for k, v in coeffs.items()}
-        self.heads_per_neuron = heads_per_neuron
-
-    def __repr__(self) -> str:
-        return f"HeadDerivation({self.family!r}, {self.hook!r}, heads_per_neuron={self.heads_per_neuron})"
-
-    def map(self, fn: Callable[[Tensor], Tensor]) -> HeadDerivation:
-        """A copy (of the same class) with ``fn`` applied to every coefficient tensor (device moves, dtype casts)."""
-        return type(self)(self.family, self.hook, {k: fn(v) for k, v in self.coeffs.items()}, self.heads_per_neuron)
-
-    def rows(self, source: Tensor) -> Tensor:
-        """A stored source entry as the heads ran on it (itself; :class:`RoutedHeadDerivation` reshapes)."""
-        return source
-
-    @property
-    def dense(self) -> bool:
-        """Whether the entry is a [batch, head, query, key] block (read lazily, per head)."""
-        return self.hook in DENSE_HOOKS
-
-    def n_heads(self, first: Tensor) -> int:
-        return first.shape[-1] * self.heads_per_neuron
-
-    def _neuron_term(self, first: Tensor, heads: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Each selected head's neuron and term index (all heads when ``heads`` is None)."""
-        if heads is None:
-            heads = torch.arange(self.n_heads(first), device=first.device)
-        heads = heads.to(first.device)
-        return heads // self.heads_per_neuron, heads % self.heads_per_neuron
-
-    def queries(self, first: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... pos k"]:
-        """The selected heads' queries (``hook_q`` without its trailing 1)."""
-        neuron, term = self._neuron_term(first, heads)
-        z = first.index_select(-1, neuron)
-        if self.family == "neuron":
-            b, d = (self.coeffs[k].to(first.device) for k in ("b", "d"))
-            return torch.addcmul(d[term], z, b[term])  # the operation NeuronAttention.queries uses
-        scaled = z * self.coeffs["scales"].to(first.device)[neuron]
-        return torch.where(term == 1, -scaled, scaled)
-
-    def values(self, source: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... pos k"]:
-        """The selected heads' values (``hook_v`` without its trailing 1); ``source`` is ``hook_pre`` or
-        (product heads) ``hook_gate``."""
-        neuron, term = self._neuron_term(source, heads)
-        z = source.index_select(-1, neuron)
-        if self.family == "product":
-            return z
-        alpha, beta = (self.coeffs[k].to(source.device) for k in ("alpha", "beta"))
-        return torch.addcmul(beta[term], z, alpha[term])
-
-    def dense_entry(self, first: Tensor, heads: Tensor | None = None) -> Float[Tensor, "... k query key"]:
-        """``hook_attn_scores`` / ``hook_pattern`` of the selected heads: ``[..., k, query, key]``."""
-        k = self.n_heads(first) if heads is None else heads.numel()
-        scores = NeuronAttention.dense_scores(first.new_zeros(()).expand(*first.shape[:-1], k))
-        if self.hook == "hook_attn_scores":
-            return scores
-        return NeuronAttention.dense_pattern(scores, -self.queries(first, heads))
-
-    def __call__(self, *sources: Tensor) -> Tensor:
-        first = sources[0]
-        if self.hook == "hook_q":
-            return self.queries(first)[..., None]
-        if self.hook == "hook_k":
-            return first.new_zeros(*first.shape[:-1], self.n_heads(first), 1)
-        if self.hook == "hook_v":
-            return self.values(sources[-1])[..., None]
-        if self.hook == "hook_z":
-            return (torch.sigmoid(self.queries(first)) * self.values(sources[-1]))[..., None]
-        if self.dense:
-            return self.dense_entry(first)
-        raise KeyError(f"no derivation for {self.hook!r}")
-
-
-def neuron_head_derivations(
-    family: Family, coeffs: dict[str, Tensor], heads_per_neuron: int
-) -> dict[str, tuple[tuple[str, ...], HeadDerivation]]:
-    """The ``derivations()`` of neuron / gate (``family`` "neuron") or product heads: hook -> (sources, how), the
-    sources named relative to the MLP holding the heads (``hook_pre``, ``hook_pre_linear``,
-    ``product_heads.hook_gate``)."""
-    pre = ("hook_pre",) if family == "neuron" else ("hook_pre_linear",)
-    value_src = pre if family == "neuron" else ("product_heads.hook_gate",)
-    sources = {"hook_v": value_src, "hook_z": pre + value_src if family == "product" else pre}
-    hooks = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
-    return {h: (sources.get(h, pre), HeadDerivation(family, h, coeffs, heads_per_neuron)) for h in hooks}
-
-
-class RoutedHeadDerivation(HeadDerivation):
-    """A :class:`HeadDerivation` of a source-named mixture-of-experts expert's heads
-    (:mod:`lens_aot.core.components.source_expert_hooks`): its sources ``hook_gate`` / ``hook_pre`` are stored as the
-    source's 2-D ``[routed, d_mlp]``, read as the ``[1, routed, d_mlp]`` the heads ran on, so each derived entry has the
-    shape the forward's hook would have had."""
-
-    @classmethod
-    def of(cls, how: HeadDerivation) -> RoutedHeadDerivation:
-        """``how`` read from routed sources, sharing its coefficient copies (no second copy per cache)."""
-        out = cls.__new__(cls)
-        out.__dict__.update(how.__dict__)
-        return out
-
-    def rows(self, source: Tensor) -> Tensor:
-        """The source's 2-D ``[routed, d_mlp]`` entry as the heads' ``[1, routed, d_mlp]``."""
-        return source[None] if source.ndim == 2 else source
-
-    def __call__(self, *sources: Tensor) -> Tensor:
-        return super().__call__(*(self.rows(s) for s in sources))
 
 
 class _Derived:
@@ -351,12 +236,8 @@ class NeuronHeadCache(ActivationCache):
         try:
             return super().__getitem__(key)
         except KeyError as error:
-            from lens_aot.core.names import flat_layout_hint
-
             name = key if isinstance(key, str) else None
             hint = None if name is None else flat_layout_hint(name, self.model.cfg.n_layers)
-            from lens_aot.errors import HookNameError
-
             if hint is None:
                 close = difflib.get_close_matches(name, list(self.keys()), n=3) if name else []
                 hint = (
@@ -424,8 +305,6 @@ def pattern_hook(
     hooks the MLP's ``hook_pre`` (product heads: ``hook_pre_linear``), so the model never builds the whole block. It
     observes: to change patterns, hook ``hook_pattern`` itself (which builds every head).
     """
-    from lens_aot.core.names import parse_module
-
     parsed = parse_module(module)
     if parsed.kind == "attention":
         raise ValueError(f"{module} holds the source's own attention heads; hook its hook_pattern directly")

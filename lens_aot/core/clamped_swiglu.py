@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from lens_aot.core.activations import RELU_ERROR_CONSTANT, ActivationFit
-from lens_aot.core.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, normalized_input_bound
+from lens_aot.core.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GATED_FITS, GatedFit, normalized_input_bound
 from lens_aot.core.spec import MLPSpec, NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
 
@@ -122,3 +122,6 @@ def clamped_swiglu_fit(
     denominator = (h_bound * u_bound.pow(3)).clamp_min(1e-300)
     scales = torch.sqrt(12.0 * tol / denominator).clamp(max=1.0)
     return GatedFit("silu", gate_fit(mlp.alpha), tuple(float(s) for s in scales.cpu()), tol)
+
+
+GATED_FITS[ClampedSwiGLUSpec] = clamped_swiglu_fit  # gated_fit's row for this variant

@@ -15,8 +15,8 @@ from typing import Any
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.transformer import SourceConfig
 from lens_aot.core.gating import GatedFit
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec
-from lens_aot.tl.hooked_model import hooked_config_class, hooked_config_dict
 
 
 @dataclass(kw_only=True)
@@ -46,7 +46,7 @@ class AOTConfig(SourceConfig):
         """Under TransformerLens 3.x an instance is also a ``HookedTransformerConfig``
         (:func:`lens_aot.tl.hooked_model.hooked_config_class`; under 4.x a TransformerBridge's conversion has a
         ``TransformerBridgeConfig``), for code that checks the config's class."""
-        return object.__new__(hooked_config_class(cls, kwargs.get("source_kind")))
+        return object.__new__(source_layer().config_class(cls, kwargs.get("source_kind")))
 
     def __post_init__(self) -> None:
         own = {f.name for f in dataclass_fields(AOTConfig)} - {"original_architecture"}
@@ -59,7 +59,7 @@ class AOTConfig(SourceConfig):
         the source's meaning, so ``HookedTransformerConfig.from_dict(aot.cfg.to_dict())`` describes the source's
         architecture, as ``HookedSAETransformer(aot.cfg)`` does: a fresh, randomly initialised model, as for the
         source's config); under 4.x, :meth:`fields`."""
-        return hooked_config_dict(self) or self.fields()
+        return source_layer().config_dict(self) or self.fields()
 
     def fields(self) -> dict[str, Any]:
         """The fields as a dict (what ``HookedTransformerConfig.to_dict`` gives for a source's config)."""

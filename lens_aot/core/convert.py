@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from lens_aot.constructions.standard_mask import to_standard_mask_model
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit
 from lens_aot.core.components.ownership import adopting, sharing
 from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
@@ -22,12 +23,11 @@ from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
 from lens_aot.core.shared_weights import release, share_again, shared_parameters
 from lens_aot.core.source_keys import attach as attach_source_keys
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec, head_shape
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
-from lens_aot.tl import is_bridge
-from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
-from lens_aot.tl.hooks import attached_hooks
+from lens_aot.hooks import attached_hooks
 
 
 @dataclass(frozen=True)
@@ -421,8 +421,9 @@ def convert(
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
         ``.report`` describes it.
     """
-    target = conversion_target(model, into)
-    if target is not None or has_attached_saes(model):  # SAELens's HookedSAETransformer (tl/hooked_sae.py)
+    tl = source_layer()
+    target = tl.conversion_target(model, into)
+    if target is not None or tl.has_attached_saes(model):  # SAELens's HookedSAETransformer (tl/hooked_sae.py)
         if target is not None and masks != "explicit":
             raise InputError(
                 f"into=HookedSAETransformer needs masks='explicit' (got {masks!r}): pass into="
@@ -437,9 +438,9 @@ def convert(
             share_weights=share_weights,
             consume=consume,
         )
-        with carrying_saes(model) as saes:  # the check compares the models without the source's SAEs
+        with tl.carrying_saes(model) as saes:  # the check compares the models without the source's SAEs
             aot = convert(model, check=check, check_tokens=check_tokens, into=AttentionOnlyTransformer, **options)
-        return aot if target is None else as_hooked_sae_transformer(aot, saes)
+        return aot if target is None else tl.as_hooked_sae_transformer(aot, saes)
     _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
     share = _check_sharing(model, masks, share_weights, consume)
     half = half_dtype(model)
@@ -460,8 +461,6 @@ def convert(
         with sharing() if share else nullcontext():  # the source's own tensors, not copies
             spec = read_model(model)
     if masks == "weights":
-        from lens_aot.standard_mask import to_standard_mask_model
-
         aot = to_standard_mask_model(spec, omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
         fits = _fits(spec, max_neuron_error, heads_per_neuron)
     elif masks == "explicit":
@@ -476,7 +475,7 @@ def convert(
         ):
             aot = AttentionOnlyTransformer(spec, fits, ple_fits)
         aot.shared_parameters = shared_parameters(aot, model) if share else {}
-        if is_bridge(model):  # the source bridge's state_dict keys too (issue 23)
+        if source_layer().is_bridge(model):  # the source bridge's state_dict keys too (issue 23)
             attach_source_keys(aot, model)
     else:
         raise ValueError(f"masks must be 'explicit' or 'weights'; got {masks!r}")
@@ -544,7 +543,7 @@ def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -
             f"{option} applies to a TransformerLens source; a ModelSpec's tensors are copied. Pass the source model, "
             f"or build the model from the spec inside lens_aot.core.components.ownership.adopting() to take them over."
         )
-    if share_weights and is_bridge(model):
+    if share_weights and source_layer().is_bridge(model):
         raise InputError(
             "share_weights=True needs a HookedTransformer source: a TransformerBridge keeps its weights in Hugging "
             "Face's layouts (transposed, fused), which the converted model does not compute with. Pass consume=True "
@@ -555,7 +554,7 @@ def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -
             f"share_weights=True needs masks='explicit' (got {masks!r}): the standard-mask model's dense blocks are "
             f"not the source's tensors. Drop share_weights, or pass consume=True to hand the source's weights over."
         )
-    return masks == "explicit" and not is_bridge(model)
+    return masks == "explicit" and not source_layer().is_bridge(model)
 
 
 def _hand_over(model: Any, aot: Any) -> Any:

@@ -32,6 +32,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.activations import canonical_activation
+from lens_aot.core.gating import GatedFit
+from lens_aot.core.moe import sensitivity_hooks
+from lens_aot.core.per_layer_fit import sensitivity_hooks as per_layer_hooks
+
 STATED_LOGIT_ERROR: dict[tuple[str | None, torch.dtype], float] = {  # the docs' support matrix, max |Δlogit|
     ("silu", torch.float32): 1e-5,
     ("silu", torch.float64): 1e-10,
@@ -58,8 +63,6 @@ ROUNDING_ULPS = 16.0  # roundings of the logits' scale one layer of a forward pa
 def stated_logit_error(act_fn: str | None, dtype: torch.dtype, gated: bool = False) -> float:
     """The support matrix's max |Δlogit| for an activation (``None``: attention-only) and dtype; the float32 value
     for other dtypes (bfloat16 / float16 are not in the matrix: their rounding floor dominates)."""
-    from lens_aot.core.activations import canonical_activation
-
     key = "gated" if gated else (None if act_fn is None else canonical_activation(act_fn))
     if (key, dtype) in STATED_LOGIT_ERROR:
         return STATED_LOGIT_ERROR[(key, dtype)]
@@ -140,9 +143,6 @@ def conversion_bound(
     in, :func:`lens_aot.core.float32_steps.rounding_dtype`, whose epsilon ``R`` uses: float32 for a float64 source
     with float32 steps; ``per_layer``: the fits of Gemma 4's per-layer-input sublayers, whose neurons are perturbed
     too, :mod:`lens_aot.core.per_layer_fit`). Used by ``convert``'s check and ``lens-aot verify`` alike."""
-    from lens_aot.core.gating import GatedFit
-    from lens_aot.core.moe import sensitivity_hooks
-
     first = next(iter(fits.values()), None)
     gated = isinstance(first, GatedFit) or bool(getattr(first, "gated", False))
     stated = stated_logit_error(None if first is None else first.act_fn, expected.dtype, gated=gated)
@@ -155,8 +155,6 @@ def conversion_bound(
     }
     extra = None
     if per_layer:
-        from lens_aot.core.per_layer_fit import sensitivity_hooks as per_layer_hooks
-
         extra = per_layer_hooks(names, per_layer)
     sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom, extra=extra)
     rounding = rounding_floor(rounding_dtype or expected.dtype, expected, n_layers)

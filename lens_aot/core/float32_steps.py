@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from lens_aot.core.spec import AttentionSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
+from lens_aot.core.spec_compressed import CompressedAttentionSpec
 from lens_aot.core.spec_mla import MLASpec
 
 Step = tuple[str, torch.dtype]  # (what, the narrower dtype it is computed in)
@@ -76,7 +77,7 @@ def _steps(spec: ModelSpec) -> list[Step]:
         for name in ("hc_attn", "hc_mlp"):  # DeepSeek-V4's hyper-connections: their weights in float32 (`.float()`)
             if getattr(layer, name) is not None and _narrower(torch.float32, dtype):
                 steps.append((f"blocks.{i}.{name}: the stream weights in float32", torch.float32))
-        if type(layer.attn).__name__ == "CompressedAttentionSpec" and _narrower(torch.float32, dtype):
+        if isinstance(layer.attn, CompressedAttentionSpec) and _narrower(torch.float32, dtype):
             steps.append((f"blocks.{i}.attn: rotary, indexer scores and softmaxes in float32", torch.float32))
     if spec.hc_head is not None and _narrower(torch.float32, dtype):
         steps.append(("hc_head: the stream weights in float32", torch.float32))

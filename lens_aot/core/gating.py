@@ -32,6 +32,7 @@ for every input in that range. The fit then records ``U_n`` and ``H_n = G_n + δ
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,11 @@ from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureE
 DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
 # The smallest product scale ε_n built (float32's normal range ends near 1.2e-38; u·ε/2 must stay far above it).
 MIN_PRODUCT_SCALE = 1e-24
+
+# Gated-MLP spec types with a fit of their own, which :func:`gated_fit` uses for them: spec type ->
+# fit(mlp, norm, max_neuron_error, heads_per_neuron). A variant's module registers its row when it is imported
+# (:mod:`lens_aot.core.clamped_swiglu`, GPT-OSS's clamped SwiGLU), so this module imports no variant.
+GATED_FITS: dict[type, Callable[..., GatedFit]] = {}
 
 
 @dataclass(frozen=True)
@@ -139,10 +145,9 @@ def gated_fit(
         max_neuron_error: bound on ``|post − post_source|`` per neuron, over all inputs (default 1e-4).
         heads_per_neuron: GELU gates: use exactly this many gate heads per neuron.
     """
-    from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu_fit
-
-    if isinstance(mlp, ClampedSwiGLUSpec):  # GPT-OSS: exact gate head, clamped inputs (lens_aot.core.clamped_swiglu)
-        return clamped_swiglu_fit(mlp, norm, max_neuron_error, heads_per_neuron)
+    own_fit = next((fit for kind, fit in GATED_FITS.items() if isinstance(mlp, kind)), None)
+    if own_fit is not None:  # e.g. GPT-OSS: exact gate head, clamped inputs (lens_aot.core.clamped_swiglu)
+        return own_fit(mlp, norm, max_neuron_error, heads_per_neuron)
     source_act = canonical_activation(mlp.act_fn)
     if source_act in PRODUCT_ACTIVATIONS:
         if mlp.gated:

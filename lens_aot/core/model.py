@@ -27,9 +27,9 @@ from transformer_lens import ActivationCache, HookedRootModule
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
+from lens_aot.core.components.factory import neuron_mlp
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.ownership import exported
-from lens_aot.core.components.squared_relu_mlp import neuron_mlp
 from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SpecTransformer
 from lens_aot.core.components.workspace import forward_workspace
@@ -41,12 +41,12 @@ from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.per_layer_fit import neuron_parts, per_layer_heads, per_layer_neurons
 from lens_aot.core.placement import Placement
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, head_shape
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
 from lens_aot.errors import HookNameError, IndexRangeError, InputError
-from lens_aot.tl.hooked_model import hooked_class
-from lens_aot.tl.hooks import hooked
+from lens_aot.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -62,9 +62,10 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         """Under TransformerLens 3.x an instance is also a ``HookedTransformer``
         (:func:`lens_aot.tl.hooked_model.hooked_class`: ``isinstance(aot, HookedTransformer)`` holds, the
         ``HookedTransformer`` methods that do not apply raise); under 4.x, a ``TransformerBridge`` when the source was
-        one (:func:`lens_aot.tl.bridge_model.bridge_class`), else this class itself."""
+        one (:func:`lens_aot.tl.bridge_model.bridge_class`), else this class itself. The class is the registered
+        TransformerLens layer's choice (:attr:`~lens_aot.core.source_layer.SourceLayer.model_class`)."""
         spec = args[0] if args else kwargs.get("spec")
-        return object.__new__(hooked_class(cls, getattr(spec, "source_kind", None)))
+        return object.__new__(source_layer().model_class(cls, getattr(spec, "source_kind", None)))
 
     def __init__(
         self,

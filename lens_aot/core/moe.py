@@ -30,14 +30,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit, activation_fit
+from lens_aot.core.components.moe_router import build_router, router_logits
 from lens_aot.core.gating import GatedFit, gated_fit
+from lens_aot.core.moe_beside_bound import beside_sensitivity_hooks
+from lens_aot.core.moe_perturbation import Hook, random_signs, routed_step
 from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec, NormSpec
+from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
 
 
 @dataclass(frozen=True)
@@ -98,16 +102,11 @@ def moe_fit(
 ) -> MoEFit:
     """The fits of an MoE layer read after ``norm`` (every expert's neurons within ``max_neuron_error``; Gemma 4's
     experts beside the dense MLP after their own ``ln_moe``)."""
-    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
-
     # Gemma 4's experts beside the dense MLP read their own norm of the raw residual (the dense MLP, ``shared``, ln2's)
     expert_norm = spec.ln_moe if isinstance(spec, MoEBesideMLPSpec) and spec.ln_moe is not None else norm
     experts = tuple(expert_fit(m, expert_norm, max_neuron_error, heads_per_neuron) for m in spec.experts)
     shared = None if spec.shared is None else expert_fit(spec.shared, norm, max_neuron_error, heads_per_neuron)
     return MoEFit(experts, shared, output_scale(spec))
-
-
-Hook = tuple[str, Callable[..., Any]]
 
 
 def route(
@@ -116,8 +115,6 @@ def route(
     """The experts chosen for each token of ``x`` ([tokens, top_k]) and their weights, as the source routes (the
     same operations as :meth:`~lens_aot.core.components.moe_mlp.MoEMLP.route`, without hooks); a hash-routed layer
     (DeepSeek-V4) reads the token ids ``tokens``."""
-    from lens_aot.core.components.moe_router import build_router, router_logits
-
     flat = x.reshape(-1, x.shape[-1])
     if spec.router is not None:  # a DeepSeek router: the source's own operations (lens_aot.core.moe_routers)
         scores = router_scores(spec.router, group_router_logits(flat, spec.W_router.to(flat.device)))
@@ -136,38 +133,13 @@ def route(
     return indices, weights.to(flat.dtype)
 
 
-def _signs(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
-    return torch.randint(0, 2, shape, generator=generator).mul_(2).sub_(1).to(dtype=like.dtype, device=like.device)
-
-
-def _routed_step(
-    spec: MoESpec,
-    indices: Int[Tensor, "tokens top_k"],
-    coefficients: Float[Tensor, "tokens top_k d_mlp"],
-    like: Tensor,
-) -> Float[Tensor, "tokens d_model"]:
-    """``Σ_k coefficients[t, k]·W_out^{indices[t, k]}`` per token ``t``: each expert's ``W_out`` applied to the rows
-    routed to it (its tensor itself, no per-token copy of the experts' weights)."""
-    step = like.new_zeros(indices.shape[0], like.shape[-1])
-    for e, expert in enumerate(spec.experts):
-        rows, slots = (indices == e).nonzero(as_tuple=True)
-        if rows.numel():
-            W_out = expert.W_out.to(device=like.device, dtype=like.dtype)
-            step.index_add_(0, rows, coefficients[rows, slots] @ W_out)
-    return step
-
-
 def sensitivity_hooks(
     names: set[str] | dict[str, Any], layer: int, fit: MoEFit, eps: float, spec: MoESpec | None = None
 ) -> Callable[[torch.Generator], list[Hook]]:
     """Hooks on a source (its hook names ``names``) putting every neuron of MoE layer ``layer`` off by ``±eps``
     (random signs from the generator; module docstring), as a function of the generator. Without the layer's
     ``spec`` (its experts' ``W_out``), a source without per-expert hooks gets the box corners."""
-    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
-
     if isinstance(spec, MoEBesideMLPSpec):  # Gemma 4: beside the dense MLP, before post norms (moe_beside_bound)
-        from lens_aot.core.moe_beside_bound import beside_sensitivity_hooks
-
         return beside_sensitivity_hooks(names, layer, eps, spec)
     prefix = f"blocks.{layer}.mlp"
     posts = [f"{prefix}.experts.{e}.hook_post" for e in range(len(fit.experts))]
@@ -175,7 +147,7 @@ def sensitivity_hooks(
     routing = (f"{prefix}.hook_expert_indices", f"{prefix}.hook_expert_weights")
 
     def add_signs(act: Tensor, hook: Any, generator: torch.Generator) -> Tensor:
-        return act + eps * _signs(tuple(act.shape), generator, act)
+        return act + eps * random_signs(tuple(act.shape), generator, act)
 
     if all(n in names for n in posts + shared):
         return lambda gen: [(n, lambda a, hook, g=gen: add_signs(a, hook, g)) for n in posts + shared]
@@ -220,12 +192,12 @@ def sensitivity_hooks(
                     weights = weights.reshape(indices.shape)
                 if moe.input_scaled:  # Llama 4: the weight scales the expert's input; a neuron's ±ε reaches W_out
                     weights = torch.ones_like(weights)
-                signs = _signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
-                step = _routed_step(moe, indices, signs * weights.to(out.dtype)[..., None], out)
+                signs = random_signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
+                step = routed_step(moe, indices, signs * weights.to(out.dtype)[..., None], out)
                 if shared_after:
                     assert moe.shared is not None
                     W_shared = moe.shared.W_out.to(device=out.device, dtype=out.dtype)
-                    step = step + _signs((indices.shape[0], W_shared.shape[0]), gen, out) @ W_shared
+                    step = step + random_signs((indices.shape[0], W_shared.shape[0]), gen, out) @ W_shared
                 return out + eps * step.reshape(out.shape)
 
             return [
@@ -241,7 +213,7 @@ def sensitivity_hooks(
 
     def corners(gen: torch.Generator) -> list[Hook]:
         def perturb(out: Tensor, hook: Any) -> Tensor:
-            return out + eps * _signs(tuple(out.shape), gen, out) * scale.to(device=out.device, dtype=out.dtype)
+            return out + eps * random_signs(tuple(out.shape), gen, out) * scale.to(device=out.device, dtype=out.dtype)
 
         return [(mlp_out, perturb)]
 

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.core.components.rms_scaled_router import RMSScaledSoftmaxTopK
+from lens_aot.core.moe_perturbation import Hook, random_signs, routed_step
 from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
 from lens_aot.errors import InputError
-
-Hook = tuple[str, Callable[..., Any]]
 
 
 def beside_sensitivity_hooks(
@@ -34,9 +34,6 @@ def beside_sensitivity_hooks(
 ) -> Callable[[torch.Generator], list[Hook]]:
     """Hooks on the source putting every neuron of layer ``layer`` off by ``±eps`` (random signs from the generator;
     module docstring), as a function of the generator."""
-    from lens_aot.core.components.rms_scaled_router import RMSScaledSoftmaxTopK
-    from lens_aot.core.moe import _routed_step, _signs
-
     dense, router_in, experts_out = (
         f"blocks.{layer}.{n}" for n in ("mlp.hook_post", "router.hook_in", "experts.hook_out")
     )
@@ -55,14 +52,14 @@ def beside_sensitivity_hooks(
             seen["resid"] = act.detach()
 
         def add_signs(act: Tensor, hook: Any) -> Tensor:
-            return act + eps * _signs(tuple(act.shape), gen, act)
+            return act + eps * random_signs(tuple(act.shape), gen, act)
 
         def perturb(out: Tensor, hook: Any) -> Tensor:
             resid = seen["resid"].reshape(-1, seen["resid"].shape[-1])
             routing = router.to(device=resid.device)
             indices, weights = routing.choose(routing.scores(routing.logits(resid, spec.W_router.to(resid.device))))
-            signs = _signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
-            step = _routed_step(spec, indices, signs * weights.to(out.dtype)[..., None], out)
+            signs = random_signs((*indices.shape, spec.d_mlp), gen, out)  # [tokens, top_k, d_mlp]
+            step = routed_step(spec, indices, signs * weights.to(out.dtype)[..., None], out)
             return out + eps * step.reshape(out.shape)
 
         return [(dense, add_signs), (router_in, record), (experts_out, perturb)]

@@ -34,7 +34,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.components.per_layer_neurons import PerLayerNeuronSublayer
 from lens_aot.core.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, RangedInput, bounded_gated_fit
+from lens_aot.core.head_refs import HeadRef
 from lens_aot.core.residual_bound import (
     RADIUS_MARGIN,
     _read,
@@ -45,7 +47,7 @@ from lens_aot.core.residual_bound import (
 )
 from lens_aot.core.spec import ModelSpec, NormSpec
 from lens_aot.core.spec_per_layer import PerLayerInputsSpec
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.errors import InputError, UnsupportedArchitectureError
 
 __all__ = [
     "PerLayerNeurons",
@@ -195,8 +197,6 @@ class PerLayerNeurons:
         self.fits = fits
 
     def build(self, spec: Any, layer: int, store: Any, last: bool) -> Any:
-        from lens_aot.core.components.per_layer_neurons import PerLayerNeuronSublayer
-
         if layer not in self.fits:
             raise ValueError(f"layer {layer} per_layer: no fit for its neuron heads (per_layer_fits has none)")
         return PerLayerNeuronSublayer(spec, self.fits[layer], layer, store, last)
@@ -210,9 +210,6 @@ def per_layer_neurons(spec: ModelSpec, fits: dict[int, GatedFit] | None = None) 
 def per_layer_heads(block: Any, layer: int, neuron: int, expert: Any, sublayer: str) -> list[Any]:
     """``aot.neuron_heads(layer, neuron, sublayer="per_layer")``: the :class:`~lens_aot.core.head_refs.HeadRef` of
     the gate heads then the two product heads of neuron ``neuron`` of ``block``'s per-layer-input sublayer."""
-    from lens_aot.core.head_refs import HeadRef
-    from lens_aot.errors import InputError
-
     if sublayer != "per_layer":
         raise InputError(f"sublayer must be 'mlp' or 'per_layer'; got {sublayer!r}")
     if expert is not None:

@@ -1,7 +1,8 @@
 """Reading a source model into a spec, checked: ``read_model`` (and ``run_source``, the source's logits).
 
 ``read_model`` refuses a model lens_aot already converted, has :func:`lens_aot.tl.read_source` (the TransformerLens
-layer, the only code that knows TransformerLens versions and model classes) read a HookedTransformer (3.x) or a
+layer, the only code that knows TransformerLens versions and model classes; registered with the core in
+:mod:`lens_aot.core.source_layer`) read a HookedTransformer (3.x) or a
 TransformerBridge (3.9 / 4.x) into a :class:`ModelSpec`, and refuses non-finite weights. Everything else in lens_aot
 works on specs. Also here: running a half-precision source in float32 (``upcast_half``) and sample tokens.
 """
@@ -16,7 +17,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec
+from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
 
 
@@ -59,16 +63,12 @@ def check_finite(spec: ModelSpec) -> None:
 
 def read_model(model: Any) -> ModelSpec:
     """Read any supported source model into a :class:`ModelSpec`, refusing what cannot be converted faithfully."""
-    from lens_aot.core.model import AttentionOnlyTransformer
-
-    if isinstance(model, AttentionOnlyTransformer) or type(model).__name__ == "StandardMaskTransformer":
+    if isinstance(model, AttentionOnlyTransformer | StandardMaskModel):
         raise AlreadyConvertedError(
             "this model was already converted by lens_aot (it is an AttentionOnlyTransformer); converting it again "
             "would have nothing to replace. Pass the original HookedTransformer or TransformerBridge to convert()."
         )
-    from lens_aot.tl import read_source
-
-    spec = read_source(model)
+    spec = source_layer().read_source(model)
     if spec is None:
         raise UnsupportedArchitectureError(
             f"convert() takes a TransformerLens HookedTransformer (3.x) or TransformerBridge (3.9 / 4.x); got "

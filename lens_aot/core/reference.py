@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.components import MLP
-from lens_aot.core.components.moe_mlp import moe_mlp
+from lens_aot.core.components.factory import moe_mlp
 from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
 from lens_aot.core.spec import ModelSpec, MoESpec

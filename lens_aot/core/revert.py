@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.reference import MLPTransformer
+from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec, MoESpec
+from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.core.xielu import XIELUSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import has_hooked_transformer
 
 Target = Literal["auto", "hooked", "reference"]
 
@@ -45,7 +48,12 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
     moe = any(isinstance(layer.mlp, MoESpec) for layer in spec.layers)
     xielu = next((i for i, layer in enumerate(spec.layers) if isinstance(layer.mlp, XIELUSpec)), None)
     if to == "auto":
-        hooked = spec.source_kind == "HookedTransformer" and has_hooked_transformer() and not moe and xielu is None
+        hooked = (
+            spec.source_kind == "HookedTransformer"
+            and source_layer().has_hooked_transformer()
+            and not moe
+            and xielu is None
+        )
         hooked = hooked and spec.prediction_head is None
         to = "hooked" if hooked else "reference"
     if to == "hooked" and xielu is not None:
@@ -66,12 +74,8 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
             "Use to='reference' (an MLPTransformer with the source's router and experts; to='auto' picks it)."
         )
     if to == "hooked":
-        from lens_aot.tl.write_hooked import hooked_from_spec
-
-        model = hooked_from_spec(spec)
+        model = source_layer().hooked_from_spec(spec)
     elif to == "reference":
-        from lens_aot.core.reference import MLPTransformer
-
         model = MLPTransformer(spec)
     else:
         raise ValueError(f'to must be "auto", "hooked" or "reference"; got {to!r}')
@@ -79,11 +83,9 @@ def revert(aot: Any, *, to: Target = "auto") -> Any:
 
 
 def _spec_of(aot: Any) -> ModelSpec:
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     if isinstance(aot, AttentionOnlyTransformer):
         return aot.to_spec()
-    if type(aot).__name__ == "StandardMaskTransformer":
+    if isinstance(aot, StandardMaskModel):
         raise UnsupportedArchitectureError(
             "revert does not take a standard-mask model (convert(..., masks='weights')): its weights mix the source's "
             "with mask channels and are not read back. Revert the default conversion (lens_aot.convert(model)), "

@@ -311,10 +311,9 @@ class ModelSpec:
             "attention sinks": lambda a: a.sinks is not None,
         }
         for layer in self.layers:
-            if type(layer.attn).__name__ == "MLASpec":
-                found.add("multi-head latent attention")
-            if type(layer.attn).__name__ == "RoutedAttentionSpec":
-                found.add("a mixture of attention heads")
+            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (spec_mla.py, ...)
+            if variant is not None:
+                found.add(variant)
             found.update(name for name, check in checks.items() if check(layer.attn))
             if layer.ln1_post is not None or layer.ln2_post is not None:
                 found.add("sandwich norms")
@@ -326,8 +325,6 @@ class ModelSpec:
                 found.add("a layer scalar")
             if layer.hc_attn is not None:
                 found.add("hyper-connections")
-            if type(layer.attn).__name__ == "CompressedAttentionSpec":
-                found.add("compressed attention")
         if self.embed_ln is not None:
             found.add("a post-embedding norm")
         if self.logits_soft_cap is not None:

@@ -15,6 +15,7 @@ exactly as the source does (:mod:`lens_aot.core.components.routed_attention`). O
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from jaxtyping import Float
@@ -30,6 +31,8 @@ class RoutedAttentionSpec(NoAttentionVariants):
     """One mixture-of-attention-heads layer (module docstring). ``cos`` / ``sin``: the source's rotary tables over the
     whole head (rotate-half layout), one row per position, or, with a ``recipe``, computed from it on demand (as
     :class:`~lens_aot.core.spec_mla.MLASpec`'s)."""
+
+    FEATURE: ClassVar[str] = "a mixture of attention heads"  # its name in ModelSpec.features()
 
     W_router: Float[Tensor, "d_model n_experts"]
     top_k: int

@@ -37,7 +37,10 @@ from typing import Any
 
 import torch
 
+from lens_aot.constructions.standard_mask import StandardMaskTransformer
 from lens_aot.core.components.ownership import adopting, sharing
+from lens_aot.core.convert import ConversionReport
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.source_keys import encode as encode_source_keys
 from lens_aot.core.source_keys import own_keys
 from lens_aot.core.source_keys import restore as restore_source_keys
@@ -83,11 +86,9 @@ __all__ = [
 
 
 def _check_saveable(aot: Any) -> None:
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     if isinstance(aot, AttentionOnlyTransformer):
         return
-    if type(aot).__name__ == "StandardMaskTransformer":
+    if isinstance(aot, StandardMaskTransformer):
         raise UnsupportedArchitectureError(
             "saving a standard-mask model (convert(..., masks='weights')) is not supported: its weights are built "
             "from the source with calibrations that are not stored. Save the source model, or the default "
@@ -113,8 +114,6 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
         equal ``aot``'s bit for bit.
     """
     _check_saveable(aot)
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; lens_aot.save writes a directory. Choose another path.")
@@ -198,9 +197,6 @@ def load(
         LoadError: the directory is missing, is not a saved lens_aot model, is corrupt or incomplete, comes from a
             newer lens_aot, or its tensors do not match its config.
     """
-    from lens_aot.core.convert import ConversionReport
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     path = Path(path)
     config = read_config(path)
     tensors = read_tensors(path, config)

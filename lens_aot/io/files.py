@@ -14,7 +14,11 @@ import torch
 from torch import Tensor
 
 from lens_aot.errors import LoadError
+from lens_aot.io.schema_attention import attention_shape_problems
+from lens_aot.io.schema_hyper import hyper_shape_problems
+from lens_aot.io.schema_moe import moe_shape_problems
 from lens_aot.io.schema_rotary import rotary_shape_problems
+from lens_aot.version import __version__
 
 __all__ = [
     "CONFIG_FILE",
@@ -39,9 +43,8 @@ TOKENIZER_DIR = "tokenizer"
 
 
 def lens_aot_version() -> str:
-    import lens_aot
-
-    return str(getattr(lens_aot, "__version__", "unknown"))
+    """The installed lens_aot's version (:mod:`lens_aot.version`), as a saved config records it."""
+    return __version__
 
 
 def safetensors_torch() -> Any:
@@ -220,8 +223,6 @@ def check_spec_shapes(spec: Any) -> None:
         norms += [(f"layers.{i}.{n}", getattr(layer, n)) for n in ("ln1", "ln2", "ln1_post", "ln2_post")]
         a, p = layer.attn, f"layers.{i}.attn"
         if hasattr(a, "scale"):  # MLA, routed or DeepSeek-V4 attention (lens_aot/io/schema_attention.py)
-            from lens_aot.io.schema_attention import attention_shape_problems
-
             problems += attention_shape_problems(a, p, d, spec.n_ctx)
         else:
             h, e, kv = a.W_Q.shape[0], a.W_Q.shape[-1], a.W_K.shape[0]
@@ -258,14 +259,10 @@ def check_spec_shapes(spec: Any) -> None:
             expect(f"{p}.b_out", m.b_out, d)
 
         if hasattr(m, "experts"):  # a mixture of experts (lens_aot/io/schema_moe.py)
-            from lens_aot.io.schema_moe import moe_shape_problems
-
             problems += moe_shape_problems(m, p, d, expect_mlp)
         elif m is not None:
             expect_mlp(m, p)
     if spec.hc_head is not None or any(layer.hc_attn is not None for layer in spec.layers):  # DeepSeek-V4's
-        from lens_aot.io.schema_hyper import hyper_shape_problems
-
         problems += hyper_shape_problems(spec)
     for name, norm in norms:
         if norm is not None:

@@ -70,6 +70,7 @@ from lens_aot.io import schema_per_layer as ple
 from lens_aot.io import schema_rotary
 from lens_aot.io.schema_attention import attention_kind, decode_attention, encode_attention
 from lens_aot.io.schema_clamped_swiglu import clamped_swiglu_record, clamped_swiglu_spec
+from lens_aot.io.schema_common import dtype_name
 from lens_aot.io.schema_moe import decode_moe, decode_moe_fit, encode_moe, encode_moe_fit, is_moe_record
 from lens_aot.io.schema_prediction_head import decode_prediction_head, encode_prediction_head
 from lens_aot.io.schema_xielu import decode_xielu_fit, encode_xielu_fit, xielu_record, xielu_spec
@@ -122,11 +123,6 @@ _MLP_OPTIONAL = ("W_gate", "b_gate", "b_post")
 _SPEC_SCALARS = ("d_model", "n_ctx", "d_vocab", "d_vocab_out", "causal", "positions", "default_prepend_bos")
 _SPEC_NAMES = ("model_name", "source_kind")
 _SIGMOID_SUM = ("act_fn", "alpha", "beta", "b", "d", "max_error")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 class Encoder:

@@ -35,6 +35,7 @@ from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_compressed
+from lens_aot.io.schema_common import dtype_name, required_norm
 from lens_aot.io.schema_rotary import decode_recipe, encode_recipe
 
 __all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "encode_attention", "required_norm"]
@@ -61,8 +62,6 @@ def attention_kind(obj: Any) -> str | None:
 
 
 def _dtype(attn: Any, name: str) -> str | None:
-    from lens_aot.io.schema import dtype_name
-
     value = getattr(attn, name)
     return None if value is None else dtype_name(value)
 
@@ -137,14 +136,6 @@ def _layout(decoder: Any, value: Any, path: str) -> str:
     if value not in _ROPE_LAYOUTS:
         raise LoadError(f"{decoder.where}: {path} is {value!r}, not one of {list(_ROPE_LAYOUTS)}; the file is corrupt.")
     return str(value)
-
-
-def required_norm(decoder: Any, obj: Any, path: str) -> Any:
-    """The norm record at ``path``, refused when null (the file is corrupt)."""
-    norm = decoder.norm(obj, path)
-    if norm is None:
-        raise LoadError(f"{decoder.where}: {path} is null but must be a norm; the file is corrupt.")
-    return norm
 
 
 def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAttentionSpec | CompressedAttentionSpec:

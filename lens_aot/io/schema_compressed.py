@@ -24,6 +24,7 @@ from typing import Any
 
 from lens_aot.core.spec_compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
 from lens_aot.errors import LoadError
+from lens_aot.io.schema_common import required_norm
 
 __all__ = ["compressed_shape_problems", "decode_compressed", "encode_compressed"]
 
@@ -91,8 +92,6 @@ def _decode(
     ints: tuple[str, ...],
 ) -> dict[str, Any]:
     """The constructor arguments held by a record's fields ``f``: required tensors, norms, floats and ints."""
-    from lens_aot.io.schema_attention import required_norm
-
     out: dict[str, Any] = {n: decoder.required_tensor(f[n], f"{path}.{n}") for n in tensors}
     out |= {n: required_norm(decoder, f[n], f"{path}.{n}") for n in norms}
     out |= {n: _number(decoder, f[n], f"{path}.{n}", float) for n in floats}

@@ -31,6 +31,7 @@ from lens_aot.core.moe_routers import GroupRouterSpec
 from lens_aot.core.spec import MoESpec
 from lens_aot.errors import LoadError
 from lens_aot.io.schema_beside_moe import decode_beside, encode_beside
+from lens_aot.io.schema_common import dtype_name
 
 __all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_moe_record", "moe_shape_problems"]
 
@@ -48,8 +49,6 @@ def is_moe_record(obj: Any) -> bool:
 
 def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
     """``moe`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
-    from lens_aot.io.schema import dtype_name
-
     out: dict[str, Any] = {
         "experts": [encoder.mlp(m, f"{key}.experts.{e}") for e, m in enumerate(moe.experts)],
         "shared": encoder.mlp(moe.shared, f"{key}.shared"),

@@ -17,7 +17,7 @@ from typing import Any
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
 from lens_aot.errors import LoadError, UnsupportedActivationError
-from lens_aot.io.schema_attention import required_norm
+from lens_aot.io.schema_common import required_norm
 
 __all__ = ["decode_inputs", "decode_sublayer", "encode_inputs", "encode_sublayer"]
 

@@ -23,6 +23,7 @@ import torch
 from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.core.spec import RotarySpec
 from lens_aot.errors import LoadError
+from lens_aot.io.schema_common import dtype_name
 
 __all__ = ["decode_recipe", "decode_rotary", "encode_recipe", "encode_rotary", "rotary_shape_problems"]
 
@@ -32,8 +33,6 @@ _FIELDS = ("freqs", "columns", "scaling", "negate_sin", "rounded", "n_ctx", "dev
 def encode_rotary(encoder: Any, rotary: RotarySpec, key: str, variants: tuple[str, ...]) -> dict[str, Any]:
     """``rotary``'s record: its recipe, or its tables as tensors under ``key.cos`` / ``key.sin`` (``encoder``: an
     :class:`~lens_aot.io.schema.Encoder`); ``variants``: the dtype fields written when set."""
-    from lens_aot.io.schema import dtype_name  # schema imports this module
-
     if rotary.recipe is not None:  # a few numbers, not n_ctx rows
         tables: dict[str, Any] = {"recipe": encode_recipe(rotary.recipe)}
     else:
@@ -61,8 +60,6 @@ def decode_rotary(decoder: Any, obj: Any, path: str, variants: tuple[str, ...]) 
 
 def encode_recipe(recipe: RotaryRecipe) -> dict[str, Any]:
     """``recipe`` as its JSON record (no tensor: every number is in the record)."""
-    from lens_aot.io.schema import dtype_name  # schema imports this module
-
     return {
         "freqs": [float(f) for f in recipe.freqs.tolist()],
         "columns": None if recipe.columns is None else [int(c) for c in recipe.columns.tolist()],

@@ -1,13 +1,19 @@
 """The TransformerLens layer: the only code in lens_aot that knows TransformerLens versions or private names.
 
 * version probes: :func:`has_hooked_transformer`, :func:`tl_version`; what a source is: :func:`is_bridge`,
-  :func:`is_hooked_transformer`;
+  :func:`is_hooked_transformer` (all in :mod:`lens_aot.tl.versions`);
 * reading a source into a :class:`~lens_aot.core.spec.ModelSpec`: :func:`read_source` dispatches to
   :mod:`lens_aot.tl.read_hooked` (HookedTransformer, TransformerLens 3.x) or :mod:`lens_aot.tl.read_bridge`
   (TransformerBridge, 3.9 and 4.x);
-* writing a model back: :mod:`lens_aot.tl.write` (one builder of a HookedTransformer, or of a native bridge, from a
-  config and a state dict; a spec's HookedTransformer config and weights);
-* hook compatibility: :mod:`lens_aot.tl.hooks` (``hooked``, ``attached_hooks``).
+* writing a model back: :mod:`lens_aot.tl.build` (one builder of a HookedTransformer, or of a native bridge, from a
+  config and a state dict) and :mod:`lens_aot.tl.write_hooked` (a spec's HookedTransformer config and weights);
+* the converted model as a third-party class: :mod:`lens_aot.tl.hooked_model` (``HookedTransformer``),
+  :mod:`lens_aot.tl.bridge_model` (``TransformerBridge``), :mod:`lens_aot.tl.hooked_sae` (SAELens);
+* hook compatibility lives in the bottom layer, :mod:`lens_aot.hooks` (``hooked``, ``attached_hooks``;
+  :mod:`lens_aot.tl.hooks` re-exports them).
+
+The core imports nothing from here: this package registers what the core needs of it
+(:class:`~lens_aot.core.source_layer.SourceLayer`) when it is imported, which ``import lens_aot`` does.
 
 Outside this package lens_aot imports only TransformerLens's public, version-stable names (``HookPoint``,
 ``HookedRootModule``, ``ActivationCache``, ``FactoredMatrix``, ``utils``). Nothing version-specific is imported at
@@ -18,52 +24,44 @@ from __future__ import annotations
 
 from typing import Any
 
+import lens_aot.tl.read_bridge as _bridge_reader
+import lens_aot.tl.read_hooked as _hooked_reader
+from lens_aot.core.source_layer import SourceLayer, register
 from lens_aot.core.spec import ModelSpec
+from lens_aot.tl.hooked_model import hooked_class, hooked_config_class, hooked_config_dict
+from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
+from lens_aot.tl.versions import has_hooked_transformer, is_bridge, is_hooked_transformer, tl_version
+from lens_aot.tl.write_hooked import hooked_from_spec
 
 __all__ = ["has_hooked_transformer", "is_bridge", "is_hooked_transformer", "read_source", "tl_version"]
-
-
-def has_hooked_transformer() -> bool:
-    """Whether the installed TransformerLens has ``HookedTransformer`` (3.x; it was removed in 4.0)."""
-    try:
-        from transformer_lens import HookedTransformer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def tl_version() -> str:
-    """The installed TransformerLens version (``"unknown"`` when its distribution metadata is missing)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("transformer-lens")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def is_bridge(model: object) -> bool:
-    """True for a TransformerBridge (3.9 / 4.x), recognised by class name without importing it."""
-    return any(c.__name__ == "TransformerBridge" for c in type(model).__mro__)
-
-
-def is_hooked_transformer(model: object) -> bool:
-    """True for a TransformerLens 3.x HookedTransformer, recognised by class name without importing it."""
-    return any(c.__name__ == "HookedTransformer" for c in type(model).__mro__)
 
 
 def read_source(model: Any) -> ModelSpec | None:
     """The spec of a HookedTransformer or TransformerBridge, or None when ``model`` is neither.
 
     Raises :class:`~lens_aot.errors.UnsupportedArchitectureError` for a TransformerLens model the spec cannot express
-    faithfully (the message names the feature and what is supported).
+    faithfully (the message names the feature and what is supported). The readers are called through their
+    modules (``lens_aot.tl.read_bridge`` stays the module, patchable).
     """
     if is_hooked_transformer(model):
-        from lens_aot.tl.read_hooked import read_hooked_transformer
-
-        return read_hooked_transformer(model)
+        return _hooked_reader.read_hooked_transformer(model)
     if is_bridge(model):
-        from lens_aot.tl.read_bridge import read_bridge
-
-        return read_bridge(model)
+        return _bridge_reader.read_bridge(model)
     return None
+
+
+register(
+    SourceLayer(
+        read_source=read_source,
+        is_bridge=is_bridge,
+        has_hooked_transformer=has_hooked_transformer,
+        model_class=hooked_class,
+        config_class=hooked_config_class,
+        config_dict=hooked_config_dict,
+        hooked_from_spec=hooked_from_spec,
+        conversion_target=conversion_target,
+        has_attached_saes=has_attached_saes,
+        carrying_saes=carrying_saes,
+        as_hooked_sae_transformer=as_hooked_sae_transformer,
+    )
+)

@@ -13,14 +13,15 @@ output (:mod:`lens_aot.tl.bridge_probe`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.core.spec import NormSpec, OutputGateSpec, QKNormScope, RotarySpec
+from lens_aot.core.spec import NormSpec, QKNormScope, RotarySpec
+from lens_aot.tl import bridge_alibi, bridge_delegated, bridge_llama4, bridge_modernbert
+from lens_aot.tl.attention_reading import AttentionReading
 from lens_aot.tl.bridge_components import _component, _copy, _native_norm_module, _norm, _original, _subcomponents
 from lens_aot.tl.bridge_delegated_rotary import is_delegated_rotary, read_delegated_rotary
 from lens_aot.tl.bridge_probe import refuse_piece
@@ -52,55 +53,6 @@ _EXTRA_COMPONENTS = {
     "experts": "a mixture of attention heads (JetMoE's MoA: each token's query and output projections come from its "
     "top-k routed attention experts)",
 }
-
-
-@dataclass
-class AttentionReading:
-    """What a layer's attention computes beyond its projections.
-
-    ``scale``: scores are ``q·k / scale`` (None: ``√d_head``). ``softmax_dtype``: the softmax precision (None: the
-    activation dtype). ``rope``: ``"none"``, ``"model"`` (the tables of the source's rotary module) or ``"gptj"``
-    (GPT-J's sinusoidal table). ``adjacent``: rotation in adjacent channel pairs; ``relayout``: the rotary module's
-    halves-layout table is re-laid out for adjacent pairs (``cos[..., :d/2].repeat_interleave(2)``, GLM / ERNIE).
-    """
-
-    scale: float | None
-    softmax_dtype: torch.dtype | None
-    rope: str
-    adjacent: bool = False
-    relayout: bool = False
-    q_norm: NormSpec | None = None
-    k_norm: NormSpec | None = None
-    qk_norm_over: QKNormScope = "head"
-    v_norm: NormSpec | None = None  # Gemma 4's weightless per-head value norm (core/components/v_norm.py)
-    soft_cap: float | None = None
-    window: int | None = None
-    alibi_slopes: Tensor | None = None  # ALiBi (BLOOM, MPT): lens_aot.tl.bridge_alibi
-    clip_qkv: float | None = None
-    alibi_key_origin: str | None = None
-    # Float32 steps of the source whatever the model dtype (core/components/float32_attention.py): q and k cast to
-    # ``scores_dtype`` before q·kᵀ (GPT-J, GPT-Neo); rotated channels rounded to ``rotary_input_dtype`` first (the
-    # bridge's adjacent-pair rotary).
-    scores_dtype: torch.dtype | None = None
-    rotary_input_dtype: torch.dtype | None = None
-    # q_norm / k_norm on the rotated q and k (HunYuan, NanoChat; core/components/qk_norm_after_rotary.py)
-    qk_norm_after_rotary: bool = False
-    # -1: the source's rotate_half turns the other way (NanoChat's cat(x2, -x1)): its tables are carried with sin
-    # negated (lens_aot.tl.bridge_delegated_rotary)
-    rotary_sign: int = 1
-    # AFMoE, Laguna: z · act(x @ W_gate) before W_O (core/components/output_gate.py)
-    output_gate: OutputGateSpec | None = None
-    # PositionEmbeddingsAttentionBridge duplicates a half-width table when pct is 1 (GPT-OSS); a delegated forward
-    # rotates the first cos.shape[-1] channels as given (Laguna's partial rotary factor per layer type)
-    duplicate_half_tables: bool = True
-    # Ministral 3's Llama-4 query scaling (beta, original_max_position_embeddings), where it binds below n_ctx
-    query_scale: tuple[float, int] | None = None
-    # GPT-OSS's attention sinks (a learned logit per head joins the float32 softmax; core/components/sinks.py)
-    sinks: Tensor | None = None
-    # Llama 4 (lens_aot.tl.bridge_llama4): a binding attention chunk size; the NoPE layers' query temperature
-    # (attn_scale, floor_scale)
-    chunk: int | None = None
-    temperature: tuple[float, float] | None = None
 
 
 def _mro_names(obj: Any) -> list[str]:
@@ -258,9 +210,9 @@ def read_attention(
         reading.clip_qkv = _clip_qkv(hf_config)
         return reading
     if cls == "AttentionBridge" and type(hf_attn).__name__ == "ModernBertDecoderAttention" and cap is None:
-        from lens_aot.tl.bridge_modernbert import read_modernbert_decoder  # rotary, per-layer windows
-
-        return read_modernbert_decoder(layer, hf_attn, hf_config, dtype, n_ctx, window)
+        return bridge_modernbert.read_modernbert_decoder(  # rotary, per-layer windows
+            layer, hf_attn, hf_config, dtype, n_ctx, window
+        )
     for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
         if value is not None:
             raise refuse_piece(layer, "attn", f"{what} ({value}) in a {cls}", "Only full causal attention is read.")
@@ -287,14 +239,12 @@ def _alibi_attention(
     layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
 ) -> AttentionReading:
     """An ALiBi attention bridge whose ``_reconstruct_attention`` :mod:`lens_aot.tl.bridge_alibi` reads."""
-    from lens_aot.tl.bridge_alibi import alibi_reading_fields
-
     hf_attn = _original(attn)
     cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=False)
     for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
         if value is not None:
             raise refuse_piece(layer, "attn", f"{what} ({value}) with ALiBi", "Only full causal attention is read.")
-    fields = alibi_reading_fields(layer, attn, hf_attn, bridge_cfg, dtype)
+    fields = bridge_alibi.alibi_reading_fields(layer, attn, hf_attn, bridge_cfg, dtype)
     return AttentionReading(
         fields["scale"],
         fields["softmax_dtype"],
@@ -410,16 +360,12 @@ def _delegated_standard(
     layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
 ) -> AttentionReading:
     """A Hugging Face attention forward read by :mod:`lens_aot.tl.bridge_delegated` (OPT, XGLM)."""
-    from lens_aot.tl.bridge_delegated import read_delegated
-
-    return read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
+    return bridge_delegated.read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
 
 
 def _llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
     """Llama 4's attention (:func:`lens_aot.tl.bridge_llama4.read_llama4`)."""
-    from lens_aot.tl.bridge_llama4 import read_llama4
-
-    return read_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
+    return bridge_llama4.read_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
 
 
 _DELEGATED = {

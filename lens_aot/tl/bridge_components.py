@@ -19,24 +19,14 @@ from torch import Tensor, nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.bridge_activation import activation_by_values
 from lens_aot.tl.bridge_float32 import carry_float32_step
+from lens_aot.tl.bridge_probe import SUPPORTED
+from lens_aot.tl.gemma_norm import computes_gemma_rmsnorm
+from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_gemma4 import scaled_rms_norm
 from lens_aot.tl.read_k_eq_v import key_projection_for_values
-from lens_aot.tl.read_norms import computes_gemma_rmsnorm
-
-SUPPORTED = (
-    "TransformerBridge architectures read by their structure (docs/families.md lists every piece) — decoder-only "
-    "blocks, sequential or parallel (Falcon, Cohere, GPT-J / GPT-NeoX), pre-norm, sandwich or post norms, "
-    "post-embedding LayerNorm, layer scalars and residual / embedding / attention / logit multipliers; plain or gated "
-    "MLPs (fused gate-up included) with any neuron-wise activation (SiLU, ReLU, relu², each GELU form, xIELU, GPT-OSS's"
-    " and DeepSeek-V4's clamped SwiGLU) and mixtures of experts (routed, hash-routed and shared experts); "
-    "hyper-connections (several residual streams, DeepSeek-V4); LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their "
-    "parameter-free variants; learned absolute, rotary (halves or adjacent pairs, partial, per layer type; linear / "
-    "dynamic NTK / llama3 / YaRN / LongRoPE) or ALiBi positions; multi-head, grouped- or multi-query, multi-head latent"
-    " and DeepSeek-V4's compressed attention, causal, bidirectional, sliding-window or chunked, with QK-norm, value "
-    "norms, output gates, attention sinks, score and final-logit soft-capping (QKV clipping is read on the "
-    "HookedTransformer route only); in float32 or float64"
-)
+from lens_aot.tl.read_shared_kv import is_kv_shared, shared_kv_spec  # Gemma 4's shared keys and values
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -57,8 +47,6 @@ def _refuse(what: str, fix: str = "") -> UnsupportedArchitectureError:
 def bridge_extra(bridge: Any) -> dict[str, Any]:
     """The ``ModelSpec.extra`` facts every bridge reading records: the tokenizer's BOS, the architecture, whether the
     bridge is in compatibility mode, and the source config's HookedTransformerConfig-named fields."""
-    from lens_aot.tl.hooked_model import source_config_fields
-
     cfg = bridge.cfg
     return {
         "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
@@ -321,8 +309,6 @@ def _attention(
     }
     if extra:
         raise _refuse(f"attention with extra components {sorted(extra)} (e.g. QK-norm or an output gate)")
-    from lens_aot.tl.read_shared_kv import is_kv_shared, shared_kv_spec  # Gemma 4's shared keys and values
-
     shared = is_kv_shared(attn_bridge) and not {"k", "v"} & _subcomponents(attn_bridge)
     parts = {}
     for name in ("q", "o") if shared else ("q", "k", "v", "o"):  # values that are the keys: read_k_eq_v
@@ -417,7 +403,6 @@ def _module_activation(layer: int, mlp_bridge: Any, hf_config: Any) -> str:
         name = getattr(hf_config, field, None)
         if isinstance(name, str):
             return canonical_activation(name)
-    from lens_aot.tl.bridge_activation import activation_by_values
 
     by_values = None if module is None else activation_by_values(module)  # BLOOM's BloomGelu (tl.bridge_activation)
     if by_values is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lens_aot.tl.attention_reading import AttentionReading
 from lens_aot.tl.bridge_probe import refuse_piece
 
 __all__ = ["SOFTMAX_DTYPE", "check_eager", "check_linear", "read_delegated", "read_scaling"]
@@ -56,8 +57,6 @@ def read_scaling(layer: int, hf_attn: nn.Module) -> float:
 
 def read_delegated(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
     """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a standard Hugging Face attention module."""
-    from lens_aot.tl.bridge_attention import AttentionReading
-
     check_linear(layer, hf_attn, ("q_proj", "k_proj", "v_proj", "out_proj"))
     if bool(getattr(hf_attn, "is_decoder", True)) is False or bool(getattr(hf_attn, "is_causal", True)) is False:
         raise refuse_piece(layer, "attn", "non-causal attention in a causal language model")

@@ -29,9 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lens_aot.core.components.attention import Attention
 from lens_aot.core.components.output_gate import GATES
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec import OutputGateSpec, RotarySpec
+from lens_aot.tl.attention_reading import AttentionReading
 from lens_aot.tl.bridge_components import _attention, _component, _linear, _norm, _original
 from lens_aot.tl.bridge_delegated import check_eager
 from lens_aot.tl.bridge_probe import close, refuse_piece
@@ -101,9 +103,6 @@ def read_delegated_rotary(
 ) -> Any:
     """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a delegated rotary attention (module
     docstring): scale, float32 softmax, QK-norms and their order, and the rotation's sign (``rotary_sign``)."""
-    from lens_aot.core.components.attention import Attention
-    from lens_aot.tl.bridge_attention import AttentionReading
-
     check_eager(layer, hf_attn, hf_config)
     if rotary_bridge is None:
         raise refuse_piece(layer, "attn", "a delegated rotary attention in a model without a 'rotary_emb' component")

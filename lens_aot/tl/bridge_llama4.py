@@ -23,6 +23,7 @@ from jaxtyping import Complex, Float
 from torch import Tensor, nn
 
 from lens_aot.core.spec import NormSpec
+from lens_aot.tl.attention_reading import AttentionReading
 from lens_aot.tl.bridge_delegated import check_eager, check_linear, read_scaling
 from lens_aot.tl.bridge_probe import refuse_piece
 
@@ -31,8 +32,6 @@ __all__ = ["complex_tables", "read_llama4"]
 
 def read_llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> Any:
     """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a ``Llama4TextAttention`` (module docstring)."""
-    from lens_aot.tl.bridge_attention import AttentionReading
-
     check_linear(layer, hf_attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
     check_eager(layer, hf_attn, hf_config)
     scaling = read_scaling(layer, hf_attn)

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 from torch import nn
 
 from lens_aot.errors import InputError
+from lens_aot.tl.versions import has_hooked_transformer
 
 __all__ = [
     "APPLIES",
@@ -131,7 +132,6 @@ class BridgeAttributeError(InputError, AttributeError):
 
 def has_transformer_bridge() -> bool:
     """Whether this TransformerLens has ``TransformerBridge`` and no ``HookedTransformer`` (4.x)."""
-    from lens_aot.tl import has_hooked_transformer
 
     if has_hooked_transformer():
         return False

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lens_aot.tl.attention_reading import AttentionReading
 from lens_aot.tl.bridge_delegated import check_eager, check_linear, read_scaling
 
 __all__ = ["read_modernbert_decoder"]
@@ -29,8 +30,6 @@ def read_modernbert_decoder(
 ) -> Any:
     """The :class:`~lens_aot.tl.bridge_attention.AttentionReading` of a ``ModernBertDecoderAttention``; ``window``:
     the layer's binding sliding window (``_check_common``'s), or None."""
-    from lens_aot.tl.bridge_attention import AttentionReading
-
     check_linear(layer, hf_attn, ("q_proj", "k_proj", "v_proj", "Wo"))
     check_eager(layer, hf_attn, hf_config)
     scaling = read_scaling(layer, hf_attn)

@@ -22,6 +22,21 @@ from torch import Tensor, nn
 
 from lens_aot.errors import UnsupportedArchitectureError
 
+# What the bridge readers support, named in every refusal of a piece (refuse_piece, bridge_components._refuse).
+SUPPORTED = (
+    "TransformerBridge architectures read by their structure (docs/families.md lists every piece) — decoder-only "
+    "blocks, sequential or parallel (Falcon, Cohere, GPT-J / GPT-NeoX), pre-norm, sandwich or post norms, "
+    "post-embedding LayerNorm, layer scalars and residual / embedding / attention / logit multipliers; plain or gated "
+    "MLPs (fused gate-up included) with any neuron-wise activation (SiLU, ReLU, relu², each GELU form, xIELU, GPT-OSS's"
+    " and DeepSeek-V4's clamped SwiGLU) and mixtures of experts (routed, hash-routed and shared experts); "
+    "hyper-connections (several residual streams, DeepSeek-V4); LayerNorm / RMSNorm (incl. Gemma's 1 + w) or their "
+    "parameter-free variants; learned absolute, rotary (halves or adjacent pairs, partial, per layer type; linear / "
+    "dynamic NTK / llama3 / YaRN / LongRoPE) or ALiBi positions; multi-head, grouped- or multi-query, multi-head latent"
+    " and DeepSeek-V4's compressed attention, causal, bidirectional, sliding-window or chunked, with QK-norm, value "
+    "norms, output gates, attention sinks, score and final-logit soft-capping (QKV clipping is read on the "
+    "HookedTransformer route only); in float32 or float64"
+)
+
 PIECES = ("ln1", "ln2", "attn", "mlp", "ln1_post", "ln2_post")
 # Model-level pieces, recorded under layer -1 (with the bridge's logits as (-1, "logits"): input = the tokens).
 MODEL_PIECES = ("embed", "pos_embed", "ln_final", "unembed")
@@ -124,8 +139,6 @@ def close(got: Tensor, want: Tensor) -> bool:
 def refuse_piece(layer: int | None, piece: str, what: str, fix: str = "") -> UnsupportedArchitectureError:
     """The error for one unsupported piece: ``layer 3 mlp: activation 'solu' ...`` (``layer`` None: a model-level
     piece such as the embedding)."""
-    from lens_aot.tl.bridge_components import SUPPORTED
-
     where = piece if layer is None else f"layer {layer} {piece}"
     fix_text = f" {fix}" if fix else ""
     return UnsupportedArchitectureError(

@@ -24,7 +24,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import has_hooked_transformer, tl_version
+from lens_aot.tl.versions import has_hooked_transformer, tl_version
 
 __all__ = [
     "StateDictMismatchError",

@@ -21,6 +21,8 @@ from functools import cache
 from typing import Any, NoReturn
 
 from lens_aot.errors import InputError
+from lens_aot.tl import bridge_model
+from lens_aot.tl.versions import has_hooked_transformer
 
 __all__ = ["INAPPLICABLE", "hooked_class", "hooked_config_class", "hooked_config_dict", "source_config_fields"]
 
@@ -69,8 +71,6 @@ def _refusing(name: str, instead: str) -> Callable[..., NoReturn]:
 
 
 def _has_hooked_transformer() -> bool:
-    from lens_aot.tl import has_hooked_transformer
-
     return has_hooked_transformer()
 
 
@@ -117,8 +117,6 @@ def _config_base() -> type | None:
 def _bridge_or(base: type, source_kind: str | None, derive: str) -> type:
     """Under TransformerLens 4.x, ``base`` with the bridge's class as last base for a TransformerBridge's
     conversion (:mod:`lens_aot.tl.bridge_model`); ``base`` otherwise."""
-    from lens_aot.tl import bridge_model
-
     if source_kind != "TransformerBridge" or not bridge_model.has_transformer_bridge():
         return base
     derived: type = getattr(bridge_model, derive)(base)

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
+from lens_aot.tl.hooked_model import hooked_class, new_instance
+from lens_aot.tl.versions import has_hooked_transformer
 
 __all__ = [
     "AttachedSAE",
@@ -77,15 +80,12 @@ def conversion_target(model: Any, into: type | None) -> type | None:
     sae_class = _sae_transformer_class()
     if sae_class is not None and into is sae_class:
         return sae_class
-    from lens_aot.tl import has_hooked_transformer
 
     plain: list[type] = []
     if has_hooked_transformer():
         from transformer_lens import HookedTransformer
 
         plain.append(HookedTransformer)
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     plain.append(AttentionOnlyTransformer)
     if any(into is cls for cls in plain):
         return None
@@ -138,7 +138,6 @@ def hooked_sae_class(base: type) -> type:
 
     def __reduce_ex__(self: Any, protocol: int) -> Any:  # noqa: N807
         """Pickled (and deep-copied) as ``base`` is, rebuilt as this class."""
-        from lens_aot.tl.hooked_model import new_instance
 
         reduced = base.__reduce_ex__(self, protocol)
         if isinstance(reduced, tuple) and len(reduced) > 2 and reduced[0] is new_instance:
@@ -152,7 +151,6 @@ def hooked_sae_class(base: type) -> type:
 
 def new_sae_instance(cls: type) -> Any:
     """An empty instance of the ``HookedSAETransformer`` class of converted-model class ``cls`` (unpickling)."""
-    from lens_aot.tl.hooked_model import hooked_class
 
     return object.__new__(hooked_sae_class(hooked_class(cls)))
 
@@ -208,8 +206,6 @@ def as_hooked_sae_transformer(aot: Any, saes: list[AttachedSAE] | None = None) -
     Its class becomes :func:`hooked_sae_class` of its own, and it gets what ``HookedSAETransformer.__init__`` adds to a
     ``HookedTransformer``: a ``blocks.{l}.mlp.hook_in`` hook point on the MLP's input and no
     SAEs attached. A model that is one already is returned unchanged (``saes`` attached)."""
-    from lens_aot.core.model import AttentionOnlyTransformer
-
     if not isinstance(aot, AttentionOnlyTransformer):
         raise InputError(
             f"as_hooked_sae_transformer needs a model converted with lens_aot.convert(source) (masks='explicit'); got "

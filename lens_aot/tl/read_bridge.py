@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lens_aot.core.components.factory import moe_mlp
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.components.prediction_head import PredictionHead
+from lens_aot.core.read import check_finite
 from lens_aot.core.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
@@ -580,8 +581,6 @@ def _verify_model(
 def _refuse_non_finite(spec: ModelSpec, calls: dict[tuple[int, str], Call]) -> None:
     """The probe forward produced NaN / inf: name the non-finite weight (``check_finite``), or else the first piece
     whose output is not finite. Either way nothing is converted (the block layout could not be read)."""
-    from lens_aot.core.read import check_finite
-
     check_finite(spec)
     layer, piece = min(k for k, c in calls.items() if not bool(c.output.isfinite().all()))
     raise InvalidWeightsError(

@@ -20,6 +20,7 @@ from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoE
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.hooked_model import source_config_fields
 from lens_aot.tl.read_moe import read_hooked_moe
+from lens_aot.tl.read_xielu import read_xielu
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
@@ -274,8 +275,6 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         else:
             mlp = None if cfg.attn_only else _mlp(block.mlp, bool(cfg.gated_mlp), act_fn or "")
             if act_fn == "xielu" and isinstance(mlp, MLPSpec):  # TL's trainable XIELU module: its learned scalars
-                from lens_aot.tl.read_xielu import read_xielu
-
                 mlp = read_xielu(mlp, block.mlp, i)
         attn = _attention(block.attn, cfg)
         attn.rotary = rotary

@@ -26,41 +26,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import MLPSpec, MoESpec
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl import bridge_components, read_moe_gpt_oss, read_moe_llama4, read_moe_parallel, read_xielu
+from lens_aot.tl.read_moe_pieces import (  # noqa: F401  (re-exported: read_mla, read_routed import _unwrap from here)
+    _act_name,
+    _activation,
+    _copy,
+    _hf_mlp,
+    _probe_router,
+    _refuse,
+    _router,
+    _unwrap,
+)
 from lens_aot.tl.read_moe_router import read_group_router, read_token_choice_router
-
-
-def _unwrap(module: Any) -> Any:
-    """The module a bridge component wraps (through nested wrappers); ``module`` itself if it wraps none."""
-    while isinstance(getattr(module, "original_component", None), nn.Module):
-        module = module.original_component
-    return module
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy (a saved and loaded model then computes with the same memory layout, bit for bit)."""
-    return t.detach().clone(memory_format=torch.contiguous_format)
-
-
-def _refuse(layer: int, what: str) -> UnsupportedArchitectureError:
-    return UnsupportedArchitectureError(
-        f"layer {layer} mlp: {what}. lens_aot converts mixtures of experts with a softmax or sigmoid top-k router "
-        f"(Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, GLM-4-MoE, MiniMax-M2, AFMoE, TransformerLens's MoE; Llama 4's, "
-        f"which scale the experts' inputs), or the top-k "
-        f"logits then a softmax over those k (GraniteMoe), whose experts are "
-        f"neuron-wise (gated) MLPs without biases."
-    )
 
 
 def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: int) -> MoESpec:
     """TransformerLens 3.9's ``MoE``: ``W_gate`` (router, ``nn.Linear`` [d_model → n_experts]) and ``experts``
     (``MoEGatedMLP``: ``act(x·W_gate)·(x·W_in)`` then ``W_out``, all bias-free ``nn.Linear``)."""
     if type(moe).__name__ == "GptOssMoE":  # TransformerLens 3.9's GPT-OSS MoE (lens_aot.tl.read_moe_gpt_oss)
-        from lens_aot.tl.read_moe_gpt_oss import read_hooked_gpt_oss_moe
-
-        return read_hooked_gpt_oss_moe(moe, layer)
+        return read_moe_gpt_oss.read_hooked_gpt_oss_moe(moe, layer)
     if type(moe).__name__ != "MoE":
         raise _refuse(layer, f"a mixture of experts of type {type(moe).__name__} (expected TransformerLens's MoE)")
     experts = []
@@ -87,57 +72,15 @@ def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: in
     )
 
 
-def _act_name(fn: Any, layer: int) -> str:
-    """The activation of a Hugging Face ``ACT2FN`` module by class (SiLU, GELU variants), else refused by name."""
-    names = {"SiLUActivation": "silu", "SiLU": "silu", "GELUActivation": "gelu", "NewGELUActivation": "gelu_new"}
-    names |= {"FastGELUActivation": "gelu_fast", "GELUTanh": "gelu_new", "ReLU": "relu"}
-    name = names.get(type(fn).__name__)
-    if name is None:
-        raise _refuse(layer, f"an expert activation {type(fn).__name__}")
-    canonical_activation(name)
-    return name
-
-
-def _hf_mlp(mlp: nn.Module, layer: int, what: str = "a shared expert") -> MLPSpec:
-    """A Hugging Face gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``): a shared expert, or the dense
-    MLP of a layer before the first MoE layer (GLM-4-MoE's ``first_k_dense_replace``, ERNIE 4.5's start index)."""
-    mlp = _unwrap(mlp)
-    parts = [_unwrap(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
-        raise _refuse(layer, f"{what} of type {type(mlp).__name__} (expected a bias-free gated MLP)")
-    gate, up, down = parts
-    assert gate is not None and up is not None and down is not None
-    d_mlp, d_model = up.weight.shape
-    return MLPSpec(
-        _copy(up.weight.T),
-        up.weight.new_zeros(d_mlp),
-        _copy(down.weight.T),
-        up.weight.new_zeros(d_model),
-        _act_name(_activation(mlp), layer),
-        W_gate=_copy(gate.weight.T),
-    )
-
-
 def is_sparse_moe(module: nn.Module) -> bool:
     """Whether ``module`` (unwrapped from its bridge) is a sparse-MoE block: a router ``gate`` and ``experts``."""
     return hasattr(module, "experts") and hasattr(_router(module), "top_k")
-
-
-def _router(block: Any) -> Any:
-    """The block's top-k router: ``gate`` (Mixtral, Qwen2-MoE, OLMoE) or ``router`` (GraniteMoe, AFMoE), unwrapped."""
-    gate = _unwrap(getattr(block, "gate", None))
-    return gate if hasattr(gate, "top_k") else _unwrap(getattr(block, "router", None))
 
 
 def is_dense_hf_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face gated MLP (``gate_proj`` / ``up_proj`` / ``down_proj``, and ``act_fn``
     or, Llama 4's ``Llama4TextMLP``, ``activation_fn``)."""
     return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and _activation(module) is not None
-
-
-def _activation(mlp: nn.Module) -> Any:
-    """A gated MLP's activation module: ``act_fn``, or ``activation_fn`` (Llama 4's ``Llama4TextMLP``)."""
-    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
 
 
 def _correction_bias(block: nn.Module, router: nn.Module) -> torch.Tensor | None:
@@ -169,50 +112,14 @@ def _candidates(block: nn.Module, router: nn.Module, spec: MoESpec) -> list[MoES
     return [dataclasses.replace(spec, scoring=s, logits_dtype=d) for s in scorings for d in dtypes]
 
 
-def _probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> MoESpec:
-    """The candidate whose MoE output is closest to the block's own on a seeded probe input, if it is close (the
-    router read by what it computes); the first candidate when the block cannot run here (the bridge's recorded
-    forward then checks the reading, :func:`lens_aot.tl.read_bridge._verify`)."""
-    from lens_aot.core.components.mlp import MLP
-    from lens_aot.core.components.moe_mlp import moe_mlp
-    from lens_aot.core.components.ownership import borrowing
-    from lens_aot.tl.bridge_probe import close, relative_error
-
-    first = candidates[0]
-    d_model, dtype = first.W_router.shape[0], first.W_router.dtype
-    device = first.W_router.device
-    probe = torch.randn(2, 6, d_model, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    probe = probe.to(dtype=dtype, device=device)
-    with torch.no_grad():
-        try:
-            want = block(probe)
-        except Exception:  # noqa: BLE001 - e.g. a float64 source whose experts use grouped_mm: read_bridge refuses it
-            return first
-        want = want[0] if isinstance(want, tuple) else want
-        want = want.reshape(probe.shape) if want.numel() == probe.numel() else want  # Llama 4's: [tokens, d_model]
-        with borrowing():  # throw-away modules over the candidates' own expert tensors (no copy of the experts)
-            outputs = [moe_mlp(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
-    errors = [relative_error(got, want) for got in outputs]
-    best = min(range(len(candidates)), key=errors.__getitem__)
-    if not close(outputs[best], want):
-        raise _refuse(
-            layer,
-            f"a router of type {type(_router(block)).__name__} whose routing lens_aot cannot reproduce (softmax "
-            f"or sigmoid scores, correction bias, renormalisation, routed scaling: relative error {errors[best]:.2e})",
-        )
-    return candidates[best]
-
-
 def read_hf_moe(block: nn.Module, layer: int) -> MoESpec:
     """A Hugging Face sparse-MoE block (module docstring), with its ``shared_expert`` / ``shared_experts`` (and
     ``shared_expert_gate``) and its router variant (:mod:`lens_aot.core.components.moe_router`)."""
     router, experts = _router(block), _unwrap(block.experts)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise _refuse(layer, "router jitter noise in training mode (call model.eval())")
-    from lens_aot.tl.read_moe_gpt_oss import is_gpt_oss_moe, read_gpt_oss_moe
-
-    if is_gpt_oss_moe(block):  # GPT-OSS: biased router, clamped SwiGLU experts with biases
-        return _probe_router(block, [read_gpt_oss_moe(block, router, experts, layer)], layer)
+    if read_moe_gpt_oss.is_gpt_oss_moe(block):  # GPT-OSS: biased router, clamped SwiGLU experts with biases
+        return _probe_router(block, [read_moe_gpt_oss.read_gpt_oss_moe(block, router, experts, layer)], layer)
     fixed = read_token_choice_router(block, router) or {}  # AFMoE, GraniteMoe: read by their source's computation
     W = fixed.pop("weight", getattr(router, "weight", None))
     if not isinstance(W, torch.Tensor) or W.ndim != 2 or getattr(router, "bias", None) is not None:
@@ -283,24 +190,19 @@ def refuse_other_moe(module: nn.Module, layer: int) -> None:
 def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str) -> MLPSpec | MoESpec:
     """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), a dense Hugging Face gated MLP that
     an MoE bridge wraps in a dense layer (:func:`_hf_mlp`), else the dense MLP bridge."""
-    from lens_aot.tl.bridge_components import _mlp
-    from lens_aot.tl.read_moe_llama4 import is_llama4_moe, read_llama4_moe
-
     module = _unwrap(mlp_bridge)
-    if is_llama4_moe(module):  # before is_sparse_moe: its router has top_k, but its scores scale the inputs
-        return read_llama4_moe(module, layer)
+    if read_moe_llama4.is_llama4_moe(
+        module
+    ):  # before is_sparse_moe: its router has top_k, but its scores scale the inputs
+        return read_moe_llama4.read_llama4_moe(module, layer)
     if is_sparse_moe(module):
         return read_hf_moe(module, layer)
-    from lens_aot.tl.read_moe_parallel import is_parallel_experts_moe, read_parallel_experts_moe
-
-    if is_parallel_experts_moe(module):  # JetMoE
-        return read_parallel_experts_moe(module, layer)
+    if read_moe_parallel.is_parallel_experts_moe(module):  # JetMoE
+        return read_moe_parallel.read_parallel_experts_moe(module, layer)
     refuse_other_moe(module, layer)
     if type(mlp_bridge).__name__.endswith("MoEBridge") and is_dense_hf_mlp(module):
         # e.g. DeepSeek's first_k_dense_replace layers; Llama 4's dense layers (its _Llama4MoEBridge)
         return _hf_mlp(module, layer, "a dense MLP")
     if act_fn == "xielu":  # learned scalars on the activation module (Apertus)
-        from lens_aot.tl.read_xielu import read_xielu
-
-        return read_xielu(_mlp(mlp_bridge, dtype, act_fn), module, layer)
-    return _mlp(mlp_bridge, dtype, act_fn)
+        return read_xielu.read_xielu(bridge_components._mlp(mlp_bridge, dtype, act_fn), module, layer)
+    return bridge_components._mlp(mlp_bridge, dtype, act_fn)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lens_aot.core.spec import MLPSpec, MoESpec
+from lens_aot.tl.read_moe_pieces import _act_name, _copy, _hf_mlp, _probe_router, _refuse, _unwrap
 
 __all__ = ["is_llama4_moe", "read_llama4_moe"]
 
@@ -28,8 +29,6 @@ def is_llama4_moe(module: nn.Module) -> bool:
 
 def read_llama4_moe(block: nn.Module, layer: int) -> MoESpec:
     """The :class:`MoESpec` of a ``Llama4TextMoe`` (module docstring), refused by piece where it differs."""
-    from lens_aot.tl.read_moe import _act_name, _copy, _hf_mlp, _probe_router, _refuse, _unwrap
-
     router, experts = _unwrap(block.router), _unwrap(block.experts)
     linear = isinstance(router, nn.Linear) and router.bias is None
     if not linear or not isinstance(getattr(router, "top_k", None), int):

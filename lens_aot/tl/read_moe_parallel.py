@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.spec import MLPSpec, MoESpec
-from lens_aot.tl.read_moe import _act_name, _copy, _refuse, _unwrap
+from lens_aot.tl.read_moe_pieces import _act_name, _copy, _refuse, _unwrap
 
 __all__ = ["is_parallel_experts_moe", "read_parallel_experts_moe"]
 

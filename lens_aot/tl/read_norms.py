@@ -10,38 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
+from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.spec import NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
-
-
-def _code(cls: type, name: str) -> bytes | None:
-    fn = getattr(cls, name, None)
-    code = getattr(fn, "__code__", None)
-    return None if code is None else (code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode())
-
-
-def computes_gemma_rmsnorm(module: nn.Module) -> bool:
-    """Whether ``module`` is a Gemma RMSNorm: by name (Gemma, Gemma 2, Gemma 3) or by the same code (VaultGemma)."""
-    name = type(module).__name__
-    if name.startswith("Gemma") and name.endswith("RMSNorm"):
-        return True
-    try:
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-    except ImportError:  # pragma: no cover - transformers ships Gemma in every supported version
-        return False
-    return all(
-        _code(type(module), attr) is not None and _code(type(module), attr) == _code(GemmaRMSNorm, attr)
-        for attr in ("forward", "_norm")
-    )
+from lens_aot.tl.bridge_components import _norm
+from lens_aot.tl.bridge_probe import close
+from lens_aot.tl.gemma_norm import computes_gemma_rmsnorm  # noqa: F401  (re-exported: its home moved)
 
 
 def named_norm(layer: int | None, piece: str, norm_bridge: Any, dtype: Any) -> NormSpec:
     """``bridge_components._norm`` of the block piece ``piece`` (``layer`` None: a model-level norm), its refusal
     prefixed with the layer and the piece (``layer 0 ln1: this TransformerBridge uses ...``)."""
-    from lens_aot.tl.bridge_components import _norm
-
     try:
         return _norm(norm_bridge, dtype)
     except UnsupportedArchitectureError as error:
@@ -62,9 +41,6 @@ def final_norm_on_embeddings(spec: Any, calls: dict[tuple[int, str], Any]) -> No
     read from the recorded forward: the first block's input is ``ln_final(embedding)`` and not the embedding itself.
     None otherwise (the model-level check then refuses any other first-block input, naming it)."""
     import torch
-
-    from lens_aot.core.components.float32_norm import make_norm
-    from lens_aot.tl.bridge_probe import close
 
     logits, first = calls.get((-1, "logits")), calls.get((0, "block"))
     if spec.embed_ln is not None or logits is None or first is None or spec.ln_final.kind is None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lens_aot.core.components.factory import attention_module
+from lens_aot.core.components.shared_kv_attention import SharedKeyValues, SharedKVAttention
 from lens_aot.core.spec import AttentionSpec, LayerSpec, RotarySpec
 from lens_aot.tl.bridge_probe import Call, refuse_piece
 
@@ -89,8 +91,6 @@ def probe_states(
 ) -> tuple[dict[str, Any], Callable[[Any, RotarySpec], nn.Module]]:
     """For the delegated-rotary probe of a sharing layer: the ``shared_kv_states`` argument of seeded keys and values
     [1, n_kv, n, d_head], and a builder of the candidate module reading the same ones."""
-    from lens_aot.core.components.shared_kv_attention import SharedKeyValues, SharedKVAttention
-
     n_kv, d_head = spec.W_K.shape[0], spec.W_Q.shape[2]
     generator = torch.Generator().manual_seed(1000 + layer)
     k, v = (torch.randn(1, n_kv, n, d_head, generator=generator, dtype=dtype).to(device) for _ in range(2))
@@ -110,10 +110,7 @@ def checked_attention(
 ) -> nn.Module:
     """The module that checks layer ``layer``'s attention reading against its recorded call: for a sharing layer, a
     :class:`SharedKVAttention` holding the keys and values the storing layer's reading computes from that layer's
-    recorded input; else :func:`~lens_aot.core.components.mla_attention.attention_module`."""
-    from lens_aot.core.components.mla_attention import attention_module
-    from lens_aot.core.components.shared_kv_attention import SharedKeyValues, SharedKVAttention
-
+    recorded input; else :func:`~lens_aot.core.components.factory.attention_module`."""
     source = getattr(attn, "kv_from", None)
     device = calls[(layer, "attn")].input.device
     if source is None:

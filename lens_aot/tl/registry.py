@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.tl import has_hooked_transformer
+from lens_aot.tl.build import quiet_hooked_deprecation, require_hooked_transformer
+from lens_aot.tl.versions import has_hooked_transformer
 
 __all__ = ["bridge_architectures", "hooked_architectures", "hooked_from_hf_module"]
 
@@ -52,7 +53,6 @@ def hooked_from_hf_module(model: nn.Module, *, tokenizer: Any, dtype: torch.dtyp
     """A ``HookedTransformer`` (TransformerLens 3.x) holding ``model``'s weights unprocessed (no LayerNorm folding,
     no centring), built offline from its config (written to a temporary directory that TransformerLens reads as a
     local model). Raises whatever TransformerLens raises for a config it cannot express."""
-    from lens_aot.tl.build import quiet_hooked_deprecation, require_hooked_transformer
 
     require_hooked_transformer("the HookedTransformer side of the support matrix", "Run it under TransformerLens 3.9.")
     from transformer_lens import HookedTransformer

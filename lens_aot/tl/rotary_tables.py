@@ -21,6 +21,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from lens_aot.core.rotary_recipe import BLOCK_ELEMENTS, RotaryRecipe, cast_chain
+from lens_aot.tl import bridge_llama4
 
 __all__ = [
     "chunked_tables",
@@ -51,9 +52,7 @@ def module_tables(
     with torch.no_grad():
         tables = module(x, ids) if layer_type is None else module(x, ids, layer_type)
     if isinstance(tables, Tensor) and tables.is_complex():  # Llama 4's freqs_cis (lens_aot.tl.bridge_llama4)
-        from lens_aot.tl.bridge_llama4 import complex_tables
-
-        tables = complex_tables(tables)
+        tables = bridge_llama4.complex_tables(tables)
     cos, sin = tables
     return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lens_aot.analysis.checks import pyplot
-from lens_aot.analysis.circuits.evaluate import node_address
-from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.analysis.circuits.node_names import node_address
 from lens_aot.errors import InputError
+
+if TYPE_CHECKING:
+    from lens_aot.analysis.circuits.graph import Graph
 
 FILL = {
     "input": "#d9d9d9",

@@ -18,7 +18,6 @@ neurons whose in-circuit senders differ cost an extra router call.
 
 from __future__ import annotations
 
-import re
 from typing import Any, NamedTuple
 
 import torch
@@ -39,10 +38,9 @@ from lens_aot.analysis.circuits.layout import (
     split_inputs,
 )
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_values, gated_outputs, group_of, neuron_groups
+from lens_aot.analysis.circuits.node_names import node_address
 from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
-
-_NAME = re.compile(r"^(?:a(\d+)\.h(\d+)|m(\d+)(?:(?:\.e\d+)?\.n(\d+))?)$")
 
 
 class Baseline(NamedTuple):
@@ -58,24 +56,6 @@ class Baseline(NamedTuple):
             f"Baseline({len(self.clean)} examples: clean mean {clean:.4g}, corrupted mean {corrupted:.4g}, gap "
             f"{clean - corrupted:.4g}; per example in .clean / .corrupted)"
         )
-
-
-def node_address(name: str) -> tuple[str, int, int]:
-    """``(kind, layer, index)`` of a node name: ("input", -1, 0), ("attention", l, h), ("mlp", l, 0),
-    ("neuron", l, i) (``m{l}.n{i}`` and an expert's ``m{l}.e{e}.n{i}``: :func:`~.moe.group_of` names the expert),
-    ("logits", -1, 0)."""
-    if name in ("input", "logits"):
-        return name, -1, 0
-    m = _NAME.match(name)
-    if m is None:
-        raise InputError(
-            f"{name!r} is not a node name (input, a{{l}}.h{{h}}, m{{l}}, m{{l}}.n{{i}}, m{{l}}.e{{e}}.n{{i}}, logits)"
-        )
-    if m.group(1) is not None:
-        return "attention", int(m.group(1)), int(m.group(2))
-    if m.group(4) is None:
-        return "mlp", int(m.group(3)), 0
-    return "neuron", int(m.group(3)), int(m.group(4))
 
 
 def _check_graph(aot: Any, graph: Graph) -> None:

@@ -32,6 +32,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lens_aot.analysis.checks import require_converted
+from lens_aot.analysis.circuits.draw import draw_graph
 from lens_aot.analysis.circuits.layout import check_supported
 from lens_aot.errors import InputError, LoadError, one_of
 
@@ -526,8 +527,6 @@ class Graph:
     def draw(self, title: str | None = None) -> Any:
         """A layered drawing of the circuit: shows inline in Jupyter, ``.save("c.svg")`` / ``.save("c.png")``
         (:mod:`lens_aot.analysis.circuits.draw`)."""
-        from lens_aot.analysis.circuits.draw import draw_graph
-
         return draw_graph(self, title)
 
     def _repr_svg_(self) -> str | None:

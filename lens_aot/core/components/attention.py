@@ -31,7 +31,7 @@ from lens_aot.core.components.v_norm import make_v_norm
 from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.spec import AttentionSpec, QKNormScope, RotarySpec
 from lens_aot.errors import InputError
-from lens_aot.tl.hooks import hooked as _hooked
+from lens_aot.hooks import hooked as _hooked
 
 __all__ = [
     "Attention",

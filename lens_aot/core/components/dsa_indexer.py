@@ -18,6 +18,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.rope import rotate_rope
 from lens_aot.core.spec_dsa import IndexerSpec
 
 
@@ -48,8 +49,6 @@ class SparseIndexer(nn.Module):
         visible: Bool[Tensor, "batch_or_1 1 pos pos"],
     ) -> Bool[Tensor, "batch 1 pos pos"]:
         """The keys each query keeps, ``visible`` (causal and padding) included."""
-        from lens_aot.core.components.mla_attention import rotate_rope
-
         batch, pos, _ = x.shape
         q = torch.einsum("bpr,rhd->bphd", q_latent, self.W_q)
         k = self.k_norm(x @ self.W_k)[:, :, None, :]

@@ -18,11 +18,12 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import Attention, with_cached
+from lens_aot.core.components.dsa_indexer import SparseIndexer
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.rope import rotate_rope
 from lens_aot.core.components.scaled_heads import ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
-from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import InputError, LensAOTError
 
@@ -31,34 +32,6 @@ _NO_RESIDUAL_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
 
 class MLAWeightError(LensAOTError, AttributeError):
     """A residual-stream weight (``W_Q`` ...) read from multi-head latent attention, which has none."""
-
-
-def rotate_rope(
-    x: Float[Tensor, "batch pos head rope_dim"],
-    cos: Float[Tensor, "batch_or_1 pos 1 table_dim"],
-    sin: Float[Tensor, "batch_or_1 pos 1 table_dim"],
-    layout: str,
-) -> Float[Tensor, "batch pos head rope_dim"]:
-    """The source's rotation of the rotary channels, operation for operation (so rounding matches it):
-
-    * "halves": ``x·cos + rotate_half(x)·sin`` (transformers' ``apply_rotary_pos_emb``);
-    * "interleaved": pairs ``(x0, x1), (x2, x3), …`` rotated by the first half of the tables and written as
-      ``[evens, odds]`` (transformers' ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 ``rope_interleave``);
-    * "complex": pairs as complex numbers in float32 times the complex table ``cos + i·sin`` (DeepSeek-V2's
-      ``apply_rotary_emb``), cast back.
-    """
-    if layout == "halves":
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-    if layout == "interleaved":
-        c, s = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    if layout == "complex":  # memory in the source's order ([batch, pos, head, ·]): its kernel paths, its rounding
-        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-        table = torch.complex(cos.float(), sin.float())
-        return torch.view_as_real(torch.complex(pairs[..., 0], pairs[..., 1]) * table).flatten(-2).type_as(x)
-    raise ValueError(f"unknown rotary layout {layout!r}")
 
 
 class MLAAttention(ScaledDenseHeads):
@@ -120,8 +93,6 @@ class MLAAttention(ScaledDenseHeads):
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
         if spec.indexer is not None:  # DSA: each query keeps only its top-k keys (components/dsa_indexer.py)
-            from lens_aot.core.components.dsa_indexer import SparseIndexer
-
             self.indexer = SparseIndexer(spec.indexer)
 
     def __getattr__(self, name: str) -> Any:
@@ -248,23 +219,4 @@ class MLAAttention(ScaledDenseHeads):
         )
 
 
-def attention_module(
-    spec: AttentionSpec | MLASpec, causal: bool, rotary: RotarySpec | None = None
-) -> Attention | MLAAttention:
-    """The attention component for a layer's spec: :class:`MLAAttention` for multi-head latent attention,
-    ``CompressedAttention`` for DeepSeek-V4's, ``RoutedAttention`` for a mixture of attention heads, else
-    :class:`Attention`."""
-    if isinstance(spec, MLASpec):
-        return MLAAttention(spec, causal)
-    if type(spec).__name__ == "CompressedAttentionSpec":  # DeepSeek-V4's sliding / compressed attention
-        from lens_aot.core.components.compressed_attention import CompressedAttention
-
-        return CompressedAttention(spec, causal)  # type: ignore[arg-type,return-value]
-    if type(spec).__name__ == "RoutedAttentionSpec":  # a mixture of attention heads (JetMoE's MoA)
-        from lens_aot.core.components.routed_attention import RoutedAttention
-
-        return RoutedAttention(spec, causal)  # type: ignore[arg-type,return-value]
-    return Attention(spec, causal, rotary)
-
-
-__all__ = ["MLAAttention", "attention_module", "rotate_rope"]
+__all__ = ["MLAAttention", "rotate_rope"]  # rotate_rope: re-exported from components/rope.py

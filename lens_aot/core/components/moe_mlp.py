@@ -60,7 +60,7 @@ from lens_aot.core.moe_routers import router_logits as group_router_logits
 from lens_aot.core.moe_routers import router_scores, select_experts
 from lens_aot.core.spec import MLPSpec, MoESpec
 from lens_aot.errors import IndexRangeError, InputError
-from lens_aot.tl.hooks import hooked
+from lens_aot.hooks import hooked
 
 SHARED = "shared_expert"
 # each layer's Watch, beside the module rather than in it: a copy or a pickle of the model gathers its own
@@ -379,20 +379,3 @@ class MoEMLP(nn.Module):
             hash_table=None if self.hash_table is None else self.hash_table.clone(),
             hook_names=self.hook_names,
         )
-
-
-def moe_mlp(spec: MoESpec, build_expert: Callable[[MLPSpec, int | None], nn.Module]) -> MoEMLP:
-    """The MoE component ``spec`` describes: :class:`MoEMLP`, or, when its router weights scale the experts' inputs
-    (Llama 4), :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`, or, beside a dense MLP (Gemma
-    4), :class:`~lens_aot.core.components.moe_beside_mlp.MoEBesideMLP`."""
-    from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
-
-    if isinstance(spec, MoEBesideMLPSpec):  # Gemma 4: beside the dense MLP (components/moe_beside_mlp.py)
-        from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
-
-        return MoEBesideMLP(spec, build_expert)
-    if spec.input_scaled:
-        from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
-
-        return InputScaledMoEMLP(spec, build_expert)
-    return MoEMLP(spec, build_expert)

@@ -38,11 +38,12 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.head_chunks import chunk_rows, chunked, logistic_times, sum_terms
+from lens_aot.core.components.head_derivations import dense_pattern, dense_scores, neuron_head_derivations
 from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.components.scalars import scalar
 from lens_aot.core.components.workspace import lent, scratch, unobserved
 from lens_aot.core.spec import MLPSpec
-from lens_aot.tl.hooks import hooked as _hooked
+from lens_aot.hooks import hooked as _hooked
 
 
 class SelfAndSlotHeads(nn.Module):
@@ -327,20 +328,8 @@ class NeuronAttention(SelfAndSlotHeads):
 
         return write
 
-    @staticmethod
-    def dense_scores(self_score: Float[Tensor, "... pos n_heads"]) -> Float[Tensor, "... n_heads pos pos"]:
-        """Scores over the real keys as [..., head, query, key]: each query sees only itself (``hook_attn_scores``)."""
-        pos = self_score.shape[-2]
-        eye = torch.eye(pos, dtype=torch.bool, device=self_score.device)
-        return torch.diag_embed(self_score.transpose(-1, -2)).masked_fill(~eye, float("-inf"))
-
-    @staticmethod
-    def dense_pattern(
-        scores: Float[Tensor, "... n_heads pos pos"], bias_score: Float[Tensor, "... pos n_heads"]
-    ) -> Float[Tensor, "... n_heads pos pos"]:
-        """Softmax over the real keys and the bias slot, returning the real keys' part (``hook_pattern``)."""
-        full = torch.cat((scores, bias_score.transpose(-1, -2)[..., None]), dim=-1)
-        return torch.softmax(full, dim=-1)[..., :-1]
+    dense_scores = staticmethod(dense_scores)
+    dense_pattern = staticmethod(dense_pattern)
 
     @staticmethod
     def self_weight(
@@ -375,8 +364,6 @@ class NeuronAttention(SelfAndSlotHeads):
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """How each per-head hook follows from ``hook_pre`` when nothing intervenes (for the compact cache): hook ->
         (sources, :class:`~lens_aot.core.cache.HeadDerivation`), self-contained data holding copies of the fit terms."""
-        from lens_aot.core.cache import neuron_head_derivations
-
         coeffs = {k: getattr(self, f"term_{k}") for k in ("alpha", "beta", "b", "d")}
         return neuron_head_derivations("neuron", coeffs, self.heads_per_neuron)
 

@@ -38,7 +38,7 @@ from lens_aot.core.components.product_attention import ProductAttention
 from lens_aot.core.gating import GatedFit, input_ranges
 from lens_aot.core.names import NEURON_MODULES
 from lens_aot.core.spec import MLPSpec
-from lens_aot.tl.hooks import hooked
+from lens_aot.hooks import hooked
 
 
 class NeuronMLP(nn.Module):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.tl.hooks import hooked
+from lens_aot.hooks import hooked
 
 _TAKEN: ContextVar[set[int] | None] = ContextVar("lens_aot_adopting", default=None)
 _SHARED: ContextVar[frozenset[int]] = ContextVar("lens_aot_shared", default=frozenset())

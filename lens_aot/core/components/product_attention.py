@@ -37,6 +37,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.head_chunks import logistic_times
+from lens_aot.core.components.head_derivations import neuron_head_derivations
 from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.spec import MLPSpec
@@ -266,6 +267,4 @@ class ProductAttention(SelfAndSlotHeads):
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
         """How each per-head hook follows from ``hook_pre_linear`` and ``hook_gate`` (for the compact cache): hook ->
         (sources, :class:`~lens_aot.core.cache.HeadDerivation`), self-contained data holding a copy of the scales."""
-        from lens_aot.core.cache import neuron_head_derivations
-
         return neuron_head_derivations("product", {"scales": self.scales}, self.heads_per_neuron)

@@ -21,8 +21,8 @@ from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import with_cached
-from lens_aot.core.components.mla_attention import rotate_rope
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.rope import rotate_rope
 from lens_aot.core.components.scaled_heads import ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec_routed import RoutedAttentionSpec

@@ -26,10 +26,11 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from lens_aot.core.components.attention import Attention, _project, fused_z
+from lens_aot.core.components.factory import attention_module
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec import AttentionSpec, RotarySpec
 from lens_aot.errors import InputError
-from lens_aot.tl.hooks import hooked as _hooked
+from lens_aot.hooks import hooked as _hooked
 
 __all__ = ["SharedKVAttention", "SharedKVBoxes", "SharedKeyValues"]
 
@@ -114,8 +115,6 @@ class SharedKVBoxes:
     def attention(self, layer: int, spec: Any, causal: bool, rotary: RotarySpec | None, built: list[Any]) -> nn.Module:
         """Layer ``layer``'s attention module: a :class:`SharedKVAttention` reading layer ``spec.kv_from``'s box
         (whose attention, among the blocks ``built`` so far, then fills it), else the plain one."""
-        from lens_aot.core.components.mla_attention import attention_module
-
         source = getattr(spec, "kv_from", None)
         if source is None:
             return attention_module(spec, causal, rotary)

@@ -30,6 +30,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.head_derivations import HeadDerivation, RoutedHeadDerivation
 from lens_aot.errors import InputError
 
 LENS_AOT = "lens_aot"
@@ -80,8 +81,6 @@ def source_named_derivations(
     """An MoE layer's compact-cache derivations (``"experts.{e}.<heads>.<hook>"`` -> (sources, how)) with its experts'
     sources under the source's names (the gate ``hook_pre`` -> ``hook_gate``, ``hook_pre_linear`` -> ``hook_pre``)
     and read as ``[1, routed, d_mlp]`` (:class:`~lens_aot.core.cache.RoutedHeadDerivation`)."""
-    from lens_aot.core.cache import HeadDerivation, RoutedHeadDerivation
-
     rename = {"hook_pre": "hook_gate", "hook_pre_linear": "hook_pre"}
 
     def source(name: str) -> str:

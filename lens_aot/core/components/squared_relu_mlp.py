@@ -12,17 +12,14 @@ both the gate heads and the product heads; no ``W_gate``), ``hook_pre`` (``z``) 
 
 from __future__ import annotations
 
-from typing import Any
-
 from jaxtyping import Float
-from torch import Tensor, nn
+from torch import Tensor
 
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS
-from lens_aot.core.components.moe_mlp import moe_mlp
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.gating import GatedFit
-from lens_aot.core.spec import MLPSpec, MoESpec
+from lens_aot.core.spec import MLPSpec
 
 
 class PlainAsGatedMLP(NeuronMLP):
@@ -73,27 +70,3 @@ class SquaredReLUMLP(PlainAsGatedMLP):
     def spec(self) -> MLPSpec:
         """The plain ``relu2`` MLP these heads implement."""
         return MLPSpec(*(exported(p) for p in (self.W_in, self.b_in, self.W_out, self.b_out)), self.act_fn)
-
-
-def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
-    """A source MLP as neuron heads: a :class:`NeuronMLP`, a :class:`SquaredReLUMLP` (a plain MLP with a
-    :class:`GatedFit`: squared ReLU), an :class:`~lens_aot.core.components.xielu_mlp.XIELUMLP` (xIELU), a
-    :class:`~lens_aot.core.components.clamped_swiglu_mlp.ClampedSwiGLUMLP` (GPT-OSS's clamped SwiGLU), or for a
-    mixture of experts an :class:`MoEMLP` of them (``fit`` a :class:`~lens_aot.core.moe.MoEFit`)."""
-    if isinstance(mlp, MoESpec):
-        return moe_mlp(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
-    from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
-    from lens_aot.core.xielu import XIELUFit
-
-    if isinstance(mlp, ClampedSwiGLUSpec):  # GPT-OSS's experts
-        from lens_aot.core.components.clamped_swiglu_mlp import ClampedSwiGLUMLP
-
-        return ClampedSwiGLUMLP(mlp, fit)
-
-    if isinstance(fit, XIELUFit):
-        from lens_aot.core.components.xielu_mlp import XIELUMLP
-
-        return XIELUMLP(mlp, fit)  # type: ignore[arg-type]
-    if not mlp.gated and isinstance(fit, GatedFit):
-        return SquaredReLUMLP(mlp, fit)
-    return NeuronMLP(mlp, fit)

@@ -22,6 +22,8 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.block import TransformerBlock
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.float32_norm import make_norm
+from lens_aot.core.components.hyper_block import HyperConnectionBlock
+from lens_aot.core.components.hyper_connection import HyperConnection, HyperHead, expand_streams
 from lens_aot.core.components.logit_scale import LogitScale
 from lens_aot.core.components.ownership import one_table_per_model
 from lens_aot.core.components.per_layer_inputs import PerLayerInputs, PerLayerInputStore
@@ -175,8 +177,6 @@ class SpecTransformer(HookedRootModule):
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(blocks)
         if spec.hc_head is not None:  # DeepSeek-V4: the streams collapsed into one before ln_final
-            from lens_aot.core.components.hyper_connection import HyperHead
-
             self.hc_head = HyperHead(spec.hc_head)
         self.ln_final = make_norm(spec.ln_final)
         if spec.prediction_head is not None:  # ModernBERT-decoder: a dense MLP, not neuron heads
@@ -206,7 +206,6 @@ class SpecTransformer(HookedRootModule):
         copy in each of the hc_mult streams, ``[batch, pos, hc_mult, d_model]``, as the source expands it."""
         if not hasattr(self, "hc_head"):
             return embedded
-        from lens_aot.core.components.hyper_connection import expand_streams
 
         return expand_streams(embedded, self.hc_head.hc_mult)
 
@@ -232,9 +231,6 @@ class SpecTransformer(HookedRootModule):
 def hyper_block(layer: int, spec: LayerSpec, pieces: tuple[Any, ...]) -> nn.Module:
     """DeepSeek-V4's layer ``layer`` (:mod:`~lens_aot.core.components.hyper_block`) from its spec and the pieces built
     for a plain block (``ln1``, attention, ``ln2``, MLP, ...); refuses what its source never combines with them."""
-    from lens_aot.core.components.hyper_block import HyperConnectionBlock
-    from lens_aot.core.components.hyper_connection import HyperConnection
-
     ln1, attn, ln2, mlp, parallel, ln1_post, ln2_post = pieces
     others = [name for name, on in (("a parallel layout", parallel), ("sandwich norms", ln1_post or ln2_post)) if on]
     others += [n for n in ("post_norm", "residual_norm", "layer_scalar", "per_layer") if getattr(spec, n)]

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.modules import module as _module
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.tl.hooks import hooked
+from lens_aot.hooks import hooked
 
 RETAINED_BYTES = 64 << 20  # the largest workspace kept between forward passes
 
