@@ -33,12 +33,13 @@ from lens_aot.analysis.patching.units import (
     HeadLike,
     NeuronRef,
     UnitLike,
+    UnitList,
     _head_module,
     _head_module_names,
     _head_units,
     _Index,
+    _modules_of,
     _neuron_units,
-    _order,
     _output_hook,
     _writes_linearly,
     _z_hook,
@@ -143,7 +144,7 @@ def patch_units(
         raise InputError("units is empty: nothing to patch")
     batch, n_pos = clean_t.shape
     pos_list = _patched_positions(positions, n_pos, per_position)
-    names = sorted({ref.name for unit in resolved for ref in unit.heads}, key=_order)
+    names = _modules_of(resolved)
     if per_position:
         variants: list[tuple[int, list[int] | None]] = [(u, [p]) for u in range(len(resolved)) for p in pos_list or []]
     else:
@@ -152,9 +153,12 @@ def patch_units(
     # A unit within one module changes that module's output by Σ_h Δz_h · W_O[h] (its heads' inputs are the
     # unpatched run's), so the patch is added to the module output and neuron modules keep their closed-form forward;
     # a unit spanning modules patches hook_z itself (its later heads see its earlier heads' patch).
-    linear = all(len({ref.name for ref in unit.heads}) == 1 for unit in resolved) and all(
-        _writes_linearly(aot, n) for n in names
+    single = (
+        resolved.single_module()
+        if isinstance(resolved, UnitList)
+        else all(len({ref.name for ref in unit.heads}) == 1 for unit in resolved)
     )
+    linear = single and all(_writes_linearly(aot, n) for n in names)
 
     with torch.no_grad():
         runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, [_z_hook(name) for name in names])

@@ -69,11 +69,15 @@ from lens_aot.analysis.patching.units import (
     NeuronRef,
     PatchUnit,
     UnitLike,
+    UnitList,
     _head_grads,
     _head_module,
     _head_units,
     _Index,
+    _ModuleBlock,
+    _modules_of,
     _neuron_units,
+    _NeuronBlock,
     _order,
     _output_hook,
     _split_pairs,
@@ -197,7 +201,7 @@ def attribute_units(
     _warn_split_pairs(resolved, "units")
     n_pos = clean_t.shape[1]
     pos_list = _patched_positions(positions, n_pos, per_position)
-    names = sorted({ref.name for unit in resolved for ref in unit.heads}, key=_order)
+    names = _modules_of(resolved)
     record = [hook for name in names for hook in _state_hooks(aot, name)]
     grads = [_output_hook(name) for name in names]
     runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, record, grads, method, steps, progress)
@@ -225,6 +229,45 @@ def attribute_units(
 
 
 def _unit_sums(
+    aot: AttentionOnlyTransformer,
+    units: Sequence[PatchUnit],
+    per_head: dict[str, Tensor],
+    per_post: dict[str, Tensor],
+) -> Float[Tensor, "unit n_out"]:
+    """Each unit's attribution from its heads' (a whole gated neuron: from its ``post``): a block of a
+    :class:`~lens_aot.analysis.patching.units.UnitList` (a layer's neurons, a module's heads) in one tensor operation,
+    explicit units gathered per module."""
+    parts = units.parts() if isinstance(units, UnitList) else [(0, list(units))]
+    out = [
+        _block_sums(aot, part, per_head, per_post)
+        if isinstance(part, (_NeuronBlock, _ModuleBlock))
+        else _explicit_sums(aot, part, per_head, per_post)
+        for _, part in parts
+    ]
+    return torch.cat(out)
+
+
+def _block_sums(
+    aot: AttentionOnlyTransformer,
+    block: _NeuronBlock | _ModuleBlock,
+    per_head: dict[str, Tensor],
+    per_post: dict[str, Tensor],
+) -> Float[Tensor, "unit n_out"]:
+    """A block's attributions: a module's heads (product pairs: their neuron's ``post``), or a layer's neurons (the
+    sum of each neuron's heads ``n·k … n·k + k − 1`` per module; a gated layer's: their ``post``)."""
+    if isinstance(block, _ModuleBlock):
+        return (per_post if block.kind == "pair" else per_head)[block.name].to(torch.float64).cpu()
+    neurons = block.neurons
+    rows = slice(neurons.start, neurons.stop, neurons.step) if isinstance(neurons, range) else list(neurons)
+    last = block.modules[-1][0]
+    if len(block.modules) > 1 and isinstance(_head_module(aot, last), ProductAttention):
+        return per_post[last][rows].to(torch.float64).cpu()
+    total = sum(per_head[name].to(torch.float64).unflatten(0, (-1, k))[rows].sum(1) for name, k in block.modules)
+    assert isinstance(total, Tensor)
+    return total.cpu()
+
+
+def _explicit_sums(
     aot: AttentionOnlyTransformer,
     units: Sequence[PatchUnit],
     per_head: dict[str, Tensor],
