@@ -44,6 +44,7 @@ from lens_aot.analysis.patching.units import (
     _writes_linearly,
     _z_hook,
 )
+from lens_aot.analysis.progress import Progress
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
@@ -113,7 +114,7 @@ def patch_units(
     positions: int | Iterable[int] | None = None,
     direction: Direction = "denoise",
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
 ) -> PatchingResult:
     """Activation patching of arbitrary units: all heads of a unit have their ``hook_z`` replaced together.
 
@@ -131,7 +132,7 @@ def patch_units(
             "noise": run ``clean``, patch in corrupted activations.
         batch_size: patched runs stacked per forward (default: as many as keep one activation under about 2^25
             elements, at most 1024).
-        progress: show a tqdm progress bar over forwards.
+        progress: a tqdm bar over the patched forwards: True, False, or "auto" (the default: in a notebook only).
 
     Hooks already on ``aot`` stay active (so patching composes with your own ablations); the patching hooks are
     removed on exit even if ``metric`` or a forward raises.

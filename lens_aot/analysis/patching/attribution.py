@@ -83,6 +83,7 @@ from lens_aot.analysis.patching.units import (
     _split_pairs,
     _state_hooks,
 )
+from lens_aot.analysis.progress import Progress
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.names import neuron_label
@@ -175,7 +176,7 @@ def attribute_units(
     positions: int | Iterable[int] | None = None,
     direction: Direction = "denoise",
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
 ) -> PatchingResult:
     """Gradient attribution of arbitrary units (the estimate of :func:`~lens_aot.patching.patch_units`).
 
@@ -188,6 +189,8 @@ def attribute_units(
     Args:
         method: "atp" or "ig" (see the module docstring); ``steps``: interpolation points for "ig".
         batch_size: accepted for signature compatibility with ``patch_units``; unused (no patched runs are stacked).
+        progress: a tqdm bar counting the passes (the two runs, then each of "ig"'s ``steps``): True, False, or
+            "auto" (the default: in a notebook only).
         Others: as :func:`~lens_aot.patching.patch_units`.
     """
     method = _method(method, steps)
