@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -23,9 +24,11 @@ from lens_aot.analysis.patching.units import (
     NeuronRef,
     PatchUnit,
     UnitLike,
+    UnitList,
     _Index,
     _is_head_tuple,
     _matches,
+    _NeuronBlock,
     _receiver_label,
 )
 from lens_aot.core.model import HeadRef
@@ -205,6 +208,8 @@ class PatchingResult(_Numbers):
         :func:`patch_neurons`.
         """
         data = self._data(what)
+        if isinstance(self.units, UnitList):
+            return self._by_neuron_blocks(layer, data)
         found = {u.index: data[i] for i, u in enumerate(self.units) if u.layer == layer and self.is_whole_neuron(u)}
         if not found:
             single = [u.label for u in self.units if u.layer == layer and u.kind == "neuron_head"]
@@ -218,6 +223,30 @@ class PatchingResult(_Numbers):
         out = data.new_full((self.d_mlp.get(layer, max(found) + 1), *data.shape[1:]), math.nan)
         for index, value in found.items():
             out[index] = value
+        return out
+
+    def _by_neuron_blocks(self, layer: int, data: Tensor) -> Tensor:
+        """:meth:`by_neuron` of a result whose units are a :class:`UnitList`: its blocks' rows copied per block."""
+        assert isinstance(self.units, UnitList)
+        pieces: list[tuple[Any, Any]] = []  # (neuron indices, rows of data), later pieces overwriting earlier ones
+        for start, part in self.units.parts():
+            if isinstance(part, list):
+                sub = [(u.index, start + j) for j, u in enumerate(part) if u.layer == layer and self.is_whole_neuron(u)]
+                pieces += [([n for n, _ in sub], [r for _, r in sub])] if sub else []
+            elif part.layer == layer and (
+                isinstance(part, _NeuronBlock)
+                or part.kind == "pair"
+                or (part.kind == "neuron_head" and part.heads_per_neuron == 1)
+            ):
+                neurons = part.neurons if isinstance(part, _NeuronBlock) else range(len(part))
+                pieces.append((list(neurons), range(start, start + len(part))))
+        if not pieces:
+            return PatchingResult(**{**self.__dict__, "units": list(self.units)}).by_neuron(layer)  # its error
+        size = self.d_mlp.get(layer, max(max(n) for n, _ in pieces) + 1)
+        out = data.new_full((size, *data.shape[1:]), math.nan)
+        for neurons, rows in pieces:
+            rows = slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+            out[torch.as_tensor(neurons, dtype=torch.long)] = data[rows]
         return out
 
     def attention(self, layer: int, what: Quantity = "value") -> Tensor:

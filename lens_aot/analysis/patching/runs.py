@@ -243,7 +243,7 @@ def _both_runs(
     base_t, other_t = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
     base_what, other_what = ("corrupted", "clean") if direction == "denoise" else ("clean", "corrupted")
     record = [*record, "hook_embed"] if method == "ig" else list(record)
-    desc = "attribution (EAP-IG steps)" if method == "ig" else "attribution"
+    desc = "integrated gradients" if method == "ig" else "attribution"
     with progress_bar(progress, 2 + (steps if method == "ig" else 0), desc) as bar:
         base = _forward(aot, base_t, metric, record, grads if method == "atp" else (), what=base_what)
         bar.update(1)
