@@ -22,7 +22,7 @@ into every parameter) on the same tokens:
   over the same pairs.
 
     python benchmarks/bench_scale.py [--shape cpu|1b|8b|olmoe] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-        [--tokens 128] [--pairs 8] [--repeats 3] [--threads 1] [--layers N] [--skip discover]
+        [--tokens 128] [--pairs 8] [--repeats 3] [--threads 1] [--layers N] [--scale 1.0] [--skip discover forward]
 """
 
 from __future__ import annotations
@@ -157,12 +157,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink d_model, d_mlp and the vocabulary (a check)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["discover", "forward"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dims = dict(SHAPES[args.shape])
     if args.layers:
         dims["n_layers"] = args.layers
+    if args.scale != 1.0:
+        for key in ("d_model", "d_mlp", "d_vocab"):
+            dims[key] = max(64, round(dims[key] * args.scale))
+        dims["d_head"] = dims["d_model"] // dims["n_heads"]
     default_dtype = "float32" if args.shape == "cpu" or args.device == "cpu" else "bfloat16"
     dtype = getattr(torch, args.dtype or default_dtype)
     source = build_source(dims, dtype, args.device)
