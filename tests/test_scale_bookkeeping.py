@@ -112,6 +112,10 @@ def test_lazy_results_equal_unit_by_unit_results(gated: bool) -> None:
         assert torch.allclose(lazy.values, ref.values, rtol=1e-12, atol=1e-12)
         assert lazy.d_mlp == ref.d_mlp and dict(lazy.heads_per_neuron) == dict(ref.heads_per_neuron)
         assert [e.unit for e in lazy.top(5)] == [e.unit for e in ref.top(5)]
+        if lazy.units[0].kind == "attention":  # per module: attention heads, neuron heads, product pairs
+            got_m, want_m = lazy.by_module("effect"), ref.by_module("effect")
+            assert list(got_m) == list(want_m)
+            assert all(torch.allclose(got_m[k], want_m[k], rtol=1e-12, atol=1e-12, equal_nan=True) for k in got_m)
         for layer in range(2):  # a neuron's own value: whole neurons, gated pairs, SiLU's one head per neuron
             got, want = lazy.by_neuron(layer, "effect"), ref.by_neuron(layer, "effect")
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)

@@ -178,6 +178,8 @@ class PatchingResult(_Numbers):
         n_positions)]``, entry ``n`` the pair of neuron ``n`` (heads ``2n``, ``2n + 1``). Modules without a patched
         head are left out; whole-neuron units are in :meth:`by_neuron`."""
         data = self._data(what)
+        if isinstance(self.units, UnitList):
+            return self._by_module_blocks(data)
         out: dict[str, Tensor] = {}
         paired = {u.heads[0].name for u in self.units if u.product_pair is not None}
         for i, unit in enumerate(self.units):
@@ -224,6 +226,40 @@ class PatchingResult(_Numbers):
         for index, value in found.items():
             out[index] = value
         return out
+
+    def _by_module_blocks(self, data: Tensor) -> dict[str, Tensor]:
+        """:meth:`by_module` of a result whose units are a :class:`UnitList`: its blocks' rows copied per block."""
+        assert isinstance(self.units, UnitList)
+        # (module, laid out per product pair, entries, rows of data, the piece's first unit)
+        pieces: list[tuple[str, bool, Any, Any, PatchUnit]] = []
+        for start, part in self.units.parts():
+            if isinstance(part, list):
+                for j, unit in enumerate(part):
+                    pair = unit.product_pair
+                    if len(unit.heads) == 1 or pair is not None:
+                        entry = unit.heads[0].head if pair is None else pair
+                        pieces.append((unit.heads[0].name, pair is not None, [entry], [start + j], unit))
+            elif isinstance(part, _NeuronBlock):
+                if part.heads_per_neuron == 1:  # one head per neuron: head n is neuron n
+                    pieces.append((part.modules[0][0], False, list(part.neurons), range(start, start + len(part)),
+                                   part.unit(0)))  # fmt: skip
+            else:
+                rows = range(start, start + len(part))
+                pieces.append((part.name, part.kind == "pair", list(range(len(part))), rows, part.unit(0)))
+        paired = {name for name, is_pair, *_ in pieces if is_pair}
+        out: dict[str, Tensor] = {}
+        for name, is_pair, entries, rows, unit in pieces:
+            if name in paired and not is_pair:
+                raise InputError(
+                    f"{name} was patched both as product pairs and as single heads ({unit.label}), so it has no "
+                    f"one layout per module; index single heads by label (result[{unit.label!r}]) or use to_dataframe()"
+                )
+            if name not in out:
+                size = self.n_heads[name] // 2 if is_pair else self.n_heads[name]
+                out[name] = data.new_full((size, *data.shape[1:]), math.nan)
+            rows = slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+            out[name][torch.as_tensor(entries, dtype=torch.long)] = data[rows]
+        return {name: out[name] for name in self.n_heads if name in out}
 
     def _by_neuron_blocks(self, layer: int, data: Tensor) -> Tensor:
         """:meth:`by_neuron` of a result whose units are a :class:`UnitList`: its blocks' rows copied per block."""
