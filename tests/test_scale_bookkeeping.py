@@ -4,8 +4,9 @@ Attribution, patching and discovery's scoring pass keep their numbers as tensors
 per-unit objects (``PatchUnit``, labels, ``heads_per_neuron``) only when read: the Python calls of one
 ``attribute_neurons`` over every neuron, of ``patch_neurons`` over a fixed list of neurons and of ``discover`` (its
 neuron pre-scoring included) are the same, within 10%, on two models that differ only in ``d_mlp`` (512 and 8,192
-per layer). The lazily built results equal those built unit by unit. Work that takes a while shows a tqdm bar whose
-total counts its passes (EAP-IG's steps included); ``progress=False`` and "auto" outside a notebook print nothing.
+per layer), and so are their dispatched ATen operations; their host-device syncs are equal. The lazily built
+results equal those built unit by unit. Work that takes a while shows a tqdm bar whose total counts its passes
+(EAP-IG's steps included); ``progress=False`` and "auto" outside a notebook print nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from factories_spec import random_spec
 import lens_aot
 from lens_aot.analysis.patching.units import UnitList, _Index, _neuron_units
 from lens_aot.circuits import compare_granularities, discover, evaluate, faithfulness_curve
+from lens_aot.core.opcount import count_ops
 from lens_aot.errors import InputError
 from lens_aot.patching import (
     attribute_heads,
@@ -70,30 +72,37 @@ def _calls(fn: Callable[[], Any]) -> int:
     return pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
 
 
-def _assert_flat(counts: dict[int, int]) -> None:
+def _assert_flat(counts: dict[int, int], what: str = "calls") -> None:
     small, large = counts[WIDTHS[0]], counts[WIDTHS[1]]
-    assert large <= 1.1 * small, f"{large} calls at d_mlp={WIDTHS[1]} against {small} at d_mlp={WIDTHS[0]}"
+    assert large <= 1.1 * small, f"{large} {what} at d_mlp={WIDTHS[1]} against {small} at d_mlp={WIDTHS[0]}"
+
+
+def _assert_flat_ops(fns: dict[int, Callable[[], Any]]) -> None:
+    """Dispatched ATen operations within 10%, and the same host-device syncs, at both widths."""
+    ops = {d: count_ops(fn) for d, fn in fns.items()}
+    _assert_flat({d: c.total for d, c in ops.items()}, "operations")
+    assert ops[WIDTHS[0]].syncs == ops[WIDTHS[1]].syncs, {d: c.syncs for d, c in ops.items()}
 
 
 def test_attribute_neurons_calls_do_not_grow_with_neurons(pair) -> None:
-    counts = {d: _calls(lambda a=aot: attribute_neurons(a, CLEAN, CORRUPTED, logit_diff)) for d, aot in pair.items()}
-    _assert_flat(counts)
+    fns = {d: lambda a=aot: attribute_neurons(a, CLEAN, CORRUPTED, logit_diff) for d, aot in pair.items()}
+    _assert_flat({d: _calls(fn) for d, fn in fns.items()})
+    _assert_flat_ops(fns)
     res = attribute_neurons(pair[WIDTHS[1]], CLEAN, CORRUPTED, logit_diff)
     assert len(res) == 2 * WIDTHS[1] and res.by_neuron(1).shape == (WIDTHS[1],)
 
 
 def test_patch_neurons_calls_do_not_grow_with_neurons(pair) -> None:
     neurons = [(0, 1), (1, 5), (0, 100), (1, 511)]
-    counts = {
-        d: _calls(lambda a=aot: patch_neurons(a, CLEAN, CORRUPTED, logit_diff, neurons=neurons))
-        for d, aot in pair.items()
-    }
-    _assert_flat(counts)
+    fns = {d: lambda a=aot: patch_neurons(a, CLEAN, CORRUPTED, logit_diff, neurons=neurons) for d, aot in pair.items()}
+    _assert_flat({d: _calls(fn) for d, fn in fns.items()})
+    _assert_flat_ops(fns)
 
 
 def test_discover_scoring_pass_calls_do_not_grow_with_neurons(pair) -> None:
-    counts = {d: _calls(lambda a=aot: discover(a, DATA, label_metric, top_nodes=20)) for d, aot in pair.items()}
-    _assert_flat(counts)
+    fns = {d: lambda a=aot: discover(a, DATA, label_metric, top_nodes=20) for d, aot in pair.items()}
+    _assert_flat({d: _calls(fn) for d, fn in fns.items()})
+    _assert_flat_ops(fns)
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
