@@ -190,5 +190,6 @@ def test_no_bar_unless_asked_or_in_a_notebook(small, capsys, monkeypatch) -> Non
     per_position = {"per_position": True, "positions": [1, 2], "batch_size": 1}
     patched = _bar(capsys, lambda: patch_neurons(small, CLEAN, CORRUPTED, logit_diff, neurons=[(0, 1)], **per_position))
     assert "| 2/2 " in patched
-    with pytest.raises(InputError, match="progress must be True, False or 'auto'"):
-        attribute("yes")
+    for bad in (lambda: attribute("yes"), lambda: patch_neurons(small, CLEAN, CORRUPTED, logit_diff, progress=1)):
+        with pytest.raises(InputError, match="progress must be True, False or 'auto'"):
+            bad()

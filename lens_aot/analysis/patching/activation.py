@@ -44,7 +44,7 @@ from lens_aot.analysis.patching.units import (
     _writes_linearly,
     _z_hook,
 )
-from lens_aot.analysis.progress import Progress
+from lens_aot.analysis.progress import Progress, show_progress
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
@@ -138,6 +138,7 @@ def patch_units(
     removed on exit even if ``metric`` or a forward raises.
     """
     direction = _direction(direction)
+    show_progress(progress)  # a bad value is refused before any forward
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
     index = _Index(aot)
     resolved = index.units(units)

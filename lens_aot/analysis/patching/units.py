@@ -24,6 +24,12 @@ The source-aligned layout: attention heads read ``blocks.{l}.hook_resid_pre`` th
 only the MLP's scratch, ``blocks.{l}.mlp.product_heads.hook_gate``, which the product heads read as their values.
 A product module's *input* is therefore its residual and that scratch, side by side (``[d_model + d_mlp]``).
 
+Unit lists built here from the model's maps (every neuron of a layer, every head of a module) are :class:`UnitList` s:
+each layer's or module's units are one block, read by the algorithms as tensors (one operation per block), and a
+block's :class:`PatchUnit` s are built only when a result is read, so the Python work of listing, attributing and
+patching whole layers grows with layers, not with neurons. The public :func:`head_units` / :func:`neuron_units`
+return plain lists of the same units.
+
 Gemma 4's per-layer-input neurons (``blocks.{l}.per_layer.gate_heads`` / ``product_heads``) are not units: their
 output goes through the sublayer's post norm before the residual, so no head writes linearly to it. They are not in
 ``aot.sublayers()``; every patched forward runs them, and each tool built on this index warns that it lists none.
