@@ -29,6 +29,7 @@ from lens_aot.circuits import compare_granularities, discover, evaluate, faithfu
 from lens_aot.core.opcount import count_ops
 from lens_aot.errors import InputError
 from lens_aot.patching import (
+    NeuronRef,
     attribute_heads,
     attribute_neurons,
     attribute_units,
@@ -105,6 +106,14 @@ def test_discover_scoring_pass_calls_do_not_grow_with_neurons(pair) -> None:
     _assert_flat_ops(fns)
 
 
+def _row(result: Any, key: Any) -> int | None:
+    """``result.index(key)``, None where the key names no unit of it."""
+    try:
+        return result.index(key)
+    except InputError:
+        return None
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_lazy_results_equal_unit_by_unit_results(gated: bool) -> None:
     """Blocks (every neuron of a layer, every head of a module) give the units, values and annotations that the same
@@ -121,6 +130,10 @@ def test_lazy_results_equal_unit_by_unit_results(gated: bool) -> None:
         assert torch.allclose(lazy.values, ref.values, rtol=1e-12, atol=1e-12)
         assert lazy.d_mlp == ref.d_mlp and dict(lazy.heads_per_neuron) == dict(ref.heads_per_neuron)
         assert [e.unit for e in lazy.top(5)] == [e.unit for e in ref.top(5)]
+        keys: list[Any] = [k for u in eager[::5] for k in (u, u.label, *([u.heads[0]] if len(u.heads) == 1 else []))]
+        keys += [NeuronRef(layer, n) for layer in range(2) for n in (0, 7, 23)] + [("blocks.0.attn", 1), (0, 2)]
+        found = [k for k in keys if _row(ref, k) is not None]
+        assert len(found) > len(keys) // 2 and all(_row(lazy, k) == _row(ref, k) for k in keys)
         if lazy.units[0].kind == "attention":  # per module: attention heads, neuron heads, product pairs
             got_m, want_m = lazy.by_module("effect"), ref.by_module("effect")
             assert list(got_m) == list(want_m)

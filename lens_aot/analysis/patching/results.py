@@ -150,10 +150,12 @@ class PatchingResult(_Numbers):
     # ---- lookups
     def index(self, key: UnitLike | str) -> int:
         """Row of ``values`` for a unit, head, ``(module, head)``, neuron or label (a clear error if not patched)."""
+        if isinstance(self.units, UnitList):  # a block's few candidate rows, not every unit
+            for i in self.units.candidates(key, list(self.n_heads)):
+                if self._names(self.units[i], key):
+                    return i
         for i, unit in enumerate(self.units):
-            if _matches(unit, key, list(self.n_heads)) or (
-                isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
-            ):
+            if self._names(unit, key):
                 return i
         pairs = [u.label for u in self.units if u.product_pair is not None and _in_unit(u, key, list(self.n_heads))]
         if pairs:
@@ -163,6 +165,12 @@ class PatchingResult(_Numbers):
                 f"single head explicitly (patch_heads(heads=[...]))"
             )
         raise InputError(f"{key!r} was not patched in this result; its units are e.g. {_examples(self.units)}")
+
+    def _names(self, unit: PatchUnit, key: Any) -> bool:
+        """Whether ``key`` names ``unit`` (a NeuronRef also names a unit that patches its whole neuron)."""
+        return _matches(unit, key, list(self.n_heads)) or (
+            isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
+        )
 
     def __getitem__(self, key: UnitLike | str) -> Tensor:
         return self.values[self.index(key)]

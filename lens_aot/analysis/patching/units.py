@@ -70,7 +70,7 @@ from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exporte
     _z_hook,
 )
 from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
-from lens_aot.core.names import head_label, module_expert, neuron_label, parse_module
+from lens_aot.core.names import head_label, module_expert, neuron_label, parse_label, parse_module
 from lens_aot.core.per_layer_fit import neuron_parts
 from lens_aot.errors import InputError
 
@@ -294,6 +294,57 @@ class UnitList(Sequence[PatchUnit]):
             else isinstance(p, _ModuleBlock) or all(len({r.name for r in u.heads}) == 1 for u in p)
             for p in self._parts
         )
+
+    def candidates(self, key: Any, modules: Sequence[str] = ()) -> Iterator[int]:
+        """Rows, in order, where a unit named by ``key`` (a unit, label, NeuronRef, HeadRef or ``(module, head)``)
+        can lie: every row of a run of explicit units, and at most a few per block, computed from the key without
+        building the block's units. The caller checks each (a row here is a candidate, not a match)."""
+        ref: tuple[Any, Any] | None = None  # (module name, head) of a one-head key
+        where: tuple[int, int, int | None] | None = None  # (layer, neuron or head index, component) of a label
+        if isinstance(key, PatchUnit) and key.heads:
+            ref = (key.heads[0].name, key.heads[0].head)
+            where = (key.layer, key.index, key.component)
+        elif isinstance(key, HeadRef) or _is_head_tuple(key):
+            name = key[0]
+            if isinstance(name, int):
+                name = modules[name] if -len(modules) <= name < len(modules) else None
+            ref = (name, key[1])
+        elif isinstance(key, NeuronRef):
+            where = (key.layer, key.neuron, None)
+        elif isinstance(key, str):
+            try:
+                label = parse_label(key)
+            except InputError:
+                label = None
+            if label is not None:
+                where = (label.layer, label.index, label.component)
+        for start, part in self.parts():
+            if isinstance(part, list):
+                yield from range(start, start + len(part))
+                continue
+            rows: list[int] = []
+            if isinstance(part, _NeuronBlock):
+                names = [name for name, _ in part.modules]
+                if ref is not None and ref[0] in names and isinstance(ref[1], int):
+                    k = dict(part.modules)[ref[0]]
+                    rows.append(ref[1] // k)
+                if where is not None and where[0] == part.layer:
+                    rows.append(where[1])
+                neurons = part.neurons
+                rows = [neurons.index(n) for n in rows if n in neurons]
+            else:
+                if ref is not None and ref[0] == part.name and isinstance(ref[1], int):
+                    rows.append(ref[1] // 2 if part.kind == "pair" else ref[1])
+                if where is not None and where[0] == part.layer:
+                    n = where[1]
+                    if part.kind in ("attention", "pair"):
+                        rows.append(n)
+                    else:
+                        first = n * part.k
+                        c = where[2]
+                        rows += [first + c - part.component] if c is not None else list(range(first, first + part.k))
+                rows = [i for i in rows if 0 <= i < len(part)]
+            yield from (start + i for i in dict.fromkeys(rows))
 
     def __len__(self) -> int:
         return self._starts[-1]
