@@ -100,6 +100,16 @@ def test_patch_neurons_calls_do_not_grow_with_neurons(pair) -> None:
     _assert_flat_ops(fns)
 
 
+def test_patching_syncs_do_not_grow_with_units(pair) -> None:
+    """The patched runs' metrics reach the host together, once per stacked forward, not once per unit."""
+    aot = pair[WIDTHS[0]]
+    syncs = {
+        n: count_ops(lambda n=n: patch_neurons(aot, CLEAN, CORRUPTED, logit_diff, neurons=[(1, i) for i in range(n)]))
+        for n in (2, 16)
+    }
+    assert syncs[2].syncs == syncs[16].syncs, {n: c.syncs for n, c in syncs.items()}
+
+
 def test_discover_scoring_pass_calls_do_not_grow_with_neurons(pair) -> None:
     fns = {d: lambda a=aot: discover(a, DATA, label_metric, top_nodes=20) for d, aot in pair.items()}
     _assert_flat({d: _calls(fn) for d, fn in fns.items()})

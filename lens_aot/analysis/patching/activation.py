@@ -27,7 +27,7 @@ from lens_aot.analysis.patching.runs import (
     _patched_positions,
     _progress,
     _run,
-    _scalar,
+    _scalars,
 )
 from lens_aot.analysis.patching.units import (
     HeadLike,
@@ -189,7 +189,7 @@ def patch_units(
                     for name, pair in pairs.items()
                 ]
             logits = _run(aot, runs.base_tokens.repeat(len(chunk), 1), hooks)
-            values.extend(_scalar(metric(logits[r * batch : (r + 1) * batch]), "patched") for r in range(len(chunk)))
+            values.extend(_scalars([metric(logits[r * batch : (r + 1) * batch]) for r in range(len(chunk))], "patched"))
     out = torch.tensor(values, dtype=torch.float64)
     if per_position:
         out = out.reshape(len(resolved), len(pos_list or []))

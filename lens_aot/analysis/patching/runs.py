@@ -70,6 +70,15 @@ def _scalar(value: Any, where: str) -> float:
     )
 
 
+def _scalars(values: Sequence[Any], where: str) -> list[float]:
+    """:func:`_scalar` of each of ``values``, with one host-device transfer for all the tensors among them (not one
+    synchronisation per patched run)."""
+    tensors = [v for v in values if isinstance(v, Tensor) and v.numel() == 1]
+    if len(tensors) < len(values):  # a non-scalar or a Python number: the one-by-one check (and its error)
+        return [_scalar(v, where) for v in values]
+    return torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).cpu().tolist()
+
+
 def _no_blocks(options: dict[str, Any]) -> None:
     """Refuse lens_aot 0.1's ``blocks=`` (flat block indices) with the new spelling."""
     if "blocks" in options:
