@@ -18,6 +18,7 @@ from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
 from lens_aot.analysis.circuits.discover import DiscoverMethod, discover
 from lens_aot.analysis.circuits.faithfulness import FaithfulnessCurve, faithfulness_curve
 from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.analysis.progress import Progress, progress_bar
 from lens_aot.errors import InputError
 
 
@@ -110,20 +111,29 @@ def compare_granularities(
     ig_steps: int | None = None,
     top_neurons: int = 5,
     selection: str = "topn",
+    progress: Progress = "auto",
 ) -> GranularityComparison:
     """Discover at mlp and neuron granularity, evaluate both at the same edge counts ``n_edges`` (default: twelve
     geometric steps up to the larger graph's edge count; a graph with fewer edges is evaluated whole there), with
     ``selection`` "topn" or "greedy" (:func:`~lens_aot.circuits.faithfulness_curve`), and list each MLP's
     ``top_neurons`` neurons by share of the layer's total ``|node score|`` (over the kept neurons). ``method``,
-    ``steps`` / ``ig_steps``: :func:`~lens_aot.circuits.discover`'s."""
+    ``steps`` / ``ig_steps``: :func:`~lens_aot.circuits.discover`'s. ``progress``: a tqdm bar over the four stages
+    (two discoveries, two curves): True, False, or "auto" (the default: in a notebook only)."""
     data = list(dataset)
     if not data:
         raise InputError("the dataset is empty: give at least one (clean, corrupted, labels) batch")
-    mlp = discover(aot, data, metric, method, "mlp", steps=steps, ig_steps=ig_steps)
-    neuron = discover(aot, data, metric, method, "neuron", steps=steps, ig_steps=ig_steps, top_nodes=top_nodes)
-    sizes = list(n_edges) if n_edges is not None else _geometric(max(len(mlp.src), len(neuron.src)), 12)
-    mlp_curve = faithfulness_curve(aot, mlp, data, metric, n_edges=sizes, selection=selection)
-    neuron_curve = faithfulness_curve(aot, neuron, data, metric, n_edges=sizes, selection=selection)
+    with progress_bar(progress, 4, "compare granularities") as bar:
+        mlp = discover(aot, data, metric, method, "mlp", steps=steps, ig_steps=ig_steps, progress=False)
+        bar.update(1)
+        neuron = discover(
+            aot, data, metric, method, "neuron", steps=steps, ig_steps=ig_steps, top_nodes=top_nodes, progress=False
+        )
+        bar.update(1)
+        sizes = list(n_edges) if n_edges is not None else _geometric(max(len(mlp.src), len(neuron.src)), 12)
+        mlp_curve = faithfulness_curve(aot, mlp, data, metric, n_edges=sizes, selection=selection, progress=False)
+        bar.update(1)
+        neuron_curve = faithfulness_curve(aot, neuron, data, metric, n_edges=sizes, selection=selection, progress=False)
+        bar.update(1)
     shares: dict[str, list[tuple[str, float]]] = {}
     assert neuron.node_scores is not None
     for layer in range(len(aot.blocks)):

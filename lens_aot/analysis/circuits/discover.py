@@ -35,6 +35,8 @@ scored.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +58,7 @@ from lens_aot.analysis.circuits.layout import (
     split_inputs,
 )
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_jacobians, gated_outputs, group_of, neuron_groups
+from lens_aot.analysis.progress import Progress, progress_bar
 from lens_aot.errors import InputError, one_of
 
 DiscoverMethod = Literal["EAP", "EAP-IG", "EAP-IG-inputs", "EAP-IG-activations"]
@@ -297,7 +300,7 @@ def _neuron_input_grads(
     return torch.cat(out, dim=2)
 
 
-def _output_grads(group: NeuronGroup, grads: dict[str, Tensor], cols: list[int]) -> Tensor:
+def _output_grads(group: NeuronGroup, grads: dict[str, Tensor], cols: list[int] | slice) -> Tensor:
     """``∂metric/∂(output)`` of neurons ``cols`` ``[b, p, k]``: ``∂/∂post`` in a dense MLP, and ``∂metric/∂mlp_out ·
     W_out[i]`` for an MoE group (whose output is ``gate·post``)."""
     if not group.gated_by_moe:
@@ -329,11 +332,11 @@ def _norm_backward(
 
 
 def _neuron_scores(
-    aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[Run]
-) -> list[tuple[float, int, int | tuple[int, int]]]:
+    aot: Any, data: list[Batch], metric: CircuitMetric, alphas: list[Run], bar: Any
+) -> tuple[list[NeuronGroup], list[Float[Tensor, " d_mlp"]]]:
     """Every neuron's score ``Σ Δout · ∂metric/∂out`` (the sum of its outgoing edges' scores; ``out`` is ``post``, or
-    ``gate·post`` in an MoE layer), summed over positions and averaged over examples and gradient runs, as
-    ``(score, layer, neuron)`` with ``neuron`` an index or, for a routed expert's, ``(expert, index)``."""
+    ``gate·post`` in an MoE layer), summed over positions and averaged over examples and gradient runs: one float64
+    tensor per neuron group (a dense MLP, or one expert), computed per group, never per neuron."""
     groups = [g for layer in range(len(aot.blocks)) if has_mlp(aot, layer) for g in neuron_groups(aot, layer)]
     wanted = sorted(
         {g.post_hook if not g.gated_by_moe else f"blocks.{g.layer}.hook_mlp_out" for g in groups}
@@ -346,14 +349,26 @@ def _neuron_scores(
         for alpha in alphas:
             grads, _ = _grad_run(aot, batch, ends, metric, alpha, wanted)
             for g, total in zip(groups, totals, strict=True):
-                g_out = _output_grads(g, grads, list(range(g.d_mlp)))
+                g_out = _output_grads(g, grads, slice(None))
                 total += (ends.diff[g.post_hook] * g_out).sum(dim=(0, 1)).double().cpu() / len(alphas)
+            bar.update(1)
         n += len(batch)
-    return [
-        (float(v) / n, g.layer, (g.expert, j) if isinstance(g.expert, int) else j)
-        for g, total in zip(groups, totals, strict=True)
-        for j, v in enumerate(total.tolist())
-    ]
+    return groups, [total / n for total in totals]
+
+
+def _top_neurons(
+    groups: list[NeuronGroup], scores: list[Float[Tensor, " d_mlp"]], top_nodes: int
+) -> dict[int, list[int | tuple[int, int]]]:
+    """The ``top_nodes`` neurons of largest ``|score|`` (ties: in model order), per layer in rank order: an index, or
+    ``(expert, index)`` for a routed expert's. One sort of every score at once; Python work per kept neuron only."""
+    starts = list(itertools.accumulate((len(s) for s in scores), initial=0))
+    order = torch.cat(scores).abs().argsort(descending=True, stable=True)[:top_nodes].tolist()
+    kept: dict[int, list[int | tuple[int, int]]] = {}
+    for i in order:
+        k = bisect.bisect_right(starts, i) - 1
+        g, j = groups[k], i - starts[k]
+        kept.setdefault(g.layer, []).append((g.expert, j) if isinstance(g.expert, int) else j)
+    return kept
 
 
 @torch.no_grad()
@@ -368,6 +383,7 @@ def discover(
     steps: int = 5,
     ig_steps: int | None = None,
     top_nodes: int | None = 1000,
+    progress: Progress = "auto",
 ) -> Graph:
     """Score every edge (among the kept nodes) with EAP or EAP-IG; returns a :class:`Graph` with ``scores`` and
     ``node_scores`` set and nothing in the circuit yet (``apply_topn`` / ``apply_threshold`` / ``apply_greedy``).
@@ -385,6 +401,8 @@ def discover(
         steps, ig_steps: the interpolation points of the EAP-IG methods (``ig_steps``, EAP-IG's name, wins; giving
             both with different values is refused).
         top_nodes: at neuron granularity, how many neurons to keep (largest ``|node score|``); None keeps all.
+        progress: a tqdm bar counting the gradient runs (batches × steps, twice when neurons are scored first):
+            True, False, or "auto" (the default: in a notebook only).
     """
     granularity = _granularity(granularity)
     if ig_steps is not None and steps != 5 and ig_steps != steps:
@@ -398,17 +416,18 @@ def discover(
     data = list(batches(aot, dataset))
     n_examples = sum(len(b) for b in data)
     with split_inputs(aot):
-        kept: dict[int, list[int]] | None = None
         n_neurons = sum(g.d_mlp for i in range(len(aot.blocks)) if has_mlp(aot, i) for g in neuron_groups(aot, i))
-        if granularity == "neuron" and top_nodes is not None and top_nodes < n_neurons:
-            flat = sorted(_neuron_scores(aot, data, metric, alphas), key=lambda t: -abs(t[0]))
-            kept = {}
-            for _, layer, j in flat[:top_nodes]:
-                kept.setdefault(layer, []).append(j)
-        graph = Graph.from_model(aot, granularity, neurons=kept)
-        scorer = _Scorer(aot, graph)
-        for batch in data:
-            _score_batch(aot, graph, scorer, batch, metric, alphas, granularity)
+        prescore = granularity == "neuron" and top_nodes is not None and top_nodes < n_neurons
+        passes = len(data) * len(alphas) * (2 if prescore else 1)
+        with progress_bar(progress, passes, f"discover ({method})") as bar:
+            kept: dict[int, list[int | tuple[int, int]]] | None = None
+            if prescore:
+                assert top_nodes is not None
+                kept = _top_neurons(*_neuron_scores(aot, data, metric, alphas, bar), top_nodes)
+            graph = Graph.from_model(aot, granularity, neurons=kept)
+            scorer = _Scorer(aot, graph)
+            for batch in data:
+                _score_batch(aot, graph, scorer, batch, metric, alphas, granularity, bar)
     # Sign: the scorer accumulates EAP's (out_corrupted − out_clean) · ∂metric/∂in; the scores returned are its
     # negation, (out_clean − out_corrupted) · ∂metric/∂in, so that positive = supports the clean answer (docstring).
     graph.scores = -(
@@ -444,6 +463,7 @@ def _score_batch(
     metric: CircuitMetric,
     alphas: list[Run],
     granularity: Granularity,
+    bar: Any,
 ) -> None:
     ends = _endpoints(aot, batch, granularity, metric, _interpolated(alphas))
     n_layers = len(aot.blocks)
@@ -502,3 +522,4 @@ def _score_batch(
                 g_out = _output_grads(group, grads, cols)
                 per = (ends.diff[group.post_hook][:, :, cols] * g_out).sum(dim=(0, 1)).double().cpu()
                 ns[torch.tensor(scorer.neuron_nodes[key])] += w * per
+        bar.update(1)

@@ -39,6 +39,7 @@ from lens_aot.analysis.circuits.layout import (
 )
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_values, gated_outputs, group_of, neuron_groups
 from lens_aot.analysis.circuits.node_names import node_address
+from lens_aot.analysis.progress import Progress, progress_bar
 from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
 
@@ -278,7 +279,9 @@ def _record_corrupted(aot: Any, graph: Graph, tokens: Tensor, posts: set[str]) -
 
 @torch.no_grad()
 @converted_only(metric="circuit")
-def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) -> Float[Tensor, " example"]:
+def evaluate(
+    aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric, *, progress: Progress = "auto"
+) -> Float[Tensor, " example"]:
     """The metric per example with the circuit ``graph`` (its edges with ``in_graph``) kept and every other edge
     carrying its sender's corrupted output (EAP-IG's ``evaluate_graph`` with ``intervention="patching"``).
 
@@ -286,19 +289,22 @@ def evaluate(aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric) ->
         aot: the converted model; graph: a :class:`Graph` of this model (any granularity).
         dataset: batches ``(clean, corrupted, labels)`` (:mod:`.data`); metric: ``metric(logits, labels)`` ->
             ``[batch]`` (or EAP-IG's four-argument signature).
+        progress: a tqdm bar over the batches: True, False, or "auto" (the default: in a notebook only).
     """
     _check_graph(aot, graph)
     results = []
     runner = _Runner(aot, graph)
     posts = {group.post_hook for group, _ in runner.groups.values()}
-    with split_inputs(aot):
-        for batch in batches(aot, dataset):
+    data = list(batches(aot, dataset))
+    with split_inputs(aot), progress_bar(progress, len(data), "evaluate") as bar:
+        for batch in data:
             cor = _record_corrupted(aot, graph, batch.corrupted, posts)
             clean_logits = aot(batch.clean) if needs_clean_logits(metric) else None
             runner.cor = cor
             with dense_expert_hooks(aot):  # experts on every position (a TransformerLens MoE's: routed otherwise)
                 logits = aot.run_with_hooks(batch.clean, fwd_hooks=runner.hooks())
             results.append(call_metric(metric, logits, batch, clean_logits).detach())
+            bar.update(1)
     return torch.cat(results)
 
 

@@ -23,6 +23,7 @@ from lens_aot.analysis.checks import converted_only, pyplot
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset
 from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.analysis.progress import Progress, progress_bar
 from lens_aot.errors import InputError, one_of
 
 MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -169,13 +170,15 @@ def faithfulness_curve(
     *,
     n_edges: Sequence[int] | None = None,
     selection: str = "topn",
+    progress: Progress = "auto",
 ) -> FaithfulnessCurve:
     """MIB's faithfulness curve of the scored ``graph``'s top circuits (module docstring). ``n_edges`` gives sizes
     as edge counts instead of fractions (counts above the graph's edges are clipped to it); ``selection`` "topn"
     (MIB: the top edges by ``|score|``, then pruned) or "greedy" (EAP-IG's ``apply_greedy``: grown from the logits, so
     every edge is connected). ``graph``'s own circuit is left as it was. Raises :class:`InputError` on a graph
     without scores, and warns (:class:`MetricGapWarning`) when the metric's clean − corrupted gap is too small to
-    normalise by (:func:`check_gap`)."""
+    normalise by (:func:`check_gap`). ``progress``: a tqdm bar over the circuits evaluated (one per size): True,
+    False, or "auto" (the default: in a notebook only)."""
     one_of("selection", selection, {"topn": "the top edges, pruned", "greedy": "grown from the logits"})
     total = len(graph.src)
     if n_edges is None:
@@ -196,10 +199,12 @@ def faithfulness_curve(
     saved = (graph.in_graph.clone(), graph.nodes_in_graph.clone())
     rows: list[tuple[int, int, int, float]] = []
     try:
-        for n in counts:
-            graph.apply_topn(n) if selection == "topn" else graph.apply_greedy(n)
-            m = float(evaluate(aot, graph, data, metric).mean())
-            rows.append((graph.n_edges, graph.n_nodes, units(graph), m))
+        with progress_bar(progress, len(counts), f"faithfulness curve ({graph.granularity})") as bar:
+            for n in counts:
+                graph.apply_topn(n) if selection == "topn" else graph.apply_greedy(n)
+                m = float(evaluate(aot, graph, data, metric, progress=False).mean())
+                rows.append((graph.n_edges, graph.n_nodes, units(graph), m))
+                bar.update(1)
     finally:
         graph.in_graph, graph.nodes_in_graph = saved
     f = [(m - corrupted) / (clean - corrupted) for *_, m in rows]

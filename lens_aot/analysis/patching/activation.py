@@ -28,22 +28,24 @@ from lens_aot.analysis.patching.runs import (
     _patched_positions,
     _progress,
     _run,
-    _scalar,
+    _scalars,
 )
 from lens_aot.analysis.patching.units import (
     HeadLike,
     NeuronRef,
     UnitLike,
+    UnitList,
     _head_module,
     _head_module_names,
     _head_units,
     _Index,
+    _modules_of,
     _neuron_units,
-    _order,
     _output_hook,
     _writes_linearly,
     _z_hook,
 )
+from lens_aot.analysis.progress import Progress, show_progress
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
@@ -114,7 +116,7 @@ def patch_units(
     positions: int | Iterable[int] | None = None,
     direction: Direction = "denoise",
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
 ) -> PatchingResult:
     """Activation patching of arbitrary units: all heads of a unit have their ``hook_z`` replaced together.
 
@@ -132,12 +134,13 @@ def patch_units(
             "noise": run ``clean``, patch in corrupted activations.
         batch_size: patched runs stacked per forward (default: as many as keep one activation under about 2^25
             elements, at most 1024).
-        progress: show a tqdm progress bar over forwards.
+        progress: a tqdm bar over the patched forwards: True, False, or "auto" (the default: in a notebook only).
 
     Hooks already on ``aot`` stay active (so patching composes with your own ablations); the patching hooks are
     removed on exit even if ``metric`` or a forward raises.
     """
     direction = _direction(direction)
+    show_progress(progress)  # a bad value is refused before any forward
     clean_t, corrupted_t = _pair(aot, clean, corrupted)
     index = _Index(aot)
     resolved = index.units(units)
@@ -145,7 +148,7 @@ def patch_units(
         raise InputError("units is empty: nothing to patch")
     batch, n_pos = clean_t.shape
     pos_list = _patched_positions(positions, n_pos, per_position)
-    names = sorted({ref.name for unit in resolved for ref in unit.heads}, key=_order)
+    names = _modules_of(resolved)
     if per_position:
         variants: list[tuple[int, list[int] | None]] = [(u, [p]) for u in range(len(resolved)) for p in pos_list or []]
     else:
@@ -154,9 +157,12 @@ def patch_units(
     # A unit within one module changes that module's output by Σ_h Δz_h · W_O[h] (its heads' inputs are the
     # unpatched run's), so the patch is added to the module output and neuron modules keep their closed-form forward;
     # a unit spanning modules patches hook_z itself (its later heads see its earlier heads' patch).
-    linear = all(len({ref.name for ref in unit.heads}) == 1 for unit in resolved) and all(
-        _writes_linearly(aot, n) for n in names
+    single = (
+        resolved.single_module()
+        if isinstance(resolved, UnitList)
+        else all(len({ref.name for ref in unit.heads}) == 1 for unit in resolved)
     )
+    linear = single and all(_writes_linearly(aot, n) for n in names)
 
     with torch.no_grad():
         runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, [_z_hook(name) for name in names])
@@ -185,7 +191,7 @@ def patch_units(
                     for name, pair in pairs.items()
                 ]
             logits = _run(aot, runs.base_tokens.repeat(len(chunk), 1), hooks)
-            values.extend(_scalar(metric(logits[r * batch : (r + 1) * batch]), "patched") for r in range(len(chunk)))
+            values.extend(_scalars([metric(logits[r * batch : (r + 1) * batch]) for r in range(len(chunk))], "patched"))
     out = torch.tensor(values, dtype=torch.float64)
     if per_position:
         out = out.reshape(len(resolved), len(pos_list or []))

@@ -70,16 +70,20 @@ from lens_aot.analysis.patching.units import (
     NeuronRef,
     PatchUnit,
     UnitLike,
+    UnitList,
     _head_grads,
     _head_module,
     _head_units,
     _Index,
+    _ModuleBlock,
     _neuron_units,
+    _NeuronBlock,
     _order,
     _output_hook,
     _split_pairs,
     _state_hooks,
 )
+from lens_aot.analysis.progress import Progress
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.names import neuron_label
@@ -173,7 +177,7 @@ def attribute_units(
     positions: int | Iterable[int] | None = None,
     direction: Direction = "denoise",
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
 ) -> PatchingResult:
     """Gradient attribution of arbitrary units (the estimate of :func:`~lens_aot.patching.patch_units`).
 
@@ -186,6 +190,8 @@ def attribute_units(
     Args:
         method: "atp" or "ig" (see the module docstring); ``steps``: interpolation points for "ig".
         batch_size: accepted for signature compatibility with ``patch_units``; unused (no patched runs are stacked).
+        progress: a tqdm bar counting the passes (the two runs, then each of "ig"'s ``steps``): True, False, or
+            "auto" (the default: in a notebook only).
         Others: as :func:`~lens_aot.patching.patch_units`.
     """
     method = _method(method, steps)
@@ -199,7 +205,8 @@ def attribute_units(
     _warn_split_pairs(resolved, "units")
     n_pos = clean_t.shape[1]
     pos_list = _patched_positions(positions, n_pos, per_position)
-    names = sorted({ref.name for unit in resolved for ref in unit.heads}, key=_order)
+    head_names, post_names = _needed(aot, resolved)
+    names = sorted(head_names | post_names, key=_order)
     record = [hook for name in names for hook in _state_hooks(aot, name)]
     grads = [_output_hook(name) for name in names]
     runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, record, grads, method, steps, progress)
@@ -212,18 +219,59 @@ def attribute_units(
             attn = _head_module(aot, name)
             state = [runs.base.acts[n] for n in _state_hooks(aot, name)]
             other = [runs.other.acts[n] for n in _state_hooks(aot, name)]
-            dz = _head_z(attn, other) - _head_z(attn, state)
-            gz = _head_grads(attn, runs.grads[_output_hook(name)])
-            per_head[name] = torch.einsum("bphe,bphe,pn->hn", dz, gz.to(dz.dtype), weights.to(dz.dtype))
-            if isinstance(attn, ProductAttention):
+            if name in head_names:
+                dz = _head_z(attn, other) - _head_z(attn, state)
+                gz = _head_grads(attn, runs.grads[_output_hook(name)])
+                per_head[name] = torch.einsum("bphe,bphe,pn->hn", dz, gz.to(dz.dtype), weights.to(dz.dtype))
+            if name in post_names:
+                assert isinstance(attn, ProductAttention)
                 g = runs.grads[_output_hook(name)][..., : attn.d_model] @ attn.W_out.T
                 dpost = _gated_post(attn, other) - _gated_post(attn, state)
                 per_post[name] = torch.einsum("bpn,bpn,pk->nk", dpost, g, weights.to(dpost.dtype))
-    effect = _unit_sums(aot, resolved, per_head, per_post)
+    effect = _unit_sums(aot, resolved, per_head, per_post, weights.shape[1])
     effect = effect if per_position else effect[:, 0]
     positions_out = pos_list if per_position else None
     values = runs.base.metric + effect
     return _node_result(index, resolved, values, positions_out, direction, runs)
+
+
+def _whole_post(aot: AttentionOnlyTransformer, unit: PatchUnit) -> str | None:
+    """The product module whose ``post`` a unit is attributed through (a whole gated neuron, or a product pair; see
+    :func:`attribute_units`), or None: the sum of its heads'."""
+    last = max((ref.name for ref in unit.heads), key=_order)
+    gated = unit.kind == "neuron" and isinstance(_head_module(aot, last), ProductAttention)
+    return last if (gated and any(ref.name != last for ref in unit.heads)) or unit.product_pair is not None else None
+
+
+def _block_post(aot: AttentionOnlyTransformer, block: _NeuronBlock | _ModuleBlock) -> str | None:
+    """:func:`_whole_post` of every unit of a block at once."""
+    if isinstance(block, _ModuleBlock):
+        return block.name if block.kind == "pair" else None
+    last = block.modules[-1][0]
+    return last if len(block.modules) > 1 and isinstance(_head_module(aot, last), ProductAttention) else None
+
+
+def _needed(aot: AttentionOnlyTransformer, units: Sequence[PatchUnit]) -> tuple[set[str], set[str]]:
+    """The modules whose per-head attributions the units read, and the product modules whose ``post`` ones they read
+    (a block: once for all its units), so nothing else is computed: every neuron of a gated layer needs neither its
+    gate heads' nor its product heads' per-head terms."""
+    heads: set[str] = set()
+    posts: set[str] = set()
+    for _, part in units.parts() if isinstance(units, UnitList) else [(0, units)]:
+        if isinstance(part, (_NeuronBlock, _ModuleBlock)):
+            post = _block_post(aot, part)
+            if post is not None:
+                posts.add(post)
+            else:
+                heads.update([part.name] if isinstance(part, _ModuleBlock) else [n for n, _ in part.modules])
+            continue
+        for unit in part:
+            post = _whole_post(aot, unit)
+            if post is not None:
+                posts.add(post)
+            else:
+                heads.update(ref.name for ref in unit.heads)
+    return heads, posts
 
 
 def _unit_sums(
@@ -231,16 +279,55 @@ def _unit_sums(
     units: Sequence[PatchUnit],
     per_head: dict[str, Tensor],
     per_post: dict[str, Tensor],
+    n_out: int,
+) -> Float[Tensor, "unit n_out"]:
+    """Each unit's attribution from its heads' (a whole gated neuron: from its ``post``): a block of a
+    :class:`~lens_aot.analysis.patching.units.UnitList` (a layer's neurons, a module's heads) in one tensor operation,
+    explicit units gathered per module."""
+    parts = units.parts() if isinstance(units, UnitList) else [(0, list(units))]
+    out = [
+        _block_sums(aot, part, per_head, per_post)
+        if isinstance(part, (_NeuronBlock, _ModuleBlock))
+        else _explicit_sums(aot, part, per_head, per_post, n_out)
+        for _, part in parts
+    ]
+    return torch.cat(out)
+
+
+def _block_sums(
+    aot: AttentionOnlyTransformer,
+    block: _NeuronBlock | _ModuleBlock,
+    per_head: dict[str, Tensor],
+    per_post: dict[str, Tensor],
+) -> Float[Tensor, "unit n_out"]:
+    """A block's attributions: a module's heads (product pairs: their neuron's ``post``), or a layer's neurons (the
+    sum of each neuron's heads ``n·k … n·k + k − 1`` per module; a gated layer's: their ``post``)."""
+    post = _block_post(aot, block)
+    if isinstance(block, _ModuleBlock):
+        return (per_head if post is None else per_post)[block.name].to(torch.float64).cpu()
+    neurons = block.neurons
+    rows = slice(neurons.start, neurons.stop, neurons.step) if isinstance(neurons, range) else list(neurons)
+    if post is not None:
+        return per_post[post][rows].to(torch.float64).cpu()
+    total = sum(per_head[name].to(torch.float64).unflatten(0, (-1, k))[rows].sum(1) for name, k in block.modules)
+    assert isinstance(total, Tensor)
+    return total.cpu()
+
+
+def _explicit_sums(
+    aot: AttentionOnlyTransformer,
+    units: Sequence[PatchUnit],
+    per_head: dict[str, Tensor],
+    per_post: dict[str, Tensor],
+    n_out: int,
 ) -> Float[Tensor, "unit n_out"]:
     """Each unit's attribution from its heads' (a whole gated neuron: from its ``post``), gathered per module."""
-    n_out = next(iter(per_head.values())).shape[-1]
     out = torch.zeros(len(units), n_out, dtype=torch.float64)
     flat: dict[str, tuple[list[int], list[int]]] = {}
     for i, unit in enumerate(units):
-        last = max((ref.name for ref in unit.heads), key=_order)
-        gated = unit.kind == "neuron" and isinstance(_head_module(aot, last), ProductAttention)
-        if (gated and any(ref.name != last for ref in unit.heads)) or unit.product_pair is not None:
-            out[i] = per_post[last][unit.index if unit.product_pair is None else unit.product_pair].to(torch.float64)
+        post = _whole_post(aot, unit)
+        if post is not None:
+            out[i] = per_post[post][unit.index if unit.product_pair is None else unit.product_pair].to(torch.float64)
             continue
         for ref in unit.heads:
             rows, heads = flat.setdefault(ref.name, ([], []))

@@ -22,6 +22,7 @@ from lens_aot.analysis.patching.options import Metric, TokensLike
 from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchingResult, PathPatchingResult, Ranking
 from lens_aot.analysis.patching.units import _receiver_label
+from lens_aot.analysis.progress import Progress
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
@@ -81,7 +82,7 @@ def verify_attribution(
     by: Ranking = "abs_effect",
     positions: int | list[int] | None = None,
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
     plot: bool = True,
 ) -> Verification:
     """Exact patching of ``result``'s top ``k`` entries (by ``by``), compared with their attribution.

@@ -48,6 +48,7 @@ from lens_aot.analysis.patching.units import (
     _state_hooks,
     _state_of,
 )
+from lens_aot.analysis.progress import Progress
 from lens_aot.core.components import Attention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
@@ -70,7 +71,7 @@ def attribute_edges(
     direction: Direction = "noise",
     recompute: Iterable[UnitLike] | Literal["neurons"] | None = None,
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
 ) -> PathPatchingResult:
     """Edge attribution (EAP, Syed et al. 2023; EAP-IG, Hanna et al. 2024): the estimate of
     :func:`~lens_aot.patching.path_patch` with the same arguments and result layout, ``values[s, r]`` =
@@ -213,7 +214,7 @@ def _forward_edges(
     dz: dict[str, Tensor],
     runs: _Runs,
     batch_size: int | None,
-    progress: bool,
+    progress: Progress,
 ) -> Float[Tensor, "sender receiver"]:
     """Edges into a neuron/gate/product module's heads, each sender's effect on the receivers' ``z`` recomputed
     exactly (norm, pre-activation, two-key softmax), times ``∂metric/∂z``."""

@@ -9,6 +9,8 @@ from typing import Literal, TypeAlias, TypedDict
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.progress import Progress
+
 Direction = Literal["denoise", "noise"]
 Method = Literal["atp", "ig"]
 ReceiverInput = Literal["q", "k", "v"]
@@ -24,7 +26,7 @@ class PatchOptions(TypedDict, total=False):
     positions: int | Iterable[int] | None
     direction: Direction
     batch_size: int | None
-    progress: bool
+    progress: Progress
 
 
 class AttributionOptions(PatchOptions, total=False):

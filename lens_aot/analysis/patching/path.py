@@ -52,6 +52,7 @@ from lens_aot.analysis.patching.units import (
     _writes_linearly,
     _z_hook,
 )
+from lens_aot.analysis.progress import Progress
 from lens_aot.core.model import AttentionOnlyTransformer
 
 __all__ = ["path_patch"]
@@ -70,7 +71,7 @@ def path_patch(
     direction: Direction = "noise",
     recompute: Iterable[UnitLike] | Literal["neurons"] | None = None,
     batch_size: int | None = None,
-    progress: bool = False,
+    progress: Progress = "auto",
 ) -> PathPatchingResult:
     """Path patching (Wang et al. 2022): each sender's effect through each receiver's ``receiver_input`` only.
 
@@ -93,7 +94,7 @@ def path_patch(
         recompute: heads left free instead of frozen in step 1 ("neurons": every neuron head, so the MLPs respond to
             the sender, as in the IOI paper); paths through them then count as the sender's.
         batch_size: patched runs stacked per forward (default: by memory, see :func:`patch_units`).
-        progress: show a tqdm progress bar over sender chunks.
+        progress: a tqdm bar over sender chunks: True, False, or "auto" (the default: in a notebook only).
 
     Returns a :class:`PathPatchingResult` with ``values`` ``[n_senders, n_receivers]``.
     """

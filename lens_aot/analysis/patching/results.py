@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -23,9 +24,11 @@ from lens_aot.analysis.patching.units import (
     NeuronRef,
     PatchUnit,
     UnitLike,
+    UnitList,
     _Index,
     _is_head_tuple,
     _matches,
+    _NeuronBlock,
     _receiver_label,
 )
 from lens_aot.core.model import HeadRef
@@ -156,10 +159,12 @@ class PatchingResult(_Numbers):
     # ---- lookups
     def index(self, key: UnitLike | str) -> int:
         """Row of ``values`` for a unit, head, ``(module, head)``, neuron or label (a clear error if not patched)."""
+        if isinstance(self.units, UnitList):  # a block's few candidate rows, not every unit
+            for i in self.units.candidates(key, list(self.n_heads)):
+                if self._names(self.units[i], key):
+                    return i
         for i, unit in enumerate(self.units):
-            if _matches(unit, key, list(self.n_heads)) or (
-                isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
-            ):
+            if self._names(unit, key):
                 return i
         pairs = [u.label for u in self.units if u.product_pair is not None and _in_unit(u, key, list(self.n_heads))]
         if pairs:
@@ -169,6 +174,12 @@ class PatchingResult(_Numbers):
                 f"single head explicitly (patch_heads(heads=[...]))"
             )
         raise InputError(f"{key!r} was not patched in this result; its units are e.g. {_examples(self.units)}")
+
+    def _names(self, unit: PatchUnit, key: Any) -> bool:
+        """Whether ``key`` names ``unit`` (a NeuronRef also names a unit that patches its whole neuron)."""
+        return _matches(unit, key, list(self.n_heads)) or (
+            isinstance(key, NeuronRef) and self.is_whole_neuron(unit) and (unit.layer, unit.index) == tuple(key)
+        )
 
     def __getitem__(self, key: UnitLike | str) -> Tensor:
         return self.values[self.index(key)]
@@ -184,6 +195,8 @@ class PatchingResult(_Numbers):
         n_positions)]``, entry ``n`` the pair of neuron ``n`` (heads ``2n``, ``2n + 1``). Modules without a patched
         head are left out; whole-neuron units are in :meth:`by_neuron`."""
         data = self._data(what)
+        if isinstance(self.units, UnitList):
+            return self._by_module_blocks(data)
         out: dict[str, Tensor] = {}
         paired = {u.heads[0].name for u in self.units if u.product_pair is not None}
         for i, unit in enumerate(self.units):
@@ -214,6 +227,8 @@ class PatchingResult(_Numbers):
         :func:`patch_neurons`.
         """
         data = self._data(what)
+        if isinstance(self.units, UnitList):
+            return self._by_neuron_blocks(layer, data)
         found = {u.index: data[i] for i, u in enumerate(self.units) if u.layer == layer and self.is_whole_neuron(u)}
         if not found:
             single = [u.label for u in self.units if u.layer == layer and u.kind == "neuron_head"]
@@ -227,6 +242,64 @@ class PatchingResult(_Numbers):
         out = data.new_full((self.d_mlp.get(layer, max(found) + 1), *data.shape[1:]), math.nan)
         for index, value in found.items():
             out[index] = value
+        return out
+
+    def _by_module_blocks(self, data: Tensor) -> dict[str, Tensor]:
+        """:meth:`by_module` of a result whose units are a :class:`UnitList`: its blocks' rows copied per block."""
+        assert isinstance(self.units, UnitList)
+        # (module, laid out per product pair, entries, rows of data, the piece's first unit)
+        pieces: list[tuple[str, bool, Any, Any, PatchUnit]] = []
+        for start, part in self.units.parts():
+            if isinstance(part, list):
+                for j, unit in enumerate(part):
+                    pair = unit.product_pair
+                    if len(unit.heads) == 1 or pair is not None:
+                        entry = unit.heads[0].head if pair is None else pair
+                        pieces.append((unit.heads[0].name, pair is not None, [entry], [start + j], unit))
+            elif isinstance(part, _NeuronBlock):
+                if part.heads_per_neuron == 1:  # one head per neuron: head n is neuron n
+                    pieces.append((part.modules[0][0], False, list(part.neurons), range(start, start + len(part)),
+                                   part.unit(0)))  # fmt: skip
+            else:
+                rows = range(start, start + len(part))
+                pieces.append((part.name, part.kind == "pair", list(range(len(part))), rows, part.unit(0)))
+        paired = {name for name, is_pair, *_ in pieces if is_pair}
+        out: dict[str, Tensor] = {}
+        for name, is_pair, entries, rows, unit in pieces:
+            if name in paired and not is_pair:
+                raise InputError(
+                    f"{name} was patched both as product pairs and as single heads ({unit.label}), so it has no "
+                    f"one layout per module; index single heads by label (result[{unit.label!r}]) or use to_dataframe()"
+                )
+            if name not in out:
+                size = self.n_heads[name] // 2 if is_pair else self.n_heads[name]
+                out[name] = data.new_full((size, *data.shape[1:]), math.nan)
+            rows = slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+            out[name][torch.as_tensor(entries, dtype=torch.long)] = data[rows]
+        return {name: out[name] for name in self.n_heads if name in out}
+
+    def _by_neuron_blocks(self, layer: int, data: Tensor) -> Tensor:
+        """:meth:`by_neuron` of a result whose units are a :class:`UnitList`: its blocks' rows copied per block."""
+        assert isinstance(self.units, UnitList)
+        pieces: list[tuple[Any, Any]] = []  # (neuron indices, rows of data), later pieces overwriting earlier ones
+        for start, part in self.units.parts():
+            if isinstance(part, list):
+                sub = [(u.index, start + j) for j, u in enumerate(part) if u.layer == layer and self.is_whole_neuron(u)]
+                pieces += [([n for n, _ in sub], [r for _, r in sub])] if sub else []
+            elif part.layer == layer and (
+                isinstance(part, _NeuronBlock)
+                or part.kind == "pair"
+                or (part.kind == "neuron_head" and part.heads_per_neuron == 1)
+            ):
+                neurons = part.neurons if isinstance(part, _NeuronBlock) else range(len(part))
+                pieces.append((list(neurons), range(start, start + len(part))))
+        if not pieces:
+            return PatchingResult(**{**self.__dict__, "units": list(self.units)}).by_neuron(layer)  # its error
+        size = self.d_mlp.get(layer, max(max(n) for n, _ in pieces) + 1)
+        out = data.new_full((size, *data.shape[1:]), math.nan)
+        for neurons, rows in pieces:
+            rows = slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+            out[torch.as_tensor(neurons, dtype=torch.long)] = data[rows]
         return out
 
     def attention(self, layer: int, what: Quantity = "value") -> Tensor:

@@ -9,8 +9,10 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 from jaxtyping import Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from lens_aot.analysis.patching.options import Direction, Method, Metric, ReceiverInput, TokensLike
+from lens_aot.analysis.progress import Progress, progress_bar, show_progress
 from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, one_of
@@ -68,6 +70,15 @@ def _scalar(value: Any, where: str) -> float:
     )
 
 
+def _scalars(values: Sequence[Any], where: str) -> list[float]:
+    """:func:`_scalar` of each of ``values``, with one host-device transfer for all the tensors among them (not one
+    synchronisation per patched run)."""
+    tensors = [v for v in values if isinstance(v, Tensor) and v.numel() == 1]
+    if len(tensors) < len(values):  # a non-scalar or a Python number: the one-by-one check (and its error)
+        return [_scalar(v, where) for v in values]
+    return torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).cpu().tolist()
+
+
 def _no_blocks(options: dict[str, Any]) -> None:
     """Refuse lens_aot 0.1's ``blocks=`` (flat block indices) with the new spelling."""
     if "blocks" in options:
@@ -121,12 +132,9 @@ def _chunks(n: int, size: int) -> Iterator[range]:
         yield range(start, min(n, start + size))
 
 
-def _progress(items: list[Any], enabled: bool, desc: str) -> Iterable[Any]:
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc)
+def _progress(items: list[Any], progress: Progress, desc: str) -> Iterable[Any]:
+    """``items``, counted by a tqdm bar when ``progress`` says to show one (:mod:`lens_aot.analysis.progress`)."""
+    return tqdm(items, desc=desc) if show_progress(progress) else items
 
 
 def _capture(hook_names: Iterable[str], store: dict[str, Tensor]) -> list[Hook]:
@@ -235,34 +243,40 @@ def _both_runs(
     grads: Sequence[str] = (),
     method: Method = "atp",
     steps: int = 16,
-    progress: bool = False,
+    progress: Progress = False,
 ) -> _Runs:
     """The run that is patched (the corrupted input for "denoise", the clean one for "noise") and the other input's
     run, both recording ``record`` and checking the metric; with the metric's gradient at ``grads``: on the base run
-    ("atp"), or averaged over ``steps`` runs whose token embeddings interpolate between the two inputs ("ig")."""
+    ("atp"), or averaged over ``steps`` runs whose token embeddings interpolate between the two inputs ("ig"). A
+    ``progress`` bar counts the passes: the two runs, and each of EAP-IG's ``steps``."""
     base_t, other_t = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
     base_what, other_what = ("corrupted", "clean") if direction == "denoise" else ("clean", "corrupted")
     record = [*record, "hook_embed"] if method == "ig" else list(record)
-    base = _forward(aot, base_t, metric, record, grads if method == "atp" else (), what=base_what)
-    other = _forward(aot, other_t, metric, record, what=other_what)
-    clean_run, corrupted_run = (other, base) if direction == "denoise" else (base, other)
-    runs = _Runs(base, other, base_t, base.grads, clean_run.metric, corrupted_run.metric)
-    return (
-        runs if method == "atp" else runs._replace(grads=_integrated_grads(aot, runs, metric, grads, steps, progress))
-    )
+    desc = "integrated gradients" if method == "ig" else "attribution"
+    with progress_bar(progress, 2 + (steps if method == "ig" else 0), desc) as bar:
+        base = _forward(aot, base_t, metric, record, grads if method == "atp" else (), what=base_what)
+        bar.update(1)
+        other = _forward(aot, other_t, metric, record, what=other_what)
+        bar.update(1)
+        clean_run, corrupted_run = (other, base) if direction == "denoise" else (base, other)
+        runs = _Runs(base, other, base_t, base.grads, clean_run.metric, corrupted_run.metric)
+        if method == "atp":
+            return runs
+        return runs._replace(grads=_integrated_grads(aot, runs, metric, grads, steps, bar))
 
 
 def _integrated_grads(
-    aot: AttentionOnlyTransformer, runs: _Runs, metric: Metric, grads: Sequence[str], steps: int, progress: bool
+    aot: AttentionOnlyTransformer, runs: _Runs, metric: Metric, grads: Sequence[str], steps: int, bar: Any
 ) -> dict[str, Tensor]:
     """The metric's gradients at ``grads`` averaged over ``steps`` runs of the base tokens whose token embeddings
-    (``hook_embed``) are interpolated between the two runs' (midpoints ``α = (k + ½)/steps``; EAP-IG)."""
+    (``hook_embed``) are interpolated between the two runs' (midpoints ``α = (k + ½)/steps``; EAP-IG); ``bar`` counts
+    the steps."""
     e0, e1 = runs.base.acts["hook_embed"], runs.other.acts["hook_embed"]
     batch = runs.base_tokens.shape[0]
     per = max(1, min(steps, _CHUNK_ELEMENTS // max(1, e0.numel() * 8)))
     sums: dict[str, Tensor] = {}
     chunks = [range(s, min(steps, s + per)) for s in range(0, steps, per)]
-    for chunk in _progress(chunks, progress, "integrated gradients"):
+    for chunk in chunks:
         alphas = torch.tensor([(k + 0.5) / steps for k in chunk], dtype=e0.dtype, device=e0.device)
         embed = (e0[None] + alphas[:, None, None, None] * (e1 - e0)[None]).flatten(0, 1)
         tokens = runs.base_tokens.repeat(len(chunk), 1)
@@ -270,6 +284,7 @@ def _integrated_grads(
         for name, g in run.grads.items():
             g = g.reshape(len(chunk), batch, *g.shape[1:]).sum(0)
             sums[name] = g if name not in sums else sums[name] + g
+        bar.update(len(chunk))
     return {name: g / steps for name, g in sums.items()}
 
 

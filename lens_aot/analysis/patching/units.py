@@ -24,6 +24,12 @@ The source-aligned layout: attention heads read ``blocks.{l}.hook_resid_pre`` th
 only the MLP's scratch, ``blocks.{l}.mlp.product_heads.hook_gate``, which the product heads read as their values.
 A product module's *input* is therefore its residual and that scratch, side by side (``[d_model + d_mlp]``).
 
+Unit lists built here from the model's maps (every neuron of a layer, every head of a module) are :class:`UnitList` s:
+each layer's or module's units are one block, read by the algorithms as tensors (one operation per block), and a
+block's :class:`PatchUnit` s are built only when a result is read, so the Python work of listing, attributing and
+patching whole layers grows with layers, not with neurons. The public :func:`head_units` / :func:`neuron_units`
+return plain lists of the same units.
+
 Gemma 4's per-layer-input neurons (``blocks.{l}.per_layer.gate_heads`` / ``product_heads``) are not units: their
 output goes through the sublayer's post norm before the residual, so no head writes linearly to it. They are not in
 ``aot.sublayers()``; every patched forward runs them, and each tool built on this index warns that it lists none.
@@ -31,9 +37,12 @@ output goes through the sublayer's post norm before the residual, so no head wri
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple, TypeAlias
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, TypeAlias, overload
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exported to the other patching modules)
@@ -62,7 +71,7 @@ from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exporte
     _z_hook,
 )
 from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
-from lens_aot.core.names import head_label, module_expert, neuron_label, parse_module
+from lens_aot.core.names import head_label, module_expert, neuron_label, parse_label, parse_module
 from lens_aot.core.per_layer_fit import neuron_parts
 from lens_aot.errors import InputError
 
@@ -183,6 +192,242 @@ def _matches(unit: PatchUnit, key: Any, modules: Sequence[str] = ()) -> bool:
     return False
 
 
+# ==================================================================================================== lazy unit lists
+@dataclass(frozen=True)
+class _NeuronBlock:
+    """Neurons ``neurons`` of source layer ``layer`` as "neuron" units: neuron ``n``'s heads are ``n·k + c``
+    (``c < k``) of each module ``(name, k)`` in ``modules``, in ``aot.neuron_heads`` order."""
+
+    layer: int
+    neurons: Sequence[int]  # a range, or a tuple of indices
+    modules: tuple[tuple[str, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.neurons)
+
+    def unit(self, i: int) -> PatchUnit:
+        n = self.neurons[i]
+        heads = tuple(HeadRef(name, n * k + c) for name, k in self.modules for c in range(k))
+        return _Checked("neuron", self.layer, n, None, heads)
+
+    @property
+    def heads_per_neuron(self) -> int:
+        return sum(k for _, k in self.modules)
+
+
+@dataclass(frozen=True)
+class _ModuleBlock:
+    """Every head of module ``name`` as units, as :meth:`_Index.module_units` lists them: one per attention head
+    (``kind`` "attention") or neuron head ("neuron_head", ``k`` heads per neuron, the first head's ``component``), or
+    one per product pair ("pair"). ``heads_per_neuron``: all heads of a neuron of the layer (None: attention heads, or
+    an expert's module, which results do not lay out per neuron)."""
+
+    name: str
+    kind: Literal["attention", "neuron_head", "pair"]
+    layer: int
+    n_heads: int
+    k: int
+    component: int
+    heads_per_neuron: int | None
+
+    def __len__(self) -> int:
+        return self.n_heads // 2 if self.kind == "pair" else self.n_heads
+
+    def unit(self, i: int) -> PatchUnit:
+        if self.kind == "attention":
+            return _Checked("attention", self.layer, i, None, (HeadRef(self.name, i),))
+        if self.kind == "pair":
+            heads = (HeadRef(self.name, 2 * i), HeadRef(self.name, 2 * i + 1))
+            return _Checked("neuron_head", self.layer, i, self.component, heads)
+        k = self.k
+        return _Checked("neuron_head", self.layer, i // k, self.component + i % k, (HeadRef(self.name, i),))
+
+    @property
+    def neurons(self) -> range:
+        """The neurons its units belong to (neuron modules only)."""
+        return range(self.n_heads // self.k)
+
+
+_Block: TypeAlias = _NeuronBlock | _ModuleBlock
+
+
+class UnitList(Sequence[PatchUnit]):
+    """A list of units held as blocks (every neuron of a layer, every head of a module) and explicit units; a block's
+    :class:`PatchUnit` s are built only when read, so listing, attributing and patching whole layers costs Python
+    work per layer, not per unit. It compares equal to a list of the same units, in the same order."""
+
+    def __init__(self, parts: Iterable[_Block | PatchUnit]) -> None:
+        self._parts: list[_Block | list[PatchUnit]] = []
+        for part in parts:
+            if isinstance(part, PatchUnit):
+                if not self._parts or not isinstance(self._parts[-1], list):
+                    self._parts.append([])
+                self._parts[-1].append(part)  # type: ignore[union-attr]
+            elif len(part):
+                self._parts.append(part)
+        self._starts = list(itertools.accumulate((len(p) for p in self._parts), initial=0))
+
+    def parts(self) -> list[tuple[int, _Block | list[PatchUnit]]]:
+        """``(first row, part)`` of each block or run of explicit units, in order."""
+        return list(zip(self._starts, self._parts, strict=False))
+
+    def explicit(self) -> list[PatchUnit]:
+        """The units not held as blocks."""
+        return [u for part in self._parts if isinstance(part, list) for u in part]
+
+    def modules(self) -> list[str]:
+        """The head modules the units' heads lie in, in forward order."""
+        names: set[str] = set()
+        for part in self._parts:
+            if isinstance(part, _NeuronBlock):
+                names.update(name for name, _ in part.modules)
+            elif isinstance(part, _ModuleBlock):
+                names.add(part.name)
+            else:
+                names.update(ref.name for unit in part for ref in unit.heads)
+        return sorted(names, key=_order)
+
+    def single_module(self) -> bool:
+        """Whether every unit's heads lie in one head module."""
+        return all(
+            len(p.modules) == 1
+            if isinstance(p, _NeuronBlock)
+            else isinstance(p, _ModuleBlock) or all(len({r.name for r in u.heads}) == 1 for u in p)
+            for p in self._parts
+        )
+
+    def candidates(self, key: Any, modules: Sequence[str] = ()) -> Iterator[int]:
+        """Rows, in order, where a unit named by ``key`` (a unit, label, NeuronRef, HeadRef or ``(module, head)``)
+        can lie: every row of a run of explicit units, and at most a few per block, computed from the key without
+        building the block's units. The caller checks each (a row here is a candidate, not a match)."""
+        ref: tuple[Any, Any] | None = None  # (module name, head) of a one-head key
+        where: tuple[int, int, int | None] | None = None  # (layer, neuron or head index, component) of a label
+        if isinstance(key, PatchUnit) and key.heads:
+            ref = (key.heads[0].name, key.heads[0].head)
+            where = (key.layer, key.index, key.component)
+        elif isinstance(key, HeadRef) or _is_head_tuple(key):
+            name = key[0]
+            if isinstance(name, int):
+                name = modules[name] if -len(modules) <= name < len(modules) else None
+            ref = (name, key[1])
+        elif isinstance(key, NeuronRef):
+            where = (key.layer, key.neuron, None)
+        elif isinstance(key, str):
+            try:
+                label = parse_label(key)
+            except InputError:
+                label = None
+            if label is not None:
+                where = (label.layer, label.index, label.component)
+        for start, part in self.parts():
+            if isinstance(part, list):
+                yield from range(start, start + len(part))
+                continue
+            rows: list[int] = []
+            if isinstance(part, _NeuronBlock):
+                names = [name for name, _ in part.modules]
+                if ref is not None and ref[0] in names and isinstance(ref[1], int):
+                    k = dict(part.modules)[ref[0]]
+                    rows.append(ref[1] // k)
+                if where is not None and where[0] == part.layer:
+                    rows.append(where[1])
+                neurons = part.neurons
+                rows = [neurons.index(n) for n in rows if n in neurons]
+            else:
+                if ref is not None and ref[0] == part.name and isinstance(ref[1], int):
+                    rows.append(ref[1] // 2 if part.kind == "pair" else ref[1])
+                if where is not None and where[0] == part.layer:
+                    n = where[1]
+                    if part.kind in ("attention", "pair"):
+                        rows.append(n)
+                    else:
+                        first = n * part.k
+                        c = where[2]
+                        rows += [first + c - part.component] if c is not None else list(range(first, first + part.k))
+                rows = [i for i in rows if 0 <= i < len(part)]
+            yield from (start + i for i in dict.fromkeys(rows))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @overload
+    def __getitem__(self, i: int) -> PatchUnit: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[PatchUnit]: ...
+
+    def __getitem__(self, i: int | slice) -> PatchUnit | list[PatchUnit]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"unit {i} out of range: {n} units")
+        i %= n
+        p = bisect.bisect_right(self._starts, i) - 1
+        part = self._parts[p]
+        return part[i - self._starts[p]] if isinstance(part, list) else part.unit(i - self._starts[p])
+
+    def __iter__(self) -> Iterator[PatchUnit]:
+        for part in self._parts:
+            if isinstance(part, list):
+                yield from part
+            else:
+                yield from (part.unit(i) for i in range(len(part)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Iterable[PatchUnit]) -> list[PatchUnit]:
+        return [*self, *other]
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(u) for u in self[:3])
+        return f"UnitList([{shown}{', …' if len(self) > 3 else ''}], {len(self)} units)"
+
+
+class _HeadsPerNeuron(Mapping[tuple[int, int], int]):
+    """``(layer, neuron) -> heads`` of the neurons a result's units touch, read from blocks without a per-neuron
+    dict (:attr:`PatchingResult.heads_per_neuron`)."""
+
+    def __init__(self, blocks: list[tuple[int, Sequence[int], int]], explicit: dict[tuple[int, int], int]) -> None:
+        self._blocks, self._explicit = blocks, explicit
+
+    def __getitem__(self, key: tuple[int, int]) -> int:
+        if key in self._explicit:
+            return self._explicit[key]
+        for layer, neurons, count in self._blocks:
+            if isinstance(key, tuple) and len(key) == 2 and key[0] == layer and key[1] in neurons:
+                return count
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        seen = set(self._explicit)
+        yield from self._explicit
+        for layer, neurons, _ in self._blocks:
+            for n in neurons:
+                if (layer, n) not in seen:
+                    seen.add((layer, n))
+                    yield (layer, n)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}: {v}" for k, v in itertools.islice(self.items(), 4))
+        return f"{{{shown}{', …' if len(self) > 4 else ''}}}"
+
+
+def _modules_of(units: Sequence[PatchUnit]) -> list[str]:
+    """The head modules ``units``' heads lie in, in forward order."""
+    if isinstance(units, UnitList):
+        return units.modules()
+    return sorted({ref.name for unit in units for ref in unit.heads}, key=_order)
+
+
 # ==================================================================================================== resolving
 class _Index:
     """Resolves user references into validated heads and units, through the model's public maps only
@@ -253,25 +498,34 @@ class _Index:
     def module_units(self, name: str) -> list[PatchUnit]:
         """The units covering every head of module ``name``, in head order: one per head (the same units as
         :meth:`head_unit` head by head), except a product module's, one per neuron covering its product pair (heads
-        ``2n``, ``2n + 1``, labelled ``L{l}N{n}.{c}+{c+1}``; see the module docstring). Built from ``head_origin`` of
-        the module's first head only (147k units in well under a second)."""
-        if not self.n_heads[name]:
-            return []
+        ``2n``, ``2n + 1``, labelled ``L{l}N{n}.{c}+{c+1}``; see the module docstring)."""
+        block = self.module_block(name)
+        return [] if block is None else [block.unit(i) for i in range(len(block))]
+
+    def module_block(self, name: str) -> _ModuleBlock | None:
+        """Module ``name``'s units as one lazy block (None for a module without heads), from ``head_origin`` of its
+        first head only."""
+        n = self.n_heads[name]
+        if not n:
+            return None
         first = self.aot.head_origin(name, 0)
-        heads = range(self.n_heads[name])
         if first.kind == "attention":
-            return [_Checked("attention", first.layer, h, None, (HeadRef(name, h),)) for h in heads]
+            return _ModuleBlock(name, "attention", first.layer, n, 1, 0, None)
+        per_neuron = None if module_expert(name) is not None else self.heads_per_neuron(first.layer)
         if _kind_of(name) == "product":
-            return [
-                _Checked(
-                    "neuron_head", first.layer, n, first.component, (HeadRef(name, 2 * n), HeadRef(name, 2 * n + 1))
-                )
-                for n in range(self.n_heads[name] // 2)
-            ]
+            return _ModuleBlock(name, "pair", first.layer, n, 2, first.component, per_neuron)
         k = self.aot.head_module(name).heads_per_neuron
-        return [
-            _Checked("neuron_head", first.layer, h // k, first.component + h % k, (HeadRef(name, h),)) for h in heads
-        ]
+        return _ModuleBlock(name, "neuron_head", first.layer, n, k, first.component, per_neuron)
+
+    def neuron_block(self, layer: int, neurons: Sequence[int]) -> _NeuronBlock:
+        """Neurons ``neurons`` of source layer ``layer`` (one with an MLP, not a mixture of experts) as one lazy
+        block of "neuron" units."""
+        names = self.aot.neuron_modules(layer)
+        return _NeuronBlock(layer, neurons, tuple((n, int(self.aot.head_module(n).heads_per_neuron)) for n in names))
+
+    def heads_per_neuron(self, layer: int) -> int:
+        """How many heads each neuron of source layer ``layer``'s (dense) MLP has: ``len(neuron_heads(layer, n))``."""
+        return sum(int(self.aot.head_module(n).heads_per_neuron) for n in self.aot.neuron_modules(layer))
 
     def layer(self, layer: Any) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not -self.n_layers <= layer < self.n_layers:
@@ -288,26 +542,15 @@ class _Index:
         return True
 
     def d_mlp(self, layer: int) -> int:
-        """Neurons in source layer ``layer``'s MLP (0 without one), by bisection on ``neuron_heads``'s range check."""
+        """Neurons in source layer ``layer``'s MLP (0 without one): its output module's heads over its heads per
+        neuron (``aot.neuron_heads`` lays neuron ``n``'s heads out as ``n·k … n·k + k − 1`` of each module)."""
         if layer not in self._d_mlp:
             if not self.has_mlp(layer):
                 self._d_mlp[layer] = 0
             else:
-                lo, hi = 1, 2  # neuron lo - 1 exists
-                while self._exists(layer, hi - 1):
-                    lo, hi = hi, hi * 2
-                while hi - lo > 1:  # neuron lo - 1 exists, neuron hi - 1 does not
-                    mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if self._exists(layer, mid - 1) else (lo, mid)
-                self._d_mlp[layer] = lo
+                module = self.aot.head_module(self.aot.neuron_module(layer))
+                self._d_mlp[layer] = int(module.n_heads) // int(module.heads_per_neuron)
         return self._d_mlp[layer]
-
-    def _exists(self, layer: int, neuron: int) -> bool:
-        try:
-            self.aot.neuron_heads(layer, neuron)
-        except IndexError:
-            return False
-        return True
 
     def neuron_heads(self, layer: int, neuron: int) -> list[HeadRef]:
         key = (layer, neuron)
@@ -339,21 +582,37 @@ class _Index:
         return self.head_unit(self.head(item))
 
     def units(self, items: Sequence[UnitLike] | UnitLike, *, trusted: bool = False) -> list[PatchUnit]:
-        """Units from one unit-like or a sequence of them (``trusted``: units built here are not validated again)."""
+        """Units from one unit-like or a sequence of them (``trusted``: units built here are not validated again; a
+        :class:`UnitList`, built here from the model's maps, is returned as it is)."""
+        if isinstance(items, UnitList):
+            return items  # type: ignore[return-value]
         if _is_one_unit(items):
             items = [items]  # type: ignore[list-item]
         return [u if trusted and isinstance(u, _Checked) else self.unit(u) for u in items]  # type: ignore[union-attr]
 
-    def annotate(self, units: list[PatchUnit]) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
-        """``d_mlp`` of the layers the units touch, and the head count of each neuron they touch."""
+    def annotate(self, units: Sequence[PatchUnit]) -> tuple[dict[int, int], Mapping[tuple[int, int], int]]:
+        """``d_mlp`` of the layers the units touch, and the head count of each neuron they touch (per block of a
+        :class:`UnitList`, not per unit)."""
         d_mlp: dict[int, int] = {}
         heads: dict[tuple[int, int], int] = {}
-        for unit in units:
-            # an expert's neurons (mixture-of-experts layers) are addressed by label (``L3E5N17``), not by_neuron
-            if unit.kind in ("neuron", "neuron_head") and module_expert(unit.heads[0].name) is None:
-                d_mlp[unit.layer] = self.d_mlp(unit.layer)
-                heads[(unit.layer, unit.index)] = len(self.neuron_heads(unit.layer, unit.index))
-        return d_mlp, heads
+        blocks: list[tuple[int, Sequence[int], int]] = []
+        parts = units.parts() if isinstance(units, UnitList) else [(0, units)]
+        for _, part in parts:
+            if isinstance(part, _NeuronBlock):
+                d_mlp[part.layer] = self.d_mlp(part.layer)
+                blocks.append((part.layer, part.neurons, part.heads_per_neuron))
+            elif isinstance(part, _ModuleBlock):
+                if part.kind != "attention" and part.heads_per_neuron is not None:
+                    d_mlp[part.layer] = self.d_mlp(part.layer)
+                    blocks.append((part.layer, part.neurons, part.heads_per_neuron))
+            else:
+                for unit in part:
+                    # an expert's neurons (mixture-of-experts layers) are addressed by label (``L3E5N17``), not
+                    # by_neuron
+                    if unit.kind in ("neuron", "neuron_head") and module_expert(unit.heads[0].name) is None:
+                        d_mlp[unit.layer] = self.d_mlp(unit.layer)
+                        heads[(unit.layer, unit.index)] = len(self.neuron_heads(unit.layer, unit.index))
+        return d_mlp, (_HeadsPerNeuron(blocks, heads) if blocks else heads)
 
     def has_neurons(self) -> bool:
         return any(self.d_mlp(layer) > 0 for layer in range(self.n_layers))
@@ -371,12 +630,10 @@ def head_units(
     with neither, every head of every module — attention and neuron heads — in forward order. A module's gated-MLP
     product heads are one unit per neuron, its product pair (``L3N17.4+5``; see the module docstring). Duplicates
     are dropped."""
-    return _head_units(_Index(aot), heads, modules)
+    return list(_head_units(_Index(aot), heads, modules))
 
 
-def _head_units(
-    index: _Index, heads: Iterable[HeadLike] | None, modules: Iterable[int | str] | None
-) -> list[PatchUnit]:
+def _head_units(index: _Index, heads: Iterable[HeadLike] | None, modules: Iterable[int | str] | None) -> UnitList:
     if heads is None and modules is None:
         modules = index.names
     if isinstance(modules, (int, str)):
@@ -384,13 +641,15 @@ def _head_units(
     if isinstance(heads, HeadRef) or _is_head_tuple(heads):
         heads = [heads]  # type: ignore[list-item]
     chosen = dict.fromkeys(index.module(m) for m in modules or [])
-    units = [unit for name in chosen for unit in index.module_units(name)]
-    units += [index.head_unit(index.head(h)) for h in heads or []]
-    first: dict[tuple[HeadRef, ...], PatchUnit] = {}
-    for unit in units:
-        first.setdefault(unit.heads, unit)  # duplicates dropped, the order kept
-    units = list(first.values())
-    if not units:
+    blocks = [b for b in (index.module_block(name) for name in chosen) if b is not None]
+    covered = {b.name for b in blocks if b.kind != "pair"}  # a single head of these is already one of their units
+    explicit: dict[tuple[HeadRef, ...], PatchUnit] = {}
+    for h in heads or []:
+        unit = index.head_unit(index.head(h))
+        if unit.heads[0].name not in covered:
+            explicit.setdefault(unit.heads, unit)  # duplicates dropped, the order kept
+    units = UnitList([*blocks, *explicit.values()])
+    if not len(units):
         raise InputError("no heads selected: pass heads=[...] and/or modules=[...], or neither for every head")
     return units
 
@@ -417,30 +676,32 @@ def neuron_units(
 ) -> list[PatchUnit]:
     """One unit per source neuron, covering all its heads: the given ``neurons`` (``NeuronRef`` or
     ``(layer, neuron)``) plus every neuron of the given source ``layers``; with neither, every neuron of the model."""
-    return _neuron_units(_Index(aot), layers, neurons)
+    return list(_neuron_units(_Index(aot), layers, neurons))
 
 
 def _neuron_units(
     index: _Index, layers: Iterable[int] | None, neurons: Iterable[NeuronRef | tuple[int, int]] | None
-) -> list[PatchUnit]:
-    keys: list[tuple[int, int]] = []
+) -> UnitList:
     if layers is None and neurons is None:
         layers = [layer for layer in range(index.n_layers) if index.d_mlp(layer) > 0]
     if isinstance(layers, int):
         layers = [layers]
+    blocks: dict[int, _NeuronBlock] = {}
     for layer in layers or []:
         layer = index.layer(layer)
         n = index.d_mlp(layer)
         if n == 0:
             raise InputError(f"source layer {layer} has no MLP, so it has no neurons to patch")
-        keys.extend((layer, neuron) for neuron in range(n))
+        blocks.setdefault(layer, index.neuron_block(layer, range(n)))
     if isinstance(neurons, NeuronRef):
         neurons = [neurons]
+    explicit: dict[tuple[int, int], PatchUnit] = {}
     for key in neurons or []:
         unit = index.neuron_unit(key)
-        keys.append((unit.layer, unit.index))
-    units = [index.neuron_unit(key) for key in dict.fromkeys(keys)]
-    if not units:
+        if unit.layer not in blocks:  # a neuron of a listed layer is already one of its units
+            explicit.setdefault((unit.layer, unit.index), unit)
+    units = UnitList([*blocks.values(), *explicit.values()])
+    if not len(units):
         raise InputError("no neurons selected: pass layers=[...] and/or neurons=[...], or neither for every neuron")
     return units
 
@@ -477,7 +738,7 @@ def _split_pairs(units: Iterable[PatchUnit | str]) -> list[PatchUnit]:
     """The units that hold one head of a product pair without its partner (whose estimate is meaningless: see the
     module docstring)."""
     out = []
-    for unit in units:
+    for unit in units.explicit() if isinstance(units, UnitList) else units:  # blocks hold no split pair
         if isinstance(unit, str):
             continue
         refs = set(unit.heads)
