@@ -274,7 +274,8 @@ def test_discover_in_eap_ig_names_scores_as_eap_ig_attribute(method: str) -> Non
     """lens_aot.circuits.discover at mlp granularity, called as EAP-IG's attribute is (its method names, ig_steps, its
     scalar metric and string batches), gives EAP-IG's scores on the source, edge by edge. EAP-IG's scalar metric is
     the batch's mean and it divides the sum over batches by the number of examples again, so its scores are lens_aot's
-    over the batch size."""
+    over the batch size. Signs: EAP-IG scores ``(corrupted − clean)·∂metric``, lens_aot ``(clean − corrupted)·∂metric``
+    (positive = supports the clean answer, docs/circuit-discovery.md), so with the same metric they are opposite."""
     from lens_aot.circuits import discover
 
     f = _family("ln-gelu")
@@ -283,4 +284,4 @@ def test_discover_in_eap_ig_names_scores_as_eap_ig_attribute(method: str) -> Non
     batch = len(f.data[0][0])
     assert all(len(clean) == batch for clean, _, _ in f.data)
     theirs = torch.tensor([float(src.edges[name].score) for name in ours.edge_names], dtype=torch.float64)
-    _compare_scores(f, theirs, ours.scores / batch, f"discover({method!r})")
+    _compare_scores(f, theirs, -ours.scores / batch, f"discover({method!r})")
