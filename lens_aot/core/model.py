@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
@@ -99,7 +100,23 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         self.report: Any = None  # set by lens_aot.convert
         self.compatibility_mode = bool(spec.extra.get("compatibility_mode", False))  # the source bridge's
         self._block_devices = self._devices_of_blocks()
+        self.hook_tokens = HookPoint()  # [batch, pos]; runs with cfg.use_hook_tokens, as TransformerLens's
         self.setup()
+        self._carry_switches(spec.extra.get("switches", {}))
+
+    def _carry_switches(self, switches: dict[str, bool]) -> None:
+        """Turn on the TransformerLens run-time switches the source had on (``use_attn_result``,
+        ``use_split_qkv_input``, ``ungroup_grouped_query_attention``, ...: :data:`lens_aot.tl.config_fields.SWITCHES`),
+        through the same setters a user calls, so the converted model has the hooks each creates under the source's
+        names."""
+        for name, value in switches.items():
+            if not value:
+                continue
+            setter = getattr(self, f"set_{name}", None)
+            if callable(setter):
+                setter(True)
+            else:
+                setattr(self.cfg, name, True)
 
     def setup(self) -> None:
         """TransformerLens's hook registry, with lookups of a missing hook name explaining the source-aligned
@@ -135,6 +152,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         stop_at_layer: int | None = None,
         attention_mask: Int[Tensor, "batch pos"] | None = None,
         past_kv_cache: KeyValueCache | None = None,
+        shortformer_pos_embed: Float[Tensor, "batch pos d_model"] | None = None,
     ) -> Any:
         """Run the model. ``return_type``: "logits" [batch, pos, d_vocab_out], "loss", "both" or None.
 
@@ -142,21 +160,20 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         ``start_at_layer=l`` takes ``input`` as the residual stream before block ``l`` (``tokens`` for the loss);
         ``attention_mask`` (1 token, 0 padding) and ``padding_side`` handle padded batches, left padding included
         (positions count from each sequence's first token); ``past_kv_cache`` (a :class:`~lens_aot.core.kv_cache.
-        KeyValueCache`) continues from cached keys and values (both concern the source's attention alone).
+        KeyValueCache`) continues from cached keys and values (both concern the source's attention alone). Run in
+        pieces as ACDC does: ``resid, tokens, shortformer_pos_embed, mask = aot.input_to_embed(x)``, then
+        ``aot(resid, start_at_layer=0, tokens=tokens, shortformer_pos_embed=shortformer_pos_embed,
+        attention_mask=mask)`` (``shortformer_pos_embed`` is None unless the source has shortformer positions).
         """
         self._sync_switches()
-        mask = None
         if start_at_layer is None:
-            tokens = self._as_tokens(input, prepend_bos, padding_side)
-            bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-            offset, mask = positions_and_mask(tokens, attention_mask, past_kv_cache, padding_side, self.tokenizer, bos)
-            resid = self.hook_embed(self.embed(tokens))
-            if hasattr(self, "pos_embed"):
-                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset, mask))
-            resid = self.streams(resid)  # DeepSeek-V4's hc_mult streams
+            resid, tokens, shortformer_pos_embed, mask = self.input_to_embed(
+                input, prepend_bos, padding_side, attention_mask, past_kv_cache
+            )
         else:
             resid = input
             mask = attention_mask
+        self._check_shortformer_pos_embed(shortformer_pos_embed)
         # token ids reach the pieces that read them (DeepSeek-V4's hash routing, components/token_ids.py)
         with forward_workspace(), token_ids_in_scope(tokens):  # neuron heads' unobserved tensors reuse one buffer
             for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:
@@ -183,6 +200,41 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if return_type == "both":
             return logits, loss
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None; got {return_type!r}")
+
+    def input_to_embed(
+        self,
+        input: str | list[str] | Int[Tensor, "batch pos"] | Int[Tensor, " pos"],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        past_kv_cache: KeyValueCache | None = None,
+    ) -> tuple[Tensor, Int[Tensor, "batch pos"], Float[Tensor, "batch pos d_model"] | None, Tensor | None]:
+        """The residual stream before block 0, as ``HookedTransformer.input_to_embed``: ``(residual, tokens,
+        shortformer_pos_embed, attention_mask)``, to pass on as ``aot(residual, start_at_layer=0, tokens=tokens,
+        shortformer_pos_embed=shortformer_pos_embed, attention_mask=attention_mask)``. Runs ``hook_tokens`` (with
+        ``cfg.use_hook_tokens``), ``hook_embed`` and ``hook_pos_embed``; ``attention_mask`` is None where no mask is
+        needed (no padding, no key-value cache), and with a key-value cache covers the cached positions too."""
+        tokens = self._as_tokens(input, prepend_bos, padding_side)
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        offset, mask = positions_and_mask(tokens, attention_mask, past_kv_cache, padding_side, self.tokenizer, bos)
+        if getattr(self.cfg, "use_hook_tokens", False):
+            tokens = self.hook_tokens(tokens)
+        resid = self.hook_embed(self.embed(tokens))
+        shortformer = None
+        if hasattr(self, "pos_embed"):
+            pos = self.hook_pos_embed(self.pos_embed(tokens, offset, mask))
+            if self.shortformer:
+                shortformer = pos
+            else:
+                resid = resid + pos
+        return self.streams(resid), tokens, shortformer, mask  # streams: DeepSeek-V4's hc_mult streams
+
+    def _check_shortformer_pos_embed(self, shortformer_pos_embed: Tensor | None) -> None:
+        if shortformer_pos_embed is not None and not self.shortformer:
+            raise InputError(
+                "shortformer_pos_embed applies only to a model with shortformer positions (this one's are "
+                f"{self.cfg.positional_embedding_type!r}); pass None"
+            )
 
     def loss_fn(
         self,

@@ -30,7 +30,8 @@ Schema (``?``: may be null)::
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
              | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)
              | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error} (schema_xielu.py)]
-    flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in}: bool
+    flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
+             use_hook_tokens}: bool (each optional)
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
 
 ``[field]``: a variant (docs/variants.md), written only when the model has it, so a save without variants is what
@@ -84,7 +85,14 @@ __all__ = [
 ]
 
 # Switches set on a model after conversion (TransformerLens's ``set_use_*``), restored on load.
-FLAGS = ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in")
+FLAGS = (
+    "use_attn_result",
+    "use_split_qkv_input",
+    "use_hook_mlp_in",
+    "use_attn_in",
+    "ungroup_grouped_query_attention",
+    "use_hook_tokens",
+)
 
 _NORM = ("kind", "eps", "w", "b", "compute_dtype", "rsqrt")
 _NORM_VARIANTS = ("scale_in_compute_dtype", "functional")  # float32-step norms, written only when set

@@ -57,7 +57,7 @@ def _refuse(what: str, fix: str = "") -> UnsupportedArchitectureError:
 def bridge_extra(bridge: Any) -> dict[str, Any]:
     """The ``ModelSpec.extra`` facts every bridge reading records: the tokenizer's BOS, the architecture, whether the
     bridge is in compatibility mode, and the source config's HookedTransformerConfig-named fields."""
-    from lens_aot.tl.hooked_model import source_config_fields
+    from lens_aot.tl.hooked_model import source_config_fields, source_switches
 
     cfg = bridge.cfg
     return {
@@ -65,6 +65,7 @@ def bridge_extra(bridge: Any) -> dict[str, Any]:
         "architecture": getattr(cfg, "architecture", None),
         "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
         "source_config": source_config_fields(cfg),
+        "switches": source_switches(cfg),
     }
 
 

@@ -21,8 +21,16 @@ from functools import cache
 from typing import Any, NoReturn
 
 from lens_aot.errors import InputError
+from lens_aot.tl.config_fields import SWITCHES
 
-__all__ = ["INAPPLICABLE", "hooked_class", "hooked_config_class", "hooked_config_dict", "source_config_fields"]
+__all__ = [
+    "INAPPLICABLE",
+    "hooked_class",
+    "hooked_config_class",
+    "hooked_config_dict",
+    "source_config_fields",
+    "source_switches",
+]
 
 _REBUILD = "convert the source again: lens_aot.convert(source)"
 
@@ -48,8 +56,6 @@ INAPPLICABLE: dict[str, str] = {
     "refactor_factored_attn_matrices": "refactor the source (source.refactor_factored_attn_matrices()), then "
     + _REBUILD,
     "get_residual": "run aot(tokens, stop_at_layer=0) for the residual stream before block 0",
-    "input_to_embed": "run aot(tokens, stop_at_layer=0) for the embedded input (hook_embed / hook_pos_embed hold "
-    "its parts)",
     "generate_stream": "use aot.generate(...)",
     "move_model_modules_to_device": "use aot.to(device), or aot.place(placement) for several devices",
 }
@@ -168,11 +174,7 @@ def new_instance(cls: type) -> Any:
 # model: the converted model has its own (its switches start off, its dtype and device are its own).
 _STATE_FIELDS = frozenset(
     {
-        "use_attn_result",
-        "use_split_qkv_input",
-        "use_hook_mlp_in",
-        "use_attn_in",
-        "ungroup_grouped_query_attention",
+        *SWITCHES,  # carried as switches (source_switches), turned on through the converted model's setters
         "dtype",
         "device",
         "n_devices",
@@ -181,6 +183,12 @@ _STATE_FIELDS = frozenset(
         "seed",  # the source object's random seed (a converted model's weights are never initialised)
     }
 )
+
+
+def source_switches(cfg: Any) -> dict[str, bool]:
+    """The source's TransformerLens run-time switches (:data:`lens_aot.tl.config_fields.SWITCHES`) that are on:
+    ``convert`` turns each on in the converted model, which then has the hooks it creates under the same names."""
+    return {name: True for name in SWITCHES if bool(getattr(cfg, name, False))}
 
 
 def source_config_fields(cfg: Any) -> dict[str, Any]:

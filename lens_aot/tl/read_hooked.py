@@ -15,7 +15,7 @@ from torch import nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.hooked_model import source_config_fields
+from lens_aot.tl.hooked_model import source_config_fields, source_switches
 from lens_aot.tl.read_moe import read_hooked_moe
 
 SUPPORTED = (
@@ -33,10 +33,6 @@ SUPPORTED = (
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
     "load_in_4bit": (False, "4-bit quantised weights"),
     "n_devices": (1, "a model split across several devices (move it to one device first)"),
-    "ungroup_grouped_query_attention": (
-        False,
-        "hook_k / hook_v expanded to n_heads (set it to False first: the converted model's have n_key_value_heads)",
-    ),
 }
 # TransformerLens's OLMo-2/3 blocks (utilities.architectures.POST_NORM_ARCHITECTURES): ln1 / ln2 after the sublayer.
 POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -317,5 +313,6 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         extra={
             "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
             "source_config": source_config_fields(cfg),
+            "switches": source_switches(cfg),
         },
     )
