@@ -45,8 +45,8 @@ from lens_aot.core.placement import Placement
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, head_shape
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
-from lens_aot.errors import HookNameError, InputError
-from lens_aot.tl.hooked_model import hooked_class
+from lens_aot.errors import HookNameError, InputAssertionError, InputError
+from lens_aot.tl.hooked_model import hooked_class, weight_processing_refusals
 from lens_aot.tl.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -301,7 +301,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             return out, cache_dict
         lazy = LazyCacheDict(cache_dict)
         for name, (inputs, fn) in derived.items():
-            lazy.derive(name, inputs, fn)
+            if all(x in cache_dict for x in inputs):  # not for layers that did not run (stop_at_layer)
+                lazy.derive(name, inputs, fn)
         return out, NeuronHeadCache(lazy, self, has_batch_dim=not remove_batch_dim)
 
     # ------------------------------------------------------------------ TransformerLens's switches
@@ -321,7 +322,10 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """Give each head its own copy of the attention input (``hook_attn_in``), as in TransformerLens."""
         if use_attn_in and self.cfg.n_key_value_heads is not None:
-            raise ValueError("use_attn_in does not work with grouped-query attention; use set_use_split_qkv_input")
+            raise InputAssertionError(
+                "use_attn_in does not work with grouped-query attention (as on a HookedTransformer); use "
+                "set_use_split_qkv_input(True) for per-head query, key and value inputs"
+            )
         self.cfg.use_attn_in = use_attn_in
         for block in self.blocks:
             block.use_attn_in = use_attn_in
@@ -329,7 +333,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """Run ``blocks.{l}.hook_mlp_in`` (a copy of the MLP's input), as in TransformerLens."""
         if use_hook_mlp_in and self.cfg.attn_only:
-            raise ValueError("hook_mlp_in needs MLP layers; this model's source has none")
+            raise InputAssertionError(
+                "hook_mlp_in needs MLP layers, and this model's source has none (attn_only): leave use_hook_mlp_in off"
+            )
         self.cfg.use_hook_mlp_in = use_hook_mlp_in
         for block in self.blocks:
             block.use_hook_mlp_in = use_hook_mlp_in
@@ -566,6 +572,12 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             extra=extra,
             **self.variant_specs(),
         )
+
+
+# TransformerLens 3.9's weight processing (process_weights_, fold_layer_norm, ...) raises an InputError naming what
+# to do instead, under any TransformerLens (under 3.x the HookedTransformer-derived class refuses them alike)
+for _name, _refused in weight_processing_refusals().items():
+    setattr(AttentionOnlyTransformer, _name, _refused)
 
 
 def _switch(module: nn.Module, name: str, value: Any) -> None:

@@ -61,6 +61,30 @@ INAPPLICABLE: dict[str, str] = {
 }
 
 
+# TransformerLens 3.9's weight-processing methods: refused on every converted model, under TransformerLens 4.x too
+# (where code written for a HookedTransformer still calls them).
+WEIGHT_PROCESSING = (
+    "process_weights_",
+    "fold_layer_norm",
+    "center_writing_weights",
+    "center_unembed",
+    "fold_value_biases",
+    "refactor_factored_attn_matrices",
+)
+
+
+def weight_processing_refusals() -> dict[str, Callable[..., NoReturn]]:
+    """:data:`WEIGHT_PROCESSING`'s methods, each raising :class:`~lens_aot.errors.InputError` naming what to call
+    instead (the converted model defines them, so they exist whatever TransformerLens is installed)."""
+    return {name: refusing(name, INAPPLICABLE[name]) for name in WEIGHT_PROCESSING}
+
+
+def refusing(name: str, instead: str) -> Callable[..., NoReturn]:
+    """A method ``name`` that raises :class:`~lens_aot.errors.InputError` saying it does not apply and what to do
+    ``instead``."""
+    return _refusing(name, instead)
+
+
 def _refusing(name: str, instead: str) -> Callable[..., NoReturn]:
     def refused(*args: Any, **kwargs: Any) -> NoReturn:
         raise InputError(
