@@ -124,12 +124,22 @@ def _pieces(model: Any, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 def _sources() -> list[str]:
     """The source kinds that run in pieces (TransformerLens 3.9's bridge has no input_to_embed)."""
     bridge = _bridge_class()
-    return (["hooked"] if HAS_HOOKED_TRANSFORMER else []) + (["bridge"] if hasattr(bridge, "input_to_embed") else [])
+    hooked = ["hooked", "hooked-shortformer"] if HAS_HOOKED_TRANSFORMER else []
+    return hooked + (["bridge"] if hasattr(bridge, "input_to_embed") else [])
 
 
 @pytest.mark.parametrize("kind", _sources())
 def test_model_runs_in_pieces_as_the_source(kind: str, one_thread: None) -> None:
-    source = _hooked("use_hook_tokens") if kind == "hooked" else make_bridge("native-ln")
+    if kind == "bridge":
+        source = make_bridge("native-ln")
+    elif kind == "hooked":
+        source = _hooked("use_hook_tokens")
+    else:  # shortformer positions: input_to_embed returns them apart, every block adds them to its queries and keys
+        from factories_hooked import make_config, randomize
+        from transformer_lens import HookedTransformer
+
+        config = make_config("ln-attn-only", "silu", torch.float32, positional_embedding_type="shortformer")
+        source = randomize(HookedTransformer(config), 0)
     aot = lens_aot.convert(source)
     tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(tokens)
@@ -141,6 +151,13 @@ def test_model_runs_in_pieces_as_the_source(kind: str, one_thread: None) -> None
     err = float((pieces - _pieces(source, tokens, mask))[kept].abs().max())
     assert err <= aot.report.logit_bound
     resid, toks, shortformer, _ = aot.input_to_embed(tokens)
-    assert shortformer is None and torch.equal(toks, tokens)
+    assert torch.equal(toks, tokens)
+    if kind == "hooked-shortformer":
+        assert shortformer is not None and torch.equal(resid, aot.embed(tokens))
+        with torch.no_grad():
+            without, full = aot(resid, start_at_layer=0), aot(tokens)
+        assert float((without - full).abs().max()) > 1e-3  # the positions matter
+        return
+    assert shortformer is None
     with pytest.raises(lens_aot.errors.InputError, match="shortformer"):
         aot(resid, start_at_layer=0, shortformer_pos_embed=resid)

@@ -53,6 +53,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "rms-rotary",
         dict(use_dynamic_ntk_rope=True, use_logn_attn=True, train_seq_length=24),
     ),
+    # learned positions in the queries and keys only (the attention-only models of induction-head / ACDC studies)
+    "shortformer": ("ln-standard", dict(positional_embedding_type="shortformer")),
+    "shortformer-attn-only": ("ln-attn-only", dict(positional_embedding_type="shortformer")),
 }
 
 
@@ -95,6 +98,8 @@ KNOBS: dict[str, tuple[str, Callable[[Any], None]]] = {
     "yarn-rope": ("blocks.0.attn", _scale("rotary_cos")),
     "inverse-layer-scale": ("blocks.1.attn", _scale("attn_scale")),
     "ntk-logn-within-training-length": ("blocks.0.attn", _scale("attn_scale")),
+    "shortformer": ("pos_embed", _scale("W_pos")),
+    "shortformer-attn-only": ("pos_embed", _scale("W_pos")),
 }
 # A second knob for variants with several parts.
 EXTRA_KNOBS: dict[str, tuple[str, Callable[[Any], None]]] = {

@@ -181,7 +181,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
                 if resid.device != device:  # a model over several devices: the residual follows the blocks
                     resid = resid.to(device)
                 entry = None if past_kv_cache is None else past_kv_cache[layer]
-                resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
+                if shortformer_pos_embed is None:
+                    resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
+                else:  # shortformer positions: added to each attention's query and key inputs
+                    pos = shortformer_pos_embed.to(resid.device)
+                    resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask, shortformer_pos_embed=pos)
         if stop_at_layer is not None:
             return resid
         if resid.device != self.unembed.W_U.device:

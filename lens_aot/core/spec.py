@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from lens_aot.core.spec_prediction_head import PredictionHeadSpec
 
 NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
-PositionKind = Literal["standard", "rotary", "alibi", "none"]
+PositionKind = Literal["standard", "rotary", "alibi", "none", "shortformer"]
+# "shortformer" (TransformerLens 3.9): learned positions W_pos added to every attention layer's query and key inputs
+# (after ln1), never to the residual stream
 QKNormScope = Literal["head", "projection"]
 
 

@@ -36,7 +36,7 @@ CARRIED: dict[str, str] = {
     "use_attn_scale": "AttentionSpec.attn_scale, read off the module",
     "attn_scale": "AttentionSpec.attn_scale",
     "scale_attn_by_inverse_layer_idx": "AttentionSpec.attn_scale (the module's, already × (layer + 1))",
-    "positional_embedding_type": "standard, rotary or alibi (shortformer and relative biases refused by name)",
+    "positional_embedding_type": "standard, shortformer, rotary or alibi (relative biases refused by name)",
     "rotary_dim": "RotarySpec.rotary_dim",
     "rotary_base": "the rotary tables, computed by the source's own attention",
     "rotary_adjacent_pairs": "RotarySpec.adjacent_pairs",
@@ -122,7 +122,10 @@ IRRELEVANT: dict[str, str] = {
 # Carried fields with values that are refused: field -> (config overrides that set such a value, a word the error
 # contains). tests/test_hooked_config_fields.py converts each and checks the message.
 REFUSED_VALUES: dict[str, tuple[dict[str, Any], str]] = {
-    "positional_embedding_type": ({"positional_embedding_type": "shortformer"}, "shortformer"),
+    "positional_embedding_type": (
+        {"positional_embedding_type": "relative_positional_bias"},
+        "relative_positional_bias",
+    ),
     "act_fn": ({"act_fn": "solu_ln"}, "solu"),
     "use_logn_attn": ({"use_logn_attn": True, "train_seq_length": 8}, "use_logn_attn"),
     "use_dynamic_ntk_rope": ({"use_dynamic_ntk_rope": True, "train_seq_length": 8}, "use_dynamic_ntk_rope"),

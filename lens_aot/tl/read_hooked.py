@@ -20,8 +20,8 @@ from lens_aot.tl.read_moe import read_hooked_moe
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
-    "after the embedding; positions standard, rotary (either pair layout; linear, NTK-by-parts, YaRN scaling; "
-    "per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or sliding-"
+    "after the embedding; positions standard, shortformer, rotary (either pair layout; linear, NTK-by-parts, YaRN "
+    "scaling; per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or sliding-"
     "window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; sequential or "
     "parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with activations silu, "
     "relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; attention-only models "
@@ -54,13 +54,7 @@ def _check_config(cfg: Any) -> None:
     _check_local_attention(cfg)
     _check_context_scaling(cfg)
     pos = cfg.positional_embedding_type
-    if pos == "shortformer":
-        raise UnsupportedArchitectureError(
-            "shortformer positions add the positional embedding to the queries and keys of every attention layer "
-            "but not to the residual stream, so a neuron head would see a different input from the original MLP. "
-            f"Use a model with standard or rotary positions. Supported: {SUPPORTED}."
-        )
-    if pos not in ("standard", "rotary", "alibi"):
+    if pos not in ("standard", "rotary", "alibi", "shortformer"):
         raise _refuse(f"positional_embedding_type={pos!r}")
     if cfg.use_normalization_before_and_after and cfg.normalization_type not in (None, "RMS", "RMSPre"):
         # TransformerBlock has no post-norm class for LN / LNPre (it fails to build); refuse a hand-made one.
@@ -302,7 +296,7 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         W_U=model.unembed.W_U.detach().clone(),
         b_U=model.unembed.b_U.detach().clone(),
         positions=positions,
-        W_pos=model.pos_embed.W_pos.detach().clone() if positions == "standard" else None,
+        W_pos=model.pos_embed.W_pos.detach().clone() if positions in ("standard", "shortformer") else None,
         rotary=model_rotary,
         embed_ln=_embed_ln(model),
         logits_soft_cap=logits_cap if logits_cap > 0 else None,
