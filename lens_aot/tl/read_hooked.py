@@ -22,10 +22,10 @@ SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
     "after the embedding; positions standard, shortformer, rotary (either pair layout; linear, NTK-by-parts, YaRN "
     "scaling; per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or "
-    "sliding-window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; sequential or "
-    "parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with activations silu, "
-    "relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; attention-only models "
-    "(see docs/variants.md)"
+    "sliding-window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; "
+    "sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with "
+    "activations silu, relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; "
+    "attention-only models (see docs/variants.md)"
 )
 
 # cfg attribute -> (value meaning "off", what it is); any other value is refused, naming the field
