@@ -11,6 +11,7 @@ attention and norm modules of :mod:`lens_aot.core.components`. Because of that r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -193,6 +194,10 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
                 q = q * s[None, :, None, None].to(q.dtype)
         if after:
             q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        if getattr(a, "logn_length", None) is not None and pos > a.logn_length:  # Qwen-1: float32, 1-based positions
+            p1 = torch.arange(1, pos + 1, device=x.device, dtype=torch.float32)
+            s = torch.where(p1 > a.logn_length, p1.log() / math.log(a.logn_length), torch.ones((), device=x.device))
+            q = q * s[None, :, None, None].to(q.dtype)
         if getattr(a, "temperature_scale", None) is not None:  # Llama 4's NoPE layers: float32 from positions p + 1
             p1 = torch.arange(pos, device=x.device).float() + 1.0
             t = torch.log1p(torch.floor(p1 / a.temperature_floor)) * a.temperature_scale + 1.0

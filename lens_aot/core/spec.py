@@ -104,6 +104,10 @@ class AttentionSpec:
     # (:mod:`lens_aot.core.components.query_scale`); None: no scaling.
     query_scale_beta: float | None = None
     query_scale_length: int | None = None
+    # Qwen-1's log-n attention (TransformerLens 3.9's use_logn_attn): past this training length, the query at
+    # (1-based) position p times log(p) / log(logn_length) (:class:`lens_aot.core.components.query_scale.LogNScale`);
+    # None: no scaling.
+    logn_length: int | None = None
     # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
     # (:mod:`lens_aot.core.components.chunked_mask`); None: no chunking.
     chunk: int | None = None
@@ -303,6 +307,7 @@ class ModelSpec:
             "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
             "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
             "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
+            "log-n query scaling": lambda a: getattr(a, "logn_length", None) is not None,
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
             "chunked attention": lambda a: getattr(a, "chunk", None) is not None,

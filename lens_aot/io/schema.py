@@ -20,7 +20,7 @@ Schema (``?``: may be null)::
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
              [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
-             [query_scale_beta], [query_scale_length], [chunk], [temperature_scale, temperature_floor]}
+             [query_scale_beta], [query_scale_length], [logn_length], [chunk], [temperature_scale, temperature_floor]}
              | mla | routed | compressed (lens_aot/io/schema_attention.py, schema_compressed.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu], [clamped_swiglu]}
@@ -115,6 +115,7 @@ _ATTENTION_VARIANTS = (
     "output_gate",
     "query_scale_beta",
     "query_scale_length",
+    "logn_length",
     "chunk",
     "temperature_scale",
     "temperature_floor",
@@ -194,6 +195,8 @@ class Encoder:
         if attn.query_scale_beta is not None:
             out["query_scale_beta"] = float(attn.query_scale_beta)
             out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
+        if getattr(attn, "logn_length", None) is not None:
+            out["logn_length"] = int(attn.logn_length)
         if attn.chunk is not None:
             out["chunk"] = int(attn.chunk)
         if attn.kv_from is not None:  # Gemma 4's shared keys and values (core/components/shared_kv_attention.py)
@@ -441,6 +444,7 @@ class Decoder:
             query_scale_beta=_float_or_none(f.get("query_scale_beta")),
             query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
             chunk=None if f.get("chunk") is None else int(f["chunk"]),
+            logn_length=None if f.get("logn_length") is None else int(f["logn_length"]),
             kv_from=None if f.get("kv_from") is None else int(f["kv_from"]),
             temperature_scale=_float_or_none(f.get("temperature_scale")),
             temperature_floor=_float_or_none(f.get("temperature_floor")),

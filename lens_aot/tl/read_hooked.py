@@ -82,7 +82,7 @@ def _check_context_scaling(cfg: Any) -> None:
     refused, naming the field."""
     train = getattr(cfg, "train_seq_length", None) or cfg.n_ctx
     bounded = cfg.positional_embedding_type in ("standard", "rotary")
-    for attr, what in (("use_dynamic_ntk_rope", "dynamic NTK rotary scaling"), ("use_logn_attn", "log-n scaling")):
+    for attr, what in (("use_dynamic_ntk_rope", "dynamic NTK rotary scaling"),):
         if getattr(cfg, attr, False) and (train < cfg.n_ctx or not bounded):
             raise UnsupportedArchitectureError(
                 f"this HookedTransformer sets {attr}=True ({what}) with train_seq_length={train} < n_ctx={cfg.n_ctx} "
@@ -162,7 +162,15 @@ def _attention(attn: nn.Module, cfg: Any = None) -> AttentionSpec:
         clip_qkv=None if cfg.clip_qkv is None else float(cfg.clip_qkv),
         alibi_slopes=alibi,
         sinks=sinks.detach().clone() if cfg.use_attention_sinks and sinks is not None else None,
+        logn_length=_logn_length(cfg),
     )
+
+
+def _logn_length(cfg: Any) -> int | None:
+    """Qwen-1's log-n attention (``use_logn_attn``): the length past which queries are scaled, None without it or when
+    no forward reaches past it (``train_seq_length`` unset or at least ``n_ctx``: exactly off)."""
+    train = getattr(cfg, "train_seq_length", None) or cfg.n_ctx
+    return int(train) if getattr(cfg, "use_logn_attn", False) and train < cfg.n_ctx else None
 
 
 def _mlp(m: nn.Module, gated: bool, act_fn: str) -> MLPSpec:

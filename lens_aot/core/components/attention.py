@@ -21,7 +21,7 @@ from lens_aot.core.components.float32_attention import RotationInDtype, ScoresIn
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.output_gate import make_output_gate
 from lens_aot.core.components.ownership import exported, parameter, table, through_hook
-from lens_aot.core.components.query_scale import PositionQueryScale
+from lens_aot.core.components.query_scale import LogNScale, PositionQueryScale
 from lens_aot.core.components.query_temperature import QueryTemperature
 from lens_aot.core.components.rotary_rows import shared_rows
 from lens_aot.core.components.scalars import scalar
@@ -223,6 +223,8 @@ class Attention(nn.Module):
             if rotary is None or spec.query_scale_length is None:
                 raise ValueError("position-dependent query scaling needs rotary positions and a length")
             self.query_scale = PositionQueryScale(spec.query_scale_beta, spec.query_scale_length)
+        if getattr(spec, "logn_length", None) is not None:  # Qwen-1's log-n attention: query_scale.py
+            self.logn = LogNScale(spec.logn_length)
         if spec.temperature_scale is not None:  # Llama 4's NoPE layers: query_temperature.py
             if spec.temperature_floor is None:
                 raise ValueError("a query temperature needs its floor_scale (temperature_floor)")
@@ -336,6 +338,8 @@ class Attention(nn.Module):
             # cached keys are stored unrotated
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, rows if same else None))
         q, k = self._qk_norm(q, k, after_rotary=True)
+        if hasattr(self, "logn"):  # Qwen-1, after hook_rot_q, as TransformerLens in eval mode
+            q = self.logn(q, past)
         if self.kv_store is not None:  # Gemma 4: later layers attend with these (shared_kv_attention.py)
             self.kv_store.value = (k, v)
         if hasattr(self, "query_temperature"):  # Llama 4's NoPE layers, after rotary and QK-norm as the source
@@ -490,6 +494,7 @@ class Attention(nn.Module):
             output_gate=self.output_gate.spec() if hasattr(self, "output_gate") else None,
             query_scale_beta=self.query_scale.beta if hasattr(self, "query_scale") else None,
             query_scale_length=self.query_scale.length if hasattr(self, "query_scale") else None,
+            logn_length=self.logn.length if hasattr(self, "logn") else None,
             chunk=self.chunk,
             temperature_scale=self.query_temperature.scale if hasattr(self, "query_temperature") else None,
             temperature_floor=self.query_temperature.floor_scale if hasattr(self, "query_temperature") else None,
