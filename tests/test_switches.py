@@ -100,7 +100,8 @@ def test_hooked_transformer_switch_is_carried(switch: str, one_thread: None) -> 
 
 @pytest.mark.parametrize("switch", sorted(bridge_switches()))
 def test_bridge_switch_is_carried(switch: str, one_thread: None) -> None:
-    family = "llama" if switch == "use_split_qkv_input" else "gpt2-silu"  # attention bridges with every hook
+    # attention bridges with every hook; grouped-query attention for the per-head inputs
+    family = "llama" if switch in ("use_split_qkv_input", "use_attn_in") else "gpt2-silu"
     tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
     _, without = _cache_names(make_bridge(family), tokens)
     source = make_bridge(family)

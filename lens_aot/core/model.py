@@ -324,8 +324,10 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             block.use_split_qkv_input = use_split_qkv_input
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """Give each head its own copy of the attention input (``hook_attn_in``), as in TransformerLens."""
-        if use_attn_in and self.cfg.n_key_value_heads is not None:
+        """Give each head its own copy of the attention input (``hook_attn_in``), as in TransformerLens. With
+        grouped-query attention only for a TransformerBridge's conversion (TransformerLens 4's bridges allow it, keys
+        and values then reading the first ``n_key_value_heads`` copies; a HookedTransformer refuses it)."""
+        if use_attn_in and self.cfg.n_key_value_heads is not None and self.cfg.source_kind != "TransformerBridge":
             raise InputAssertionError(
                 "use_attn_in does not work with grouped-query attention (as on a HookedTransformer); use "
                 "set_use_split_qkv_input(True) for per-head query, key and value inputs"

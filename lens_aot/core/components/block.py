@@ -147,7 +147,13 @@ class TransformerBlock(nn.Module):
 
         if self.use_attn_in:
             x = ln1(self.hook_attn_in(per_head(self.attn.n_heads)))
-            return x, x, x
+            n_kv = self.attn.n_heads if self.attn.ungroup else self.attn.n_kv
+            if n_kv == self.attn.n_heads:
+                return x, x, x
+            # grouped-query attention (TransformerLens 4's bridges allow it): keys and values read the first n_kv
+            # heads' copies, as PositionEmbeddingsAttentionBridge does
+            kv = x[:, :, :n_kv]
+            return x, kv, kv
         q = self.hook_q_input(per_head(self.attn.n_heads))
         n_kv = self.attn.n_heads if self.attn.ungroup else self.attn.n_kv
         k = self.hook_k_input(per_head(n_kv))
