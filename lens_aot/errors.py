@@ -27,6 +27,13 @@ class InputError(LensAOTError, ValueError):
     """The input to a converted model is malformed (shape, dtype, or length)."""
 
 
+class InputAssertionError(InputError, AssertionError):
+    """Bad input for which TransformerLens itself fails an ``assert`` (a mask of another shape than the tokens, a
+    batch of token rows to ``to_str_tokens``, ``set_use_attn_in`` with grouped-query attention, a string that is not
+    one token to ``to_single_token``, ...): an :class:`InputError` naming the fix that is also an ``AssertionError``,
+    so code that catches what the source raises catches it too."""
+
+
 class LoadError(LensAOTError, ValueError):
     """A model could not be loaded: a saved converted model that is missing, corrupt, from a newer lens_aot or
     inconsistent, or a source model (command line) that is neither a local checkpoint nor reachable by name."""

@@ -98,8 +98,8 @@ def test_stop_at_eos_pads_finished_sequences_and_stops() -> None:
 def test_generate_refuses_bad_arguments() -> None:
     model = TinyLM(torch.float32, "standard")
     tokens = torch.tensor([[2, 3]])
-    with pytest.raises(InputError, match="return_type must be 'input', 'str' or 'tokens'"):
-        generate(model, tokens, return_type="embeds", verbose=False)
+    with pytest.raises(InputError, match="return_type must be 'input', 'str', 'tokens' or 'embeds'"):
+        generate(model, tokens, return_type="logits", verbose=False)
     with pytest.raises(InputError, match="padding_side must be 'left', 'right'"):
         generate(model, tokens, padding_side="middle", verbose=False)
     with pytest.raises(InputError, match="pass eos_token_id=, or stop_at_eos=False"):

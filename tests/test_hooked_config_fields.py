@@ -13,7 +13,7 @@ from variants_hooked import VARIANTS
 
 import lens_aot
 from lens_aot.errors import LensAOTError
-from lens_aot.tl.config_fields import CARRIED, IRRELEVANT, REFUSED, REFUSED_VALUES
+from lens_aot.tl.config_fields import CARRIED, IRRELEVANT, REFUSED, REFUSED_VALUES, SWITCHES
 
 # Carried fields every model has (dimensions, names, switches every family test exercises).
 _BASE = {
@@ -37,10 +37,10 @@ _TUNING = {
 def test_every_field_is_listed_once() -> None:
     fields = {f.name for f in dataclasses.fields(HookedTransformerConfig)}
     assert len(fields) == 87  # TransformerLens 3.9 (docs/variants.md); a new field must be listed below
-    lists = [set(CARRIED), set(REFUSED), set(IRRELEVANT)]
+    lists = [set(CARRIED), set(REFUSED), set(IRRELEVANT), set(SWITCHES)]
     unlisted = sorted(fields - set().union(*lists))
-    assert not unlisted, f"HookedTransformerConfig fields neither carried, refused nor irrelevant: {unlisted}"
-    assert not (lists[0] & lists[1]) and not (lists[0] & lists[2]) and not (lists[1] & lists[2])
+    assert not unlisted, f"HookedTransformerConfig fields neither carried, refused, a switch nor irrelevant: {unlisted}"
+    assert all(not (a & b) for i, a in enumerate(lists) for b in lists[i + 1 :])
     stale = sorted(set().union(*lists) - fields)
     assert not stale, f"listed fields HookedTransformerConfig does not have: {stale}"
     assert all(len(reason) > 10 for reason in [*CARRIED.values(), *IRRELEVANT.values()])

@@ -1,10 +1,10 @@
 """HookedTransformer refusals beyond ``test_hooked_errors.py`` (TransformerLens 3.x): one test per bad input.
 
-``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, shortformer positions, a NaN/inf in ``W_in``, converting
-twice, a non-model, bfloat16, fit
-options and malformed tokens. This file covers every other feature the HookedTransformer reader refuses, the other
-kinds of unsupported activation and of non-finite weights, float16, unrecognised modules, and wrong objects passed
-to ``convert``. Each test asserts the exact error type and key phrases naming the problem and the fix.
+``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, dynamic NTK past the training length, a NaN/inf in
+``W_in``, converting twice, a non-model, bfloat16, fit options and malformed tokens. This file covers every other
+feature the HookedTransformer reader refuses, the other kinds of unsupported activation and of non-finite weights,
+float16, unrecognised modules, and wrong objects passed to ``convert``. Each test asserts the exact error type and
+key phrases naming the problem and the fix.
 
 Variants lens_aot carries (QK-norm, soft-caps, ALiBi, sinks, clipping, scaled and per-layer rotary ...) are tested in
 ``test_hooked_variants.py``; here, only that a config flag set after building, without the module it needs, is

@@ -32,9 +32,13 @@ def test_unknown_activation_is_refused() -> None:
 @pytest.mark.parametrize(
     ("family", "overrides", "message"),
     [
-        ("ln-standard", dict(positional_embedding_type="shortformer"), r"shortformer.*Use a model with standard"),
+        (
+            "rms-rotary",
+            dict(use_dynamic_ntk_rope=True, train_seq_length=8),
+            r"use_dynamic_ntk_rope=True.*Set train_seq_length >= n_ctx",
+        ),
     ],
-    ids=["shortformer"],
+    ids=["dynamic-ntk-past-training-length"],
 )
 def test_unsupported_architectures_are_refused(family: str, overrides: dict, message: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=message):

@@ -64,11 +64,6 @@ FIX = r"Supported:|supported|\bonly\b|\bUse\b|\bCast\b|\bPass\b"
 REFUSED: dict[str, tuple[dict[str, Any], type[LensAOTError], tuple[str, ...]]] = {
     "solu": (dict(act_fn="solu"), UnsupportedActivationError, (r"SoLU", r"Supported activations: silu")),
     "solu_ln": (dict(act_fn="solu_ln"), UnsupportedActivationError, (r"SoLU", r"Supported activations: silu")),
-    "shortformer": (
-        dict(positional_embedding_type="shortformer"),
-        UnsupportedArchitectureError,
-        (r"shortformer", r"Use a model with standard or rotary positions"),
-    ),
 }
 
 
@@ -77,7 +72,8 @@ def hooked_configs(draw: st.DrawFn) -> dict[str, Any]:
     """A tiny random HookedTransformer configuration within the supported feature space."""
     n_heads = draw(st.integers(1, 4))
     d_head = draw(st.integers(1, 8))
-    positions = "rotary" if d_head >= 2 and draw(st.booleans()) else "standard"
+    learned = draw(st.sampled_from(["standard", "shortformer"]))  # shortformer: positions in queries and keys only
+    positions = "rotary" if d_head >= 2 and draw(st.booleans()) else learned
     cfg: dict[str, Any] = dict(
         n_layers=draw(st.integers(1, 3)),
         d_model=draw(st.integers(2, 24)),

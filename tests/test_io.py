@@ -144,7 +144,8 @@ def test_config_is_a_typed_schema(tmp_path: Path) -> None:
     assert [f["layer"] for f in fits] == [0, 1] and {f["kind"] for f in fits} == {"sigmoid_sum"}
     assert fits[0]["act_fn"] == aot.cfg.activation_fits[0].act_fn
     assert config["flags"] == {"use_attn_result": False, "use_split_qkv_input": False, "use_hook_mlp_in": False,
-                               "use_attn_in": False}  # fmt: skip
+                               "use_attn_in": False, "ungroup_grouped_query_attention": False,
+                               "use_hook_tokens": False}  # fmt: skip
     assert config["report"]["sample_shape"] == [2, 32]
 
 

@@ -53,6 +53,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "rms-rotary",
         dict(use_dynamic_ntk_rope=True, use_logn_attn=True, train_seq_length=24),
     ),
+    # Qwen-1's log-n attention past a training length shorter than the context
+    "logn-past-training-length": ("rms-rotary", dict(use_logn_attn=True, train_seq_length=8)),
+    # learned positions in the queries and keys only (the attention-only models of induction-head / ACDC studies)
+    "shortformer": ("ln-standard", dict(positional_embedding_type="shortformer")),
+    "shortformer-attn-only": ("ln-attn-only", dict(positional_embedding_type="shortformer")),
 }
 
 
@@ -67,7 +72,7 @@ def make_variant(name: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
         for pname, p in model.named_parameters():
             if pname.endswith(("q_norm.w", "k_norm.w")):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p.dtype))
-    return model
+    return model.eval()  # eval mode, as convert compares: TransformerLens applies log-n / dynamic NTK only there
 
 
 def _scale(attr: str) -> Callable[[Any], None]:
@@ -95,6 +100,9 @@ KNOBS: dict[str, tuple[str, Callable[[Any], None]]] = {
     "yarn-rope": ("blocks.0.attn", _scale("rotary_cos")),
     "inverse-layer-scale": ("blocks.1.attn", _scale("attn_scale")),
     "ntk-logn-within-training-length": ("blocks.0.attn", _scale("attn_scale")),
+    "logn-past-training-length": ("blocks.0.attn.logn", _scale("length")),
+    "shortformer": ("pos_embed", _scale("W_pos")),
+    "shortformer-attn-only": ("pos_embed", _scale("W_pos")),
 }
 # A second knob for variants with several parts.
 EXTRA_KNOBS: dict[str, tuple[str, Callable[[Any], None]]] = {

@@ -34,6 +34,7 @@ class AOTConfig(SourceConfig):
     use_hook_mlp_in: bool = False
     use_attn_in: bool = False
     ungroup_grouped_query_attention: bool = False
+    use_hook_tokens: bool = False
     use_fused_neurons: bool = False  # skip unhooked per-head neuron tensors (the fast path)
     original_architecture: str = "lens_aot.AttentionOnlyTransformer"
     source_kind: str = "HookedTransformer"

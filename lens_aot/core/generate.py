@@ -12,19 +12,25 @@ The model is called as ``model(tokens, attention_mask=..., past_kv_cache=...)`` 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
 import tqdm
 from jaxtyping import Float, Int
 from torch import Tensor
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from lens_aot.core.kv_cache import KeyValueCache, PaddingSide, padding_attention_mask, positions_and_mask
-from lens_aot.errors import InputError
+from lens_aot.errors import InputAssertionError, InputError
 
 __all__ = ["KeyValueCache", "generate", "positions_and_mask", "sample_logits"]
 
-ReturnType = Literal["input", "str", "tokens"]
+ReturnType = Literal["input", "str", "tokens", "embeds"]
+# Hugging Face generation arguments TransformerLens 3.9's generate accepts: output_logits returns a
+# GenerateDecoderOnlyOutput (sequences, logits), return_dict_in_generate is ignored; any other is warned about and
+# ignored, as there.
+ACCEPTED_HF_KWARGS = ("output_logits", "return_dict_in_generate")
 
 
 def sample_logits(
@@ -125,17 +131,32 @@ def generate(
     padding_side: PaddingSide | None = None,
     return_type: ReturnType = "input",
     verbose: bool = True,
-) -> str | list[str] | Int[Tensor, "batch pos_plus_new_tokens"]:
+    **generation_kwargs: Any,
+) -> Any:
     """Extend ``input`` by up to ``max_new_tokens`` tokens: TransformerLens 3.9's ``HookedTransformer.generate``.
 
     A sequence that produces an end-of-sequence id (``eos_token_id``, else the tokenizer's) is continued with that
     id while the others run on; generation stops early once all have. ``return_type`` "input" returns the type given
     (text for text, tokens for tokens); "str" decodes with the tokenizer; "tokens" gives the prompt's tokens followed
-    by the new ones. Padded prompts keep their padding in the returned tokens. A model whose attention keeps no
-    key-value cache (DeepSeek-V4's compressed attention) generates without one whatever ``use_past_kv_cache`` says.
+    by the new ones; "embeds" their embeddings (``model.embed``, [batch, pos, d_model]). Padded prompts keep their
+    padding in the returned tokens. A model whose attention keeps no key-value cache (DeepSeek-V4's compressed
+    attention) generates without one whatever ``use_past_kv_cache`` says. Of Hugging Face's generation arguments,
+    as in TransformerLens 3.9: ``output_logits=True`` returns a ``GenerateDecoderOnlyOutput`` (``sequences``: the
+    tokens, ``logits``: one [batch, d_vocab_out] tensor per step), ``return_dict_in_generate`` is accepted and
+    ignored, and any other is ignored with a ``UserWarning``.
     """
-    if return_type not in ("input", "str", "tokens"):
-        raise InputError(f"return_type must be 'input', 'str' or 'tokens'; got {return_type!r}.")
+    if return_type not in ("input", "str", "tokens", "embeds"):
+        raise InputAssertionError(f"return_type must be 'input', 'str', 'tokens' or 'embeds'; got {return_type!r}.")
+    output_logits = bool(generation_kwargs.pop("output_logits", False))
+    generation_kwargs.pop("return_dict_in_generate", None)
+    if generation_kwargs:
+        warnings.warn(
+            f"generate received unsupported generation kwargs; ignoring: {sorted(generation_kwargs)} (only "
+            f"{', '.join(ACCEPTED_HF_KWARGS)} are accepted, as by TransformerLens's HookedTransformer.generate)",
+            UserWarning,
+            stacklevel=3,
+        )
+    step_logits: list[Tensor] = []
     if padding_side not in (None, "left", "right"):
         raise InputError(f"padding_side must be 'left', 'right' or None (the tokenizer's); got {padding_side!r}.")
     prepend_bos = model.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
@@ -159,6 +180,8 @@ def generate(
         else:  # the newest tokens only; the cache holds the rest (and their mask)
             logits = model(step_tokens, attention_mask=step_mask, past_kv_cache=cache)
         final_logits = logits[:, -1, :]
+        if output_logits:
+            step_logits.append(final_logits.clone())
         if do_sample:
             new = sample_logits(final_logits, top_k, top_p, temperature, freq_penalty, tokens)
         else:
@@ -171,7 +194,14 @@ def generate(
         mask = torch.cat([mask, step_mask], dim=1)
         if stop_at_eos and finished.all():
             break
+    result: Any
     if return_type == "tokens":
-        return tokens
-    texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-    return texts[0] if len(texts) == 1 else texts
+        result = tokens
+    elif return_type == "embeds":
+        result = model.embed(tokens)
+    else:
+        texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        result = texts[0] if len(texts) == 1 else texts
+    if not output_logits:
+        return result
+    return GenerateDecoderOnlyOutput(sequences=tokens, logits=tuple(step_logits))

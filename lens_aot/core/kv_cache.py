@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.errors import InputError
+from lens_aot.errors import InputAssertionError, InputError
 
 PaddingSide = Literal["left", "right"]
 
@@ -150,13 +150,27 @@ class KeyValueCache:
     @property
     def past_length(self) -> int:
         """Positions already cached (the position offset of the next input)."""
-        return self.entries[0].past_keys.shape[1] if self.entries else self.previous_attention_mask.shape[1]
+        return cached_length(self)
 
     def __getitem__(self, layer: int) -> KeyValueCacheEntry:
         return self.entries[layer]
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def cached_length(cache: Any) -> int:
+    """Positions already in a key-value cache: a :class:`KeyValueCache` or TransformerLens's own
+    (``TransformerLensKeyValueCache`` / ``HookedTransformerKeyValueCache``, the same ``entries`` and
+    ``previous_attention_mask``), which a forward accepts alike."""
+    entries = getattr(cache, "entries", None)
+    if entries is None or not hasattr(cache, "previous_attention_mask"):
+        raise InputError(
+            f"past_kv_cache must be a key-value cache (lens_aot.core.kv_cache.KeyValueCache or TransformerLens's "
+            f"TransformerLensKeyValueCache, e.g. KeyValueCache.init_cache(aot.cfg, device, batch_size)); got "
+            f"{type(cache).__name__}"
+        )
+    return int(entries[0].past_keys.shape[1]) if entries else int(cache.previous_attention_mask.shape[1])
 
 
 class ForwardPositions(NamedTuple):
@@ -199,15 +213,17 @@ def positions_and_mask(
     if padding_side not in (None, "left", "right"):
         raise InputError(f"padding_side must be 'left', 'right' or None (the tokenizer's); got {padding_side!r}.")
     batch = tokens.shape[0]
+    if past_kv_cache is not None:
+        cached_length(past_kv_cache)  # a key-value cache, of either kind
     if past_kv_cache is not None and past_kv_cache.previous_attention_mask.shape[0] != batch:
-        raise InputError(
+        raise InputAssertionError(
             f"the key-value cache holds {past_kv_cache.previous_attention_mask.shape[0]} sequences but the tokens "
             f"have {batch}; start a new cache with KeyValueCache.init_cache(cfg, device, batch_size={batch})."
         )
     side = padding_side or getattr(tokenizer, "padding_side", None)
     if attention_mask is not None:
         if tuple(attention_mask.shape) != tuple(tokens.shape):
-            raise InputError(
+            raise InputAssertionError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but the tokens have shape "
                 f"{tuple(tokens.shape)}; pass one 1 (token) / 0 (padding) per token, e.g. the tokenizer's "
                 "attention_mask for these tokens."
@@ -228,6 +244,6 @@ def positions_and_mask(
             )
     if past_kv_cache is None:
         return ForwardPositions(0, None if attention_mask is None else attention_mask.to(tokens.device))
-    offset = past_kv_cache.past_length
+    offset = cached_length(past_kv_cache)
     assert attention_mask is not None
     return ForwardPositions(offset, past_kv_cache.append_attention_mask(attention_mask).to(tokens.device))

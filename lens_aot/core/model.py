@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.cache import LazyCacheDict, NeuronHeadCache
@@ -37,6 +38,7 @@ from lens_aot.core.config import AOTConfig, derived_source_fields
 from lens_aot.core.gating import GatedFit
 from lens_aot.core.generate import generate
 from lens_aot.core.head_refs import ExpertHeadOrigin, HeadOrigin, HeadRef, Sublayer  # noqa: F401 (re-exported)
+from lens_aot.core.inapplicable import weight_processing_refusals
 from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
 from lens_aot.core.names import Expert, flat_layout_hint, module_expert, parse_module
 from lens_aot.core.per_layer_fit import neuron_parts, per_layer_heads, per_layer_neurons
@@ -45,7 +47,7 @@ from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, head_shape
 from lens_aot.core.tokens import Tokenizing
 from lens_aot.core.weights import StackedWeights
-from lens_aot.errors import HookNameError, IndexRangeError, InputError
+from lens_aot.errors import HookNameError, IndexRangeError, InputAssertionError, InputError
 from lens_aot.hooks import hooked
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -102,7 +104,23 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         self.shared_parameters: dict[str, str] = {}
         self.compatibility_mode = bool(spec.extra.get("compatibility_mode", False))  # the source bridge's
         self._block_devices = self._devices_of_blocks()
+        self.hook_tokens = HookPoint()  # [batch, pos]; runs with cfg.use_hook_tokens, as TransformerLens's
         self.setup()
+        self._carry_switches(spec.extra.get("switches", {}))
+
+    def _carry_switches(self, switches: dict[str, bool]) -> None:
+        """Turn on the TransformerLens run-time switches the source had on (``use_attn_result``,
+        ``use_split_qkv_input``, ``ungroup_grouped_query_attention``, ...: :data:`lens_aot.tl.config_fields.SWITCHES`),
+        through the same setters a user calls, so the converted model has the hooks each creates under the source's
+        names."""
+        for name, value in switches.items():
+            if not value:
+                continue
+            setter = getattr(self, f"set_{name}", None)
+            if callable(setter):
+                setter(True)
+            else:
+                setattr(self.cfg, name, True)
 
     def setup(self) -> None:
         """TransformerLens's hook registry, with lookups of a missing hook name explaining the source-aligned
@@ -138,6 +156,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         stop_at_layer: int | None = None,
         attention_mask: Int[Tensor, "batch pos"] | None = None,
         past_kv_cache: KeyValueCache | None = None,
+        shortformer_pos_embed: Float[Tensor, "batch pos d_model"] | None = None,
     ) -> Any:
         """Run the model. ``return_type``: "logits" [batch, pos, d_vocab_out], "loss", "both" or None.
 
@@ -145,21 +164,20 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         ``start_at_layer=l`` takes ``input`` as the residual stream before block ``l`` (``tokens`` for the loss);
         ``attention_mask`` (1 token, 0 padding) and ``padding_side`` handle padded batches, left padding included
         (positions count from each sequence's first token); ``past_kv_cache`` (a :class:`~lens_aot.core.kv_cache.
-        KeyValueCache`) continues from cached keys and values (both concern the source's attention alone).
+        KeyValueCache`) continues from cached keys and values (both concern the source's attention alone). Run in
+        pieces as ACDC does: ``resid, tokens, shortformer_pos_embed, mask = aot.input_to_embed(x)``, then
+        ``aot(resid, start_at_layer=0, tokens=tokens, shortformer_pos_embed=shortformer_pos_embed,
+        attention_mask=mask)`` (``shortformer_pos_embed`` is None unless the source has shortformer positions).
         """
         self._sync_switches()
-        mask = None
         if start_at_layer is None:
-            tokens = self._as_tokens(input, prepend_bos, padding_side)
-            bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-            offset, mask = positions_and_mask(tokens, attention_mask, past_kv_cache, padding_side, self.tokenizer, bos)
-            resid = self.hook_embed(self.embed(tokens))
-            if hasattr(self, "pos_embed"):
-                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, offset, mask))
-            resid = self.streams(resid)  # DeepSeek-V4's hc_mult streams
+            resid, tokens, shortformer_pos_embed, mask = self.input_to_embed(
+                input, prepend_bos, padding_side, attention_mask, past_kv_cache
+            )
         else:
             resid = input
             mask = attention_mask
+        self._check_shortformer_pos_embed(shortformer_pos_embed)
         # token ids reach the pieces that read them (DeepSeek-V4's hash routing, components/token_ids.py)
         with forward_workspace(), token_ids_in_scope(tokens):  # neuron heads' unobserved tensors reuse one buffer
             for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:
@@ -167,7 +185,11 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
                 if resid.device != device:  # a model over several devices: the residual follows the blocks
                     resid = resid.to(device)
                 entry = None if past_kv_cache is None else past_kv_cache[layer]
-                resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
+                if shortformer_pos_embed is None:
+                    resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask)
+                else:  # shortformer positions: added to each attention's query and key inputs
+                    pos = shortformer_pos_embed.to(resid.device)
+                    resid = block(resid, past_kv_cache_entry=entry, attention_mask=mask, shortformer_pos_embed=pos)
         if stop_at_layer is not None:
             return resid
         if resid.device != self.unembed.W_U.device:
@@ -186,6 +208,41 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
         if return_type == "both":
             return logits, loss
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None; got {return_type!r}")
+
+    def input_to_embed(
+        self,
+        input: str | list[str] | Int[Tensor, "batch pos"] | Int[Tensor, " pos"],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        past_kv_cache: KeyValueCache | None = None,
+    ) -> tuple[Tensor, Int[Tensor, "batch pos"], Float[Tensor, "batch pos d_model"] | None, Tensor | None]:
+        """The residual stream before block 0, as ``HookedTransformer.input_to_embed``: ``(residual, tokens,
+        shortformer_pos_embed, attention_mask)``, to pass on as ``aot(residual, start_at_layer=0, tokens=tokens,
+        shortformer_pos_embed=shortformer_pos_embed, attention_mask=attention_mask)``. Runs ``hook_tokens`` (with
+        ``cfg.use_hook_tokens``), ``hook_embed`` and ``hook_pos_embed``; ``attention_mask`` is None where no mask is
+        needed (no padding, no key-value cache), and with a key-value cache covers the cached positions too."""
+        tokens = self._as_tokens(input, prepend_bos, padding_side)
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        offset, mask = positions_and_mask(tokens, attention_mask, past_kv_cache, padding_side, self.tokenizer, bos)
+        if getattr(self.cfg, "use_hook_tokens", False):
+            tokens = self.hook_tokens(tokens)
+        resid = self.hook_embed(self.embed(tokens))
+        shortformer = None
+        if hasattr(self, "pos_embed"):
+            pos = self.hook_pos_embed(self.pos_embed(tokens, offset, mask))
+            if self.shortformer:
+                shortformer = pos
+            else:
+                resid = resid + pos
+        return self.streams(resid), tokens, shortformer, mask  # streams: DeepSeek-V4's hc_mult streams
+
+    def _check_shortformer_pos_embed(self, shortformer_pos_embed: Tensor | None) -> None:
+        if shortformer_pos_embed is not None and not self.shortformer:
+            raise InputError(
+                "shortformer_pos_embed applies only to a model with shortformer positions (this one's are "
+                f"{self.cfg.positional_embedding_type!r}); pass None"
+            )
 
     def loss_fn(
         self,
@@ -252,7 +309,8 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             return out, cache_dict
         lazy = LazyCacheDict(cache_dict)
         for name, (inputs, fn) in derived.items():
-            lazy.derive(name, inputs, fn)
+            if all(x in cache_dict for x in inputs):  # not for layers that did not run (stop_at_layer)
+                lazy.derive(name, inputs, fn)
         return out, NeuronHeadCache(lazy, self, has_batch_dim=not remove_batch_dim)
 
     # ------------------------------------------------------------------ TransformerLens's switches
@@ -270,9 +328,14 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             block.use_split_qkv_input = use_split_qkv_input
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """Give each head its own copy of the attention input (``hook_attn_in``), as in TransformerLens."""
-        if use_attn_in and self.cfg.n_key_value_heads is not None:
-            raise ValueError("use_attn_in does not work with grouped-query attention; use set_use_split_qkv_input")
+        """Give each head its own copy of the attention input (``hook_attn_in``), as in TransformerLens. With
+        grouped-query attention only for a TransformerBridge's conversion (TransformerLens 4's bridges allow it, keys
+        and values then reading the first ``n_key_value_heads`` copies; a HookedTransformer refuses it)."""
+        if use_attn_in and self.cfg.n_key_value_heads is not None and self.cfg.source_kind != "TransformerBridge":
+            raise InputAssertionError(
+                "use_attn_in does not work with grouped-query attention (as on a HookedTransformer); use "
+                "set_use_split_qkv_input(True) for per-head query, key and value inputs"
+            )
         self.cfg.use_attn_in = use_attn_in
         for block in self.blocks:
             block.use_attn_in = use_attn_in
@@ -280,7 +343,9 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """Run ``blocks.{l}.hook_mlp_in`` (a copy of the MLP's input), as in TransformerLens."""
         if use_hook_mlp_in and self.cfg.attn_only:
-            raise ValueError("hook_mlp_in needs MLP layers; this model's source has none")
+            raise InputAssertionError(
+                "hook_mlp_in needs MLP layers, and this model's source has none (attn_only): leave use_hook_mlp_in off"
+            )
         self.cfg.use_hook_mlp_in = use_hook_mlp_in
         for block in self.blocks:
             block.use_hook_mlp_in = use_hook_mlp_in
@@ -522,6 +587,12 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
             extra=extra,
             **self.variant_specs(),
         )
+
+
+# TransformerLens 3.9's weight processing (process_weights_, fold_layer_norm, ...) raises an InputError naming what
+# to do instead, under any TransformerLens (under 3.x the HookedTransformer-derived class refuses them alike)
+for _name, _refused in weight_processing_refusals().items():
+    setattr(AttentionOnlyTransformer, _name, _refused)
 
 
 def _switch(module: nn.Module, name: str, value: Any) -> None:

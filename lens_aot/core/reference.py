@@ -11,6 +11,7 @@ attention and norm modules of :mod:`lens_aot.core.components`. Because of that r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -56,12 +57,17 @@ class MLPTransformer(SpecTransformer):
         if tokens.ndim == 1:
             tokens = tokens[None]
         resid = self.hook_embed(self.embed(tokens))
+        shortformer: dict[str, Tensor] = {}
         if hasattr(self, "pos_embed"):
-            resid = resid + self.hook_pos_embed(self.pos_embed(tokens))
+            pos = self.hook_pos_embed(self.pos_embed(tokens))
+            if self.shortformer:  # the positions enter each attention's queries and keys only
+                shortformer["shortformer_pos_embed"] = pos
+            else:
+                resid = resid + pos
         resid = self.streams(resid)  # DeepSeek-V4's hc_mult streams
         with token_ids_in_scope(tokens):  # DeepSeek-V4's hash routing (components/token_ids.py)
             for block in self.blocks:
-                resid = block(resid)
+                resid = block(resid, **shortformer)
         if return_type is None:
             return None
         return self.logits(resid)
@@ -161,8 +167,9 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     def attention(x: Tensor, a: Any, index: int = -1) -> Tensor:
         pos = x.shape[1]
         shared = getattr(a, "kv_from", None)  # Gemma 4: keys and values of layer `shared`, no projection here
-        q = torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q
-        k = torch.einsum("bpm,hmd->bphd", x, a.W_K) + a.b_K
+        qk = x if shortformer is None else x + shortformer  # shortformer: positions in the queries and keys only
+        q = torch.einsum("bpm,hmd->bphd", qk, a.W_Q) + a.b_Q
+        k = torch.einsum("bpm,hmd->bphd", qk, a.W_K) + a.b_K
         v = torch.einsum("bpm,hmd->bphd", x, a.W_V) + a.b_V
 
         def qk_norm(t: Tensor, n: Any) -> Tensor:
@@ -187,6 +194,10 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
                 q = q * s[None, :, None, None].to(q.dtype)
         if after:
             q, k = qk_norm(q, a.q_norm), qk_norm(k, a.k_norm)
+        if getattr(a, "logn_length", None) is not None and pos > a.logn_length:  # Qwen-1: float32, 1-based positions
+            p1 = torch.arange(1, pos + 1, device=x.device, dtype=torch.float32)
+            s = torch.where(p1 > a.logn_length, p1.log() / math.log(a.logn_length), torch.ones((), device=x.device))
+            q = q * s[None, :, None, None].to(q.dtype)
         if getattr(a, "temperature_scale", None) is not None:  # Llama 4's NoPE layers: float32 from positions p + 1
             p1 = torch.arange(pos, device=x.device).float() + 1.0
             t = torch.log1p(torch.floor(p1 / a.temperature_floor)) * a.temperature_scale + 1.0
@@ -266,6 +277,7 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
     if spec.positions == "standard":
         assert spec.W_pos is not None
         resid = resid + spec.W_pos[: tokens.shape[1]]
+    shortformer = None if spec.positions != "shortformer" else spec.W_pos[: tokens.shape[1]]
 
     def sublayer(x: Tensor, pre: Any, post: Any, f: Callable[[Tensor], Tensor], post_norm: bool) -> Tensor:
         if post_norm:  # OLMo-2: the norm moves to the output

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from lens_aot.core.spec_prediction_head import PredictionHeadSpec
 
 NormKind = Literal["LN", "LNPre", "RMS", "RMSPre"]
-PositionKind = Literal["standard", "rotary", "alibi", "none"]
+PositionKind = Literal["standard", "rotary", "alibi", "none", "shortformer"]
+# "shortformer" (TransformerLens 3.9): learned positions W_pos added to every attention layer's query and key inputs
+# (after ln1), never to the residual stream
 QKNormScope = Literal["head", "projection"]
 
 
@@ -102,6 +104,10 @@ class AttentionSpec:
     # (:mod:`lens_aot.core.components.query_scale`); None: no scaling.
     query_scale_beta: float | None = None
     query_scale_length: int | None = None
+    # Qwen-1's log-n attention (TransformerLens 3.9's use_logn_attn): past this training length, the query at
+    # (1-based) position p times log(p) / log(logn_length) (:class:`lens_aot.core.components.query_scale.LogNScale`);
+    # None: no scaling.
+    logn_length: int | None = None
     # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
     # (:mod:`lens_aot.core.components.chunked_mask`); None: no chunking.
     chunk: int | None = None
@@ -301,6 +307,7 @@ class ModelSpec:
             "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
             "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
             "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
+            "log-n query scaling": lambda a: getattr(a, "logn_length", None) is not None,
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
             "chunked attention": lambda a: getattr(a, "chunk", None) is not None,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from lens_aot.errors import InputError
+from lens_aot.errors import InputAssertionError, InputError
 
 
 class Tokenizing:
@@ -56,17 +57,37 @@ class Tokenizing:
             return [tokenizer.decode(t) for t in tokens]
         return tokenizer.decode(tokens)
 
-    def to_str_tokens(self, input: str | Int[Tensor, " pos"], prepend_bos: bool | None = None) -> list[str]:
-        """One string per token (for labelling plots)."""
+    def to_str_tokens(
+        self,
+        input: str | list[Any] | Int[Tensor, " pos"] | Int[Tensor, "1 pos"] | np.ndarray,
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+    ) -> list[str] | list[list[str]]:
+        """One string per token (for labelling plots), as ``HookedTransformer.to_str_tokens``: a string, token ids
+        ([pos] or [1, pos], tensor or NumPy array), or a list of either (one list of strings each)."""
         tokenizer = self._require_tokenizer()
-        tokens = self.to_tokens(input, prepend_bos=prepend_bos)[0] if isinstance(input, str) else input.flatten()
+        if isinstance(input, list):
+            return [self.to_str_tokens(x, prepend_bos, padding_side) for x in input]  # type: ignore[misc]
+        if isinstance(input, str):
+            tokens = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side)[0]
+        elif isinstance(input, (Tensor, np.ndarray)):
+            tokens = torch.as_tensor(input).squeeze()
+            if tokens.ndim == 0:
+                tokens = tokens[None]
+            if tokens.ndim != 1:
+                raise InputAssertionError(
+                    f"to_str_tokens takes one sequence of token ids ([pos] or [1, pos]); got shape "
+                    f"{tuple(tokens.shape)}. Pass one row (tokens[i]) or a list of rows (list(tokens))."
+                )
+        else:
+            raise InputError(f"to_str_tokens takes a string, token ids or a list of either; got {type(input).__name__}")
         return [tokenizer.decode([int(t)]) for t in tokens]
 
     def to_single_token(self, string: str) -> int:
         """The id of a string that is exactly one token."""
         tokens = self.to_tokens(string, prepend_bos=False)[0]
         if tokens.numel() != 1:
-            raise InputError(f"{string!r} is {tokens.numel()} tokens, not one")
+            raise InputAssertionError(f"{string!r} is {tokens.numel()} tokens, not one")
         return int(tokens[0])
 
     def _as_tokens(

@@ -20,7 +20,7 @@ Schema (``?``: may be null)::
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
              [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
-             [query_scale_beta], [query_scale_length], [chunk], [temperature_scale, temperature_floor]}
+             [query_scale_beta], [query_scale_length], [logn_length], [chunk], [temperature_scale, temperature_floor]}
              | mla | routed | compressed (lens_aot/io/schema_attention.py, schema_compressed.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu], [clamped_swiglu]}
@@ -30,7 +30,8 @@ Schema (``?``: may be null)::
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
              | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)
              | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error} (schema_xielu.py)]
-    flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in}: bool
+    flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
+             use_hook_tokens}: bool (each optional)
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
 
 ``[field]``: a variant (docs/variants.md), written only when the model has it, so a save without variants is what
@@ -85,7 +86,14 @@ __all__ = [
 ]
 
 # Switches set on a model after conversion (TransformerLens's ``set_use_*``), restored on load.
-FLAGS = ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in")
+FLAGS = (
+    "use_attn_result",
+    "use_split_qkv_input",
+    "use_hook_mlp_in",
+    "use_attn_in",
+    "ungroup_grouped_query_attention",
+    "use_hook_tokens",
+)
 
 _NORM = ("kind", "eps", "w", "b", "compute_dtype", "rsqrt")
 _NORM_VARIANTS = ("scale_in_compute_dtype", "functional")  # float32-step norms, written only when set
@@ -108,6 +116,7 @@ _ATTENTION_VARIANTS = (
     "output_gate",
     "query_scale_beta",
     "query_scale_length",
+    "logn_length",
     "chunk",
     "temperature_scale",
     "temperature_floor",
@@ -182,6 +191,8 @@ class Encoder:
         if attn.query_scale_beta is not None:
             out["query_scale_beta"] = float(attn.query_scale_beta)
             out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
+        if getattr(attn, "logn_length", None) is not None:
+            out["logn_length"] = int(attn.logn_length)
         if attn.chunk is not None:
             out["chunk"] = int(attn.chunk)
         if attn.kv_from is not None:  # Gemma 4's shared keys and values (core/components/shared_kv_attention.py)
@@ -429,6 +440,7 @@ class Decoder:
             query_scale_beta=_float_or_none(f.get("query_scale_beta")),
             query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
             chunk=None if f.get("chunk") is None else int(f["chunk"]),
+            logn_length=None if f.get("logn_length") is None else int(f["logn_length"]),
             kv_from=None if f.get("kv_from") is None else int(f["kv_from"]),
             temperature_scale=_float_or_none(f.get("temperature_scale")),
             temperature_floor=_float_or_none(f.get("temperature_floor")),

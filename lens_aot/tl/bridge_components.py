@@ -23,7 +23,7 @@ from lens_aot.tl.bridge_activation import activation_by_values
 from lens_aot.tl.bridge_float32 import carry_float32_step
 from lens_aot.tl.bridge_probe import SUPPORTED
 from lens_aot.tl.gemma_norm import computes_gemma_rmsnorm
-from lens_aot.tl.hooked_model import source_config_fields
+from lens_aot.tl.hooked_model import source_config_fields, source_switches
 from lens_aot.tl.read_gemma4 import scaled_rms_norm
 from lens_aot.tl.read_k_eq_v import key_projection_for_values
 from lens_aot.tl.read_shared_kv import is_kv_shared, shared_kv_spec  # Gemma 4's shared keys and values
@@ -53,6 +53,7 @@ def bridge_extra(bridge: Any) -> dict[str, Any]:
         "architecture": getattr(cfg, "architecture", None),
         "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
         "source_config": source_config_fields(cfg),
+        "switches": source_switches(cfg),
     }
 
 

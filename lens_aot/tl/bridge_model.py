@@ -109,8 +109,6 @@ INAPPLICABLE: dict[str, str] = {
     "blocks[l].mlp.heads); the source's is source.adapter",
     "clear_hook_registry": "use aot.reset_hooks() to remove hook functions (the hook registry is fixed)",
     "close": "nothing to release: a converted model runs in this process",
-    "input_to_embed": "run aot(tokens, stop_at_layer=0) for the embedded input (hook_embed / hook_pos_embed hold "
-    "its parts)",
     "generate_stream": "use aot.generate(...)",
     "hf_generate": "use aot.generate(...) (a converted model has no Hugging Face generate)",
     "diffusion_generate": "use aot.generate(...) (converted models are autoregressive decoders)",

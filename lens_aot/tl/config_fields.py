@@ -1,5 +1,6 @@
-"""Every ``HookedTransformerConfig`` field (TransformerLens 3.9), in exactly one of three lists: what
-:mod:`lens_aot.tl.read_hooked` carries into the spec, what it refuses by name, and what does not change the forward.
+"""Every ``HookedTransformerConfig`` field (TransformerLens 3.9), in exactly one of four lists: what
+:mod:`lens_aot.tl.read_hooked` carries into the spec, what it refuses by name, the run-time switches ``convert``
+carries over, and what does not change the forward.
 
 ``tests/test_hooked_config_fields.py`` enumerates the dataclass's fields and fails on any field in none of the lists
 (a new TransformerLens release cannot slip a forward-changing field past), turns on every carried variant in a
@@ -35,7 +36,7 @@ CARRIED: dict[str, str] = {
     "use_attn_scale": "AttentionSpec.attn_scale, read off the module",
     "attn_scale": "AttentionSpec.attn_scale",
     "scale_attn_by_inverse_layer_idx": "AttentionSpec.attn_scale (the module's, already × (layer + 1))",
-    "positional_embedding_type": "standard, rotary or alibi (shortformer and relative biases refused by name)",
+    "positional_embedding_type": "standard, shortformer, rotary or alibi (relative biases refused by name)",
     "rotary_dim": "RotarySpec.rotary_dim",
     "rotary_base": "the rotary tables, computed by the source's own attention",
     "rotary_adjacent_pairs": "RotarySpec.adjacent_pairs",
@@ -65,9 +66,9 @@ CARRIED: dict[str, str] = {
     "output_logits_soft_cap": "ModelSpec.logits_soft_cap",
     "post_embedding_ln": "ModelSpec.embed_ln",
     "use_attention_sinks": "AttentionSpec.sinks",
-    "use_logn_attn": "exactly off within the training length; refused when train_seq_length < n_ctx",
+    "use_logn_attn": "AttentionSpec.logn_length (Qwen-1's log-n query scaling past train_seq_length)",
     "use_dynamic_ntk_rope": "exactly off within the training length; refused when train_seq_length < n_ctx",
-    "train_seq_length": "where log-n / dynamic NTK scaling starts (see use_logn_attn)",
+    "train_seq_length": "where log-n / dynamic NTK scaling starts (AttentionSpec.logn_length)",
     "default_prepend_bos": "ModelSpec.default_prepend_bos",
     "tokenizer_prepends_bos": "ModelSpec.extra",
     "model_name": "ModelSpec.model_name",
@@ -80,17 +81,24 @@ CARRIED: dict[str, str] = {
 REFUSED: dict[str, tuple[Any, str]] = {
     "load_in_4bit": (True, "4-bit quantised weights"),
     "n_devices": (2, "a model split across several devices (move it to one device first)"),
-    "ungroup_grouped_query_attention": (True, "hook_k / hook_v expanded to n_heads, unlike the converted model's"),
+}
+
+# TransformerLens's run-time switches: field -> the hook points turning it on creates. They do not change the forward;
+# convert carries the source's setting over (the converted model then has the same hooks under the same names).
+# tests/test_switches.py enumerates HookedTransformer's / TransformerBridge's set_use_* setters and fails on a switch
+# not listed here.
+SWITCHES: dict[str, str] = {
+    "use_attn_result": "blocks.{l}.attn.hook_result (per-head outputs)",
+    "use_split_qkv_input": "blocks.{l}.hook_q_input / hook_k_input / hook_v_input (per-head inputs)",
+    "use_hook_mlp_in": "blocks.{l}.hook_mlp_in (the MLP's input)",
+    "use_attn_in": "blocks.{l}.hook_attn_in (one per-head input for query, key and value)",
+    "ungroup_grouped_query_attention": "hook_k / hook_v (and split inputs) expanded to n_heads",
+    "use_hook_tokens": "hook_tokens (the input token ids)",
 }
 
 # field -> why it does not change the forward the conversion reproduces.
 IRRELEVANT: dict[str, str] = {
     "device": "placement: the converted model is built on the source's devices",
-    "use_attn_result": "a hook switch; the converted model has set_use_attn_result",
-    "use_split_qkv_input": "a hook switch; the converted model has set_use_split_qkv_input",
-    "use_hook_mlp_in": "a hook switch; the converted model has set_use_hook_mlp_in",
-    "use_attn_in": "a hook switch; the converted model has set_use_attn_in",
-    "use_hook_tokens": "a hook on the input tokens only",
     "uses_rms_norm": "a TransformerBridge hint; HookedTransformer norms are read off their modules",
     "layer_norm_folding": "records folding; the folded norms and weights are read off the modules",
     "tie_word_embeddings": "W_U is read as stored",
@@ -114,9 +122,11 @@ IRRELEVANT: dict[str, str] = {
 # Carried fields with values that are refused: field -> (config overrides that set such a value, a word the error
 # contains). tests/test_hooked_config_fields.py converts each and checks the message.
 REFUSED_VALUES: dict[str, tuple[dict[str, Any], str]] = {
-    "positional_embedding_type": ({"positional_embedding_type": "shortformer"}, "shortformer"),
+    "positional_embedding_type": (
+        {"positional_embedding_type": "relative_positional_bias"},
+        "relative_positional_bias",
+    ),
     "act_fn": ({"act_fn": "solu_ln"}, "solu"),
-    "use_logn_attn": ({"use_logn_attn": True, "train_seq_length": 8}, "use_logn_attn"),
     "use_dynamic_ntk_rope": ({"use_dynamic_ntk_rope": True, "train_seq_length": 8}, "use_dynamic_ntk_rope"),
     "attn_types": ({"attn_types": ["local", "global"], "use_local_attn": False}, "use_local_attn"),
 }

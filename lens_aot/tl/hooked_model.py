@@ -18,56 +18,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
-from typing import Any, NoReturn
+from typing import Any
 
-from lens_aot.errors import InputError
+from lens_aot.core.inapplicable import (  # noqa: F401  (re-exported: their home moved)
+    INAPPLICABLE,
+    WEIGHT_PROCESSING,
+    _refusing,
+    refusing,
+    weight_processing_refusals,
+)
 from lens_aot.tl import bridge_model
+from lens_aot.tl.config_fields import SWITCHES
 from lens_aot.tl.versions import has_hooked_transformer
 
-__all__ = ["INAPPLICABLE", "hooked_class", "hooked_config_class", "hooked_config_dict", "source_config_fields"]
-
-_REBUILD = "convert the source again: lens_aot.convert(source)"
-
-# HookedTransformer methods that do not apply to a converted model: name -> what to do instead.
-INAPPLICABLE: dict[str, str] = {
-    "from_pretrained": "load the source (HookedTransformer.from_pretrained(name)), then lens_aot.convert(source)",
-    "from_pretrained_no_processing": "load the source with HookedTransformer.from_pretrained_no_processing(name), "
-    "then lens_aot.convert(source)",
-    "init_weights": f"a converted model's weights are its source's; to start from random weights, {_REBUILD} of a "
-    "freshly initialised source",
-    "_init_weights_gpt2": "see init_weights",
-    "_init_weights_xavier": "see init_weights",
-    "_init_weights_kaiming": "see init_weights",
-    "_init_weights_muP": "see init_weights",
-    "load_and_process_state_dict": "load weights into the source and convert it, or aot.load_state_dict(state) with "
-    "the converted model's keys (its state_dict holds the source's names)",
-    "fill_missing_keys": "see load_and_process_state_dict",
-    "process_weights_": f"fold or centre the source's weights (source.process_weights_(...)), then {_REBUILD}",
-    "fold_layer_norm": f"fold the source's norms (source.fold_layer_norm()), then {_REBUILD}",
-    "center_writing_weights": f"centre the source's weights (source.center_writing_weights()), then {_REBUILD}",
-    "center_unembed": f"centre the source's unembedding (source.center_unembed()), then {_REBUILD}",
-    "fold_value_biases": f"fold the source's value biases (source.fold_value_biases()), then {_REBUILD}",
-    "refactor_factored_attn_matrices": "refactor the source (source.refactor_factored_attn_matrices()), then "
-    + _REBUILD,
-    "get_residual": "run aot(tokens, stop_at_layer=0) for the residual stream before block 0",
-    "input_to_embed": "run aot(tokens, stop_at_layer=0) for the embedded input (hook_embed / hook_pos_embed hold "
-    "its parts)",
-    "generate_stream": "use aot.generate(...)",
-    "move_model_modules_to_device": "use aot.to(device), or aot.place(placement) for several devices",
-}
-
-
-def _refusing(name: str, instead: str) -> Callable[..., NoReturn]:
-    def refused(*args: Any, **kwargs: Any) -> NoReturn:
-        raise InputError(
-            f"HookedTransformer.{name} does not apply to a converted (attention-only) model: its MLPs are neuron "
-            f"heads reading the source's weights, which this method would rewrite or rebuild as a plain "
-            f"HookedTransformer. Instead: {instead}."
-        )
-
-    refused.__name__ = refused.__qualname__ = name
-    refused.__doc__ = f"Refused on a converted model (raises InputError): {instead}."
-    return refused
+__all__ = [
+    "INAPPLICABLE",
+    "hooked_class",
+    "hooked_config_class",
+    "hooked_config_dict",
+    "source_config_fields",
+    "source_switches",
+]
 
 
 def _has_hooked_transformer() -> bool:
@@ -166,11 +137,7 @@ def new_instance(cls: type) -> Any:
 # model: the converted model has its own (its switches start off, its dtype and device are its own).
 _STATE_FIELDS = frozenset(
     {
-        "use_attn_result",
-        "use_split_qkv_input",
-        "use_hook_mlp_in",
-        "use_attn_in",
-        "ungroup_grouped_query_attention",
+        *SWITCHES,  # carried as switches (source_switches), turned on through the converted model's setters
         "dtype",
         "device",
         "n_devices",
@@ -179,6 +146,12 @@ _STATE_FIELDS = frozenset(
         "seed",  # the source object's random seed (a converted model's weights are never initialised)
     }
 )
+
+
+def source_switches(cfg: Any) -> dict[str, bool]:
+    """The source's TransformerLens run-time switches (:data:`lens_aot.tl.config_fields.SWITCHES`) that are on:
+    ``convert`` turns each on in the converted model, which then has the hooks it creates under the same names."""
+    return {name: True for name in SWITCHES if bool(getattr(cfg, name, False))}
 
 
 def source_config_fields(cfg: Any) -> dict[str, Any]:

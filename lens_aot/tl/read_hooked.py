@@ -18,18 +18,18 @@ from lens_aot.core.activations import canonical_activation
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.hooked_model import source_config_fields
+from lens_aot.tl.hooked_model import source_config_fields, source_switches
 from lens_aot.tl.read_moe import read_hooked_moe
 from lens_aot.tl.read_xielu import read_xielu
 
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
-    "after the embedding; positions standard, rotary (either pair layout; linear, NTK-by-parts, YaRN scaling; "
-    "per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or sliding-"
-    "window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; sequential or "
-    "parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with activations silu, "
-    "relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; attention-only models "
-    "(see docs/variants.md)"
+    "after the embedding; positions standard, shortformer, rotary (either pair layout; linear, NTK-by-parts, YaRN "
+    "scaling; per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or "
+    "sliding-window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; "
+    "sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with "
+    "activations silu, relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; "
+    "attention-only models (see docs/variants.md)"
 )
 
 # cfg attribute -> (value meaning "off", what it is); any other value is refused, naming the field
@@ -37,10 +37,6 @@ SUPPORTED = (
 _MUST_BE_OFF: dict[str, tuple[Any, str]] = {
     "load_in_4bit": (False, "4-bit quantised weights"),
     "n_devices": (1, "a model split across several devices (move it to one device first)"),
-    "ungroup_grouped_query_attention": (
-        False,
-        "hook_k / hook_v expanded to n_heads (set it to False first: the converted model's have n_key_value_heads)",
-    ),
 }
 # TransformerLens's OLMo-2/3 blocks (utilities.architectures.POST_NORM_ARCHITECTURES): ln1 / ln2 after the sublayer.
 POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -62,13 +58,7 @@ def _check_config(cfg: Any) -> None:
     _check_local_attention(cfg)
     _check_context_scaling(cfg)
     pos = cfg.positional_embedding_type
-    if pos == "shortformer":
-        raise UnsupportedArchitectureError(
-            "shortformer positions add the positional embedding to the queries and keys of every attention layer "
-            "but not to the residual stream, so a neuron head would see a different input from the original MLP. "
-            f"Use a model with standard or rotary positions. Supported: {SUPPORTED}."
-        )
-    if pos not in ("standard", "rotary", "alibi"):
+    if pos not in ("standard", "rotary", "alibi", "shortformer"):
         raise _refuse(f"positional_embedding_type={pos!r}")
     if cfg.use_normalization_before_and_after and cfg.normalization_type not in (None, "RMS", "RMSPre"):
         # TransformerBlock has no post-norm class for LN / LNPre (it fails to build); refuse a hand-made one.
@@ -96,7 +86,7 @@ def _check_context_scaling(cfg: Any) -> None:
     refused, naming the field."""
     train = getattr(cfg, "train_seq_length", None) or cfg.n_ctx
     bounded = cfg.positional_embedding_type in ("standard", "rotary")
-    for attr, what in (("use_dynamic_ntk_rope", "dynamic NTK rotary scaling"), ("use_logn_attn", "log-n scaling")):
+    for attr, what in (("use_dynamic_ntk_rope", "dynamic NTK rotary scaling"),):
         if getattr(cfg, attr, False) and (train < cfg.n_ctx or not bounded):
             raise UnsupportedArchitectureError(
                 f"this HookedTransformer sets {attr}=True ({what}) with train_seq_length={train} < n_ctx={cfg.n_ctx} "
@@ -176,7 +166,15 @@ def _attention(attn: nn.Module, cfg: Any = None) -> AttentionSpec:
         clip_qkv=None if cfg.clip_qkv is None else float(cfg.clip_qkv),
         alibi_slopes=alibi,
         sinks=exported(sinks) if cfg.use_attention_sinks and sinks is not None else None,
+        logn_length=_logn_length(cfg),
     )
+
+
+def _logn_length(cfg: Any) -> int | None:
+    """Qwen-1's log-n attention (``use_logn_attn``): the length past which queries are scaled, None without it or when
+    no forward reaches past it (``train_seq_length`` unset or at least ``n_ctx``: exactly off)."""
+    train = getattr(cfg, "train_seq_length", None) or cfg.n_ctx
+    return int(train) if getattr(cfg, "use_logn_attn", False) and train < cfg.n_ctx else None
 
 
 def _mlp(m: nn.Module, gated: bool, act_fn: str) -> MLPSpec:
@@ -305,7 +303,7 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         W_U=exported(model.unembed.W_U),
         b_U=exported(model.unembed.b_U),
         positions=positions,
-        W_pos=exported(model.pos_embed.W_pos) if positions == "standard" else None,
+        W_pos=exported(model.pos_embed.W_pos) if positions in ("standard", "shortformer") else None,
         rotary=model_rotary,
         embed_ln=_embed_ln(model),
         logits_soft_cap=logits_cap if logits_cap > 0 else None,
@@ -316,5 +314,6 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
         extra={
             "tokenizer_prepends_bos": getattr(cfg, "tokenizer_prepends_bos", None),
             "source_config": source_config_fields(cfg),
+            "switches": source_switches(cfg),
         },
     )

@@ -174,8 +174,10 @@ def hooked_config(spec: ModelSpec) -> Any:
 
     if not spec.layers:
         raise _refuse("it has no layers")
-    if spec.positions not in ("standard", "rotary", "alibi"):
-        raise _refuse(f"its positions are {spec.positions!r} (TransformerLens has standard, rotary or alibi)")
+    if spec.positions not in ("standard", "shortformer", "rotary", "alibi"):
+        raise _refuse(
+            f"its positions are {spec.positions!r} (TransformerLens has standard, shortformer, rotary or alibi)"
+        )
     kwargs: dict[str, Any] = dict(
         n_layers=len(spec.layers),
         d_model=int(spec.d_model),
@@ -207,7 +209,7 @@ def hooked_config(spec: ModelSpec) -> Any:
 def _hooked_state(spec: ModelSpec, grouped: bool) -> dict[str, Tensor]:
     """The spec's weights under HookedTransformer state-dict names."""
     state: dict[str, Tensor] = {"embed.W_E": spec.W_E, "unembed.W_U": spec.W_U, "unembed.b_U": spec.b_U}
-    if spec.positions == "standard":
+    if spec.positions in ("standard", "shortformer"):
         assert spec.W_pos is not None
         state["pos_embed.W_pos"] = spec.W_pos
 

@@ -54,6 +54,9 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
         raise _refuse("it normalizes queries and keys after rotary (HunYuan, NanoChat); TransformerLens's runs before")
     if any(getattr(layer.attn, "query_scale_beta", None) is not None for layer in spec.layers):
         raise _refuse("it scales its queries by position (Llama-4 scaling, Ministral 3); TransformerLens does not")
+    logn = _uniform(spec, "log-n training length", lambda layer: getattr(layer.attn, "logn_length", None))
+    if logn is not None:  # Qwen-1's log-n attention
+        kwargs.update(use_logn_attn=True, train_seq_length=int(logn))
     if any(getattr(layer.attn, "chunk", None) is not None for layer in spec.layers):
         raise _refuse("its attention is chunked (Llama 4's attention_chunk_size); TransformerLens has no chunked mask")
     if any(getattr(layer.attn, "temperature_scale", None) is not None for layer in spec.layers):

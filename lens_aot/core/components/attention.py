@@ -20,8 +20,8 @@ from lens_aot.core.components.chunked_mask import same_chunk
 from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.output_gate import make_output_gate
-from lens_aot.core.components.ownership import exported, parameter, table
-from lens_aot.core.components.query_scale import PositionQueryScale
+from lens_aot.core.components.ownership import exported, parameter, table, through_hook
+from lens_aot.core.components.query_scale import LogNScale, PositionQueryScale
 from lens_aot.core.components.query_temperature import QueryTemperature
 from lens_aot.core.components.rotary_rows import shared_rows
 from lens_aot.core.components.scalars import scalar
@@ -223,6 +223,8 @@ class Attention(nn.Module):
             if rotary is None or spec.query_scale_length is None:
                 raise ValueError("position-dependent query scaling needs rotary positions and a length")
             self.query_scale = PositionQueryScale(spec.query_scale_beta, spec.query_scale_length)
+        if getattr(spec, "logn_length", None) is not None:  # Qwen-1's log-n attention: query_scale.py
+            self.logn = LogNScale(spec.logn_length)
         if spec.temperature_scale is not None:  # Llama 4's NoPE layers: query_temperature.py
             if spec.temperature_floor is None:
                 raise ValueError("a query temperature needs its floor_scale (temperature_floor)")
@@ -336,6 +338,8 @@ class Attention(nn.Module):
             # cached keys are stored unrotated
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, rows if same else None))
         q, k = self._qk_norm(q, k, after_rotary=True)
+        if hasattr(self, "logn"):  # Qwen-1, after hook_rot_q, as TransformerLens in eval mode
+            q = self.logn(q, past)
         if self.kv_store is not None:  # Gemma 4: later layers attend with these (shared_kv_attention.py)
             self.kv_store.value = (k, v)
         if hasattr(self, "query_temperature"):  # Llama 4's NoPE layers, after rotary and QK-norm as the source
@@ -344,12 +348,9 @@ class Attention(nn.Module):
             k = k.index_select(2, _group_index(self.n_heads, k.shape[2], k.device))
             v = v.index_select(2, _group_index(self.n_heads, v.shape[2], v.device))
         mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
-        if (
-            self.needs_dense_scores
-            or _hooked(self.hook_attn_scores, self.hook_pattern)
-            or (self.softmax_dtype not in (None, q.dtype))
-        ):
-            z = self._dense_z(q, k, v, mask, attention_mask is None)
+        fusable = not self.needs_dense_scores and self.softmax_dtype in (None, q.dtype)
+        if not fusable or _hooked(self.hook_attn_scores, self.hook_pattern):
+            z = self._dense_z(q, k, v, mask, attention_mask is None, fused_if_unwritten=fusable)
         else:  # same computation, fused: the [query, key] tensors never exist
             z = fused_z(q, k, v, mask, self.causal, self.attn_scale, attention_mask is None)
         if hasattr(self, "output_gate"):
@@ -435,8 +436,12 @@ class Attention(nn.Module):
         v: Float[Tensor, "batch key head d_head"],
         mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
         every_query_sees_a_key: bool = False,
+        fused_if_unwritten: bool = False,
     ) -> Float[Tensor, "batch pos head d_head"]:
         """Scores and pattern as [batch, head, query, key] tensors, through their hooks, then ``z = pattern @ v``.
+        ``fused_if_unwritten``: when the hooks only observed the scores and pattern (returned them unwritten), ``z``
+        is :func:`fused_z`'s, bitwise what the unhooked forward computes (so ``run_with_cache`` / ``run_with_hooks``
+        give ``model(x)``'s logits exactly), with the gradient of the dense product (whose hooks see it).
 
         Masked scores are -inf (as in TransformerLens); a row with every key masked softmaxes to NaN, which is set
         to 0 as TransformerLens does (``every_query_sees_a_key``: no padding, so no such row to look for). The
@@ -450,13 +455,21 @@ class Attention(nn.Module):
             scores = self.scores_soft_cap(scores)
         if hasattr(self, "alibi"):
             scores = self.alibi(scores, past=k.shape[1] - q.shape[1])
-        scores = self.hook_attn_scores(mask_scores(scores, mask, self.causal))
+        scores, scores_same = through_hook(self.hook_attn_scores, mask_scores(scores, mask, self.causal))
         if hasattr(self, "sinks"):
             pattern = self.sinks(scores, dtype=self.softmax_dtype)
         else:
             pattern = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
-        pattern = self.hook_pattern((pattern if every_query_sees_a_key else zero_unseen(pattern, mask)).to(v.dtype))
-        return torch.matmul(pattern, v.transpose(1, 2)).transpose(1, 2)
+        pattern, pattern_same = through_hook(
+            self.hook_pattern, (pattern if every_query_sees_a_key else zero_unseen(pattern, mask)).to(v.dtype)
+        )
+        if not (fused_if_unwritten and scores_same and pattern_same):
+            return torch.matmul(pattern, v.transpose(1, 2)).transpose(1, 2)
+        fused = fused_z(q, k, v, mask, self.causal, self.attn_scale, every_query_sees_a_key)
+        if not (torch.is_grad_enabled() and pattern.requires_grad):
+            return fused
+        dense = torch.matmul(pattern, v.transpose(1, 2)).transpose(1, 2)
+        return fused.detach() + (dense - dense.detach())
 
     def spec(self) -> AttentionSpec:
         """The :class:`AttentionSpec` this module implements (used by ``revert``)."""
@@ -481,6 +494,7 @@ class Attention(nn.Module):
             output_gate=self.output_gate.spec() if hasattr(self, "output_gate") else None,
             query_scale_beta=self.query_scale.beta if hasattr(self, "query_scale") else None,
             query_scale_length=self.query_scale.length if hasattr(self, "query_scale") else None,
+            logn_length=self.logn.length if hasattr(self, "logn") else None,
             chunk=self.chunk,
             temperature_scale=self.query_temperature.scale if hasattr(self, "query_temperature") else None,
             temperature_floor=self.query_temperature.floor_scale if hasattr(self, "query_temperature") else None,

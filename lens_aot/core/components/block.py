@@ -90,11 +90,19 @@ class TransformerBlock(nn.Module):
         return bool(getattr(self.mlp, "reads_residual", False))
 
     def forward(
-        self, resid_pre: Float[Tensor, "batch pos d_model"], **attn_kwargs: Any
+        self,
+        resid_pre: Float[Tensor, "batch pos d_model"],
+        shortformer_pos_embed: Float[Tensor, "batch pos d_model"] | None = None,
+        **attn_kwargs: Any,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """``attn_kwargs`` (attention mask, KV-cache entry, positions) go to the attention."""
+        """``attn_kwargs`` (attention mask, KV-cache entry, positions) go to the attention; ``shortformer_pos_embed``
+        (shortformer positions) is added to its normalized query and key inputs, as in TransformerLens."""
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.attn(*self._attention_inputs(resid_pre), **attn_kwargs)
+        q_in, k_in, v_in = self._attention_inputs(resid_pre)
+        if shortformer_pos_embed is not None:
+            pos = shortformer_pos_embed if q_in.ndim == 3 else shortformer_pos_embed[:, :, None, :]
+            q_in, k_in = q_in + pos, k_in + pos
+        attn_out = self.attn(q_in, k_in, v_in, **attn_kwargs)
         if hasattr(self, "ln1_post"):
             attn_out = self.ln1_post(attn_out)
         if self.post_norm:
@@ -139,7 +147,13 @@ class TransformerBlock(nn.Module):
 
         if self.use_attn_in:
             x = ln1(self.hook_attn_in(per_head(self.attn.n_heads)))
-            return x, x, x
+            n_kv = self.attn.n_heads if self.attn.ungroup else self.attn.n_kv
+            if n_kv == self.attn.n_heads:
+                return x, x, x
+            # grouped-query attention (TransformerLens 4's bridges allow it): keys and values read the first n_kv
+            # heads' copies, as PositionEmbeddingsAttentionBridge does
+            kv = x[:, :, :n_kv]
+            return x, kv, kv
         q = self.hook_q_input(per_head(self.attn.n_heads))
         n_kv = self.attn.n_heads if self.attn.ungroup else self.attn.n_kv
         k = self.hook_k_input(per_head(n_kv))

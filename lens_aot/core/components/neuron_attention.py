@@ -444,16 +444,28 @@ def attend_self_and_slot(
     untouched by hooks, so the weight is ``σ(q)``, the same value without two passes). Also returns whether ``z`` is
     the standard one (closed form, ``keys_zero``, ``qv_unwritten`` and ``hook_z`` returned it unwritten). Shared by
     neuron, gate and product heads."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)
+    dense = None
     if _hooked(heads.hook_attn_scores, heads.hook_pattern):
-        scores = heads.hook_attn_scores(NeuronAttention.dense_scores((q * k).squeeze(-1) / heads.attn_scale))
-        pattern = heads.hook_pattern(NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / heads.attn_scale))
-        return heads.hook_z(einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")), False
-    if keys_zero and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)):
+        scores, scores_same = through_hook(
+            heads.hook_attn_scores, NeuronAttention.dense_scores((q * k).squeeze(-1) / heads.attn_scale)
+        )
+        pattern, pattern_same = through_hook(
+            heads.hook_pattern, NeuronAttention.dense_pattern(scores, -q.squeeze(-1) / heads.attn_scale)
+        )
+        if not (scores_same and pattern_same):  # an intervention on the scores or pattern: z follows from them
+            return heads.hook_z(einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")), False
+        # Only observed: z is the closed form's, bitwise what the unhooked forward computes (run_with_cache and
+        # run_with_hooks give model(x)'s logits exactly); a gradient flows through the dense pattern (its hooks see it).
+        dense = einops.einsum(pattern, v, "b h q k, b k h e -> b q h e") if grad else None
+    if keys_zero and not grad:
         z = logistic_times(q, v)  # one buffer (autograd needs none kept), in the chunks the packed path uses
     else:
         z = (torch.sigmoid(q) if keys_zero else NeuronAttention.self_weight(q, k)) * v
+    if dense is not None:
+        z = z.detach() + (dense - dense.detach())  # the closed form's values, the dense pattern's gradient
     z, z_same = through_hook(heads.hook_z, z)
-    return z, keys_zero and qv_unwritten and z_same
+    return z, keys_zero and qv_unwritten and z_same and dense is None
 
 
 def fit_coefficients(fit: ActivationFit, device: torch.device, dtype: torch.dtype) -> Float[Tensor, "4 K 1"]:

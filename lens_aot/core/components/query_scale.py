@@ -1,6 +1,8 @@
-"""Llama-4 position-dependent query scaling (Ministral 3's ``llama_4_scaling_beta``)."""
+"""Position-dependent query scaling: Llama-4's (Ministral 3's ``llama_4_scaling_beta``) and Qwen-1's log-n attention."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from jaxtyping import Float, Int
@@ -38,3 +40,31 @@ class PositionQueryScale(nn.Module):
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, length={self.length}"
+
+
+class LogNScale(nn.Module):
+    """Qwen-1's log-n attention, as TransformerLens 3.9's ``AbstractAttention._apply_logn_scaling`` (``use_logn_attn``,
+    in eval mode): when the keys reach past the training length ``length``, the query at (1-based) position ``p``
+    (counted over the cache and this call, not per sequence) is multiplied by ``log(p) / log(length)`` where
+    ``p > length`` (1 below), computed in float32 and cast to the query's dtype; within the training length the query
+    is returned unchanged. After rotary and ``hook_rot_q``, as in the source."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        if length < 2:
+            raise ValueError(f"a log-n training length must be >= 2, got {length}")
+        self.length = int(length)
+
+    def forward(
+        self, q: Float[Tensor, "batch pos head d_head"], past: int = 0
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        keys = past + q.shape[1]
+        if keys <= self.length:
+            return q
+        positions = torch.arange(past + 1, keys + 1, device=q.device, dtype=torch.float32)
+        one = torch.ones((), device=q.device)
+        scale = torch.where(positions > self.length, positions.log() / math.log(self.length), one).to(q.dtype)
+        return q * scale[None, :, None, None]
+
+    def extra_repr(self) -> str:
+        return f"length={self.length}"

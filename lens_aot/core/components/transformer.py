@@ -171,7 +171,10 @@ class SpecTransformer(HookedRootModule):
         self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln), ple)
         self.embed.forward_stores = list(shared_kv.boxes.values())  # emptied as each forward starts
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        if spec.positions == "standard":
+        # shortformer positions (TransformerLens 3.9): the learned positions enter each attention layer's queries and
+        # keys only, never the residual stream
+        self.shortformer = spec.positions == "shortformer"
+        if spec.positions in ("standard", "shortformer"):
             assert spec.W_pos is not None
             self.pos_embed = PosEmbed(spec.W_pos, spec.W_pos_unread)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
