@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from factories_hooked import make_hooked
+from factories_bridge import make_bridge
 from factories_moe import hooked_moe
 
 import lens_aot
@@ -136,9 +136,9 @@ def test_unflipped_positions_stop_at_the_first_flip() -> None:
 def test_half_neuron_heads_round_each_activation_once(half: torch.dtype) -> None:
     """An unobserved half-precision forward is the fused one (each neuron's logistic sum in float32, rounded to half
     once), bitwise; a gated GELU's gate sums several terms, which the per-head half path rounded one by one."""
-    source = make_hooked("gemma-like", "gelu_pytorch_tanh", half).eval()
+    source = make_bridge("gemma", half)  # GeGLU (gelu_pytorch_tanh gate)
     aot = lens_aot.convert(source)
-    tokens = torch.randint(0, source.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     assert aot.report.heads_per_neuron > 3  # gate terms to sum
     with torch.no_grad():
         default = aot(tokens)
