@@ -146,3 +146,25 @@ def test_half_neuron_heads_round_each_activation_once(half: torch.dtype) -> None
         fused = aot(tokens)
     assert default.dtype == half
     assert torch.equal(default, fused)
+
+
+@pytest.mark.parametrize("half", HALF, ids=HALF_IDS)
+def test_half_product_heads_round_once(half: torch.dtype) -> None:
+    """The product heads' closed form ``(2/ε)·h·tanh(ε·u/2)`` in half precision is the float32 value rounded once:
+    within one half rounding (plus the construction's own ``ε²u²/12`` relative error) of the exact ``u·h``, as the
+    source's own ``u·h``; evaluated in half its four operations rounded four times."""
+    aot = lens_aot.convert(make_bridge("gemma", half))
+    product = aot.blocks[0].mlp.product_heads
+    gen = torch.Generator().manual_seed(0)
+    u = (4 * torch.randn(4096, product.d_mlp, generator=gen)).to(half)
+    h = torch.randn(4096, product.d_mlp, generator=gen).to(half)
+    with torch.no_grad():
+        got = product.product(u, h)
+    exact = u.double() * h.double()
+    scales = product.scales.double()
+    fit = (2 / scales) * h.double() * torch.tanh(u.double() * scales / 2)  # the construction, exactly
+    assert got.dtype == half
+    rounding = torch.finfo(half).eps / 2  # one rounding to nearest
+    spacing = torch.finfo(half).tiny * torch.finfo(half).eps  # subnormals' spacing: float16 products below 6e-5
+    assert bool(((got.double() - fit).abs() <= rounding * fit.abs() * (1 + 1e-3) + spacing).all())
+    assert float((fit - exact).abs().max()) < rounding * float(exact.abs().max())  # ε small enough: ≈ u·h
