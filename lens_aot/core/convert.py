@@ -20,7 +20,7 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
-from lens_aot.core.routing_flips import expert_choices, max_error_where, unflipped_positions
+from lens_aot.core.routing_flips import expert_choices, max_error_where, routed_layers, unflipped_positions
 from lens_aot.core.source_keys import attach as attach_source_keys
 from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec, head_shape
 from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
@@ -321,7 +321,9 @@ def _convert_half(
     """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
     cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
     (:func:`lens_aot.core.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
-    error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own."""
+    error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both
+    measured on the positions the converted half model routes as the float32 one does (all of them for a dense
+    model; :mod:`lens_aot.core.routing_flips`)."""
     if options.get("masks") == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
@@ -334,7 +336,8 @@ def _convert_half(
         expected = routes = None
         if check:
             expected = _eval_logits(model, tokens.to(aot.cfg.device)).float()
-            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1]  # float32 routing (core/routing_flips.py)
+            # the float32 routing (core/routing_flips.py); a dense model has none and needs no extra forward
+            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
     aot.to(half)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=_param_stats(model)[1])
     report = replace(report, converted_bytes=_param_stats(aot)[1])

@@ -26,6 +26,11 @@ from torch import Tensor
 EXPERT_CHOICE_HOOK = "hook_expert_indices"  # every routed layer's chosen experts (MoE MLPs and routed attention)
 
 
+def routed_layers(aot: Any) -> list[str]:
+    """The hook names of the converted model's expert choices (one per routed layer; empty for a dense model)."""
+    return [name for name in aot.hook_dict if name.endswith(EXPERT_CHOICE_HOOK)]
+
+
 def expert_choices(
     aot: Any, tokens: Int[Tensor, "batch pos"]
 ) -> tuple[Float[Tensor, "batch pos d_vocab"], dict[str, Int[Tensor, "batch pos top_k"]]]:
@@ -37,7 +42,7 @@ def expert_choices(
     def record(indices: Tensor, hook: Any) -> None:
         choices[hook.name] = indices.detach().reshape(batch, pos, -1).sort(dim=-1).values
 
-    hooks = [(name, record) for name in aot.hook_dict if name.endswith(EXPERT_CHOICE_HOOK)]
+    hooks = [(name, record) for name in routed_layers(aot)]
     with torch.no_grad(), aot.hooks(fwd_hooks=hooks):
         logits = aot(tokens)
     return logits, choices
