@@ -341,10 +341,10 @@ def _convert_half(
     aot.to(half)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=_param_stats(model)[1])
     report = replace(report, converted_bytes=_param_stats(aot)[1])
-    if expected is not None and routes is not None:
+    if expected is not None:
         source_logits = _eval_logits(model, tokens.to(aot.cfg.device))
         logits, half_routes = expert_choices(aot, tokens.to(aot.cfg.device))
-        keep = unflipped_positions(routes, half_routes, tuple(tokens.shape))
+        keep = unflipped_positions(routes or {}, half_routes, tuple(tokens.shape))
         if not bool(keep.any()):  # every sequence flips at its first position: judge every position
             keep = torch.ones_like(keep)
         source_error = max_error_where(source_logits, expected, keep)

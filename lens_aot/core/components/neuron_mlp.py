@@ -23,7 +23,7 @@ heads are computed in row chunks without calling them, bitwise the same values
 closed form (the fast path). A half-precision (float16 / bfloat16) model always takes that path while nothing observes
 the heads: it evaluates each neuron's sum of logistic terms in float32 and rounds the activation to half once, as the
 source rounds its activation once, where the per-head path would round every term's ``q``, ``σ(q)``, ``v`` and their
-sum in half (several half roundings per neuron, and on CPU slow broadcast half kernels: 6.6x the source's forward).
+sum in half (several half roundings per neuron, and on CPU slow broadcast half kernels; docs/performance.md).
 """
 
 from __future__ import annotations
