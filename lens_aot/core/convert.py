@@ -21,6 +21,7 @@ from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.moe import MoEFit, moe_fit
 from lens_aot.core.per_layer_fit import per_layer_fits
 from lens_aot.core.read import check_finite, half_dtype, read_model, run_source, sample_tokens, upcast_half
+from lens_aot.core.routing_flips import expert_choices, max_error_where, routed_layers, unflipped_positions
 from lens_aot.core.shared_weights import release, share_again, shared_parameters
 from lens_aot.core.source_keys import attach as attach_source_keys
 from lens_aot.core.source_layer import source_layer
@@ -52,6 +53,9 @@ class ConversionReport:
     argmax_agreement: float | None
     half_logit_error: float | None = None  # half sources: max |Δlogit| of the converted half model vs float32 source
     half_source_logit_error: float | None = None  # half sources: the same for the half source itself (its rounding)
+    # half sources: the positions both errors are measured on, those routed in every layer as the float32 model
+    # routes them (all of them without experts; lens_aot.core.routing_flips)
+    half_positions: int | None = None
     gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
     parallel: bool = False  # parallel attention + MLP layers
     product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
@@ -318,7 +322,9 @@ def _convert_half(
     """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
     cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
     (:func:`lens_aot.core.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
-    error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own."""
+    error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both
+    measured on the positions the converted half model routes as the float32 one does (all of them for a dense
+    model; :mod:`lens_aot.core.routing_flips`)."""
     if options.get("masks") == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
@@ -328,23 +334,37 @@ def _convert_half(
     with upcast_half(model, half):
         aot = convert(model, check=check, check_tokens=check_tokens, **options)
         tokens = sample_tokens(aot.cfg) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
-        expected = _eval_logits(model, tokens.to(aot.cfg.device)).float() if check else None
+        expected = routes = None
+        if check:
+            expected = _eval_logits(model, tokens.to(aot.cfg.device)).float()
+            # the float32 routing (core/routing_flips.py); a dense model has none and needs no extra forward
+            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
     aot.to(half)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=_param_stats(model)[1])
     report = replace(report, converted_bytes=_param_stats(aot)[1])
     if expected is not None:
-        source_error = float((_eval_logits(model, tokens.to(aot.cfg.device)).float() - expected).abs().max())
-        with torch.no_grad():
-            error = float((aot(tokens).float() - expected).abs().max())
+        source_logits = _eval_logits(model, tokens.to(aot.cfg.device))
+        logits, half_routes = expert_choices(aot, tokens.to(aot.cfg.device))
+        keep = unflipped_positions(routes or {}, half_routes, tuple(tokens.shape))
+        if not bool(keep.any()):  # every sequence flips at its first position: judge every position
+            keep = torch.ones_like(keep)
+        source_error = max_error_where(source_logits, expected, keep)
+        error = max_error_where(logits, expected, keep)
+        del source_logits, logits
+        where = (
+            "" if bool(keep.all()) else f" on the {int(keep.sum())} of {keep.numel()} positions routed as in float32"
+        )
         if not error <= half_precision_tolerance(source_error):
             message = (
                 f"the converted {half} model's logit error against the float32 source, {error:.3g}, exceeds "
-                f"{half_precision_tolerance(source_error):.3g} (twice the {half} source's own, {source_error:.3g}). "
-                f"Convert the float32 model and keep it in float32: model.to(torch.float32); or pass check='warn' "
-                f"to get the model anyway."
+                f"{half_precision_tolerance(source_error):.3g} (twice the {half} source's own, {source_error:.3g})"
+                f"{where}. Convert the float32 model and keep it in float32: model.to(torch.float32); or pass "
+                f"check='warn' to get the model anyway."
             )
             _refuse(message, check, stacklevel=4)
-        report = replace(report, half_logit_error=error, half_source_logit_error=source_error)
+        report = replace(
+            report, half_logit_error=error, half_source_logit_error=source_error, half_positions=int(keep.sum())
+        )
     aot.report = report
     return aot
 

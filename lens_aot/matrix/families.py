@@ -26,7 +26,9 @@ __all__ = [
     "VARIANTS",
     "Family",
     "build_hf_model",
+    "config_has_experts",
     "families",
+    "has_experts",
     "randomize_",
     "tiny_config",
     "tiny_tokenizer",
@@ -200,16 +202,27 @@ def _defaults(config_class: type) -> dict[str, Any]:
     return {n: p.default for n, p in parameters.items() if n not in ("self", "kwargs", "args")}
 
 
+def config_has_experts(config_class: type, extra: dict[str, Any] | None = None) -> bool:
+    """Whether ``config_class`` (with the variant's fields ``extra``) builds a mixture of experts: its expert count
+    defaults to a number, or ``extra`` switches experts on (:data:`MOE_SWITCHES`)."""
+    defaults = _defaults(config_class)
+    experts = next((n for n in TINY_MOE["experts"][1] if n in defaults), None)
+    return experts is not None and (defaults[experts] is not None or any((extra or {}).get(s) for s in MOE_SWITCHES))
+
+
+def has_experts(family: Family) -> bool:
+    """Whether ``family``'s tiny model is a mixture of experts (:func:`config_has_experts` of its config class)."""
+    import transformers
+
+    return config_has_experts(getattr(transformers, family.architecture).config_class, family.fields)
+
+
 def tiny_config(config_class: type, extra: dict[str, Any] | None = None) -> Any:
     """A ``config_class`` instance at :data:`TINY`'s shape (sub-configs, e.g. a multimodal model's text and vision
     configs, made tiny the same way), token ids 0, every other field at its default, then ``extra``."""
     defaults = _defaults(config_class)
     kwargs: dict[str, Any] = {}
-    experts = next((n for n in TINY_MOE["experts"][1] if n in defaults), None)
-    has_experts = experts is not None and (
-        defaults[experts] is not None or any((extra or {}).get(s) for s in MOE_SWITCHES)
-    )
-    groups = [*TINY.items(), *(TINY_MOE.items() if has_experts else ())]
+    groups = [*TINY.items(), *(TINY_MOE.items() if config_has_experts(config_class, extra) else ())]
     for key, (value, names) in groups:
         name = next((n for n in names if n in defaults), None)
         if name is not None and not (key in DERIVED and defaults[name] is None):

@@ -17,7 +17,7 @@ from torch import nn
 from lens_aot.core.activations import canonical_activation
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.errors import InputError, UnsupportedArchitectureError
 from lens_aot.tl.hooked_model import source_config_fields, source_switches
 from lens_aot.tl.read_moe import read_hooked_moe
 from lens_aot.tl.read_xielu import read_xielu
@@ -248,10 +248,28 @@ def _embed_ln(model: Any) -> NormSpec | None:
     return _norm(ln, model.cfg.eps)
 
 
+def _refuse_mixed_half(model: Any) -> None:
+    """Refuse a half-precision model with float32 parameters, naming them and the cast: TransformerLens 3.9 builds
+    an MoE layer's experts and router (``nn.Linear``) in float32 whatever ``cfg.dtype``, so a model built with
+    ``dtype=torch.bfloat16`` mixes dtypes and its own forward fails."""
+    half = model.embed.W_E.dtype
+    if half not in (torch.float16, torch.bfloat16):
+        return
+    mixed = [name for name, p in model.named_parameters() if p.is_floating_point() and p.dtype != half]
+    if mixed:
+        raise InputError(
+            f"this HookedTransformer is in {half} but {len(mixed)} parameters are in another dtype ({mixed[0]}: "
+            f"{dict(model.named_parameters())[mixed[0]].dtype}; TransformerLens builds MoE experts and routers in "
+            f"float32 whatever cfg.dtype, and its own forward then fails). Cast the whole model first: "
+            f"model.to({half})."
+        )
+
+
 def read_hooked_transformer(model: Any) -> ModelSpec:
     """Read a HookedTransformer (with or without ``fold_ln`` / centring) into a :class:`ModelSpec`."""
     cfg = model.cfg
     _check_config(cfg)
+    _refuse_mixed_half(model)
     if model.embed.W_E.dtype not in (torch.float32, torch.float64):
         raise UnsupportedArchitectureError(
             f"this HookedTransformer is in {model.embed.W_E.dtype}; lens_aot converts float32 or float64 models, "

@@ -509,7 +509,9 @@ class SumOfLogistics(torch.autograd.Function):
         alpha, beta, b, d = coeffs
         # Σ_k (α_k z + β_k)·σ_k = z·(αᵀσ) + βᵀσ: one [2, K] @ [K, chunk] product reads the logistics once.
         weights = torch.cat((alpha, beta), dim=1).T
-        flat = pre.reshape(1, -1)
+        # half input: one cast to float32 first (the same values; the mixed-dtype addcmul's per-element casts are
+        # slower on CPU)
+        flat = pre.reshape(1, -1).to(coeffs.dtype)
         out = torch.empty(flat.shape, dtype=coeffs.dtype, device=pre.device)
         n_chunks = SumOfLogistics.chunks(pre, coeffs.shape[1])
         step = -(-flat.shape[1] // n_chunks)

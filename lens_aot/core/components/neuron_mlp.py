@@ -20,7 +20,10 @@ heads are computed in row chunks without calling them, bitwise the same values
 (:mod:`~lens_aot.core.components.head_chunks`). The dense ``[batch, head, query, key]`` ``hook_attn_scores`` /
 ``hook_pattern`` are built only while hooked; ``hook_result`` only with ``use_attn_result``. ``use_fused``
 (``aot.set_use_fused_neurons``) skips the per-head tensors while none of them is hooked, computing the activation in
-closed form (the fast path).
+closed form (the fast path). A half-precision (float16 / bfloat16) model always takes that path while nothing observes
+the heads: it evaluates each neuron's sum of logistic terms in float32 and rounds the activation to half once, as the
+source rounds its activation once, where the per-head path would round every term's ``q``, ``σ(q)``, ``v`` and their
+sum in half (several half roundings per neuron, and on CPU slow broadcast half kernels; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.product_attention import ProductAttention
 from lens_aot.core.gating import GatedFit, input_ranges
 from lens_aot.core.names import NEURON_MODULES
+from lens_aot.core.read import HALF_DTYPES
 from lens_aot.core.spec import MLPSpec
 from lens_aot.hooks import hooked
 
@@ -195,7 +199,10 @@ class NeuronMLP(nn.Module):
         return u
 
     def _fused(self, heads: NeuronAttention | ProductAttention) -> bool:
-        return self.use_fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())
+        """Whether ``heads`` take the closed form: ``use_fused`` or half-precision weights (module docstring), and
+        nothing observes the heads."""
+        fused = self.use_fused or heads.W_in.dtype in HALF_DTYPES
+        return fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())
 
     @staticmethod
     def _result_change(heads: NeuronAttention | ProductAttention, z: Tensor | None) -> Tensor | float:
