@@ -59,6 +59,7 @@ cache keys: the one place to adapt to a change of the model's layout; parsing is
 (QK / OV circuits, scores from a cache) and :mod:`~lens_aot.analysis.circuits.composition` (composition scores).
 """
 
+from lens_aot.analysis.circuits.attribution_graph import AttributionGraph, attribution_graph
 from lens_aot.analysis.circuits.compare import GranularityComparison, compare_granularities
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
 from lens_aot.analysis.circuits.discover import discover
@@ -66,6 +67,7 @@ from lens_aot.analysis.circuits.draw import Drawing, draw_graph
 from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.faithfulness import MIB_SIZES, FaithfulnessCurve, faithfulness_curve
 from lens_aot.analysis.circuits.graph import Graph
+from lens_aot.analysis.circuits.graph_verify import GraphVerification
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,
@@ -77,12 +79,15 @@ from lens_aot.analysis.circuits.qk_ov import (
 from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
 
 __all__ = [
+    "AttributionGraph",
     "Baseline",
     "Drawing",
     "FaithfulnessCurve",
     "Graph",
+    "GraphVerification",
     "GranularityComparison",
     "MIB_SIZES",
+    "attribution_graph",
     "compare_granularities",
     "draw_graph",
     "faithfulness_curve",
