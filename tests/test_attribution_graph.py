@@ -127,7 +127,7 @@ def test_inputs_are_the_models_own(models: dict[str, tuple[object, object]], gra
             got = float(getattr(graph, field)[i])
             assert abs(got - float(value)) <= 1e-8 * (1e-2 + abs(float(value))), (graph.nodes[i], field)
     # the source's logits, within the conversion's stated bound
-    source_logits = source(TOKENS[None])[0, -1, graph.logit_tokens].double()  # type: ignore[operator]
+    source_logits = source(TOKENS[None])[0, -1, graph.logit_tokens].detach().double()  # type: ignore[operator]
     logits = graph.inputs[graph.kind_mask("logit")]
     assert float((source_logits - logits).abs().max()) <= aot.report.logit_bound  # type: ignore[attr-defined]
 
@@ -340,39 +340,53 @@ def test_to_dict(graphs: dict[str, AttributionGraph], tmp_path: Path) -> None:
     assert len(everything["nodes"]) == len(graph)
 
 
-CT_CHECK = r"""
-import json, sys
-from circuit_tracer.frontend.graph_models import Model, Node, Metadata
-data = json.load(open(sys.argv[1]))
-model = Model(**data)
-assert len(model.nodes) == len(data["nodes"]) and len(model.links) == len(data["links"])
-for node in data["nodes"]:  # circuit-tracer's own constructors give the same ids
-    if node["feature_type"] == "embedding":
-        ref = Node.token_node(node["ctx_idx"], int(node["node_id"].split("_")[1]))
-    elif node["feature_type"] == "logit":
-        ref = Node.logit_node(node["ctx_idx"], node["feature"], "", int(node["layer"]) - 1)
-    else:
-        layer, index, pos = map(int, node["node_id"].split("_"))
-        ref = Node.feature_node(layer, pos, index)
-        assert ref.feature == node["feature"], node
-    assert (ref.node_id, ref.jsNodeId, ref.layer, ref.ctx_idx) == (
-        node["node_id"], node["jsNodeId"], node["layer"], node["ctx_idx"]), node
-print("ok", len(model.nodes), len(model.links))
-"""
+def _circuit_tracer(*args: str) -> str:
+    """Run tests/circuit_tracer_check.py in circuit-tracer's own environment (it pins transformers ≤ 4.57.3:
+    ``make .venv-ct`` builds it, ``make test`` first); under CI a missing environment fails the test."""
+    if not CT_PYTHON.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CT_PYTHON} is missing: `make test` builds it first (make .venv-ct/.ready)")
+        pytest.skip(f"circuit-tracer's environment {CT_PYTHON} is not built: run `make .venv-ct/.ready`")
+    script = Path(__file__).parent / "circuit_tracer_check.py"
+    done = subprocess.run([str(CT_PYTHON), str(script), *args], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok"), done.stdout
+    return done.stdout
 
 
 def test_json_validates_against_circuit_tracer(graphs: dict[str, AttributionGraph], tmp_path: Path) -> None:
-    """circuit-tracer 0.5.0's pydantic graph models accept the JSON (in their own environment: circuit-tracer pins
-    transformers ≤ 4.57.3; ``make .venv-ct`` builds it, ``make test`` first)."""
-    if not CT_PYTHON.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{CT_PYTHON} is missing: `make test` builds it (make .venv-ct)")
-        pytest.skip(f"circuit-tracer's environment {CT_PYTHON} is not built: run `make .venv-ct`")
+    """circuit-tracer 0.5.0's pydantic graph models accept the JSON, and its own node constructors give its ids."""
     for family in ("gpt2", "llama"):
-        path = graphs[family].to_json(tmp_path / f"{family}.json")
-        done = subprocess.run([str(CT_PYTHON), "-c", CT_CHECK, str(path)], capture_output=True, text=True, check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.startswith("ok")
+        _circuit_tracer("json", str(graphs[family].to_json(tmp_path / f"{family}.json")))
+
+
+def test_pruning_is_circuit_tracers(models: dict[str, tuple[object, object]], tmp_path: Path) -> None:
+    """circuit-tracer's own prune_graph, compute_node_influence and compute_graph_scores, on this graph's matrix laid
+    out as its Graph, keep the same nodes and edges, give the same influence and scores (1, 1: no error)."""
+    from lens_aot.analysis.circuits.graph_prune import combined, prune_masks
+
+    _, aot = models["llama"]
+    graph = attribution_graph(aot, TOKENS[:4], max_nodes=None)
+    M, _ = combined(graph)
+    M = M.to_dense() if M.is_sparse else M
+    masks = prune_masks(graph, 0.8, 0.98)
+    entries = M.nonzero().T
+    data = {
+        "kinds": [graph.node(i).kind for i in range(len(graph))],
+        "n_layers": len(aot.blocks),  # type: ignore[attr-defined]
+        "n_pos": 4,
+        "entries": [*entries.tolist(), M[entries[0], entries[1]].tolist()],
+        "logit_probs": graph.logit_weights()[graph.kind_mask("logit")].tolist(),
+        "node_threshold": 0.8,
+        "edge_threshold": 0.98,
+        "influence": masks.influence.tolist(),
+        "node_mask": masks.node_mask.tolist(),
+        "edge_mask": masks.edge_mask.nonzero().T.tolist(),
+        "cumulative": masks.cumulative.tolist(),
+    }
+    path = tmp_path / "prune.json"
+    path.write_text(json.dumps(data))
+    _circuit_tracer("prune", str(path))
 
 
 def test_circuit_tracer_environment_is_separate() -> None:
