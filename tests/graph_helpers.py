@@ -79,6 +79,8 @@ def removed_inputs(
     hooks: list[tuple[str, Callable[..., Any]]] = []
 
     def frozen(t: Tensor, hook: Any) -> Tensor:
+        if hook.name.endswith(("hook_topk_weights", "hook_expert_indices")):  # [batch·pos, top_k]
+            return clean[hook.name].repeat(rows, 1)
         value = clean[hook.name].expand(rows, *clean[hook.name].shape[1:]).clone()
         for b, pos, unit in zero.get(hook.name, []):
             if unit is None:
@@ -103,7 +105,7 @@ def removed_inputs(
     freeze = []
     if freeze_attention:
         freeze += [n for n in names if n.endswith("hook_scale") or re.match(r"^blocks\.\d+\.attn\.hook_pattern$", n)]
-        freeze += [n for n in names if n.endswith("mlp.hook_topk_weights")]
+        freeze += [n for n in names if n.endswith(("mlp.hook_topk_weights", "mlp.hook_expert_indices"))]
     if freeze_neurons:
         freeze += [n for n in names if n.endswith(".hook_post") and ".mlp" in n]
     if freeze_heads:

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories_bridge import make_bridge
+from factories_moe import moe_bridge
 from graph_helpers import model_dtype_norms, record, removed_inputs
 
 import lens_aot
@@ -176,7 +177,8 @@ def _check_edges(aot: object, graph: AttributionGraph, linear: bool, heads: bool
         if node.kind == "logit":
             base, now = clean["logits"][0, node.position, node.index], removed["logits"][row, node.position, node.index]
         else:
-            hook = f"blocks.{node.layer}.mlp.hook_pre" + ("_linear" if linear else "")
+            expert = "" if node.expert is None else f".experts.{node.expert}"
+            hook = f"blocks.{node.layer}.mlp{expert}.hook_pre" + ("_linear" if linear else "")
             base, now = clean[hook][0, node.position, node.index], removed[hook][row, node.position, node.index]
         edge = float(A[t, s])
         assert abs((float(base) - float(now)) - edge) <= 1e-8 * abs(edge), (graph.nodes[t], graph.nodes[s])
@@ -207,6 +209,19 @@ def test_heads_as_nodes(models: dict[str, tuple[object, object]]) -> None:
     assert "a1.h3@6" in graph.nodes and graph.scores == (1.0, 1.0)
     assert _rows_exact(graph) <= 1e-8 and float(graph.error.abs().max()) == 0.0
     _check_edges(aot, graph, linear=False, heads=True)
+
+
+def test_mixture_of_experts() -> None:
+    """Routed experts' neurons are nodes ``m{l}.e{e}.n{i}@{p}`` where their expert is chosen, their output scaled by
+    the router weight (frozen): exact, and edges are removals."""
+    aot = model_dtype_norms(lens_aot.convert(moe_bridge("mixtral", torch.float64)))
+    graph = attribution_graph(aot, TOKENS[:6], max_nodes=None)
+    experts = [graph.node(i) for i in range(len(graph)) if graph.node(i).expert is not None]
+    assert len(experts) == int(graph.kind_mask("neuron").sum()) == 2 * 6 * 2 * 16  # layers · pos · top-k · d_mlp
+    assert "m1.e" in graph.nodes[-20] and graph.scores == (1.0, 1.0)
+    assert _rows_exact(graph) <= 1e-8 and _rows_exact(graph, linear=True) <= 1e-8
+    _check_edges(aot, graph, linear=False)
+    _check_edges(aot, graph, linear=True)
 
 
 # =============================================================================================== selection, pruning
@@ -336,6 +351,10 @@ def test_to_dict(graphs: dict[str, AttributionGraph], tmp_path: Path) -> None:
     assert data["metadata"]["prompt_tokens"] == [str(int(t)) for t in TOKENS]
     path = graph.to_json(tmp_path / "g.json")
     assert json.loads(path.read_text())["metadata"]["slug"] == "g"
+    graph.to_json(tmp_path / "h.json", index=True)
+    graph.to_json(tmp_path / "h.json", index=True, node_threshold=0.5)  # the same slug: replaced
+    listing = json.loads((tmp_path / "graph-metadata.json").read_text())["graphs"]
+    assert [g["slug"] for g in listing] == ["h"] and listing[0]["node_threshold"] == 0.5
     everything = graph.to_dict(node_threshold=1.0, edge_threshold=1.0)
     assert len(everything["nodes"]) == len(graph)
 

@@ -53,6 +53,11 @@ heads read after the normalized residual (their ``W_Q``/``W_V`` are ``[d_model +
 layer (GPT-J, GPT-NeoX) the neuron heads read the layer's input, so they do not compose with that layer's attention
 heads (score 0).
 
+**Attribution graphs** (:func:`attribution_graph`, :class:`AttributionGraph`; docs/attribution-graphs.md): one
+prompt's graph of direct effects between the model's own neurons (and optionally heads), with the attention patterns
+and norm scales frozen, exact with no error node; circuit-tracer's pruning, scores and graph JSON
+(:mod:`~lens_aot.analysis.circuits.attribution_graph`).
+
 Modules: :mod:`~lens_aot.analysis.circuits.names` (how sub-layers and heads are addressed, what each reads, and the
 cache keys: the one place to adapt to a change of the model's layout; parsing is :mod:`lens_aot.core.names`'s),
 :mod:`~lens_aot.analysis.circuits.weights` (one head's weights, norm folded), :mod:`~lens_aot.analysis.circuits.qk_ov`

@@ -301,11 +301,20 @@ class AttributionGraph:
         slug: str | None = None,
         node_threshold: float | None = None,
         edge_threshold: float | None = None,
+        index: bool = False,
     ) -> Path:
-        """Write :meth:`to_dict` to ``path`` (UTF-8 JSON); returns the path."""
+        """Write :meth:`to_dict` to ``path`` (UTF-8 JSON; ``slug`` defaults to the file's stem); returns the path.
+        ``index``: also add the graph to ``graph-metadata.json`` beside it (replacing one of the same slug), the list
+        circuit-tracer's local frontend shows (``circuit_tracer.frontend.local_server.serve(data_dir=folder)``)."""
         path = Path(path)
         data = self.to_dict(slug or path.stem, node_threshold, edge_threshold)
         path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        if index:
+            listing = path.parent / "graph-metadata.json"
+            graphs = json.loads(listing.read_text(encoding="utf-8"))["graphs"] if listing.exists() else []
+            slug = data["metadata"]["slug"]
+            graphs = [g for g in graphs if g.get("slug") != slug] + [data["metadata"]]
+            listing.write_text(json.dumps({"graphs": graphs}, ensure_ascii=False, indent=2), encoding="utf-8")
         return path
 
     def __repr__(self) -> str:

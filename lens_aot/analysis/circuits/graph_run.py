@@ -4,10 +4,10 @@ its value on the prompt, and batched backward passes through them.
 
 **Freezing.** Each norm's scale (every ``*.hook_scale``: ``(x − mean)/scale·w + b`` is then affine in ``x``), each
 source attention layer's pattern (``blocks.{l}.attn.hook_pattern``: the layer is then ``pattern·(x W_V + b_V) W_O +
-b_O``, affine) and each mixture-of-experts layer's router weights (``hook_topk_weights``) are replaced by their
-recorded values; a final logit soft-cap ``c·tanh(z/c)`` (and a logit multiplier) by the ratio of the recorded logit to
-``unembed.hook_out``. What is left between the nodes' outputs and the nodes' inputs is affine, and exactly so: at the
-prompt it reproduces every recorded value.
+b_O``, affine) and each mixture-of-experts layer's choice of experts and router weights (``hook_expert_indices``,
+``hook_topk_weights``) are replaced by their recorded values; a final logit soft-cap ``c·tanh(z/c)`` (and a logit
+multiplier) by the ratio of the recorded logit to ``unembed.hook_out``. What is left between the nodes' outputs and
+the nodes' inputs is affine, and exactly so: at the prompt it reproduces every recorded value.
 
 **Sources** (where a node's output enters) are hook points whose value a run replaces by a tensor of its own:
 ``blocks.0.hook_resid_pre`` (the embeddings, token and position, one node per position), each MLP's ``hook_post``
@@ -197,7 +197,7 @@ class FrozenPrompt:
         self.n_pos = int(tokens.shape[1])
         names = list(aot.hook_dict)
         self.frozen = [n for n in names if n.endswith("hook_scale") or _PATTERN.match(n)]
-        self.frozen += [n for n in names if n.endswith("mlp.hook_topk_weights")]
+        self.frozen += [n for n in names if n.endswith(("mlp.hook_topk_weights", "mlp.hook_expert_indices"))]
         attn = [f"blocks.{layer}.attn" for layer in range(len(aot.blocks))]
         missing = [a for a in attn if f"{a}.hook_pattern" not in aot.hook_dict]
         if missing:
@@ -270,23 +270,9 @@ class FrozenPrompt:
             return torch.ones(self.n_pos, dtype=self.logits.dtype, device=self.logits.device)
         layer = f"blocks.{site.layer}.mlp"
         weights = self.clean[f"{layer}.hook_topk_weights"]  # [pos, top_k]
-        indices = self._indices(layer)
+        indices = self.clean[f"{layer}.hook_expert_indices"]
         dense = weights.new_zeros(weights.shape[0], self.aot.blocks[site.layer].mlp.n_experts)
         return dense.scatter(1, indices, weights)[:, site.expert]
-
-    def _indices(self, layer: str) -> Tensor:
-        key = f"{layer}.hook_expert_indices"
-        if key not in self.clean:
-            store: dict[str, Tensor] = {}
-
-            def keep(t: Tensor, hook: Any) -> None:
-                store[hook.name] = t.detach()
-
-            names = [f"blocks.{s.layer}.mlp.hook_expert_indices" for s in self.mlps if s.expert is not None]
-            with torch.no_grad():
-                self.aot.run_with_hooks(self.tokens, fwd_hooks=[(n, keep) for n in set(names)], return_type=None)
-            self.clean.update(store)
-        return self.clean[key]
 
     # ------------------------------------------------------------------ runs
     def run(self, kind: RunKind) -> Run:
