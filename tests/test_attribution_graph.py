@@ -138,8 +138,9 @@ def test_silu_inputs_are_the_sources() -> None:
     source = make_bridge("gpt2-silu", torch.float64)
     aot = lens_aot.convert(source)
     graph = attribution_graph(aot, TOKENS, max_nodes=300)
-    _, cache = source.run_with_cache(TOKENS[None])
-    logits = source(TOKENS[None])
+    with torch.no_grad():
+        _, cache = source.run_with_cache(TOKENS[None])
+        logits = source(TOKENS[None])
     for i in graph.is_target.nonzero()[:, 0].tolist():
         node = graph.node(i)
         want = (
@@ -349,6 +350,9 @@ def test_to_dict(graphs: dict[str, AttributionGraph], tmp_path: Path) -> None:
     logits = [n for n in data["nodes"] if n["feature_type"] == "logit"]
     assert [n["is_target_logit"] for n in logits] == [True] + [False] * (len(logits) - 1)
     assert data["metadata"]["prompt_tokens"] == [str(int(t)) for t in TOKENS]
+    assert data["metadata"]["scan"] == "random-gpt2"
+    assert graph.to_dict(scan="gpt2-small")["metadata"]["scan"] == "gpt2-small"
+    assert data["metadata"]["pruning_settings"] == {"node_threshold": 0.8, "edge_threshold": 0.98}
     path = graph.to_json(tmp_path / "g.json")
     assert json.loads(path.read_text())["metadata"]["slug"] == "g"
     graph.to_json(tmp_path / "h.json", index=True)

@@ -52,6 +52,7 @@ does, and reports its replacement and completeness scores (:mod:`~lens_aot.analy
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,7 @@ BATCH_BYTES = 256 * 2**20
 
 
 # ==================================================================================================== the graph
-@dataclass
+@dataclass(eq=False)
 class AttributionGraph:
     """A prompt's attribution graph over a converted model's neurons (module docstring).
 
@@ -129,6 +130,7 @@ class AttributionGraph:
         self._index = {name: i for i, name in enumerate(self.nodes)}
         n_layers = int(self.info.get("n_layers", 0))
         self._parsed = [parse_node(name, n_layers) for name in self.nodes]
+        self._masks: dict[str, Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -147,7 +149,9 @@ class AttributionGraph:
 
     def kind_mask(self, kind: str) -> Bool[Tensor, " n"]:
         """Which nodes are of ``kind`` ("emb", "neuron", "head" or "logit")."""
-        return torch.tensor([p.kind == kind for p in self._parsed], dtype=torch.bool)
+        if kind not in self._masks:
+            self._masks[kind] = torch.tensor([p.kind == kind for p in self._parsed], dtype=torch.bool)
+        return self._masks[kind].clone()
 
     @property
     def is_target(self) -> Bool[Tensor, " n"]:
@@ -286,14 +290,16 @@ class AttributionGraph:
         slug: str | None = None,
         node_threshold: float | None = None,
         edge_threshold: float | None = None,
+        scan: str | None = None,
     ) -> dict[str, Any]:
         """The graph in circuit-tracer's graph JSON layout (what its frontend and Neuronpedia read;
         :mod:`.graph_export`). A graph that was not pruned is pruned first (``node_threshold`` 0.8,
         ``edge_threshold`` 0.98, circuit-tracer's ``create_graph_files`` defaults); pass thresholds to choose, or 1.0
-        for every node and edge."""
+        for every node and edge. ``scan``: the model id the file names (default: the source model's name; to
+        upload to Neuronpedia, a model id that exists there, e.g. ``"gpt2-small"``)."""
         from lens_aot.analysis.circuits.graph_export import graph_dict
 
-        return graph_dict(self, slug, node_threshold, edge_threshold)
+        return graph_dict(self, slug, node_threshold, edge_threshold, scan)
 
     def to_json(
         self,
@@ -301,13 +307,14 @@ class AttributionGraph:
         slug: str | None = None,
         node_threshold: float | None = None,
         edge_threshold: float | None = None,
+        scan: str | None = None,
         index: bool = False,
     ) -> Path:
         """Write :meth:`to_dict` to ``path`` (UTF-8 JSON; ``slug`` defaults to the file's stem); returns the path.
         ``index``: also add the graph to ``graph-metadata.json`` beside it (replacing one of the same slug), the list
         circuit-tracer's local frontend shows (``circuit_tracer.frontend.local_server.serve(data_dir=folder)``)."""
         path = Path(path)
-        data = self.to_dict(slug or path.stem, node_threshold, edge_threshold)
+        data = self.to_dict(slug or path.stem, node_threshold, edge_threshold, scan)
         path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
         if index:
             listing = path.parent / "graph-metadata.json"
@@ -416,10 +423,16 @@ def attribution_graph(
     candidates = _candidates(prompt, logit_tokens, probs)
     kept = _select(candidates, max_nodes)
     graph = _edges(prompt, kept, logit_tokens, probs, batch_size)
-    graph.info.update(include_heads=include_heads, max_nodes=max_nodes, n_active=sum(len(c[0]) for c in candidates))
+    graph.info.update(
+        include_heads=include_heads,
+        max_nodes=max_nodes,
+        n_active=sum(len(c[0]) for c in candidates),
+        max_n_logits=max_n_logits,
+        desired_logit_prob=desired_logit_prob,
+    )
     if node_threshold is not None or edge_threshold is not None:
-        return graph.prune(0.8 if node_threshold is None else node_threshold, 0.98 if edge_threshold is None else
-                           edge_threshold)  # fmt: skip
+        node_threshold = 0.8 if node_threshold is None else node_threshold
+        return graph.prune(node_threshold, 0.98 if edge_threshold is None else edge_threshold)
     return graph
 
 
@@ -469,6 +482,11 @@ def _targets(
         raise InputError("target is empty: pass a token id, a string that is one token, or None for the likely ones")
     out = []
     for item in items:
+        if not isinstance(item, (str, bool)):
+            try:
+                item = operator.index(item)  # an int, a NumPy or 0-d tensor integer
+            except TypeError:
+                pass
         if isinstance(item, str):
             if aot.tokenizer is None:
                 raise InputError(

@@ -3,9 +3,10 @@ Neuronpedia's graph viewer read, and ``circuit_tracer.frontend.graph_models.Mode
 
 ``{"metadata", "qParams", "nodes", "links"}``, as ``circuit_tracer.utils.create_graph_files`` writes them:
 
-* ``metadata``: ``slug``, ``scan`` (``lens_aot:`` and the model's name: no transcoder set), ``transcoder_list``
-  (empty), ``prompt_tokens``, ``prompt``, ``node_threshold``, ``schema_version`` 1, and ``info`` (what built the graph:
-  ``generator``, the replacement and completeness scores, the thresholds);
+* ``metadata``: ``slug``, ``scan`` (the source model's name unless given: Neuronpedia reads it as a model id, which
+  must exist there to upload), ``transcoder_list`` (empty: no transcoder), ``prompt_tokens``, ``prompt``,
+  ``node_threshold``, ``schema_version`` 1, ``info`` (``description``, ``generator``, the replacement and completeness
+  scores), ``generation_settings`` and ``pruning_settings`` (Neuronpedia's graph schema's optional fields);
 * ``nodes``: ``node_id``, ``feature``, ``layer`` (a string), ``ctx_idx`` (the position), ``feature_type``,
   ``jsNodeId``, ``clerp`` (the label), ``influence`` (the cumulative influence rank the frontend's pruning slider
   reads), ``activation``, ``is_target_logit``, ``token_prob``, ``run_idx``, ``reverse_ctx_idx``. An embedding is a
@@ -42,6 +43,7 @@ def graph_dict(
     slug: str | None = None,
     node_threshold: float | None = None,
     edge_threshold: float | None = None,
+    scan: str | None = None,
 ) -> dict[str, Any]:
     """The graph JSON (module docstring); a graph not yet pruned is pruned first (0.8 / 0.98 unless given)."""
     import lens_aot
@@ -65,28 +67,41 @@ def graph_dict(
         for t, s, w in zip(targets, sources, weights, strict=True)
         if w != 0
     ]
-    name = str(info.get("model_name", "") or "model")
+    model = source_name(str(info.get("model_name", "")))
     metadata = {
         "slug": slug or "lens-aot-graph",
-        "scan": f"lens_aot:{name}",
+        "scan": scan or model,
         "transcoder_list": [],
         "prompt_tokens": list(graph.prompt_tokens),
         "prompt": "".join(graph.prompt_tokens),
         "node_threshold": info.get("node_threshold"),
         "schema_version": SCHEMA_VERSION,
         "info": {
+            "description": f"{model}: exact attribution graph over the model's own MLP neurons (lens_aot; no "
+            "transcoder, no error node)",
             "generator": {"name": "lens_aot", "version": lens_aot.__version__},
-            "description": "exact neuron-level attribution graph (no transcoder, no error nodes)",
-            "model": name,
+            "model": model,
             "replacement_score": replacement,
             "completeness_score": completeness,
+            "include_heads": bool(info.get("include_heads", False)),
+        },
+        "generation_settings": {
+            "max_n_logits": info.get("max_n_logits"),
+            "desired_logit_prob": info.get("desired_logit_prob"),
+            "max_feature_nodes": info.get("max_nodes"),
+        },
+        "pruning_settings": {
+            "node_threshold": info.get("node_threshold"),
             "edge_threshold": info.get("edge_threshold"),
-            "max_nodes": info.get("max_nodes"),
-            "include_heads": info.get("include_heads", False),
         },
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""}
     return {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+
+
+def source_name(model_name: str) -> str:
+    """The source model's name from the converted model's (``"gpt2 (attention-only)"`` -> ``"gpt2"``)."""
+    return model_name.removesuffix(" (attention-only)") or "model"
 
 
 def _feature_width(graph: AttributionGraph) -> int:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from lens_aot.analysis.circuits.attribution_graph import AttributionGraph
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphVerification:
     """Changes of the target logits when nodes are removed: one row per removal, one column per target logit.
 
