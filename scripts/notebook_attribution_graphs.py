@@ -193,7 +193,7 @@ _RAW: list[tuple[str, str]] = [
                              tie_word_embeddings=False, initializer_range=0.2)
         hf = LlamaForCausalLM(config).eval().to(torch.float64)
         hf.set_attn_implementation("eager")
-        source = bridge_from_hf_module(hf, "LlamaForCausalLM", hf_config=config, dtype=torch.float64, model_name="llama")
+        source = bridge_from_hf_module(hf, "LlamaForCausalLM", hf_config=config, model_name="llama")
         llama = lens_aot.convert(source)
         prompt = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
         gated = attribution_graph(llama, prompt, max_nodes=300)
