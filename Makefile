@@ -18,6 +18,10 @@ EXTRAS4 ?= test,docs
 EAP_WHEELS ?= ../shared/wheels
 EAP_GIT ?= git+https://github.com/hannamw/EAP-IG@795f5607b25638935aec89aee3c1cb4bd9ed72f1
 PYTEST_ARGS ?=
+# circuit-tracer (test-only): the attribution graphs' JSON is validated against its own graph models. It pins
+# transformers <= 4.57.3 and huggingface-hub < 1.0, so it gets an environment of its own (CPU torch first, as above);
+# only JSON crosses (tests/test_attribution_graph.py runs .venv-ct/bin/python on a written file).
+CIRCUIT_TRACER ?= circuit-tracer==0.5.0
 
 .PHONY: demo test test-tl3 test-tl4 test-newest test-new3 test-new4 lint docs notebooks constraints bench matrix clean
 
@@ -41,6 +45,14 @@ endef
 	$(if $(filter 3,$*),$(call install_eap,.venv-tl$*,-c constraints/tl$*.txt))
 	touch $@
 
+.venv-ct/.ready:
+	rm -rf .venv-ct
+	$(PYTHON) -m venv .venv-ct
+	.venv-ct/bin/pip install -q --upgrade pip
+	.venv-ct/bin/pip install -q "$(TORCH)"
+	.venv-ct/bin/pip install -q "$(CIRCUIT_TRACER)"
+	touch $@
+
 .venv-new%/.ready: pyproject.toml
 	$(call make_venv,.venv-new$*,$(TL$*_NEWEST),$(EXTRAS$*),)
 	$(if $(filter 3,$*),$(call install_eap,.venv-new$*,))
@@ -62,20 +74,20 @@ docs: .venv-tl4/.ready
 notebooks: .venv-tl3/.ready
 	PYTHONPATH=$(CURDIR) .venv-tl3/bin/python scripts/run_notebooks.py write
 
-test-tl3: .venv-tl3/.ready
+test-tl3: .venv-tl3/.ready .venv-ct/.ready
 	.venv-tl3/bin/python -m pytest -q $(PYTEST_ARGS)
 
-test-tl4: .venv-tl4/.ready
+test-tl4: .venv-tl4/.ready .venv-ct/.ready
 	.venv-tl4/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The suite runs under TransformerLens 3.9 (HookedTransformer + TransformerBridge) and 4.3 (TransformerBridge only).
 test: lint docs test-tl3 test-tl4
 
 # Explicit rules: make applies no pattern rule to a .PHONY target, so a `test-new%` rule would leave these two no-ops.
-test-new3: .venv-new3/.ready
+test-new3: .venv-new3/.ready .venv-ct/.ready
 	.venv-new3/bin/python -m pytest -q $(PYTEST_ARGS)
 
-test-new4: .venv-new4/.ready
+test-new4: .venv-new4/.ready .venv-ct/.ready
 	.venv-new4/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The same suite against the newest releases of every dependency (torch stays the pinned CPU build).
@@ -99,4 +111,4 @@ matrix: .venv-tl3/.ready .venv-tl4/.ready
 	.venv-tl3/bin/python -m lens_aot.matrix --write --quiet --backend bridge
 
 clean:
-	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .pytest_cache .ruff_cache site .cache
+	rm -rf .venv-tl3 .venv-tl4 .venv-new3 .venv-new4 .venv-ct .pytest_cache .ruff_cache site .cache

@@ -53,12 +53,18 @@ heads read after the normalized residual (their ``W_Q``/``W_V`` are ``[d_model +
 layer (GPT-J, GPT-NeoX) the neuron heads read the layer's input, so they do not compose with that layer's attention
 heads (score 0).
 
+**Attribution graphs** (:func:`attribution_graph`, :class:`AttributionGraph`; docs/attribution-graphs.md): one
+prompt's graph of direct effects between the model's own neurons (and optionally heads), with the attention patterns
+and norm scales frozen, exact with no error node; circuit-tracer's pruning, scores and graph JSON
+(:mod:`~lens_aot.analysis.circuits.attribution_graph`).
+
 Modules: :mod:`~lens_aot.analysis.circuits.names` (how sub-layers and heads are addressed, what each reads, and the
 cache keys: the one place to adapt to a change of the model's layout; parsing is :mod:`lens_aot.core.names`'s),
 :mod:`~lens_aot.analysis.circuits.weights` (one head's weights, norm folded), :mod:`~lens_aot.analysis.circuits.qk_ov`
 (QK / OV circuits, scores from a cache) and :mod:`~lens_aot.analysis.circuits.composition` (composition scores).
 """
 
+from lens_aot.analysis.circuits.attribution_graph import AttributionGraph, attribution_graph
 from lens_aot.analysis.circuits.compare import GranularityComparison, compare_granularities
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
 from lens_aot.analysis.circuits.discover import discover
@@ -66,6 +72,7 @@ from lens_aot.analysis.circuits.draw import Drawing, draw_graph
 from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.faithfulness import MIB_SIZES, FaithfulnessCurve, MetricGapWarning, faithfulness_curve
 from lens_aot.analysis.circuits.graph import Edge, Graph
+from lens_aot.analysis.circuits.graph_verify import GraphVerification
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,
@@ -77,14 +84,17 @@ from lens_aot.analysis.circuits.qk_ov import (
 from lens_aot.analysis.circuits.weights import HeadWeights, head_weights
 
 __all__ = [
+    "AttributionGraph",
     "Baseline",
     "Drawing",
     "Edge",
     "FaithfulnessCurve",
     "Graph",
+    "GraphVerification",
     "GranularityComparison",
     "MIB_SIZES",
     "MetricGapWarning",
+    "attribution_graph",
     "compare_granularities",
     "draw_graph",
     "faithfulness_curve",
