@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec import ModelSpec
@@ -86,9 +87,6 @@ def run_source(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "b
     if not isinstance(logits, Tensor):
         raise TypeError(f"could not read logits from the source model's output of type {type(out).__name__}")
     return logits
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def half_dtype(model: Any) -> torch.dtype | None:

@@ -56,21 +56,20 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.circuits.graph_export import graph_dict
 from lens_aot.analysis.circuits.graph_nodes import Node, node_name, parse_node
 from lens_aot.analysis.circuits.graph_page import show_html, write_html
-from lens_aot.analysis.circuits.graph_prune import coo
+from lens_aot.analysis.circuits.graph_prune import combined, coo, entry_mask, node_influence, prune_masks, scores
 from lens_aot.analysis.circuits.graph_run import FrozenPrompt, Site, float32_steps, narrower
+from lens_aot.analysis.circuits.graph_verify import GraphVerification, verify_graph
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, UnsupportedArchitectureError
-
-if TYPE_CHECKING:
-    from lens_aot.analysis.circuits.graph_verify import GraphVerification
 
 __all__ = ["AttributionGraph", "attribution_graph"]
 
@@ -192,8 +191,6 @@ class AttributionGraph:
     def incoming(self, name: str, k: int = 10) -> list[tuple[str, float]]:
         """The ``k`` largest edges into node ``name`` by magnitude, as (source, weight); a gated neuron's in
         activation units (both branches, weighted by its slopes)."""
-        from lens_aot.analysis.circuits.graph_prune import combined
-
         i = self.index(name)
         M, _ = combined(self)
         row = (M.index_select(0, torch.tensor([i])).to_dense() if M.is_sparse else M[i : i + 1])[0]
@@ -202,8 +199,6 @@ class AttributionGraph:
 
     def outgoing(self, name: str, k: int = 10) -> list[tuple[str, float]]:
         """The ``k`` largest edges out of node ``name`` by magnitude, as (target, weight), as :meth:`incoming`."""
-        from lens_aot.analysis.circuits.graph_prune import combined
-
         j = self.index(name)
         M, _ = combined(self)
         col = (M.index_select(1, torch.tensor([j])).to_dense() if M.is_sparse else M[:, j : j + 1])[:, 0]
@@ -213,15 +208,11 @@ class AttributionGraph:
     # ------------------------------------------------------------------ influence, pruning, scores
     def influence(self) -> Float[Tensor, " n"]:
         """Each node's influence on the target logits, circuit-tracer's (:mod:`.graph_prune`)."""
-        from lens_aot.analysis.circuits.graph_prune import node_influence
-
         return node_influence(self)
 
     @property
     def scores(self) -> tuple[float, float]:
         """``(replacement score, completeness score)``, circuit-tracer's definitions (:mod:`.graph_prune`)."""
-        from lens_aot.analysis.circuits.graph_prune import scores
-
         return scores(self)
 
     @property
@@ -239,8 +230,6 @@ class AttributionGraph:
         the nodes holding ``node_threshold`` of the influence, then the edges holding ``edge_threshold`` of the edge
         influence among them. What the removed nodes and edges wrote moves into :attr:`error`, so the exactness
         identity still holds; :attr:`cumulative` holds each kept node's cumulative influence rank."""
-        from lens_aot.analysis.circuits.graph_prune import entry_mask, prune_masks
-
         masks = prune_masks(self, node_threshold, edge_threshold)
         keep = masks.node_mask.nonzero()[:, 0]
         A, err = _masked(self.adjacency, entry_mask(self.adjacency, masks.edge_mask), self.error, keep)
@@ -282,8 +271,6 @@ class AttributionGraph:
         """For each removal (a node name, or a list of names removed together): the change of each target logit the
         graph predicts, with the attention patterns and norm scales frozen, against the change the converted model
         itself shows with nothing frozen (:mod:`.graph_verify`)."""
-        from lens_aot.analysis.circuits.graph_verify import verify_graph
-
         return verify_graph(aot, self, removals, batch_size=batch_size)
 
     def to_dict(
@@ -298,8 +285,6 @@ class AttributionGraph:
         ``edge_threshold`` 0.98, circuit-tracer's ``create_graph_files`` defaults); pass thresholds to choose, or 1.0
         for every node and edge. ``scan``: the model id the file names (default: the source model's name; to
         upload to Neuronpedia, a model id that exists there, e.g. ``"gpt2-small"``)."""
-        from lens_aot.analysis.circuits.graph_export import graph_dict
-
         return graph_dict(self, slug, node_threshold, edge_threshold, scan)
 
     def to_json(

@@ -59,12 +59,12 @@ from lens_aot.analysis.circuits.layout import (
 )
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_jacobians, gated_outputs, group_of, neuron_groups
 from lens_aot.analysis.progress import Progress, progress_bar
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.errors import InputError, one_of
 
 DiscoverMethod = Literal["EAP", "EAP-IG", "EAP-IG-inputs", "EAP-IG-activations"]
 Run = float | tuple[str, float] | None  # a gradient run: clean (None), inputs at alpha, or one hook's output at alpha
 _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _method(method: str, steps: int, aot: Any = None, granularity: Granularity = "mlp") -> list[Run]:
@@ -318,7 +318,7 @@ def _norm_backward(
     kind = getattr(norm, "kind", "other")
     if kind is None:
         return v
-    if kind not in ("LN", "LNPre", "RMS", "RMSPre") or norm.compute_dtype is not None or x.dtype in _HALF:
+    if kind not in ("LN", "LNPre", "RMS", "RMSPre") or norm.compute_dtype is not None or x.dtype in HALF_DTYPES:
         with torch.enable_grad():
             xe = x[:, :, None].expand(-1, -1, v.shape[2], -1).clone().requires_grad_(True)
             (g,) = torch.autograd.grad(norm(xe), xe, v)

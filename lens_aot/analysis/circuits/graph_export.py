@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lens_aot.analysis.circuits.graph_nodes import Node
+from lens_aot.analysis.circuits.graph_prune import combined
+from lens_aot.version import __version__
 
 if TYPE_CHECKING:
     from lens_aot.analysis.circuits.attribution_graph import AttributionGraph
@@ -46,9 +48,6 @@ def graph_dict(
     scan: str | None = None,
 ) -> dict[str, Any]:
     """The graph JSON (module docstring); a graph not yet pruned is pruned first (0.8 / 0.98 unless given)."""
-    import lens_aot
-    from lens_aot.analysis.circuits.graph_prune import combined
-
     if node_threshold is not None or edge_threshold is not None or graph.cumulative is None:
         graph = graph.prune(
             0.8 if node_threshold is None else node_threshold, 0.98 if edge_threshold is None else edge_threshold
@@ -79,7 +78,7 @@ def graph_dict(
         "info": {
             "description": f"{model}: exact attribution graph over the model's own MLP neurons (lens_aot; no "
             "transcoder, no error node)",
-            "generator": {"name": "lens_aot", "version": lens_aot.__version__},
+            "generator": {"name": "lens_aot", "version": __version__},
             "model": model,
             "replacement_score": replacement,
             "completeness_score": completeness,

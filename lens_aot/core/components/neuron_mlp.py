@@ -38,9 +38,9 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.product_attention import ProductAttention
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.gating import GatedFit, input_ranges
 from lens_aot.core.names import NEURON_MODULES
-from lens_aot.core.read import HALF_DTYPES
 from lens_aot.core.spec import MLPSpec
 from lens_aot.hooks import hooked
 

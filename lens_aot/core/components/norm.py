@@ -8,9 +8,8 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.ownership import exported, parameter, through_hook
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.spec import NormKind, NormSpec
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class Norm(nn.Module):
@@ -55,7 +54,7 @@ class Norm(nn.Module):
         dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
-        elif dtype in _HALF:
+        elif dtype in HALF_DTYPES:
             x = x.float()
         if self.kind in ("LN", "LNPre"):
             x = x - x.mean(-1, keepdim=True)

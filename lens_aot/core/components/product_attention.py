@@ -40,7 +40,7 @@ from lens_aot.core.components.head_chunks import logistic_times
 from lens_aot.core.components.head_derivations import neuron_head_derivations
 from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads
 from lens_aot.core.components.ownership import exported, parameter
-from lens_aot.core.read import HALF_DTYPES
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.spec import MLPSpec
 from lens_aot.errors import InputRangeError
 
