@@ -172,6 +172,15 @@ _RAW: list[tuple[str, str]] = [
     (
         "md",
         """
+        `show()` draws the same graph in lens_aot's own page, here in the notebook and offline (`to_html(path)` writes
+        it as one file): nodes by layer and position, a node's links highlighted on hover or click with its label,
+        activation and top edges beside, and the pruning thresholds adjustable.
+        """,
+    ),
+    ("code", "small.show()"),
+    (
+        "md",
+        """
         ## A random Llama-shaped model: gated neurons, rotary, grouped-query attention
 
         A gated neuron `silu(gate) · linear` has two inputs: its gate pre-activation is its row of `adjacency`

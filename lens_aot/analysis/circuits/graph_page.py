@@ -642,6 +642,8 @@ _SCRIPT = r"""
   edgeIn.addEventListener("change", function () { onEdge(false); });
   orphans.addEventListener("change", function () { state.hideOrphans = orphans.checked; applyThresholds(); });
   fit.addEventListener("change", function () { svg.classList.toggle("fit", fit.checked); });
+  // a drawing up to twice the page's width starts fitted to it (every node in view); wider ones scroll
+  if (width > wrapWidth && width <= 2 * wrapWidth) { fit.checked = true; svg.classList.add("fit"); }
   document.getElementById("reset").addEventListener("click", function () {
     nodeIn.value = nodeRange.value = "1"; edgeIn.value = edgeRange.value = "0"; orphans.checked = false;
     state.nodeT = 1; state.edgeT = 0; state.hideOrphans = false; state.hover = null;
