@@ -80,6 +80,8 @@ def test_variant_round_trips(name: str, tmp_path, one_thread: None) -> None:
     lens_aot.save(aot, tmp_path / "m")
     assert _error(lens_aot.load(tmp_path / "m"), aot, tokens) == 0.0
     back = lens_aot.revert(aot)
+    with torch.no_grad():  # dynamic NTK: TransformerLens's rotary buffers hold its last forward's tables; reset both
+        model(tokens[:, :1]), back(tokens[:, :1])
     source_state, state = model.state_dict(), back.state_dict()
     assert set(state) == set(source_state)
     unused = {"pos_embed.W_pos"} if model.cfg.positional_embedding_type == "alibi" else set()
@@ -197,3 +199,14 @@ def test_converted_config_carries_the_source_fields(name: str) -> None:
         "use_local_attn", "window_size", "attn_types", "post_embedding_ln", "use_attention_sinks", "clip_qkv",
     ):  # fmt: skip
         assert getattr(aot.cfg, field) == getattr(model.cfg, field), field
+
+
+def test_revert_refuses_dynamic_ntk_tables_transformer_lens_would_not_compute() -> None:
+    """revert(to="hooked") writes use_dynamic_ntk_rope back and checks TransformerLens recomputes the same widened
+    tables: a changed table is refused, naming the layer and alpha; the reference model still holds it."""
+    aot = lens_aot.convert(make_variant("dynamic-ntk-past-training-length"))
+    with torch.no_grad():
+        aot.blocks[1].attn.ntk.sin_1.mul_(1.001)
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 1's dynamic-NTK rotary tables \(alpha 7\.0\)"):
+        lens_aot.revert(aot)
+    assert _error(lens_aot.revert(aot, to="reference"), aot, _tokens()) <= 1e-12
