@@ -170,6 +170,17 @@ def test_feature_case_count() -> None:
     assert {"positional_embedding_type=alibi", "positional_embedding_type=shortformer"} <= set(CASES)
     assert {"normalization_type=RMSPre", "attention_dir=bidirectional", "use_dynamic_ntk_rope=True"} <= set(CASES)
     assert set(REFUSED) <= set(CASES)
+    groups = (
+        sum(n.startswith("act_fn=") for n in CASES),
+        sum(n.startswith(("normalization_type=", "positional_embedding_type=", "attention_dir=")) for n in CASES),
+        sum(n.split("=")[0] in {f.name for f in dataclasses.fields(HookedTransformerConfig)} for n in CASES)
+        - sum(
+            n.startswith(("act_fn=", "normalization_type=", "positional_embedding_type=", "attention_dir="))
+            for n in CASES
+        ),
+        len(_VALUED),
+    )
+    assert groups == STATED_GROUPS
     counted = len(CASES) - len(NOT_FEATURES)
     assert (counted, counted - len(REFUSED)) == STATED_COUNT, (counted, sorted(REFUSED))
 
@@ -178,3 +189,4 @@ def test_feature_case_count() -> None:
 # docs/families.md states them.
 NOT_FEATURES = ("positional_embedding_type=relative_positional_bias",)
 STATED_COUNT = (63, 57)
+STATED_GROUPS = (20, 12, 18, 14)  # activations x gating, enumerated values, booleans flipped, valued features
