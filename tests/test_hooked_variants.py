@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TOLERANCES
+from roundtrip_helpers import assert_same_model
 from variants_hooked import EXTRA_KNOBS, KNOBS, VARIANTS, make_variant
 
 import lens_aot
@@ -210,3 +211,28 @@ def test_revert_refuses_dynamic_ntk_tables_transformer_lens_would_not_compute() 
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 1's dynamic-NTK rotary tables \(alpha 7\.0\)"):
         lens_aot.revert(aot)
     assert _error(lens_aot.revert(aot, to="reference"), aot, _tokens()) <= 1e-12
+
+
+def test_dynamic_ntk_tables_save_and_load_bitwise(tmp_path) -> None:
+    """Each layer's widened tables (one pair per alpha) are saved and loaded bit for bit: the state, the spec and
+    the logits at every alpha (6, 12 and 24 keys: alpha 3, 7 and 15) are the same."""
+    aot = lens_aot.convert(make_variant("dynamic-ntk-past-training-length"))
+    assert [aot.blocks[0].attn.ntk.n_tables, aot.blocks[0].attn.ntk.length] == [3, 5]
+    lens_aot.save(aot, tmp_path / "m")
+    loaded = lens_aot.load(tmp_path / "m")
+    for pos in (6, 12, 24):
+        assert_same_model(aot, loaded, _tokens()[:, :pos])
+
+
+def test_dynamic_ntk_source_converted_after_a_long_forward() -> None:
+    """A source whose last forward went past its training length holds widened tables in its rotary buffers (and
+    rebuilds the plain ones on its next short forward): the conversion reads the plain tables all the same, and
+    agrees with the source at 4 keys (alpha 1) and 24 keys (alpha 15)."""
+    model = make_variant("dynamic-ntk-past-training-length")
+    tokens = _tokens()
+    with torch.no_grad():
+        model(tokens)
+    assert model.blocks[0].attn._ntk_alpha_cached == 15.0
+    aot = lens_aot.convert(model)
+    assert _error(aot, model, tokens[:, :4]) <= TOLERANCES[("silu", torch.float64)]
+    assert _error(aot, model, tokens) <= TOLERANCES[("silu", torch.float64)]
