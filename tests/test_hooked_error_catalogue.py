@@ -1,6 +1,6 @@
 """HookedTransformer refusals beyond ``test_hooked_errors.py`` (TransformerLens 3.x): one test per bad input.
 
-``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, dynamic NTK past the training length, a NaN/inf in
+``test_hooked_errors.py`` covers SoLU, ``quick_gelu``, relative position biases, a NaN/inf in
 ``W_in``, converting twice, a non-model, bfloat16, fit options and malformed tokens. This file covers every other
 feature the HookedTransformer reader refuses, the other kinds of unsupported activation and of non-finite weights,
 float16, unrecognised modules, and wrong objects passed to ``convert``. Each test asserts the exact error type and

@@ -33,12 +33,12 @@ def test_unknown_activation_is_refused() -> None:
     ("family", "overrides", "message"),
     [
         (
-            "rms-rotary",
-            dict(use_dynamic_ntk_rope=True, train_seq_length=8),
-            r"use_dynamic_ntk_rope=True.*Set train_seq_length >= n_ctx",
+            "ln-standard",
+            dict(positional_embedding_type="relative_positional_bias"),
+            r"positional_embedding_type='relative_positional_bias'.*cannot convert faithfully yet",
         ),
     ],
-    ids=["dynamic-ntk-past-training-length"],
+    ids=["relative-positional-bias"],
 )
 def test_unsupported_architectures_are_refused(family: str, overrides: dict, message: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=message):

@@ -55,8 +55,14 @@ def test_convert_leaves_the_hooked_transformer_unchanged(family: str, dtype: tor
     check_source_unchanged(model, lambda: lens_aot.convert(model))
 
 
-@pytest.mark.parametrize("overrides", [dict(gated_mlp=True), dict(parallel_attn_mlp=True)], ids=["gated", "parallel"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(gated_mlp=True), dict(parallel_attn_mlp=True), dict(use_dynamic_ntk_rope=True, train_seq_length=5)],
+    ids=["gated", "parallel", "dynamic-ntk"],
+)
 def test_convert_leaves_gated_and_parallel_models_unchanged(overrides: dict[str, Any]) -> None:
+    """dynamic-ntk: the check's forward past the training length rebuilds TransformerLens's rotary buffers (and its
+    cached alpha); convert puts them back."""
     model = make_hooked("rms-rotary", "silu", **overrides)
     freeze_some(model)
     check_source_unchanged(model, lambda: lens_aot.convert(model))
@@ -80,8 +86,8 @@ def _nan_weight(model: Any) -> Any:
     return model
 
 
-def _logn_beyond_training(model: Any) -> Any:
-    model.cfg.use_logn_attn, model.cfg.train_seq_length = True, 4  # refused: scaling starts inside the context
+def _relative_bias(model: Any) -> Any:
+    model.cfg.positional_embedding_type = "relative_positional_bias"  # refused: T5's relative position biases
     return model
 
 
@@ -97,8 +103,8 @@ FAILURES: dict[str, tuple[Callable[[], Any], dict[str, Any], Any]] = {
         {},
         InvalidWeightsError,
     ),
-    "log-n scaling past its training length (found while reading the config)": (
-        lambda: _logn_beyond_training(make_hooked("rms-rotary", "silu")),
+    "relative position biases (found while reading the config)": (
+        lambda: _relative_bias(make_hooked("rms-rotary", "silu")),
         {},
         UnsupportedArchitectureError,
     ),

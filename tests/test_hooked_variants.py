@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TOLERANCES
+from roundtrip_helpers import assert_same_model
 from variants_hooked import EXTRA_KNOBS, KNOBS, VARIANTS, make_variant
 
 import lens_aot
@@ -80,6 +81,8 @@ def test_variant_round_trips(name: str, tmp_path, one_thread: None) -> None:
     lens_aot.save(aot, tmp_path / "m")
     assert _error(lens_aot.load(tmp_path / "m"), aot, tokens) == 0.0
     back = lens_aot.revert(aot)
+    with torch.no_grad():  # dynamic NTK: TransformerLens's rotary buffers hold its last forward's tables; reset both
+        model(tokens[:, :1]), back(tokens[:, :1])
     source_state, state = model.state_dict(), back.state_dict()
     assert set(state) == set(source_state)
     unused = {"pos_embed.W_pos"} if model.cfg.positional_embedding_type == "alibi" else set()
@@ -197,3 +200,39 @@ def test_converted_config_carries_the_source_fields(name: str) -> None:
         "use_local_attn", "window_size", "attn_types", "post_embedding_ln", "use_attention_sinks", "clip_qkv",
     ):  # fmt: skip
         assert getattr(aot.cfg, field) == getattr(model.cfg, field), field
+
+
+def test_revert_refuses_dynamic_ntk_tables_transformer_lens_would_not_compute() -> None:
+    """revert(to="hooked") writes use_dynamic_ntk_rope back and checks TransformerLens recomputes the same widened
+    tables: a changed table is refused, naming the layer and alpha; the reference model still holds it."""
+    aot = lens_aot.convert(make_variant("dynamic-ntk-past-training-length"))
+    with torch.no_grad():
+        aot.blocks[1].attn.ntk.sin_1.mul_(1.001)
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 1's dynamic-NTK rotary tables \(alpha 7\.0\)"):
+        lens_aot.revert(aot)
+    assert _error(lens_aot.revert(aot, to="reference"), aot, _tokens()) <= 1e-12
+
+
+def test_dynamic_ntk_tables_save_and_load_bitwise(tmp_path) -> None:
+    """Each layer's widened tables (one pair per alpha) are saved and loaded bit for bit: the state, the spec and
+    the logits at every alpha (6, 12 and 24 keys: alpha 3, 7 and 15) are the same."""
+    aot = lens_aot.convert(make_variant("dynamic-ntk-past-training-length"))
+    assert [aot.blocks[0].attn.ntk.n_tables, aot.blocks[0].attn.ntk.length] == [3, 5]
+    lens_aot.save(aot, tmp_path / "m")
+    loaded = lens_aot.load(tmp_path / "m")
+    for pos in (6, 12, 24):
+        assert_same_model(aot, loaded, _tokens()[:, :pos])
+
+
+def test_dynamic_ntk_source_converted_after_a_long_forward() -> None:
+    """A source whose last forward went past its training length holds widened tables in its rotary buffers (and
+    rebuilds the plain ones on its next short forward): the conversion reads the plain tables all the same, and
+    agrees with the source at 4 keys (alpha 1) and 24 keys (alpha 15)."""
+    model = make_variant("dynamic-ntk-past-training-length")
+    tokens = _tokens()
+    with torch.no_grad():
+        model(tokens)
+    assert model.blocks[0].attn._ntk_alpha_cached == 15.0
+    aot = lens_aot.convert(model)
+    assert _error(aot, model, tokens[:, :4]) <= TOLERANCES[("silu", torch.float64)]
+    assert _error(aot, model, tokens) <= TOLERANCES[("silu", torch.float64)]

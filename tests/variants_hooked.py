@@ -55,6 +55,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Qwen-1's log-n attention past a training length shorter than the context
     "logn-past-training-length": ("rms-rotary", dict(use_logn_attn=True, train_seq_length=8)),
+    # Qwen-1's dynamic-NTK rotary past a training length shorter than the context (alpha 3 up to 10 keys, 7 up to 20,
+    # 15 to 24), with its log-n attention, as Qwen-1 sets both
+    "dynamic-ntk-past-training-length": (
+        "rms-rotary",
+        dict(use_dynamic_ntk_rope=True, use_logn_attn=True, train_seq_length=5),
+    ),
+    "dynamic-ntk-gpt-j-pairs": ("rmspre-rotary-gpt-j", dict(use_dynamic_ntk_rope=True, train_seq_length=7)),
     # learned positions in the queries and keys only (the attention-only models of induction-head / ACDC studies)
     "shortformer": ("ln-standard", dict(positional_embedding_type="shortformer")),
     "shortformer-attn-only": ("ln-attn-only", dict(positional_embedding_type="shortformer")),
@@ -101,6 +108,8 @@ KNOBS: dict[str, tuple[str, Callable[[Any], None]]] = {
     "inverse-layer-scale": ("blocks.1.attn", _scale("attn_scale")),
     "ntk-logn-within-training-length": ("blocks.0.attn", _scale("attn_scale")),
     "logn-past-training-length": ("blocks.0.attn.logn", _scale("length")),
+    "dynamic-ntk-past-training-length": ("blocks.0.attn.ntk", _scale("cos_2")),  # alpha 15: 24 keys
+    "dynamic-ntk-gpt-j-pairs": ("blocks.1.attn.ntk", _scale("sin_1")),
     "shortformer": ("pos_embed", _scale("W_pos")),
     "shortformer-attn-only": ("pos_embed", _scale("W_pos")),
 }

@@ -246,14 +246,21 @@ def _neuron_rounding(fits: dict[int, ActivationFit | GatedFit], dtype: torch.dty
 @contextmanager
 def _eval_mode(model: Any) -> Iterator[None]:
     """The source in eval mode (no dropout in the check); every module's training flag restored on exit, even on
-    error."""
-    modes = {module: module.training for module in model.modules()}
+    error, and so are the buffers and plain attributes its forwards may rebind (a dynamic-NTK rotary layer rebuilds
+    its tables and caches their alpha on a forward past its training length: TransformerLens 3.9's
+    ``_rescale_rotary_for_ntk``), so the check leaves the source as it found it."""
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    buffers = {module: dict(module._buffers) for module in modules}
+    plain = (bool, int, float, str, type(None))
+    scalars = {module: {k: v for k, v in vars(module).items() if isinstance(v, plain)} for module in modules}
     try:
         model.train(False)
         yield
     finally:
-        for module, training in modes.items():
-            module.training = training
+        for module in modules:  # only what changed, written back directly (no __setattr__ of a wrapper runs)
+            module._buffers.update({k: b for k, b in buffers[module].items() if module._buffers.get(k) is not b})
+            state = vars(module)
+            state.update({k: v for k, v in scalars[module].items() if state.get(k, v) != v or k not in state})
 
 
 def _check_agreement(

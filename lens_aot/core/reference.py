@@ -187,6 +187,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             q, k, v = (torch.clamp(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if spec.positions == "rotary":
             r = a.rotary if a.rotary is not None else spec.rotary
+            if getattr(a, "ntk_length", None) is not None and pos > a.ntk_length:  # Qwen-1's dynamic NTK
+                r = a.ntk_rotary[math.ceil(math.log2(pos / a.ntk_length)) - 1]  # alpha 3 up to 2L keys, 7 to 4L, …
             q, k = rotary(q, pos, r), (rotary(k, pos, r) if shared is None else k)
             if getattr(a, "query_scale_beta", None) is not None:  # Ministral 3: in float32 from integer positions
                 p = torch.arange(pos, device=x.device)

@@ -108,6 +108,11 @@ class AttentionSpec:
     # (1-based) position p times log(p) / log(logn_length) (:class:`lens_aot.core.components.query_scale.LogNScale`);
     # None: no scaling.
     logn_length: int | None = None
+    # Qwen-1's dynamic-NTK rotary (TransformerLens 3.9's use_dynamic_ntk_rope): past this training length the rotary
+    # tables are ``ntk_rotary[i]``, those of the widened base for alpha = 2^(i+2) − 1 (3, 7, 15, …) chosen by the
+    # number of keys (:mod:`lens_aot.core.components.dynamic_ntk`); None: the ordinary tables at every length.
+    ntk_length: int | None = None
+    ntk_rotary: tuple[RotarySpec, ...] = ()
     # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
     # (:mod:`lens_aot.core.components.chunked_mask`); None: no chunking.
     chunk: int | None = None
@@ -308,6 +313,7 @@ class ModelSpec:
             "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
             "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
             "log-n query scaling": lambda a: getattr(a, "logn_length", None) is not None,
+            "dynamic-NTK rotary": lambda a: getattr(a, "ntk_length", None) is not None,
             "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
             "a sliding window": lambda a: a.window is not None,
             "chunked attention": lambda a: getattr(a, "chunk", None) is not None,

@@ -20,7 +20,8 @@ Schema (``?``: may be null)::
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [window], [rotary: rotary], [clip_qkv], [alibi_slopes],
              [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true], [output_gate: gate],
-             [query_scale_beta], [query_scale_length], [logn_length], [chunk], [temperature_scale, temperature_floor]}
+             [query_scale_beta], [query_scale_length], [logn_length], [ntk_length, ntk_rotary: [rotary]], [chunk],
+             [temperature_scale, temperature_floor]}
              | mla | routed | compressed (lens_aot/io/schema_attention.py, schema_compressed.py)
     gate    {W_gate, act: "sigmoid" | "softplus", dtype?}
     mlp     {act_fn, W_in, b_in, W_out, b_out, W_gate?, b_gate?, b_post?, [xielu], [clamped_swiglu]}
@@ -117,6 +118,8 @@ _ATTENTION_VARIANTS = (
     "query_scale_beta",
     "query_scale_length",
     "logn_length",
+    "ntk_length",
+    "ntk_rotary",
     "chunk",
     "temperature_scale",
     "temperature_floor",
@@ -193,6 +196,9 @@ class Encoder:
             out["query_scale_length"] = None if attn.query_scale_length is None else int(attn.query_scale_length)
         if getattr(attn, "logn_length", None) is not None:
             out["logn_length"] = int(attn.logn_length)
+        if getattr(attn, "ntk_length", None) is not None:  # Qwen-1's dynamic NTK: one rotary record per alpha
+            out["ntk_length"] = int(attn.ntk_length)
+            out["ntk_rotary"] = [self.rotary(r, f"{key}.ntk_rotary.{i}") for i, r in enumerate(attn.ntk_rotary)]
         if attn.chunk is not None:
             out["chunk"] = int(attn.chunk)
         if attn.kv_from is not None:  # Gemma 4's shared keys and values (core/components/shared_kv_attention.py)
@@ -441,6 +447,8 @@ class Decoder:
             query_scale_length=None if f.get("query_scale_length") is None else int(f["query_scale_length"]),
             chunk=None if f.get("chunk") is None else int(f["chunk"]),
             logn_length=None if f.get("logn_length") is None else int(f["logn_length"]),
+            ntk_length=None if f.get("ntk_length") is None else int(f["ntk_length"]),
+            ntk_rotary=self.ntk_rotary(f.get("ntk_rotary"), f"{path}.ntk_rotary"),
             kv_from=None if f.get("kv_from") is None else int(f["kv_from"]),
             temperature_scale=_float_or_none(f.get("temperature_scale")),
             temperature_floor=_float_or_none(f.get("temperature_floor")),
@@ -490,6 +498,14 @@ class Decoder:
 
     def rotary(self, obj: Any, path: str) -> RotarySpec | None:
         return None if obj is None else schema_rotary.decode_rotary(self, obj, path, _ROTARY_VARIANTS)
+
+    def ntk_rotary(self, obj: Any, path: str) -> tuple[RotarySpec, ...]:
+        """Dynamic-NTK tables (a list of rotary records, one per alpha); () when absent."""
+        if obj is None:
+            return ()
+        if not isinstance(obj, list):
+            raise LoadError(f"{self.where}: {path} is {type(obj).__name__}, not a list of rotary records; corrupt.")
+        return tuple(schema_rotary.decode_rotary(self, r, f"{path}.{i}", _ROTARY_VARIANTS) for i, r in enumerate(obj))
 
     def spec(self, obj: Any, tokenizer: Any = None, path: str = "spec") -> ModelSpec:
         tensors = ("W_E", "W_pos", "W_U", "b_U")

@@ -67,8 +67,8 @@ CARRIED: dict[str, str] = {
     "post_embedding_ln": "ModelSpec.embed_ln",
     "use_attention_sinks": "AttentionSpec.sinks",
     "use_logn_attn": "AttentionSpec.logn_length (Qwen-1's log-n query scaling past train_seq_length)",
-    "use_dynamic_ntk_rope": "exactly off within the training length; refused when train_seq_length < n_ctx",
-    "train_seq_length": "where log-n / dynamic NTK scaling starts (AttentionSpec.logn_length)",
+    "use_dynamic_ntk_rope": "AttentionSpec.ntk_length / ntk_rotary (Qwen-1's widened rotary tables per key count)",
+    "train_seq_length": "where log-n / dynamic NTK scaling starts (AttentionSpec.logn_length / ntk_length)",
     "default_prepend_bos": "ModelSpec.default_prepend_bos",
     "tokenizer_prepends_bos": "ModelSpec.extra",
     "model_name": "ModelSpec.model_name",
@@ -127,6 +127,5 @@ REFUSED_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         "relative_positional_bias",
     ),
     "act_fn": ({"act_fn": "solu_ln"}, "solu"),
-    "use_dynamic_ntk_rope": ({"use_dynamic_ntk_rope": True, "train_seq_length": 8}, "use_dynamic_ntk_rope"),
     "attn_types": ({"attn_types": ["local", "global"], "use_local_attn": False}, "use_local_attn"),
 }

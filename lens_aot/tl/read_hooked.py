@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lens_aot.core.activations import canonical_activation
+from lens_aot.core.components.dynamic_ntk import ntk_alphas
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import InputError, UnsupportedArchitectureError
@@ -25,11 +26,12 @@ from lens_aot.tl.read_xielu import read_xielu
 SUPPORTED = (
     "normalization LN / LNPre / RMS / RMSPre / none, before, around (sandwich) or after (OLMo-2) each sublayer, and "
     "after the embedding; positions standard, shortformer, rotary (either pair layout; linear, NTK-by-parts, YaRN "
-    "scaling; per-layer bases) or ALiBi; multi-head or grouped-query attention, causal or bidirectional, global or "
-    "sliding-window, with QK-norm, QKV clipping, score soft-capping and attention sinks; logit soft-capping; "
-    "sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated (SwiGLU / GeGLU) MLPs with "
-    "activations silu, relu, gelu, gelu_new, gelu_fast; mixtures of experts (num_experts) of gated experts; "
-    "attention-only models (see docs/variants.md)"
+    "scaling; per-layer bases; Qwen-1's dynamic NTK) or ALiBi; multi-head or grouped-query attention, causal or "
+    "bidirectional, global or sliding-window, with QK-norm, QKV clipping, score soft-capping, attention sinks and "
+    "log-n scaling; logit soft-capping; sequential or parallel (GPT-J / GPT-NeoX) attention and MLP; plain or gated "
+    "(SwiGLU / GeGLU / ReGLU) MLPs with activations silu, relu, gelu, gelu_new, gelu_fast, gelu_pytorch_tanh, and "
+    "plain MLPs with relu2 or xielu; mixtures of experts (num_experts) of gated experts; attention-only models "
+    "(see docs/variants.md)"
 )
 
 # cfg attribute -> (value meaning "off", what it is); any other value is refused, naming the field
@@ -56,7 +58,6 @@ def _check_config(cfg: Any) -> None:
         if getattr(cfg, attr, off) != off:
             raise _refuse(f"{what} ({attr}={getattr(cfg, attr)!r})")
     _check_local_attention(cfg)
-    _check_context_scaling(cfg)
     pos = cfg.positional_embedding_type
     if pos not in ("standard", "rotary", "alibi", "shortformer"):
         raise _refuse(f"positional_embedding_type={pos!r}")
@@ -77,23 +78,6 @@ def _check_local_attention(cfg: Any) -> None:
         return
     if any(t not in ("local", "global") for t in types):
         raise _refuse(f"attention layer types {sorted(set(types))}")
-
-
-def _check_context_scaling(cfg: Any) -> None:
-    """``use_dynamic_ntk_rope`` (rotary base widened) and ``use_logn_attn`` (queries scaled by log n) act only past
-    the training length ``train_seq_length or n_ctx``; lens_aot never runs past ``n_ctx`` positions with rotary or
-    learned positions, so with ``train_seq_length`` unset or at least ``n_ctx`` both are exactly off. Otherwise
-    refused, naming the field."""
-    train = getattr(cfg, "train_seq_length", None) or cfg.n_ctx
-    bounded = cfg.positional_embedding_type in ("standard", "rotary")
-    for attr, what in (("use_dynamic_ntk_rope", "dynamic NTK rotary scaling"),):
-        if getattr(cfg, attr, False) and (train < cfg.n_ctx or not bounded):
-            raise UnsupportedArchitectureError(
-                f"this HookedTransformer sets {attr}=True ({what}) with train_seq_length={train} < n_ctx={cfg.n_ctx} "
-                f"(or without a bounded context), so its attention changes past position {train}; lens_aot cannot "
-                f"convert that faithfully yet. Set train_seq_length >= n_ctx (or n_ctx <= train_seq_length) if the "
-                f"model is only run within its training length. Supported: {SUPPORTED}."
-            )
 
 
 def _norm(module: nn.Module | None, eps: float) -> NormSpec:
@@ -228,14 +212,37 @@ def _rotary(model: Any, attn: Any = None) -> RotarySpec:
     sin, cos = sin.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype)
     # The model computes with its own buffers (which loading a state dict may have rounded), computing further
     # rows only past their end: copy the buffers' rows so rounding matches exactly.
-    cached = min(attn.rotary_sin.shape[0], cfg.n_ctx)
-    sin[:cached], cos[:cached] = attn.rotary_sin[:cached], attn.rotary_cos[:cached]
+    # Not while a dynamic-NTK source holds widened tables from a long forward (it rebuilds these on its next short one).
+    if getattr(attn, "_ntk_alpha_cached", 1.0) == 1.0:
+        cached = min(attn.rotary_sin.shape[0], cfg.n_ctx)
+        sin[:cached], cos[:cached] = attn.rotary_sin[:cached], attn.rotary_cos[:cached]
     return RotarySpec(
         rotary_dim=int(cfg.rotary_dim),
         cos=cos,
         sin=sin,
         adjacent_pairs=bool(cfg.rotary_adjacent_pairs),
     )
+
+
+def _ntk_tables(attn: Any, cfg: Any) -> tuple[int | None, tuple[RotarySpec, ...]]:
+    """Qwen-1's dynamic-NTK rotary (``use_dynamic_ntk_rope``, :mod:`lens_aot.core.components.dynamic_ntk`): the
+    training length and, for each ``alpha`` a forward of at most ``n_ctx`` keys reaches, the tables TransformerLens's
+    ``_rescale_rotary_for_ntk`` computes (its ``calculate_sin_cos_rotary`` on the base times
+    ``alpha^(rotary_dim / (rotary_dim − 2))``, in ``cfg.dtype``). ``(None, ())`` without it, or when no forward
+    reaches past the training length (``train_seq_length`` unset or at least ``n_ctx``: exactly off)."""
+    train = int(getattr(cfg, "train_seq_length", None) or cfg.n_ctx)
+    if not getattr(cfg, "use_dynamic_ntk_rope", False) or train >= cfg.n_ctx:
+        return None, ()
+    d = int(cfg.rotary_dim)
+    if d <= 2:
+        raise _refuse(f"dynamic NTK rotary with rotary_dim={d} (its widened base divides by rotary_dim - 2)")
+    tables = []
+    for alpha in ntk_alphas(train, cfg.n_ctx):
+        base = attn._rotary_base() * alpha ** (d / (d - 2))
+        sin, cos = attn.calculate_sin_cos_rotary(d, cfg.n_ctx, base=base, dtype=cfg.dtype)
+        device = attn.rotary_sin.device
+        tables.append(RotarySpec(d, cos.to(device), sin.to(device), adjacent_pairs=bool(cfg.rotary_adjacent_pairs)))
+    return train, tuple(tables)
 
 
 def _embed_ln(model: Any) -> NormSpec | None:
@@ -294,6 +301,8 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
                 mlp = read_xielu(mlp, block.mlp, i)
         attn = _attention(block.attn, cfg)
         attn.rotary = rotary
+        if cfg.positional_embedding_type == "rotary":
+            attn.ntk_length, attn.ntk_rotary = _ntk_tables(block.attn, cfg)
         layers.append(
             LayerSpec(
                 ln1=_norm(getattr(block, "ln1", None), cfg.eps),

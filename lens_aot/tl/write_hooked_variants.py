@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.core.components.dynamic_ntk import ntk_alphas
 from lens_aot.core.spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 
@@ -57,6 +58,11 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
     logn = _uniform(spec, "log-n training length", lambda layer: getattr(layer.attn, "logn_length", None))
     if logn is not None:  # Qwen-1's log-n attention
         kwargs.update(use_logn_attn=True, train_seq_length=int(logn))
+    ntk = _uniform(spec, "dynamic-NTK training length", lambda layer: getattr(layer.attn, "ntk_length", None))
+    if ntk is not None:  # Qwen-1's dynamic NTK (its tables are checked against TransformerLens's by check_built)
+        if logn is not None and logn != ntk:
+            raise _refuse(f"its log-n ({logn}) and dynamic-NTK ({ntk}) training lengths differ (one train_seq_length)")
+        kwargs.update(use_dynamic_ntk_rope=True, train_seq_length=int(ntk))
     if any(getattr(layer.attn, "chunk", None) is not None for layer in spec.layers):
         raise _refuse("its attention is chunked (Llama 4's attention_chunk_size); TransformerLens has no chunked mask")
     if any(getattr(layer.attn, "temperature_scale", None) is not None for layer in spec.layers):
@@ -157,13 +163,29 @@ def variant_state(spec: ModelSpec) -> dict[str, Tensor]:
 
 def check_built(model: Any, spec: ModelSpec) -> None:
     """Refuse when TransformerLens computes something other than the spec: ALiBi slopes other than
-    ``create_alibi_multipliers``."""
+    ``create_alibi_multipliers``, or dynamic-NTK tables other than those ``_rescale_rotary_for_ntk`` would compute
+    (TransformerLens recomputes them from its config, which cannot hold arbitrary tables)."""
     for i, (block, layer) in enumerate(zip(model.blocks, spec.layers, strict=True)):
+        if getattr(layer.attn, "ntk_length", None) is not None:
+            _check_ntk(block.attn, model.cfg, layer.attn.ntk_length, layer.attn.ntk_rotary, i)
         slopes = layer.attn.alibi_slopes
         if slopes is not None:
             expected = type(block.attn).create_alibi_multipliers(model.cfg.n_heads, slopes.device)
             if not torch.equal(expected.to(slopes.dtype), slopes):
                 raise _refuse(f"layer {i}'s ALiBi slopes are not TransformerLens's 2^(-8h/n_heads)")
+
+
+def _check_ntk(attn: Any, cfg: Any, length: int, tables: tuple[RotarySpec, ...], i: int) -> None:
+    """The widened tables the built layer computes for each alpha (as ``_rescale_rotary_for_ntk``) equal the spec's."""
+    d = int(cfg.rotary_dim)
+    for alpha, r in zip(ntk_alphas(length, cfg.n_ctx), tables, strict=True):
+        base = attn._rotary_base() * alpha ** (d / (d - 2))
+        sin, cos = attn.calculate_sin_cos_rotary(d, cfg.n_ctx, base=base, dtype=cfg.dtype)
+        if not (torch.equal(sin.to(r.sin), r.sin) and torch.equal(cos.to(r.cos), r.cos)):
+            raise _refuse(
+                f"layer {i}'s dynamic-NTK rotary tables (alpha {alpha}) are not those TransformerLens computes from "
+                f"its base widened by alpha (it recomputes them, so it cannot hold other tables)"
+            )
 
 
 def layer_rotary(spec: ModelSpec) -> list[RotarySpec | None]:

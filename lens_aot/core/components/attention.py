@@ -17,6 +17,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.alibi import ALiBi
 from lens_aot.core.components.alibi_keys import KeyPositionALiBi
 from lens_aot.core.components.chunked_mask import same_chunk
+from lens_aot.core.components.dynamic_ntk import DynamicNTKTables
 from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.output_gate import make_output_gate
@@ -245,6 +246,8 @@ class Attention(nn.Module):
             else:  # on this layer's device (a sharded source's layers are on several)
                 self.register_buffer("rotary_cos", table(rotary.cos, spec.W_Q.device))  # one per model and device
                 self.register_buffer("rotary_sin", table(rotary.sin, spec.W_Q.device))
+            if getattr(spec, "ntk_length", None) is not None:  # Qwen-1's dynamic NTK: dynamic_ntk.py
+                self.ntk = DynamicNTKTables(spec.ntk_length, spec.ntk_rotary, spec.W_Q.device)
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
@@ -284,7 +287,10 @@ class Attention(nn.Module):
         self, pos: int, past_kv_pos_offset: int, attention_mask: Int[Tensor, "batch offset_pos"] | None
     ) -> tuple[Float[Tensor, "batch_or_1 pos 1 rotary_dim"], Float[Tensor, "batch_or_1 pos 1 rotary_dim"]]:
         """The cos and sin rows of ``pos`` positions after ``past_kv_pos_offset`` (see :meth:`apply_rotary`)."""
-        if "rotary" in self._modules:  # the rows up to the last position used (rotary_rows.py)
+        widened = self.ntk.tables(past_kv_pos_offset + pos) if "ntk" in self._modules else None
+        if widened is not None:  # Qwen-1's dynamic NTK past the training length: the source's widened tables
+            tables = widened
+        elif "rotary" in self._modules:  # the rows up to the last position used (rotary_rows.py)
             tables = self.rotary.rows(past_kv_pos_offset + pos)
         else:
             tables = (self.rotary_cos, self.rotary_sin)
@@ -495,6 +501,8 @@ class Attention(nn.Module):
             query_scale_beta=self.query_scale.beta if hasattr(self, "query_scale") else None,
             query_scale_length=self.query_scale.length if hasattr(self, "query_scale") else None,
             logn_length=self.logn.length if hasattr(self, "logn") else None,
+            ntk_length=self.ntk.length if hasattr(self, "ntk") else None,
+            ntk_rotary=self.ntk.specs(self.rotary_spec()) if hasattr(self, "ntk") else (),
             chunk=self.chunk,
             temperature_scale=self.query_temperature.scale if hasattr(self, "query_temperature") else None,
             temperature_floor=self.query_temperature.floor_scale if hasattr(self, "query_temperature") else None,
