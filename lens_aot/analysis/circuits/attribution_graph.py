@@ -62,6 +62,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from lens_aot.analysis.checks import require_converted
 from lens_aot.analysis.circuits.graph_export import graph_dict
 from lens_aot.analysis.circuits.graph_nodes import Node, node_name, parse_node
 from lens_aot.analysis.circuits.graph_page import show_html, write_html
@@ -406,11 +407,7 @@ def attribution_graph(
         UnsupportedArchitectureError: a model with a nonlinearity between nodes that the graph cannot freeze
             (hyper-connections, Gemma 4's per-layer inputs, gated attention outputs, a shared expert's gate).
     """
-    if not isinstance(aot, AttentionOnlyTransformer):
-        raise InputError(
-            f"attribution_graph needs a model converted by lens_aot (its neurons are the graph's nodes); got "
-            f"{type(aot).__name__}. Convert it first: aot = lens_aot.convert(model)"
-        )
+    require_converted(aot, "attribution_graph")  # its neurons are the graph's nodes
     if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
         raise InputError(
             f"max_nodes must be a positive int (the neurons and heads the graph keeps) or None (every active one); "
