@@ -40,6 +40,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lens_aot, not an installed copy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_attribution import _status  # noqa: E402  (a /proc/self/status memory field)
 
 import lens_aot  # noqa: E402
 from lens_aot import patching as P  # noqa: E402
@@ -98,17 +101,6 @@ def build_source(dims: dict[str, Any], dtype: torch.dtype, device: str) -> Any:
         arch = "LlamaForCausalLM"
     model = model.eval().to(device=device, dtype=dtype)
     return bridge_from_hf_module(model, arch, hf_config=hf_cfg, model_name=f"{arch}-shape").eval()
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` memory field in bytes (0 where unavailable)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return 0
 
 
 def measured(fn: Callable[[], Any], device: str) -> tuple[float, int, Any]:
