@@ -309,6 +309,7 @@ class CompressedAttention(ScaledDenseHeads):
     """
 
     caches_keys = False  # no key-value cache: generate reruns the whole sequence (core/generate.py)
+    ONE_INPUT = "DeepSeek-V4's attention reads one shared input per position"
 
     def __init__(self, spec: CompressedAttentionSpec, causal: bool) -> None:
         super().__init__()
@@ -340,14 +341,7 @@ class CompressedAttention(ScaledDenseHeads):
         if self.n_heads * self.d_head % self.o_groups:
             raise ValueError(f"{self.n_heads} heads of {self.d_head} do not split into {self.o_groups} groups")
         self.hook_q_latent = HookPoint()
-        self.hook_q = HookPoint()
-        self.hook_k = HookPoint()
-        self.hook_v = HookPoint()
-        self.hook_rot_q = HookPoint()
-        self.hook_rot_k = HookPoint()
-        self.hook_attn_scores = HookPoint()
-        self.hook_pattern = HookPoint()
-        self.hook_z = HookPoint()
+        self._head_hooks()
         if spec.compressor is not None:
             self.compressor = KVCompressor(spec.compressor, self.d_head)
             self.hook_compressed_kv = HookPoint()
@@ -443,22 +437,16 @@ class CompressedAttention(ScaledDenseHeads):
             bias = bias.masked_fill(entries.view(1, 1, 1, -1) >= threshold.unsqueeze(1).unsqueeze(-1), float("-inf"))
         return self.hook_block_bias(bias.squeeze(1)).unsqueeze(1)
 
-    def forward(
+    def _forward(
         self,
-        query_input: Float[Tensor, "batch pos d_model"],
-        key_input: Float[Tensor, "batch pos d_model"] | None = None,
-        value_input: Float[Tensor, "batch pos d_model"] | None = None,
-        past_kv_cache_entry: KeyValueCacheEntry | None = None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+        x: Float[Tensor, "batch pos d_model"],
+        past_kv_cache_entry: KeyValueCacheEntry | None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
     ) -> Float[Tensor, "batch pos d_model"]:
         """The source's forward (class docstring), in its layout ([batch, head, pos, d_head]; the hooks see
         [batch, pos, head, d_head] views of the same tensors). Queries, keys, values and the compressor all read
-        ``query_input``: per-head or separate key / value inputs, a key-value cache and padding are refused."""
-        self._one_input(
-            query_input, key_input, value_input, "DeepSeek-V4's attention reads one shared input per position"
-        )
+        ``x``: a key-value cache and padding are refused."""
         self._refuse(past_kv_cache_entry, attention_mask)
-        x = query_input
         batch, pos, _ = x.shape
         position_ids = torch.arange(pos, device=x.device).unsqueeze(0)
         cos, sin = self.rotary_emb(x, position_ids)

@@ -49,6 +49,8 @@ class MLAAttention(ScaledDenseHeads):
     in float32, cast back → ``hook_pattern`` → ``z`` → ``W_O``.
     """
 
+    ONE_INPUT = "multi-head latent attention reads one shared input per position"
+
     def __init__(self, spec: MLASpec, causal: bool) -> None:
         super().__init__()
         # DeepSeek-V2's names (§2.1): W^UQ, W^UK, W^UV up-project the latents; no map reads the residual stream
@@ -83,14 +85,7 @@ class MLAAttention(ScaledDenseHeads):
         if self.d_nope + self.rope_dim != self.d_head:
             raise ValueError(f"W_K's {self.d_nope} channels + rope_dim {self.rope_dim} != d_qk {self.d_head}")
         self.hook_kv_latent = HookPoint()
-        self.hook_q = HookPoint()
-        self.hook_k = HookPoint()
-        self.hook_v = HookPoint()
-        self.hook_rot_q = HookPoint()
-        self.hook_rot_k = HookPoint()
-        self.hook_attn_scores = HookPoint()
-        self.hook_pattern = HookPoint()
-        self.hook_z = HookPoint()
+        self._head_hooks()
         self.hook_result = HookPoint()
         if spec.indexer is not None:  # DSA: each query keeps only its top-k keys (components/dsa_indexer.py)
             self.indexer = SparseIndexer(spec.indexer)
@@ -145,21 +140,15 @@ class MLAAttention(ScaledDenseHeads):
             rotated = rotate_rope(rope, cos, sin, self.rope_layout)
         return torch.cat((nope, rotated), dim=-1)
 
-    def forward(
+    def _forward(
         self,
-        query_input: Float[Tensor, "batch pos d_model"],
-        key_input: Float[Tensor, "batch pos d_model"] | None = None,
-        value_input: Float[Tensor, "batch pos d_model"] | None = None,
-        past_kv_cache_entry: KeyValueCacheEntry | None = None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+        x: Float[Tensor, "batch pos d_model"],
+        past_kv_cache_entry: KeyValueCacheEntry | None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """The source's MLA forward (class docstring). Queries, keys and values all read ``query_input``: MLA's
-        key-value latent is shared by every head, so per-head or separate key / value inputs (``use_attn_in``,
-        ``use_split_qkv_input``) are refused."""
-        self._one_input(
-            query_input, key_input, value_input, "multi-head latent attention reads one shared input per position"
-        )
-        q_in, latent, k_pe = self.latents(query_input)
+        """The source's MLA forward (class docstring). Queries, keys and values all read ``x``: MLA's key-value
+        latent is shared by every head."""
+        q_in, latent, k_pe = self.latents(x)
         q = self.hook_q(einops.einsum(q_in, self.W_UQ, "b p i, h i e -> b p h e"))
         k_nope = einops.einsum(latent, self.W_UK, "b p r, h r e -> b p h e")
         k = self.hook_k(torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)), dim=-1))
@@ -172,7 +161,7 @@ class MLAAttention(ScaledDenseHeads):
         k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask, shared=shared))
         mask = self._mask(q.shape[1], k.shape[1], past, attention_mask, q.device)
         if hasattr(self, "indexer"):
-            mask = self._index_mask(query_input, q_in, past, mask, attention_mask)
+            mask = self._index_mask(x, q_in, past, mask, attention_mask)
         z = self.hook_z(self._z(q, k, v, mask))
         return Attention.write_out(self, z)  # type: ignore[arg-type]
 

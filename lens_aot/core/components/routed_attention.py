@@ -47,6 +47,8 @@ class RoutedAttention(ScaledDenseHeads):
     expert's ``W_O``, times its router weight; only when ``use_attn_result``).
     """
 
+    ONE_INPUT = "a mixture of attention heads routes each position's one input"
+
     def __init__(self, spec: RoutedAttentionSpec, causal: bool) -> None:
         super().__init__()
         self.W_router = parameter(spec.W_router)
@@ -66,10 +68,10 @@ class RoutedAttention(ScaledDenseHeads):
         self._keep_rope(spec, spec.W_Q.device)
         self.causal = causal
         self._no_variants()
-        for name in ("router_logits", "expert_indices", "expert_weights", "q", "k", "v", "rot_q", "rot_k"):
+        for name in ("router_logits", "expert_indices", "expert_weights"):
             self.add_module(f"hook_{name}", HookPoint())
-        for name in ("attn_scores", "pattern", "z", "result"):
-            self.add_module(f"hook_{name}", HookPoint())
+        self._head_hooks()
+        self.hook_result = HookPoint()
 
     def __getattr__(self, name: str) -> Any:
         if name in _NO_PER_HEAD_MAPS or name == "W_O":
@@ -102,20 +104,13 @@ class RoutedAttention(ScaledDenseHeads):
     ) -> Float[Tensor, "batch pos head d_head"]:
         return rotate_rope(x, *self.rope_rows(x.shape[1], past, attention_mask), "halves")
 
-    def forward(
+    def _forward(
         self,
-        query_input: Float[Tensor, "batch pos d_model"],
-        key_input: Float[Tensor, "batch pos d_model"] | None = None,
-        value_input: Float[Tensor, "batch pos d_model"] | None = None,
-        past_kv_cache_entry: KeyValueCacheEntry | None = None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+        x: Float[Tensor, "batch pos d_model"],
+        past_kv_cache_entry: KeyValueCacheEntry | None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """The source's forward (class docstring). One input per position: the routing reads it, so per-head or
-        separate query / key / value inputs are refused."""
-        self._one_input(
-            query_input, key_input, value_input, "a mixture of attention heads routes each position's one input"
-        )
-        x = query_input
+        """The source's forward (class docstring). One input per position: the routing reads it."""
         batch, pos, _ = x.shape
         indices, weights = self.route(x)
         groups = self.expert_choices(indices)

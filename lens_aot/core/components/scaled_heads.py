@@ -10,17 +10,18 @@ TransformerLens's ``apply_causal_mask``, a softmax in ``softmax_dtype`` cast bac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.attention import Attention, mask_scores, zero_unseen
 from lens_aot.core.components.ownership import exported, table
 from lens_aot.core.components.rotary_rows import shared_rows
-from lens_aot.core.kv_cache import position_rows
+from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.errors import InputError
 
@@ -29,10 +30,13 @@ class ScaledDenseHeads(nn.Module):
     """The shared part of :class:`~.mla_attention.MLAAttention` and :class:`~.routed_attention.RoutedAttention`.
 
     A subclass sets ``scale``, ``causal``, ``softmax_dtype`` and the hook points ``hook_attn_scores`` /
-    ``hook_pattern``, and calls :meth:`_no_variants` and :meth:`_keep_rope` in its ``__init__``.
+    ``hook_pattern``, and calls :meth:`_no_variants` and :meth:`_keep_rope` in its ``__init__``. It computes its
+    source's forward in :meth:`_forward` from the one input per position, and names what reads that input in
+    ``ONE_INPUT`` (the refusal of any other input).
     """
 
     needs_dense_scores = True
+    ONE_INPUT: ClassVar[str]
     _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
 
     def _no_variants(self) -> None:
@@ -43,6 +47,19 @@ class ScaledDenseHeads(nn.Module):
         self.ungroup = False
         self.own_rotary, self.rotary_dim, self.rotary_adjacent_pairs = True, 0, False
         self.clip_qkv = None
+
+    def _head_hooks(self) -> None:
+        """The hook points of every head, in the order TransformerLens's attention has them: ``hook_q`` / ``hook_k``
+        / ``hook_v``, the rotated ``hook_rot_q`` / ``hook_rot_k``, ``hook_attn_scores``, ``hook_pattern``, ``hook_z``
+        (a subclass adds its own before and after)."""
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        self.hook_rot_q = HookPoint()
+        self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
 
     @property
     def attn_scale(self) -> float:
@@ -62,6 +79,28 @@ class ScaledDenseHeads(nn.Module):
                 f"{why}: per-head or separate query / key / value inputs (use_attn_in, use_split_qkv_input) do not "
                 "apply to it. Turn those switches off."
             )
+
+    def forward(
+        self,
+        query_input: Float[Tensor, "batch pos d_model"],
+        key_input: Float[Tensor, "batch pos d_model"] | None = None,
+        value_input: Float[Tensor, "batch pos d_model"] | None = None,
+        past_kv_cache_entry: KeyValueCacheEntry | None = None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """TransformerLens's attention call: refuses per-head or separate key / value inputs (``use_attn_in``,
+        ``use_split_qkv_input``; the layer reads one input per position, ``ONE_INPUT``), then :meth:`_forward`."""
+        self._one_input(query_input, key_input, value_input, self.ONE_INPUT)
+        return self._forward(query_input, past_kv_cache_entry, attention_mask)
+
+    def _forward(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        past_kv_cache_entry: KeyValueCacheEntry | None,
+        attention_mask: Int[Tensor, "batch offset_pos"] | None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The source's forward on the one input per position (the subclass's)."""
+        raise NotImplementedError
 
     def _keep_rope(self, spec: Any, device: torch.device) -> None:
         """Keep the spec's rotary tables: its verified recipe as rows computed on demand, shared by the model's layers
