@@ -32,8 +32,6 @@ from lens_aot.core.spec import NormSpec
 from lens_aot.core.spec_compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec, WindowPoolSpec
 from lens_aot.errors import InputError, LensAOTError
 
-_NO_RESIDUAL_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
-
 
 class CompressedWeightError(LensAOTError, AttributeError):
     """A per-head residual-stream weight (``W_Q`` ...) read from DeepSeek-V4's attention, which has none."""
@@ -310,6 +308,7 @@ class CompressedAttention(ScaledDenseHeads):
 
     caches_keys = False  # no key-value cache: generate reruns the whole sequence (core/generate.py)
     ONE_INPUT = "DeepSeek-V4's attention reads one shared input per position"
+    ABSENT_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
 
     def __init__(self, spec: CompressedAttentionSpec, causal: bool) -> None:
         super().__init__()
@@ -350,14 +349,13 @@ class CompressedAttention(ScaledDenseHeads):
                 self.hook_index_scores = HookPoint()
                 self.hook_indexer_topk = HookPoint()
 
-    def __getattr__(self, name: str) -> Any:
-        if name in _NO_RESIDUAL_MAPS:
-            raise CompressedWeightError(
-                f"DeepSeek-V4's attention has no {name}: its queries come through a normed low-rank latent "
-                "(q_a_proj, q_b_proj) and its one key (also its value) through kv_proj and a norm, so there is no "
-                "per-head map from the residual stream. hook_q / hook_k / hook_v hold the per-head values."
-            )
-        return super().__getattr__(name)
+    def _absent_map(self, name: str) -> AttributeError:
+        """DeepSeek-V4 computes its queries and its one key from latents and norms: no residual-stream map."""
+        return CompressedWeightError(
+            f"DeepSeek-V4's attention has no {name}: its queries come through a normed low-rank latent "
+            "(q_a_proj, q_b_proj) and its one key (also its value) through kv_proj and a norm, so there is no "
+            "per-head map from the residual stream. hook_q / hook_k / hook_v hold the per-head values."
+        )
 
     @property
     def W_O(self) -> Float[Tensor, "n_heads d_head d_model"]:

@@ -9,8 +9,6 @@ them as any other head. Only the MLPs become neuron heads (Huben & Morris 2023, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
@@ -26,8 +24,6 @@ from lens_aot.core.components.scaled_heads import ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import InputError, LensAOTError
-
-_NO_RESIDUAL_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
 
 
 class MLAWeightError(LensAOTError, AttributeError):
@@ -50,6 +46,7 @@ class MLAAttention(ScaledDenseHeads):
     """
 
     ONE_INPUT = "multi-head latent attention reads one shared input per position"
+    ABSENT_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
 
     def __init__(self, spec: MLASpec, causal: bool) -> None:
         super().__init__()
@@ -90,14 +87,13 @@ class MLAAttention(ScaledDenseHeads):
         if spec.indexer is not None:  # DSA: each query keeps only its top-k keys (components/dsa_indexer.py)
             self.indexer = SparseIndexer(spec.indexer)
 
-    def __getattr__(self, name: str) -> Any:
-        if name in _NO_RESIDUAL_MAPS:
-            raise MLAWeightError(
-                f"multi-head latent attention has no {name}: its queries, keys and values are computed from latents "
-                "(W_UQ reads the query latent, W_UK / W_UV the key-value latent; hook_q / hook_k / hook_v hold their "
-                "per-head values), so there is no per-head map from the residual stream to read or multiply."
-            )
-        return super().__getattr__(name)
+    def _absent_map(self, name: str) -> AttributeError:
+        """MLA computes its queries, keys and values from latents: no residual-stream map."""
+        return MLAWeightError(
+            f"multi-head latent attention has no {name}: its queries, keys and values are computed from latents "
+            "(W_UQ reads the query latent, W_UK / W_UV the key-value latent; hook_q / hook_k / hook_v hold their "
+            "per-head values), so there is no per-head map from the residual stream to read or multiply."
+        )
 
     def non_bilinear_score_variants(self) -> list[str]:
         """MLA's scores are bilinear in the normed latents, not in the attention input: what a QK circuit over

@@ -11,7 +11,6 @@ become neuron heads (Huben & Morris 2023, Theorem 3).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import einops
 import torch
@@ -27,8 +26,6 @@ from lens_aot.core.components.scaled_heads import ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import InputError, LensAOTError
-
-_NO_PER_HEAD_MAPS = ("W_Q", "b_Q", "b_K", "b_V")
 
 
 class RoutedWeightError(LensAOTError, AttributeError):
@@ -48,6 +45,7 @@ class RoutedAttention(ScaledDenseHeads):
     """
 
     ONE_INPUT = "a mixture of attention heads routes each position's one input"
+    ABSENT_MAPS = ("W_Q", "b_Q", "b_K", "b_V", "W_O")
 
     def __init__(self, spec: RoutedAttentionSpec, causal: bool) -> None:
         super().__init__()
@@ -73,15 +71,14 @@ class RoutedAttention(ScaledDenseHeads):
         self._head_hooks()
         self.hook_result = HookPoint()
 
-    def __getattr__(self, name: str) -> Any:
-        if name in _NO_PER_HEAD_MAPS or name == "W_O":
-            raise RoutedWeightError(
-                f"a mixture of attention heads has no {name}: each token's query and output maps are those of the "
-                "experts its router chose (W_Q_experts [expert, kv_head, d_model, d_head], W_O_experts [expert, "
-                "kv_head, d_head, d_model]; hook_expert_indices names them per token), so there is no fixed per-head "
-                "map to read or multiply."
-            )
-        return super().__getattr__(name)
+    def _absent_map(self, name: str) -> AttributeError:
+        """The query and output maps are per expert, chosen per token: no fixed per-head map."""
+        return RoutedWeightError(
+            f"a mixture of attention heads has no {name}: each token's query and output maps are those of the "
+            "experts its router chose (W_Q_experts [expert, kv_head, d_model, d_head], W_O_experts [expert, "
+            "kv_head, d_head, d_model]; hook_expert_indices names them per token), so there is no fixed per-head "
+            "map to read or multiply."
+        )
 
     def non_bilinear_score_variants(self) -> list[str]:
         """The query map depends on the token's routing: what a QK circuit over ``x`` alone cannot reproduce."""

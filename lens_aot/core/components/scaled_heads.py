@@ -37,6 +37,20 @@ class ScaledDenseHeads(nn.Module):
 
     needs_dense_scores = True
     ONE_INPUT: ClassVar[str]
+    ABSENT_MAPS: ClassVar[tuple[str, ...]] = ()  # TransformerLens's attention weights the layer has no such map for
+
+    def _absent_map(self, name: str) -> AttributeError:
+        """The refusal for reading ``name`` of ``ABSENT_MAPS``, saying what the layer computes instead (the
+        subclass's)."""
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        """``ABSENT_MAPS`` are refused by :meth:`_absent_map` (code written for TransformerLens's attention reads
+        ``W_Q`` … and would otherwise get a bare ``AttributeError``); everything else as ``nn.Module`` finds it."""
+        if name in self.ABSENT_MAPS:
+            raise self._absent_map(name)
+        return super().__getattr__(name)
+
     _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
 
     def _no_variants(self) -> None:
