@@ -25,7 +25,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter
-from lens_aot.core.components.scaled_heads import ScaledDenseHeads
+from lens_aot.core.components.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.components.sinks import AttentionSinks
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec import NormSpec
@@ -309,6 +309,12 @@ class CompressedAttention(ScaledDenseHeads):
     caches_keys = False  # no key-value cache: generate reruns the whole sequence (core/generate.py)
     ONE_INPUT = "DeepSeek-V4's attention reads one shared input per position"
     ABSENT_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
+    ABSENT_ERROR = CompressedWeightError
+    ABSENT_WHY = (
+        "DeepSeek-V4's attention has no {name}: its queries come through a normed low-rank latent "
+        "(q_a_proj, q_b_proj) and its one key (also its value) through kv_proj and a norm, so there is no "
+        "per-head map from the residual stream. hook_q / hook_k / hook_v hold the per-head values."
+    )
 
     def __init__(self, spec: CompressedAttentionSpec, causal: bool) -> None:
         super().__init__()
@@ -348,14 +354,6 @@ class CompressedAttention(ScaledDenseHeads):
             if spec.compressor.indexer is not None:
                 self.hook_index_scores = HookPoint()
                 self.hook_indexer_topk = HookPoint()
-
-    def _absent_map(self, name: str) -> AttributeError:
-        """DeepSeek-V4 computes its queries and its one key from latents and norms: no residual-stream map."""
-        return CompressedWeightError(
-            f"DeepSeek-V4's attention has no {name}: its queries come through a normed low-rank latent "
-            "(q_a_proj, q_b_proj) and its one key (also its value) through kv_proj and a norm, so there is no "
-            "per-head map from the residual stream. hook_q / hook_k / hook_v hold the per-head values."
-        )
 
     @property
     def W_O(self) -> Float[Tensor, "n_heads d_head d_model"]:
@@ -436,11 +434,8 @@ class CompressedAttention(ScaledDenseHeads):
         return self.hook_block_bias(bias.squeeze(1)).unsqueeze(1)
 
     def _forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        past_kv_cache_entry: KeyValueCacheEntry | None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None,
-    ) -> Float[Tensor, "batch pos d_model"]:
+        self, x: Residual, past_kv_cache_entry: KeyValueCacheEntry | None, attention_mask: PaddingMask | None
+    ) -> Residual:
         """The source's forward (class docstring), in its layout ([batch, head, pos, d_head]; the hooks see
         [batch, pos, head, d_head] views of the same tensors). Queries, keys, values and the compressor all read
         ``x``: a key-value cache and padding are refused."""

@@ -20,7 +20,7 @@ from lens_aot.core.components.dsa_indexer import SparseIndexer
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.rope import rotate_rope
-from lens_aot.core.components.scaled_heads import ScaledDenseHeads
+from lens_aot.core.components.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.errors import InputError, LensAOTError
@@ -47,6 +47,12 @@ class MLAAttention(ScaledDenseHeads):
 
     ONE_INPUT = "multi-head latent attention reads one shared input per position"
     ABSENT_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
+    ABSENT_ERROR = MLAWeightError
+    ABSENT_WHY = (
+        "multi-head latent attention has no {name}: its queries, keys and values are computed from latents "
+        "(W_UQ reads the query latent, W_UK / W_UV the key-value latent; hook_q / hook_k / hook_v hold their "
+        "per-head values), so there is no per-head map from the residual stream to read or multiply."
+    )
 
     def __init__(self, spec: MLASpec, causal: bool) -> None:
         super().__init__()
@@ -86,14 +92,6 @@ class MLAAttention(ScaledDenseHeads):
         self.hook_result = HookPoint()
         if spec.indexer is not None:  # DSA: each query keeps only its top-k keys (components/dsa_indexer.py)
             self.indexer = SparseIndexer(spec.indexer)
-
-    def _absent_map(self, name: str) -> AttributeError:
-        """MLA computes its queries, keys and values from latents: no residual-stream map."""
-        return MLAWeightError(
-            f"multi-head latent attention has no {name}: its queries, keys and values are computed from latents "
-            "(W_UQ reads the query latent, W_UK / W_UV the key-value latent; hook_q / hook_k / hook_v hold their "
-            "per-head values), so there is no per-head map from the residual stream to read or multiply."
-        )
 
     def non_bilinear_score_variants(self) -> list[str]:
         """MLA's scores are bilinear in the normed latents, not in the attention input: what a QK circuit over
@@ -137,11 +135,8 @@ class MLAAttention(ScaledDenseHeads):
         return torch.cat((nope, rotated), dim=-1)
 
     def _forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        past_kv_cache_entry: KeyValueCacheEntry | None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None,
-    ) -> Float[Tensor, "batch pos d_model"]:
+        self, x: Residual, past_kv_cache_entry: KeyValueCacheEntry | None, attention_mask: PaddingMask | None
+    ) -> Residual:
         """The source's MLA forward (class docstring). Queries, keys and values all read ``x``: MLA's key-value
         latent is shared by every head."""
         q_in, latent, k_pe = self.latents(x)

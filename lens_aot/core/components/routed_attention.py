@@ -22,7 +22,7 @@ from transformer_lens.hook_points import HookPoint
 from lens_aot.core.components.attention import with_cached
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.rope import rotate_rope
-from lens_aot.core.components.scaled_heads import ScaledDenseHeads
+from lens_aot.core.components.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec_routed import RoutedAttentionSpec
 from lens_aot.errors import InputError, LensAOTError
@@ -46,6 +46,13 @@ class RoutedAttention(ScaledDenseHeads):
 
     ONE_INPUT = "a mixture of attention heads routes each position's one input"
     ABSENT_MAPS = ("W_Q", "b_Q", "b_K", "b_V", "W_O")
+    ABSENT_ERROR = RoutedWeightError
+    ABSENT_WHY = (
+        "a mixture of attention heads has no {name}: each token's query and output maps are those of the "
+        "experts its router chose (W_Q_experts [expert, kv_head, d_model, d_head], W_O_experts [expert, "
+        "kv_head, d_head, d_model]; hook_expert_indices names them per token), so there is no fixed per-head "
+        "map to read or multiply."
+    )
 
     def __init__(self, spec: RoutedAttentionSpec, causal: bool) -> None:
         super().__init__()
@@ -71,15 +78,6 @@ class RoutedAttention(ScaledDenseHeads):
         self._head_hooks()
         self.hook_result = HookPoint()
 
-    def _absent_map(self, name: str) -> AttributeError:
-        """The query and output maps are per expert, chosen per token: no fixed per-head map."""
-        return RoutedWeightError(
-            f"a mixture of attention heads has no {name}: each token's query and output maps are those of the "
-            "experts its router chose (W_Q_experts [expert, kv_head, d_model, d_head], W_O_experts [expert, "
-            "kv_head, d_head, d_model]; hook_expert_indices names them per token), so there is no fixed per-head "
-            "map to read or multiply."
-        )
-
     def non_bilinear_score_variants(self) -> list[str]:
         """The query map depends on the token's routing: what a QK circuit over ``x`` alone cannot reproduce."""
         return ["a mixture of attention heads (routed query projections)"]
@@ -102,11 +100,8 @@ class RoutedAttention(ScaledDenseHeads):
         return rotate_rope(x, *self.rope_rows(x.shape[1], past, attention_mask), "halves")
 
     def _forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        past_kv_cache_entry: KeyValueCacheEntry | None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None,
-    ) -> Float[Tensor, "batch pos d_model"]:
+        self, x: Residual, past_kv_cache_entry: KeyValueCacheEntry | None, attention_mask: PaddingMask | None
+    ) -> Residual:
         """The source's forward (class docstring). One input per position: the routing reads it."""
         batch, pos, _ = x.shape
         indices, weights = self.route(x)

@@ -10,7 +10,7 @@ TransformerLens's ``apply_causal_mask``, a softmax in ``softmax_dtype`` cast bac
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeAlias
 
 import einops
 import torch
@@ -25,6 +25,9 @@ from lens_aot.core.kv_cache import KeyValueCacheEntry, position_rows
 from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.errors import InputError
 
+Residual: TypeAlias = Float[Tensor, "batch pos d_model"]  # the one input per position, and the output
+PaddingMask: TypeAlias = Int[Tensor, "batch offset_pos"]  # TransformerLens's attention_mask (1: a real token)
+
 
 class ScaledDenseHeads(nn.Module):
     """The shared part of :class:`~.mla_attention.MLAAttention` and :class:`~.routed_attention.RoutedAttention`.
@@ -38,17 +41,15 @@ class ScaledDenseHeads(nn.Module):
     needs_dense_scores = True
     ONE_INPUT: ClassVar[str]
     ABSENT_MAPS: ClassVar[tuple[str, ...]] = ()  # TransformerLens's attention weights the layer has no such map for
-
-    def _absent_map(self, name: str) -> AttributeError:
-        """The refusal for reading ``name`` of ``ABSENT_MAPS``, saying what the layer computes instead (the
-        subclass's)."""
-        raise NotImplementedError
+    ABSENT_ERROR: ClassVar[type[AttributeError]] = AttributeError  # the layer's error for reading one
+    ABSENT_WHY: ClassVar[str] = "{name}"  # its message, ``{name}`` the weight read: what the layer computes instead
 
     def __getattr__(self, name: str) -> Any:
-        """``ABSENT_MAPS`` are refused by :meth:`_absent_map` (code written for TransformerLens's attention reads
-        ``W_Q`` … and would otherwise get a bare ``AttributeError``); everything else as ``nn.Module`` finds it."""
+        """``ABSENT_MAPS`` are refused with ``ABSENT_ERROR(ABSENT_WHY)`` (code written for TransformerLens's attention
+        reads ``W_Q`` … and would otherwise get a bare ``AttributeError``); everything else as ``nn.Module`` finds
+        it."""
         if name in self.ABSENT_MAPS:
-            raise self._absent_map(name)
+            raise self.ABSENT_ERROR(self.ABSENT_WHY.format(name=name))
         return super().__getattr__(name)
 
     _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
@@ -108,11 +109,8 @@ class ScaledDenseHeads(nn.Module):
         return self._forward(query_input, past_kv_cache_entry, attention_mask)
 
     def _forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        past_kv_cache_entry: KeyValueCacheEntry | None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None,
-    ) -> Float[Tensor, "batch pos d_model"]:
+        self, x: Residual, past_kv_cache_entry: KeyValueCacheEntry | None, attention_mask: PaddingMask | None
+    ) -> Residual:
         """The source's forward on the one input per position (the subclass's)."""
         raise NotImplementedError
 
