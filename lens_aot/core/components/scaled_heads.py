@@ -30,15 +30,18 @@ PaddingMask: TypeAlias = Int[Tensor, "batch offset_pos"]  # TransformerLens's at
 
 
 class ScaledDenseHeads(nn.Module):
-    """The shared part of :class:`~.mla_attention.MLAAttention` and :class:`~.routed_attention.RoutedAttention`.
+    """The shared part of :class:`~.mla_attention.MLAAttention`, :class:`~.routed_attention.RoutedAttention` and
+    :class:`~.compressed_attention.CompressedAttention`.
 
-    A subclass sets ``scale``, ``causal``, ``softmax_dtype`` and the hook points ``hook_attn_scores`` /
-    ``hook_pattern``, and calls :meth:`_no_variants` and :meth:`_keep_rope` in its ``__init__``. It computes its
+    A subclass sets ``scale``, ``causal`` and ``softmax_dtype``, and calls :meth:`_head_hooks`, :meth:`_no_variants`
+    and :meth:`_keep_rope` in its ``__init__``. It computes its
     source's forward in :meth:`_forward` from the one input per position, and names what reads that input in
-    ``ONE_INPUT`` (the refusal of any other input).
+    ``ONE_INPUT`` (the refusal of any other input); the TransformerLens weights it has no map for are
+    ``ABSENT_MAPS``, refused with its ``ABSENT_ERROR`` and ``ABSENT_WHY``.
     """
 
     needs_dense_scores = True
+    _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
     ONE_INPUT: ClassVar[str]
     ABSENT_MAPS: ClassVar[tuple[str, ...]] = ()  # TransformerLens's attention weights the layer has no such map for
     ABSENT_ERROR: ClassVar[type[AttributeError]] = AttributeError  # the layer's error for reading one
@@ -51,8 +54,6 @@ class ScaledDenseHeads(nn.Module):
         if name in self.ABSENT_MAPS:
             raise self.ABSENT_ERROR(self.ABSENT_WHY.format(name=name))
         return super().__getattr__(name)
-
-    _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
 
     def _no_variants(self) -> None:
         """Attention's attributes, set to read "no such variant" for code that inspects every layer's attention."""
@@ -158,4 +159,4 @@ class ScaledDenseHeads(nn.Module):
         return einops.einsum(pattern, v, "b h q k, b k h e -> b q h e")
 
 
-__all__ = ["ScaledDenseHeads"]
+__all__ = ["PaddingMask", "Residual", "ScaledDenseHeads"]
