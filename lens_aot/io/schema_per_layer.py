@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
-from lens_aot.errors import LoadError, UnsupportedActivationError
-from lens_aot.io.schema_common import required_norm
+from lens_aot.io.schema_common import known_activation, required_norm
 
 __all__ = ["decode_inputs", "decode_sublayer", "encode_inputs", "encode_sublayer"]
 
@@ -69,10 +67,7 @@ def decode_sublayer(decoder: Any, obj: Any, path: str) -> PerLayerSublayerSpec |
     if obj is None:
         return None
     f = decoder.fields(obj, path, _SUBLAYER)
-    try:
-        act_fn = canonical_activation(f["act_fn"])
-    except UnsupportedActivationError as error:
-        raise LoadError(f"{decoder.where}: {path}.act_fn: {error}") from error
+    act_fn = known_activation(decoder, f["act_fn"], f"{path}.act_fn")
     return PerLayerSublayerSpec(
         W_gate=decoder.required_tensor(f["W_gate"], f"{path}.W_gate"),
         W_proj=decoder.required_tensor(f["W_proj"], f"{path}.W_proj"),

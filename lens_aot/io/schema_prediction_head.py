@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.activations import canonical_activation
 from lens_aot.core.spec_prediction_head import PredictionHeadSpec
-from lens_aot.errors import LoadError, UnsupportedActivationError
+from lens_aot.errors import LoadError
+from lens_aot.io.schema_common import known_activation
 
 __all__ = ["decode_prediction_head", "encode_prediction_head"]
 
@@ -39,10 +39,7 @@ def decode_prediction_head(decoder: Any, obj: Any, path: str) -> PredictionHeadS
         return None
     f = decoder.fields(obj, path, _FIELDS)
     ln = decoder.norm(f["ln"], f"{path}.ln")
-    try:
-        act_fn = canonical_activation(f["act_fn"])
-    except UnsupportedActivationError as error:
-        raise LoadError(f"{decoder.where}: {path}.act_fn: {error}") from error
+    act_fn = known_activation(decoder, f["act_fn"], f"{path}.act_fn")
     if ln is None:
         raise LoadError(f"{decoder.where}: {path}.ln is null but must be a norm; the file is corrupt.")
     return PredictionHeadSpec(
