@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("lens_aot.core",)),
     ("tl", ("lens_aot.tl",)),
     ("constructions", ("lens_aot.constructions",)),
-    ("pipeline", ("lens_aot.core.convert",)),
+    ("pipeline", ("lens_aot.core.convert", "lens_aot.pipeline")),
     ("io, analysis", ("lens_aot.io", "lens_aot.analysis")),
     ("api", ("lens_aot",)),
     ("apps", ("lens_aot.cli", "lens_aot.matrix", "lens_aot.__main__")),

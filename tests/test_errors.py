@@ -562,7 +562,7 @@ def test_a_conversion_beyond_its_bound_raises_with_the_numbers_and_the_fix() -> 
         spec = real(model)
         return dataclasses.replace(spec, W_U=spec.W_U + 0.01)
 
-    with mock.patch("lens_aot.core.convert.read_model", tampered):
+    with mock.patch("lens_aot.pipeline.read_model", tampered):
         with _raises(lens_aot.FaithfulnessError, r"max \|Δlogit\| \S+ .* exceeds the bound", r"check='warn'"):
             lens_aot.convert(bridge)
 

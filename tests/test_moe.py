@@ -80,7 +80,7 @@ def test_a_1e_3_change_of_a_product_scale_or_the_router_is_detected(converted) -
     assert _error(bridge, lens_aot.convert(spec, check=False), tokens) > tol
     wrong = read_model(bridge)
     wrong.layers[1].mlp.norm_topk_prob = False  # the source renormalises the chosen weights
-    with mock.patch("lens_aot.core.convert.read_model", lambda model: wrong):
+    with mock.patch("lens_aot.pipeline.read_model", lambda model: wrong):
         with pytest.raises(FaithfulnessError, match="disagrees with its source"):
             lens_aot.convert(bridge)
 

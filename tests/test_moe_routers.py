@@ -148,7 +148,7 @@ def test_a_wrong_router_is_detected(bridges, architecture: str) -> None:
     for changed in wrong:
         spec.layers[index] = dataclasses.replace(spec.layers[index], mlp=changed)
         assert _error(bridge, lens_aot.convert(spec, check=False), tokens) > tol, changed.scoring
-    with mock.patch("lens_aot.core.convert.read_model", lambda model: spec):
+    with mock.patch("lens_aot.pipeline.read_model", lambda model: spec):
         with pytest.raises(FaithfulnessError, match="disagrees with its source"):
             lens_aot.convert(bridge)
 

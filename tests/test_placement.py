@@ -11,6 +11,7 @@ from factories_bridge import make_bridge
 from factories_spec import random_spec
 
 import lens_aot
+from lens_aot.core.neuron_fits import neuron_fits
 from lens_aot.core.placement import Placement, split_evenly
 from lens_aot.core.spec import ModelSpec
 
@@ -80,9 +81,7 @@ def test_each_layer_converts_and_runs_on_its_own_device(gated: bool) -> None:
     spec = random_spec(gated=gated, act_fn="silu", n_layers=3, dtype=torch.float32)
     sharded = _on(spec, {1, 2}, META)
     if gated:  # the gated construction reads weights to choose its scales: choose them on the CPU copy
-        from lens_aot.core.convert import _fits
-
-        aot = lens_aot.AttentionOnlyTransformer(sharded, _fits(spec, None, None))
+        aot = lens_aot.AttentionOnlyTransformer(sharded, neuron_fits(spec))
     else:
         aot = lens_aot.convert(sharded, check=False)
     assert aot.placement == Placement(CPU, (CPU, META, META), META)

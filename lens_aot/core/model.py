@@ -61,11 +61,15 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> AttentionOnlyTransformer:
-        """Under TransformerLens 3.x an instance is also a ``HookedTransformer``
+        """An instance of ``cls`` as given when it is a class derived from this one (convert's build step passes the
+        class it chose, :func:`lens_aot.pipeline.build`). ``AttentionOnlyTransformer(spec, fits)`` itself (load,
+        revert, a hand-built model) takes the class the TransformerLens layer gives a converted model
+        (:attr:`~lens_aot.core.source_layer.SourceLayer.model_class`): under 3.x also a ``HookedTransformer``
         (:func:`lens_aot.tl.hooked_model.hooked_class`: ``isinstance(aot, HookedTransformer)`` holds, the
         ``HookedTransformer`` methods that do not apply raise); under 4.x, a ``TransformerBridge`` when the source was
-        one (:func:`lens_aot.tl.bridge_model.bridge_class`), else this class itself. The class is the registered
-        TransformerLens layer's choice (:attr:`~lens_aot.core.source_layer.SourceLayer.model_class`)."""
+        one (:func:`lens_aot.tl.bridge_model.bridge_class`), else this class itself."""
+        if cls is not AttentionOnlyTransformer:
+            return object.__new__(cls)
         spec = args[0] if args else kwargs.get("spec")
         return object.__new__(source_layer().model_class(cls, getattr(spec, "source_kind", None)))
 

@@ -323,7 +323,7 @@ def _fit_entry(fit: Any, layer: int) -> dict[str, Any]:
 
 
 def encode_report(report: Any) -> dict[str, Any] | None:
-    """A :class:`~lens_aot.core.convert.ConversionReport` as its fields (tuples as lists)."""
+    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists)."""
     if report is None:
         return None
     fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}

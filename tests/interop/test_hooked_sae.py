@@ -201,6 +201,16 @@ def test_attached_saes_into_a_plain_model() -> None:
     assert source.acts_to_saes == {"blocks.1.hook_resid_pre": sae}
 
 
+def test_half_source_into_a_plain_model() -> None:
+    """A bfloat16 ``HookedSAETransformer`` source with ``into=HookedTransformer``: the plain converted model too (the
+    half-precision conversion wraps the pipeline; it once called ``convert`` again, which took the source's class)."""
+    from transformer_lens import HookedTransformer
+
+    source = _source("sae", "ln-standard", "gelu_new", torch.bfloat16)
+    assert not isinstance(lens_aot.convert(source, into=HookedTransformer), sae_lens.HookedSAETransformer)
+    assert isinstance(lens_aot.convert(source), sae_lens.HookedSAETransformer)
+
+
 def test_attached_saes_restored_when_conversion_fails() -> None:
     """The source's SAEs are re-attached when the conversion raises."""
     source = _source("sae", "ln-standard", "gelu", torch.float64)
