@@ -29,9 +29,10 @@ from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.routed_attention import RoutedAttention
+from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP
 from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.core.components.xielu_mlp import XIELUMLP
-from lens_aot.core.gating import GatedFit
+from lens_aot.core.gating import ChainedGatedFit, GatedFit
 from lens_aot.core.spec import AttentionSpec, MLPSpec, MoESpec, RotarySpec
 from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec_compressed import CompressedAttentionSpec
@@ -61,6 +62,7 @@ NEURON_MLP_BY_SPEC: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
 ]
 NEURON_MLP_BY_FIT: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
     (XIELUFit, XIELUMLP),  # xIELU
+    (ChainedGatedFit, ChainedGatedMLP),  # gated squared ReLU: relu(g)²·u
 ]
 
 
