@@ -21,6 +21,7 @@ from torch import nn
 
 from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
 from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP
 from lens_aot.core.components.clamped_swiglu_mlp import ClampedSwiGLUMLP
 from lens_aot.core.components.compressed_attention import CompressedAttention
 from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
@@ -29,7 +30,6 @@ from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
 from lens_aot.core.components.moe_mlp import MoEMLP
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.routed_attention import RoutedAttention
-from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP
 from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.core.components.xielu_mlp import XIELUMLP
 from lens_aot.core.gating import ChainedGatedFit, GatedFit
