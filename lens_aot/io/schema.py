@@ -30,7 +30,8 @@ Schema (``?``: may be null)::
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
              | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error, [square_scales]}
              | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)
-             | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error} (schema_xielu.py)]
+             | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error, [product_scales]}
+               (schema_xielu.py)]
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
              use_hook_tokens}: bool (each optional)
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}

@@ -1,5 +1,7 @@
-"""A gated squared-ReLU MLP (``post = relu(g)²·u + b_post``, TransformerLens's ``GatedMLP`` with ``act_fn="relu2"``)
-as gate heads, square heads and product heads (beyond the paper; :func:`lens_aot.core.gating.chained_gated_fit`).
+"""Gated MLPs whose gate is itself a product, as neuron heads (beyond the paper; :func:`lens_aot.core.gating.
+chained_gated_fit`, :func:`lens_aot.core.xielu.gated_xielu_fit`): a gated squared ReLU (``post = relu(g)²·u + b_post``,
+TransformerLens's ``GatedMLP`` with ``act_fn="relu2"``) as gate heads, square heads and product heads, and a gated xIELU
+(:class:`GatedXIELUMLP`, ``act_fn="xielu"``), which adds direct heads to the scratch.
 
 ``relu(g)²`` is itself a product, ``relu(g)·g``, so the neuron is a chained product of three heads' layers:
 
@@ -26,10 +28,12 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.neuron_attention import NeuronAttention
 from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.product_attention import ProductAttention
 from lens_aot.core.gating import ChainedGatedFit
 from lens_aot.core.spec import MLPSpec
+from lens_aot.core.xielu import GatedXIELUFit, XIELUSpec
 from lens_aot.hooks import hooked
 
 
@@ -101,3 +105,72 @@ class ChainedGatedMLP(NeuronMLP):
     def internal_hooks(self) -> tuple[HookPoint, ...]:
         """The per-head hooks of the gate, product and square heads."""
         return (*super().internal_hooks(), *self.square_heads.internal_hooks())
+
+
+class GatedXIELUMLP(ChainedGatedMLP):
+    """A gated xIELU MLP, ``post = xielu(g)·u + b_post`` (:func:`lens_aot.core.xielu.gated_xielu_fit`): the chained
+    construction above with a ReLU gate head ``r ≈ α_p·relu(g)`` (so the square pair gives ``≈ α_p·relu(g)·g``) and
+    ``direct_heads`` (:class:`NeuronAttention` in scratch mode: ``β·g + α_n·N(g)``, as the ungated
+    :class:`~lens_aot.core.components.xielu_mlp.XIELUMLP`'s direct heads) adding to the scratch, so the product heads
+    read ``s ≈ xielu(g)``. The direct heads read the gate heads' ``W_in`` / ``b_in`` (``W_gate``, one copy); like the
+    square heads they are an inner stage of the gate. The scalars are the source's (:meth:`spec` gives them back)."""
+
+    def __init__(self, mlp: XIELUSpec, fit: GatedXIELUFit) -> None:
+        if not isinstance(mlp, XIELUSpec) or not mlp.gated or not isinstance(fit, GatedXIELUFit):
+            raise ValueError("GatedXIELUMLP builds a gated XIELUSpec MLP from a GatedXIELUFit (lens_aot.core.xielu)")
+        chained = ChainedGatedFit("xielu", fit.gate, fit.product_scales, fit.max_error, square_scales=fit.scales)
+        super().__init__(mlp, chained)
+        self.xielu = fit
+        self.alpha_p, self.alpha_n, self.beta, self.eps = fit.alpha_p, fit.alpha_n, fit.beta, fit.eps
+        gate = MLPSpec(self.W_gate, self.gate_heads.b_in, mlp.W_out, mlp.b_out, mlp.act_fn)
+        self.direct_heads = NeuronAttention(gate, fit.direct, scratch=(0, self.d_mlp))
+        self._point_heads()
+
+    def _point_heads(self) -> None:
+        """The direct heads read the gate heads' ``W_in`` / ``b_in`` too."""
+        super()._point_heads()
+        direct = self._modules.get("direct_heads")
+        if direct is None:
+            return
+        for name in ("W_in", "b_in"):
+            direct._parameters.pop(name, None)
+            object.__setattr__(direct, name, getattr(self.gate_heads, name))
+
+    def _scratch_value(
+        self, pre: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos d_mlp"]:
+        """``s ≈ α_p·relu(g)·g`` (the square heads) plus the direct heads' ``β·g + α_n·N(g)``."""
+        direct = self.direct_heads
+        if self._fused(direct):
+            d = direct.activation(pre)
+        else:
+            d, z = direct.attend_and_sum(pre)
+            change = self._result_change(direct, z)
+            d = d if isinstance(change, float) else d + change
+        return super()._scratch_value(pre, h) + d
+
+    def gate_activation(self, g: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
+        """``s ≈ xielu(g)`` in closed form: what the product heads read."""
+        return super().gate_activation(g) + self.direct_heads.activation(self._gate_input(g))
+
+    def internal_hooks(self) -> tuple[HookPoint, ...]:
+        """The per-head hooks of the gate, product, square and direct heads."""
+        return (*super().internal_hooks(), *self.direct_heads.internal_hooks())
+
+    def spec(self) -> XIELUSpec:
+        """The gated xIELU MLP these heads implement, with the source's scalars."""
+        gated = super().spec()
+        return XIELUSpec(
+            gated.W_in,
+            gated.b_in,
+            gated.W_out,
+            gated.b_out,
+            self.act_fn,
+            W_gate=gated.W_gate,
+            b_gate=gated.b_gate,
+            b_post=gated.b_post,
+            alpha_p=self.alpha_p,
+            alpha_n=self.alpha_n,
+            beta=self.beta,
+            eps=self.eps,
+        )

@@ -21,7 +21,7 @@ from torch import nn
 
 from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
 from lens_aot.core.components.attention import Attention
-from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP
+from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP
 from lens_aot.core.components.clamped_swiglu_mlp import ClampedSwiGLUMLP
 from lens_aot.core.components.compressed_attention import CompressedAttention
 from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
@@ -38,7 +38,7 @@ from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec_compressed import CompressedAttentionSpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
-from lens_aot.core.xielu import XIELUFit
+from lens_aot.core.xielu import GatedXIELUFit, XIELUFit
 
 __all__ = ["ATTENTION", "MOE", "NEURON_MLP_BY_FIT", "NEURON_MLP_BY_SPEC", "attention_module", "moe_mlp", "neuron_mlp"]
 
@@ -61,6 +61,7 @@ NEURON_MLP_BY_SPEC: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
     (ClampedSwiGLUSpec, ClampedSwiGLUMLP),  # GPT-OSS's experts
 ]
 NEURON_MLP_BY_FIT: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
+    (GatedXIELUFit, GatedXIELUMLP),  # gated xIELU: xielu(g)·u
     (XIELUFit, XIELUMLP),  # xIELU
     (ChainedGatedFit, ChainedGatedMLP),  # gated squared ReLU: relu(g)²·u
 ]
