@@ -213,3 +213,36 @@ def test_save_load_and_revert_round_trip(act: str, tmp_path: Any, one_thread: No
             torch.testing.assert_close(back(tokens), model(tokens), rtol=0, atol=1e-12)
     square = sorted(k for k in aot.state_dict() if "square" in k)
     assert square == [f"blocks.{layer}.mlp.square_heads.scales" for layer in range(model.cfg.n_layers)]
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_patching_a_gate_head_goes_through_the_square_heads(act: str, one_thread: None) -> None:
+    """Patching a gate head of a chained gate patches its ``hook_z`` and reruns the square stage (its output is not
+    added to the product heads' scratch, which holds a product of it): ``patch_units`` is the manual patch exactly;
+    edge attribution of the gate → product edge (not linear) is refused by name."""
+    from lens_aot.analysis.patching import attribute_edges, patch_units
+
+    model = _model(act=act)
+    aot = lens_aot.convert(model)
+    clean, corrupted = _tokens(3), _tokens(4)
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 0].sum()
+
+    n = 3
+    got = float(patch_units(aot, clean, corrupted, metric, [("blocks.0.mlp.gate_heads", n)], progress=False).values[0])
+    with torch.no_grad():
+        _, cache = aot.run_with_cache(clean)
+
+        def patch(z: torch.Tensor, hook: Any) -> torch.Tensor:
+            z = z.clone()
+            z[:, :, n] = cache["blocks.0.mlp.gate_heads.hook_z"][:, :, n]
+            return z
+
+        want = float(metric(aot.run_with_hooks(corrupted, fwd_hooks=[("blocks.0.mlp.gate_heads.hook_z", patch)])))
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    with pytest.raises(lens_aot.errors.UnsupportedArchitectureError, match="square heads"):
+        attribute_edges(
+            aot, clean, corrupted, metric, [("blocks.0.mlp.gate_heads", n)], [("blocks.0.mlp.product_heads", 2 * n)],
+            progress=False,
+        )  # fmt: skip

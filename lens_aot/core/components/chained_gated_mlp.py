@@ -64,6 +64,8 @@ class SquareProductAttention(ProductAttention):
 class ChainedGatedMLP(NeuronMLP):
     """A gated squared-ReLU MLP computed by gate heads, square heads and product heads (module docstring)."""
 
+    linear_scratch = False  # the product heads read s = square(g, r), not the gate heads' r
+
     def __init__(self, mlp: MLPSpec, fit: ChainedGatedFit) -> None:
         if not mlp.gated or not isinstance(fit, ChainedGatedFit):
             raise ValueError("ChainedGatedMLP builds a gated relu2 MLP from a ChainedGatedFit (lens_aot.core.gating)")

@@ -48,6 +48,10 @@ from lens_aot.hooks import hooked
 class NeuronMLP(nn.Module):
     """An MLP layer computed by neuron heads, with the MLP's hook points and weight names."""
 
+    # whether the gate heads' output is the scratch value the product heads read (Σ_h z_h·W_O[h] lands in
+    # product_heads.hook_gate, so analyses may add a gate head's change there): False where a product of it is
+    # read instead (a gated relu² / xIELU, lens_aot.core.components.chained_gated_mlp)
+    linear_scratch = True
     # the hooks of a gated MLP's gate pre-activation and linear branch (a TransformerLens 3.9 MoE's experts:
     # "hook_gate" and "hook_pre", lens_aot.core.components.source_expert_hooks)
     gate_hook_name = "hook_pre"
