@@ -246,3 +246,15 @@ def test_patching_a_gate_head_goes_through_the_square_heads(act: str, one_thread
             aot, clean, corrupted, metric, [("blocks.0.mlp.gate_heads", n)], [("blocks.0.mlp.product_heads", 2 * n)],
             progress=False,
         )  # fmt: skip
+
+
+def test_gated_relu2_experts_convert_within_their_bound(one_thread: None) -> None:
+    """A TransformerLens 3.9 mixture of gated relu² experts: each expert is a chained gate, computed by its own
+    forward (the experts' batched pass, which knows no square stage, leaves them alone)."""
+    model = make_hooked("rms-rotary", "relu2", torch.float32, gated_mlp=True, num_experts=4, experts_per_token=2)
+    aot = lens_aot.convert(model.eval())
+    assert all(isinstance(expert, ChainedGatedMLP) for expert in aot.blocks[0].mlp.experts)
+    tokens = _tokens()
+    with torch.no_grad():
+        err = float((aot(tokens) - model(tokens)).abs().max())
+    assert err <= aot.report.logit_bound and err <= TOLERANCES[("gated", torch.float32)], err
