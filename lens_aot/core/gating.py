@@ -241,6 +241,7 @@ class ChainedGatedFit(GatedFit):
 
     @property
     def n_terms(self) -> int:
+        """Heads per neuron: the gate heads, the square pair and the product pair."""
         return self.gate.n_terms + 4
 
 

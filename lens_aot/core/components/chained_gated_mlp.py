@@ -58,6 +58,7 @@ class SquareProductAttention(ProductAttention):
 
     @property
     def b_O(self) -> Float[Tensor, " d_mlp"]:
+        """Zero: the pairs' outputs are the whole scratch value (no bias)."""
         return self.W_in.new_zeros(self.d_mlp)
 
 
