@@ -36,15 +36,13 @@ from lens_aot.errors import LensAOTError
 from lens_aot.tl.config_fields import CARRIED
 
 # Refused cases, each with a word its error contains (docs/families.md says why). SoLU normalises across neurons
-# (excused by the issue); gated relu2 / xIELU gates are themselves products (relu(g)²·u, (αp·g² + βg)·u): a chained
-# product the two product heads of core/gating.py do not build.
+# (excused by the issue). Gated relu2 / xIELU (relu(g)²·u, xielu(g)·u: chained products) convert
+# (tests/test_hooked_chained_gates.py).
 REFUSED: dict[str, str] = {
     "act_fn=solu": "SoLU",
     "act_fn=solu_ln": "SoLU",
     "act_fn=solu+gated": "SoLU",
     "act_fn=solu_ln+gated": "SoLU",
-    "act_fn=relu2+gated": "relu2",
-    "act_fn=xielu+gated": "chained product",
 }
 
 _ROTARY = dict(normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8)
@@ -188,5 +186,5 @@ def test_feature_case_count() -> None:
 # Cases whose source cannot run (checked by test_feature_case: their forward raises), and (cases, converted) as
 # docs/families.md states them.
 NOT_FEATURES = ("positional_embedding_type=relative_positional_bias",)
-STATED_COUNT = (63, 57)
+STATED_COUNT = (63, 59)
 STATED_GROUPS = (20, 12, 18, 14)  # activations x gating, enumerated values, booleans flipped, valued features

@@ -17,7 +17,7 @@ import lens_aot
 from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.core.read import run_source
 from lens_aot.core.residual_bound import mlp_input_radii
-from lens_aot.errors import InputRangeError, UnsupportedActivationError, UnsupportedArchitectureError
+from lens_aot.errors import InputRangeError, UnsupportedArchitectureError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.build import bridge_from_hf_module
 
@@ -152,11 +152,21 @@ def test_guard_survives_save_and_load(tmp_path: Any) -> None:
         loaded.run_with_hooks(_tokens(aot), fwd_hooks=[("blocks.1.hook_resid_mid", lambda x, hook: x * 1e4)])
 
 
-def test_a_squared_relu_gate_is_refused() -> None:
+def test_a_squared_relu_gate_converts_and_matches_its_reference() -> None:
+    """A gated relu² spec (``relu(g)²·u``, a chained product: lens_aot.core.gating.chained_gated_fit) converts, and
+    agrees with the independent plain-torch forward within its certified logit bound."""
     from factories_spec import random_spec
 
-    with pytest.raises(UnsupportedActivationError, match=r"'relu2' as the gate of a gated MLP.*Supported gates"):
-        lens_aot.convert(random_spec(act_fn="relu2", gated=True))
+    from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP
+    from lens_aot.core.reference import independent_logits
+
+    spec = random_spec(act_fn="relu2", gated=True, dtype=torch.float64)
+    aot = lens_aot.convert(spec)
+    assert all(isinstance(block.mlp, ChainedGatedMLP) for block in aot.blocks)
+    tokens = torch.randint(0, aot.cfg.d_vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = float((aot(tokens) - independent_logits(spec, tokens)).abs().max())
+    assert err <= aot.report.logit_bound, (err, aot.report.logit_bound)
 
 
 def test_plain_squared_relu_spec_matches_its_reference() -> None:

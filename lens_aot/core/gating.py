@@ -18,7 +18,9 @@ with ``δ`` the gate fit's error (0 for SiLU). After LayerNorm or RMSNorm the no
 ``max_neuron_error`` over *all* inputs: half the budget for the fit (none for SiLU), the rest for the product.
 
 Squared ReLU (``relu2(z) = relu(z)·z``) is the gated neuron whose gate and linear branch are one projection
-(``W_gate = W_in``) with a ReLU gate: the same construction and bound with ``g = u``.
+(``W_gate = W_in``) with a ReLU gate: the same construction and bound with ``g = u``. A *gated* squared ReLU,
+``relu(g)²·u``, chains the two: the squared-ReLU construction writes ``relu(g)²`` to the scratch and a second
+product pair multiplies it by ``u`` (:func:`chained_gated_fit`, :class:`ChainedGatedFit`).
 
 **No normalization before the MLP** (OLMo-2/3, FlexOLMo, EXAONE 4: post-norm blocks). The input is then the raw
 residual, whose norm no normalization bounds. :class:`RangedInput` stands for the missing norm with a certified
@@ -41,7 +43,7 @@ from torch import Tensor
 
 from lens_aot.core.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit, canonical_activation
 from lens_aot.core.spec import MLPSpec, NormSpec
-from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureError
+from lens_aot.errors import UnsupportedArchitectureError
 
 DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
 # The smallest product scale ε_n built (float32's normal range ends near 1.2e-38; u·ε/2 must stay far above it).
@@ -150,12 +152,8 @@ def gated_fit(
         return own_fit(mlp, norm, max_neuron_error, heads_per_neuron)
     source_act = canonical_activation(mlp.act_fn)
     if source_act in PRODUCT_ACTIVATIONS:
-        if mlp.gated:
-            raise UnsupportedActivationError(
-                f"activation {mlp.act_fn!r} as the gate of a gated MLP (act(g)·u = relu(g)²·u) has no neuron-head "
-                f"construction: the product heads multiply two factors, and this gate is itself a product. "
-                f"Supported gates: silu, relu, gelu, gelu_new, gelu_fast."
-            )
+        if mlp.gated:  # relu(g)²·u: a chained product (ChainedGatedFit)
+            return chained_gated_fit(mlp, norm, max_neuron_error, heads_per_neuron)
         # relu2(z) = relu(z)·z: a gated neuron whose gate and linear branch are the same projection
         mlp = MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, PRODUCT_ACTIVATIONS[source_act], mlp.W_in, mlp.b_in)
     assert mlp.W_gate is not None
@@ -229,6 +227,84 @@ def bounded_gated_fit(
             radius=float(norm.radius),
         )
     return GatedFit(source_act or act, gate, tuple(float(s) for s in scales), tol, **ranges)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ChainedGatedFit(GatedFit):
+    """A gated squared-ReLU layer, ``post = relu(g)²·u (+ b_post)``: a chained product (module docstring of
+    :func:`chained_gated_fit`). ``gate`` is the ReLU gate head's fit (error δ), ``square_scales`` the per-neuron
+    ``ε'_n`` of the first product pair (``s ≈ relu(g)·g``, written to the scratch) and ``scales`` the ``ε_n`` of the
+    second (``s·u``, written to the residual). A neuron has ``gate.n_terms`` gate heads, 2 square heads and 2 product
+    heads."""
+
+    square_scales: tuple[float, ...] = ()
+
+    @property
+    def n_terms(self) -> int:
+        """Heads per neuron: the gate heads, the square pair and the product pair."""
+        return self.gate.n_terms + 4
+
+
+def chained_gated_fit(
+    mlp: MLPSpec, norm: NormSpec, max_neuron_error: float | None = None, heads_per_neuron: int | None = None
+) -> ChainedGatedFit:
+    """The construction of a gated squared-ReLU MLP, ``post = relu(g)²·u``, and its certified per-neuron bound.
+
+    ``relu(g)²`` is itself a product (``relu(g)·g``), so it is built by the ungated squared-ReLU construction with its
+    output sent to the MLP's scratch instead of the residual, and a second product pair multiplies it by ``u``:
+
+    1. a ReLU gate head writes ``r = g·σ(a·g)``, ``|r − relu(g)| ≤ δ = 0.2785/a``;
+    2. the *square* pair (query ``±ε'·g``, value ``r``) writes ``s = (2/ε')·r·tanh(ε'g/2)`` to the scratch; with the
+       gated bound (:func:`bounded_gated_fit` with ``u = g``) ``|s − relu(g)²| ≤ |g|·δ + (|g| + δ)·ε'²|g|³/12 ≤ Δ``;
+    3. the product pair (query ``±ε·u``, value ``s``) writes ``(2/ε)·s·tanh(εu/2)``, so with
+       ``|(2/ε)·tanh(εu/2) − u| ≤ ε²|u|³/12`` and ``|s| ≤ G² + Δ``::
+
+           |post − relu(g)²·u| ≤ |u|·Δ + (G_n² + Δ)·ε_n²·U_n³/12.
+
+    Half of ``max_neuron_error`` goes to each term: steps 1–2 are fitted to ``Δ = tol/(2·max U)`` and
+    ``ε_n = sqrt(6·tol / ((G_n² + Δ)·U_n³))`` (at most 1). ``|g| ≤ G_n`` and ``|u| ≤ U_n`` after the norm
+    (:func:`normalized_input_bound`); without a norm (:class:`RangedInput`) refused, as for the other squared-ReLU
+    layers' growth in ``|g|⁴·|u|``.
+    """
+    assert mlp.W_gate is not None
+    tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
+    if not tol > 0:
+        raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
+    if isinstance(norm, RangedInput) or norm.kind is None:
+        raise UnsupportedArchitectureError(
+            f"a gated {mlp.act_fn} MLP (relu(g)²·u) without a normalization layer before it: its chained product's "
+            f"error grows as |g|⁴·|u|, so it needs the bounded input a LayerNorm / RMSNorm gives. Supported: gated "
+            f"squared-ReLU MLPs after LN, LNPre, RMS or RMSPre."
+        )
+    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
+    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
+    u_max = max(float(u_bound.max()) if u_bound.numel() else 0.0, 1e-30)
+    square_tol = tol / (2 * u_max)
+    inner = bounded_gated_fit("relu", g_bound, g_bound, norm, square_tol, heads_per_neuron)
+    s_bound = g_bound.pow(2) + square_tol
+    denominator = (s_bound * u_bound.pow(3)).clamp_min(1e-300)
+    scales = torch.sqrt(12.0 * (tol / 2) / denominator).clamp(max=1.0)
+    return ChainedGatedFit(
+        canonical_activation(mlp.act_fn),
+        inner.gate,
+        tuple(float(s) for s in scales),
+        tol,
+        square_scales=inner.scales,
+    )
+
+
+def chained_bound(
+    fit: ChainedGatedFit, g_bound: Float[Tensor, " d_mlp"], u_bound: Float[Tensor, " d_mlp"]
+) -> Float[Tensor, " d_mlp"]:
+    """The per-neuron bound of :func:`chained_gated_fit`'s construction with the scales ``fit`` holds (float64), for
+    ``|g_n| ≤ G_n`` (``g_bound``) and ``|u_n| ≤ U_n`` (``u_bound``): ``U·Δ + (G² + Δ)·ε²·U³/12`` with
+    ``Δ = G·δ + (G + δ)·ε'²·G³/12``."""
+    delta = fit.gate.max_error
+    square = torch.tensor(fit.square_scales, dtype=torch.float64)
+    scales = torch.tensor(fit.scales, dtype=torch.float64)
+    g, u = g_bound.to(torch.float64), u_bound.to(torch.float64)
+    inner = g * delta + (g + delta) * square.pow(2) * g.pow(3) / 12
+    return u * inner + (g.pow(2) + inner) * scales.pow(2) * u.pow(3) / 12
 
 
 def input_ranges(fit: GatedFit, like: Tensor) -> tuple[tuple[Tensor, Tensor] | None, str]:

@@ -108,6 +108,78 @@ class XIELUFit:
         return self.direct.n_terms + self.gate.n_terms + 2
 
 
+@dataclass(frozen=True)
+class GatedXIELUFit(XIELUFit):
+    """A gated xIELU layer, ``post = xielu(g)·u (+ b_post)`` (:func:`gated_xielu_fit`): the fields of
+    :class:`XIELUFit` build ``xielu(g)`` into the MLP's scratch (their ``scales`` are the square pair's ``ε'_n``,
+    ``relu(g)·g``), and ``product_scales`` are the ``ε_n`` of the product pair that multiplies it by ``u``."""
+
+    product_scales: tuple[float, ...] = ()
+
+    @property
+    def n_terms(self) -> int:
+        """Heads per neuron: the direct heads, the gate head, the square pair and the product pair."""
+        return self.direct.n_terms + self.gate.n_terms + 4
+
+
+def gated_xielu_fit(
+    mlp: XIELUSpec,
+    norm: NormSpec,
+    max_neuron_error: float | None = None,
+    heads_per_neuron: int | None = None,
+    layer: int | None = None,
+) -> GatedXIELUFit:
+    """The construction of a gated xIELU MLP, ``post = xielu(g)·u``, and its certified per-neuron bound.
+
+    ``xielu(g)`` is built as the ungated xIELU layer builds it (:func:`xielu_fit` on the gate's projection), but
+    written to the MLP's scratch: direct heads ``β·g + α_n·N(g)``, a ReLU gate head ``r ≈ α_p·relu(g)`` and a square
+    pair ``r·g``; its error is at most ``Δ`` (that fit's ``max_error``). A product pair multiplies the sum ``s`` by
+    ``u``; with ``|(2/ε)·tanh(εu/2) − u| ≤ ε²|u|³/12`` and ``|s| ≤ X_n + Δ``, where
+    ``|xielu(g)| ≤ X_n = α_p·G_n² + |β|·G_n + α_n·(2·G_n + |eps|)`` (``|expm1(min(g, eps))| ≤ |g| + |eps|``)::
+
+        |post − xielu(g)·u| ≤ |u|·Δ + (X_n + Δ)·ε_n²·U_n³/12.
+
+    Half of ``max_neuron_error`` goes to each term: ``Δ ≤ tol/(2·max U)`` and
+    ``ε_n = sqrt(6·tol / ((X_n + Δ)·U_n³))`` (at most 1). Default ``max_neuron_error``: 1e-4, or what the best stored
+    negative-branch fit needs (``2·max U·(α_n·δ_N + α_n·|expm1(eps)|) / NEGATIVE_SHARE``), as for :func:`xielu_fit`.
+    """
+    where = f"layer {layer} mlp" if layer is not None else "mlp"
+    assert mlp.W_gate is not None
+    if isinstance(norm, RangedInput) or norm.kind is None:
+        raise UnsupportedArchitectureError(
+            f"{where}: a gated xIELU MLP with no normalization before it: its chained product's error grows as "
+            f"|g|⁴·|u|, so it needs the bounded input a LayerNorm / RMSNorm gives. Supported: gated xIELU MLPs after "
+            f"LayerNorm or RMSNorm."
+        )
+    scalars = dict(alpha_p=mlp.alpha_p, alpha_n=mlp.alpha_n, beta=mlp.beta, eps=mlp.eps)
+    b_gate = mlp.W_gate.new_zeros(mlp.W_gate.shape[1]) if mlp.b_gate is None else mlp.b_gate
+    gate = XIELUSpec(mlp.W_gate, b_gate, mlp.W_out, mlp.b_out, mlp.act_fn, **scalars)
+    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
+    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
+    u_max = max(float(u_bound.max()) if u_bound.numel() else 0.0, 1e-30)
+    if max_neuron_error is None:
+        best = mlp.alpha_n * (NEGATIVE_FITS[max(NEGATIVE_FITS)][0] + clamp_error(mlp.eps))
+        tol = max(DEFAULT_MAX_XIELU_NEURON_ERROR, 2 * u_max * best / NEGATIVE_SHARE)
+    else:
+        tol = float(max_neuron_error)
+    if not tol > 0:
+        raise ValueError(f"max_neuron_error must be > 0 for gated xIELU MLPs (it sets the product scale); got {tol}.")
+    inner = xielu_fit(gate, norm, tol / (2 * u_max), heads_per_neuron, layer)
+    delta = inner.max_error
+    x_bound = mlp.alpha_p * g_bound.pow(2) + abs(mlp.beta) * g_bound + mlp.alpha_n * (2 * g_bound + abs(mlp.eps))
+    denominator = ((x_bound + delta) * u_bound.pow(3)).clamp_min(1e-300)
+    scales = torch.sqrt(12.0 * (tol / 2) / denominator).clamp(max=1.0)
+    bound = u_bound * delta + (x_bound + delta) * scales.pow(2) * u_bound.pow(3) / 12
+    return GatedXIELUFit(
+        **scalars,
+        direct=inner.direct,
+        gate=inner.gate,
+        scales=inner.scales,
+        max_error=float(bound.max()) if bound.numel() else tol,
+        product_scales=tuple(float(s) for s in scales),
+    )
+
+
 def clamp_error(eps: float) -> float:
     """``|expm1(min(eps, 0))|``: the most the clamp ``min(z, eps)`` moves ``expm1`` on ``z ≤ 0``."""
     return abs(math.expm1(min(eps, 0.0)))
@@ -141,6 +213,8 @@ def xielu_fit(
         layer: the source layer, for messages.
     """
     where = f"layer {layer} mlp" if layer is not None else "mlp"
+    if isinstance(mlp, XIELUSpec) and mlp.gated:  # xielu(g)·u: a chained product
+        return gated_xielu_fit(mlp, norm, max_neuron_error, heads_per_neuron, layer)
     if not isinstance(mlp, XIELUSpec):
         raise TypeError(f"{where}: xielu_fit needs an XIELUSpec (the activation's scalars), got {type(mlp).__name__}")
     if isinstance(norm, RangedInput) or norm.kind is None:

@@ -28,9 +28,10 @@ Schema (``?``: may be null)::
             | moe (lens_aot/io/schema_moe.py)
     rotary  {rotary_dim, cos, sin, adjacent_pairs, [input_dtype], [table_dtype]}
     fits    [{layer, kind: "sigmoid_sum", act_fn, alpha, beta, b, d, max_error}
-             | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error}
+             | {layer, kind: "gated", act_fn, gate: sigmoid_sum fit (no layer), scales, max_error, [square_scales]}
              | {layer, kind: "moe", experts: [fit], shared?: fit, output_scale} (lens_aot/io/schema_moe.py)
-             | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error} (schema_xielu.py)]
+             | {layer, kind: "xielu", alpha_p, alpha_n, beta, eps, direct, gate, scales, max_error, [product_scales]}
+               (schema_xielu.py)]
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
              use_hook_tokens}: bool (each optional)
     report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
@@ -50,7 +51,7 @@ import torch
 from torch import Tensor
 
 from lens_aot.core.activations import ActivationFit
-from lens_aot.core.gating import GatedFit
+from lens_aot.core.gating import ChainedGatedFit, GatedFit
 from lens_aot.core.moe import MoEFit
 from lens_aot.core.spec import (
     AttentionSpec,
@@ -307,6 +308,8 @@ def _fit_entry(fit: Any, layer: int) -> dict[str, Any]:
     if isinstance(fit, GatedFit):
         entry = {"kind": "gated", "act_fn": fit.act_fn, "gate": _sigmoid_sum(fit.gate)}
         entry.update(scales=[float(s) for s in fit.scales], max_error=float(fit.max_error))
+        if isinstance(fit, ChainedGatedFit):  # gated squared ReLU: its square pair's scales
+            entry.update(square_scales=[float(s) for s in fit.square_scales])
         if fit.u_range is not None and fit.h_range is not None:  # no norm before the MLP: its checked range
             entry.update(u_range=list(fit.u_range), h_range=list(fit.h_range), layer_index=fit.layer)
             entry.update(radius=fit.radius)
@@ -573,8 +576,18 @@ class Decoder:
 
     def _gated(self, obj: dict[str, Any], path: str) -> GatedFit:
         ranged = ("u_range", "h_range", "layer_index", "radius")
-        f = self.fields(obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"), ranged)
+        f = self.fields(
+            obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"), (*ranged, "square_scales")
+        )
         u_range, h_range = (None if f.get(k) is None else tuple(float(v) for v in f[k]) for k in ranged[:2])
+        if "square_scales" in f:  # gated squared ReLU (lens_aot.core.gating.chained_gated_fit)
+            return ChainedGatedFit(
+                act_fn=str(f["act_fn"]),
+                gate=self._sigmoid_sum(f["gate"], f"{path}.gate"),
+                scales=tuple(float(s) for s in f["scales"]),
+                max_error=float(f["max_error"]),
+                square_scales=tuple(float(s) for s in f["square_scales"]),
+            )
         return GatedFit(
             act_fn=str(f["act_fn"]),
             gate=self._sigmoid_sum(f["gate"], f"{path}.gate"),

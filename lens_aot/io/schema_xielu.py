@@ -18,7 +18,7 @@ from typing import Any
 
 from lens_aot.core.activations import ActivationFit
 from lens_aot.core.spec import MLPSpec
-from lens_aot.core.xielu import XIELUFit, XIELUSpec
+from lens_aot.core.xielu import GatedXIELUFit, XIELUFit, XIELUSpec
 
 __all__ = ["SCALARS", "decode_xielu_fit", "encode_xielu_fit", "xielu_record", "xielu_spec"]
 
@@ -38,7 +38,8 @@ def xielu_spec(decoder: Any, mlp: MLPSpec, record: Any, path: str) -> MLPSpec:
         return mlp
     f = decoder.fields(record, f"{path}.xielu", SCALARS)
     scalars = {name: float(f[name]) for name in SCALARS}
-    return XIELUSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn, **scalars)
+    gates = {"W_gate": mlp.W_gate, "b_gate": mlp.b_gate, "b_post": mlp.b_post}  # a gated xIELU's (else None)
+    return XIELUSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, mlp.act_fn, **gates, **scalars)
 
 
 def encode_xielu_fit(fit: XIELUFit, sigmoid_sum: Callable[[ActivationFit], dict[str, Any]]) -> dict[str, Any]:
@@ -50,14 +51,20 @@ def encode_xielu_fit(fit: XIELUFit, sigmoid_sum: Callable[[ActivationFit], dict[
         "gate": sigmoid_sum(fit.gate),
         "scales": [float(s) for s in fit.scales],
         "max_error": float(fit.max_error),
+        # a gated xIELU (xielu(g)·u): the product pair's scales
+        **({"product_scales": list(fit.product_scales)} if isinstance(fit, GatedXIELUFit) else {}),
     }
 
 
 def decode_xielu_fit(decoder: Any, obj: Any, path: str) -> XIELUFit:
     """An ``xielu`` fit record (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, ("layer", "kind", *SCALARS, "direct", "gate", "scales", "max_error"))
-    return XIELUFit(
+    f = decoder.fields(
+        obj, path, ("layer", "kind", *SCALARS, "direct", "gate", "scales", "max_error"), ("product_scales",)
+    )
+    gated = {"product_scales": tuple(float(s) for s in f["product_scales"])} if "product_scales" in f else {}
+    return (GatedXIELUFit if gated else XIELUFit)(
         **{name: float(f[name]) for name in SCALARS},
+        **gated,
         direct=decoder._sigmoid_sum(f["direct"], f"{path}.direct"),
         gate=decoder._sigmoid_sum(f["gate"], f"{path}.gate"),
         scales=tuple(float(s) for s in f["scales"]),

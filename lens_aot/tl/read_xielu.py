@@ -42,18 +42,14 @@ def xielu_scalars(act: Any) -> dict[str, float]:
 
 
 def read_xielu(spec: MLPSpec, module: Any, layer: int) -> XIELUSpec:
-    """``spec`` (a plain MLP read with activation ``xielu``) with the scalars of ``module``'s xIELU activation."""
+    """``spec`` (an MLP read with activation ``xielu``, plain or gated) with the scalars of ``module``'s xIELU
+    activation."""
     act = xielu_module(module)
-    if spec.gated:
-        raise UnsupportedArchitectureError(
-            f"layer {layer} mlp: activation 'xielu' in a gated MLP: its gate xielu(g) = alpha_p·g² + beta·g (g > 0) is "
-            f"itself a product, so xielu(g)·u is a chained product, which the two product heads of a gated neuron "
-            f"(lens_aot.core.gating) do not build. Plain (ungated) xIELU MLPs, as Apertus's, convert."
-        )
     if act is None:
         raise UnsupportedArchitectureError(
             f"layer {layer} mlp: activation 'xielu' in an MLP module of type {type(module).__name__} with no xIELU "
             f"module: lens_aot reads xIELU's learned scalars (alpha_p, alpha_n, beta, eps) from the activation module "
             f"of a plain MLP (Apertus's act_fn) only."
         )
-    return XIELUSpec(spec.W_in, spec.b_in, spec.W_out, spec.b_out, "xielu", **xielu_scalars(act))
+    gates = {"W_gate": spec.W_gate, "b_gate": spec.b_gate, "b_post": spec.b_post}  # a gated MLP's (else None)
+    return XIELUSpec(spec.W_in, spec.b_in, spec.W_out, spec.b_out, "xielu", **gates, **xielu_scalars(act))

@@ -16,7 +16,7 @@ from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits import names
 from lens_aot.analysis.circuits.weights import _fold_norm, _has_neuron_layout, _neuron_out_rows, _pad_cols
 from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
-from lens_aot.errors import InputError
+from lens_aot.errors import InputError, UnsupportedArchitectureError
 
 Mode = Literal["Q", "K", "V"]
 _MODES = ("Q", "K", "V")
@@ -137,6 +137,13 @@ def _align_sender(
     if names.writes_scratch(sender):
         d_model = aot.cfg.d_model
         if names.reads_scratch(receiver) and receiver.layer == sender.layer:
+            mlp = aot.get_submodule(sender.name.rpartition(".")[0])
+            if not getattr(mlp, "linear_scratch", True):
+                raise UnsupportedArchitectureError(
+                    f"{sender.name}: in a gated relu2 / xIELU MLP the gate heads' output r ≈ relu(g) reaches the "
+                    f"product heads through the square heads (s ≈ relu(g)·g), a product, so gate → product "
+                    f"composition is not a bilinear score of their weights. Score the other pairs."
+                )
             W_O = torch.nn.functional.pad(W_O, (d_model, width - d_model - W_O.shape[-1]))
         else:
             W_O = W_O.new_zeros(*W_O.shape[:-1], width)

@@ -142,7 +142,7 @@ def activation_fn(mlp: NeuronMLP) -> Callable[[Tensor, Tensor | None], Tensor]:
     same = isinstance(mlp, PlainAsGatedMLP)  # one pre-activation feeds both branches (relu(z)·z)
 
     def gated(g: Tensor, u: Tensor | None) -> Tensor:
-        h = mlp.gate_heads.activation(mlp._gate_input(g))
+        h = mlp.gate_activation(g)
         return mlp._standard_post(mlp._product_input(g if same or u is None else u), h)
 
     return gated

@@ -18,6 +18,7 @@ from torch import Tensor
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.names import mlp_of, module_expert, parse_module
+from lens_aot.errors import UnsupportedArchitectureError
 
 # rank of a head module within its layer, in forward order
 _RANK = {"attention": 0, "neuron": 1, "gate": 1, "product": 2}
@@ -128,12 +129,29 @@ def _final_resid_hook(aot: AttentionOnlyTransformer) -> str:
     return f"blocks.{len(aot.blocks) - 1}.hook_resid_post"
 
 
+def _linear_scratch(aot: AttentionOnlyTransformer, name: str) -> bool:
+    """Whether gate module ``name``'s output ``Σ_h z_h·W_O[h]`` is what its product heads read (``hook_gate``); False
+    for a gated relu² / xIELU MLP, whose product heads read a product of it
+    (:class:`~lens_aot.core.components.chained_gated_mlp.ChainedGatedMLP`)."""
+    return bool(getattr(aot.get_submodule(mlp_of(name)), "linear_scratch", True))
+
+
 def _reads_output_of(aot: AttentionOnlyTransformer, receiver: str | None, sender: str) -> bool:
     """Whether module ``sender``'s output is in the input of module ``receiver`` (None: the logits): a gate module's
-    output reaches only its own layer's product heads; the others' reach the residual after them."""
+    output reaches only its own layer's product heads; the others' reach the residual after them. A gate module whose
+    output reaches its product heads only through a product (gated relu² / xIELU) has no linear edge to them:
+    refused with :class:`~lens_aot.errors.UnsupportedArchitectureError`."""
     s_layer, s_kind = parse_module(sender)
     if s_kind == "gate":
-        return receiver is not None and receiver == f"{mlp_of(sender)}.product_heads"
+        reads = receiver is not None and receiver == f"{mlp_of(sender)}.product_heads"
+        if reads and not _linear_scratch(aot, sender):
+            raise UnsupportedArchitectureError(
+                f"{sender}: in a gated relu2 / xIELU MLP the gate heads' output r ≈ relu(g) reaches the product heads "
+                f"through the square heads (s ≈ relu(g)·g), a product, so the edge from a gate head to the product "
+                f"heads is not linear and edge attribution does not score it. Patch the gate heads as units "
+                f"(patch_units, path_patch) or score the neuron as a whole (its product pair, or hook_post)."
+            )
+        return reads
     if receiver is None:
         return True
     r_layer = _layer_of(receiver)
@@ -154,6 +172,8 @@ def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
 def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
     """Whether module ``name`` has an output hook and a ``W_O``, so its output is ``Σ_h z_h · W_O[h] + b_O`` and a
     change of head outputs can be applied to its output directly."""
+    if _kind_of(name) == "gate" and not _linear_scratch(aot, name):  # a product of it is read: patch hook_z instead
+        return False
     return _output_hook(name) in aot.hook_dict and isinstance(getattr(_head_module(aot, name), "W_O", None), Tensor)
 
 

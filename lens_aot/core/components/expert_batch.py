@@ -99,6 +99,8 @@ def batchable(expert: nn.Module, rows: int, like: Tensor, quiet: bool = False) -
         return False
     if type(expert).forward is not NeuronMLP.forward or type(expert)._gated_post is not NeuronMLP._gated_post:
         return False
+    if type(expert)._scratch_value is not NeuronMLP._scratch_value:  # a chained gate (gated relu²): its own stage
+        return False
     gate, product = expert.gate_heads, expert.product_heads
     if not chunked(like) or gate.use_attn_result or product.use_attn_result:
         return False

@@ -21,6 +21,7 @@ from torch import nn
 
 from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
 from lens_aot.core.components.attention import Attention
+from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP
 from lens_aot.core.components.clamped_swiglu_mlp import ClampedSwiGLUMLP
 from lens_aot.core.components.compressed_attention import CompressedAttention
 from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
@@ -31,13 +32,13 @@ from lens_aot.core.components.neuron_mlp import NeuronMLP
 from lens_aot.core.components.routed_attention import RoutedAttention
 from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.core.components.xielu_mlp import XIELUMLP
-from lens_aot.core.gating import GatedFit
+from lens_aot.core.gating import ChainedGatedFit, GatedFit
 from lens_aot.core.spec import AttentionSpec, MLPSpec, MoESpec, RotarySpec
 from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec_compressed import CompressedAttentionSpec
 from lens_aot.core.spec_mla import MLASpec
 from lens_aot.core.spec_routed import RoutedAttentionSpec
-from lens_aot.core.xielu import XIELUFit
+from lens_aot.core.xielu import GatedXIELUFit, XIELUFit
 
 __all__ = ["ATTENTION", "MOE", "NEURON_MLP_BY_FIT", "NEURON_MLP_BY_SPEC", "attention_module", "moe_mlp", "neuron_mlp"]
 
@@ -60,7 +61,9 @@ NEURON_MLP_BY_SPEC: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
     (ClampedSwiGLUSpec, ClampedSwiGLUMLP),  # GPT-OSS's experts
 ]
 NEURON_MLP_BY_FIT: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
+    (GatedXIELUFit, GatedXIELUMLP),  # gated xIELU: xielu(g)·u
     (XIELUFit, XIELUMLP),  # xIELU
+    (ChainedGatedFit, ChainedGatedMLP),  # gated squared ReLU: relu(g)²·u
 ]
 
 

@@ -63,7 +63,7 @@ class MLP(nn.Module):
             up = self._modules[self.linear_hook_name](x @ self.W_in + self.b_in)
             post = self.hook_post(clamped_swiglu(gate, up, *self.clamp))  # b_post: never set for it
         else:
-            gate = reference_activation(self.act_fn, self._modules[self.gate_hook_name](x @ self.W_gate + self.b_gate))
+            gate = self._act(self._modules[self.gate_hook_name](x @ self.W_gate + self.b_gate))
             post = gate * self._modules[self.linear_hook_name](x @ self.W_in + self.b_in)
             post = self.hook_post(post if self.b_post is None else post + self.b_post)
         return post @ self.W_out + self.b_out
@@ -74,12 +74,11 @@ class MLP(nn.Module):
         def copy(p: Tensor | None) -> Tensor | None:
             return None if p is None else p.detach().clone()
 
-        if self.xielu is not None:
-            tensors = (p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out))
-            alpha_p, alpha_n, beta, eps = self.xielu
-            return XIELUSpec(*tensors, self.act_fn, alpha_p=alpha_p, alpha_n=alpha_n, beta=beta, eps=eps)
         tensors = [p.detach().clone() for p in (self.W_in, self.b_in, self.W_out, self.b_out)]
         gates = {"W_gate": copy(self.W_gate), "b_gate": copy(self.b_gate), "b_post": copy(self.b_post)}
+        if self.xielu is not None:
+            alpha_p, alpha_n, beta, eps = self.xielu
+            return XIELUSpec(*tensors, self.act_fn, **gates, alpha_p=alpha_p, alpha_n=alpha_n, beta=beta, eps=eps)
         if self.clamp is not None:
             return ClampedSwiGLUSpec(*tensors, self.act_fn, **gates, alpha=self.clamp[0], limit=self.clamp[1])
         return MLPSpec(*tensors, self.act_fn, **gates)

@@ -48,6 +48,10 @@ from lens_aot.hooks import hooked
 class NeuronMLP(nn.Module):
     """An MLP layer computed by neuron heads, with the MLP's hook points and weight names."""
 
+    # whether the gate heads' output is the scratch value the product heads read (Σ_h z_h·W_O[h] lands in
+    # product_heads.hook_gate, so analyses may add a gate head's change there): False where a product of it is
+    # read instead (a gated relu² / xIELU, lens_aot.core.components.chained_gated_mlp)
+    linear_scratch = True
     # the hooks of a gated MLP's gate pre-activation and linear branch (a TransformerLens 3.9 MoE's experts:
     # "hook_gate" and "hook_pre", lens_aot.core.components.source_expert_hooks)
     gate_hook_name = "hook_pre"
@@ -153,7 +157,7 @@ class NeuronMLP(nn.Module):
             h, z_gate = gate.attend_and_sum(pre)
             change = self._result_change(gate, z_gate)
             h = h if isinstance(change, float) else h + change
-        h = product.hook_gate(h)
+        h = product.hook_gate(self._scratch_value(pre, h))
         product.check_range(u, h)
         z, standard = (None, True) if self._fused(product) else product.attend(u, h)
         if standard:
@@ -189,6 +193,19 @@ class NeuronMLP(nn.Module):
     def _linear_branch(self, x: Float[Tensor, "batch pos d_model"], pre: Tensor) -> Float[Tensor, "batch pos d_mlp"]:
         """``u = x·W_in + b_in``, the product heads' input (``pre``: the gate's pre-activation, already computed)."""
         return x @ self.product_heads.W_in + self.product_heads.b_in
+
+    def _scratch_value(
+        self, pre: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos d_mlp"]:
+        """What the product heads read from the scratch, given the gate heads' output ``h`` and the gate's input
+        ``pre``: ``h`` itself (a gated squared ReLU first squares it,
+        :class:`~lens_aot.core.components.chained_gated_mlp.ChainedGatedMLP`)."""
+        return h
+
+    def gate_activation(self, g: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
+        """The scratch value ``h ≈ act(g)`` the product heads read, in closed form, for a gate pre-activation ``g``
+        (what the unhooked forward computes)."""
+        return self.gate_heads.activation(self._gate_input(g))
 
     def _gate_input(self, pre: Float[Tensor, "batch pos d_mlp"]) -> Float[Tensor, "batch pos d_mlp"]:
         """What the gate heads read: the gate's pre-activation (GPT-OSS's clamped SwiGLU clamps it first)."""
