@@ -109,3 +109,15 @@ def test_place_moves_blocks_and_keeps_outputs() -> None:
     assert aot.placement.layers == (CPU, CPU, META) and aot(tokens).device == META
     with pytest.raises(ValueError, match="source layers"):
         aot.place(Placement(CPU, (CPU,), CPU))
+
+
+def test_circuit_labels_go_where_the_logits_come_out() -> None:
+    """A circuit dataset's token-id labels are moved to the unembedding's device (where the logits the metric reads
+    come out), not the embedding's: on a model split between the CPU and ``meta``, the labels are on ``meta``."""
+    from lens_aot.analysis.circuits.data import batches
+
+    aot = lens_aot.convert(random_spec(dtype=torch.float32, n_layers=2), check=False)
+    aot.place(Placement(CPU, (CPU, META), META))
+    tokens = torch.randint(0, 50, (2, 5))
+    (batch,) = batches(aot, [(tokens, tokens.flip(0), torch.tensor([3, 4]))])
+    assert batch.labels.device == META and batch.clean.device == CPU

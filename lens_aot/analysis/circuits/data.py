@@ -61,7 +61,7 @@ def _labels(aot: Any, labels: Any, n: int, index: int) -> Any:
                 f"batch {index}: integer labels are token ids and must lie in [0, {d_vocab}) (the model's output "
                 f"vocabulary); got {bad}. Map labels to token ids (e.g. model.to_single_token(' word'))"
             )
-        labels = labels.to(aot.cfg.device)
+        labels = labels.to(aot.placement.unembed)  # where the logits come out (the last device of a split model)
     return labels
 
 
