@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from graph_json_helpers import example_graph_json, visible
 
+import lens_aot
 from lens_aot.analysis.circuits.graph_page import write_html
+from lens_aot.circuits import attribution_graph
+from lens_aot.cli.demo_models import load_modular_addition
 
 
 def _chromium() -> str | None:
@@ -60,14 +64,29 @@ def browser() -> Iterator[Any]:
         chromium.close()
 
 
-@pytest.fixture(scope="module")
-def graph() -> dict[str, Any]:
-    return example_graph_json()
+@pytest.fixture(scope="module", params=["synthetic", "modular-addition"])
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """A graph's JSON and its page: the synthetic graph of ``graph_json_helpers`` (every node kind, odd tokens), and
+    a real one exported by :meth:`AttributionGraph.to_html`: the shipped modular-addition model's graph of ``17 95 =``,
+    pruned as the docs' screenshot is."""
+    path = tmp_path_factory.mktemp("graph_page") / "graph.html"
+    if request.param == "synthetic":
+        data = example_graph_json()
+        return data, write_html(data, path)
+    aot = lens_aot.convert(load_modular_addition())
+    real = attribution_graph(aot, torch.tensor([[17, 95, 113]]), max_nodes=200)
+    thresholds = dict(node_threshold=0.8, edge_threshold=0.9)
+    return real.to_dict(**thresholds), real.to_html(path, **thresholds)
 
 
 @pytest.fixture(scope="module")
-def page_file(graph: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_html(graph, tmp_path_factory.mktemp("graph_page") / "graph.html")
+def graph(exported: tuple[dict[str, Any], Path]) -> dict[str, Any]:
+    return exported[0]
+
+
+@pytest.fixture(scope="module")
+def page_file(exported: tuple[dict[str, Any], Path]) -> Path:
+    return exported[1]
 
 
 @pytest.fixture
@@ -121,20 +140,34 @@ def test_renders_every_node_and_link(page: Any, graph: dict[str, Any]) -> None:
         assert float(path.get_attribute("data-weight")) == link["weight"]
         assert path.get_attribute("class").split()[1] == ("pos" if link["weight"] >= 0 else "neg")
     # layout: by layer upward (embeddings at the bottom, logits at the top), by position rightward
-    boxes = {i: _node(page, i).bounding_box() for i in ("emb@0", "emb@5", "logit: Mary@5")}
-    assert boxes["emb@0"]["x"] < boxes["emb@5"]["x"] and boxes["logit: Mary@5"]["y"] < boxes["emb@5"]["y"]
+    embeddings = sorted((n for n in graph["nodes"] if n["feature_type"] == "embedding"), key=lambda n: n["ctx_idx"])
+    first, last, logit = embeddings[0]["node_id"], embeddings[-1]["node_id"], _target(graph)
+    boxes = {i: _node(page, i).bounding_box() for i in (first, last, logit)}
+    assert boxes[first]["x"] < boxes[last]["x"] and boxes[logit]["y"] < boxes[last]["y"]
     assert page.locator("#legend [data-sign=positive]").inner_text().strip() == "supports (positive weight)"
     assert page.locator("#legend [data-sign=negative]").inner_text().strip() == "opposes (negative weight)"
     assert page.errors == []
 
 
-def _busiest(graph: dict[str, Any]) -> str:
-    """A neuron with both incoming and outgoing links, the most of them."""
+def _degrees(graph: dict[str, Any]) -> dict[str, list[int]]:
+    """Each node's ``[incoming, outgoing]`` link counts."""
     degree: dict[str, list[int]] = {}
     for link in graph["links"]:
         degree.setdefault(link["target"], [0, 0])[0] += 1
         degree.setdefault(link["source"], [0, 0])[1] += 1
-    return max((d[0] + d[1], node) for node, d in degree.items() if d[0] and d[1] and node.startswith("m"))[1]
+    return degree
+
+
+def _busiest(graph: dict[str, Any]) -> str:
+    """A neuron (a node with both incoming and outgoing links), the one with the most links."""
+    return max((d[0] + d[1], node) for node, d in _degrees(graph).items() if d[0] and d[1])[1]
+
+
+def _target(graph: dict[str, Any]) -> str:
+    """The target logit with the most incoming links."""
+    degree = _degrees(graph)
+    logits = [n["node_id"] for n in graph["nodes"] if n.get("is_target_logit")]
+    return max(logits, key=lambda node: (degree.get(node, [0, 0])[0], node))
 
 
 def test_click_highlights_exactly_the_nodes_links(page: Any, graph: dict[str, Any]) -> None:
@@ -147,7 +180,7 @@ def test_click_highlights_exactly_the_nodes_links(page: Any, graph: dict[str, An
     assert set(page.eval_on_selector_all(".node.neighbor", "els => els.map(e => e.dataset.nodeId)")) == neighbours - {
         node_id
     }
-    assert page.locator("#graph").get_attribute("class") == "focus"  # the rest is dimmed
+    assert "focus" in page.locator("#graph").get_attribute("class").split()  # the rest is dimmed
     # the side panel: the node's label, activation, influence and strongest links, strongest first
     node = next(n for n in graph["nodes"] if n["node_id"] == node_id)
     assert page.locator("#panel").get_attribute("data-selected") == node_id
@@ -174,7 +207,7 @@ def test_click_highlights_exactly_the_nodes_links(page: Any, graph: dict[str, An
 
 
 def test_hover_highlights_the_hovered_nodes_links(page: Any, graph: dict[str, Any]) -> None:
-    node_id = "logit: Mary@5"
+    node_id = _target(graph)
     _node(page, node_id).hover()
     own = sorted((lk["source"], lk["target"]) for lk in graph["links"] if lk["target"] == node_id)
     assert own and _links(page, ".link.highlighted") == own
@@ -237,8 +270,9 @@ def test_notebook_frame_renders_the_page(browser: Any, graph: dict[str, Any]) ->
     frame = tab.frame_locator("iframe")
     frame.locator("body[data-ready=true]").wait_for()
     assert frame.locator("#nodes .node").count() == len(graph["nodes"])
-    frame.locator('.node[data-node-id="logit: Mary@5"]').click()
-    own = [lk for lk in graph["links"] if lk["target"] == "logit: Mary@5"]
+    target = _target(graph)
+    frame.locator(f'.node[data-node-id="{target}"]').click()
+    own = [lk for lk in graph["links"] if lk["target"] == target]
     assert frame.locator(".link.highlighted").count() == len(own) > 0
     assert all(url.startswith(("about:", "data:")) for url in requests), requests
     context.close()
