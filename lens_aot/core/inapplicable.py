@@ -64,10 +64,7 @@ def weight_processing_refusals() -> dict[str, Callable[..., NoReturn]]:
 def refusing(name: str, instead: str) -> Callable[..., NoReturn]:
     """A method ``name`` that raises :class:`~lens_aot.errors.InputError` saying it does not apply and what to do
     ``instead``."""
-    return _refusing(name, instead)
 
-
-def _refusing(name: str, instead: str) -> Callable[..., NoReturn]:
     def refused(*args: Any, **kwargs: Any) -> NoReturn:
         raise InputError(
             f"HookedTransformer.{name} does not apply to a converted (attention-only) model: its MLPs are neuron "

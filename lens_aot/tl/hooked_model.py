@@ -23,7 +23,6 @@ from typing import Any
 from lens_aot.core.inapplicable import (  # noqa: F401  (re-exported: their home moved)
     INAPPLICABLE,
     WEIGHT_PROCESSING,
-    _refusing,
     refusing,
     weight_processing_refusals,
 )
@@ -61,7 +60,7 @@ def _hooked_class(base: type) -> type:
 
     if issubclass(base, HookedTransformer):
         return base
-    namespace: dict[str, Any] = {name: _refusing(name, instead) for name, instead in INAPPLICABLE.items()}
+    namespace: dict[str, Any] = {name: refusing(name, instead) for name, instead in INAPPLICABLE.items()}
     namespace["from_pretrained"] = classmethod(namespace["from_pretrained"])
     namespace["from_pretrained_no_processing"] = classmethod(namespace["from_pretrained_no_processing"])
     # torch's own device moves (TransformerLens's accept one argument only); the model keeps its config in step.
