@@ -31,8 +31,8 @@ import torch
 from bench_shapes import build_source, default_source_kind
 
 import lens_aot
-from lens_aot.core.cache import pattern_hook
 from lens_aot.core.memory import AllocationMeter, held_bytes
+from lens_aot.core.runtime.cache import pattern_hook
 
 MB = 1e6
 

@@ -12,10 +12,10 @@ import sys as _sys
 import lens_aot.tl  # noqa: F401  (registers the TransformerLens layer the core calls: lens_aot.core.source_layer)
 from lens_aot.analysis import circuits, patching, viz  # analysis tools: lens_aot.patching.patch_heads, …
 from lens_aot.constructions import standard_mask
-from lens_aot.core.activations import ActivationFit, activation_fit
 from lens_aot.core.convert import ConversionReport, convert
-from lens_aot.core.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
-from lens_aot.core.revert import revert
+from lens_aot.core.fit.activations import ActivationFit, activation_fit
+from lens_aot.core.runtime.model import AOTConfig, AttentionOnlyTransformer, HeadOrigin, HeadRef
+from lens_aot.core.runtime.revert import revert
 from lens_aot.errors import (
     AlreadyConvertedError,
     FaithfulnessError,

@@ -16,22 +16,22 @@ from typing import Any, Literal
 import torch
 
 from lens_aot.constructions.standard_mask import to_standard_mask_model
-from lens_aot.core.activations import ActivationFit
+from lens_aot.core.check.faithfulness import conversion_bound, stated_logit_error
+from lens_aot.core.check.float32_steps import rounding_dtype
+from lens_aot.core.check.reference import MLPTransformer
 from lens_aot.core.components.ownership import adopting, sharing
-from lens_aot.core.faithfulness import conversion_bound, stated_logit_error
-from lens_aot.core.float32_steps import rounding_dtype
-from lens_aot.core.gating import GatedFit
-from lens_aot.core.model import AttentionOnlyTransformer
-from lens_aot.core.moe import MoEFit
-from lens_aot.core.neuron_fits import Fit, neuron_fits
-from lens_aot.core.per_layer_fit import per_layer_fits
+from lens_aot.core.fit.activations import ActivationFit
+from lens_aot.core.fit.gating import GatedFit
+from lens_aot.core.fit.moe import MoEFit
+from lens_aot.core.fit.neuron_fits import Fit, neuron_fits
+from lens_aot.core.fit.per_layer import per_layer_fits
 from lens_aot.core.read import check_finite, read_model, run_source, sample_tokens
-from lens_aot.core.reference import MLPTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.source_keys import attach as attach_source_keys
 from lens_aot.core.shared_weights import shared_parameters
-from lens_aot.core.source_keys import attach as attach_source_keys
 from lens_aot.core.source_layer import source_layer
-from lens_aot.core.spec import MLPSpec, ModelSpec, MoESpec, head_shape
-from lens_aot.core.spec_per_layer import PerLayerSublayerSpec
+from lens_aot.core.spec.model_spec import MLPSpec, ModelSpec, MoESpec, head_shape
+from lens_aot.core.spec.per_layer import PerLayerSublayerSpec
 from lens_aot.errors import FaithfulnessError
 from lens_aot.hooks import attached_hooks
 
@@ -61,12 +61,14 @@ class ConversionReport:
     half_logit_error: float | None = None  # half sources: max |Δlogit| of the converted half model vs float32 source
     half_source_logit_error: float | None = None  # half sources: the same for the half source itself (its rounding)
     # half sources: the positions both errors are measured on, those routed in every layer as the float32 model
-    # routes them (all of them without experts; lens_aot.core.routing_flips)
+    # routes them (all of them without experts; lens_aot.core.check.routing_flips)
     half_positions: int | None = None
     gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
     parallel: bool = False  # parallel attention + MLP layers
     product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
-    logit_bound: float | None = None  # the bound the check judged against (lens_aot.core.faithfulness; None: no check)
+    logit_bound: float | None = (
+        None  # the bound the check judged against (lens_aot.core.check.faithfulness; None: no check)
+    )
     neuron_sensitivity: float | None = None  # S: the source's max |Δlogit| under ±ε per neuron
     rounding: float | None = None  # R: the rounding floor of the source's dtype at its logits' scale
     neuron_rounding: float = 0.0  # per-neuron rounding of the fit's evaluation in this dtype, per unit (1 + |z|)
@@ -204,7 +206,7 @@ def _check_agreement(
 ) -> tuple[float, float, float, float, float]:
     """Run source and converted model on ``tokens`` (source in eval mode; modes restored even on error) and measure
     the source's sensitivity to its neurons' error: (max |Δlogit|, argmax agreement, bound, S, R), see
-    :mod:`lens_aot.core.faithfulness`."""
+    :mod:`lens_aot.core.check.faithfulness`."""
     with eval_mode(model), torch.no_grad():
         # the converted model first, while nothing else is held: its forward's activations are the check's largest.
         # One batched forward, as a user runs it: a forward per sequence would round differently (a batch of 1
@@ -257,7 +259,7 @@ class Fits:
 def read(source: Any, *, share: bool = False) -> tuple[ModelSpec, Any]:
     """The spec of ``source`` and the model the check runs as the source: a TransformerLens model's spec read by
     structure (``share``: its own tensors, not copies) and the model itself; a :class:`ModelSpec` (e.g. hand-built),
-    checked finite, and its reference forward (:class:`~lens_aot.core.reference.MLPTransformer`)."""
+    checked finite, and its reference forward (:class:`~lens_aot.core.check.reference.MLPTransformer`)."""
     if isinstance(source, ModelSpec):
         check_finite(source)
         return source, MLPTransformer(source)
@@ -274,8 +276,8 @@ def fit(
     masks: Literal["explicit", "weights"] = "explicit",
 ) -> Fits:
     """How the neurons of ``spec`` become heads in the model :func:`build` makes with ``masks``
-    (:func:`lens_aot.core.neuron_fits.neuron_fits`; the explicit-mask model also fits Gemma 4's per-layer-input
-    sublayers, :func:`~lens_aot.core.per_layer_fit.per_layer_fits`). The standard-mask model makes its own fits: these
+    (:func:`lens_aot.core.fit.neuron_fits.neuron_fits`; the explicit-mask model also fits Gemma 4's per-layer-input
+    sublayers, :func:`~lens_aot.core.fit.per_layer.per_layer_fits`). The standard-mask model makes its own fits: these
     are the ones its report and check use (``max_residual_norm`` does not apply to it)."""
     if masks == "weights":
         return Fits(neuron_fits(spec, max_neuron_error, heads_per_neuron))

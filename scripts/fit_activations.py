@@ -640,7 +640,8 @@ def polish_from(name: str, fits: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def render(results: dict[str, list[tuple[float, tuple[Term, ...]]]], runtime: float) -> str:
-    """``lens_aot/core/fits_table.json``: the certified fits as data (``lens_aot/core/fits_table.py`` loads them)."""
+    """``lens_aot/core/fits_table.json``: the certified fits as data (``lens_aot/core/fit/fits_table.py`` loads
+    them)."""
     doc = {
         "format": "lens_aot activation fits 1",
         "generated_by": f"scripts/fit_activations.py (deterministic: float64, CPU, fixed seeds; last run took "

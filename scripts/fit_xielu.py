@@ -1,6 +1,6 @@
 """Fit xIELU's negative branch as a sum of shifted logistic neuron heads and write ``lens_aot/core/xielu_fit.json``.
 
-Target (``lens_aot.core.xielu``): ``N(z) = (expm1(z) − z)·[z ≤ 0]``, written in ``t = −z`` as
+Target (``lens_aot.core.fit.xielu``): ``N(z) = (expm1(z) − z)·[z ≤ 0]``, written in ``t = −z`` as
 ``M(t) = (expm1(−t) + t)·[t ≥ 0]``. A K-head fit is ``f(t) = Σ_k (a_k·t + c_k)·σ(b_k·t + d_k)`` with ``Σ a = 1``,
 ``Σ c = −1`` and ``b_k > 0`` by construction (so ``f(t) − (t − 1) → 0`` as ``t → +∞`` and ``f → 0`` as ``t → −∞``, like
 ``M``); in ``z`` a term is ``(−a·z + c)·σ(−b·z + d)``.

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lens_aot.analysis.circuits.graph_page import write_html  # noqa: E402
+from lens_aot.analysis.attribution_graphs.page import write_html  # noqa: E402
 
 
 def main() -> None:

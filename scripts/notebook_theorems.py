@@ -258,7 +258,7 @@ _RAW: list[tuple[str, str]] = [
     (
         "code",
         """
-        from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
+        from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
         from lens_aot.constructions.standard_mask import to_standard_mask_model
 
 

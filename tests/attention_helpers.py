@@ -10,7 +10,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.components import Attention
-from lens_aot.core.spec import AttentionSpec, RotarySpec
+from lens_aot.core.spec.model_spec import AttentionSpec, RotarySpec
 
 D_MODEL, N_HEADS, D_HEAD, N_CTX, ROTARY_DIM = 16, 4, 8, 32, 6
 # |Δ| allowed between two orders of the same floating-point sums (dense vs fused, lens_aot vs TransformerLens)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lens_aot.core.faithfulness import STATED_LOGIT_ERROR
+from lens_aot.core.check.faithfulness import STATED_LOGIT_ERROR
 from lens_aot.tl import has_hooked_transformer
 
 sys.path.insert(0, str(Path(__file__).parent))

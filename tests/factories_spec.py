@@ -1,11 +1,12 @@
-"""Random :class:`~lens_aot.core.spec.ModelSpec` s built directly (no TransformerLens model class), for both TL
+"""Random :class:`~lens_aot.core.spec.model_spec.ModelSpec` s built directly (no TransformerLens model class), for both
+TL
 majors."""
 
 from __future__ import annotations
 
 import torch
 
-from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 
 
 def rotary_tables(n_ctx: int, rotary_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

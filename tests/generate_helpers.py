@@ -1,5 +1,5 @@
 """A small attention-only language model wired exactly as lens_aot's forward wires padding and the key-value cache
-(:func:`lens_aot.core.kv_cache.positions_and_mask`, then ``pos_embed(tokens, offset, mask)`` and
+(:func:`lens_aot.core.runtime.kv_cache.positions_and_mask`, then ``pos_embed(tokens, offset, mask)`` and
 ``attn(x, past_kv_cache_entry=cache[l], attention_mask=mask)``), for testing ``generate`` apart from the model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from lens_aot.core.components import Attention, Embed, PosEmbed, Unembed
-from lens_aot.core.kv_cache import KeyValueCache, positions_and_mask
+from lens_aot.core.runtime.kv_cache import KeyValueCache, positions_and_mask
 
 D_VOCAB, N_LAYERS = 20, 2
 

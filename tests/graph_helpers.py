@@ -1,5 +1,5 @@
 """Ground truth for attribution graphs (tests/test_attribution_graph.py), computed with hooks on the converted model
-and nothing of ``lens_aot.analysis.circuits.attribution_graph``: the inputs of neurons and logits when chosen node
+and nothing of ``lens_aot.analysis.attribution_graphs.graph``: the inputs of neurons and logits when chosen node
 outputs are zeroed, with the attention patterns, norm scales (and a final logit soft-cap, as a ratio) frozen at the
 prompt, and optionally every other neuron (and head) frozen too."""
 

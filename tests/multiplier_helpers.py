@@ -12,7 +12,7 @@ from factories_bridge import D_HEAD, D_MLP, _hf
 
 import lens_aot
 from lens_aot.core.read import run_source
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.matrix.families import randomize_
 
 # Granite 3's own multipliers (embedding 12, residual 0.22, logits / 8); the attention multiplier is not 1/√d_head.

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import lens_aot
-from lens_aot.core.components import head_chunks
-from lens_aot.core.components.neuron_attention import SelfAndSlotHeads, SumOfLogistics
+from lens_aot.core.components.attention import head_chunks
+from lens_aot.core.components.mlp.neuron_attention import SelfAndSlotHeads, SumOfLogistics
 from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import run_source
 

@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 import lens_aot
-from lens_aot.core.activations import reference_activation
+from lens_aot.core.check.faithfulness import logit_bound, neuron_sensitivity
 from lens_aot.core.components import Attention, NeuronAttention
-from lens_aot.core.faithfulness import logit_bound, neuron_sensitivity
+from lens_aot.core.fit.activations import reference_activation
 
 # Hypothesis settings of every property test: fixed examples (CI-reproducible), no time limit per example.
 PROPERTY_SETTINGS: dict[str, Any] = dict(
@@ -34,7 +34,8 @@ PROPERTY_SETTINGS: dict[str, Any] = dict(
 # Faithfulness.
 # ---------------------------------------------------------------------------------------------------------------
 
-# Derived tolerance (random tiny models): lens_aot.core.faithfulness's definition, the one convert and `lens-aot verify`
+# Derived tolerance (random tiny models): lens_aot.core.check.faithfulness's definition, the one convert and `lens-aot
+# verify`
 # state, ``max(stated, SENSITIVITY_FACTOR · S_ε + ROUNDING_FACTOR · R)``, with the rounding R *measured* here (the
 # float32 source against its float64 copy; 0 for float64) rather than convert's derived floor. S_ε is the float64
 # source's response to random ±ε per neuron (max over 4 sign patterns). Over 1000 random HookedTransformers (d_model
@@ -57,14 +58,15 @@ def source_logits(model: Any, tokens: Tensor) -> Tensor:
 
 def perturbation_response(model: Any, tokens: Tensor, eps: dict[int, float], trials: int = 4) -> float:
     """Max |Δlogit| of ``model`` when layer ``l``'s MLP output (``blocks.{l}.mlp.hook_post``) gets random ±``eps[l]``
-    at every neuron and position (the worst of ``trials`` sign patterns): ``lens_aot.core.faithfulness``'s S."""
+    at every neuron and position (the worst of ``trials`` sign patterns): ``lens_aot.core.check.faithfulness``'s S."""
     return neuron_sensitivity(model.run_with_hooks, tokens, eps, source_logits(model, tokens), trials=trials)
 
 
 def derived_tolerance(
     stated: float, source: Any, source64: Any, tokens: Tensor, eps: dict[int, float], expected: Tensor
 ) -> float:
-    """``lens_aot.core.faithfulness.logit_bound(stated, S_ε, R)`` with R measured (see the comment above ``tolerance``).
+    """``lens_aot.core.check.faithfulness.logit_bound(stated, S_ε, R)`` with R measured (see the comment above
+    ``tolerance``).
 
     ``source64`` is a float64 copy of ``source`` with the same weights; ``expected`` the source's logits on ``tokens``.
     """

@@ -18,7 +18,12 @@ from attention_helpers import (
 from transformer_lens.utilities import get_attention_mask, get_offset_position_ids
 
 from lens_aot.core.components import Attention, PosEmbed
-from lens_aot.core.kv_cache import KeyValueCache, offset_position_ids, padding_attention_mask, positions_and_mask
+from lens_aot.core.runtime.kv_cache import (
+    KeyValueCache,
+    offset_position_ids,
+    padding_attention_mask,
+    positions_and_mask,
+)
 from lens_aot.errors import InputError
 
 ROTARY = {"standard": None, "rotary": False, "rotary-adjacent": True}

@@ -386,7 +386,7 @@ def test_json_validates_against_circuit_tracer(graphs: dict[str, AttributionGrap
 def test_pruning_is_circuit_tracers(models: dict[str, tuple[object, object]], tmp_path: Path) -> None:
     """circuit-tracer's own prune_graph, compute_node_influence and compute_graph_scores, on this graph's matrix laid
     out as its Graph, keep the same nodes and edges, give the same influence and scores (1, 1: no error)."""
-    from lens_aot.analysis.circuits.graph_prune import combined, prune_masks
+    from lens_aot.analysis.attribution_graphs.prune import combined, prune_masks
 
     _, aot = models["llama"]
     graph = attribution_graph(aot, TOKENS[:4], max_nodes=None)

@@ -1,12 +1,12 @@
 """Issue 22: attention pieces that were refused become small components (docs/variants.md).
 
 * QK-norm after rotary (HunYuan-Dense: ``norm(rope(q))``, read from the bridge config's ``qk_norm_after_rope``):
-  :class:`~lens_aot.core.components.qk_norm_after_rotary.PostRotaryQKNorm`.
+  :class:`~lens_aot.core.components.scores.qk_norm_after_rotary.PostRotaryQKNorm`.
 * The same in an attention the bridge delegates to Hugging Face (NanoChat, whose ``rotate_half`` also turns the
-  other way): read by :mod:`lens_aot.tl.bridge_delegated_rotary`, which keeps the candidate reading that reproduces
+  other way): read by :mod:`lens_aot.tl.attention.delegated_rotary`, which keeps the candidate reading that reproduces
   the module on a probe input.
 * Output gates ``z · act(x @ W_gate)`` of a delegated attention (Laguna: softplus in float32, per head or per
-  channel; AFMoE: sigmoid per channel): :mod:`lens_aot.core.components.output_gate`.
+  channel; AFMoE: sigmoid per channel): :mod:`lens_aot.core.components.attention.output_gate`.
 
 Each family is tiny (2 layers, hidden 32, 4 heads), random, and checked against the bridge's own forward in float32
 and float64 within the stated bound. Each piece is then perturbed in the reading (its epsilon or weight by 1e-3, or
@@ -36,8 +36,8 @@ from factories_bridge import (
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.io import load, save
-from lens_aot.tl import bridge_attention
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge import attention as bridge_attention
+from lens_aot.tl.bridge.read import read_bridge
 
 # TransformerLens 3.9's bridge normalises HunYuan's q and k before rotary (unlike HF; lens_aot follows the bridge's
 # forward, so the family converts there too): the order's own tests need 4.x, whose bridge computes what HF does.
@@ -87,7 +87,7 @@ def _edited_reading(edit: Any) -> Any:
     def patched(*args: Any, **kwargs: Any) -> Any:
         return edit(original(*args, **kwargs))
 
-    return mock.patch("lens_aot.tl.read_bridge.read_attention", patched)
+    return mock.patch("lens_aot.tl.bridge.read.read_attention", patched)
 
 
 def _assert_refused(family: str, edit: Any) -> None:
@@ -152,8 +152,8 @@ def test_qk_norm_after_rotary_round_trips_save_and_load(tmp_path: Any) -> None:
 def test_qk_norm_after_rotary_reverts_to_the_reference_and_is_refused_by_hooked() -> None:
     """The reference model (and its independent plain-torch forward) carries the order; a HookedTransformer, whose
     QK-norm runs before rotary, cannot hold it and says so."""
-    from lens_aot.core.reference import independent_logits
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.core.check.reference import independent_logits
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     bridge = shared("hunyuan", torch.float64)
     aot = lens_aot.convert(bridge)
@@ -255,8 +255,8 @@ def test_laguna_gate_perturbed_is_refused(edit: Any) -> None:
 def test_afmoe_sigmoid_gate_is_read() -> None:
     """AFMoE's gate (sigmoid, per channel, model dtype) reproduces its delegated attention on the probe (its MoE
     router and the whole family's faithfulness: tests/test_moe_routers.py)."""
-    from lens_aot.tl.bridge_attention import read_attention
-    from lens_aot.tl.bridge_delegated_rotary import rotary_component
+    from lens_aot.tl.attention.delegated_rotary import rotary_component
+    from lens_aot.tl.bridge.attention import read_attention
 
     bridge = shared_matrix("AfmoeForCausalLM", torch.float64)
     model = bridge.original_model
@@ -282,8 +282,8 @@ def test_output_gate_round_trips_save_and_load(tmp_path: Any) -> None:
 def test_output_gate_component_matches_the_independent_forward() -> None:
     """The gate component (in the reference MLPTransformer) against reference.py's plain-torch forward, which shares
     no code with it; and a gate perturbed by 1e-3 no longer matches."""
-    from lens_aot.core.reference import MLPTransformer, independent_logits
-    from lens_aot.core.spec import OutputGateSpec
+    from lens_aot.core.check.reference import MLPTransformer, independent_logits
+    from lens_aot.core.spec.model_spec import OutputGateSpec
 
     spec = read_bridge(shared("hunyuan", torch.float64))
     n_heads, d_model, d_head = spec.layers[0].attn.W_Q.shape

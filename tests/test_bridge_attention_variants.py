@@ -31,8 +31,10 @@ from factories_bridge import (
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import bridge_alibi, bridge_attention, bridge_delegated
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.attention import alibi as bridge_alibi
+from lens_aot.tl.attention import delegated as bridge_delegated
+from lens_aot.tl.bridge import attention as bridge_attention
+from lens_aot.tl.bridge.read import read_bridge
 
 # Ministral 3's default rope, at the tiny length: llama_4_scaling_beta's query scale is exactly 1 below
 # original_max_position_embeddings, here n_ctx.
@@ -311,7 +313,7 @@ def test_opt_scale_perturbed_by_1e3_is_refused() -> None:
 @pytest.mark.parametrize("family", ["opt", "xglm"])
 def test_position_offset_off_by_one_is_refused(family: str) -> None:
     """Rows from offset 1 instead of the source's 2 (OPT's learned table, XGLM's sinusoids) fail the probe."""
-    import lens_aot.tl.read_bridge as reader
+    import lens_aot.tl.bridge.read as reader
 
     bridge = make(family, torch.float32)
     if family == "opt":
@@ -379,7 +381,8 @@ def test_opt_mirror_hooks_are_not_user_hooks_but_a_user_hook_is() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_llama4_query_scaling_past_its_original_length_converts(dtype: torch.dtype) -> None:
     """Ministral 3's query scale 1 + beta·log(1 + floor(pos / original_max_position_embeddings)) is exactly 1 below
-    that length and not past it: carried by core/components/query_scale.py, checked on 24 tokens past a length of 8
+    that length and not past it: carried by core/components/scores/query_scale.py, checked on 24 tokens past a length
+    of 8
     (the bridge probe's 12 tokens already cross it)."""
     config = CONFIGS["ministral3"]
     short = {**config[2], "rope_parameters": {**_MINISTRAL3_ROPE, "original_max_position_embeddings": 8}}
@@ -405,7 +408,7 @@ def _query_beta(factor: float) -> Callable[[Any], Any]:
 
 
 def test_llama4_query_scaling_is_saved_and_in_the_independent_forward(tmp_path: Any) -> None:
-    from lens_aot.core.reference import independent_logits
+    from lens_aot.core.check.reference import independent_logits
 
     config = CONFIGS["ministral3"]
     short = {**config[2], "rope_parameters": {**_MINISTRAL3_ROPE, "original_max_position_embeddings": 8}}
@@ -430,7 +433,7 @@ def test_llama4_query_scaling_is_saved_and_in_the_independent_forward(tmp_path: 
 def test_openai_gpt_reads_post_ln_blocks() -> None:
     """GPT-1: every layer post-LN, no final norm; the converted model's block hooks are the bridge's (hook_resid_mid
     is ``ln1(resid_pre + attn_out)``, the bridge's ``mlp.hook_in``; hook_resid_post is ``ln2``'s output)."""
-    from lens_aot.core.components.post_ln_block import PostLNBlock
+    from lens_aot.core.components.residual.post_ln_block import PostLNBlock
 
     bridge = make("openai_gpt", torch.float64)
     aot = lens_aot.convert(bridge)
@@ -451,7 +454,7 @@ def test_openai_gpt_reads_post_ln_blocks() -> None:
 
 def test_openai_gpt_norm_eps_perturbed_by_1e3_is_refused() -> None:
     """A post-LN norm's epsilon 1e-3 off fails the probe (float64: the norm's output moves by ~1e-8 relative)."""
-    import lens_aot.tl.read_bridge as reader
+    import lens_aot.tl.bridge.read as reader
 
     bridge = make("openai_gpt", torch.float64)
 
@@ -466,7 +469,7 @@ def test_openai_gpt_norm_eps_perturbed_by_1e3_is_refused() -> None:
 
 def test_post_ln_layout_read_as_pre_norm_is_refused() -> None:
     """Without the post-LN reading the probe refuses GPT-1's blocks naming the attention's input."""
-    import lens_aot.tl.read_bridge as reader
+    import lens_aot.tl.bridge.read as reader
 
     with mock.patch.object(reader, "is_post_ln", lambda *args: False):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: an input that is not ln1's output"):
@@ -476,7 +479,7 @@ def test_post_ln_layout_read_as_pre_norm_is_refused() -> None:
 def test_post_ln_blocks_are_saved_and_refused_by_hooked_transformer(tmp_path: Any) -> None:
     """``residual_norm`` survives save / load (same logits); a HookedTransformer, which has no post-LN block, refuses
     it by name."""
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     aot = lens_aot.convert(make("openai_gpt", torch.float64))
     lens_aot.save(aot, tmp_path / "gpt1")
@@ -492,8 +495,8 @@ def test_post_ln_blocks_are_saved_and_refused_by_hooked_transformer(tmp_path: An
 def test_cohere_per_head_qk_norm_is_saved_and_refused_by_hooked_transformer(tmp_path: Any) -> None:
     """Per-head QK-norm weights survive save / load (same logits, also in the spec's independent forward); a
     HookedTransformer, whose QK-norm shares one weight across heads, refuses them by name."""
-    from lens_aot.core.reference import independent_logits
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.core.check.reference import independent_logits
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     aot = lens_aot.convert(make("cohere-qk-norm", torch.float64))
     lens_aot.save(aot, tmp_path / "cohere")

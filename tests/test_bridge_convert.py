@@ -155,7 +155,7 @@ def test_standard_mask_mode_through_convert(family: str) -> None:
 def test_an_8_term_gelu_states_the_bound_that_holds_in_its_dtype(dtype: torch.dtype) -> None:
     """Issue 13 (2): 8 GELU heads fit to 9.4e-8, but float32 rounding of the heads' sum is ~1e-6 (measured 3.8e-6 on
     a trained model). The report says so and states ``fit + 64·eps·(1 + |z|)``; float64 keeps the fit's bound."""
-    from lens_aot.core.activations import reference_activation
+    from lens_aot.core.fit.activations import reference_activation
 
     bridge = make_bridge("gpt2-gelu", dtype)
     aot = lens_aot.convert(bridge, heads_per_neuron=8)

@@ -1,5 +1,5 @@
 """Issue 22: families whose attention the bridge delegates to the source's own code, read from the Hugging Face
-modules themselves (lens_aot.tl.bridge_modernbert), or refused naming the piece that blocks them.
+modules themselves (lens_aot.tl.attention.modernbert), or refused naming the piece that blocks them.
 
 ModernBERT-decoder: rotary attention with per-layer-type tables and sliding windows, a layer-0 identity norm, a
 post-embedding LayerNorm and a GLU fused in one projection are read and checked piece by piece against the source's
@@ -18,8 +18,8 @@ import torch
 from factories_bridge import D_MODEL, D_VOCAB, N_LAYERS, _randomize_
 
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import bridge_modernbert
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.attention import modernbert as bridge_modernbert
+from lens_aot.tl.bridge.read import read_bridge
 
 WINDOW = 4  # ModernBERT's sliding_window = local_attention // 2: binding on the probe's 12 tokens
 # head_dim 16: a power of 4, so scaling = head_dim**-0.5 is a power of two and the spec's ``q·k / (1 / scaling)`` is
@@ -104,7 +104,7 @@ def test_modernbert_decoder_window_off_by_one_is_refused() -> None:
 def test_fused_glu_halves_swapped_is_refused() -> None:
     """The fused projection's first half is the activated one (``act(input) · gate``); the other order fails the
     probe, naming the MLP."""
-    from lens_aot.tl import bridge_components
+    from lens_aot.tl.bridge import components as bridge_components
 
     bridge = make_modernbert(torch.float64)
 
@@ -138,7 +138,7 @@ def test_gemma4_layers_name_only_what_lens_aot_cannot_read() -> None:
     are read and converted within the stated bound (tests/test_gemma4.py, tests/test_gemma4_moe.py measure each piece
     in float32 and float64): nothing is named. A layer scalar with more than one value is refused naming the layer."""
     import lens_aot
-    from lens_aot.tl.bridge_shared_kv import delegated_layer_scalar, refuse_delegated_block
+    from lens_aot.tl.attention.shared_kv_block import delegated_layer_scalar, refuse_delegated_block
 
     types = ["sliding_attention", "full_attention"] * 2  # layers 2, 3 reuse layers 0, 1's keys and values
     moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}

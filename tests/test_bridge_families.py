@@ -16,7 +16,7 @@ from factories_bridge import FAMILIES, STRUCTURAL, _hf, assert_faithful, make_br
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.read import read_bridge
 
 CASES = [(family, dtype) for family in STRUCTURAL for dtype in (torch.float32, torch.float64)]
 
@@ -89,8 +89,8 @@ def test_a_misread_piece_is_refused_naming_it() -> None:
     attn.scaling = attn.scaling * (1 + 1e-3)
     spec_scale = 1.0 / attn.scaling
     assert read_bridge(bridge).layers[1].attn.attn_scale == pytest.approx(spec_scale)  # read, and it reproduces it
-    with mock.patch("lens_aot.tl.bridge_attention._position_embeddings_attention") as misread:
-        from lens_aot.tl.bridge_attention import AttentionReading
+    with mock.patch("lens_aot.tl.bridge.attention._position_embeddings_attention") as misread:
+        from lens_aot.tl.bridge.attention import AttentionReading
 
         misread.return_value = AttentionReading(1.001 * (8**0.5), torch.float32, "model")
         with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 attn: the attention reading .* does not"):

@@ -10,8 +10,8 @@ import torch
 from factories_bridge import make_bridge
 
 import lens_aot
-from lens_aot.core.cache import LazyHeadTensor, NeuronHeadCache, pattern_hook
 from lens_aot.core.memory import AllocationMeter
+from lens_aot.core.runtime.cache import LazyHeadTensor, NeuronHeadCache, pattern_hook
 
 NEURON_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
 DENSE = ("hook_attn_scores", "hook_pattern")

@@ -7,7 +7,7 @@ import torch
 
 from lens_aot.analysis.circuits.discover import _norm_backward
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import NormSpec
+from lens_aot.core.spec.model_spec import NormSpec
 
 
 @pytest.mark.parametrize("kind", ["LN", "LNPre", "RMS", "RMSPre", None])

@@ -19,7 +19,7 @@ from factories_spec import random_spec
 import lens_aot
 from lens_aot import circuits as C
 from lens_aot.core.components import NeuronAttention
-from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.errors import InputError
 
 ATOL = 1e-10  # float64 throughout

@@ -122,7 +122,7 @@ def test_verify_passes(converted: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "identical to the converted model's" in out and "PASS" in out
     assert "the bound stated for this conversion: max(stated, 8·S + 4·R) on these tokens" in out
     stated = float(out.split("  bound           ")[1].split()[0])
-    assert stated >= 1e-3  # never below the support matrix's gelu_new bound (lens_aot.core.faithfulness)
+    assert stated >= 1e-3  # never below the support matrix's gelu_new bound (lens_aot.core.check.faithfulness)
 
 
 def save_tiny_llama(path: Path, seed: int = 0) -> Path:
@@ -148,7 +148,7 @@ def test_verify_judges_a_gated_model_against_its_stated_bound(
     assert "PASS" in out and "the bound stated for this conversion" in out
     bound = float(out.split("  bound           ")[1].split()[0])
     err = float(out.split("  max |Δlogit|    ")[1].split()[0])
-    assert err <= bound and bound >= 1e-4  # the gated row of lens_aot.core.faithfulness.STATED_LOGIT_ERROR
+    assert err <= bound and bound >= 1e-4  # the gated row of lens_aot.core.check.faithfulness.STATED_LOGIT_ERROR
     aot = lens_aot.load(tmp_path / "out")
     with torch.no_grad():
         aot.blocks[-1].mlp.product_heads.W_out.mul_(1.01)  # a product layer 1% off

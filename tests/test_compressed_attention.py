@@ -1,4 +1,5 @@
-"""DeepSeek-V4's attention (lens_aot.core.components.compressed_attention, read by lens_aot.tl.read_compressed)
+"""DeepSeek-V4's attention (lens_aot.core.components.attention.compressed_attention, read by
+lens_aot.tl.attention.compressed)
 checked bitwise against transformers' own ``DeepseekV4Attention`` inside a tiny ``DeepseekV4ForCausalLM``'s forward,
 in float32 and float64: a sliding layer, a compressed-sparse-attention layer (compressor + Lightning indexer) and a
 heavily-compressed-attention layer, on sequences that give no, one and several compressed entries."""
@@ -14,12 +15,12 @@ import torch
 from deepseek_v4_helpers import tiny_deepseek_v4
 from torch import nn
 
-from lens_aot.core.components.compressed_attention import CompressedAttention, CompressedWeightError
-from lens_aot.core.kv_cache import KeyValueCacheEntry
-from lens_aot.core.spec_compressed import CompressedAttentionSpec
+from lens_aot.core.components.attention.compressed_attention import CompressedAttention, CompressedWeightError
+from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 from lens_aot.matrix.families import copy_as
-from lens_aot.tl.read_compressed import read_compressed_attention
+from lens_aot.tl.attention.compressed import read_compressed_attention
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(

@@ -33,9 +33,9 @@ from lens_aot.constructions import (
     with_positions,
     without_bias_token,
 )
-from lens_aot.core.activations import activation_fit
 from lens_aot.core.components import NeuronAttention
-from lens_aot.core.spec import MLPSpec
+from lens_aot.core.fit.activations import activation_fit
+from lens_aot.core.spec.model_spec import MLPSpec
 
 N_CTX, D_MODEL, D_MLP = 20, 30, 120
 TOL = 1e-10  # the authors' tolerance, max |entry error|

@@ -21,12 +21,12 @@ from conftest import TOLERANCES
 from factories_bridge import matrix_bridges, source_error
 
 import lens_aot
-from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
-from lens_aot.core.components.compressed_attention import CompressedAttention
-from lens_aot.core.components.hyper_block import HyperConnectionBlock
+from lens_aot.core.components.attention.compressed_attention import CompressedAttention
+from lens_aot.core.components.residual.hyper_block import HyperConnectionBlock
+from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec
 from lens_aot.core.names import neuron_label, parse_label
 from lens_aot.core.read import read_model, run_source
-from lens_aot.core.spec import MoESpec
+from lens_aot.core.spec.model_spec import MoESpec
 from lens_aot.errors import InputError
 from lens_aot.matrix.families import Family, build_hf_model
 

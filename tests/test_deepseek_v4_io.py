@@ -16,8 +16,8 @@ from roundtrip_helpers import assert_same_model
 from test_mlp_activations import bridge
 
 import lens_aot
-from lens_aot.core.spec_compressed import CompressedAttentionSpec
-from lens_aot.core.spec_hyper import HyperConnectionSpec, HyperHeadSpec
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
+from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 from lens_aot.errors import LoadError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.build import bridge_from_hf_module

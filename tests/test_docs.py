@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from lens_aot.core.activations import activation_fit
-from lens_aot.core.faithfulness import stated_logit_error
+from lens_aot.core.check.faithfulness import stated_logit_error
+from lens_aot.core.fit.activations import activation_fit
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -90,7 +90,7 @@ def test_readme_stated_bounds_table(act_fn: str) -> None:
     fp32 = stated_logit_error(None if gated else act_fn, torch.float32, gated=gated)
     fp64 = stated_logit_error(None if gated else act_fn, torch.float64, gated=gated)
     assert row.split("|")[3].strip() == f"{fp32:.0e} / {fp64:.0e}".replace("e-0", "e-")
-    if act_fn in ("relu2", "xielu"):  # a ReLU gate head and two product heads (core/components/squared_relu_mlp.py)
+    if act_fn in ("relu2", "xielu"):  # a ReLU gate head and two product heads (core/components/mlp/squared_relu_mlp.py)
         assert "1 ReLU gate head" in row and "2 product heads" in row
     elif not gated:
         heads = activation_fit(act_fn).n_terms

@@ -1,4 +1,4 @@
-"""Issue 22: GLM-MoE-DSA's sparse-attention indexer (lens_aot.core.components.dsa_indexer) carried as its own
+"""Issue 22: GLM-MoE-DSA's sparse-attention indexer (lens_aot.core.components.attention.dsa_indexer) carried as its own
 component, so the model converts for any n_ctx; checked against the source's own layer and forward."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from test_mla import _eager_experts, assert_round_trips, assert_same_hooks
 from torch import nn
 
 import lens_aot
-from lens_aot.core.components.mla_attention import MLAAttention
+from lens_aot.core.components.attention.mla_attention import MLAAttention
 from lens_aot.errors import InputError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
 from lens_aot.matrix.measure import _source, tokens_for
-from lens_aot.tl.read_mla import read_mla
+from lens_aot.tl.attention.mla import read_mla
 
 pytestmark = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 3.9 has no GLM-MoE-DSA bridge adapter")
 ARCH = "GlmMoeDsaForCausalLM"

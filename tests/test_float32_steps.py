@@ -32,16 +32,16 @@ from conftest import TOLERANCES
 from factories_bridge import D_HEAD, FAMILIES, _hf, make_bridge
 
 import lens_aot
-from lens_aot.core.components.float32_attention import RotationInDtype, ScoresInDtype, rotate
+from lens_aot.core.check.faithfulness import rounding_floor
+from lens_aot.core.check.float32_steps import float32_steps, rounding_dtype
+from lens_aot.core.check.reference import MLPTransformer
+from lens_aot.core.components.attention.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.float32_norm import FunctionalLayerNorm, ScaleInComputeDtypeNorm
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.faithfulness import rounding_floor
-from lens_aot.core.float32_steps import float32_steps, rounding_dtype
 from lens_aot.core.read import run_source
-from lens_aot.core.reference import MLPTransformer
-from lens_aot.core.spec import ModelSpec, NormSpec
+from lens_aot.core.spec.model_spec import ModelSpec, NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.read import read_bridge
 
 REFERENCE_TOLERANCE = 1e-10  # float64 rounding of a 2-layer forward (tests/test_read_bridge.py's)
 

@@ -1,7 +1,7 @@
-"""Gated MLPs (gate heads + product heads, lens_aot.core.gating) and parallel layers, on hand-built specs (both TL
+"""Gated MLPs (gate heads + product heads, lens_aot.core.fit.gating) and parallel layers, on hand-built specs (both TL
 majors).
 
-The reference is :class:`lens_aot.core.reference.MLPTransformer` on the same spec; readers are tested against real
+The reference is :class:`lens_aot.core.check.reference.MLPTransformer` on the same spec; readers are tested against real
 TransformerLens models elsewhere (test_*read_gated_parallel.py), and whole-model conversions in test_*_llama_like.
 """
 
@@ -15,11 +15,11 @@ from conftest import TOLERANCES
 from factories_spec import random_spec
 
 import lens_aot
-from lens_aot.core.activations import reference_activation
+from lens_aot.core.check.reference import MLPTransformer, independent_logits
 from lens_aot.core.components import NeuronAttention, ProductAttention
-from lens_aot.core.gating import gated_fit, normalized_input_bound
-from lens_aot.core.model import AttentionOnlyTransformer
-from lens_aot.core.reference import MLPTransformer, independent_logits
+from lens_aot.core.fit.activations import reference_activation
+from lens_aot.core.fit.gating import gated_fit, normalized_input_bound
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import UnsupportedArchitectureError
 
 FP32_ROUNDING = 2.0**-24

@@ -2,12 +2,13 @@
 
 A Gemma 4 layer whose keys and values are its own and that has no per-layer input embedding and no mixture of
 experts beside its MLP is a pre-norm block with sandwich norms: its ``DelegatedAttentionBlockBridge`` is read as a
-plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.v_norm`, the layer scalar as
-:mod:`lens_aot.core.components.layer_scalar`, the layers' own head widths and proportional partial rotary (the
+plain block, the value norm (``v_norm``) as :mod:`lens_aot.core.components.scores.v_norm`, the layer scalar as
+:mod:`lens_aot.core.components.residual.layer_scalar`, the layers' own head widths and proportional partial rotary (the
 global layers) from the source's own rotary module. The first tests switch per-layer input embeddings off
 (``hidden_size_per_layer_input=0``) and keep everything else the matrix builds; the later ones (``PLE``) keep the
-matrix's own per-layer inputs (``lens_aot.core.spec_per_layer``) and the layer scalars, so that both bind;
-``K_EQ_V`` turns on values that are the keys (``attention_k_eq_v``, lens_aot.tl.read_k_eq_v) with one kv head on the
+matrix's own per-layer inputs (``lens_aot.core.spec.per_layer``) and the layer scalars, so that both bind;
+``K_EQ_V`` turns on values that are the keys (``attention_k_eq_v``, lens_aot.tl.attention.k_eq_v) with one kv head on
+the
 global layer, as Gemma 4 31B has fewer there.
 """
 
@@ -25,9 +26,9 @@ from gemma4_helpers import SCALARS, SHORT_CONTEXT, bridge_in
 from gemma4_helpers import tokens as _tokens
 
 import lens_aot
-import lens_aot.tl.read_bridge as reader
+import lens_aot.tl.bridge.read as reader
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.read import read_bridge
 
 NO_PLE = {"hidden_size_per_layer_input": 0}
 PLE = (("hidden_size_per_layer_input", 16),)  # the support matrix's own value
@@ -86,11 +87,12 @@ def test_gemma4_without_per_layer_inputs_matches_the_source(dtype: torch.dtype, 
 
 
 def test_independent_forward_carries_v_norm_and_layer_scalar() -> None:
-    """The plain-torch forward of the converted model's spec (``lens_aot.core.reference.independent_logits``, which
+    """The plain-torch forward of the converted model's spec (``lens_aot.core.check.reference.independent_logits``,
+    which
     shares no component code) agrees with the source within the bound; a layer scalar or a value-norm eps 1e-3 off
     in that spec moves it by more than the stated tolerance of the activation (so it is carried, not ignored)."""
-    from lens_aot.core.faithfulness import stated_logit_error
-    from lens_aot.core.reference import independent_logits
+    from lens_aot.core.check.faithfulness import stated_logit_error
+    from lens_aot.core.check.reference import independent_logits
 
     model, _, aot = _converted(torch.float64)
     tokens = _tokens()
@@ -178,11 +180,11 @@ def test_gemma4_save_load_round_trip(tmp_path: Any, fields: Any) -> None:
 
 
 def test_values_that_are_the_keys_are_the_key_projection() -> None:
-    """``attention_k_eq_v`` (lens_aot.tl.read_k_eq_v): the global layer has no ``v_proj`` and its values are its
+    """``attention_k_eq_v`` (lens_aot.tl.attention.k_eq_v): the global layer has no ``v_proj`` and its values are its
     key projection before ``k_norm``; the converted ``hook_v`` is the source's ``k_proj`` output (the bridge's
     ``attn.k.hook_out``) bitwise, ``W_V`` a copy of ``W_K`` (one kv head there, two on the local layer), and the
     plain-torch forward of the spec agrees with the source within the bound."""
-    from lens_aot.core.reference import independent_logits
+    from lens_aot.core.check.reference import independent_logits
 
     model, bridge, aot = _converted(torch.float64, K_EQ_V)
     assert model.model.layers[1].self_attn.v_proj is None and model.model.layers[0].self_attn.v_proj is not None
@@ -222,7 +224,7 @@ def test_values_off_the_keys_by_1e3_are_refused() -> None:
 
 def test_revert_to_hooked_refuses_v_norm_and_layer_scalar_by_name() -> None:
     """A HookedTransformer has neither piece: ``revert(to="hooked")``'s config reader names each."""
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     spec = _converted(torch.float32)[2].to_spec()
     with pytest.raises(UnsupportedArchitectureError, match=r"Gemma 4's layer_scalar"):
@@ -261,7 +263,7 @@ def test_gemma4_with_per_layer_inputs_matches_the_source(dtype: torch.dtype) -> 
 
 def _perturbed_reading(part: str, edit: Any) -> Any:
     """``read_per_layer_inputs``'s ``part`` reader (``_inputs`` / ``_sublayer``) with ``edit`` applied to its spec."""
-    import lens_aot.tl.read_per_layer_inputs as ple
+    import lens_aot.tl.blocks.per_layer_inputs as ple
 
     original = getattr(ple, part)
 
@@ -294,7 +296,7 @@ def test_independent_forward_carries_per_layer_inputs() -> None:
     """The plain-torch forward of the spec agrees with the source within the bound; a per-layer scale or eps 1e-3 off
     in the spec moves it far beyond float64 rounding (so each is carried, not ignored; the reader's refusal of the
     same perturbations is test_per_layer_readings_perturbed_by_1e3_are_refused)."""
-    from lens_aot.core.reference import independent_logits
+    from lens_aot.core.check.reference import independent_logits
 
     model, _, aot = _converted(torch.float64, PLE)
     tokens = _tokens()
@@ -376,7 +378,7 @@ def test_per_layer_inputs_refuse_forwards_without_tokens_and_clear_on_error() ->
 
 
 def test_revert_to_hooked_refuses_per_layer_inputs_by_name() -> None:
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     spec = _converted(torch.float32, PLE)[2].to_spec()
     spec.layers = [dataclasses.replace(layer, layer_scalar=None) for layer in spec.layers]
@@ -398,11 +400,12 @@ def test_circuits_refuse_per_layer_sublayers_at_every_granularity(granularity: s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_shared_keys_and_values_match_the_source(dtype: torch.dtype) -> None:
-    """E2B / E4B's shared keys and values (lens_aot.core.components.shared_kv_attention): layer 2 attends with layer
+    """E2B / E4B's shared keys and values (lens_aot.core.components.attention.shared_kv_attention): layer 2 attends
+    with layer
     1's keys and values; logits within the bound of the source's own forward, and the plain-torch forward of the spec
-    (lens_aot.core.reference) too. The sharing layer has the source bridge's hook points: no hook_k / hook_v."""
-    from lens_aot.core.components.shared_kv_attention import SharedKVAttention
-    from lens_aot.core.reference import independent_logits
+    (lens_aot.core.check.reference) too. The sharing layer has the source bridge's hook points: no hook_k / hook_v."""
+    from lens_aot.core.check.reference import independent_logits
+    from lens_aot.core.components.attention.shared_kv_attention import SharedKVAttention
 
     model, bridge, aot = _converted(dtype, SHARED_KV)
     tokens = _tokens()
@@ -465,7 +468,7 @@ def test_shared_keys_and_values_refusals_name_the_layer() -> None:
     sharing layer by name."""
     from lens_aot.analysis.circuits.layout import check_supported
     from lens_aot.errors import InputError
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     aot, tokens = _converted(torch.float32, SHARED_KV)[2], _tokens()
     resid = aot(tokens, stop_at_layer=2)

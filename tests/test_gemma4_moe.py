@@ -4,8 +4,8 @@ the source's own forward.
 A tiny Gemma 4 text model (hidden 64, 2 layers, values that are the keys on the global layer, 4 experts of 16
 neurons, top 2) with every piece the layer adds randomised (ones hide bugs): the router's ``proj``, ``scale`` and
 ``per_expert_scale``, the experts, and all five feed-forward norms' weights. The converted layer
-(:mod:`lens_aot.core.components.moe_beside_mlp`) holds the dense MLP's neurons and every expert's as neuron heads,
-the router (:mod:`lens_aot.core.components.rms_scaled_router`) as the source computes it.
+(:mod:`lens_aot.core.components.moe.moe_beside_mlp`) holds the dense MLP's neurons and every expert's as neuron heads,
+the router (:mod:`lens_aot.core.components.moe.rms_scaled_router`) as the source computes it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from gemma4_helpers import SHORT_CONTEXT, bridge_in
 from gemma4_helpers import tokens as _tokens
 
 import lens_aot
-import lens_aot.tl.read_gemma4_moe as moe_reader
+import lens_aot.tl.moe.gemma4 as moe_reader
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.read import read_bridge
 
 pytest.importorskip("transformers.models.gemma4")
 
@@ -82,9 +82,9 @@ def _converted(dtype: torch.dtype) -> tuple[Any, Any, Any]:
 def test_moe_beside_mlp_matches_the_source(dtype: torch.dtype) -> None:
     """Within the stated bound of the source's own forward (and the plain-torch forward of the spec, which shares no
     component code); both the dense MLP's neurons and every expert's are neuron heads."""
-    from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
-    from lens_aot.core.reference import independent_logits
-    from lens_aot.core.residual_bound import mlp_output_bound
+    from lens_aot.core.check.reference import independent_logits
+    from lens_aot.core.check.residual_bound import mlp_output_bound
+    from lens_aot.core.components.moe.moe_beside_mlp import MoEBesideMLP
 
     model, _, aot = _converted(dtype)
     tokens = _tokens()
@@ -100,7 +100,8 @@ def test_moe_beside_mlp_matches_the_source(dtype: torch.dtype) -> None:
     heads = {s.name: s for s in aot.sublayers()}
     assert {"blocks.0.mlp.shared_expert.product_heads", "blocks.1.mlp.experts.3.product_heads"} <= set(heads)
     assert aot.report.neuron_sensitivity > 0
-    # the certified residual bound (lens_aot.core.residual_bound) holds the sublayer's output: two post-normed branches
+    # the certified residual bound (lens_aot.core.check.residual_bound) holds the sublayer's output: two post-normed
+    # branches
     _, cache = aot.run_with_cache(tokens, names_filter=lambda n: n.endswith(("hook_dense_out", "hook_moe_out")))
     for layer, spec in enumerate(aot.to_spec().layers):
         out = cache[f"blocks.{layer}.mlp.hook_dense_out"] + cache[f"blocks.{layer}.mlp.hook_moe_out"]
@@ -211,12 +212,13 @@ def test_save_load_and_revert_round_trip(tmp_path: Any) -> None:
 
 
 def test_sensitivity_perturbs_the_experts_where_their_error_joins() -> None:
-    """The bound's ``S`` (lens_aot.core.moe_beside_bound): the dense neurons at the source's ``mlp.hook_post``, the
+    """The bound's ``S`` (lens_aot.core.check.moe_beside_bound): the dense neurons at the source's ``mlp.hook_post``,
+    the
     chosen experts' at ``experts.hook_out`` (before ``post_feedforward_layernorm_2`` and
     ``post_feedforward_layernorm``), each of which moves the source's logits; a source without those hook points is
     refused naming the layer."""
-    from lens_aot.core.faithfulness import neuron_sensitivity
-    from lens_aot.core.moe_beside_bound import beside_sensitivity_hooks
+    from lens_aot.core.check.faithfulness import neuron_sensitivity
+    from lens_aot.core.check.moe_beside_bound import beside_sensitivity_hooks
     from lens_aot.errors import InputError
 
     _, bridge, aot = _converted(torch.float64)

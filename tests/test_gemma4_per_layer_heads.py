@@ -1,4 +1,4 @@
-"""Issue 22, Gemma 4's per-layer-input sublayer as neuron heads (lens_aot.core.components.per_layer_neurons).
+"""Issue 22, Gemma 4's per-layer-input sublayer as neuron heads (lens_aot.core.components.mlp.per_layer_neurons).
 
 The support matrix's tiny Gemma 4 with per-layer inputs (``hidden_size_per_layer_input=16``), its norm weights and
 layer scalars randomised so that each binds, converted from its TransformerBridge in float32 and float64. Each
@@ -22,8 +22,8 @@ from gemma4_helpers import SCALARS, SHORT_CONTEXT, bridge_in
 from gemma4_helpers import tokens as _tokens
 
 import lens_aot
-from lens_aot.core.components.per_layer_neurons import PerLayerNeuronSublayer
-from lens_aot.core.components.per_layer_sublayer import PerLayerSublayer
+from lens_aot.core.components.mlp.per_layer_neurons import PerLayerNeuronSublayer
+from lens_aot.core.components.residual.per_layer_sublayer import PerLayerSublayer
 from lens_aot.errors import LoadError
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -133,7 +133,7 @@ def test_per_layer_neurons_are_heads_within_the_stated_bound(dtype: torch.dtype)
         assert bool(((got["out"] - source[f"out{layer}"]).double().norm(dim=-1) <= out_bound).all())
     # the neuron heads' bound is in the stated one: the source's response to ±max_error on every such neuron, never
     # below the MLP neurons' alone (and here above it: the perturbation reaches the source's sublayers)
-    from lens_aot.core.faithfulness import conversion_bound
+    from lens_aot.core.check.faithfulness import conversion_bound
 
     with torch.no_grad():
         expected = bridge(tokens)

@@ -1,4 +1,5 @@
-"""lens_aot.core.generate: greedy and sampled generation, with and without the key-value cache, on left-padded batches
+"""lens_aot.core.runtime.generate: greedy and sampled generation, with and without the key-value cache, on left-padded
+batches
 (TransformerLens 3.9 and 4.3; test_hooked_generate.py compares with HookedTransformer.generate itself)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import torch
 from generate_helpers import D_VOCAB, FakeTokenizer, TinyLM
 from transformer_lens.utilities import sample_logits as tl_sample_logits
 
-from lens_aot.core.generate import generate, sample_logits
+from lens_aot.core.runtime.generate import generate, sample_logits
 from lens_aot.errors import InputError
 
 PROMPTS = [[0, 2, 7, 3, 9, 4], [0, 5, 6], [0, 8, 3, 3]]  # BOS (id 0, also the pad id) first

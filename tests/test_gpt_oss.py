@@ -1,6 +1,6 @@
 """GPT-OSS through a TransformerBridge (TransformerLens 3.9 and 4.3): YaRN rotary on un-duplicated half tables,
 attention sinks, alternating sliding windows, q/k/v/o biases, and a mixture of experts with a biased top-k-then-
-softmax router and clamped-SwiGLU experts with biases (lens_aot.core.clamped_swiglu), faithful to the source's own
+softmax router and clamped-SwiGLU experts with biases (lens_aot.core.fit.clamped_swiglu), faithful to the source's own
 forward in float32 and float64 with clamps that bind (``swiglu_limit`` 0.5: about 16% of the gates and 32% of the
 linear branches are clamped) and a window that binds (``sliding_window`` 8 on 24 tokens); a 1e-3 change of
 ``alpha``, ``limit`` or a sink leaves the tolerance. Save/load and the wrong-router checks run in
@@ -19,9 +19,9 @@ from factories_bridge import matrix_bridges, source_error
 from opcount_helpers import assert_converted_ops_and_syncs
 
 import lens_aot
-from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu, clamped_swiglu_fit
+from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec, clamped_swiglu, clamped_swiglu_fit
 from lens_aot.core.read import read_model
-from lens_aot.core.spec import MoESpec, NormSpec
+from lens_aot.core.spec.model_spec import MoESpec, NormSpec
 from lens_aot.matrix.families import Family, build_hf_model
 
 DTYPES = [torch.float32, torch.float64]
@@ -192,7 +192,7 @@ def test_the_cache_derives_the_heads_from_the_clamped_inputs(bridges) -> None:
 
 def test_clamps_the_construction_does_not_cover_are_refused_by_layer(bridges) -> None:
     from lens_aot.errors import UnsupportedArchitectureError
-    from lens_aot.tl.read_moe_gpt_oss import read_gpt_oss_moe
+    from lens_aot.tl.moe.gpt_oss import read_gpt_oss_moe
 
     block = bridges[torch.float32].original_model.model.layers[1].mlp
     for field, value in (("limit", 0.0), ("alpha", -1.0), ("limit", float("inf"))):

@@ -1,4 +1,5 @@
-"""The attribution graph's page (lens_aot.analysis.circuits.graph_page) without a browser: self-contained, the graph's
+"""The attribution graph's page (lens_aot.analysis.attribution_graphs.page) without a browser: self-contained, the
+graph's
 JSON embedded intact, bad input refused. tests/test_graph_page_browser.py drives the page in Chromium."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from html.parser import HTMLParser
 import pytest
 from graph_json_helpers import NASTY_TOKEN, example_graph_json
 
-from lens_aot.analysis.circuits.graph_page import render_html, show_html, write_html
+from lens_aot.analysis.attribution_graphs.page import render_html, show_html, write_html
 from lens_aot.errors import InputError
 
 

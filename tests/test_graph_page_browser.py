@@ -22,7 +22,7 @@ import torch
 from graph_json_helpers import example_graph_json, visible
 
 import lens_aot
-from lens_aot.analysis.circuits.graph_page import write_html
+from lens_aot.analysis.attribution_graphs.page import write_html
 from lens_aot.circuits import attribution_graph
 from lens_aot.cli.demo_models import load_modular_addition
 
@@ -260,7 +260,7 @@ def test_no_network_request_and_a_screenshot(page: Any, graph: dict[str, Any], t
 def test_notebook_frame_renders_the_page(browser: Any, graph: dict[str, Any]) -> None:
     """``show_html``'s output (what a notebook displays, and keeps in a stored notebook) holds the working page."""
     pytest.importorskip("IPython")
-    from lens_aot.analysis.circuits.graph_page import show_html
+    from lens_aot.analysis.attribution_graphs.page import show_html
 
     context = browser.new_context()
     requests: list[str] = []

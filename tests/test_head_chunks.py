@@ -1,4 +1,5 @@
-"""The neuron heads' work in row chunks (:mod:`lens_aot.core.components.head_chunks`): while nothing observes the
+"""The neuron heads' work in row chunks (:mod:`lens_aot.core.components.attention.head_chunks`): while nothing observes
+the
 heads, ``q``, ``v``, ``z`` and the neurons' sum are computed a few rows at a time, bitwise the values of the per-head
 path (a no-op hook attached) at every shape, dtype and thread count, because both evaluate ``σ(q)·v`` and the sum
 over a neuron's heads over the same row chunks."""
@@ -14,8 +15,8 @@ from test_workspace import INTERNAL, neuron_heads, per_head_z
 from torch import Tensor
 
 import lens_aot
-from lens_aot.core.components import head_chunks
-from lens_aot.core.components.neuron_attention import SelfAndSlotHeads
+from lens_aot.core.components.attention import head_chunks
+from lens_aot.core.components.mlp.neuron_attention import SelfAndSlotHeads
 
 
 @pytest.fixture(autouse=True)

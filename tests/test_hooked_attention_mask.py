@@ -15,8 +15,8 @@ from transformer_lens.components import GroupedQueryAttention as TLGroupedQueryA
 from transformer_lens.components import PosEmbed as TLPosEmbed
 
 from lens_aot.core.components import Attention, PosEmbed
-from lens_aot.core.kv_cache import KeyValueCache
-from lens_aot.core.spec import RotarySpec
+from lens_aot.core.runtime.kv_cache import KeyValueCache
+from lens_aot.core.spec.model_spec import RotarySpec
 
 
 def hooked_config(dtype: torch.dtype, positions: str, n_kv: int, **extra: object) -> HookedTransformerConfig:

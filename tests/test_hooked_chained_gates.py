@@ -1,8 +1,8 @@
 """Gated MLPs whose gate is itself a product (issue 41, item 3): TransformerLens 3.9's ``GatedMLP`` with
 ``act_fn="relu2"``, ``post = relu(g)²·u + b_in``, built as a ReLU gate head, a square pair into the scratch and a
-product pair with ``u`` (:func:`lens_aot.core.gating.chained_gated_fit`), and with ``act_fn="xielu"`` (its learned
+product pair with ``u`` (:func:`lens_aot.core.fit.gating.chained_gated_fit`), and with ``act_fn="xielu"`` (its learned
 scalars), ``post = xielu(g)·u + b_in``, whose scratch also gets xIELU's direct heads
-(:func:`lens_aot.core.xielu.gated_xielu_fit`): each within its certified per-neuron bound."""
+(:func:`lens_aot.core.fit.xielu.gated_xielu_fit`): each within its certified per-neuron bound."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from conftest import TOLERANCES
 from factories_hooked import make_hooked
 
 import lens_aot
-from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP, SquareProductAttention
-from lens_aot.core.components.neuron_attention import NeuronAttention
-from lens_aot.core.components.product_attention import ProductAttention
-from lens_aot.core.gating import ChainedGatedFit, chained_bound, normalized_input_bound
-from lens_aot.core.spec import NormSpec
-from lens_aot.core.xielu import GatedXIELUFit, xielu
+from lens_aot.core.components.mlp.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP, SquareProductAttention
+from lens_aot.core.components.mlp.neuron_attention import NeuronAttention
+from lens_aot.core.components.mlp.product_attention import ProductAttention
+from lens_aot.core.fit.gating import ChainedGatedFit, chained_bound, normalized_input_bound
+from lens_aot.core.fit.xielu import GatedXIELUFit, xielu
+from lens_aot.core.spec.model_spec import NormSpec
 
 FAMILIES = {"ln": ("gated-ln", {}), "rms-rotary": ("rms-rotary", {"gated_mlp": True})}
 

@@ -77,6 +77,6 @@ def test_refused_value_names_the_field(field: str) -> None:
 def test_post_norm_and_projection_qk_norm_lists_match_transformer_lens() -> None:
     from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
 
-    from lens_aot.tl import read_hooked
+    from lens_aot.tl.hooked import read as read_hooked
 
     assert set(read_hooked.POST_NORM_ARCHITECTURES) == set(POST_NORM_ARCHITECTURES)

@@ -11,7 +11,7 @@ from factories_bridge import tiny_tokenizer
 from factories_hooked import ACTIVATIONS, FAMILIES, make_hooked
 
 import lens_aot
-from lens_aot.core.activations import reference_activation
+from lens_aot.core.fit.activations import reference_activation
 
 
 def max_logit_error(model, aot, tokens: torch.Tensor) -> float:

@@ -12,11 +12,11 @@ from factories_bridge import make_bridge
 from factories_hooked import make_hooked
 
 import lens_aot
-from lens_aot.core.faithfulness import rounding_floor
-from lens_aot.core.float32_steps import float32_steps, rounding_dtype
+from lens_aot.core.check.faithfulness import rounding_floor
+from lens_aot.core.check.float32_steps import float32_steps, rounding_dtype
 from lens_aot.core.read import read_model, run_source
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.write_hooked import hooked_config
+from lens_aot.tl.hooked.write import hooked_config
 
 
 def test_hooked_gemma_like_and_gptj_keep_the_float64_floor(one_thread: None) -> None:

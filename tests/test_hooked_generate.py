@@ -1,4 +1,5 @@
-"""lens_aot.core.generate and the forward glue (positions_and_mask) against TransformerLens 3.9's HookedTransformer
+"""lens_aot.core.runtime.generate and the forward glue (positions_and_mask) against TransformerLens 3.9's
+HookedTransformer
 given
 the same weights: masked and cached logits, and generate's tokens (greedy and seeded sampling, cache on and off,
 left-padded batches). Collected only where TransformerLens has HookedTransformer (3.x)."""
@@ -13,8 +14,8 @@ from test_hooked_attention_mask import copy_attention_weights, hooked_config
 from transformer_lens import HookedTransformer
 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-from lens_aot.core.generate import generate
-from lens_aot.core.kv_cache import KeyValueCache
+from lens_aot.core.runtime.generate import generate
+from lens_aot.core.runtime.kv_cache import KeyValueCache
 
 PROMPTS = [[0, 2, 7, 3, 9, 4], [0, 5, 6], [0, 8, 3, 3]]  # BOS (id 0, also the pad id) first
 BATCH = torch.tensor([[0] * (6 - len(p)) + p for p in PROMPTS])

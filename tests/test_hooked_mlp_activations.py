@@ -11,7 +11,7 @@ from conftest import TOLERANCES
 from factories_hooked import make_hooked
 
 import lens_aot
-from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
+from lens_aot.core.components.mlp.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.errors import InputRangeError, UnsupportedActivationError
 
 
@@ -37,7 +37,7 @@ def test_relu2_converts_and_reverts(dtype: torch.dtype) -> None:
 def test_xielu_converts_with_its_learned_scalars(dtype: torch.dtype) -> None:
     """TransformerLens 3.9's trainable ``XIELU`` module (its scalars moved off their initial values, so reading the
     defaults would fail): direct, gate and product heads within the stated bound."""
-    from lens_aot.core.components.xielu_mlp import XIELUMLP
+    from lens_aot.core.components.mlp.xielu_mlp import XIELUMLP
 
     model = make_hooked("rms-rotary", "xielu", dtype)
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_every_transformer_lens_act_fn_is_carried_or_refused_by_name() -> None:
     """Each key of TransformerLens 3.9's SUPPORTED_ACTIVATIONS converts or raises an error that names it."""
     from transformer_lens.utilities.activation_functions import SUPPORTED_ACTIVATIONS
 
-    from lens_aot.core.activations import canonical_activation
+    from lens_aot.core.fit.activations import canonical_activation
 
     carried, refused = set(), set()
     for name in SUPPORTED_ACTIVATIONS:

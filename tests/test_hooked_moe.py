@@ -12,7 +12,7 @@ from conftest import TOLERANCES
 from factories_moe import N_EXPERTS, TOP_K, hooked_moe
 
 import lens_aot
-from lens_aot.core.spec import MoESpec
+from lens_aot.core.spec.model_spec import MoESpec
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (3, 20)) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """A model converted from a TransformerLens 3.9 mixture of experts (``MoE``, ``GptOssMoE``) has every per-expert hook
-of its source under the source's name, meaning and shape (:mod:`lens_aot.core.components.source_expert_hooks`):
+of its source under the source's name, meaning and shape (:mod:`lens_aot.core.components.moe.source_expert_hooks`):
 ``experts.{e}.hook_gate`` the gate's pre-activation, ``hook_pre`` the LINEAR branch, ``hook_post`` the product, each
 ``[routed tokens, d_mlp]`` in the source's slot-major row order. The caches agree key for key, hooks written for the
 source edit both models alike, a saved model keeps the names, and lens_aot's own tools still see dense experts
-within :func:`~lens_aot.core.components.source_expert_hooks.dense_expert_hooks`."""
+within :func:`~lens_aot.core.components.moe.source_expert_hooks.dense_expert_hooks`."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 from factories_moe import D_EXPERT, N_EXPERTS, hooked_moe
 
 import lens_aot
-from lens_aot.core.cache import LazyHeadTensor
-from lens_aot.core.components.source_expert_hooks import SOURCE_HOOKS, dense_expert_hooks
+from lens_aot.core.components.moe.source_expert_hooks import SOURCE_HOOKS, dense_expert_hooks
 from lens_aot.core.read import run_source
-from lens_aot.core.spec import MoESpec
+from lens_aot.core.runtime.cache import LazyHeadTensor
+from lens_aot.core.spec.model_spec import MoESpec
 from lens_aot.errors import InputError
 
 pytest.importorskip("transformer_lens.components.mlps.gpt_oss_moe", reason="TransformerLens 3.9's MoE components")

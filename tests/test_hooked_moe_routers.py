@@ -15,9 +15,9 @@ import torch
 from conftest import TOLERANCES
 
 import lens_aot
-from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
+from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec
 from lens_aot.core.read import read_model, run_source
-from lens_aot.core.spec import MoESpec
+from lens_aot.core.spec.model_spec import MoESpec
 from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.registry import hooked_from_hf_module
 

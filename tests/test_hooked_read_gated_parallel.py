@@ -1,6 +1,7 @@
 """Reading gated-MLP and parallel-block HookedTransformers (TransformerLens 3.x) into a ModelSpec, exactly.
 
-Ground truth: ``lens_aot.core.reference.MLPTransformer(spec)`` runs the standard forward of a spec; it must reproduce
+Ground truth: ``lens_aot.core.check.reference.MLPTransformer(spec)`` runs the standard forward of a spec; it must
+reproduce
 the
 HookedTransformer's logits to rounding (measured: ≤ 1.7e-6 in float32, ≤ 3.2e-15 in float64, 3×24 tokens).
 """
@@ -14,8 +15,8 @@ import torch
 from factories_hooked import ACTIVATIONS, GATED_FAMILIES, PARALLEL_FAMILIES, make_hooked
 
 from lens_aot import UnsupportedActivationError
+from lens_aot.core.check.reference import MLPTransformer
 from lens_aot.core.read import read_model
-from lens_aot.core.reference import MLPTransformer
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 NEW_FAMILIES = sorted(GATED_FAMILIES) + sorted(PARALLEL_FAMILIES)

@@ -13,11 +13,11 @@ from roundtrip_helpers import HOOKED_CASES, assert_bitwise, assert_same_hooked, 
 from transformer_lens import HookedTransformer
 
 import lens_aot
-from lens_aot.core.reference import MLPTransformer
-from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec
+from lens_aot.core.check.reference import MLPTransformer
+from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, ModelSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.read_hooked import _attention, _norm, _rotary, read_hooked_transformer
-from lens_aot.tl.write_hooked import hooked_from_spec
+from lens_aot.tl.hooked.read import _attention, _norm, _rotary, read_hooked_transformer
+from lens_aot.tl.hooked.write import hooked_from_spec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])

@@ -12,7 +12,7 @@ from roundtrip_helpers import assert_same_model
 from variants_hooked import EXTRA_KNOBS, KNOBS, VARIANTS, make_variant
 
 import lens_aot
-from lens_aot.core.reference import MLPTransformer, independent_logits
+from lens_aot.core.check.reference import MLPTransformer, independent_logits
 from lens_aot.errors import UnsupportedArchitectureError
 
 NAMES = sorted(VARIANTS)
@@ -147,7 +147,7 @@ def test_variant_cached_and_padded_logits_match_source(name: str, one_thread: No
     cached positions), step by step, against the source's own cache."""
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-    from lens_aot.core.kv_cache import KeyValueCache
+    from lens_aot.core.runtime.kv_cache import KeyValueCache
 
     model = make_variant(name)
     aot = lens_aot.convert(model)

@@ -1,5 +1,5 @@
-"""DeepSeek-V4's manifold-constrained hyper-connections (lens_aot.core.components.hyper_connection, read by
-lens_aot.tl.read_hyper) checked bitwise against transformers' own modules inside a tiny ``DeepseekV4ForCausalLM``'s
+"""DeepSeek-V4's manifold-constrained hyper-connections (lens_aot.core.components.residual.hyper_connection, read by
+lens_aot.tl.blocks.hyper) checked bitwise against transformers' own modules inside a tiny ``DeepseekV4ForCausalLM``'s
 forward, in float32 and float64: each layer's ``attn_hc`` / ``ffn_hc``, the stream mix after each sublayer (a whole
 decoder layer's output) and the model's ``hc_head``."""
 
@@ -15,10 +15,10 @@ import torch
 from deepseek_v4_helpers import tiny_deepseek_v4
 from torch import nn
 
-from lens_aot.core.components.hyper_connection import HyperConnection, HyperHead, expand_streams, mix_streams
+from lens_aot.core.components.residual.hyper_connection import HyperConnection, HyperHead, expand_streams, mix_streams
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.matrix.families import copy_as
-from lens_aot.tl.read_hyper import read_hyper_connection, read_hyper_head
+from lens_aot.tl.blocks.hyper import read_hyper_connection, read_hyper_head
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(

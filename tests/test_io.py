@@ -15,7 +15,7 @@ from factories_spec import random_spec
 from roundtrip_helpers import SPEC_VARIANTS, assert_bitwise, assert_same_model, assert_same_spec, tokens_for
 
 import lens_aot
-from lens_aot.core.reference import MLPTransformer
+from lens_aot.core.check.reference import MLPTransformer
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import FORMAT, FORMAT_VERSION, decode_spec, encode_spec, read_config
 

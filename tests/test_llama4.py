@@ -1,10 +1,10 @@
 """Issue 22: Llama 4's text model (``Llama4ForCausalLM``), read from the attention forward the bridge delegates to
-(:mod:`lens_aot.tl.bridge_llama4`): rotary as a float32 complex product (adjacent pairs), a weightless L2 QK-norm
-after it (an ``RMSPre`` :class:`~lens_aot.core.components.qk_norm_after_rotary.PostRotaryQKNorm`), chunked causal
-attention (:mod:`lens_aot.core.components.chunked_mask`) and the NoPE layers' query temperature
-(:mod:`lens_aot.core.components.query_temperature`). Its mixture of experts (router scores scale the experts'
-inputs: :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`, whose router is
-:class:`~lens_aot.core.components.moe_router.TopKThenSigmoid`) and its dense layers convert too.
+(:mod:`lens_aot.tl.attention.llama4`): rotary as a float32 complex product (adjacent pairs), a weightless L2 QK-norm
+after it (an ``RMSPre`` :class:`~lens_aot.core.components.scores.qk_norm_after_rotary.PostRotaryQKNorm`), chunked causal
+attention (:mod:`lens_aot.core.components.attention.chunked_mask`) and the NoPE layers' query temperature
+(:mod:`lens_aot.core.components.scores.query_temperature`). Its mixture of experts (router scores scale the experts'
+inputs: :class:`~lens_aot.core.components.moe.input_scaled_moe.InputScaledMoEMLP`, whose router is
+:class:`~lens_aot.core.components.moe.moe_router.TopKThenSigmoid`) and its dense layers convert too.
 
 The support matrix's tiny Llama 4 (hidden 64, 2 layers, 4 experts, top-2, a shared expert) with a NoPE second layer,
 ``floor_scale`` 4 and chunks of 4, so that every piece binds on the 12-token probe and the 24-token check, against
@@ -29,8 +29,8 @@ from opcount_helpers import assert_converted_ops_and_syncs
 
 import lens_aot
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl import bridge_llama4
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.attention import llama4 as bridge_llama4
+from lens_aot.tl.bridge.read import read_bridge
 
 pytest.importorskip("transformers.models.llama4")
 
@@ -68,8 +68,8 @@ CASES = [("pieces", torch.float32), ("pieces", torch.float64), ("pieces-dense", 
 
 @pytest.mark.parametrize(("config", "dtype"), CASES, ids=[f"{c}-{str(d)[-7:]}" for c, d in CASES])
 def test_llama4_converts_faithfully(config: str, dtype: torch.dtype, one_thread: None) -> None:
-    from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
-    from lens_aot.core.components.qk_norm_after_rotary import PostRotaryQKNorm
+    from lens_aot.core.components.moe.input_scaled_moe import InputScaledMoEMLP
+    from lens_aot.core.components.scores.qk_norm_after_rotary import PostRotaryQKNorm
 
     bridge = make(dtype, config)
     aot = converted(dtype, config)
@@ -97,7 +97,7 @@ def test_llama4_default_chunks_and_temperature_bind_below_n_ctx() -> None:
 
 
 def _edited(edit: Callable[[Any], None]) -> Any:
-    """Patch :func:`~lens_aot.tl.bridge_llama4.read_llama4` so that each layer's reading goes through ``edit``."""
+    """Patch :func:`~lens_aot.tl.attention.llama4.read_llama4` so that each layer's reading goes through ``edit``."""
     original = bridge_llama4.read_llama4
 
     def patched(*args: Any, **kwargs: Any) -> Any:
@@ -175,8 +175,8 @@ def test_llama4_is_saved_and_loaded_exactly(tmp_path: Any) -> None:
 
 
 def test_llama4_attention_pieces_are_in_the_independent_forward() -> None:
+    from lens_aot.core.check.reference import independent_logits
     from lens_aot.core.read import run_source
-    from lens_aot.core.reference import independent_logits
 
     bridge = make(torch.float64, "pieces-dense")  # independent_logits computes dense MLPs only
     aot = converted(torch.float64, "pieces-dense")
@@ -194,7 +194,7 @@ def test_llama4_attention_pieces_are_in_the_independent_forward() -> None:
 def test_llama4_continuation_from_a_cache_matches_the_full_forward() -> None:
     """Chunks (of 4) and the temperature count positions from the cache: a prompt fed in pieces of 5, 4 and 2 tokens
     through a key-value cache gives the full forward's logits."""
-    from lens_aot.core.kv_cache import KeyValueCache
+    from lens_aot.core.runtime.kv_cache import KeyValueCache
 
     aot = converted(torch.float64)
     tokens = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(3))
@@ -209,8 +209,8 @@ def test_llama4_experts_are_input_scaled_neuron_heads(one_thread: None) -> None:
     """The router weight scales each expert's input: an expert runs on its routed tokens only (top-k cost), its
     neuron heads are addressed per expert, the router hooks fire, and scaling the outputs instead (every other MoE's
     rule) is measurably not the source."""
+    from lens_aot.core.check.reference import MLPTransformer
     from lens_aot.core.read import run_source
-    from lens_aot.core.reference import MLPTransformer
 
     bridge = make(torch.float64)
     aot = converted(torch.float64)
@@ -252,7 +252,7 @@ def _output_scaled(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def test_an_output_scaled_reading_of_llama4_experts_is_refused_by_the_probe() -> None:
-    from lens_aot.tl import read_moe_llama4
+    from lens_aot.tl.moe import llama4 as read_moe_llama4
 
     with mock.patch.object(read_moe_llama4, "read_llama4_moe", _output_scaled(read_moe_llama4.read_llama4_moe)):
         with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: the gated silu MLP does not reproduce"):
@@ -272,7 +272,7 @@ def test_llama4_expert_neurons_are_not_circuit_nodes() -> None:
 def test_llama4_pieces_cannot_be_written_into_a_hooked_transformer() -> None:
     """TransformerLens has neither chunked masks nor a query temperature: each is refused by name (its QK-norm after
     rotary already is; taken off here so that the two below are reached)."""
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     spec = lens_aot.convert(make(torch.float32, "pieces-dense")).to_spec()
     for layer in spec.layers:

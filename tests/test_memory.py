@@ -14,7 +14,7 @@ from factories_bridge import make_bridge
 from factories_spec import random_spec
 
 import lens_aot
-from lens_aot.core.components.rotary_rows import RotaryRows
+from lens_aot.core.components.scores.rotary_rows import RotaryRows
 from lens_aot.core.memory import AllocationMeter, PeakMeter
 
 # Peak resident memory of a conversion in a fresh process, over what the process held with the source loaded and run
@@ -134,7 +134,8 @@ def test_conversion_holds_one_copy_of_the_weights(architecture: str, fields: dic
     assert meter.live >= own >= 0.9 * weights  # the meter sees the converted model's own copy, made in convert
     # beyond the converted model's own tensors (its weights, rotary tables and fits' buffers: Gemma 4's global tables
     # are 128 x 512), convert holds at most half the weights at once, and keeps nothing once it returns
-    # the rotary rows computed on demand and kept (lens_aot/core/components/rotary_rows.py) are the model's own too
+    # the rotary rows computed on demand and kept (lens_aot/core/components/scores/rotary_rows.py) are the model's own
+    # too
     kept = list({id(m.kept): m.kept for m in aot.modules() if isinstance(m, RotaryRows)}.values())
     kept = [t for rows in kept for t in rows.tensors()]
     tensors = [*aot.parameters(), *aot.buffers(), *kept]
@@ -170,10 +171,10 @@ def test_reading_holds_no_rotary_table() -> None:
 def test_reading_holds_the_rotary_tables_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no recipe is verified (here: none is tried), the reader keeps the tables, and holds at once what the spec
     keeps plus at most half the tables: the source's rotary module runs over chunks of positions written into the
-    tables in place (``lens_aot.tl.bridge_attention.model_rotary``). Copying its output whole held the tables at least
+    tables in place (``lens_aot.tl.bridge.attention.model_rotary``). Copying its output whole held the tables at least
     twice (most of Gemma 4's 42x convert peak at the benchmark shape, whose global layers' tables are 131,072 x 512)."""
     from lens_aot.core.read import read_model
-    from lens_aot.tl import bridge_attention
+    from lens_aot.tl.bridge import attention as bridge_attention
 
     source = _family_bridge("LlamaForCausalLM", max_position_embeddings=65536)
     monkeypatch.setattr(bridge_attention, "verified_recipe", lambda *args: None)
@@ -231,7 +232,7 @@ def test_chunked_rotary_tables_are_the_modules_own(kind: str) -> None:
     the same one in every call, and one that ignores its position ids is called once."""
     from types import SimpleNamespace
 
-    from lens_aot.tl.bridge_attention import AttentionReading, model_rotary
+    from lens_aot.tl.bridge.attention import AttentionReading, model_rotary
 
     n, width = 9000, 64
     module = _Rotary(kind, n, width)
@@ -248,9 +249,9 @@ def test_chunked_rotary_tables_are_the_modules_own(kind: str) -> None:
 def test_the_neurons_input_bound_is_computed_in_blocks(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """``normalized_input_bound`` (the product heads' input range) over blocks of neurons is bitwise its value over
     the whole matrix, and its float64 temporaries stay near one block instead of four times ``W``'s bytes."""
-    import lens_aot.core.gating as gating
-    from lens_aot.core.gating import RangedInput, normalized_input_bound
-    from lens_aot.core.spec import NormSpec
+    import lens_aot.core.fit.gating as gating
+    from lens_aot.core.fit.gating import RangedInput, normalized_input_bound
+    from lens_aot.core.spec.model_spec import NormSpec
 
     gen = torch.Generator().manual_seed(0)
     d_model, d_mlp = 256, 4096

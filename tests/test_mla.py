@@ -18,18 +18,18 @@ import torch
 from torch import nn
 
 import lens_aot
-import lens_aot.tl.read_mla as read_mla_module
-from lens_aot.core.components.mla_attention import MLAAttention
-from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.kv_cache import KeyValueCache
-from lens_aot.core.spec_mla import MLASpec
+import lens_aot.tl.attention.mla as read_mla_module
+from lens_aot.core.components.attention.mla_attention import MLAAttention
+from lens_aot.core.components.mlp.mlp import MLP
+from lens_aot.core.components.moe.moe_mlp import MoEMLP
+from lens_aot.core.runtime.kv_cache import KeyValueCache
+from lens_aot.core.spec.mla import MLASpec
 from lens_aot.errors import LoadError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
 from lens_aot.matrix.measure import _source, tokens_for
-from lens_aot.tl.bridge_components import _blocks, _component, _original, _source_model
-from lens_aot.tl.read_mla import read_mla
-from lens_aot.tl.read_moe import read_hf_moe
+from lens_aot.tl.attention.mla import read_mla
+from lens_aot.tl.bridge.components import _blocks, _component, _original, _source_model
+from lens_aot.tl.moe.read import read_hf_moe
 
 MLA_FAMILIES = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM"]
 # Exercise the routers' group limits and the V3 selection bias (the matrix keeps one group).
@@ -140,7 +140,7 @@ def test_deepseek_router_moe_is_exact_and_scaling_change_fails(arch: str) -> Non
 def test_generate_and_reference_model_follow_the_source() -> None:
     """Greedy generation through the converted model's key-value cache gives the source's tokens, and the reference
     model rebuilt from ``aot.to_spec()`` (MLA kept as MLASpec) equals the source's logits."""
-    from lens_aot.core.reference import MLPTransformer
+    from lens_aot.core.check.reference import MLPTransformer
 
     source, bridge = _bridge("DeepseekV3ForCausalLM", torch.float64)
     aot = lens_aot.convert(bridge)
@@ -287,7 +287,7 @@ def test_residual_stream_weights_and_per_head_inputs_are_refused() -> None:
     """MLA has no per-head map from the residual stream: ``blocks[l].attn.W_Q`` (and W_K, W_V, b_Q, ...) raise naming
     it (``aot.W_Q``: an AttributeError), and
     per-head attention inputs (``use_split_qkv_input``) are refused in the forward."""
-    from lens_aot.core.components.mla_attention import MLAWeightError
+    from lens_aot.core.components.attention.mla_attention import MLAWeightError
     from lens_aot.errors import InputError, LensAOTError
 
     _, bridge = _bridge("YoutuForCausalLM", torch.float32)

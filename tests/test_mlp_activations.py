@@ -14,9 +14,9 @@ import torch
 from conftest import TL_MAJOR, TOLERANCES
 
 import lens_aot
-from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
+from lens_aot.core.check.residual_bound import mlp_input_radii
+from lens_aot.core.components.mlp.squared_relu_mlp import SquaredReLUMLP
 from lens_aot.core.read import run_source
-from lens_aot.core.residual_bound import mlp_input_radii
 from lens_aot.errors import InputRangeError, UnsupportedArchitectureError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.build import bridge_from_hf_module
@@ -45,7 +45,7 @@ def _error(aot: Any, source: Any) -> float:
 
 
 # TransformerLens 4.3's bridge maps the post norms to ln1_post / ln2_post, 3.9's to ln1 / ln2: both convert, the
-# layout read from the recorded forward (lens_aot.tl.bridge_post_norm); TL 3.9's post-norm HookedTransformer configs
+# layout read from the recorded forward (lens_aot.tl.blocks.post_norm); TL 3.9's post-norm HookedTransformer configs
 # are tested in tests/test_hooked_mlp_activations.py.
 POST_NORM_CASES = [
     ("Olmo2ForCausalLM", torch.float32),
@@ -153,12 +153,12 @@ def test_guard_survives_save_and_load(tmp_path: Any) -> None:
 
 
 def test_a_squared_relu_gate_converts_and_matches_its_reference() -> None:
-    """A gated relu² spec (``relu(g)²·u``, a chained product: lens_aot.core.gating.chained_gated_fit) converts, and
+    """A gated relu² spec (``relu(g)²·u``, a chained product: lens_aot.core.fit.gating.chained_gated_fit) converts, and
     agrees with the independent plain-torch forward within its certified logit bound."""
     from factories_spec import random_spec
 
-    from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP
-    from lens_aot.core.reference import independent_logits
+    from lens_aot.core.check.reference import independent_logits
+    from lens_aot.core.components.mlp.chained_gated_mlp import ChainedGatedMLP
 
     spec = random_spec(act_fn="relu2", gated=True, dtype=torch.float64)
     aot = lens_aot.convert(spec)
@@ -172,7 +172,7 @@ def test_a_squared_relu_gate_converts_and_matches_its_reference() -> None:
 def test_plain_squared_relu_spec_matches_its_reference() -> None:
     from factories_spec import random_spec
 
-    from lens_aot.core.reference import independent_logits
+    from lens_aot.core.check.reference import independent_logits
 
     spec = random_spec(act_fn="relu2", gated=False, dtype=torch.float64)
     aot = lens_aot.convert(spec)
@@ -194,7 +194,7 @@ def test_a_radius_too_large_for_float_arithmetic_is_refused() -> None:
 
 def test_bitnet_is_refused_naming_layer_and_piece() -> None:
     """BitNet's ``ffn_sub_norm`` (an RMSNorm across the MLP's neurons) is named first; without it, the attention's
-    ``attn_sub_norm`` (across heads); BitNet-quantised linear layers are named too (lens_aot.tl.read_sub_norms)."""
+    ``attn_sub_norm`` (across heads); BitNet-quantised linear layers are named too (lens_aot.tl.blocks.sub_norms)."""
     from transformers.integrations.bitnet import AutoBitLinear
 
     with pytest.raises(UnsupportedArchitectureError, match=r"^layer 0 mlp: ffn_sub_norm normalises across neurons"):
@@ -217,8 +217,8 @@ def test_bitnet_is_refused_naming_layer_and_piece() -> None:
 def test_attention_output_bound_is_the_exact_spectral_sum() -> None:
     """``Σ_h ‖W_V^h W_O^h‖₂`` computed through a QR of W_V (grouped-query heads share their value head), and an
     attention output never exceeds it."""
-    from lens_aot.core.residual_bound import attention_output_bound
-    from lens_aot.core.spec import AttentionSpec
+    from lens_aot.core.check.residual_bound import attention_output_bound
+    from lens_aot.core.spec.model_spec import AttentionSpec
 
     g = torch.Generator().manual_seed(0)
     f64 = dict(dtype=torch.float64)
@@ -254,7 +254,7 @@ def test_post_norm_layout_and_hooks_mean_the_sources(one_thread: None) -> None:
     source and the converted model share holds the same tensor: exactly up to float32 rounding before layer 0's MLP
     (HF's RMSNorm computes in float32), within the gated bound after it. A 1e-3 change of the post-attention norm's
     weight is caught at ``hook_attn_out``."""
-    from lens_aot.tl.read_bridge import read_bridge
+    from lens_aot.tl.bridge.read import read_bridge
 
     source = bridge("Olmo2ForCausalLM", torch.float64)
     spec = read_bridge(source)
@@ -294,9 +294,10 @@ def test_post_norm_layout_and_hooks_mean_the_sources(one_thread: None) -> None:
 
 def test_moe_neuron_error_joins_before_the_post_norm() -> None:
     """FlexOLMo (a mixture of experts in post-norm blocks): the bound's perturbation of the experts' neurons
-    (:func:`lens_aot.core.moe.sensitivity_hooks`) is added to the MoE's own output, so it reaches the post-MLP norm's
+    (:func:`lens_aot.core.fit.moe.sensitivity_hooks`) is added to the MoE's own output, so it reaches the post-MLP
+    norm's
     input (``hook_mlp_out`` is that norm's output on both bridges); its size is at most ``ε·c`` per channel."""
-    from lens_aot.core.moe import sensitivity_hooks
+    from lens_aot.core.fit.moe import sensitivity_hooks
 
     source = bridge("FlexOlmoForCausalLM", torch.float32)
     aot = lens_aot.convert(source)
@@ -318,7 +319,7 @@ def test_moe_neuron_error_joins_before_the_post_norm() -> None:
 def _post_norm_calls(**changes: torch.Tensor) -> dict[tuple[int, str], Any]:
     """A recorded forward of layer 0 laid out as ``m = x + ln1(attn(x))``, ``out = m + ln2(mlp(m))`` (random
     tensors), with ``changes`` (``mlp_in``, ``ln2_in``, ``out``) replacing what a piece was given or returned."""
-    from lens_aot.tl.bridge_probe import Call
+    from lens_aot.tl.bridge.probe import Call
 
     g = torch.Generator().manual_seed(0)
     x, a, n1, f, n2 = (torch.randn(1, 4, 8, generator=g, dtype=torch.float64) for _ in range(5))
@@ -336,9 +337,9 @@ def test_post_norm_layout_is_told_from_post_ln_and_each_break_is_named() -> None
     """The post-norm reading (ln1 reads the attention's output) and GPT-1's post-LN one (ln1 reads ``x + attn(x)``)
     exclude each other; a block that starts as post-norm and then breaks the layout is named by the piece that breaks
     it, not read as a pre-norm block whose attention skips ln1."""
-    from lens_aot.tl.bridge_post_ln import is_post_ln
-    from lens_aot.tl.bridge_post_norm import is_post_norm, post_norm_mismatch
-    from lens_aot.tl.bridge_probe import Call
+    from lens_aot.tl.blocks.post_ln import is_post_ln
+    from lens_aot.tl.blocks.post_norm import is_post_norm, post_norm_mismatch
+    from lens_aot.tl.bridge.probe import Call
 
     pieces = {"ln1", "ln2", "mlp"}
     calls = _post_norm_calls()

@@ -18,14 +18,14 @@ from opcount_helpers import assert_converted_ops_and_syncs
 import lens_aot
 import lens_aot.patching as P
 from lens_aot.analysis.circuits import as_head_ref, head_label
+from lens_aot.core.check.faithfulness import neuron_sensitivity
+from lens_aot.core.check.reference import MLPTransformer
 from lens_aot.core.components import NeuronMLP, ProductAttention
-from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.faithfulness import neuron_sensitivity
-from lens_aot.core.model import ExpertHeadOrigin
-from lens_aot.core.moe import MoEFit, sensitivity_hooks
+from lens_aot.core.components.moe.moe_mlp import MoEMLP
+from lens_aot.core.fit.moe import MoEFit, sensitivity_hooks
 from lens_aot.core.names import parse_label
 from lens_aot.core.read import read_model, run_source
-from lens_aot.core.reference import MLPTransformer
+from lens_aot.core.runtime.model import ExpertHeadOrigin
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
 
 FAMILIES = ["mixtral", "qwen2_moe"]

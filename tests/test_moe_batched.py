@@ -16,9 +16,10 @@ from factories_moe import moe_bridge
 from test_llama4 import make as llama4
 
 import lens_aot
-from lens_aot.core.components import expert_batch, head_chunks
-from lens_aot.core.components.moe_mlp import _WATCHES, MoEMLP
-from lens_aot.core.components.neuron_attention import SelfAndSlotHeads
+from lens_aot.core.components.attention import head_chunks
+from lens_aot.core.components.mlp.neuron_attention import SelfAndSlotHeads
+from lens_aot.core.components.moe import expert_batch
+from lens_aot.core.components.moe.moe_mlp import _WATCHES, MoEMLP
 from lens_aot.core.opcount import count_ops
 from lens_aot.core.read import run_source
 

@@ -1,5 +1,5 @@
 """Mixtures of experts convert from bfloat16 and float16, within twice the half source's own error against float32
-on the positions routed as in float32 (lens_aot.core.routing_flips: a near-tied top-k choice that half rounding
+on the positions routed as in float32 (lens_aot.core.check.routing_flips: a near-tied top-k choice that half rounding
 flips is the router's discontinuity, not the conversion's error); and half-precision neuron heads round each
 activation once (the float32 closed form) while unobserved.
 
@@ -19,7 +19,7 @@ from factories_bridge import make_bridge
 from factories_moe import hooked_moe
 
 import lens_aot
-from lens_aot.core.routing_flips import expert_choices, max_error_where, unflipped_positions
+from lens_aot.core.check.routing_flips import expert_choices, max_error_where, unflipped_positions
 from lens_aot.errors import InputError
 from lens_aot.matrix.families import Family, build_hf_model, families, has_experts
 from lens_aot.matrix.measure import _source, tokens_for

@@ -16,13 +16,13 @@ import torch
 from conftest import TOLERANCES
 
 import lens_aot
-from lens_aot.core.moe import sensitivity_hooks
+from lens_aot.core.fit.moe import sensitivity_hooks
 from lens_aot.core.read import read_model, run_source
-from lens_aot.core.spec import MoESpec
+from lens_aot.core.spec.model_spec import MoESpec
 from lens_aot.errors import FaithfulnessError, UnsupportedArchitectureError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as, tiny_tokenizer
 from lens_aot.tl.build import bridge_from_hf_module
-from lens_aot.tl.read_moe import refuse_other_moe
+from lens_aot.tl.moe.read import refuse_other_moe
 
 DTYPES = [torch.float32, torch.float64]
 # GLM-4-MoE and AFMoE with a routed scaling factor other than 1 (their default), so a wrong scaling shows.
@@ -200,7 +200,7 @@ def test_jetmoe_experts_are_refused_by_piece() -> None:
 
 def test_a_router_no_candidate_reproduces_is_refused(bridges) -> None:
     """The scoring rule is read by what the block computes: a block whose output no candidate matches is refused."""
-    from lens_aot.tl.read_moe import read_hf_moe
+    from lens_aot.tl.moe.read import read_hf_moe
 
     block = bridges[("MiniMaxM2ForCausalLM", torch.float64)].blocks[1].mlp.original_component
     forward = type(block).forward
@@ -263,7 +263,7 @@ def test_granite_routing_is_float32_as_its_source(bridges) -> None:
     """GraniteMoe in float64: the top-k and softmax of float32 logits (as the source) give the source's weights bit
     for bit; the same routing in float64, or the softmax over every expert renormalised (the former reading), gives
     weights off by float32 rounding (so the float32 step is carried, not approximated)."""
-    from lens_aot.core.moe import route
+    from lens_aot.core.fit.moe import route
 
     bridge = bridges[("GraniteMoeForCausalLM", torch.float64)]
     router = bridge.blocks[1].mlp.original_component.router
@@ -283,7 +283,7 @@ def test_granite_routing_is_float32_as_its_source(bridges) -> None:
 def test_a_router_not_carried_names_itself(bridges) -> None:
     """A token-choice router without AFMoE's ``route_scale`` (so neither AFMoE's router nor a ``weight`` router) is
     refused naming the layer, its type and what a carried router has."""
-    from lens_aot.tl.read_moe import read_hf_moe
+    from lens_aot.tl.moe.read import read_hf_moe
 
     block = bridges[("AfmoeForCausalLM", torch.float32)].blocks[1].mlp.original_component
     router = block.router.original_component if hasattr(block.router, "original_component") else block.router

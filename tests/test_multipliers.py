@@ -12,11 +12,11 @@ from conftest import TL_MAJOR, TOLERANCES
 from multiplier_helpers import GRANITE, bridge_of, error, mutated_error
 
 import lens_aot
-from lens_aot.core.float32_steps import float32_steps
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.check.float32_steps import float32_steps
+from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.bridge_probe import PROBE_TOLERANCE
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.probe import PROBE_TOLERANCE
+from lens_aot.tl.bridge.read import read_bridge
 
 GATED = {torch.float32: TOLERANCES[("gated", torch.float32)], torch.float64: TOLERANCES[("gated", torch.float64)]}
 
@@ -203,7 +203,7 @@ def test_falcon_alibi_is_refused_naming_layer_and_piece() -> None:
 
 def test_revert_to_hooked_refuses_a_logit_multiplier(one_thread: None) -> None:
     """The HookedTransformer config writer that ``revert(aot, to="hooked")`` uses names the logit multiplier."""
-    from lens_aot.tl.write_hooked_variants import variant_config
+    from lens_aot.tl.hooked.write_variants import variant_config
 
     spec = read_bridge(bridge_of("granite", torch.float32))
     with pytest.raises(UnsupportedArchitectureError, match="logit multiplier"):

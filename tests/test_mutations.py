@@ -15,9 +15,9 @@ from factories_spec import random_spec
 from robustness_helpers import assert_neurons_within_bound
 
 import lens_aot
-from lens_aot.core.activations import activation_fit
+from lens_aot.core.check.reference import independent_logits
 from lens_aot.core.components import ProductAttention
-from lens_aot.core.reference import independent_logits
+from lens_aot.core.fit.activations import activation_fit
 
 
 def _tokens(spec) -> torch.Tensor:
@@ -51,7 +51,7 @@ def test_unmutated_conversions_pass_the_measures(one_thread) -> None:
 @pytest.mark.parametrize("field", ["alpha", "beta", "b", "d"])
 def test_a_fit_coefficient_changed_by_1e_3_is_detected(field: str, one_thread) -> None:
     spec = _plain("gelu")
-    with mock.patch("lens_aot.core.neuron_fits.activation_fit", _mutated_fit(field, 1)):
+    with mock.patch("lens_aot.core.fit.neuron_fits.activation_fit", _mutated_fit(field, 1)):
         aot = lens_aot.convert(spec, check=False)
     with pytest.raises(AssertionError, match="exceeds its bound"):
         assert_neurons_within_bound(aot, _tokens(spec))
@@ -61,7 +61,7 @@ def test_the_activation_variant_is_detected(one_thread) -> None:
     """gelu_new's fit used for a gelu source: per-neuron error far above the gelu fit's bound."""
     spec = _plain("gelu")
     exact = activation_fit
-    with mock.patch("lens_aot.core.neuron_fits.activation_fit", lambda act, *a, **k: exact("gelu_new", *a, **k)):
+    with mock.patch("lens_aot.core.fit.neuron_fits.activation_fit", lambda act, *a, **k: exact("gelu_new", *a, **k)):
         aot = lens_aot.convert(spec, check=False)
     aot.cfg.activation_fits = {layer: exact("gelu") for layer in aot.cfg.activation_fits}  # judged as gelu
     with pytest.raises(AssertionError, match="exceeds its bound"):

@@ -8,8 +8,8 @@ import torch
 from factories_bridge import D_VOCAB, make_bridge
 from opcount_helpers import SIZES, assert_ops_and_syncs
 
-from lens_aot.core.activations import activation_fit
-from lens_aot.core.components.neuron_attention import SumOfLogistics, fit_coefficients
+from lens_aot.core.components.mlp.neuron_attention import SumOfLogistics, fit_coefficients
+from lens_aot.core.fit.activations import activation_fit
 from lens_aot.core.opcount import count_ops
 
 CPU = torch.device("cpu")

@@ -22,9 +22,9 @@ from factories_bridge import make_bridge
 
 import lens_aot
 from lens_aot import patching as P
-from lens_aot.core.activations import activation_fit
-from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
-from lens_aot.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
+from lens_aot.core.fit.activations import activation_fit
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
 from lens_aot.errors import InputError
 
 # A fitted activation (GELU variants, ReLU) errs by at most the fit's sup-norm ``max_error`` per neuron, and a logit

@@ -11,9 +11,9 @@ from factories_bridge import make_bridge
 from factories_spec import random_spec
 
 import lens_aot
-from lens_aot.core.neuron_fits import neuron_fits
+from lens_aot.core.fit.neuron_fits import neuron_fits
 from lens_aot.core.placement import Placement, split_evenly
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec.model_spec import ModelSpec
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 

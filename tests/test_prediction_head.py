@@ -1,5 +1,5 @@
 """Issue 22: ModernBERT-decoder's prediction head (``lm_head``: dense → GELU → LayerNorm between the final norm and
-the unembedding) is carried as the source computes it (lens_aot.tl.read_prediction_head,
+the unembedding) is carried as the source computes it (lens_aot.tl.blocks.prediction_head,
 lens_aot.core.components.prediction_head), under TransformerLens 3.9 and 4.x alike.
 
 Measured against the source bridge's own forward (float32 and float64): the converted model within convert's stated
@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import lens_aot
-from lens_aot.core.reference import independent_logits
+from lens_aot.core.check.reference import independent_logits
 from lens_aot.errors import InputError, InvalidWeightsError, UnsupportedArchitectureError
 from lens_aot.tl import has_hooked_transformer
-from lens_aot.tl import read_prediction_head as head_reader
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.blocks import prediction_head as head_reader
+from lens_aot.tl.bridge.read import read_bridge
 
 ARCH = "ModernBertDecoderForCausalLM"
 TOKENS = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))

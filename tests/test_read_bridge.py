@@ -19,9 +19,9 @@ from factories_bridge import make_bridge  # tests/ is on sys.path (conftest.py)
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.core.spec import AttentionSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec.model_spec import AttentionSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureError
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.read import read_bridge
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 

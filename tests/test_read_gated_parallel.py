@@ -1,6 +1,7 @@
 """Reading gated-MLP and parallel-block TransformerBridges (TransformerLens 3.9 and 4.x) into a ModelSpec, exactly.
 
-Ground truth: ``lens_aot.core.reference.MLPTransformer(spec)`` runs the standard forward of a spec; it must reproduce
+Ground truth: ``lens_aot.core.check.reference.MLPTransformer(spec)`` runs the standard forward of a spec; it must
+reproduce
 ``bridge(tokens)`` to rounding, with and without ``enable_compatibility_mode()`` (measured on 2×32 tokens: ≤ 2.7e-6 in
 float32 and ≤ 2.7e-15 in float64, the same on both TransformerLens versions). Every bridge is built offline with random
 weights by ``tests/factories_bridge.py``.
@@ -17,10 +18,10 @@ from conftest import TL_MAJOR
 from factories_bridge import GATED_PARALLEL, make_bridge
 from torch import Tensor
 
-from lens_aot.core.reference import MLPTransformer
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.check.reference import MLPTransformer
+from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.errors import UnsupportedActivationError, UnsupportedArchitectureError
-from lens_aot.tl.read_bridge import read_bridge
+from lens_aot.tl.bridge.read import read_bridge
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 # Float64 sources whose own forward computes part of the network in float32 in a way the spec cannot express: the

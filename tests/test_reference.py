@@ -10,7 +10,7 @@ from conftest import TOLERANCES
 from factories_spec import random_spec
 
 import lens_aot
-from lens_aot.core.reference import MLPTransformer, independent_logits
+from lens_aot.core.check.reference import MLPTransformer, independent_logits
 
 CASES = [
     dict(norm="RMS", positions="rotary", act_fn="silu", gated=True, parallel=False),

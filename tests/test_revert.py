@@ -12,8 +12,8 @@ from factories_spec import random_spec
 from roundtrip_helpers import SPEC_VARIANTS, assert_bitwise, assert_same_spec, tokens_for
 
 import lens_aot
+from lens_aot.core.check.reference import MLPTransformer
 from lens_aot.core.read import read_model, run_source
-from lens_aot.core.reference import MLPTransformer
 from lens_aot.errors import UnsupportedArchitectureError
 
 REFERENCE_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}

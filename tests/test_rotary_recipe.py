@@ -1,5 +1,5 @@
 """Rotary tables as a verified recipe computed on demand (lens_aot/core/rotary_recipe.py,
-core/components/rotary_rows.py), against the full tables the reader kept before: the same values at every hook,
+core/components/scores/rotary_rows.py), against the full tables the reader kept before: the same values at every hook,
 no n_ctx-row table held or saved, the recipe refused wherever the source module's rows differ."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from factories_bridge import make_bridge
 from torch import nn
 
 import lens_aot
-from lens_aot.core.components.rotary_rows import RotaryRows
+from lens_aot.core.components.scores.rotary_rows import RotaryRows
 from lens_aot.core.read import run_source
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.tl import bridge_attention, bridge_llama4
-from lens_aot.tl.rotary_tables import verified_recipe
+from lens_aot.tl.attention import llama4 as bridge_llama4
+from lens_aot.tl.bridge import attention as bridge_attention
+from lens_aot.tl.bridge.rotary_tables import verified_recipe
 
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
 

@@ -1,5 +1,6 @@
-"""Issue 22: JetMoE's mixture of attention heads (lens_aot.core.components.routed_attention) and its parallel-experts
-MoE MLP (lens_aot.tl.read_moe_parallel), each checked against the source's own layer in float32 and float64, and
+"""Issue 22: JetMoE's mixture of attention heads (lens_aot.core.components.attention.routed_attention) and its
+parallel-experts
+MoE MLP (lens_aot.tl.moe.parallel), each checked against the source's own layer in float32 and float64, and
 the whole model against the source's own forward within the bound ``convert`` states."""
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import lens_aot
-from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.components.routed_attention import RoutedAttention, RoutedWeightError
+from lens_aot.core.components.attention.routed_attention import RoutedAttention, RoutedWeightError
+from lens_aot.core.components.mlp.mlp import MLP
+from lens_aot.core.components.moe.moe_mlp import MoEMLP
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
 from lens_aot.matrix.measure import _source, tokens_for
-from lens_aot.tl.read_moe_parallel import read_parallel_experts_moe
-from lens_aot.tl.read_routed import read_routed
+from lens_aot.tl.attention.routed import read_routed
+from lens_aot.tl.moe.parallel import read_parallel_experts_moe
 
 pytestmark = pytest.mark.skipif(TL_MAJOR < 4, reason="TransformerLens 3.9 has no JetMoE bridge adapter")
 ARCH = "JetMoeForCausalLM"

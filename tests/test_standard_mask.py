@@ -20,7 +20,7 @@ from factories_bridge import _native, _randomize_, make_bridge
 from lens_aot.constructions import additive_mask, attention_head, mask_matrix
 from lens_aot.constructions.standard_mask import DEFAULT_OMEGA, StandardMaskTransformer, to_standard_mask_model
 from lens_aot.core.read import read_model, run_source
-from lens_aot.core.spec import NormSpec
+from lens_aot.core.spec.model_spec import NormSpec
 from lens_aot.errors import InputError, UnsupportedActivationError, UnsupportedArchitectureError
 
 TOL = {torch.float64: 1e-8, torch.float32: 1e-4}  # max |Δlogit| (measured: ~5e-15 and ~3e-6)

@@ -13,8 +13,8 @@ import lens_aot
 from lens_aot import viz
 from lens_aot.analysis.circuits import as_head_ref
 from lens_aot.cli.demo_models import MODULAR_ADDITION_P, load_modular_addition, modular_addition_dataset
-from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
-from lens_aot.core.reference import MLPTransformer
+from lens_aot.core.check.reference import MLPTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.errors import InputError
 
 P = MODULAR_ADDITION_P

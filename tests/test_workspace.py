@@ -11,10 +11,10 @@ from factories_spec import random_spec
 from torch import Tensor
 
 import lens_aot
-from lens_aot.core.activations import activation_fit
 from lens_aot.core.components import workspace
-from lens_aot.core.components.neuron_attention import NeuronAttention, SelfAndSlotHeads, attend_self_and_slot
-from lens_aot.core.spec import MLPSpec
+from lens_aot.core.components.mlp.neuron_attention import NeuronAttention, SelfAndSlotHeads, attend_self_and_slot
+from lens_aot.core.fit.activations import activation_fit
+from lens_aot.core.spec.model_spec import MLPSpec
 
 INTERNAL = ("hook_q", "hook_k", "hook_v", "hook_z")
 

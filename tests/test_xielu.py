@@ -1,5 +1,5 @@
 """xIELU (Apertus) as neuron heads (issue 22): direct heads for β·z and α_n·(expm1(z) − z)·[z ≤ 0], a ReLU gate head
-and product heads for α_p·relu(z)·z, with the certified per-neuron bound of :mod:`lens_aot.core.xielu`.
+and product heads for α_p·relu(z)·z, with the certified per-neuron bound of :mod:`lens_aot.core.fit.xielu`.
 
 Checked against transformers' own ``XIELUActivation`` and the Apertus bridge's forward in float32 and float64; a
 scalar misread by 1e-3 breaks the per-neuron bound (and eps's clamp is carried exactly and needed by the bound).
@@ -15,9 +15,9 @@ import torch
 from test_mlp_activations import _error, bridge
 
 import lens_aot
-from lens_aot.core.components.mlp import MLP
-from lens_aot.core.components.xielu_mlp import XIELUMLP
-from lens_aot.core.xielu import NEGATIVE_FITS, XIELUSpec, clamp_error, xielu, xielu_fit
+from lens_aot.core.components.mlp.mlp import MLP
+from lens_aot.core.components.mlp.xielu_mlp import XIELUMLP
+from lens_aot.core.fit.xielu import NEGATIVE_FITS, XIELUSpec, clamp_error, xielu, xielu_fit
 
 pytest.importorskip("transformers.models.apertus")
 ARCH = "ApertusForCausalLM"
@@ -40,7 +40,7 @@ def _negative(z: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_reference_is_transformers_xielu(dtype: torch.dtype) -> None:
     """``xielu`` with the read scalars equals the source's activation bitwise, including the clamp window."""
-    from lens_aot.tl.read_xielu import xielu_scalars
+    from lens_aot.tl.blocks.xielu import xielu_scalars
 
     act = _activation(bridge(ARCH, dtype))
     z = torch.cat([torch.linspace(-30, 30, 20001), torch.linspace(-3e-6, 1e-6, 401)]).to(dtype)
@@ -129,7 +129,7 @@ def test_a_scalar_off_by_1e3_breaks_the_neuron_bound(name: str) -> None:
 @pytest.mark.parametrize("name", ["alpha_p", "alpha_n", "beta"])
 def test_a_misread_scalar_is_refused_by_the_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reader's probe compares the read MLP with the source's on a recorded input: 1e-3 off is refused by name."""
-    import lens_aot.tl.read_xielu as reader
+    import lens_aot.tl.blocks.xielu as reader
 
     read = reader.xielu_scalars
     monkeypatch.setattr(reader, "xielu_scalars", lambda act: {**read(act), name: read(act)[name] + 1e-3})
@@ -169,7 +169,7 @@ def test_eps_clamp_is_carried_and_bounded() -> None:
 
 
 def test_xielu_without_a_norm_is_refused_by_layer() -> None:
-    from lens_aot.core.gating import RangedInput
+    from lens_aot.core.fit.gating import RangedInput
     from lens_aot.errors import UnsupportedArchitectureError
 
     W = torch.randn(8, 16, dtype=torch.float64)
@@ -207,7 +207,7 @@ def test_cached_heads_add_up_to_the_neurons() -> None:
 def test_an_unnamed_activation_module_is_still_unnamed() -> None:
     """Matching an activation module by its values skips xIELU (its values depend on learned scalars), so a module
     that matches nothing is left unnamed rather than crashing on xIELU's reference."""
-    from lens_aot.tl.bridge_activation import activation_by_values
+    from lens_aot.tl.bridge.activation import activation_by_values
 
     holder = torch.nn.Module()
     holder.act = torch.nn.Tanh()

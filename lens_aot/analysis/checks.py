@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 __all__ = ["VIZ_EXTRA", "circuit_metric", "converted_only", "patching_metric", "pyplot", "require_converted"]

@@ -35,9 +35,9 @@ from lens_aot.analysis.circuits.names import (
     neuron_sublayers,
     sublayer,
 )
-from lens_aot.core.cache import LazyCacheDict
 from lens_aot.core.components import Attention
-from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
+from lens_aot.core.runtime.cache import LazyCacheDict
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
 
 __all__ = [
@@ -67,7 +67,7 @@ _STATS: dict[str, Callable[[Tensor], Tensor]] = {
 
 # ---------------------------------------------------------------------------------------------------- patterns
 def _is_derived(cache: Any, key: str) -> bool:
-    """Whether ``key`` is computed on access in a compact cache (``lens_aot.core.cache``) rather than stored."""
+    """Whether ``key`` is computed on access in a compact cache (``lens_aot.core.runtime.cache``) rather than stored."""
     store = getattr(cache, "cache_dict", cache)
     return isinstance(store, LazyCacheDict) and key in store and all(k != key for k, _ in store.stored())
 

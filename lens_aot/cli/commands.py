@@ -76,8 +76,8 @@ def verify_command(args: argparse.Namespace) -> int:
     """Load a model saved by `lens-aot convert` and its source, and compare their logits on random tokens. Exit 1 if
     max |Δlogit| exceeds the bound."""
     import lens_aot
-    from lens_aot.core.faithfulness import conversion_bound
-    from lens_aot.core.float32_steps import rounding_dtype
+    from lens_aot.core.check.faithfulness import conversion_bound
+    from lens_aot.core.check.float32_steps import rounding_dtype
     from lens_aot.core.read import read_model, run_source
     from lens_aot.io import read_config
 

@@ -12,8 +12,8 @@ from torch import Tensor
 
 import lens_aot
 from lens_aot.cli.demo_models import load_modular_addition, modular_addition_dataset
-from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.read import run_source
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 
 
 def interesting_neuron(aot: AttentionOnlyTransformer, tokens: Int[Tensor, "1 pos"], layer: int = 0) -> int:

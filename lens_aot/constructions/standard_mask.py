@@ -1,11 +1,12 @@
 """Whole-model standard-mask mode: an attention-only transformer whose heads use only the model's own mask.
 
 :func:`to_standard_mask_model` applies the paper's Theorems 3, 6 and 9 to a whole
-:class:`~lens_aot.core.spec.ModelSpec`:
+:class:`~lens_aot.core.spec.model_spec.ModelSpec`:
 every MLP neuron becomes a head (Theorem 3), and every special mask (a neuron head's "itself and the bias token",
 a source head's "not the bias token") is moved into the weights with a large ``Ω`` and one-hot position channels
 (Theorem 9), so **every head uses only the source's causal mask (or none, for a bidirectional source)**. The bias
-token is an ordinary token, prepended internally. Compare :mod:`lens_aot.core.components.neuron_attention`, where the
+token is an ordinary token, prepended internally. Compare :mod:`lens_aot.core.components.mlp.neuron_attention`, where
+the
 bias key is a memory slot and the masks are explicit.
 
 **Residual** (width ``D' = d_model + n_ctx + 4``), per token ``t`` (``t = 0`` is the bias token)::
@@ -81,8 +82,8 @@ from lens_aot.constructions.standard_mask_blocks import (
     _norms,
     _wide_norm,
 )
-from lens_aot.core.activations import ActivationFit, activation_fit
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.fit.activations import ActivationFit, activation_fit
+from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 
@@ -277,18 +278,19 @@ def to_standard_mask_model(
     max_neuron_error: float | None = None,
     heads_per_neuron: int | None = None,
 ) -> StandardMaskTransformer:
-    """Convert a :class:`~lens_aot.core.spec.ModelSpec` into a :class:`StandardMaskTransformer` (masks in the weights).
+    """Convert a :class:`~lens_aot.core.spec.model_spec.ModelSpec` into a :class:`StandardMaskTransformer` (masks in
+    the weights).
 
     Args:
         spec: the source, e.g. ``lens_aot.core.read.read_model(model)``.
         omega: the penalty Ω for a key a head's intended mask forbids (for token pairs with LayerNorm scale
             ``π_i·π_j = 1``; see the module docstring for how to choose it). Default 1e6.
         max_neuron_error, heads_per_neuron: choose the activation's neuron-head fit, as in
-            :func:`lens_aot.core.activations.activation_fit` (SiLU is exact and ignores them).
+            :func:`lens_aot.core.fit.activations.activation_fit` (SiLU is exact and ignores them).
 
     Supported: causal or bidirectional attention (incl. grouped-query), learned absolute positions or none,
     LayerNorm / LNPre / RMSNorm / RMSPre / no norm (the same kind throughout), non-gated MLPs with any activation
-    :func:`~lens_aot.core.activations.activation_fit` supports, float32 / float64. Raises
+    :func:`~lens_aot.core.fit.activations.activation_fit` supports, float32 / float64. Raises
     :class:`~lens_aot.errors.UnsupportedArchitectureError` for rotary positions, mixed norm kinds, half precision and
     a non-positive Ω;
     :class:`~lens_aot.errors.UnsupportedActivationError` for activations without a neuron-head construction.

@@ -15,10 +15,10 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.activations import ActivationFit
-from lens_aot.core.components.neuron_attention import NeuronAttention
+from lens_aot.core.components.mlp.neuron_attention import NeuronAttention
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec import AttentionSpec, MLPSpec, ModelSpec, NormSpec
+from lens_aot.core.fit.activations import ActivationFit
+from lens_aot.core.spec.model_spec import AttentionSpec, MLPSpec, ModelSpec, NormSpec
 
 NormClass = Literal["LN", "RMS"] | None
 PenaltyForm = Literal["hide_bias", "self_only", "bias_alone"]

@@ -13,9 +13,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.constructions.heads import Head, _as_scalar, _square
-from lens_aot.core.activations import ActivationFit
-from lens_aot.core.components.neuron_attention import NeuronAttention
-from lens_aot.core.spec import MLPSpec
+from lens_aot.core.components.mlp.neuron_attention import NeuronAttention
+from lens_aot.core.fit.activations import ActivationFit
+from lens_aot.core.spec.model_spec import MLPSpec
 
 # ---- Theorem 3: an MLP neuron as one head with a bias token ------------------------------------------------------
 

@@ -20,8 +20,8 @@ from lens_aot.constructions.heads import (
     with_positions,
 )
 from lens_aot.constructions.theorem3 import bias_token_heads, silu_fit
-from lens_aot.core.components.neuron_attention import NeuronAttention
-from lens_aot.core.spec import MLPSpec
+from lens_aot.core.components.mlp.neuron_attention import NeuronAttention
+from lens_aot.core.spec.model_spec import MLPSpec
 
 # ---- Theorem 7: linear maps ---------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 :class:`AOTConfig` is :class:`~lens_aot.core.components.transformer.SourceConfig` (the fields that describe the source
 model) plus the converted model's switches and fits. Under TransformerLens 3.x an instance is also a
-``HookedTransformerConfig`` (4.x: a ``TransformerLensConfig``; :func:`lens_aot.tl.hooked_model.hooked_config_class`),
+``HookedTransformerConfig`` (4.x: a ``TransformerLensConfig``; :func:`lens_aot.tl.hooked.model.hooked_config_class`),
 and every other field of the source's config is repeated with its value (``source_config``).
 """
 
@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
-from lens_aot.core.activations import ActivationFit
 from lens_aot.core.components.transformer import SourceConfig
-from lens_aot.core.gating import GatedFit
+from lens_aot.core.fit.activations import ActivationFit
+from lens_aot.core.fit.gating import GatedFit
 from lens_aot.core.source_layer import source_layer
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec.model_spec import ModelSpec
 
 
 @dataclass(kw_only=True)
@@ -45,7 +45,7 @@ class AOTConfig(SourceConfig):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> AOTConfig:
         """Under TransformerLens 3.x an instance is also a ``HookedTransformerConfig``
-        (:func:`lens_aot.tl.hooked_model.hooked_config_class`; under 4.x a TransformerBridge's conversion has a
+        (:func:`lens_aot.tl.hooked.model.hooked_config_class`; under 4.x a TransformerBridge's conversion has a
         ``TransformerBridgeConfig``), for code that checks the config's class."""
         return object.__new__(source_layer().config_class(cls, kwargs.get("source_kind")))
 

@@ -13,11 +13,11 @@ from typing import Any, Literal
 import torch
 
 from lens_aot import pipeline
+from lens_aot.core.check.routing_flips import expert_choices, max_error_where, routed_layers, unflipped_positions
 from lens_aot.core.read import half_dtype, run_source, sample_tokens, upcast_half
-from lens_aot.core.routing_flips import expert_choices, max_error_where, routed_layers, unflipped_positions
 from lens_aot.core.shared_weights import release, share_again
 from lens_aot.core.source_layer import source_layer
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 from lens_aot.pipeline import ConversionReport, Fits, build, eval_mode, fit, param_stats, read, refuse
 
@@ -96,10 +96,11 @@ def _convert_half(
 ) -> Any:
     """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
     cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
-    (:func:`lens_aot.core.components.neuron_attention.compute_dtype`). The half check: the converted half model's logit
+    (:func:`lens_aot.core.components.mlp.neuron_attention.compute_dtype`). The half check: the converted half model's
+    logit
     error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both
     measured on the positions the converted half model routes as the float32 one does (all of them for a dense
-    model; :mod:`lens_aot.core.routing_flips`)."""
+    model; :mod:`lens_aot.core.check.routing_flips`)."""
     if options.get("masks") == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
@@ -112,7 +113,7 @@ def _convert_half(
         expected = routes = None
         if check:
             expected = _eval_logits(model, tokens.to(aot.cfg.device)).float()
-            # the float32 routing (core/routing_flips.py); a dense model has none and needs no extra forward
+            # the float32 routing (core/check/routing_flips.py); a dense model has none and needs no extra forward
             routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
     aot.to(half)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
@@ -163,13 +164,13 @@ def convert(
     Args:
         model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified
             (a float16 / bfloat16 source is cast to float32 in place while it is read and checked, then cast back bit
-            for bit). A :class:`~lens_aot.core.spec.ModelSpec` is accepted too (checked against
-            :class:`~lens_aot.core.reference.MLPTransformer`).
+            for bit). A :class:`~lens_aot.core.spec.model_spec.ModelSpec` is accepted too (checked against
+            :class:`~lens_aot.core.check.reference.MLPTransformer`).
         max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
             (default 1e-6). GELU variants use the fewest shifted-logistic heads per neuron meeting it (default 1e-4).
             Gated MLPs: bound on each neuron's ``|post − post_source|`` over all normalized inputs (default 1e-4),
-            met by the gate fit and the product heads' scales (:mod:`lens_aot.core.gating`).
+            met by the gate fit and the product heads' scales (:mod:`lens_aot.core.fit.gating`).
         heads_per_neuron: GELU variants (gated: the gate's GELU): exactly this many heads per neuron (1 = the best
             single-head fit).
         masks: "explicit" (default): neuron heads attend to themselves and a memory-slot bias key through an explicit
@@ -180,7 +181,7 @@ def convert(
         omega: the Ω of Theorem 9 for ``masks="weights"``.
         check: True (default): run source and converted model on a sample, record the logit error in ``aot.report``,
             and raise :class:`~lens_aot.errors.FaithfulnessError` (with the numbers and the fix) when it exceeds the
-            bound stated for this conversion (``aot.report.logit_bound``, :mod:`lens_aot.core.faithfulness`); also
+            bound stated for this conversion (``aot.report.logit_bound``, :mod:`lens_aot.core.check.faithfulness`); also
             refuse
             a source with hooks attached or active dropout (not carried over). ``"warn"``: warn instead of raising
             (for experts). False: skip the check (nothing measured, nothing refused).
@@ -189,10 +190,10 @@ def convert(
             OLMo-2/3, FlexOLMo, EXAONE 4): the largest norm ``‖x‖₂`` of a residual such an MLP reads. Their bound
             holds for inputs in that range, and their product heads raise
             :class:`~lens_aot.errors.InputRangeError` on any input outside it. Default: the bound certified from the
-            weights (:func:`lens_aot.core.residual_bound.mlp_input_radii`: every token's residual is within it). A
+            weights (:func:`lens_aot.core.check.residual_bound.mlp_input_radii`: every token's residual is within it). A
             smaller value gives a tighter construction for the range you use; a larger one widens what is accepted
             (e.g. for interventions that write large vectors into the residual).
-        into: the class of the result (:func:`lens_aot.tl.hooked_sae.conversion_target`). None (default): the converted
+        into: the class of the result (:func:`lens_aot.tl.hooked.sae.conversion_target`). None (default): the converted
             class, or SAELens's ``HookedSAETransformer`` for a ``HookedSAETransformer`` source, whose attached SAEs
             are carried over (detached from the source while it is converted and checked, then re-attached to both).
             ``sae_lens.HookedSAETransformer``: one, from any source. ``HookedTransformer``: the converted class (a
@@ -231,7 +232,7 @@ def convert(
     )
     if target is None and not tl.has_attached_saes(model):
         return _convert(model, **options)
-    # SAELens's HookedSAETransformer (tl/hooked_sae.py): converted and checked without the source's SAEs
+    # SAELens's HookedSAETransformer (tl/hooked/sae.py): converted and checked without the source's SAEs
     if target is not None and masks != "explicit":
         raise InputError(
             f"into=HookedSAETransformer needs masks='explicit' (got {masks!r}): pass into="

@@ -3,7 +3,7 @@
 A source sharded with TransformerLens ``n_devices`` (``HookedTransformer``: block ``i`` on
 ``get_device_for_block_index(i, cfg)``) or with accelerate's ``device_map`` (a ``TransformerBridge`` over a Hugging
 Face model with ``hf_device_map``) is read on its own devices: every tensor of the
-:class:`~lens_aot.core.spec.ModelSpec`
+:class:`~lens_aot.core.spec.model_spec.ModelSpec`
 stays where the source's was, so each source layer's blocks (its attention block and its neuron blocks) are built on
 that layer's device, and the converted model runs with the source's placement. Its forward moves the residual stream
 to each block's device at block boundaries, as TransformerLens does, and to the unembedding's device at the end.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lens_aot.core.spec import ModelSpec, attention_device
+from lens_aot.core.spec.model_spec import ModelSpec, attention_device
 
 DeviceLike = torch.device | str | int
 

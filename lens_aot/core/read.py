@@ -18,9 +18,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lens_aot.core.dtypes import HALF_DTYPES
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.core.source_layer import source_layer
-from lens_aot.core.spec import ModelSpec
+from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.core.standard_mask_model import StandardMaskModel
 from lens_aot.errors import AlreadyConvertedError, InvalidWeightsError, UnsupportedArchitectureError
 
@@ -36,7 +36,7 @@ def _spec_tensors(spec: ModelSpec) -> list[tuple[str, Tensor | None]]:
             for field, value in vars(obj).items():
                 if isinstance(value, Tensor):
                     named.append((f"blocks.{i}.{part}.{field}", value))
-    head = spec.prediction_head  # ModernBERT-decoder's (lens_aot.core.spec_prediction_head)
+    head = spec.prediction_head  # ModernBERT-decoder's (lens_aot.core.spec.prediction_head)
     if head is not None:
         named += [("prediction_head.W", head.W), ("prediction_head.b", head.b)]
         named += [("prediction_head.ln.w", head.ln.w), ("prediction_head.ln.b", head.ln.b)]

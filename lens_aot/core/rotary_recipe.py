@@ -7,10 +7,10 @@ the fp32 frequency of each column of the rotary module's output (``inv_freq`` la
 module's dtype and then cast as the reader and the user cast it (:attr:`RotaryRecipe.rounded`), ``c(j)`` the module
 column of each table column (the reader's layout: duplicated halves, relayout to adjacent pairs). Such a recipe is
 only ever built after the reader compared it bitwise with the module's own rows over every position ``0..n_ctx-1``
-(:func:`lens_aot.tl.rotary_tables.verified_recipe`); anything else keeps the full tables.
+(:func:`lens_aot.tl.bridge.rotary_tables.verified_recipe`); anything else keeps the full tables.
 
 Llama 4's rotary module returns complex ``freqs_cis = polar(1, pos · f) · s`` instead of ``cos`` / ``sin``
-(``Llama4TextRotaryEmbedding``, read as adjacent-pair tables by :func:`lens_aot.tl.bridge_llama4.complex_tables`).
+(``Llama4TextRotaryEmbedding``, read as adjacent-pair tables by :func:`lens_aot.tl.attention.llama4.complex_tables`).
 A CPU's ``polar`` computes ``cos`` and ``sin`` as scalar library calls, which differ from ``Tensor.cos`` / ``.sin``
 (vectorised) in the last bit at about 5% of the entries, so such a recipe (:attr:`RotaryRecipe.polar`) computes its
 rows with ``polar`` itself, as the module does: its real and imaginary parts.

@@ -1,7 +1,8 @@
 """What the core asks of the layer that reads sources (:mod:`lens_aot.tl`), which registers it at import.
 
 The core imports nothing from ``tl`` (ARCHITECTURE.md, "Layers"): where it needs the TransformerLens layer — reading a
-source into a :class:`~lens_aot.core.spec.ModelSpec`, the third-party class a converted model and its config take,
+source into a :class:`~lens_aot.core.spec.model_spec.ModelSpec`, the third-party class a converted model and its config
+take,
 writing a spec back into a ``HookedTransformer``, SAELens's ``HookedSAETransformer`` — it calls the functions
 :func:`register`\\ ed here. ``lens_aot.tl`` registers them when it is imported, and the top package ``lens_aot``
 imports it, so they are registered before any ``lens_aot`` module can be used (importing ``lens_aot.core.x`` runs
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lens_aot.core.spec import ModelSpec
+    from lens_aot.core.spec.model_spec import ModelSpec
 
 __all__ = ["SourceLayer", "register", "source_layer"]
 

@@ -10,4 +10,4 @@ __all__ = ["StandardMaskModel"]
 
 class StandardMaskModel:
     """Marker base of a model whose masks are encoded in its weights (Theorems 6 and 9 over a whole model): built by
-    lens_aot from a source, but holding no :class:`~lens_aot.core.spec.ModelSpec` to read back."""
+    lens_aot from a source, but holding no :class:`~lens_aot.core.spec.model_spec.ModelSpec` to read back."""

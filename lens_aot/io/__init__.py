@@ -40,10 +40,10 @@ import torch
 from lens_aot.constructions.standard_mask import StandardMaskTransformer
 from lens_aot.core.components.ownership import adopting, sharing
 from lens_aot.core.convert import ConversionReport
-from lens_aot.core.model import AttentionOnlyTransformer
-from lens_aot.core.source_keys import encode as encode_source_keys
-from lens_aot.core.source_keys import own_keys
-from lens_aot.core.source_keys import restore as restore_source_keys
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.source_keys import encode as encode_source_keys
+from lens_aot.core.runtime.source_keys import own_keys
+from lens_aot.core.runtime.source_keys import restore as restore_source_keys
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io.files import (
     CONFIG_FILE,
@@ -104,7 +104,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     """Save a converted model to the directory ``path`` (created if needed; lens_aot's files in it are replaced).
 
     Args:
-        aot: an :class:`~lens_aot.core.model.AttentionOnlyTransformer` (``masks="weights"`` models are refused).
+        aot: an :class:`~lens_aot.core.runtime.model.AttentionOnlyTransformer` (``masks="weights"`` models are refused).
         path: the directory.
         metadata: extra JSON-serialisable information kept in ``config.json`` under ``"metadata"`` (the command line
             records the source model there, for ``lens-aot verify``).
@@ -135,7 +135,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
         "training": bool(aot.training),
         "spec": encoder.spec(spec),
         "activation_fits": encode_fits(dict(aot.cfg.activation_fits)),
-        # Gemma 4's per-layer-input neurons' fits (core/per_layer_fit.py); written only when there are some
+        # Gemma 4's per-layer-input neurons' fits (core/fit/per_layer.py); written only when there are some
         **({"per_layer_fits": encode_fits(per_layer)} if (per_layer := dict(aot.cfg.per_layer_fits)) else {}),
         "flags": {name: bool(getattr(aot.cfg, name)) for name in FLAGS if hasattr(aot.cfg, name)},
     }
@@ -149,7 +149,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     # rebuilt modules take the model's own parameters over (no weight is copied): only their buffers are new.
     with adopting():
         rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits), per_layer or None)
-    with own_keys(aot):  # a bridge source's keys are computed from these (core/source_keys.py), not stored
+    with own_keys(aot):  # a bridge source's keys are computed from these (core/runtime/source_keys.py), not stored
         ours = aot.state_dict()
     theirs = rebuilt.state_dict()
     if set(ours) != set(theirs):
@@ -190,7 +190,8 @@ def load(
             ``aot.to(d)`` of the saved ``aot``, bit for bit.
 
     Returns:
-        An :class:`~lens_aot.core.model.AttentionOnlyTransformer` equal to the saved one (parameters, buffers, config,
+        An :class:`~lens_aot.core.runtime.model.AttentionOnlyTransformer` equal to the saved one (parameters, buffers,
+        config,
         report, tokenizer), whose outputs are bit-identical to the saved model's on the same device and dtype.
 
     Raises:

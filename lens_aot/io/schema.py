@@ -50,10 +50,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lens_aot.core.activations import ActivationFit
-from lens_aot.core.gating import ChainedGatedFit, GatedFit
-from lens_aot.core.moe import MoEFit
-from lens_aot.core.spec import (
+from lens_aot.core.fit.activations import ActivationFit
+from lens_aot.core.fit.gating import ChainedGatedFit, GatedFit
+from lens_aot.core.fit.moe import MoEFit
+from lens_aot.core.fit.xielu import XIELUFit
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
+from lens_aot.core.spec.mla import MLASpec
+from lens_aot.core.spec.model_spec import (
     AttentionSpec,
     LayerSpec,
     MLPSpec,
@@ -63,10 +66,7 @@ from lens_aot.core.spec import (
     OutputGateSpec,
     RotarySpec,
 )
-from lens_aot.core.spec_compressed import CompressedAttentionSpec
-from lens_aot.core.spec_mla import MLASpec
-from lens_aot.core.spec_routed import RoutedAttentionSpec
-from lens_aot.core.xielu import XIELUFit
+from lens_aot.core.spec.routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_hyper as hyper
 from lens_aot.io import schema_per_layer as ple
@@ -202,7 +202,9 @@ class Encoder:
             out["ntk_rotary"] = [self.rotary(r, f"{key}.ntk_rotary.{i}") for i, r in enumerate(attn.ntk_rotary)]
         if attn.chunk is not None:
             out["chunk"] = int(attn.chunk)
-        if attn.kv_from is not None:  # Gemma 4's shared keys and values (core/components/shared_kv_attention.py)
+        if (
+            attn.kv_from is not None
+        ):  # Gemma 4's shared keys and values (core/components/attention/shared_kv_attention.py)
             out["kv_from"] = int(attn.kv_from)
         if attn.temperature_scale is not None:
             out["temperature_scale"] = float(attn.temperature_scale)
@@ -580,7 +582,7 @@ class Decoder:
             obj, path, ("layer", "kind", "act_fn", "gate", "scales", "max_error"), (*ranged, "square_scales")
         )
         u_range, h_range = (None if f.get(k) is None else tuple(float(v) for v in f[k]) for k in ranged[:2])
-        if "square_scales" in f:  # gated squared ReLU (lens_aot.core.gating.chained_gated_fit)
+        if "square_scales" in f:  # gated squared ReLU (lens_aot.core.fit.gating.chained_gated_fit)
             return ChainedGatedFit(
                 act_fn=str(f["act_fn"]),
                 gate=self._sigmoid_sum(f["gate"], f"{path}.gate"),
@@ -616,7 +618,8 @@ class Decoder:
 
 
 def encode_spec(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """A :class:`~lens_aot.core.spec.ModelSpec` as ``(json_value, tensors)`` (tensors keyed ``spec.<field path>``, e.g.
+    """A :class:`~lens_aot.core.spec.model_spec.ModelSpec` as ``(json_value, tensors)`` (tensors keyed ``spec.<field
+    path>``, e.g.
     ``spec.layers.0.attn.W_Q``; the tokenizer is not included). :func:`decode_spec` inverts it."""
     encoder = Encoder()
     return encoder.spec(spec), encoder.tensors

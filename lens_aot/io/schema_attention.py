@@ -1,7 +1,8 @@
-"""The saved form of the attention kinds that are not :class:`~lens_aot.core.spec.AttentionSpec`: multi-head latent
-attention (:class:`~lens_aot.core.spec_mla.MLASpec`, DeepSeek-V2 §2.1) with its optional DeepSeek Sparse Attention
-indexer (:class:`~lens_aot.core.spec_dsa.IndexerSpec`), and JetMoE's mixture of attention heads
-(:class:`~lens_aot.core.spec_routed.RoutedAttentionSpec`); part of :mod:`lens_aot.io.schema`'s format version 2.
+"""The saved form of the attention kinds that are not :class:`~lens_aot.core.spec.model_spec.AttentionSpec`: multi-head
+latent
+attention (:class:`~lens_aot.core.spec.mla.MLASpec`, DeepSeek-V2 §2.1) with its optional DeepSeek Sparse Attention
+indexer (:class:`~lens_aot.core.spec.dsa.IndexerSpec`), and JetMoE's mixture of attention heads
+(:class:`~lens_aot.core.spec.routed.RoutedAttentionSpec`); part of :mod:`lens_aot.io.schema`'s format version 2.
 
 Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
 
@@ -29,10 +30,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec_compressed import CompressedAttentionSpec
-from lens_aot.core.spec_dsa import IndexerSpec
-from lens_aot.core.spec_mla import MLASpec
-from lens_aot.core.spec_routed import RoutedAttentionSpec
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
+from lens_aot.core.spec.dsa import IndexerSpec
+from lens_aot.core.spec.mla import MLASpec
+from lens_aot.core.spec.routed import RoutedAttentionSpec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_compressed
 from lens_aot.io.schema_common import dtype_name, required_norm

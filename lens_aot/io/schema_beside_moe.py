@@ -1,5 +1,5 @@
 """The saved form of Gemma 4's mixture of experts beside the dense MLP
-(:class:`~lens_aot.core.spec_beside_moe.MoEBesideMLPSpec`): an ``moe`` record (:mod:`lens_aot.io.schema_moe`, its
+(:class:`~lens_aot.core.spec.beside_moe.MoEBesideMLPSpec`): an ``moe`` record (:mod:`lens_aot.io.schema_moe`, its
 ``shared`` expert the dense MLP) with one more optional field, written only for such a layer::
 
     beside  {ln_dense_post: norm, ln_moe: norm, ln_moe_post: norm, router_norm: norm, router_scale, per_expert_scale}
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from lens_aot.core.spec import MoESpec
-from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
+from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
+from lens_aot.core.spec.model_spec import MoESpec
 from lens_aot.errors import LoadError
 
 __all__ = ["decode_beside", "encode_beside"]

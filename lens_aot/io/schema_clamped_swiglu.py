@@ -1,4 +1,5 @@
-"""The saved form of GPT-OSS's clamped-SwiGLU MLPs (:class:`~lens_aot.core.clamped_swiglu.ClampedSwiGLUSpec`), part of
+"""The saved form of GPT-OSS's clamped-SwiGLU MLPs (:class:`~lens_aot.core.fit.clamped_swiglu.ClampedSwiGLUSpec`), part
+of
 :mod:`lens_aot.io.schema`'s format::
 
     mlp     {…gated mlp…, clamped_swiglu: {alpha, limit, up_offset?}}
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
-from lens_aot.core.spec import MLPSpec
+from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec
+from lens_aot.core.spec.model_spec import MLPSpec
 from lens_aot.errors import LoadError
 
 __all__ = ["clamped_swiglu_record", "clamped_swiglu_spec"]

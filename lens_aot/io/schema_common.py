@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lens_aot.core.activations import canonical_activation
+from lens_aot.core.fit.activations import canonical_activation
 from lens_aot.errors import LoadError, UnsupportedActivationError
 
 __all__ = ["dtype_name", "known_activation", "required_norm"]

@@ -1,4 +1,4 @@
-"""The saved form of DeepSeek-V4's attention (:class:`~lens_aot.core.spec_compressed.CompressedAttentionSpec`, with its
+"""The saved form of DeepSeek-V4's attention (:class:`~lens_aot.core.spec.compressed.CompressedAttentionSpec`, with its
 optional compressor and Lightning indexer), part of :mod:`lens_aot.io.schema`'s format version 2; a layer's ``attn``
 record of kind ``"compressed"`` (:mod:`lens_aot.io.schema_attention` dispatches here).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec_compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
+from lens_aot.core.spec.compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
 from lens_aot.errors import LoadError
 from lens_aot.io.schema_common import required_norm
 

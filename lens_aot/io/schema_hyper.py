@@ -1,4 +1,4 @@
-"""The saved form of DeepSeek-V4's hyper-connections (:mod:`lens_aot.core.spec_hyper`), part of
+"""The saved form of DeepSeek-V4's hyper-connections (:mod:`lens_aot.core.spec.hyper`), part of
 :mod:`lens_aot.io.schema`'s format version 2.
 
 Schema::
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec_hyper import HyperConnectionSpec, HyperHeadSpec
+from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 from lens_aot.errors import LoadError
 
 __all__ = [

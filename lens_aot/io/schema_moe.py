@@ -1,5 +1,5 @@
-"""The saved form of mixture-of-experts layers (:class:`~lens_aot.core.spec.MoESpec` and
-:class:`~lens_aot.core.moe.MoEFit`), part of :mod:`lens_aot.io.schema`'s format version 2.
+"""The saved form of mixture-of-experts layers (:class:`~lens_aot.core.spec.model_spec.MoESpec` and
+:class:`~lens_aot.core.fit.moe.MoEFit`), part of :mod:`lens_aot.io.schema`'s format version 2.
 
 Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`)::
 
@@ -9,7 +9,7 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
              input_scaled (optional: true when the router weights scale the experts' inputs, Llama 4),
              router (optional: a DeepSeek group-limited router, written only when set),
              hook_names (optional: the experts' hook names when not lens_aot's, "transformer_lens_moe" or
-             "transformer_lens_gpt_oss_moe": lens_aot.core.components.source_expert_hooks),
+             "transformer_lens_gpt_oss_moe": lens_aot.core.components.moe.source_expert_hooks),
              beside (optional: Gemma 4's experts beside the dense MLP, lens_aot.io.schema_beside_moe)}
     router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
@@ -25,10 +25,10 @@ from typing import Any
 
 from torch import Tensor
 
-from lens_aot.core.components.source_expert_hooks import HOOK_NAMES, LENS_AOT
-from lens_aot.core.moe import MoEFit
-from lens_aot.core.moe_routers import GroupRouterSpec
-from lens_aot.core.spec import MoESpec
+from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
+from lens_aot.core.components.moe.source_expert_hooks import HOOK_NAMES, LENS_AOT
+from lens_aot.core.fit.moe import MoEFit
+from lens_aot.core.spec.model_spec import MoESpec
 from lens_aot.errors import LoadError
 from lens_aot.io.schema_beside_moe import decode_beside, encode_beside
 from lens_aot.io.schema_common import dtype_name
@@ -84,7 +84,7 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
 
 
 def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
-    """A DeepSeek router record (lens_aot.core.moe_routers), checked field by field."""
+    """A DeepSeek router record (lens_aot.core.components.moe.moe_routers), checked field by field."""
     if obj is None:
         return None
     f = decoder.fields(obj, path, (*_ROUTER_SCALARS, "e_score_correction_bias"))

@@ -1,4 +1,4 @@
-"""The saved form of Gemma 4's per-layer input embeddings (:mod:`lens_aot.core.spec_per_layer`), part of
+"""The saved form of Gemma 4's per-layer input embeddings (:mod:`lens_aot.core.spec.per_layer`), part of
 :mod:`lens_aot.io.schema`'s format.
 
 Schema (``norm`` as in :mod:`lens_aot.io.schema`)::
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec_per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
+from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
 from lens_aot.io.schema_common import known_activation, required_norm
 
 __all__ = ["decode_inputs", "decode_sublayer", "encode_inputs", "encode_sublayer"]

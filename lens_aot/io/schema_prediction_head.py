@@ -1,4 +1,4 @@
-"""The saved form of a prediction head (:class:`~lens_aot.core.spec_prediction_head.PredictionHeadSpec`,
+"""The saved form of a prediction head (:class:`~lens_aot.core.spec.prediction_head.PredictionHeadSpec`,
 ModernBERT-decoder's ``lm_head``), part of :mod:`lens_aot.io.schema`'s format.
 
 Schema (``norm`` as in :mod:`lens_aot.io.schema`; ``?``: may be null)::
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec_prediction_head import PredictionHeadSpec
+from lens_aot.core.spec.prediction_head import PredictionHeadSpec
 from lens_aot.errors import LoadError
 from lens_aot.io.schema_common import known_activation
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.core.spec import RotarySpec
+from lens_aot.core.spec.model_spec import RotarySpec
 from lens_aot.errors import LoadError
 from lens_aot.io.schema_common import dtype_name
 

@@ -1,4 +1,5 @@
-"""The saved form of xIELU layers (:class:`~lens_aot.core.xielu.XIELUSpec` and :class:`~lens_aot.core.xielu.XIELUFit`),
+"""The saved form of xIELU layers (:class:`~lens_aot.core.fit.xielu.XIELUSpec` and
+:class:`~lens_aot.core.fit.xielu.XIELUFit`),
 part of :mod:`lens_aot.io.schema`'s format.
 
 Schema (``sigmoid_sum`` as in :mod:`lens_aot.io.schema`)::
@@ -16,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lens_aot.core.activations import ActivationFit
-from lens_aot.core.spec import MLPSpec
-from lens_aot.core.xielu import GatedXIELUFit, XIELUFit, XIELUSpec
+from lens_aot.core.fit.activations import ActivationFit
+from lens_aot.core.fit.xielu import GatedXIELUFit, XIELUFit, XIELUSpec
+from lens_aot.core.spec.model_spec import MLPSpec
 
 __all__ = ["SCALARS", "decode_xielu_fit", "encode_xielu_fit", "xielu_record", "xielu_spec"]
 

@@ -7,7 +7,7 @@ Statuses, worst first (a row takes its worst dtype's status; the reason says whi
   :class:`~lens_aot.errors.LensAOTError`, or the family ran past its time limit; the reason is the exception's
   type and message;
 * ``wrong``: converted, but max |Δlogit| against the source exceeds the bound the conversion states
-  (``aot.report.logit_bound``, :mod:`lens_aot.core.faithfulness`), or is not finite;
+  (``aot.report.logit_bound``, :mod:`lens_aot.core.check.faithfulness`), or is not finite;
 * ``refused``: ``convert`` raised a :class:`~lens_aot.errors.LensAOTError`; the reason is its first line;
 * ``unbuilt``: the source itself could not be built or run (transformers or TransformerLens raised), so there is
   nothing to convert; the reason says which step failed;

@@ -2,13 +2,13 @@
 
 * version probes: :func:`has_hooked_transformer`, :func:`tl_version`; what a source is: :func:`is_bridge`,
   :func:`is_hooked_transformer` (all in :mod:`lens_aot.tl.versions`);
-* reading a source into a :class:`~lens_aot.core.spec.ModelSpec`: :func:`read_source` dispatches to
-  :mod:`lens_aot.tl.read_hooked` (HookedTransformer, TransformerLens 3.x) or :mod:`lens_aot.tl.read_bridge`
+* reading a source into a :class:`~lens_aot.core.spec.model_spec.ModelSpec`: :func:`read_source` dispatches to
+  :mod:`lens_aot.tl.hooked.read` (HookedTransformer, TransformerLens 3.x) or :mod:`lens_aot.tl.bridge.read`
   (TransformerBridge, 3.9 and 4.x);
 * writing a model back: :mod:`lens_aot.tl.build` (one builder of a HookedTransformer, or of a native bridge, from a
-  config and a state dict) and :mod:`lens_aot.tl.write_hooked` (a spec's HookedTransformer config and weights);
-* the converted model as a third-party class: :mod:`lens_aot.tl.hooked_model` (``HookedTransformer``),
-  :mod:`lens_aot.tl.bridge_model` (``TransformerBridge``), :mod:`lens_aot.tl.hooked_sae` (SAELens);
+  config and a state dict) and :mod:`lens_aot.tl.hooked.write` (a spec's HookedTransformer config and weights);
+* the converted model as a third-party class: :mod:`lens_aot.tl.hooked.model` (``HookedTransformer``),
+  :mod:`lens_aot.tl.bridge.model` (``TransformerBridge``), :mod:`lens_aot.tl.hooked.sae` (SAELens);
 * hook compatibility lives in the bottom layer, :mod:`lens_aot.hooks` (``hooked``, ``attached_hooks``;
   :mod:`lens_aot.tl.hooks` re-exports them).
 
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import lens_aot.tl.read_bridge as _bridge_reader
-import lens_aot.tl.read_hooked as _hooked_reader
+import lens_aot.tl.bridge.read as _bridge_reader
+import lens_aot.tl.hooked.read as _hooked_reader
 from lens_aot.core.source_layer import SourceLayer, register
-from lens_aot.core.spec import ModelSpec
-from lens_aot.tl.hooked_model import hooked_class, hooked_config_class, hooked_config_dict
-from lens_aot.tl.hooked_sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
+from lens_aot.core.spec.model_spec import ModelSpec
+from lens_aot.tl.hooked.model import hooked_class, hooked_config_class, hooked_config_dict
+from lens_aot.tl.hooked.sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
+from lens_aot.tl.hooked.write import hooked_from_spec
 from lens_aot.tl.versions import has_hooked_transformer, is_bridge, is_hooked_transformer, tl_version
-from lens_aot.tl.write_hooked import hooked_from_spec
 
 __all__ = ["has_hooked_transformer", "is_bridge", "is_hooked_transformer", "read_source", "tl_version"]
 
@@ -41,7 +41,7 @@ def read_source(model: Any) -> ModelSpec | None:
 
     Raises :class:`~lens_aot.errors.UnsupportedArchitectureError` for a TransformerLens model the spec cannot express
     faithfully (the message names the feature and what is supported). The readers are called through their
-    modules (``lens_aot.tl.read_bridge`` stays the module, patchable).
+    modules (``lens_aot.tl.bridge.read`` stays the module, patchable).
     """
     if is_hooked_transformer(model):
         return _hooked_reader.read_hooked_transformer(model)

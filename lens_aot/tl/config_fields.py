@@ -1,5 +1,5 @@
 """Every ``HookedTransformerConfig`` field (TransformerLens 3.9), in exactly one of four lists: what
-:mod:`lens_aot.tl.read_hooked` carries into the spec, what it refuses by name, the run-time switches ``convert``
+:mod:`lens_aot.tl.hooked.read` carries into the spec, what it refuses by name, the run-time switches ``convert``
 carries over, and what does not change the forward.
 
 ``tests/test_hooked_config_fields.py`` enumerates the dataclass's fields and fails on any field in none of the lists
@@ -72,7 +72,7 @@ CARRIED: dict[str, str] = {
     "default_prepend_bos": "ModelSpec.default_prepend_bos",
     "tokenizer_prepends_bos": "ModelSpec.extra",
     "model_name": "ModelSpec.model_name",
-    "num_experts": "MoESpec: one expert MLP per expert (lens_aot.tl.read_moe)",
+    "num_experts": "MoESpec: one expert MLP per expert (lens_aot.tl.moe.read)",
     "experts_per_token": "MoESpec.top_k",
     "norm_topk_prob": "MoESpec.norm_topk_prob",
 }

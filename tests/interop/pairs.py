@@ -15,8 +15,9 @@ Bounds. Logit-space results are judged against ``aot.report.logit_bound`` (``max
 (stacked head / neuron results, residual decompositions, patching metrics on patched runs) is judged against the SAME
 construction applied to ``q`` (:meth:`Pair.bound_for`): ``8·S_q + 4·R_q`` with ``S_q`` the source's own max |Δq| when
 every neuron activation is perturbed by ±ε (its per-neuron bound,
-``lens_aot.core.faithfulness.neuron_sensitivity``) and ``R_q`` the rounding floor at ``q``'s scale
-(``lens_aot.core.faithfulness.rounding_floor``). Both terms are properties of the source, so a wrong conversion cannot
+``lens_aot.core.check.faithfulness.neuron_sensitivity``) and ``R_q`` the rounding floor at ``q``'s scale
+(``lens_aot.core.check.faithfulness.rounding_floor``). Both terms are properties of the source, so a wrong conversion
+cannot
 widen its own tolerance; a quantity the neurons do not reach (layer 0's attention) gets the rounding floor alone.
 
 ``LENS_AOT_INTEROP_SELFCHECK=1`` replaces the converted model by the source itself: every test must pass then too,
@@ -37,7 +38,7 @@ from conftest import HAS_HOOKED_TRANSFORMER
 from torch import Tensor
 
 import lens_aot
-from lens_aot.core.faithfulness import SENSITIVITY_FACTOR, neuron_sensitivity, rounding_floor
+from lens_aot.core.check.faithfulness import SENSITIVITY_FACTOR, neuron_sensitivity, rounding_floor
 
 SELFCHECK = os.environ.get("LENS_AOT_INTEROP_SELFCHECK", "") not in ("", "0")
 
@@ -120,7 +121,7 @@ class Pair:
 
         sensitivity = neuron_sensitivity(run, toks, self.eps, base) if self.eps else 0.0
         rounding = rounding_floor(base.dtype, base, int(self.source.cfg.n_layers))
-        # Logit-space bound's own rounding factor (lens_aot.core.faithfulness.ROUNDING_FACTOR = 4).
+        # Logit-space bound's own rounding factor (lens_aot.core.check.faithfulness.ROUNDING_FACTOR = 4).
         return SENSITIVITY_FACTOR * sensitivity + 4.0 * rounding
 
 

@@ -2,7 +2,7 @@
 
 ``isinstance(aot, TransformerBridge)`` and ``isinstance(aot.cfg, TransformerBridgeConfig)`` hold; every name the
 bridge's classes define is placed (the converted model's own, torch's, an instance attribute, a bridge method that
-applies, or refused by name: :mod:`lens_aot.tl.bridge_model`); every field of the source's config exists with the
+applies, or refused by name: :mod:`lens_aot.tl.bridge.model`); every field of the source's config exists with the
 source's value; ``set_use_*`` and in-place writes into each hook act as on the source (logits within the conversion's
 bound, :meth:`interop.pairs.Pair.bound_for`); and TransformerLens's ``direct_logit_attribution``, which checks
 ``isinstance(model, TransformerBridge)``, gives the source's result (its refusal without compatibility mode, its
@@ -23,7 +23,7 @@ import lens_aot
 from interop.pairs import Pair, _new_family_source, _tokens, answer_pair, assert_close
 from interop.test_inplace_writes import HOOKS, _applies, _switch, _write
 from lens_aot.errors import InputError
-from lens_aot.tl import bridge_model
+from lens_aot.tl.bridge import model as bridge_model
 
 pytestmark = pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="TransformerBridge as a base: TransformerLens 4.x")
 
@@ -92,13 +92,13 @@ def test_class_checks(bpair: Pair) -> None:
 def test_every_bridge_name_is_placed() -> None:
     """Each public name of TransformerBridge's classes is the converted model's own, torch's, an instance attribute,
     one that applies, or refused: a new TransformerLens release with a new method fails here until it is placed."""
-    from lens_aot.core.model import AttentionOnlyTransformer
+    from lens_aot.core.runtime.model import AttentionOnlyTransformer
 
     own = bridge_model._own_names(AttentionOnlyTransformer)
     known = own | set(bridge_model.TORCH) | set(bridge_model.INSTANCE) | set(bridge_model.APPLIES)
     known |= set(bridge_model.INAPPLICABLE)
     unplaced = sorted(n for n in bridge_model._bridge_names() if not n.startswith("_") and n not in known)
-    assert not unplaced, f"TransformerBridge names not placed in lens_aot.tl.bridge_model: {unplaced}"
+    assert not unplaced, f"TransformerBridge names not placed in lens_aot.tl.bridge.model: {unplaced}"
 
 
 @pytest.mark.parametrize("name", sorted(bridge_model.INAPPLICABLE))

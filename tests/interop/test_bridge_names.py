@@ -1,5 +1,5 @@
 """A converted TransformerBridge under the source bridge's ``state_dict`` keys (issue 23, item 3), on every family of
-the support matrix that the running TransformerLens bridges (:mod:`lens_aot.core.source_keys`).
+the support matrix that the running TransformerLens bridges (:mod:`lens_aot.core.runtime.source_keys`).
 
 Per family, float32, random weights: every key of ``source.state_dict()`` is in ``aot.state_dict()`` with the
 source's shape and values (exactly; Gemma-style offset norms to an ulp of 1); the source's state dict loads into the
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import lens_aot
-from lens_aot.core.source_keys import OFFSETS, SourceKey
+from lens_aot.core.runtime.source_keys import OFFSETS, SourceKey
 from lens_aot.matrix import matrix_families
 from lens_aot.matrix.families import Family, build_hf_model
 from lens_aot.matrix.measure import _source, tokens_for

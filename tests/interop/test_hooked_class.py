@@ -20,10 +20,10 @@ from conftest import HAS_HOOKED_TRANSFORMER
 import lens_aot
 from interop.pairs import Pair, assert_close
 from lens_aot.errors import InputError, LensAOTError
-from lens_aot.tl.hooked_model import INAPPLICABLE
+from lens_aot.tl.hooked.model import INAPPLICABLE
 
 hooked_only = pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="HookedTransformer exists in TransformerLens 3.x")
-# fields describing the model object's state rather than the model (lens_aot.tl.hooked_model._STATE_FIELDS)
+# fields describing the model object's state rather than the model (lens_aot.tl.hooked.model._STATE_FIELDS)
 STATE = {"use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in", "ungroup_grouped_query_attention"}
 STATE |= {"dtype", "device", "n_devices", "model_name", "default_prepend_bos"}
 STATE |= {"seed"}  # the source object's random seed

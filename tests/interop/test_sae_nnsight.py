@@ -126,11 +126,12 @@ def test_nnsight_sees_every_hook_point(pair: Pair) -> None:
 
 
 def test_nnsight_sees_whole_head_tensors_where_heads_run_in_chunks(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same with the heads' row chunks at every size (:mod:`lens_aot.core.components.head_chunks`): a hook point
+    """The same with the heads' row chunks at every size (:mod:`lens_aot.core.components.attention.head_chunks`): a
+    hook point
     nnsight wraps (an instance ``forward``) keeps its module on the per-head path, so ``hook_z.output`` is still the
     whole tensor, equal to the cached one. Without gradients (a gradient through the heads keeps them whole too)."""
-    from lens_aot.core.components import head_chunks
-    from lens_aot.core.components.neuron_attention import SelfAndSlotHeads
+    from lens_aot.core.components.attention import head_chunks
+    from lens_aot.core.components.mlp.neuron_attention import SelfAndSlotHeads
 
     monkeypatch.setattr(SelfAndSlotHeads, "PACKED_MIN_ELEMENTS", 0)
     monkeypatch.setattr(head_chunks, "CHUNK_ELEMENTS", 64)

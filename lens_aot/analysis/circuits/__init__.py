@@ -9,7 +9,7 @@ or ``(sub-layer, head)`` with the sub-layer's index in the paper's flat order (`
 attention, layer 0's neuron heads, layer 1's attention, ...).
 
 **Neuron heads and the bias slot.** A neuron head (Huben & Morris 2023, Theorem 3; see
-:mod:`lens_aot.core.components.neuron_attention`) has key 0 at every real position (``W_K = 0``, ``b_K = 0``) and a
+:mod:`lens_aot.core.components.mlp.neuron_attention`) has key 0 at every real position (``W_K = 0``, ``b_K = 0``) and a
 persistent memory key ``k_bias = −1`` (the *bias slot*, value ``v_bias = 0``). Its ``W_Q W_Kᵀ`` is the zero matrix
 although the head is far from inert: what it decides is self-versus-slot, with score difference
 ``q·(k_self − k_bias) = q = b_k·z + d_k``. So every QK circuit here is taken over the keys the head really has: the
@@ -56,7 +56,7 @@ heads (score 0).
 **Attribution graphs** (:func:`attribution_graph`, :class:`AttributionGraph`; docs/attribution-graphs.md): one
 prompt's graph of direct effects between the model's own neurons (and optionally heads), with the attention patterns
 and norm scales frozen, exact with no error node; circuit-tracer's pruning, scores and graph JSON
-(:mod:`~lens_aot.analysis.circuits.attribution_graph`).
+(:mod:`~lens_aot.analysis.attribution_graphs.graph`).
 
 Modules: :mod:`~lens_aot.analysis.circuits.names` (how sub-layers and heads are addressed, what each reads, and the
 cache keys: the one place to adapt to a change of the model's layout; parsing is :mod:`lens_aot.core.names`'s),
@@ -64,7 +64,8 @@ cache keys: the one place to adapt to a change of the model's layout; parsing is
 (QK / OV circuits, scores from a cache) and :mod:`~lens_aot.analysis.circuits.composition` (composition scores).
 """
 
-from lens_aot.analysis.circuits.attribution_graph import AttributionGraph, attribution_graph
+from lens_aot.analysis.attribution_graphs.graph import AttributionGraph, attribution_graph
+from lens_aot.analysis.attribution_graphs.verify import GraphVerification
 from lens_aot.analysis.circuits.compare import GranularityComparison, compare_granularities
 from lens_aot.analysis.circuits.composition import CompositionScores, composition_score, composition_scores
 from lens_aot.analysis.circuits.discover import discover
@@ -72,7 +73,6 @@ from lens_aot.analysis.circuits.draw import Drawing, draw_graph
 from lens_aot.analysis.circuits.evaluate import Baseline, evaluate, evaluate_baseline
 from lens_aot.analysis.circuits.faithfulness import MIB_SIZES, FaithfulnessCurve, MetricGapWarning, faithfulness_curve
 from lens_aot.analysis.circuits.graph import Edge, Graph
-from lens_aot.analysis.circuits.graph_verify import GraphVerification
 from lens_aot.analysis.circuits.names import HeadLike, SublayerLike, as_head_ref, head_label, neuron_sublayers
 from lens_aot.analysis.circuits.qk_ov import (
     circuit_input,

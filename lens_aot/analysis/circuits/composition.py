@@ -15,7 +15,7 @@ from torch import Tensor
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits import names
 from lens_aot.analysis.circuits.weights import _fold_norm, _has_neuron_layout, _neuron_out_rows, _pad_cols
-from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 
 Mode = Literal["Q", "K", "V"]

@@ -40,7 +40,7 @@ from lens_aot.analysis.circuits.layout import (
 from lens_aot.analysis.circuits.moe import NeuronGroup, gate_values, gated_outputs, group_of, neuron_groups
 from lens_aot.analysis.circuits.node_names import node_address
 from lens_aot.analysis.progress import Progress, progress_bar
-from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
+from lens_aot.core.components.moe.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
 
 

@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
+from lens_aot.core.components.moe.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
 
 
@@ -57,7 +57,7 @@ def head_out(
 
 
 def is_moe(aot: Any, layer: int) -> bool:
-    """Whether layer ``layer``'s MLP is a mixture of experts (a router and experts, :mod:`lens_aot.core.moe`)."""
+    """Whether layer ``layer``'s MLP is a mixture of experts (a router and experts, :mod:`lens_aot.core.fit.moe`)."""
     return has_mlp(aot, layer) and hasattr(aot.blocks[layer].mlp, "experts")
 
 
@@ -88,7 +88,7 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
                 f"part of the layer; patch it by hook name (blocks.{layer}.per_layer.hook_out) or with patch_heads / "
                 "patch_neurons, which rerun the whole model"
             )
-        if getattr(getattr(block, "mlp", None), "reads_residual", False):  # core/components/moe_beside_mlp.py
+        if getattr(getattr(block, "mlp", None), "reads_residual", False):  # core/components/moe/moe_beside_mlp.py
             raise InputError(
                 f"layer {layer} mlp: Gemma 4's mixture of experts beside the dense MLP normalises each branch's output "
                 "and its router and experts read the raw residual through their own norms, which no node or edge of "
@@ -99,7 +99,7 @@ def check_supported(aot: Any, granularity: str = "mlp") -> None:
     for layer in range(len(aot.blocks)):
         if not is_moe(aot, layer):
             continue
-        if getattr(aot.blocks[layer].mlp, "input_scaled", False):  # Llama 4 (core/components/input_scaled_moe.py)
+        if getattr(aot.blocks[layer].mlp, "input_scaled", False):  # Llama 4 (core/components/moe/input_scaled_moe.py)
             raise InputError(
                 f"layer {layer} mlp: its router weights scale each expert's input (Llama 4), inside the activation, "
                 "so an expert neuron is no router gate times a neuron node; use granularity='mlp'"

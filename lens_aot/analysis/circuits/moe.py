@@ -1,9 +1,9 @@
 """Neurons as circuit nodes, grouped by the MLP (or mixture-of-experts expert) that holds them (issue 24).
 
 A dense MLP ``l`` has one group of neurons, nodes ``m{l}.n{i}``. A mixture-of-experts layer
-(:class:`~lens_aot.core.components.moe_mlp.MoEMLP`) has one group per routed expert, nodes ``m{l}.e{e}.n{i}``, and
+(:class:`~lens_aot.core.components.moe.moe_mlp.MoEMLP`) has one group per routed expert, nodes ``m{l}.e{e}.n{i}``, and
 its shared expert's neurons are ordinary neuron nodes ``m{l}.n{i}`` (issue 22: shared experts are ordinary neuron
-heads). Every expert is a :class:`~lens_aot.core.components.neuron_mlp.NeuronMLP` of neuron heads (Huben & Morris
+heads). Every expert is a :class:`~lens_aot.core.components.mlp.neuron_mlp.NeuronMLP` of neuron heads (Huben & Morris
 2023, Theorem 3, per expert), so each expert neuron is a unit with its own input, like a dense neuron:
 
 * as a **sender** neuron ``i`` of a group writes ``g(x)·post_i(x)·W_out[i]`` into the residual, where ``g`` is the

@@ -2,8 +2,9 @@
 
 A *sub-layer* is one head module in the paper's flat order (``aot.sublayers()``: layer 0's ``blocks.0.attn``, then
 its MLP's neuron-head modules ``blocks.0.mlp.heads`` or ``blocks.0.mlp.gate_heads`` / ``product_heads``, then layer
-1, ...). It is given as a :class:`~lens_aot.core.model.Sublayer`, its index in that order, or its module name. A
-head is a :class:`~lens_aot.core.model.HeadRef` ``(module name, head)``, ``(sub-layer, head)`` (``(0, 3)`` is head 3
+1, ...). It is given as a :class:`~lens_aot.core.runtime.model.Sublayer`, its index in that order, or its module name. A
+head is a :class:`~lens_aot.core.runtime.model.HeadRef` ``(module name, head)``, ``(sub-layer, head)`` (``(0, 3)`` is
+head 3
 of sub-layer 0, ``("blocks.1.mlp.heads", 5)`` head 5 of that module) or a label: ``"L1H3"`` (attention head 3 of
 layer 1) or ``"L1N17.2"`` (head 2 of ``aot.neuron_heads(1, 17)``). Names and labels are parsed by
 :mod:`lens_aot.core.names`.
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.core import names as core_names
-from lens_aot.core.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
 
 HeadLike = HeadRef | tuple[int, int] | tuple[str, int] | str

@@ -28,7 +28,7 @@ from lens_aot.analysis.circuits.names import (
     writes_scratch,
 )
 from lens_aot.analysis.circuits.weights import HeadWeights, _fold_norm, _pad_cols, head_weights
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 
@@ -198,7 +198,7 @@ def circuit_input(
     if scratch.shape[:-1] != main.shape[:-1]:  # a TransformerLens MoE's expert, cached on its routed rows
         raise InputError(
             f"{scratch_hook(s)} holds the expert's routed rows {list(scratch.shape)}, not every position; cache it "
-            "within lens_aot.core.components.source_expert_hooks.dense_expert_hooks(aot)"
+            "within lens_aot.core.components.moe.source_expert_hooks.dense_expert_hooks(aot)"
         )
     return torch.cat([main, scratch], dim=-1)
 

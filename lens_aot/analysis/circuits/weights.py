@@ -15,7 +15,7 @@ from torch import Tensor
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_module, head_norm, sublayer
 from lens_aot.core.components import NeuronAttention
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 
 # one head's weight shapes (``r``: its internal dimension, ``s``: its memory slots)
 Reads: TypeAlias = Float[Tensor, "d_model r"]

@@ -27,7 +27,8 @@ are recomputed) and records the receivers' inputs (or the logits); step 2 runs t
 receiver inputs patched, everything else free. Neuron heads are heads, so "every other head frozen" freezes the
 MLPs too: a path through a neuron is not direct (``recompute="neurons"`` lets the MLPs respond, as the IOI paper did).
 
-For a neuron head (:mod:`lens_aot.core.components.neuron_attention`) ``hook_q = b_k·z + d_k`` sets the gate ``σ(q)`` and
+For a neuron head (:mod:`lens_aot.core.components.mlp.neuron_attention`) ``hook_q = b_k·z + d_k`` sets the gate
+``σ(q)`` and
 ``hook_v = α_k·z + β_k`` is the value, both affine in the neuron's pre-activation ``z``: "through q" is the path
 through the neuron's gate, "through v" the path through its value. ``hook_k`` is constant (``W_K = 0``): no path
 enters a neuron head through k.

@@ -46,7 +46,7 @@ from lens_aot.analysis.patching.units import (
     _z_hook,
 )
 from lens_aot.analysis.progress import Progress, show_progress
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 if TYPE_CHECKING:

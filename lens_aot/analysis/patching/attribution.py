@@ -85,8 +85,8 @@ from lens_aot.analysis.patching.units import (
 )
 from lens_aot.analysis.progress import Progress
 from lens_aot.core.components import NeuronAttention, ProductAttention
-from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.names import neuron_label
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, one_of
 
 if TYPE_CHECKING:

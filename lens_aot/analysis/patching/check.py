@@ -23,7 +23,7 @@ from lens_aot.analysis.patching.path import path_patch
 from lens_aot.analysis.patching.results import PatchingResult, PathPatchingResult, Ranking
 from lens_aot.analysis.patching.units import _receiver_label
 from lens_aot.analysis.progress import Progress
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 __all__ = ["Verification", "verify_attribution"]

@@ -50,7 +50,7 @@ from lens_aot.analysis.patching.units import (
 )
 from lens_aot.analysis.progress import Progress
 from lens_aot.core.components import Attention, ProductAttention
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 __all__ = ["attribute_edges"]

@@ -16,8 +16,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.components import NeuronAttention, ProductAttention
-from lens_aot.core.model import AttentionOnlyTransformer
 from lens_aot.core.names import mlp_of, module_expert, parse_module
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import UnsupportedArchitectureError
 
 # rank of a head module within its layer, in forward order
@@ -132,7 +132,7 @@ def _final_resid_hook(aot: AttentionOnlyTransformer) -> str:
 def _linear_scratch(aot: AttentionOnlyTransformer, name: str) -> bool:
     """Whether gate module ``name``'s output ``Σ_h z_h·W_O[h]`` is what its product heads read (``hook_gate``); False
     for a gated relu² / xIELU MLP, whose product heads read a product of it
-    (:class:`~lens_aot.core.components.chained_gated_mlp.ChainedGatedMLP`)."""
+    (:class:`~lens_aot.core.components.mlp.chained_gated_mlp.ChainedGatedMLP`)."""
     return bool(getattr(aot.get_submodule(mlp_of(name)), "linear_scratch", True))
 
 

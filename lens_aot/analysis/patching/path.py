@@ -53,7 +53,7 @@ from lens_aot.analysis.patching.units import (
     _z_hook,
 )
 from lens_aot.analysis.progress import Progress
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 
 __all__ = ["path_patch"]
 

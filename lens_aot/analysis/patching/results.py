@@ -31,8 +31,8 @@ from lens_aot.analysis.patching.units import (
     _NeuronBlock,
     _receiver_label,
 )
-from lens_aot.core.model import HeadRef
 from lens_aot.core.names import parse_label
+from lens_aot.core.runtime.model import HeadRef
 from lens_aot.errors import InputError
 
 __all__ = ["PatchEntry", "PatchingResult", "PathPatchingResult"]

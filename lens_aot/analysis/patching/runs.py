@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 
 from lens_aot.analysis.patching.options import Direction, Method, Metric, ReceiverInput, TokensLike
 from lens_aot.analysis.progress import Progress, progress_bar, show_progress
-from lens_aot.core.components.source_expert_hooks import dense_expert_hooks
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.components.moe.source_expert_hooks import dense_expert_hooks
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, one_of
 
 Hook: TypeAlias = tuple[str, Callable[..., Any]]

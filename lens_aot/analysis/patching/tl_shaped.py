@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.units import PatchUnit, _Index
-from lens_aot.core.model import AttentionOnlyTransformer
+from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
 __all__ = [

@@ -70,9 +70,9 @@ from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exporte
     _writes_linearly,
     _z_hook,
 )
-from lens_aot.core.model import AttentionOnlyTransformer, HeadRef
+from lens_aot.core.fit.per_layer import neuron_parts
 from lens_aot.core.names import head_label, module_expert, neuron_label, parse_label, parse_module
-from lens_aot.core.per_layer_fit import neuron_parts
+from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadRef
 from lens_aot.errors import InputError
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.ownership import parameter
-from lens_aot.core.kv_cache import position_rows
+from lens_aot.core.runtime.kv_cache import position_rows
 
 
 class Embed(nn.Module):

@@ -4,12 +4,13 @@ Each variant's component lives in its own file and knows nothing of the others; 
 here only, by the spec's type (and, for a plain MLP, by its fit's type), so adding a variant adds a row to a table
 rather than a branch inside another variant's file (ARCHITECTURE.md, "Layers").
 
-* :data:`ATTENTION`: an attention spec → its component, :class:`~lens_aot.core.components.attention.Attention` when
+* :data:`ATTENTION`: an attention spec → its component,
+:class:`~lens_aot.core.components.attention.attention.Attention` when
   no row matches;
-* :data:`MOE`: a mixture-of-experts spec → its component, :class:`~lens_aot.core.components.moe_mlp.MoEMLP` when no
+* :data:`MOE`: a mixture-of-experts spec → its component, :class:`~lens_aot.core.components.moe.moe_mlp.MoEMLP` when no
   row matches (``input_scaled`` Llama 4 routers scale the experts' inputs: ``InputScaledMoEMLP``);
 * :data:`NEURON_MLP_BY_SPEC` / :data:`NEURON_MLP_BY_FIT`: a source MLP and its fit → its neuron heads (Huben &
-  Morris 2023, Theorem 3), :class:`~lens_aot.core.components.neuron_mlp.NeuronMLP` when no row matches.
+  Morris 2023, Theorem 3), :class:`~lens_aot.core.components.mlp.neuron_mlp.NeuronMLP` when no row matches.
 """
 
 from __future__ import annotations
@@ -19,26 +20,26 @@ from typing import Any
 
 from torch import nn
 
-from lens_aot.core.clamped_swiglu import ClampedSwiGLUSpec
-from lens_aot.core.components.attention import Attention
-from lens_aot.core.components.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP
-from lens_aot.core.components.clamped_swiglu_mlp import ClampedSwiGLUMLP
-from lens_aot.core.components.compressed_attention import CompressedAttention
-from lens_aot.core.components.input_scaled_moe import InputScaledMoEMLP
-from lens_aot.core.components.mla_attention import MLAAttention
-from lens_aot.core.components.moe_beside_mlp import MoEBesideMLP
-from lens_aot.core.components.moe_mlp import MoEMLP
-from lens_aot.core.components.neuron_mlp import NeuronMLP
-from lens_aot.core.components.routed_attention import RoutedAttention
-from lens_aot.core.components.squared_relu_mlp import SquaredReLUMLP
-from lens_aot.core.components.xielu_mlp import XIELUMLP
-from lens_aot.core.gating import ChainedGatedFit, GatedFit
-from lens_aot.core.spec import AttentionSpec, MLPSpec, MoESpec, RotarySpec
-from lens_aot.core.spec_beside_moe import MoEBesideMLPSpec
-from lens_aot.core.spec_compressed import CompressedAttentionSpec
-from lens_aot.core.spec_mla import MLASpec
-from lens_aot.core.spec_routed import RoutedAttentionSpec
-from lens_aot.core.xielu import GatedXIELUFit, XIELUFit
+from lens_aot.core.components.attention.attention import Attention
+from lens_aot.core.components.attention.compressed_attention import CompressedAttention
+from lens_aot.core.components.attention.mla_attention import MLAAttention
+from lens_aot.core.components.attention.routed_attention import RoutedAttention
+from lens_aot.core.components.mlp.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP
+from lens_aot.core.components.mlp.clamped_swiglu_mlp import ClampedSwiGLUMLP
+from lens_aot.core.components.mlp.neuron_mlp import NeuronMLP
+from lens_aot.core.components.mlp.squared_relu_mlp import SquaredReLUMLP
+from lens_aot.core.components.mlp.xielu_mlp import XIELUMLP
+from lens_aot.core.components.moe.input_scaled_moe import InputScaledMoEMLP
+from lens_aot.core.components.moe.moe_beside_mlp import MoEBesideMLP
+from lens_aot.core.components.moe.moe_mlp import MoEMLP
+from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec
+from lens_aot.core.fit.gating import ChainedGatedFit, GatedFit
+from lens_aot.core.fit.xielu import GatedXIELUFit, XIELUFit
+from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
+from lens_aot.core.spec.mla import MLASpec
+from lens_aot.core.spec.model_spec import AttentionSpec, MLPSpec, MoESpec, RotarySpec
+from lens_aot.core.spec.routed import RoutedAttentionSpec
 
 __all__ = ["ATTENTION", "MOE", "NEURON_MLP_BY_FIT", "NEURON_MLP_BY_SPEC", "attention_module", "moe_mlp", "neuron_mlp"]
 
@@ -81,8 +82,8 @@ def attention_module(spec: AttentionSpec | Any, causal: bool, rotary: RotarySpec
 
 def moe_mlp(spec: MoESpec, build_expert: ExpertBuilder) -> MoEMLP:
     """The MoE component ``spec`` describes: a row of :data:`MOE` (beside a dense MLP, Gemma 4:
-    :class:`~lens_aot.core.components.moe_beside_mlp.MoEBesideMLP`), else, when its router weights scale the
-    experts' inputs (Llama 4), :class:`~lens_aot.core.components.input_scaled_moe.InputScaledMoEMLP`, else
+    :class:`~lens_aot.core.components.moe.moe_beside_mlp.MoEBesideMLP`), else, when its router weights scale the
+    experts' inputs (Llama 4), :class:`~lens_aot.core.components.moe.input_scaled_moe.InputScaledMoEMLP`, else
     :class:`MoEMLP`."""
     build = _row(MOE, spec)
     if build is not None:
@@ -96,7 +97,7 @@ def neuron_mlp(mlp: MLPSpec | MoESpec, fit: Any) -> nn.Module:
     """A source MLP as neuron heads: a row of :data:`NEURON_MLP_BY_SPEC` (GPT-OSS's clamped SwiGLU), a row of
     :data:`NEURON_MLP_BY_FIT` (xIELU), a :class:`SquaredReLUMLP` (a plain MLP with a :class:`GatedFit`: squared
     ReLU) or a :class:`NeuronMLP`; for a mixture of experts a :func:`moe_mlp` of them (``fit`` a
-    :class:`~lens_aot.core.moe.MoEFit`)."""
+    :class:`~lens_aot.core.fit.moe.MoEFit`)."""
     if isinstance(mlp, MoESpec):
         return moe_mlp(mlp, lambda expert, e: neuron_mlp(expert, fit.shared if e is None else fit.experts[e]))
     build = _row(NEURON_MLP_BY_SPEC, mlp) or _row(NEURON_MLP_BY_FIT, fit)

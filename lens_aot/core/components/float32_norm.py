@@ -24,9 +24,9 @@ from torch import Tensor
 
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import through_hook
-from lens_aot.core.components.qk_norm import QKNorm
-from lens_aot.core.components.qk_norm_after_rotary import PostRotaryQKNorm
-from lens_aot.core.spec import NormSpec, QKNormScope
+from lens_aot.core.components.scores.qk_norm import QKNorm
+from lens_aot.core.components.scores.qk_norm_after_rotary import PostRotaryQKNorm
+from lens_aot.core.spec.model_spec import NormSpec, QKNormScope
 
 
 class ScaleInComputeDtypeNorm(Norm):

@@ -9,7 +9,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.ownership import exported, parameter, through_hook
 from lens_aot.core.dtypes import HALF_DTYPES
-from lens_aot.core.spec import NormKind, NormSpec
+from lens_aot.core.spec.model_spec import NormKind, NormSpec
 
 
 class Norm(nn.Module):

@@ -1,6 +1,7 @@
 """Whether a new module copies the tensors it is built from or takes them over (conversion without a second copy).
 
-``lens_aot.convert`` reads the source into a :class:`~lens_aot.core.spec.ModelSpec` of fresh tensors and builds the
+``lens_aot.convert`` reads the source into a :class:`~lens_aot.core.spec.model_spec.ModelSpec` of fresh tensors and
+builds the
 converted model inside :func:`adopting`: each component then takes the spec's tensor as its parameter instead of
 copying it, so conversion holds one copy of the weights (the converted model's), not two. Outside :func:`adopting`
 (a hand-built spec, ``load``, ``revert``) components copy, so a model never shares storage with its inputs.
@@ -11,7 +12,7 @@ one copy of those weights between them.
 Constant tables (rotary ``cos`` / ``sin``) are the same for every layer: within :func:`one_table_per_model` (the
 model's build) each is copied (or taken over) once per device and that one buffer is shared by the layers. Inside
 :func:`borrowing` components use the given tensors themselves: for throw-away modules that check a reading against
-the source's recorded output (:mod:`lens_aot.tl.read_bridge`) and are dropped at once, never returned.
+the source's recorded output (:mod:`lens_aot.tl.bridge.read`) and are dropped at once, never returned.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def table(t: Tensor, device: torch.device) -> Tensor:
 
 def shared(key: tuple[Any, ...], holder: Any, make: Callable[[], Any]) -> Any:
     """``make()`` made once per ``key`` inside :func:`one_table_per_model` and then the same object for every layer
-    that asks (the rows a rotary recipe's layers keep, components/rotary_rows.py); ``holder`` (what ``key`` names by
+    that asks (the rows a rotary recipe's layers keep, components/scores/rotary_rows.py); ``holder`` (what ``key``
+    names by
     id) is kept meanwhile so that its id is not reused. Outside, a new one each time."""
     memo = _TABLES.get()
     if memo is None:
@@ -130,7 +132,7 @@ _SHARING: ContextVar[bool] = ContextVar("lens_aot_sharing", default=False)
 def sharing() -> Iterator[None]:
     """Within, ``spec()`` / ``to_spec()`` return the model's own tensors (detached) instead of copies: for writing
     them out (``lens_aot.save``) without a second copy of the weights. A HookedTransformer's reader
-    (:mod:`lens_aot.tl.read_hooked`) then reads the source's own tensors too (``convert(share_weights=True)``)."""
+    (:mod:`lens_aot.tl.hooked.read`) then reads the source's own tensors too (``convert(share_weights=True)``)."""
     with _set_within(_SHARING, True):
         yield
 

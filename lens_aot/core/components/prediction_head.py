@@ -14,10 +14,10 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.activations import reference_activation
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.ownership import exported, parameter
-from lens_aot.core.spec_prediction_head import PredictionHeadSpec
+from lens_aot.core.fit.activations import reference_activation
+from lens_aot.core.spec.prediction_head import PredictionHeadSpec
 
 __all__ = ["PredictionHead"]
 

@@ -1,9 +1,10 @@
 """The skeleton both whole models share: token and position embeddings, a stack of
-:class:`~lens_aot.core.components.block.TransformerBlock`, the final norm and the unembedding, built from a
-:class:`~lens_aot.core.spec.ModelSpec`.
+:class:`~lens_aot.core.components.residual.block.TransformerBlock`, the final norm and the unembedding, built from a
+:class:`~lens_aot.core.spec.model_spec.ModelSpec`.
 
-:class:`~lens_aot.core.model.AttentionOnlyTransformer` (blocks with neuron-head MLPs) and
-:class:`~lens_aot.core.reference.MLPTransformer` (blocks with the source's MLPs) differ only in their blocks and in what
+:class:`~lens_aot.core.runtime.model.AttentionOnlyTransformer` (blocks with neuron-head MLPs) and
+:class:`~lens_aot.core.check.reference.MLPTransformer` (blocks with the source's MLPs) differ only in their blocks and
+in what
 their forward passes offer.
 """
 
@@ -19,20 +20,20 @@ from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.block import TransformerBlock
+from lens_aot.core.components.attention.shared_kv_attention import SharedKVBoxes
 from lens_aot.core.components.embed import Embed, PosEmbed, Unembed
 from lens_aot.core.components.float32_norm import make_norm
-from lens_aot.core.components.hyper_block import HyperConnectionBlock
-from lens_aot.core.components.hyper_connection import HyperConnection, HyperHead, expand_streams
 from lens_aot.core.components.logit_scale import LogitScale
 from lens_aot.core.components.ownership import one_table_per_model
-from lens_aot.core.components.per_layer_inputs import PerLayerInputs, PerLayerInputStore
-from lens_aot.core.components.per_layer_sublayer import PerLayerSublayer
-from lens_aot.core.components.post_ln_block import PostLNBlock
 from lens_aot.core.components.prediction_head import PredictionHead
-from lens_aot.core.components.shared_kv_attention import SharedKVBoxes
+from lens_aot.core.components.residual.block import TransformerBlock
+from lens_aot.core.components.residual.hyper_block import HyperConnectionBlock
+from lens_aot.core.components.residual.hyper_connection import HyperConnection, HyperHead, expand_streams
+from lens_aot.core.components.residual.per_layer_inputs import PerLayerInputs, PerLayerInputStore
+from lens_aot.core.components.residual.per_layer_sublayer import PerLayerSublayer
+from lens_aot.core.components.residual.post_ln_block import PostLNBlock
 from lens_aot.core.components.soft_cap import SoftCap
-from lens_aot.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec
+from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, ModelSpec, MoESpec
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 @dataclass(kw_only=True)
 class SourceConfig:
     """The TransformerLens config fields that describe the source model itself, with the source's meaning: the
-    reference model's whole config, and the start of the converted model's (:class:`~lens_aot.core.model.AOTConfig`).
+    reference model's whole config, and the start of the converted model's
+    (:class:`~lens_aot.core.runtime.model.AOTConfig`).
     """
 
     n_layers: int  # source layers (one block each)
@@ -165,7 +167,7 @@ class SpecTransformer(HookedRootModule):
                     continue
                 blocks.append(block(*norms, post_norm=ls.post_norm, **scalar))
         # HookedRootModule's, by name: under TransformerLens 3.x the converted model's class also derives from
-        # HookedTransformer (lens_aot.tl.hooked_model), whose __init__ builds a model of its own
+        # HookedTransformer (lens_aot.tl.hooked.model), whose __init__ builds a model of its own
         HookedRootModule.__init__(self)
         ple = None if spec.per_layer_inputs is None else PerLayerInputs(spec.per_layer_inputs, store)
         self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln), ple)
@@ -232,7 +234,8 @@ class SpecTransformer(HookedRootModule):
 
 
 def hyper_block(layer: int, spec: LayerSpec, pieces: tuple[Any, ...]) -> nn.Module:
-    """DeepSeek-V4's layer ``layer`` (:mod:`~lens_aot.core.components.hyper_block`) from its spec and the pieces built
+    """DeepSeek-V4's layer ``layer`` (:mod:`~lens_aot.core.components.residual.hyper_block`) from its spec and the
+    pieces built
     for a plain block (``ln1``, attention, ``ln2``, MLP, ...); refuses what its source never combines with them."""
     ln1, attn, ln2, mlp, parallel, ln1_post, ln2_post = pieces
     others = [name for name, on in (("a parallel layout", parallel), ("sandwich norms", ln1_post or ln2_post)) if on]

@@ -2,11 +2,12 @@
 
 In the default mode every neuron-head module builds its per-head ``q``, ``v`` and ``z`` ([batch, pos, head, 1],
 ``K``·``d_mlp`` heads per MLP: 6 MB per tensor at 256 tokens and 1,024 neurons with K = 6) for its hook points
-(Theorem 3's heads, :mod:`lens_aot.core.components.neuron_attention`). Allocated afresh in every layer, buffers of
+(Theorem 3's heads, :mod:`lens_aot.core.components.mlp.neuron_attention`). Allocated afresh in every layer, buffers of
 that size are mapped and unmapped by the C allocator each time: on CPU the page faults cost about as much as the
 arithmetic. While nothing can observe them (no hook on the module's hook points, no global module hook, no
 gradient), the tensors live only until the next line that reads them (and are computed a few rows at a time,
-:mod:`~lens_aot.core.components.head_chunks`), so :func:`forward_workspace` (opened by the converted model's forward)
+:mod:`~lens_aot.core.components.attention.head_chunks`), so :func:`forward_workspace` (opened by the converted model's
+forward)
 lends one buffer per slot to every layer in turn. A workspace of at most
 :data:`RETAINED_BYTES` is kept for the next forward pass (one per process, taken by one forward at a time), so
 small-batch CPU work maps no new pages at all; a larger one is dropped when its forward ends. Outside

@@ -1,0 +1,84 @@
+"""DeepSeek Sparse Attention's indexer (:class:`~lens_aot.core.spec.dsa.IndexerSpec`): which keys each query keeps.
+
+It is carried as the source computes it (GLM-MoE-DSA, DeepSeek-V3.2; transformers' ``GlmMoeDsaIndexer``): its own
+query and key projections and float32 scores, the top-k keys per query, and the result as a mask on the attention's
+scores, with hooks ``hook_index_scores`` [batch, query, key] (float32; ``-inf`` where the causal or padding mask
+hides the key) and ``hook_index_mask`` [batch, query, key] (True: the key is kept). The attention heads themselves
+stay attention heads (:mod:`lens_aot.core.components.attention.mla_attention`); only the MLPs become neuron heads
+(Huben &
+Morris 2023, Theorem 3).
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor, nn
+from torch.nn import functional as F
+from transformer_lens.hook_points import HookPoint
+
+from lens_aot.core.components.norm import Norm
+from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.scores.rope import rotate_rope
+from lens_aot.core.spec.dsa import IndexerSpec
+
+
+class SparseIndexer(nn.Module):
+    """The indexer of one sparse-attention layer (module docstring)."""
+
+    def __init__(self, spec: IndexerSpec) -> None:
+        super().__init__()
+        self.W_q = parameter(spec.W_q)
+        self.W_k = parameter(spec.W_k)
+        self.k_norm = Norm(spec.k_norm)
+        self.W_weights = parameter(spec.W_weights)
+        self.top_k = int(spec.top_k)
+        self.rope_dim = int(spec.rope_dim)
+        self.rope_layout = spec.rope_layout
+        self.softmax_scale = float(spec.softmax_scale)
+        self.weights_scale = float(spec.weights_scale)
+        self.scores_dtype = spec.scores_dtype
+        self.hook_index_scores = HookPoint()  # [batch, query, key]
+        self.hook_index_mask = HookPoint()  # [batch, query, key], True where the key is kept
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        q_latent: Float[Tensor, "batch pos q_rank"],
+        cos: Float[Tensor, "batch_or_1 pos 1 rope_dim"],
+        sin: Float[Tensor, "batch_or_1 pos 1 rope_dim"],
+        visible: Bool[Tensor, "batch_or_1 1 pos pos"],
+    ) -> Bool[Tensor, "batch 1 pos pos"]:
+        """The keys each query keeps, ``visible`` (causal and padding) included."""
+        batch, pos, _ = x.shape
+        q = torch.einsum("bpr,rhd->bphd", q_latent, self.W_q)
+        k = self.k_norm(x @ self.W_k)[:, :, None, :]
+        r = self.rope_dim
+        q = torch.cat([rotate_rope(q[..., :r], cos, sin, self.rope_layout), q[..., r:]], dim=-1)
+        k = torch.cat([rotate_rope(k[..., :r], cos, sin, self.rope_layout), k[..., r:]], dim=-1)[:, :, 0]
+        dtype = self.scores_dtype
+        scores = F.relu(torch.matmul(q.to(dtype), k.transpose(-1, -2).to(dtype).unsqueeze(1)) * self.softmax_scale)
+        weights = F.linear(x, self.W_weights.T.contiguous()).to(dtype) * self.weights_scale  # [b, p, h]
+        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [b, query, key]
+        index = self.hook_index_scores(index.masked_fill(~visible[:, 0], float("-inf")))
+        chosen = index.topk(min(self.top_k, index.shape[-1]), dim=-1).indices
+        keep = torch.zeros(index.shape, dtype=torch.bool, device=x.device).scatter(-1, chosen, True)
+        keep = self.hook_index_mask(keep & visible[:, 0])
+        return keep[:, None]
+
+    def spec(self) -> IndexerSpec:
+        return IndexerSpec(
+            W_q=exported(self.W_q),
+            W_k=exported(self.W_k),
+            k_norm=self.k_norm.spec(),
+            W_weights=exported(self.W_weights),
+            top_k=self.top_k,
+            rope_dim=self.rope_dim,
+            rope_layout=self.rope_layout,
+            softmax_scale=self.softmax_scale,
+            weights_scale=self.weights_scale,
+            scores_dtype=self.scores_dtype,
+        )
+
+
+__all__ = ["SparseIndexer"]

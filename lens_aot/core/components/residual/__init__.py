@@ -1,0 +1,2 @@
+"""Blocks and the residual stream around them: pre-norm, post-norm and hyper-connection blocks, layer scalars and
+per-layer inputs."""

@@ -1,0 +1,70 @@
+"""The specs of DeepSeek-V4's manifold-constrained hyper-connections (mHC; Xie et al. 2026, DeepSeek-V4 §2.2).
+
+DeepSeek-V4 keeps ``n = hc_mult`` residual streams ``X`` [batch, pos, n, d_model] instead of one (the embedding is
+copied into each). Around each sublayer ``f`` (attention, MLP) a hyper-connection computes, per position, from the
+flattened streams ``x = vec(X)`` [n·d_model]::
+
+    x̂            = x · rsqrt(mean(x²) + norm_eps)                               (unweighted RMSNorm, float32)
+    [ℓ_pre, ℓ_post, ℓ_comb] = x̂ fnᵀ                                            [n], [n], [n·n]
+    pre          = sigmoid(ℓ_pre · scale[0] + base_pre) + hc_eps                 [n]
+    post         = 2 · sigmoid(ℓ_post · scale[1] + base_post)                    [n]
+    comb         = Sinkhorn(softmax_rows(ℓ_comb · scale[2] + base_comb) + hc_eps) [n, n]
+    collapsed    = Σ_i pre[i] · X[i]                                             [d_model]   (the sublayer's input)
+
+and the layer's output streams are ``X'[k] = post[k] · f(norm(collapsed)) + Σ_j comb[j, k] · X[j]``
+(``post ⊗ out + combᵀ X``). ``Sinkhorn`` divides by column sums (``+ hc_eps``) once, then ``sinkhorn_iters − 1``
+times by row sums and column sums in turn (a near doubly stochastic ``comb``, so the stream mix is non-expansive).
+At the end of the model a hyper head collapses the streams once more, ``pre = sigmoid(x̂ fnᵀ · scale + base) +
+hc_eps``, ``Σ_i pre[i] · X[i]``, before the final norm.
+
+These are not MLPs: lens_aot carries them exactly as the source computes them
+(:mod:`lens_aot.core.components.residual.hyper_connection`), including its float32 steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxtyping import Float
+from torch import Tensor
+
+__all__ = ["HyperConnectionSpec", "HyperHeadSpec"]
+
+
+@dataclass
+class HyperConnectionSpec:
+    """One hyper-connection around a sublayer (transformers' ``DeepseekV4HyperConnection``; module docstring).
+
+    ``fn`` rows are ``[pre (n), post (n), comb (n·n, row-major [n, n])]``, its columns the flattened streams
+    (stream-major: ``X[0]``'s ``d_model`` entries first); ``base`` is split the same way; ``scale`` is
+    ``[pre, post, comb]``. ``norm_eps``: the input RMSNorm's epsilon; ``hc_eps``: the floor added to ``pre`` and
+    ``comb`` and to every Sinkhorn denominator."""
+
+    hc_mult: int
+    sinkhorn_iters: int
+    hc_eps: float
+    norm_eps: float
+    fn: Float[Tensor, "n_weights hc_d_model"]  # n_weights = (2 + hc_mult)·hc_mult, hc_d_model = hc_mult·d_model
+    base: Float[Tensor, " n_weights"]
+    scale: Float[Tensor, " three"]
+
+    @property
+    def d_model(self) -> int:
+        return int(self.fn.shape[1]) // self.hc_mult
+
+
+@dataclass
+class HyperHeadSpec:
+    """The final collapse of the streams (transformers' ``DeepseekV4HyperHead``): ``Σ_i pre[i] · X[i]`` with
+    ``pre = sigmoid(x̂ fnᵀ · scale + base) + hc_eps`` (``x̂`` the flattened streams' unweighted RMSNorm)."""
+
+    hc_mult: int
+    hc_eps: float
+    norm_eps: float
+    fn: Float[Tensor, "hc_mult hc_d_model"]
+    base: Float[Tensor, " hc_mult"]
+    scale: Float[Tensor, " one"]
+
+    @property
+    def d_model(self) -> int:
+        return int(self.fn.shape[1]) // self.hc_mult

@@ -1,0 +1,93 @@
+"""Constant multipliers around a bridge's blocks (Granite's μP multipliers, Cohere's logit scale), read from the
+source's modules and config and checked against the bridge's recorded forward (:mod:`lens_aot.tl.bridge.probe`).
+
+* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward): folded into ``W_E``, exactly as
+  Gemma's √d_model (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same product), so ``hook_embed`` is the scaled
+  embedding, as TransformerLens's Granite bridge exposes it at ``hook_embed``.
+* ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): folded into each sublayer's output
+  projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included), so ``hook_result`` of every head (neuron
+  heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled contributions that are added to the residual
+  stream, as on TransformerLens's ``ScaledResidualBlockBridge``; ``hook_z`` and ``mlp.hook_post`` are unchanged.
+* ``attention_multiplier`` is the attention module's ``scaling`` (read by :mod:`lens_aot.tl.bridge.attention`).
+* The logit multiplier (Cohere ``logit_scale``, Granite ``1 / logits_scaling``): the
+  :class:`~lens_aot.core.components.logit_scale.LogitScale` component after the unembedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, MoESpec
+from lens_aot.tl.bridge.probe import Call, close, refuse_piece
+
+# Config fields holding a multiplier of the logits: (name, True if the source divides by it).
+_LOGIT_FIELDS = (("logit_scale", False), ("logits_scaling", True), ("output_multiplier", False))
+
+
+def _positive(value: Any, where: str, piece: str, layer: int | None = None) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or not float(value) > 0:
+        raise refuse_piece(layer, piece, f"a {where} of {value!r} (not a positive number)")
+    return None if float(value) == 1.0 else float(value)
+
+
+def embedding_multiplier(config: Any) -> float | None:
+    """The constant the forward multiplies the token embeddings by (``config.embedding_multiplier``), or None."""
+    return _positive(getattr(config, "embedding_multiplier", None), "embedding multiplier", "embed")
+
+
+def residual_multiplier(layer: int, block_module: Any) -> float | None:
+    """The constant ``m`` of ``resid + m·sublayer`` held by the source's decoder layer (``residual_multiplier``)."""
+    return _positive(getattr(block_module, "residual_multiplier", None), "residual multiplier", "block", layer)
+
+
+def logit_multiplier(config: Any, calls: dict[tuple[int, str], Call], soft_cap: float | None) -> float | None:
+    """The multiplier between the unembedding's recorded output and the recorded logits: the config's logit scale
+    when applying it reproduces the logits (None when the logits are the unembedding's output, e.g. a bridge that
+    folded the scale into the unembedding in compatibility mode)."""
+    multiplier = None
+    for name, divides in _LOGIT_FIELDS:
+        value = _positive(getattr(config, name, None), f"logit multiplier {name}", "unembed")
+        if value is not None:
+            multiplier = 1.0 / value if divides else value
+            break
+    unembed, logits = calls.get((-1, "unembed")), calls.get((-1, "logits"))
+    if multiplier is None or unembed is None or logits is None:
+        return multiplier
+
+    def capped(x: Tensor) -> Tensor:
+        return x if soft_cap is None else soft_cap * torch.tanh(x / soft_cap)
+
+    with torch.no_grad():
+        if not close(capped(unembed.output * multiplier), logits.output) and close(
+            capped(unembed.output), logits.output
+        ):
+            return None
+    return multiplier
+
+
+def scaled(t: Tensor, multiplier: float | None) -> Tensor:
+    """``t · multiplier`` (``t`` itself when there is none)."""
+    return t if multiplier is None else t * multiplier
+
+
+def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None) -> None:
+    """Fold ``resid + m·sublayer`` into the sublayers' output projections, in place (see the module docstring)."""
+    if multiplier is None:
+        return
+    if spec.ln1_post is not None or spec.ln2_post is not None or spec.post_norm:
+        raise refuse_piece(layer, "block", "a residual multiplier together with norms after the sublayers")
+    spec.attn.W_O = spec.attn.W_O * multiplier
+    spec.attn.b_O = spec.attn.b_O * multiplier
+    mlps: list[MLPSpec] = []
+    if isinstance(spec.mlp, MoESpec):
+        mlps = [*spec.mlp.experts, *([spec.mlp.shared] if spec.mlp.shared is not None else [])]
+    elif spec.mlp is not None:
+        mlps = [spec.mlp]
+    for mlp in mlps:
+        mlp.W_out = mlp.W_out * multiplier
+        mlp.b_out = mlp.b_out * multiplier
