@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lens_aot.analysis.circuits.discover import _norm_backward
+from lens_aot.analysis.circuits.discover.scorer import _norm_backward
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.spec.model_spec import NormSpec
 
