@@ -26,8 +26,9 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.data import CircuitMetric, Dataset, batches, call_metric, needs_clean_logits
-from lens_aot.analysis.circuits.graph import Graph, check_model
+from lens_aot.analysis.circuits.graph import Graph
 from lens_aot.analysis.circuits.layout import (
+    check_model,
     check_supported,
     final_resid,
     has_mlp,

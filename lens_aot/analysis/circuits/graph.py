@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import operator
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,152 +32,19 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import require_converted
 from lens_aot.analysis.circuits.draw import draw_graph
-from lens_aot.analysis.circuits.layout import check_supported
+from lens_aot.analysis.circuits.layout import check_model, check_supported, model_cfg
+from lens_aot.analysis.circuits.node_names import NeuronKey, checked_neurons, moe_neuron_names
 from lens_aot.errors import InputError, LoadError, one_of
 
 Granularity = Literal["mlp", "neuron"]
 QKV = ("", "q", "k", "v")  # code 0: a receiver without q/k/v (an MLP, a neuron, the logits)
 _NODE = re.compile(r"^(?:input|logits|a(\d+)\.h(\d+)|m(\d+)(?:(?:\.e(\d+))?\.n(\d+))?)$")
-NeuronKey = int | tuple[int, int]  # a dense or shared-expert neuron i, or routed expert e's neuron (e, i)
 MAX_EDGES = 20_000_000
-FINGERPRINT_PARAMETERS = 64  # parameters sampled (in name order) for a graph's fingerprint of its model's weights
-FINGERPRINT_TOLERANCE = 0.05  # relative distance between two fingerprints above which the models differ
 
 
 def _granularity(granularity: str) -> Granularity:
     options = {"mlp": "one node per MLP, EAP-IG's graph", "neuron": "one node per MLP neuron"}
     return one_of("granularity", granularity, options)  # type: ignore[return-value]
-
-
-def model_cfg(aot: Any, granularity: Granularity) -> dict[str, Any]:
-    """The graph's ``cfg``: EAP-IG's four keys, then what identifies the model and the granularity."""
-    cfg = aot.cfg
-    parallel = any(bool(getattr(block, "parallel", False)) for block in aot.blocks)
-    has_mlp = [bool(getattr(block, "has_mlp", True)) for block in aot.blocks]
-    d_mlp = [int(block.mlp.d_mlp) if h else 0 for block, h in zip(aot.blocks, has_mlp, strict=True)]
-    moe = [
-        _moe_cfg(block.mlp) if h and hasattr(block.mlp, "experts") else None
-        for block, h in zip(aot.blocks, has_mlp, strict=True)
-    ]
-    out = {
-        "n_layers": int(cfg.n_layers),
-        "n_heads": int(cfg.n_heads),
-        "parallel_attn_mlp": parallel,
-        "d_model": int(cfg.d_model),
-        "granularity": granularity,
-        "d_mlp": d_mlp,
-        "model_name": str(getattr(cfg, "model_name", "") or ""),
-        "fingerprint": weights_fingerprint(aot),
-    }
-    if any(m is not None for m in moe):  # mixture-of-experts layers: their experts' widths (dense cfgs unchanged)
-        out["moe"] = moe
-    return out
-
-
-def weights_fingerprint(aot: Any) -> list[float]:
-    """Four values of each of the first :data:`FINGERPRINT_PARAMETERS` parameters (by name), at evenly spaced flat
-    positions, as floats: what tells two models of the same shape apart. Two fingerprints are of the same model when
-    their relative distance is below :data:`FINGERPRINT_TOLERANCE` (:func:`same_weights`), so the model in another
-    dtype or on another device matches, and a model with other weights (another seed, another checkpoint) does not."""
-    out: list[float] = []
-    named = sorted((name, p) for name, p in aot.named_parameters() if p.numel() and p.device.type != "meta")
-    for _, p in named[:FINGERPRINT_PARAMETERS]:
-        at = torch.linspace(0, p.numel() - 1, 4).long()
-        index = torch.unravel_index(at, tuple(p.shape))  # no flat copy of a non-contiguous parameter
-        out += [float(v) for v in p.detach()[tuple(i.to(p.device) for i in index)].double().cpu().tolist()]
-    return out
-
-
-def same_weights(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether two :func:`weights_fingerprint` lists are of the same weights (relative distance at most
-    :data:`FINGERPRINT_TOLERANCE`)."""
-    if len(a) != len(b):
-        return False
-    ta, tb = torch.tensor(list(a), dtype=torch.float64), torch.tensor(list(b), dtype=torch.float64)
-    scale = max(float(ta.norm()), float(tb.norm()), 1e-30)
-    return float((ta - tb).norm()) <= FINGERPRINT_TOLERANCE * scale
-
-
-def _moe_cfg(mlp: Any) -> dict[str, Any]:
-    shared = getattr(mlp, "shared_expert", None)
-    return {"d_experts": [int(e.d_mlp) for e in mlp.experts], "d_shared": 0 if shared is None else int(shared.d_mlp)}
-
-
-def _moe_names(layer: int, moe: dict[str, Any], chosen: Sequence[NeuronKey] | None) -> list[str]:
-    """The neuron nodes of MoE layer ``layer``: routed experts' ``m{l}.e{e}.n{i}`` (expert-major), then the shared
-    expert's ``m{l}.n{i}``; all of them, or those in ``chosen`` (``(e, i)`` routed, ``i`` shared), checked."""
-    widths, shared = list(moe["d_experts"]), int(moe["d_shared"])
-    if chosen is None:
-        return [f"m{layer}.e{e}.n{i}" for e, d in enumerate(widths) for i in range(d)] + [
-            f"m{layer}.n{i}" for i in range(shared)
-        ]
-    routed: set[tuple[int, int]] = set()
-    plain: set[int] = set()
-    for key in chosen:
-        pair = isinstance(key, tuple) and len(key) == 2 and 0 <= int(key[0]) < len(widths)
-        if pair and 0 <= int(key[1]) < widths[int(key[0])]:
-            routed.add((int(key[0]), int(key[1])))
-        elif not isinstance(key, tuple) and 0 <= int(key) < shared:
-            plain.add(int(key))
-        else:
-            raise InputError(
-                f"layer {layer} mlp: {key!r} is no neuron of this mixture-of-experts layer; name routed expert e's "
-                f"neuron i as (e, i) with e in 0..{len(widths) - 1} and i below {widths[0]}"
-                + (f", or shared-expert neuron i (an int below {shared})" if shared else " (it has no shared expert)")
-            )
-    return [f"m{layer}.e{e}.n{i}" for e, i in sorted(routed)] + [f"m{layer}.n{i}" for i in sorted(plain)]
-
-
-def _check_neurons(
-    cfg: dict[str, Any], neurons: dict[int, Sequence[NeuronKey]] | None, d_mlp: Sequence[int]
-) -> dict[int, list[NeuronKey]] | None:
-    """``neurons={layer: [neuron, ...]}`` with plain ints (integer tensors and NumPy integers accepted), checked:
-    refuse a layer the model lacks (or one without an MLP) and a dense layer's neuron outside ``0 .. d_mlp − 1`` (a
-    mixture-of-experts layer's keys are checked by :func:`_moe_names`)."""
-    if neurons is None:
-        return None
-    n_layers = int(cfg["n_layers"])
-    if cfg.get("granularity", "mlp") != "neuron":
-        raise InputError("neurons= chooses neuron nodes: it applies at granularity='neuron' only")
-    if not isinstance(neurons, dict):
-        raise InputError(f"neurons must be a dict {{layer: [neuron, ...]}}; got {type(neurons).__name__}")
-    moe = cfg.get("moe") or [None] * n_layers
-    out: dict[int, list[NeuronKey]] = {}
-    for layer, keys in neurons.items():
-        index = _as_int(layer)
-        if index is None or not 0 <= index < n_layers:
-            raise InputError(
-                f"neurons names layer {layer!r}, but the model has layers 0 .. {n_layers - 1}: give "
-                f"neurons={{layer: [neuron, ...]}} with layers in that range"
-            )
-        keys = list(keys)
-        if not d_mlp[index] and keys:
-            raise InputError(f"neurons names neurons of layer {index}, which has no MLP")
-        if moe[index] is not None:
-            out[index] = keys
-            continue
-        checked: list[NeuronKey] = []
-        for key in keys:
-            if isinstance(key, tuple):
-                raise InputError(f"layer {index} mlp: not a mixture of experts; name its neurons by index (ints)")
-            n = _as_int(key)
-            if n is None or not 0 <= n < d_mlp[index]:
-                raise InputError(
-                    f"layer {index} mlp: {key!r} is no neuron of it; its neurons are 0 .. {d_mlp[index] - 1}"
-                )
-            checked.append(n)
-        out[index] = checked
-    return out
-
-
-def _as_int(value: Any) -> int | None:
-    """``value`` as an int when it is an integer (an int, a NumPy integer, a 0-d integer tensor; not a bool)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 class Graph:
@@ -233,7 +99,7 @@ class Graph:
         d_mlp = cfg.get("d_mlp") or [1] * n_layers
         parallel = bool(cfg["parallel_attn_mlp"])
         moe = cfg.get("moe") or [None] * n_layers
-        neurons = _check_neurons(cfg, neurons, d_mlp)
+        neurons = checked_neurons(cfg, neurons, d_mlp)
         names: list[str] = ["input"]
         rank: list[int] = [-1]  # senders: position in the forward order
         reads: list[int] = [-1]  # receivers: reads senders of rank < reads
@@ -249,7 +115,7 @@ class Graph:
             if cfg.get("granularity", "mlp") == "mlp":
                 mlp_names = [f"m{layer}"]
             elif moe[layer] is not None:
-                mlp_names = _moe_names(layer, moe[layer], None if neurons is None else neurons.get(layer, ()))
+                mlp_names = moe_neuron_names(layer, moe[layer], None if neurons is None else neurons.get(layer, ()))
             else:
                 chosen = range(d_mlp[layer]) if neurons is None else sorted(set(neurons.get(layer, ())))
                 mlp_names = [f"m{layer}.n{i}" for i in chosen]
@@ -607,30 +473,3 @@ class EdgeView(Mapping[str, Edge]):
 
     def __len__(self) -> int:
         return len(self.graph.src)
-
-
-def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None:
-    """Raise :class:`InputError` unless a graph ``cfg`` describes ``aot``: layers, heads, width, MLP widths and, when
-    the graph records one (lens_aot's files; EAP-IG's do not), its fingerprint of the weights (:func:`same_weights`),
-    so a graph of another model with the same shape is refused too."""
-    mine = model_cfg(aot, cfg.get("granularity", "mlp"))
-    keys = ["n_layers", "n_heads", "d_model", "parallel_attn_mlp"]
-    if cfg.get("granularity") == "neuron" or cfg.get("d_mlp") not in (None, [1] * mine["n_layers"]):
-        keys.append("d_mlp")
-    if cfg.get("granularity") == "neuron" and (cfg.get("moe") or mine.get("moe")):
-        keys.append("moe")
-    if cfg.get("model_name") and mine["model_name"]:  # EAP-IG's files name no model
-        keys.append("model_name")
-    diff = {k: (cfg.get(k), mine.get(k)) for k in keys if cfg.get(k) != mine.get(k)}
-    if not diff and cfg.get("fingerprint") and not same_weights(cfg["fingerprint"], mine["fingerprint"]):
-        raise InputError(
-            f"{where} is of another model: the same shape, but other weights (the graph's fingerprint of the weights "
-            f"differs from this model's). Build the graph with Graph.from_model(aot, ...) or discover(aot, ...) on "
-            f"this model"
-        )
-    if diff:
-        raise InputError(
-            f"{where} is of another model: "
-            + ", ".join(f"{k} {a!r} (model: {b!r})" for k, (a, b) in diff.items())
-            + ". Build the graph with Graph.from_model(aot, ...) or discover(aot, ...) on this model."
-        )

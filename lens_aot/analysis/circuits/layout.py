@@ -1,4 +1,5 @@
-"""Where a circuit's senders and receivers live in a converted model (hook names, weights), for discover and evaluate.
+"""Where a circuit's senders and receivers live in a converted model (hook names, weights), for discover and evaluate,
+and the model's description a graph records to be checked against it (:func:`model_cfg`, :func:`check_model`).
 
 Senders write into the residual stream: ``input`` (``blocks.0.hook_resid_pre``, token plus position embeddings; the
 position part is the same on clean and corrupted inputs), attention head ``h`` of layer ``l`` (``hook_z[..., h, :] @
@@ -14,7 +15,7 @@ own copy of the residual: each neuron is a head with its own input, Huben & Morr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ from torch import Tensor
 
 from lens_aot.core.components.moe.source_expert_hooks import dense_expert_hooks
 from lens_aot.errors import InputError
+
+FINGERPRINT_PARAMETERS = 64  # parameters sampled (in name order) for a graph's fingerprint of its model's weights
+FINGERPRINT_TOLERANCE = 0.05  # relative distance between two fingerprints above which the models differ
 
 
 @dataclass(frozen=True)
@@ -153,3 +157,85 @@ def record(
     with dense_expert_hooks(aot):  # experts on every position (a TransformerLens MoE's hooks: routed otherwise)
         logits = aot.run_with_hooks(tokens, fwd_hooks=fwd)
     return logits, acts
+
+
+# ---------------------------------------------------------------------------------------------- what a graph records
+def model_cfg(aot: Any, granularity: str) -> dict[str, Any]:
+    """The graph's ``cfg``: EAP-IG's four keys, then what identifies the model and the granularity."""
+    cfg = aot.cfg
+    parallel = any(bool(getattr(block, "parallel", False)) for block in aot.blocks)
+    has_mlp = [bool(getattr(block, "has_mlp", True)) for block in aot.blocks]
+    d_mlp = [int(block.mlp.d_mlp) if h else 0 for block, h in zip(aot.blocks, has_mlp, strict=True)]
+    moe = [
+        _moe_cfg(block.mlp) if h and hasattr(block.mlp, "experts") else None
+        for block, h in zip(aot.blocks, has_mlp, strict=True)
+    ]
+    out = {
+        "n_layers": int(cfg.n_layers),
+        "n_heads": int(cfg.n_heads),
+        "parallel_attn_mlp": parallel,
+        "d_model": int(cfg.d_model),
+        "granularity": granularity,
+        "d_mlp": d_mlp,
+        "model_name": str(getattr(cfg, "model_name", "") or ""),
+        "fingerprint": weights_fingerprint(aot),
+    }
+    if any(m is not None for m in moe):  # mixture-of-experts layers: their experts' widths (dense cfgs unchanged)
+        out["moe"] = moe
+    return out
+
+
+def weights_fingerprint(aot: Any) -> list[float]:
+    """Four values of each of the first :data:`FINGERPRINT_PARAMETERS` parameters (by name), at evenly spaced flat
+    positions, as floats: what tells two models of the same shape apart. Two fingerprints are of the same model when
+    their relative distance is below :data:`FINGERPRINT_TOLERANCE` (:func:`same_weights`), so the model in another
+    dtype or on another device matches, and a model with other weights (another seed, another checkpoint) does not."""
+    out: list[float] = []
+    named = sorted((name, p) for name, p in aot.named_parameters() if p.numel() and p.device.type != "meta")
+    for _, p in named[:FINGERPRINT_PARAMETERS]:
+        at = torch.linspace(0, p.numel() - 1, 4).long()
+        index = torch.unravel_index(at, tuple(p.shape))  # no flat copy of a non-contiguous parameter
+        out += [float(v) for v in p.detach()[tuple(i.to(p.device) for i in index)].double().cpu().tolist()]
+    return out
+
+
+def same_weights(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two :func:`weights_fingerprint` lists are of the same weights (relative distance at most
+    :data:`FINGERPRINT_TOLERANCE`)."""
+    if len(a) != len(b):
+        return False
+    ta, tb = torch.tensor(list(a), dtype=torch.float64), torch.tensor(list(b), dtype=torch.float64)
+    scale = max(float(ta.norm()), float(tb.norm()), 1e-30)
+    return float((ta - tb).norm()) <= FINGERPRINT_TOLERANCE * scale
+
+
+def _moe_cfg(mlp: Any) -> dict[str, Any]:
+    shared = getattr(mlp, "shared_expert", None)
+    return {"d_experts": [int(e.d_mlp) for e in mlp.experts], "d_shared": 0 if shared is None else int(shared.d_mlp)}
+
+
+def check_model(cfg: dict[str, Any], aot: Any, where: str = "the graph") -> None:
+    """Raise :class:`InputError` unless a graph ``cfg`` describes ``aot``: layers, heads, width, MLP widths and, when
+    the graph records one (lens_aot's files; EAP-IG's do not), its fingerprint of the weights (:func:`same_weights`),
+    so a graph of another model with the same shape is refused too."""
+    mine = model_cfg(aot, cfg.get("granularity", "mlp"))
+    keys = ["n_layers", "n_heads", "d_model", "parallel_attn_mlp"]
+    if cfg.get("granularity") == "neuron" or cfg.get("d_mlp") not in (None, [1] * mine["n_layers"]):
+        keys.append("d_mlp")
+    if cfg.get("granularity") == "neuron" and (cfg.get("moe") or mine.get("moe")):
+        keys.append("moe")
+    if cfg.get("model_name") and mine["model_name"]:  # EAP-IG's files name no model
+        keys.append("model_name")
+    diff = {k: (cfg.get(k), mine.get(k)) for k in keys if cfg.get(k) != mine.get(k)}
+    if not diff and cfg.get("fingerprint") and not same_weights(cfg["fingerprint"], mine["fingerprint"]):
+        raise InputError(
+            f"{where} is of another model: the same shape, but other weights (the graph's fingerprint of the weights "
+            f"differs from this model's). Build the graph with Graph.from_model(aot, ...) or discover(aot, ...) on "
+            f"this model"
+        )
+    if diff:
+        raise InputError(
+            f"{where} is of another model: "
+            + ", ".join(f"{k} {a!r} (model: {b!r})" for k, (a, b) in diff.items())
+            + ". Build the graph with Graph.from_model(aot, ...) or discover(aot, ...) on this model."
+        )
