@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -400,6 +400,22 @@ class Graph:
         return self.draw()._repr_svg_() if self.n_edges else None
 
 
+class _EdgeEntry:
+    """An :class:`Edge`'s entry of one of its graph's per-edge tensors (``tensor``: ``"scores"``, ``"in_graph"``), read
+    and written through the edge as ``cast`` of it (``float``, ``bool``)."""
+
+    def __init__(self, tensor: str, cast: Callable[[Any], Any]) -> None:
+        self.tensor, self.cast = tensor, cast
+
+    def __get__(self, edge: Edge | None, owner: type | None = None) -> Any:
+        if edge is None:
+            return self
+        return self.cast(getattr(edge.graph, self.tensor)[edge.index])
+
+    def __set__(self, edge: Edge, value: Any) -> None:
+        getattr(edge.graph, self.tensor)[edge.index] = self.cast(value)
+
+
 class Edge:
     """One edge of a :class:`Graph`, as EAP-IG's ``Edge``: ``name`` (``"a0.h1->m0"``, ``"m0->a1.h2<q>"``),
     ``parent`` / ``child`` (node names), ``qkv`` (``"q"``, ``"k"``, ``"v"`` or None), and ``score`` / ``in_graph`` read
@@ -428,23 +444,10 @@ class Edge:
         """The receiver's input: ``"q"``, ``"k"``, ``"v"``, or None (not an attention head)."""
         return QKV[int(self.graph.qkv[self.index])] or None
 
-    @property
-    def score(self) -> float:
-        """The edge's score (``graph.scores``); settable."""
-        return float(self.graph.scores[self.index])
-
-    @score.setter
-    def score(self, value: float) -> None:
-        self.graph.scores[self.index] = float(value)
-
-    @property
-    def in_graph(self) -> bool:
-        """Whether the edge is in the circuit (``graph.in_graph``); settable."""
-        return bool(self.graph.in_graph[self.index])
-
-    @in_graph.setter
-    def in_graph(self, value: bool) -> None:
-        self.graph.in_graph[self.index] = bool(value)
+    score = _EdgeEntry("scores", float)
+    """The edge's score (``graph.scores``); settable."""
+    in_graph = _EdgeEntry("in_graph", bool)
+    """Whether the edge is in the circuit (``graph.in_graph``); settable."""
 
     def __repr__(self) -> str:
         return f"Edge({self.name}, score: {self.score:.4g}, in_graph: {self.in_graph})"
