@@ -206,12 +206,12 @@ class AttributionGraph:
 
     # ------------------------------------------------------------------ influence, pruning, scores
     def influence(self) -> Float[Tensor, " n"]:
-        """Each node's influence on the target logits, circuit-tracer's (:mod:`.graph_prune`)."""
+        """Each node's influence on the target logits, circuit-tracer's (:mod:`.prune`)."""
         return node_influence(self)
 
     @property
     def scores(self) -> tuple[float, float]:
-        """``(replacement score, completeness score)``, circuit-tracer's definitions (:mod:`.graph_prune`)."""
+        """``(replacement score, completeness score)``, circuit-tracer's definitions (:mod:`.prune`)."""
         return scores(self)
 
     @property
@@ -225,7 +225,7 @@ class AttributionGraph:
         return self.scores[1]
 
     def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> AttributionGraph:
-        """The graph pruned by influence on the logits, as circuit-tracer's ``prune_graph`` (:mod:`.graph_prune`):
+        """The graph pruned by influence on the logits, as circuit-tracer's ``prune_graph`` (:mod:`.prune`):
         the nodes holding ``node_threshold`` of the influence, then the edges holding ``edge_threshold`` of the edge
         influence among them. What the removed nodes and edges wrote moves into :attr:`error`, so the exactness
         identity still holds; :attr:`cumulative` holds each kept node's cumulative influence rank."""
@@ -269,7 +269,7 @@ class AttributionGraph:
     ) -> GraphVerification:
         """For each removal (a node name, or a list of names removed together): the change of each target logit the
         graph predicts, with the attention patterns and norm scales frozen, against the change the converted model
-        itself shows with nothing frozen (:mod:`.graph_verify`)."""
+        itself shows with nothing frozen (:mod:`.verify`)."""
         return verify_graph(aot, self, removals, batch_size=batch_size)
 
     def to_dict(
@@ -280,7 +280,7 @@ class AttributionGraph:
         scan: str | None = None,
     ) -> dict[str, Any]:
         """The graph in circuit-tracer's graph JSON layout (what its frontend and Neuronpedia read;
-        :mod:`.graph_export`). A graph that was not pruned is pruned first (``node_threshold`` 0.8,
+        :mod:`.export`). A graph that was not pruned is pruned first (``node_threshold`` 0.8,
         ``edge_threshold`` 0.98, circuit-tracer's ``create_graph_files`` defaults); pass thresholds to choose, or 1.0
         for every node and edge. ``scan``: the model id the file names (default: the source model's name; to
         upload to Neuronpedia, a model id that exists there, e.g. ``"gpt2-small"``)."""
@@ -316,7 +316,7 @@ class AttributionGraph:
         edge_threshold: float | None = None,
         title: str | None = None,
     ) -> Path:
-        """Write the graph as a self-contained page (no network requests: :mod:`.graph_page`) to ``path``: nodes laid
+        """Write the graph as a self-contained page (no network requests: :mod:`.page`) to ``path``: nodes laid
         out by layer and position, a node's links highlighted on hover or click, its label, activation and top edges
         in a side panel, and the pruning thresholds adjustable in the page. The graph is :meth:`to_dict`'s (pruned
         at ``node_threshold`` / ``edge_threshold``, circuit-tracer's defaults when not given); returns the path."""
