@@ -89,7 +89,7 @@ def _attention_pair(arch: str, dtype: torch.dtype) -> tuple[MLASpec, nn.Module, 
     """Layer 0's MLASpec, the source's attention module and rotary module."""
     _, bridge = _bridge(arch, dtype)
     model, blocks = _source_model(bridge), _blocks(bridge)
-    spec = read_mla(bridge, model, blocks, dtype)["mla"][0]
+    spec = read_mla(bridge, model, blocks, dtype).layer_attention[0]
     return spec, _original(_component(blocks[0], "attn")), model.model.rotary_emb
 
 

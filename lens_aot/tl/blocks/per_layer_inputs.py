@@ -22,10 +22,10 @@ from lens_aot.core.components.residual.per_layer_inputs import PerLayerInputs, P
 from lens_aot.core.components.residual.per_layer_sublayer import PerLayerSublayer
 from lens_aot.core.spec.model_spec import ModelSpec, NormSpec
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
-from lens_aot.tl.blocks.gemma4_norms import scaled_rms_norm
 from lens_aot.tl.blocks.multipliers import scaled
-from lens_aot.tl.bridge.components import _module_activation
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.activation import module_activation
+from lens_aot.tl.reading.gemma4_norms import scaled_rms_norm
+from lens_aot.tl.reading.probe import refuse_piece
 
 __all__ = ["PLE_PIECES", "PerLayerReading"]
 
@@ -79,7 +79,7 @@ def _sublayer(layer: int, block: Any, config: Any, dtype: torch.dtype) -> PerLay
     return PerLayerSublayerSpec(
         W_gate=_weight(gate, dtype),
         W_proj=_weight(proj, dtype),
-        act_fn=_module_activation(layer, block, config),
+        act_fn=module_activation(layer, block, config),
         post_norm=_norm(layer, "per_layer", module.post_per_layer_input_norm),
     )
 
