@@ -6,7 +6,7 @@ A block's attention is a mixture of attention heads when its module has ``expert
 bias-free ``layer`` linear map and ``top_k``) and an output ``bias``, beside one shared ``kv_proj`` (keys, then
 values). Its widths come from the module's public ``head_dim``, ``num_key_value_heads`` and ``top_k``, its scale from
 ``scaling``, its rotary tables from the source's own rotary module. The bridge probe then checks each layer's reading
-against its recorded forward (:func:`lens_aot.tl.bridge.read._verify`).
+against its recorded forward (:func:`lens_aot.tl.bridge.verify.verify_layer`).
 """
 
 from __future__ import annotations

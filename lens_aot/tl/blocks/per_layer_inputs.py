@@ -3,7 +3,7 @@
 The model-level pieces are found on the module that holds ``embed_tokens_per_layer`` (``Gemma4TextModel``), each
 layer's on its decoder layer (``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``,
 ``act_fn``): public attributes, never class names. :class:`PerLayerReading` then checks both against the recorded
-forward: in :func:`lens_aot.tl.bridge.read._layout` each block's output must be what the components
+forward: in :func:`lens_aot.tl.bridge.layout.block_layout` each block's output must be what the components
 (:mod:`lens_aot.core.components.residual.per_layer_inputs`,
 :mod:`~lens_aot.core.components.residual.per_layer_sublayer`) compute
 from the recorded tokens and the block's own pieces, so a scale, an order or an eps read wrong is refused there.

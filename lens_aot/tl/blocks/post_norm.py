@@ -7,7 +7,7 @@ normalized before it joins the residual stream::
     resid_post = resid_mid + post_feedforward_layernorm(mlp(resid_mid))
 
 TransformerLens 4.3's adapter maps those two norms to ``ln1_post`` / ``ln2_post`` (no ``ln1`` / ``ln2``), which the
-pre-norm reading of :func:`lens_aot.tl.bridge.read._layout` takes as sandwich norms around identity pre-norms.
+pre-norm reading of :func:`lens_aot.tl.bridge.layout.block_layout` takes as sandwich norms around identity pre-norms.
 TransformerLens 3.9's adapter maps them to ``ln1`` / ``ln2`` (and aliases ``hook_attn_out`` to ``ln1.hook_out``),
 so a reading by label would take them for pre-norms. This module reads the layout from what each piece was given in
 one recorded forward (:mod:`lens_aot.tl.reading.probe`): attention reads the block's input, ``ln1`` the attention's

@@ -250,7 +250,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     )
     if not finite:
         refuse_non_finite(spec, calls)
-    if hf:  # NanoChat: the final norm on the embeddings too (lens_aot.tl.bridge.norms)
+    if hf:  # NanoChat: the final norm on the embeddings too (lens_aot.tl.reading.norms)
         spec.embed_ln = spec.embed_ln or final_norm_on_embeddings(spec, calls)
     verify_model(spec, calls, len(blocks), embed_multiplier)
     ple.attach(spec)

@@ -2,7 +2,7 @@
 
 The native model is TransformerLens's own code (``sources/native/model.py``): its attention (``NativeAttention``:
 scores ``q·kᵀ / scale``, optional causal mask, adjacent-pair rotary from ``NativeRotary``'s tables) and its config
-flags are read here; norms, projections and MLPs are read by :mod:`lens_aot.tl.bridge.components` like any bridge's.
+flags are read here; norms, projections and MLPs are read by :mod:`lens_aot.tl.reading` like any bridge's.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ hyper-connections, mHC: every block has an ``attn_hc`` and an ``mlp_hc`` piece b
 
 Recognised by the pieces, not by the family's name: any block with a hyper-connection piece is read here. Each piece is
 read from the module the bridge wraps, by what it is: the hyper-connections (:mod:`lens_aot.tl.blocks.hyper`), the
-norms (:func:`~lens_aot.tl.bridge.norms.named_norm`), the attention (:mod:`lens_aot.tl.attention.compressed`:
+norms (:func:`~lens_aot.tl.reading.norms.named_norm`), the attention (:mod:`lens_aot.tl.attention.compressed`:
 DeepSeek-V4's
 sliding / compressed-sparse / heavily-compressed attention, carried as the source computes it) and the mixture of
 experts (sqrt-softplus or hash-routed, clamped-SwiGLU experts and a shared expert). ``convert``'s agreement check then

@@ -80,7 +80,7 @@ def find_router(block: Any) -> Any:
 def probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> MoESpec:
     """The candidate whose MoE output is closest to the block's own on a seeded probe input, if it is close (the
     router read by what it computes); the first candidate when the block cannot run here (the bridge's recorded
-    forward then checks the reading, :func:`lens_aot.tl.bridge.read._verify`)."""
+    forward then checks the reading, :func:`lens_aot.tl.bridge.verify.verify_layer`)."""
     first = candidates[0]
     d_model, dtype = first.W_router.shape[0], first.W_router.dtype
     device = first.W_router.device
