@@ -194,3 +194,29 @@ def test_no_tl_module_imports_a_private_name() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lens_aot"):
                 found += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if re.match(r"_[a-z]", a.name)]
     assert not found, found
+
+
+def test_an_mlp_reader_registered_from_outside_is_chosen() -> None:
+    """An MLP reader registered for a module lens_aot reads as a dense MLP pre-empts the dense reading; the spec is
+    the same (it delegates), and unregistered, the dense reading is back."""
+    from lens_aot.tl.reading.mlp import read_mlp
+
+    bridge = make_bridge("gpt_neo", torch.float64)
+    seen: list[int] = []
+
+    def read(mlp_bridge: Any, module: Any, layer: int, dtype: torch.dtype, act_fn: str) -> Any:
+        seen.append(layer)
+        return read_mlp(mlp_bridge, dtype, act_fn)
+
+    registry.register_mlp_reader("toy mlp", lambda mlp_bridge, module, act_fn: act_fn == "gelu_new", read, priority=1)
+    try:
+        assert [entry.name for entry in registry.mlp_readers()][-1] == "toy mlp"  # below every built-in MoE reader
+        spec = read_bridge(bridge)
+    finally:
+        registry.unregister_mlp_reader("toy mlp")
+    assert seen == [0, 1]
+    want = read_bridge(bridge)
+    for got, expected in zip(spec.layers, want.layers, strict=True):
+        for field in ("W_in", "b_in", "W_out", "b_out"):
+            assert torch.equal(getattr(got.mlp, field), getattr(expected.mlp, field))
+    assert seen == [0, 1]

@@ -7,6 +7,8 @@ hyper-connections), multi-head latent attention, a mixture of attention heads (J
 Attention readers: ALiBi bridges, refused bridges, a plain ``AttentionBridge`` around a registered attention forward,
 a delegated rotary forward (found by structure), position-embeddings, joint-QKV position-embeddings and joint-QKV
 bridges. Attention forwards (by Hugging Face class name): GPT-J, GPT-Neo, OPT, XGLM, Llama 4, ModernBERT-decoder.
+MLP readers: Llama 4's MoE, sparse MoEs, JetMoE's parallel experts (its other forms refused), a dense MLP in an MoE
+bridge, xIELU.
 
 A new family's reader goes in the folder of what it reads (``tl/attention/`` for an attention, ``tl/blocks/`` for a
 block feature, ``tl/moe/`` for a mixture of experts) and is registered here, with a priority that places it before the
@@ -30,6 +32,9 @@ from lens_aot.tl.bridge.checks import check_block, check_hf_source
 from lens_aot.tl.bridge.read_hf import read_hf
 from lens_aot.tl.bridge.read_native import check_native_source, is_native, read_native
 from lens_aot.tl.bridge.streams import has_streams, read_streams
+from lens_aot.tl.moe import llama4 as moe_llama4
+from lens_aot.tl.moe import parallel as moe_parallel
+from lens_aot.tl.moe import read as moe_read
 from lens_aot.tl.reading.attention_checks import sliding_window
 from lens_aot.tl.reading.pieces import subcomponent
 from lens_aot.tl.reading.record import AttentionReading
@@ -38,6 +43,7 @@ from lens_aot.tl.reading.registry import (
     attention_forward,
     register_attention_forward,
     register_attention_reader,
+    register_mlp_reader,
     register_model_reader,
 )
 
@@ -154,3 +160,42 @@ register_attention_forward("OPTAttention", _delegated)
 register_attention_forward("XGLMAttention", _delegated)
 register_attention_forward("Llama4TextAttention", _llama4)
 register_attention_forward("ModernBertDecoderAttention", _modernbert, windows=True)
+
+# ---- MLP readers -----------------------------------------------------------------------------------------------
+
+register_mlp_reader(  # before sparse MoEs: its router has top_k, but its scores scale the inputs
+    "llama 4 moe",
+    lambda mlp_bridge, module, act_fn: moe_llama4.is_llama4_moe(module),
+    lambda mlp_bridge, module, layer, dtype, act_fn: moe_llama4.read_llama4_moe(module, layer),
+    priority=600,
+)
+register_mlp_reader(
+    "sparse moe",
+    lambda mlp_bridge, module, act_fn: moe_read.is_sparse_moe(module),
+    lambda mlp_bridge, module, layer, dtype, act_fn: moe_read.read_hf_moe(module, layer),
+    priority=500,
+)
+register_mlp_reader(  # JetMoE
+    "parallel experts",
+    lambda mlp_bridge, module, act_fn: moe_parallel.is_parallel_experts_moe(module),
+    lambda mlp_bridge, module, layer, dtype, act_fn: moe_parallel.read_parallel_experts_moe(module, layer),
+    priority=400,
+)
+register_mlp_reader(
+    "other moe (refused)",
+    lambda mlp_bridge, module, act_fn: moe_read.is_other_moe(module),
+    lambda mlp_bridge, module, layer, dtype, act_fn: moe_read.refuse_other_moe(module, layer),
+    priority=300,
+)
+register_mlp_reader(
+    "dense mlp in an moe bridge",
+    lambda mlp_bridge, module, act_fn: moe_read.dense_in_moe_bridge(mlp_bridge, module),
+    lambda *args: moe_read.read_dense_in_moe_bridge(*args),
+    priority=200,
+)
+register_mlp_reader(  # learned scalars on the activation module (Apertus)
+    "xielu",
+    lambda mlp_bridge, module, act_fn: act_fn == "xielu",
+    lambda *args: moe_read.read_xielu_mlp(*args),
+    priority=100,
+)

@@ -29,8 +29,6 @@ from torch import nn
 from lens_aot.core.spec.model_spec import MLPSpec, MoESpec
 from lens_aot.tl.blocks import xielu as read_xielu
 from lens_aot.tl.moe import gpt_oss as read_moe_gpt_oss
-from lens_aot.tl.moe import llama4 as read_moe_llama4
-from lens_aot.tl.moe import parallel as read_moe_parallel
 from lens_aot.tl.moe.pieces import (
     activation_name_of,
     contiguous_copy,
@@ -43,6 +41,7 @@ from lens_aot.tl.moe.pieces import (
 from lens_aot.tl.moe.router import read_group_router, read_token_choice_router
 from lens_aot.tl.reading.mlp import read_mlp
 from lens_aot.tl.reading.pieces import unwrap
+from lens_aot.tl.reading.registry import mlp_readers
 
 
 def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: int) -> MoESpec:
@@ -197,21 +196,35 @@ def refuse_other_moe(module: nn.Module, layer: int) -> None:
 
 
 def read_bridge_mlp(mlp_bridge: Any, layer: int, dtype: torch.dtype, act_fn: str) -> MLPSpec | MoESpec:
-    """A bridge block's MLP: the sparse-MoE block it wraps (:func:`read_hf_moe`), a dense Hugging Face gated MLP that
-    an MoE bridge wraps in a dense layer (:func:`hf_gated_mlp`), else the dense MLP bridge."""
+    """A bridge block's MLP: read by the first registered MLP reader that matches the module it wraps
+    (:func:`lens_aot.tl.reading.registry.register_mlp_reader`: MoEs, a dense MLP in an MoE bridge, xIELU), else the
+    dense MLP bridge (:func:`lens_aot.tl.reading.mlp.read_mlp`)."""
     module = unwrap(mlp_bridge)
-    if read_moe_llama4.is_llama4_moe(
-        module
-    ):  # before is_sparse_moe: its router has top_k, but its scores scale the inputs
-        return read_moe_llama4.read_llama4_moe(module, layer)
-    if is_sparse_moe(module):
-        return read_hf_moe(module, layer)
-    if read_moe_parallel.is_parallel_experts_moe(module):  # JetMoE
-        return read_moe_parallel.read_parallel_experts_moe(module, layer)
-    refuse_other_moe(module, layer)
-    if type(mlp_bridge).__name__.endswith("MoEBridge") and is_dense_hf_mlp(module):
-        # e.g. DeepSeek's first_k_dense_replace layers; Llama 4's dense layers (its _Llama4MoEBridge)
-        return hf_gated_mlp(module, layer, "a dense MLP")
-    if act_fn == "xielu":  # learned scalars on the activation module (Apertus)
-        return read_xielu.read_xielu(read_mlp(mlp_bridge, dtype, act_fn), module, layer)
+    for reader in mlp_readers():
+        if reader.matches(mlp_bridge, module, act_fn):
+            return reader.read(mlp_bridge, module, layer, dtype, act_fn)
     return read_mlp(mlp_bridge, dtype, act_fn)
+
+
+def is_other_moe(module: nn.Module) -> bool:
+    """Whether ``module`` is one of JetMoE's mixtures of experts that :func:`refuse_other_moe` names."""
+    router = unwrap(getattr(module, "router", None))
+    return router is not None and hasattr(module, "input_linear") and hasattr(module, "output_linear")
+
+
+def dense_in_moe_bridge(mlp_bridge: Any, module: nn.Module) -> bool:
+    """A dense Hugging Face gated MLP that an MoE bridge wraps (DeepSeek's first_k_dense_replace layers; Llama 4's
+    dense layers, its _Llama4MoEBridge)."""
+    return type(mlp_bridge).__name__.endswith("MoEBridge") and is_dense_hf_mlp(module)
+
+
+def read_dense_in_moe_bridge(
+    mlp_bridge: Any, module: nn.Module, layer: int, dtype: torch.dtype, act_fn: str
+) -> MLPSpec:
+    """:func:`dense_in_moe_bridge`'s MLP (:func:`hf_gated_mlp`)."""
+    return hf_gated_mlp(module, layer, "a dense MLP")
+
+
+def read_xielu_mlp(mlp_bridge: Any, module: nn.Module, layer: int, dtype: torch.dtype, act_fn: str) -> MLPSpec:
+    """A dense MLP with xIELU's learned scalars on its activation module (Apertus)."""
+    return read_xielu.read_xielu(read_mlp(mlp_bridge, dtype, act_fn), module, layer)

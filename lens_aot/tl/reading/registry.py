@@ -18,6 +18,11 @@ fixed order, the first match winning:
   ``AttentionBridge`` calls, matched exactly by its class (or the class's name), read by a function
   ``(layer, hf_attn, hf_config, dtype, n_ctx) -> AttentionReading``. Built in: GPT-J, GPT-Neo, OPT, XGLM, Llama 4,
   ModernBERT-decoder. A class key is tried before a name key; a subclass is not its parent (its forward may differ).
+* **MLP readers** (:func:`register_mlp_reader`): a block's MLP bridge whose wrapped module is not a plain dense MLP,
+  matched by what the module is (its structure), read into an ``MLPSpec`` or ``MoESpec``. Built in: Llama 4's MoE,
+  sparse top-k MoEs, JetMoE's parallel experts (and the refusal of its other forms), a dense MLP inside an MoE bridge,
+  xIELU's learned scalars. Tried by descending ``priority``, then registration order; no match: the dense MLP bridge
+  is read (:func:`lens_aot.tl.reading.mlp.read_mlp`).
 
 The built-in readers register through these same functions when :mod:`lens_aot.tl` is imported
 (:mod:`lens_aot.tl.builtin_readers`). A reader outside lens_aot registers the same way; whatever it reads is still
@@ -42,16 +47,20 @@ __all__ = [
     "AttentionContext",
     "AttentionForward",
     "AttentionReader",
+    "MLPReader",
     "ModelReader",
     "attention_forward",
     "attention_readers",
+    "mlp_readers",
     "model_reader",
     "model_readers",
     "register_attention_forward",
     "register_attention_reader",
+    "register_mlp_reader",
     "register_model_reader",
     "unregister_attention_forward",
     "unregister_attention_reader",
+    "unregister_mlp_reader",
     "unregister_model_reader",
 ]
 
@@ -250,3 +259,47 @@ def attention_forward(hf_attn: nn.Module) -> AttentionForward | None:
     """The forward registered for ``hf_attn``'s exact class, else for its class's name, else None."""
     cls = type(hf_attn)
     return ATTENTION_FORWARDS.get(cls) or ATTENTION_FORWARDS.get(cls.__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLP readers (a block's MLP bridge).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLPReader:
+    """An MLP reader: ``matches(mlp_bridge, module, act_fn)`` (``module``: the module the bridge wraps, unwrapped;
+    ``act_fn``: the activation read off the module or config; must not raise), ``read(mlp_bridge, module, layer,
+    dtype, act_fn)`` → an ``MLPSpec`` or ``MoESpec`` (or a refusal naming the layer)."""
+
+    name: str
+    matches: Callable[[Any, nn.Module, str], bool]
+    read: Callable[[Any, nn.Module, int, torch.dtype, str], Any]
+    priority: int = 0
+
+
+_MLP_READERS: list[MLPReader] = []
+
+
+def register_mlp_reader(
+    name: str,
+    matches: Callable[[Any, nn.Module, str], bool],
+    read: Callable[[Any, nn.Module, int, torch.dtype, str], Any],
+    *,
+    priority: int = 0,
+) -> MLPReader:
+    """Register an MLP reader (:class:`MLPReader`). Built-in priorities: Llama 4's MoE 600, sparse MoEs 500,
+    parallel experts 400, other JetMoE forms (refused) 300, a dense MLP in an MoE bridge 200, xIELU 100."""
+    entry = MLPReader(name, matches, read, priority)
+    _insert(_MLP_READERS, entry)
+    return entry
+
+
+def unregister_mlp_reader(name: str) -> MLPReader:
+    """Remove the MLP reader ``name`` (KeyError when none is registered under it); returns it."""
+    return _remove(_MLP_READERS, name, "MLP reader")
+
+
+def mlp_readers() -> list[MLPReader]:
+    """The registered MLP readers, in the order they are tried."""
+    return list(_MLP_READERS)
