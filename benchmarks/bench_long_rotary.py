@@ -8,7 +8,7 @@ config has 10,485,760) and ``--fields`` (JSON config fields: ``{"head_dim": 128}
 (``tables``, ``recipe``), alternating, ``--repeats`` times: ``convert``'s wall time, its extra peak
 resident memory over what the process held with the source built and run once (Linux ``VmHWM``, reset through
 ``/proc/self/clear_refs``), and the time spent in the bitwise check of the recipe against the source's rotary module
-at every position (:func:`lens_aot.tl.bridge.rotary_tables.verified_recipe`). ``--threads`` CPU threads (default 1).
+at every position (:func:`lens_aot.tl.attention.rotary_tables.verified_recipe`). ``--threads`` CPU threads (default 1).
 
     python benchmarks/bench_long_rotary.py [--positions 1048576 10485760] [--repeats 3] [--threads 1]
         [--family Llama4ForCausalLM] [--fields '{"head_dim": 128}'] [--modes tables recipe]

@@ -87,7 +87,7 @@ def _edited_reading(edit: Any) -> Any:
     def patched(*args: Any, **kwargs: Any) -> Any:
         return edit(original(*args, **kwargs))
 
-    return mock.patch("lens_aot.tl.bridge.read.read_attention", patched)
+    return mock.patch("lens_aot.tl.bridge.read_hf.read_attention", patched)
 
 
 def _assert_refused(family: str, edit: Any) -> None:

@@ -35,6 +35,7 @@ from lens_aot.tl.attention import alibi as bridge_alibi
 from lens_aot.tl.attention import delegated as bridge_delegated
 from lens_aot.tl.bridge import attention as bridge_attention
 from lens_aot.tl.bridge.read import read_bridge
+from lens_aot.tl.reading import registry
 
 # Ministral 3's default rope, at the tiny length: llama_4_scaling_beta's query scale is exactly 1 below
 # original_max_position_embeddings, here n_ctx.
@@ -186,7 +187,7 @@ def test_mpt_reads_alibi_and_clip() -> None:
 def test_olmo_reads_clip_qkv_and_a_perturbed_clip_is_refused() -> None:
     bridge = make("olmo-clip", torch.float64)
     assert [layer.attn.clip_qkv for layer in read_bridge(bridge).layers] == [0.3, 0.3]
-    with _perturbed(bridge_attention, "_clip_qkv", lambda clip: clip * (1 + 1e-3)):
+    with _perturbed(bridge_attention, "clip_qkv", lambda clip: clip * (1 + 1e-3)):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
             read_bridge(bridge)
 
@@ -265,7 +266,8 @@ def test_alibi_counted_from_the_query_is_refused_in_float64() -> None:
 @pytest.mark.parametrize("shift", [-1, 1])
 def test_gpt_neo_window_off_by_one_is_refused(shift: int) -> None:
     bridge = make("gpt_neo-local", torch.float32)
-    read = bridge_attention._DELEGATED["GPTNeoSelfAttention"]
+    forward = registry.ATTENTION_FORWARDS["GPTNeoSelfAttention"]
+    read = forward.read
 
     def shifted(*args: Any) -> Any:
         reading = read(*args)
@@ -273,7 +275,9 @@ def test_gpt_neo_window_off_by_one_is_refused(shift: int) -> None:
             reading.window += shift
         return reading
 
-    with mock.patch.dict(bridge_attention._DELEGATED, {"GPTNeoSelfAttention": shifted}):
+    with mock.patch.dict(
+        registry.ATTENTION_FORWARDS, {"GPTNeoSelfAttention": dataclasses.replace(forward, read=shifted)}
+    ):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 1 attn: the attention reading"):
             read_bridge(bridge)
 
@@ -305,7 +309,8 @@ def test_opt_scale_perturbed_by_1e3_is_refused() -> None:
         reading.scale *= 1 + 1e-3
         return reading
 
-    with mock.patch.dict(bridge_attention._DELEGATED, {"OPTAttention": scaled}):
+    forward = registry.ATTENTION_FORWARDS["OPTAttention"]
+    with mock.patch.dict(registry.ATTENTION_FORWARDS, {"OPTAttention": dataclasses.replace(forward, read=scaled)}):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 attn: the attention reading"):
             read_bridge(bridge)
 

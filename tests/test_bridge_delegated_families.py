@@ -104,18 +104,18 @@ def test_modernbert_decoder_window_off_by_one_is_refused() -> None:
 def test_fused_glu_halves_swapped_is_refused() -> None:
     """The fused projection's first half is the activated one (``act(input) · gate``); the other order fails the
     probe, naming the MLP."""
-    from lens_aot.tl.bridge import components as bridge_components
+    from lens_aot.tl.moe import read as mlp_reader  # reads the dense MLP bridge (lens_aot.tl.reading.mlp)
 
     bridge = make_modernbert(torch.float64)
 
-    original = bridge_components._mlp
+    original = mlp_reader.read_mlp
 
     def swapped(*args: Any) -> Any:
         mlp = original(*args)
         mlp.W_gate, mlp.W_in = mlp.W_in, mlp.W_gate
         return mlp
 
-    with mock.patch.object(bridge_components, "_mlp", swapped):
+    with mock.patch.object(mlp_reader, "read_mlp", swapped):
         with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 mlp: the gated gelu MLP"):
             read_bridge(bridge)
 

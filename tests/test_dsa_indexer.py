@@ -63,7 +63,7 @@ def test_indexed_attention_is_the_sources_and_scale_changes_fail(dtype: torch.dt
     the source ranks on every visible key; a 1e-3 change of the indexer's scale changes those scores, and dropping
     the indexer (every causal key kept) changes the output."""
     source, bridge = _bridge(dtype)
-    spec = read_mla(bridge, source, list(bridge.blocks), dtype)["mla"][0]
+    spec = read_mla(bridge, source, list(bridge.blocks), dtype).layer_attention[0]
     assert spec.indexer is not None and spec.indexer.top_k == TOP_K
     x = torch.randn(2, 16, 64, dtype=dtype, generator=torch.Generator().manual_seed(0))
     want, want_scores = _source_layer(source, x)

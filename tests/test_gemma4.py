@@ -27,6 +27,7 @@ from gemma4_helpers import tokens as _tokens
 
 import lens_aot
 import lens_aot.tl.bridge.read as reader
+import lens_aot.tl.bridge.read_hf as hf_reader
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.bridge.read import read_bridge
 
@@ -134,14 +135,14 @@ def test_v_norm_hook_points_see_the_source_values() -> None:
 
 def _perturbed(field: str, edit: Any) -> Any:
     """``read_attention`` with ``edit`` applied to each reading's ``field`` (a NormSpec)."""
-    original = reader.read_attention
+    original = hf_reader.read_attention
 
     def patched(*args: Any) -> Any:
         reading = original(*args)
         setattr(reading, field, edit(getattr(reading, field)))
         return reading
 
-    return mock.patch.object(reader, "read_attention", patched)
+    return mock.patch.object(hf_reader, "read_attention", patched)
 
 
 def test_v_norm_eps_perturbed_by_1e3_is_refused() -> None:
@@ -206,7 +207,7 @@ def test_values_that_are_the_keys_are_the_key_projection() -> None:
 def test_values_off_the_keys_by_1e3_are_refused() -> None:
     """A value projection read 1e-3 off the key projection on the global layer is refused by the attention check."""
     bridge = _models(torch.float64, K_EQ_V)[1]
-    original = reader._attention
+    original = reader.attention_projections
 
     def perturbed(*args: Any) -> Any:
         spec = original(*args)
@@ -214,7 +215,7 @@ def test_values_off_the_keys_by_1e3_are_refused() -> None:
             spec.W_V = spec.W_V * (1 + 1e-3)
         return spec
 
-    with mock.patch.object(reader, "_attention", perturbed):
+    with mock.patch.object(reader, "attention_projections", perturbed):
         with pytest.raises(UnsupportedArchitectureError, match=r"^layer 1 attn: the attention reading"):
             read_bridge(bridge)
 
@@ -450,7 +451,7 @@ def test_shared_query_weights_perturbed_by_1e3_are_refused() -> None:
     """The sharing layer's reading is checked against its recorded forward with the storing layer's keys and values:
     its query weights 1e-3 off are refused by layer and piece."""
     bridge = _models(torch.float64, SHARED_KV)[1]
-    original = reader._attention
+    original = reader.attention_projections
 
     def perturbed(*args: Any) -> Any:
         spec = original(*args)
@@ -458,7 +459,7 @@ def test_shared_query_weights_perturbed_by_1e3_are_refused() -> None:
             spec.W_Q = spec.W_Q * (1 + 1e-3)
         return spec
 
-    with mock.patch.object(reader, "_attention", perturbed):
+    with mock.patch.object(reader, "attention_projections", perturbed):
         with pytest.raises(UnsupportedArchitectureError, match=r"^layer 2 attn: the attention reading"):
             read_bridge(bridge)
 

@@ -32,7 +32,7 @@ TYPES = ["sliding_attention", "full_attention"] * 3  # three global layers share
 @functools.lru_cache(maxsize=1)
 def _converted() -> Any:
     from lens_aot.matrix.families import Family, build_hf_model
-    from lens_aot.tl.bridge import attention as bridge_attention
+    from lens_aot.tl.attention import rotary_tables as bridge_attention
 
     fields = {**SHORT_CONTEXT, "num_hidden_layers": 6, "layer_types": TYPES, "hidden_size_per_layer_input": 0}
     # the tables' path (a source whose rows no recipe reproduces): Gemma 4's tables are otherwise a recipe, which

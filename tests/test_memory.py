@@ -174,7 +174,7 @@ def test_reading_holds_the_rotary_tables_once(monkeypatch: pytest.MonkeyPatch) -
     tables in place (``lens_aot.tl.bridge.attention.model_rotary``). Copying its output whole held the tables at least
     twice (most of Gemma 4's 42x convert peak at the benchmark shape, whose global layers' tables are 131,072 x 512)."""
     from lens_aot.core.read import read_model
-    from lens_aot.tl.bridge import attention as bridge_attention
+    from lens_aot.tl.attention import rotary_tables as bridge_attention
 
     source = _family_bridge("LlamaForCausalLM", max_position_embeddings=65536)
     monkeypatch.setattr(bridge_attention, "verified_recipe", lambda *args: None)
@@ -232,7 +232,8 @@ def test_chunked_rotary_tables_are_the_modules_own(kind: str) -> None:
     the same one in every call, and one that ignores its position ids is called once."""
     from types import SimpleNamespace
 
-    from lens_aot.tl.bridge.attention import AttentionReading, model_rotary
+    from lens_aot.tl.attention.rotary_tables import model_rotary
+    from lens_aot.tl.reading.record import AttentionReading
 
     n, width = 9000, 64
     module = _Rotary(kind, n, width)

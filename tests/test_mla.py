@@ -28,8 +28,8 @@ from lens_aot.errors import LoadError
 from lens_aot.matrix.families import Family, build_hf_model, copy_as
 from lens_aot.matrix.measure import _source, tokens_for
 from lens_aot.tl.attention.mla import read_mla
-from lens_aot.tl.bridge.components import _blocks, _component, _original, _source_model
 from lens_aot.tl.moe.read import read_hf_moe
+from lens_aot.tl.reading.pieces import bridge_blocks, source_model, subcomponent, wrapped_module
 
 MLA_FAMILIES = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM"]
 # Exercise the routers' group limits and the V3 selection bias (the matrix keeps one group).
@@ -88,9 +88,9 @@ def test_mla_family_matches_source_forward(arch: str, dtype: torch.dtype) -> Non
 def _attention_pair(arch: str, dtype: torch.dtype) -> tuple[MLASpec, nn.Module, nn.Module]:
     """Layer 0's MLASpec, the source's attention module and rotary module."""
     _, bridge = _bridge(arch, dtype)
-    model, blocks = _source_model(bridge), _blocks(bridge)
-    spec = read_mla(bridge, model, blocks, dtype)["mla"][0]
-    return spec, _original(_component(blocks[0], "attn")), model.model.rotary_emb
+    model, blocks = source_model(bridge), bridge_blocks(bridge)
+    spec = read_mla(bridge, model, blocks, dtype).layer_attention[0]
+    return spec, wrapped_module(subcomponent(blocks[0], "attn")), model.model.rotary_emb
 
 
 def _source_attention(hf_attn: nn.Module, rotary: nn.Module, x: torch.Tensor) -> torch.Tensor:

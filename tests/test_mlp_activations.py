@@ -319,7 +319,7 @@ def test_moe_neuron_error_joins_before_the_post_norm() -> None:
 def _post_norm_calls(**changes: torch.Tensor) -> dict[tuple[int, str], Any]:
     """A recorded forward of layer 0 laid out as ``m = x + ln1(attn(x))``, ``out = m + ln2(mlp(m))`` (random
     tensors), with ``changes`` (``mlp_in``, ``ln2_in``, ``out``) replacing what a piece was given or returned."""
-    from lens_aot.tl.bridge.probe import Call
+    from lens_aot.tl.reading.probe import Call
 
     g = torch.Generator().manual_seed(0)
     x, a, n1, f, n2 = (torch.randn(1, 4, 8, generator=g, dtype=torch.float64) for _ in range(5))
@@ -339,7 +339,7 @@ def test_post_norm_layout_is_told_from_post_ln_and_each_break_is_named() -> None
     it, not read as a pre-norm block whose attention skips ln1."""
     from lens_aot.tl.blocks.post_ln import is_post_ln
     from lens_aot.tl.blocks.post_norm import is_post_norm, post_norm_mismatch
-    from lens_aot.tl.bridge.probe import Call
+    from lens_aot.tl.reading.probe import Call
 
     pieces = {"ln1", "ln2", "mlp"}
     calls = _post_norm_calls()

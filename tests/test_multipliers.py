@@ -15,8 +15,8 @@ import lens_aot
 from lens_aot.core.check.float32_steps import float32_steps
 from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.bridge.probe import PROBE_TOLERANCE
 from lens_aot.tl.bridge.read import read_bridge
+from lens_aot.tl.reading.probe import PROBE_TOLERANCE
 
 GATED = {torch.float32: TOLERANCES[("gated", torch.float32)], torch.float64: TOLERANCES[("gated", torch.float64)]}
 

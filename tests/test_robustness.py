@@ -169,7 +169,7 @@ FAILURES: dict[str, tuple[Callable[[], Any], dict[str, Any], Any]] = {
         {"check_tokens": torch.tensor([[1, 500]])},
         lens_aot.InputError,
     ),
-    # The bridge reader runs the source once (lens_aot.tl.bridge.probe) and refuses a source whose forward raises,
+    # The bridge reader runs the source once (lens_aot.tl.reading.probe) and refuses a source whose forward raises,
     # naming the exception; the bridge is left as it was.
     "source forward raises": (
         lambda: _raising_final_norm(make_bridge("starcoder2", compat=True)),

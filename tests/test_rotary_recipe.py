@@ -21,8 +21,8 @@ from lens_aot.core.components.scores.rotary_rows import RotaryRows
 from lens_aot.core.read import run_source
 from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.tl.attention import llama4 as bridge_llama4
-from lens_aot.tl.bridge import attention as bridge_attention
-from lens_aot.tl.bridge.rotary_tables import verified_recipe
+from lens_aot.tl.attention import rotary_tables as bridge_attention
+from lens_aot.tl.attention.rotary_tables import verified_recipe
 
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
 

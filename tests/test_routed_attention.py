@@ -52,7 +52,7 @@ def test_routed_attention_is_the_sources_and_a_scale_change_fails(dtype: torch.d
     """Layer 1's mixture of attention heads equals transformers' ``JetMoeAttention`` (causal mask, rotary from the
     model's module); a 1e-3 change of the score scale, or router logits kept in float64, do not."""
     source, bridge = _bridge(dtype)
-    spec = read_routed(bridge, source, list(bridge.blocks), dtype)["routed"][1]
+    spec = read_routed(bridge, source, list(bridge.blocks), dtype).layer_attention[1]
     x = _x(dtype)
     pos = x.shape[1]
     mask = torch.full((pos, pos), float("-inf"), dtype=dtype).triu(1)[None, None]
@@ -72,7 +72,7 @@ def test_only_the_chosen_attention_experts_are_computed() -> None:
     every expert duplicated (twice the experts, the same top-k), the matrix products grow by the router's extra
     columns alone; and an expert that no token chooses (one token here) may hold NaN maps, the output unchanged."""
     source, bridge = _bridge(torch.float64)
-    spec = read_routed(bridge, source, list(bridge.blocks), torch.float64)["routed"][0]
+    spec = read_routed(bridge, source, list(bridge.blocks), torch.float64).layer_attention[0]
     doubled = dataclasses.replace(
         spec,
         **{k: torch.cat([getattr(spec, k)] * 2, dim=-1 if k == "W_router" else 0) for k in ("W_router", "W_Q", "W_O")},
@@ -102,7 +102,7 @@ def test_routed_attention_hooks_and_per_head_maps() -> None:
     """The router hooks hold the choice and weights, each slot head's result sums to the output, and the per-head
     query map (which depends on the token's routing) is refused by name."""
     source, bridge = _bridge(torch.float64)
-    spec = read_routed(bridge, source, list(bridge.blocks), torch.float64)["routed"][0]
+    spec = read_routed(bridge, source, list(bridge.blocks), torch.float64).layer_attention[0]
     attn = RoutedAttention(spec, causal=True)
     seen: dict[str, torch.Tensor] = {}
     for name in ("hook_router_logits", "hook_expert_indices", "hook_expert_weights", "hook_q", "hook_pattern",

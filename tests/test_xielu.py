@@ -207,7 +207,7 @@ def test_cached_heads_add_up_to_the_neurons() -> None:
 def test_an_unnamed_activation_module_is_still_unnamed() -> None:
     """Matching an activation module by its values skips xIELU (its values depend on learned scalars), so a module
     that matches nothing is left unnamed rather than crashing on xIELU's reference."""
-    from lens_aot.tl.bridge.activation import activation_by_values
+    from lens_aot.tl.reading.activation import activation_by_values
 
     holder = torch.nn.Module()
     holder.act = torch.nn.Tanh()

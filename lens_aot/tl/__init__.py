@@ -4,7 +4,9 @@
   :func:`is_hooked_transformer` (all in :mod:`lens_aot.tl.versions`);
 * reading a source into a :class:`~lens_aot.core.spec.model_spec.ModelSpec`: :func:`read_source` dispatches to
   :mod:`lens_aot.tl.hooked.read` (HookedTransformer, TransformerLens 3.x) or :mod:`lens_aot.tl.bridge.read`
-  (TransformerBridge, 3.9 and 4.x);
+  (TransformerBridge, 3.9 and 4.x), which asks the reader registry (:mod:`lens_aot.tl.reading.registry`: model
+  readers, attention readers, attention forwards; the built-in ones registered by :mod:`lens_aot.tl.builtin_readers`
+  when this package is imported; the helpers readers share: :mod:`lens_aot.tl.reading.pieces`);
 * writing a model back: :mod:`lens_aot.tl.build` (one builder of a HookedTransformer, or of a native bridge, from a
   config and a state dict) and :mod:`lens_aot.tl.hooked.write` (a spec's HookedTransformer config and weights);
 * the converted model as a third-party class: :mod:`lens_aot.tl.hooked.model` (``HookedTransformer``),
@@ -25,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import lens_aot.tl.bridge.read as _bridge_reader
+import lens_aot.tl.builtin_readers  # noqa: F401  (registers the built-in bridge readers)
 import lens_aot.tl.hooked.read as _hooked_reader
 from lens_aot.core.source_layer import SourceLayer, register
 from lens_aot.core.spec.model_spec import ModelSpec

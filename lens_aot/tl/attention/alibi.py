@@ -35,8 +35,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.tl.bridge.components import _component, _original
-from lens_aot.tl.bridge.probe import Call, refuse_piece
+from lens_aot.tl.reading.pieces import subcomponent, wrapped_module
+from lens_aot.tl.reading.probe import Call, refuse_piece
 
 __all__ = ["adds_residual", "alibi_reading_fields", "is_alibi_attention", "strip_inner_residuals"]
 
@@ -53,7 +53,7 @@ def _forward_parameters(module: Any) -> set[str]:
 
 def adds_residual(component: Any) -> bool:
     """Whether the module a bridge component wraps adds the residual stream inside (``forward(x, residual)``)."""
-    return component is not None and "residual" in _forward_parameters(_original(component))
+    return component is not None and "residual" in _forward_parameters(wrapped_module(component))
 
 
 def is_alibi_attention(hf_attn: nn.Module) -> bool:
@@ -89,7 +89,7 @@ def alibi_reading_fields(
     """The :class:`~lens_aot.tl.bridge.attention.AttentionReading` fields of an ALiBi attention bridge (see the module
     docstring): scale, softmax dtype, slopes and ``clip_qkv``."""
     n_heads = int(bridge_cfg.n_heads)
-    q_width = int(_original(_component(attn, "q")).weight.shape[0])
+    q_width = int(wrapped_module(subcomponent(attn, "q")).weight.shape[0])
     head_dim = q_width // n_heads
     params = _forward_parameters(hf_attn)
     if "alibi" in params:  # BloomAttentionBridge: baddbmm(alibi, q, kᵀ, alpha=head_dim**-0.5)
@@ -117,7 +117,7 @@ def strip_inner_residuals(layer: int, block: Any, calls: dict[tuple[int, str], C
     The residual subtracted is the one a pre-norm block adds: the block input for the attention, ``ln2``'s input
     (the residual stream after attention) for the MLP. BLOOM's ``apply_residual_connection_post_layernorm`` (the
     residual is the norm's output) is refused by name."""
-    pieces = [p for p in ("attn", "mlp") if adds_residual(_component(block, p))]
+    pieces = [p for p in ("attn", "mlp") if adds_residual(subcomponent(block, p))]
     if not pieces:
         return
     if bool(getattr(hf_config, "apply_residual_connection_post_layernorm", False)):

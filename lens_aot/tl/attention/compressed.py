@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from lens_aot.core.components.attention.compressed_attention import source_rms_norm_spec
 from lens_aot.core.spec.compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
 from lens_aot.core.spec.model_spec import NormSpec
-from lens_aot.tl.bridge.components import child, unwrapped
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.pieces import child, unwrapped
+from lens_aot.tl.reading.probe import refuse_piece
 
 __all__ = ["read_compressed_attention"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.tl.bridge.attention_reading import AttentionReading
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.probe import refuse_piece
+from lens_aot.tl.reading.record import AttentionReading
 
 __all__ = ["SOFTMAX_DTYPE", "check_eager", "check_linear", "read_delegated", "read_scaling"]
 

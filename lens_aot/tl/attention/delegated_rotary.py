@@ -37,10 +37,12 @@ from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec.model_spec import OutputGateSpec, RotarySpec
 from lens_aot.tl.attention.delegated import check_eager
 from lens_aot.tl.attention.k_eq_v import values_are_keys
+from lens_aot.tl.attention.projections import attention_projections
 from lens_aot.tl.attention.shared_kv import is_kv_shared, probe_states
-from lens_aot.tl.bridge.attention_reading import AttentionReading
-from lens_aot.tl.bridge.components import _attention, _component, _linear, _norm, _original
-from lens_aot.tl.bridge.probe import close, refuse_piece
+from lens_aot.tl.reading.norms import read_norm
+from lens_aot.tl.reading.pieces import linear_weights, subcomponent, wrapped_module
+from lens_aot.tl.reading.probe import close, refuse_piece
+from lens_aot.tl.reading.record import AttentionReading
 
 __all__ = ["is_delegated_rotary", "read_delegated_rotary"]
 
@@ -73,7 +75,7 @@ def rotary_component(bridge: Any, model: nn.Module) -> Any:
     """The bridge's ``rotary_emb`` component; else, when the adapter maps none (AFMoE, whose attention the bridge
     delegates), the source's own single ``rotary_emb`` module (the one its decoder computes ``position_embeddings``
     with), wrapped as a component; None if there is no single one."""
-    component = _component(bridge, "rotary_emb")
+    component = subcomponent(bridge, "rotary_emb")
     if component is not None:
         return component
     found = [module for name, module in model.named_modules() if name.rpartition(".")[2] == "rotary_emb"]
@@ -109,26 +111,26 @@ def read_delegated_rotary(
     if rotary_bridge is None:
         raise refuse_piece(layer, "attn", "a delegated rotary attention in a model without a 'rotary_emb' component")
     head_dim = int(hf_attn.head_dim)
-    q_bridge, k_bridge = _component(attn_bridge, "q_norm"), _component(attn_bridge, "k_norm")
-    v_bridge = _component(attn_bridge, "v_norm")
+    q_bridge, k_bridge = subcomponent(attn_bridge, "q_norm"), subcomponent(attn_bridge, "k_norm")
+    v_bridge = subcomponent(attn_bridge, "v_norm")
     for bridge in (q_bridge, k_bridge, v_bridge):
-        weight = getattr(_original(bridge), "weight", None) if bridge is not None else None
+        weight = getattr(wrapped_module(bridge), "weight", None) if bridge is not None else None
         if isinstance(weight, Tensor) and tuple(weight.shape) != (head_dim,):
             raise refuse_piece(
                 layer, "attn", f"a QK-norm weight of shape {tuple(weight.shape)} in a delegated attention"
             )
-    q_norm = _norm(q_bridge, dtype) if q_bridge is not None else None
-    k_norm = _norm(k_bridge, dtype) if k_bridge is not None else None
+    q_norm = read_norm(q_bridge, dtype) if q_bridge is not None else None
+    k_norm = read_norm(k_bridge, dtype) if k_bridge is not None else None
     scale, softmax_dtype = 1.0 / float(hf_attn.scaling), torch.float32
     n_heads = int(bridge_cfg.n_heads)
-    spec = _attention(attn_bridge, n_heads, dtype, scale, softmax_dtype)
+    spec = attention_projections(attn_bridge, n_heads, dtype, scale, softmax_dtype)
     spec.q_norm, spec.k_norm, spec.scores_soft_cap, spec.window = q_norm, k_norm, soft_cap, window
-    spec.v_norm = _norm(v_bridge, dtype) if v_bridge is not None else None
+    spec.v_norm = read_norm(v_bridge, dtype) if v_bridge is not None else None
     gate_weight = _gate_weight(layer, attn_bridge, spec.W_Q.shape[0], spec.W_Q.shape[2], dtype)
 
     device = spec.W_Q.device
     n = _PROBE_POSITIONS
-    rotary_module = _original(rotary_bridge)
+    rotary_module = wrapped_module(rotary_bridge)
     types = getattr(hf_config, "layer_types", None) if getattr(rotary_module, "layer_types", None) else None
     x = torch.randn(1, n, spec.W_Q.shape[1], generator=torch.Generator().manual_seed(layer), dtype=dtype).to(device)
     offsets = torch.arange(n, device=device)[None, :] - torch.arange(n, device=device)[:, None]  # key - query
@@ -197,10 +199,10 @@ def _takes(module: nn.Module, name: str) -> bool:
 def _gate_weight(layer: int, attn_bridge: Any, n_heads: int, d_head: int, dtype: torch.dtype) -> Tensor | None:
     """The bridge's ``gate`` projection as :class:`OutputGateSpec`'s ``W_gate``: [head, d_model] for a gate per head
     (its width is ``n_heads``), [head, d_model, d_head] for one per channel (``n_heads · d_head``); None without one."""
-    gate = _component(attn_bridge, "gate")
+    gate = subcomponent(attn_bridge, "gate")
     if gate is None:
         return None
-    W, b = _linear(_original(gate), dtype)
+    W, b = linear_weights(wrapped_module(gate), dtype)
     if bool(b.ne(0).any()):
         raise refuse_piece(layer, "attn", "an output gate projection with a bias")
     d_model, width = W.shape

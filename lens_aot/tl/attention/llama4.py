@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from lens_aot.core.spec.model_spec import NormSpec
 from lens_aot.tl.attention.delegated import check_eager, check_linear, read_scaling
-from lens_aot.tl.bridge.attention_reading import AttentionReading
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.probe import refuse_piece
+from lens_aot.tl.reading.record import AttentionReading
 
 __all__ = ["complex_tables", "read_llama4"]
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lens_aot.tl.attention.delegated import check_eager, check_linear, read_scaling
-from lens_aot.tl.bridge.attention_reading import AttentionReading
+from lens_aot.tl.reading.record import AttentionReading
 
 __all__ = ["read_modernbert_decoder"]
 

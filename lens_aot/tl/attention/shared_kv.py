@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lens_aot.core.components.attention.shared_kv_attention import SharedKeyValues, SharedKVAttention
 from lens_aot.core.components.factory import attention_module
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, RotarySpec
-from lens_aot.tl.bridge.probe import Call, refuse_piece
+from lens_aot.tl.reading.probe import Call, refuse_piece
 
 __all__ = ["checked_attention", "is_kv_shared", "kv_source", "probe_states", "shared_kv_spec"]
 

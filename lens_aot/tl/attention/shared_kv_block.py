@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lens_aot.errors import UnsupportedArchitectureError
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.probe import refuse_piece
 
 __all__ = ["delegated_layer_scalar", "refuse_delegated_block"]
 

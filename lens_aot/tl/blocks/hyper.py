@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.components.residual.hyper_connection import HyperConnection, HyperHead
 from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
-from lens_aot.tl.bridge.components import unwrapped
-from lens_aot.tl.bridge.probe import PROBE_TOLERANCE, refuse_piece, relative_error
+from lens_aot.tl.reading.pieces import unwrapped
+from lens_aot.tl.reading.probe import PROBE_TOLERANCE, refuse_piece, relative_error
 
 __all__ = ["read_hyper_connection", "read_hyper_head"]
 

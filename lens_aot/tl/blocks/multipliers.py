@@ -1,5 +1,5 @@
 """Constant multipliers around a bridge's blocks (Granite's μP multipliers, Cohere's logit scale), read from the
-source's modules and config and checked against the bridge's recorded forward (:mod:`lens_aot.tl.bridge.probe`).
+source's modules and config and checked against the bridge's recorded forward (:mod:`lens_aot.tl.reading.probe`).
 
 * ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward): folded into ``W_E``, exactly as
   Gemma's √d_model (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same product), so ``hook_embed`` is the scaled
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, MoESpec
-from lens_aot.tl.bridge.probe import Call, close, refuse_piece
+from lens_aot.tl.reading.probe import Call, close, refuse_piece
 
 # Config fields holding a multiplier of the logits: (name, True if the source divides by it).
 _LOGIT_FIELDS = (("logit_scale", False), ("logits_scaling", True), ("output_multiplier", False))

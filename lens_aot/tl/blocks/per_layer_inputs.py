@@ -3,7 +3,7 @@
 The model-level pieces are found on the module that holds ``embed_tokens_per_layer`` (``Gemma4TextModel``), each
 layer's on its decoder layer (``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``,
 ``act_fn``): public attributes, never class names. :class:`PerLayerReading` then checks both against the recorded
-forward: in :func:`lens_aot.tl.bridge.read._layout` each block's output must be what the components
+forward: in :func:`lens_aot.tl.bridge.layout.block_layout` each block's output must be what the components
 (:mod:`lens_aot.core.components.residual.per_layer_inputs`,
 :mod:`~lens_aot.core.components.residual.per_layer_sublayer`) compute
 from the recorded tokens and the block's own pieces, so a scale, an order or an eps read wrong is refused there.
@@ -22,10 +22,10 @@ from lens_aot.core.components.residual.per_layer_inputs import PerLayerInputs, P
 from lens_aot.core.components.residual.per_layer_sublayer import PerLayerSublayer
 from lens_aot.core.spec.model_spec import ModelSpec, NormSpec
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
-from lens_aot.tl.blocks.gemma4_norms import scaled_rms_norm
 from lens_aot.tl.blocks.multipliers import scaled
-from lens_aot.tl.bridge.components import _module_activation
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.activation import module_activation
+from lens_aot.tl.reading.gemma4_norms import scaled_rms_norm
+from lens_aot.tl.reading.probe import refuse_piece
 
 __all__ = ["PLE_PIECES", "PerLayerReading"]
 
@@ -79,7 +79,7 @@ def _sublayer(layer: int, block: Any, config: Any, dtype: torch.dtype) -> PerLay
     return PerLayerSublayerSpec(
         W_gate=_weight(gate, dtype),
         W_proj=_weight(proj, dtype),
-        act_fn=_module_activation(layer, block, config),
+        act_fn=module_activation(layer, block, config),
         post_norm=_norm(layer, "per_layer", module.post_per_layer_input_norm),
     )
 

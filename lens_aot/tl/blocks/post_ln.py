@@ -2,7 +2,7 @@
 
 GPT-1's ``Block.forward``: ``n = ln_1(x + attn(x))``, ``h = ln_2(n + mlp(n))``. The bridge maps ``ln_1`` / ``ln_2``
 to ``ln1`` / ``ln2`` like a pre-norm block's, so the layout is read from what each piece was given in one recorded
-forward (:mod:`lens_aot.tl.bridge.probe`): attention reads the block's input, ``ln1`` the block's input plus the
+forward (:mod:`lens_aot.tl.reading.probe`): attention reads the block's input, ``ln1`` the block's input plus the
 attention's output, the MLP ``ln1``'s output, ``ln2`` that plus the MLP's output, and the block returns ``ln2``'s
 output. Every one of those must hold for the block to be read as post-LN (:attr:`LayerSpec.residual_norm
 <lens_aot.core.spec.model_spec.LayerSpec.residual_norm>`,
@@ -12,7 +12,7 @@ anything else falls through to the pre-norm reading, which refuses what it canno
 
 from __future__ import annotations
 
-from lens_aot.tl.bridge.probe import Call, close
+from lens_aot.tl.reading.probe import Call, close
 
 __all__ = ["is_post_ln", "norm_block_calls"]
 

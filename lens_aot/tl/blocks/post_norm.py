@@ -7,10 +7,10 @@ normalized before it joins the residual stream::
     resid_post = resid_mid + post_feedforward_layernorm(mlp(resid_mid))
 
 TransformerLens 4.3's adapter maps those two norms to ``ln1_post`` / ``ln2_post`` (no ``ln1`` / ``ln2``), which the
-pre-norm reading of :func:`lens_aot.tl.bridge.read._layout` takes as sandwich norms around identity pre-norms.
+pre-norm reading of :func:`lens_aot.tl.bridge.layout.block_layout` takes as sandwich norms around identity pre-norms.
 TransformerLens 3.9's adapter maps them to ``ln1`` / ``ln2`` (and aliases ``hook_attn_out`` to ``ln1.hook_out``),
 so a reading by label would take them for pre-norms. This module reads the layout from what each piece was given in
-one recorded forward (:mod:`lens_aot.tl.bridge.probe`): attention reads the block's input, ``ln1`` the attention's
+one recorded forward (:mod:`lens_aot.tl.reading.probe`): attention reads the block's input, ``ln1`` the attention's
 output, the MLP ``x + ln1``'s output, ``ln2`` the MLP's output, and the block returns ``x + ln1(…) + ln2(…)``. When
 every one of those holds the layer is :attr:`LayerSpec.post_norm <lens_aot.core.spec.model_spec.LayerSpec.post_norm>`,
 the
@@ -23,7 +23,7 @@ attention's output alone), so the two are never confused.
 from __future__ import annotations
 
 from lens_aot.tl.blocks.post_ln import norm_block_calls
-from lens_aot.tl.bridge.probe import Call, close
+from lens_aot.tl.reading.probe import Call, close
 
 __all__ = ["is_post_norm", "post_norm_mismatch"]
 

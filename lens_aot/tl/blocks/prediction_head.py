@@ -3,7 +3,7 @@ against it: ModernBERT-decoder's ``lm_head`` (``ModernBertDecoderPredictionHead`
 ``prediction_head`` and calls as ``norm(act(dense(x)))``.
 
 * ``dense``: an ``nn.Linear`` (its bias, ``classifier_bias``, when it has one), copied in TransformerLens layout;
-* ``act``: named by the values it computes (:func:`~lens_aot.tl.bridge.activation.activation_by_values`, a float64
+* ``act``: named by the values it computes (:func:`~lens_aot.tl.reading.activation.activation_by_values`, a float64
   grid to 1e-9), so the erf GELU (``gelu``) and the tanh GELU (``gelu_new``) are told apart, not assumed from the
   config's ``classifier_activation``;
 * ``norm``: an ``nn.LayerNorm`` with its own ``eps`` and weights (``norm_bias`` False: no bias).
@@ -22,9 +22,10 @@ from torch import nn
 
 from lens_aot.core.components.prediction_head import PredictionHead
 from lens_aot.core.spec.prediction_head import PredictionHeadSpec
-from lens_aot.tl.bridge.activation import activation_by_values
-from lens_aot.tl.bridge.components import _component, _copy, _native_norm_module, _original
-from lens_aot.tl.bridge.probe import PROBE_TOLERANCE, refuse_piece, relative_error
+from lens_aot.tl.reading.activation import activation_by_values
+from lens_aot.tl.reading.norms import native_norm
+from lens_aot.tl.reading.pieces import detached_copy, subcomponent, wrapped_module
+from lens_aot.tl.reading.probe import PROBE_TOLERANCE, refuse_piece, relative_error
 
 __all__ = ["read_prediction_head"]
 
@@ -34,10 +35,10 @@ _PIECES = ("dense", "act", "norm")
 def read_prediction_head(bridge: Any, dtype: torch.dtype | None) -> PredictionHeadSpec | None:
     """The bridge's ``prediction_head`` as a :class:`PredictionHeadSpec`, checked against the module; None when the
     bridge has none. Refuses, naming ``prediction_head``, a head of another layout or one not reproduced."""
-    head = _component(bridge, "prediction_head")
+    head = subcomponent(bridge, "prediction_head")
     if head is None:
         return None
-    module = _original(head)
+    module = wrapped_module(head)
     spec = _reading(module, dtype)
     _check(module, spec)
     return spec
@@ -58,8 +59,8 @@ def _reading(module: nn.Module, dtype: torch.dtype | None) -> PredictionHeadSpec
     act_fn = activation_by_values(nn.ModuleList([act]))
     if act_fn is None:
         raise refuse_piece(None, "prediction_head", f"an activation module {type(act).__name__} lens_aot cannot name")
-    bias = None if dense.bias is None else _copy(dense.bias)
-    return PredictionHeadSpec(_copy(dense.weight.T), bias, act_fn, _native_norm_module(norm, dtype))
+    bias = None if dense.bias is None else detached_copy(dense.bias)
+    return PredictionHeadSpec(detached_copy(dense.weight.T), bias, act_fn, native_norm(norm, dtype))
 
 
 def _check(module: nn.Module, spec: PredictionHeadSpec) -> None:

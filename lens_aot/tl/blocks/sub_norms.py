@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lens_aot.tl.bridge.components import _component, _original
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.reading.pieces import subcomponent, wrapped_module
+from lens_aot.tl.reading.probe import refuse_piece
 
 __all__ = ["refuse_sub_norms"]
 
@@ -75,9 +75,9 @@ def _quantisation_text(names: list[str], also: bool) -> str:
 def refuse_sub_norms(layer: int, block: Any) -> None:
     """Refuse layer ``layer`` when its MLP or attention normalises across its own units, or its linear layers are
     BitNet-quantised (the module docstring says why each is not neuron-wise); MLP first, then attention."""
-    mlp_bridge, attn_bridge = _component(block, "mlp"), _component(block, "attn")
-    mlp = _original(mlp_bridge) if mlp_bridge is not None else None
-    attn = _original(attn_bridge) if attn_bridge is not None else None
+    mlp_bridge, attn_bridge = subcomponent(block, "mlp"), subcomponent(block, "attn")
+    mlp = wrapped_module(mlp_bridge) if mlp_bridge is not None else None
+    attn = wrapped_module(attn_bridge) if attn_bridge is not None else None
     if mlp is not None:
         quantised = _quantised(mlp)
         for name, norm in _neuron_norms(mlp):

@@ -5,9 +5,12 @@ The attention bridge classes of TransformerLens (3.9 and 4.x) either recompute a
 subclasses) or call the wrapped Hugging Face module's own forward (plain ``AttentionBridge``). For the first kind the
 scale, softmax precision and rotary layout follow the bridge's code (read here from the attention module's public
 attributes — ``scaling``, ``head_dim``, ``is_causal``, ``sliding_window`` — and the bridge config's rotary flags);
-for the second kind only the Hugging Face forwards listed in :data:`_DELEGATED` are read. Everything else is refused
-naming the layer and the piece. :mod:`lens_aot.tl.bridge.read` checks every reading against the piece's recorded
-output (:mod:`lens_aot.tl.bridge.probe`).
+for the second kind only the Hugging Face forwards registered in
+:data:`lens_aot.tl.reading.registry.ATTENTION_FORWARDS` are read. :func:`read_attention` asks the registry's attention
+readers (:func:`lens_aot.tl.reading.registry.attention_readers`) which reads a layer; this module holds the readers of
+TransformerLens's own bridges and of the GPT-J / GPT-Neo forwards, which :mod:`lens_aot.tl.builtin_readers` registers.
+Everything else is refused naming the layer and the piece. :mod:`lens_aot.tl.bridge.read` checks every reading against
+the piece's recorded output (:mod:`lens_aot.tl.reading.probe`).
 """
 
 from __future__ import annotations
@@ -18,27 +21,34 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.core.spec.model_spec import NormSpec, QKNormScope, RotarySpec
+from lens_aot.core.spec.model_spec import NormSpec, QKNormScope
 from lens_aot.tl.attention import alibi as bridge_alibi
-from lens_aot.tl.attention import delegated as bridge_delegated
-from lens_aot.tl.attention import llama4 as bridge_llama4
-from lens_aot.tl.attention import modernbert as bridge_modernbert
-from lens_aot.tl.attention.delegated_rotary import is_delegated_rotary, read_delegated_rotary
+from lens_aot.tl.attention.delegated_rotary import read_delegated_rotary
 from lens_aot.tl.attention.nope import bridge_skips_rope
-from lens_aot.tl.bridge.attention_reading import AttentionReading
-from lens_aot.tl.bridge.components import _component, _copy, _native_norm_module, _norm, _original, _subcomponents
-from lens_aot.tl.bridge.probe import refuse_piece
-from lens_aot.tl.bridge.rotary_tables import (
-    chunked_tables,
-    module_tables,
-    reader_columns,
-    recipe_of_tables,
-    verified_recipe,
-)
+from lens_aot.tl.reading.attention_checks import check_common, clip_qkv, refuse_windows
+from lens_aot.tl.reading.norms import native_norm, read_norm
+from lens_aot.tl.reading.pieces import detached_copy, subcomponent, wrapped_module
+from lens_aot.tl.reading.probe import refuse_piece
+from lens_aot.tl.reading.record import AttentionReading
+from lens_aot.tl.reading.registry import AttentionContext, attention_forward, attention_readers
+
+__all__ = [
+    "ALIBI_BRIDGES",
+    "REFUSED_BRIDGES",
+    "read_alibi",
+    "read_attention",
+    "read_delegated_rotary_bridge",
+    "read_forward",
+    "read_gpt_neo",
+    "read_gptj",
+    "read_joint_qkv",
+    "read_joint_qkv_position_embeddings",
+    "read_position_embeddings",
+    "refuse_bridge",
+]
 
 # Attention bridges whose computation lens_aot has no component for (issue 22: each is refused by name).
-_REFUSED_BRIDGES = {
+REFUSED_BRIDGES = {
     "MLAAttentionBridge": "multi-head latent attention (DeepSeek MLA)",
     "GlmMoeDsaAttentionBridge": "multi-head latent attention with sparse index selection (GLM-MoE-DSA)",
     "ALiBiJointQKVAttentionBridge": "ALiBi position biases",
@@ -47,89 +57,17 @@ _REFUSED_BRIDGES = {
 }
 
 # ALiBi attention bridges whose score computation lens_aot.tl.attention.alibi reads.
-_ALIBI_BRIDGES = ("BloomAttentionBridge", "MPTALiBiAttentionBridge")
-
-_EXTRA_COMPONENTS = {
-    "q_norm": "QK-norm ('q_norm') outside a PositionEmbeddingsAttentionBridge",
-    "k_norm": "QK-norm ('k_norm') outside a PositionEmbeddingsAttentionBridge",
-    "gate": "an output gate (act(gate(x)) multiplies the attention output: AFMoE sigmoid, Laguna softplus)",
-    "experts": "a mixture of attention heads (JetMoE's MoA: each token's query and output projections come from its "
-    "top-k routed attention experts)",
-}
+ALIBI_BRIDGES = ("BloomAttentionBridge", "MPTALiBiAttentionBridge")
 
 
-def _mro_names(obj: Any) -> list[str]:
-    return [c.__name__ for c in type(obj).__mro__]
-
-
-def _sliding_window(layer: int, hf_attn: nn.Module, hf_config: Any) -> int | None:
-    """The layer's sliding window: the attention module's public ``sliding_window``, else the config's (for every
-    layer, or for the layers ``layer_types`` marks ``sliding_attention``)."""
-    if hasattr(hf_attn, "sliding_window"):
-        window = hf_attn.sliding_window
-        return None if window is None else int(window)
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and layer < len(layer_types) and layer_types[layer] != "sliding_attention":
-        return None
-    return int(window)
-
-
-def _check_common(
-    layer: int,
-    attn: Any,
-    hf_attn: nn.Module,
-    hf_config: Any,
-    n_ctx: int,
-    qk_norm_ok: bool,
-    gate_ok: bool = False,
-    position_embeddings: bool = False,
-) -> tuple[float | None, int | None]:
-    """Refuse, naming the layer, every attention feature the spec's attention cannot express; return the layer's
-    score soft-cap and binding sliding window (None when absent or not binding at ``n_ctx``). A
-    ``PositionEmbeddingsAttentionBridge`` (``position_embeddings``) may hold ``_rotary_emb``, its reference to the
-    model's rotary module (GPT-OSS's adapter sets it; the forward takes its tables from the block's
-    ``position_embeddings``, which :func:`model_rotary` reads from the same module), and attention sinks, which its
-    forward computes (:func:`_position_embeddings_attention` reads them)."""
-    allowed = {"q", "k", "v", "o", "qkv"} | ({"q_norm", "k_norm"} if qk_norm_ok else set())
-    # an output gate and a value norm (Gemma 4): lens_aot.tl.attention.delegated_rotary
-    allowed |= {"gate", "v_norm"} if gate_ok else set()
-    allowed |= {"_rotary_emb"} if position_embeddings else set()
-    for name in sorted(_subcomponents(attn) - allowed):
-        raise refuse_piece(layer, "attn", _EXTRA_COMPONENTS.get(name, f"an extra component {name!r}"))
-    unread = [("key_multiplier", "a key multiplier (muP scaling of the keys)")]
-    if not position_embeddings:
-        unread.append(("sinks", "attention sinks (a learned per-head logit in the softmax)"))
-    for attr, what in unread:
-        if getattr(hf_attn, attr, None) is not None:
-            raise refuse_piece(layer, "attn", what)
-    if getattr(hf_config, "clip_qkv", None) is not None and not position_embeddings:
-        raise refuse_piece(layer, "attn", f"QKV clipping (clip_qkv={hf_config.clip_qkv}) in a {type(attn).__name__}")
-    if not bool(getattr(hf_attn, "is_causal", True)) or bool(getattr(hf_config, "use_bidirectional_attention", False)):
-        raise refuse_piece(layer, "attn", "non-causal attention in a causal language model", "Use causal attention.")
-    cap = getattr(hf_attn, "attn_logit_softcapping", None)
-    window = _sliding_window(layer, hf_attn, hf_config)
-    return (None if cap is None else float(cap)), (window if window is not None and window < n_ctx else None)
-
-
-def _clip_qkv(hf_config: Any) -> float | None:
-    """OLMo's and OLMoE's ``clip_qkv``: q, k and v clamped to ``±clip_qkv`` after the projections and the QK-norm,
-    before rotary (``OlmoAttention.forward``), where :class:`~lens_aot.core.components.attention.attention.Attention`
-    clamps."""
-    clip = getattr(hf_config, "clip_qkv", None)
-    return None if clip is None else float(clip)
-
-
-def _qk_norm(layer: int, norm_bridge: Any, dtype: torch.dtype) -> NormSpec:
+def qk_norm_spec(layer: int, norm_bridge: Any, dtype: torch.dtype) -> NormSpec:
     """A QK-norm bridge's norm; a module holding one ``nn.LayerNorm`` per head in ``norms`` (StableLM's
     ``StableLmLayerNormPerHead``: head ``h`` normalised by ``norms[h]``) as one LayerNorm with ``[n_heads, head_dim]``
     weights and biases, which :class:`~lens_aot.core.components.scores.qk_norm.QKNorm` applies head by head."""
-    norms = getattr(_original(norm_bridge), "norms", None)
+    norms = getattr(wrapped_module(norm_bridge), "norms", None)
     if not isinstance(norms, nn.ModuleList) or not norms or not all(isinstance(n, nn.LayerNorm) for n in norms):
-        return _norm(norm_bridge, dtype)
-    specs = [_native_norm_module(n, dtype) for n in norms]
+        return read_norm(norm_bridge, dtype)
+    specs = [native_norm(n, dtype) for n in norms]
     if len({(spec.kind, spec.eps) for spec in specs}) != 1:
         raise refuse_piece(layer, "attn", "per-head QK LayerNorms with different eps or affine settings per head")
 
@@ -147,11 +85,11 @@ def _qk_norms(
     has ``head_dim`` entries, over the whole projection when it has ``n_heads · head_dim`` (OLMo-2), as
     ``PositionEmbeddingsAttentionBridge`` decides from the same shapes; and whether they run after rotary (the bridge
     config's ``qk_norm_after_rope``, HunYuan, which the bridge honours for per-head norms only)."""
-    q_bridge, k_bridge = _component(attn, "q_norm"), _component(attn, "k_norm")
+    q_bridge, k_bridge = subcomponent(attn, "q_norm"), subcomponent(attn, "k_norm")
     if q_bridge is None and k_bridge is None:
         return None, None, "head", False
     head_dim = int(hf_attn.head_dim)
-    weight = getattr(_original(q_bridge), "weight", None) if q_bridge is not None else None
+    weight = getattr(wrapped_module(q_bridge), "weight", None) if q_bridge is not None else None
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else ()
     if shape in ((), (head_dim,)) or (len(shape) == 2 and shape[1] == head_dim):
         # (n_heads, head_dim): a weight per head (Cohere's use_qk_norm), broadcast over [batch, pos, head, d_head]
@@ -160,8 +98,8 @@ def _qk_norms(
         over = "projection"
     else:
         raise refuse_piece(layer, "attn", f"a QK-norm weight of shape {shape} (per-head weights, Cohere)")
-    q_norm = _qk_norm(layer, q_bridge, dtype) if q_bridge is not None else None
-    k_norm = _qk_norm(layer, k_bridge, dtype) if k_bridge is not None else None
+    q_norm = qk_norm_spec(layer, q_bridge, dtype) if q_bridge is not None else None
+    k_norm = qk_norm_spec(layer, k_bridge, dtype) if k_bridge is not None else None
     after = over == "head" and bool(getattr(bridge_cfg, "qk_norm_after_rope", False))
     for norm in (q_norm, k_norm):
         if after and norm is not None and (norm.functional or norm.scale_in_compute_dtype):
@@ -178,77 +116,46 @@ def read_attention(
     n_ctx: int,
     rotary_bridge: Any = None,
 ) -> AttentionReading:
-    """How layer ``layer``'s attention bridge ``attn`` computes (see the module docstring); ``rotary_bridge``: the
-    model's ``rotary_emb`` component, which a delegated rotary attention is probed with."""
-    cls = type(attn).__name__
-    if cls in _ALIBI_BRIDGES:  # BLOOM, MPT: lens_aot.tl.attention.alibi
-        return _alibi_attention(layer, attn, hf_config, bridge_cfg, dtype, n_ctx)
-    for name in _mro_names(attn):
-        if name in _REFUSED_BRIDGES:
-            raise refuse_piece(layer, "attn", _REFUSED_BRIDGES[name])
-    hf_attn = _original(attn)
-    names = _mro_names(attn)
-    position_embeddings = "PositionEmbeddingsAttentionBridge" in names
-    # a plain AttentionBridge around a Llama-shaped rotary forward (NanoChat): lens_aot.tl.attention.delegated_rotary
-    delegated_rotary = cls == "AttentionBridge" and type(hf_attn).__name__ not in _DELEGATED
-    delegated_rotary = delegated_rotary and is_delegated_rotary(hf_attn)
-    cap, window = _check_common(
-        layer,
-        attn,
-        hf_attn,
-        hf_config,
-        n_ctx,
-        position_embeddings or delegated_rotary,
-        delegated_rotary,
-        position_embeddings,
-    )
-    if delegated_rotary:
-        reading = read_delegated_rotary(layer, attn, hf_attn, hf_config, bridge_cfg, dtype, rotary_bridge, cap, window)
-        reading.soft_cap, reading.window = cap, window
-        return reading
-    if position_embeddings:
-        reading = _position_embeddings_attention(layer, attn, hf_attn, bridge_cfg, dtype)
-        norms = _qk_norms(layer, attn, hf_attn, bridge_cfg, dtype)
-        reading.q_norm, reading.k_norm, reading.qk_norm_over, reading.qk_norm_after_rotary = norms
-        reading.soft_cap, reading.window = cap, window
-        reading.clip_qkv = _clip_qkv(hf_config)
-        return reading
-    if cls == "AttentionBridge" and type(hf_attn).__name__ == "ModernBertDecoderAttention" and cap is None:
-        return bridge_modernbert.read_modernbert_decoder(  # rotary, per-layer windows
-            layer, hf_attn, hf_config, dtype, n_ctx, window
+    """How layer ``layer``'s attention bridge ``attn`` computes: read by the first registered attention reader that
+    matches it (:mod:`lens_aot.tl.reading.registry`), else refused naming the layer; ``rotary_bridge``: the model's
+    ``rotary_emb`` component, which a delegated rotary attention is probed with."""
+    ctx = AttentionContext(layer, attn, hf_config, bridge_cfg, dtype, n_ctx, rotary_bridge)
+    for reader in attention_readers():
+        if reader.matches(ctx):
+            return reader.read(ctx)
+    return refuse_unread(ctx)
+
+
+def refuse_unread(ctx: AttentionContext) -> AttentionReading:
+    """The refusal of an attention no registered reader reads: its common refusals first (extra pieces, sinks,
+    clipping, non-causal attention, a soft-cap or window), then the bridge (or the forward it calls) by name."""
+    cap, window = check_common(ctx.layer, ctx.attn, ctx.hf_attn, ctx.hf_config, ctx.n_ctx, qk_norm_ok=False)
+    refuse_windows(ctx.layer, cap, window, f"in a {ctx.bridge_class}")
+    if ctx.bridge_class == "AttentionBridge":
+        raise refuse_piece(
+            ctx.layer,
+            "attn",
+            f"attention computed by {type(ctx.hf_attn).__name__}.forward (the bridge calls the source's own "
+            "attention code, which lens_aot does not read)",
         )
-    for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
-        if value is not None:
-            raise refuse_piece(layer, "attn", f"{what} ({value}) in a {cls}", "Only full causal attention is read.")
-    if "JointQKVPositionEmbeddingsAttentionBridge" in names:
-        # _reconstruct_attention: rotate-half on the first cos.shape[-1] channels, scores · head_dim**-0.5, softmax
-        # in the activation dtype.
-        return AttentionReading(None, None, "model")
-    if cls in ("JointQKVAttentionBridge", "_OpenAIGPTJointQKVAttentionBridge"):  # GPT-1's: returns a list
-        return _joint_qkv_attention(layer, bridge_cfg, hf_config, dtype)
-    if cls == "AttentionBridge":
-        reader = _DELEGATED.get(type(hf_attn).__name__)
-        if reader is None:
-            raise refuse_piece(
-                layer,
-                "attn",
-                f"attention computed by {type(hf_attn).__name__}.forward (the bridge calls the source's own "
-                "attention code, which lens_aot does not read)",
-            )
-        return reader(layer, hf_attn, hf_config, dtype, n_ctx)
-    raise refuse_piece(layer, "attn", f"an attention bridge of type {cls}")
+    raise refuse_piece(ctx.layer, "attn", f"an attention bridge of type {ctx.bridge_class}")
 
 
-def _alibi_attention(
-    layer: int, attn: Any, hf_config: Any, bridge_cfg: Any, dtype: torch.dtype, n_ctx: int
-) -> AttentionReading:
-    """An ALiBi attention bridge whose ``_reconstruct_attention`` :mod:`lens_aot.tl.attention.alibi` reads."""
-    hf_attn = _original(attn)
-    cap, window = _check_common(layer, attn, hf_attn, hf_config, n_ctx, qk_norm_ok=False)
-    for what, value in (("attention-score soft-capping", cap), ("sliding-window attention", window)):
-        if value is not None:
-            raise refuse_piece(layer, "attn", f"{what} ({value}) with ALiBi", "Only full causal attention is read.")
-    fields = bridge_alibi.alibi_reading_fields(layer, attn, hf_attn, bridge_cfg, dtype)
+def refuse_bridge(ctx: AttentionContext) -> AttentionReading:
+    """Refuse an attention bridge lens_aot has no component for (:data:`REFUSED_BRIDGES`), by name."""
+    for name in ctx.bridge_classes:
+        if name in REFUSED_BRIDGES:
+            raise refuse_piece(ctx.layer, "attn", REFUSED_BRIDGES[name])
+    raise AssertionError(f"refuse_bridge called on a {ctx.bridge_class}, which is not refused")
+
+
+def read_alibi(ctx: AttentionContext) -> AttentionReading:
+    """An ALiBi attention bridge (BLOOM, MPT) whose ``_reconstruct_attention`` :mod:`lens_aot.tl.attention.alibi`
+    reads."""
+    layer, attn, hf_attn = ctx.layer, ctx.attn, ctx.hf_attn
+    cap, window = check_common(layer, attn, hf_attn, ctx.hf_config, ctx.n_ctx, qk_norm_ok=False)
+    refuse_windows(layer, cap, window, "with ALiBi")
+    fields = bridge_alibi.alibi_reading_fields(layer, attn, hf_attn, ctx.bridge_cfg, ctx.dtype)
     return AttentionReading(
         fields["scale"],
         fields["softmax_dtype"],
@@ -257,6 +164,58 @@ def _alibi_attention(
         clip_qkv=fields["clip_qkv"],
         alibi_key_origin=fields["alibi_key_origin"],
     )
+
+
+def read_forward(ctx: AttentionContext) -> AttentionReading:
+    """A plain ``AttentionBridge`` around a Hugging Face forward registered in
+    :data:`~lens_aot.tl.reading.registry.ATTENTION_FORWARDS`: the common refusals, a soft-cap or binding window
+    refused unless the forward reads it, then the forward's reader."""
+    forward = attention_forward(ctx.hf_attn)
+    if forward is None:
+        raise AssertionError(f"read_forward called on a {type(ctx.hf_attn).__name__}, which has no registered forward")
+    cap, window = check_common(ctx.layer, ctx.attn, ctx.hf_attn, ctx.hf_config, ctx.n_ctx, qk_norm_ok=False)
+    refuse_windows(ctx.layer, cap, None if forward.windows else window, f"in a {ctx.bridge_class}")
+    return forward.read(ctx.layer, ctx.hf_attn, ctx.hf_config, ctx.dtype, ctx.n_ctx)
+
+
+def read_delegated_rotary_bridge(ctx: AttentionContext) -> AttentionReading:
+    """A plain ``AttentionBridge`` around a Llama-shaped rotary forward (NanoChat; QK-norms, an output gate and a
+    value norm allowed): :mod:`lens_aot.tl.attention.delegated_rotary`."""
+    layer, attn, hf_attn, hf_config = ctx.layer, ctx.attn, ctx.hf_attn, ctx.hf_config
+    cap, window = check_common(layer, attn, hf_attn, hf_config, ctx.n_ctx, True, True, False)
+    reading = read_delegated_rotary(
+        layer, attn, hf_attn, hf_config, ctx.bridge_cfg, ctx.dtype, ctx.rotary_bridge, cap, window
+    )
+    reading.soft_cap, reading.window = cap, window
+    return reading
+
+
+def read_position_embeddings(ctx: AttentionContext) -> AttentionReading:
+    """A ``PositionEmbeddingsAttentionBridge`` (:func:`_position_embeddings_attention`), its QK-norms, soft-cap,
+    window and QKV clipping."""
+    layer, attn, hf_attn = ctx.layer, ctx.attn, ctx.hf_attn
+    cap, window = check_common(layer, attn, hf_attn, ctx.hf_config, ctx.n_ctx, True, False, True)
+    reading = _position_embeddings_attention(layer, attn, hf_attn, ctx.bridge_cfg, ctx.dtype)
+    norms = _qk_norms(layer, attn, hf_attn, ctx.bridge_cfg, ctx.dtype)
+    reading.q_norm, reading.k_norm, reading.qk_norm_over, reading.qk_norm_after_rotary = norms
+    reading.soft_cap, reading.window = cap, window
+    reading.clip_qkv = clip_qkv(ctx.hf_config)
+    return reading
+
+
+def read_joint_qkv_position_embeddings(ctx: AttentionContext) -> AttentionReading:
+    """``JointQKVPositionEmbeddingsAttentionBridge._reconstruct_attention``: rotate-half on the first
+    ``cos.shape[-1]`` channels, scores · head_dim**-0.5, softmax in the activation dtype."""
+    cap, window = check_common(ctx.layer, ctx.attn, ctx.hf_attn, ctx.hf_config, ctx.n_ctx, qk_norm_ok=False)
+    refuse_windows(ctx.layer, cap, window, f"in a {ctx.bridge_class}")
+    return AttentionReading(None, None, "model")
+
+
+def read_joint_qkv(ctx: AttentionContext) -> AttentionReading:
+    """A ``JointQKVAttentionBridge`` (GPT-2, GPT-BigCode; GPT-1's returns a list): :func:`_joint_qkv_attention`."""
+    cap, window = check_common(ctx.layer, ctx.attn, ctx.hf_attn, ctx.hf_config, ctx.n_ctx, qk_norm_ok=False)
+    refuse_windows(ctx.layer, cap, window, f"in a {ctx.bridge_class}")
+    return _joint_qkv_attention(ctx.layer, ctx.bridge_cfg, ctx.hf_config, ctx.dtype)
 
 
 def _position_embeddings_attention(
@@ -302,7 +261,7 @@ def _position_embeddings_attention(
         if not isinstance(sinks, Tensor) or sinks.ndim != 1 or (n_heads is not None and sinks.numel() != n_heads):
             shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
             raise refuse_piece(layer, "attn", f"attention sinks of shape {shape}", "Use one sink logit per head.")
-        reading.sinks = _copy(sinks.detach().to(dtype))
+        reading.sinks = detached_copy(sinks.detach().to(dtype))
     return reading
 
 
@@ -324,7 +283,7 @@ def _joint_qkv_attention(layer: int, bridge_cfg: Any, hf_config: Any, dtype: tor
     return AttentionReading(None, None, "none")
 
 
-def _gptj_attention(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
+def read_gptj(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
     """HF ``GPTJAttention.forward``: rotary on the first ``rotary_dim`` channels in adjacent pairs with GPT-J's
     sinusoidal table, q and k cast to float32 before ``q·kᵀ`` whatever the model dtype (``scores_dtype``), scores
     times ``scaling`` (transformers ≥ 5.24; before: divided by ``scale_attn``), then the additive mask in the model
@@ -343,9 +302,7 @@ def _gptj_attention(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch
     return AttentionReading(scale, None, "gptj", adjacent=True, scores_dtype=torch.float32)
 
 
-def _gpt_neo_attention(
-    layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
-) -> AttentionReading:
+def read_gpt_neo(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
     """HF ``GPTNeoSelfAttention.forward``: unscaled scores ``q·kᵀ`` computed from float32 q and k whatever the model
     dtype, a causal mask, then the additive mask in the model dtype (which promotes the scores back to it) and the
     softmax; on ``local`` layers (the module's ``attention_type``) a sliding window over the last ``window_size``
@@ -358,166 +315,3 @@ def _gpt_neo_attention(
             raise refuse_piece(layer, "attn", f"local attention with window_size={size!r}", "Use window_size >= 1.")
         window = size if size < n_ctx else None
     return AttentionReading(1.0, None, "none", window=window, scores_dtype=torch.float32)
-
-
-def _delegated_standard(
-    layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int
-) -> AttentionReading:
-    """A Hugging Face attention forward read by :mod:`lens_aot.tl.attention.delegated` (OPT, XGLM)."""
-    return bridge_delegated.read_delegated(layer, hf_attn, hf_config, dtype, n_ctx)
-
-
-def _llama4(layer: int, hf_attn: nn.Module, hf_config: Any, dtype: torch.dtype, n_ctx: int) -> AttentionReading:
-    """Llama 4's attention (:func:`lens_aot.tl.attention.llama4.read_llama4`)."""
-    return bridge_llama4.read_llama4(layer, hf_attn, hf_config, dtype, n_ctx)
-
-
-_DELEGATED = {
-    "GPTJAttention": _gptj_attention,
-    "GPTNeoSelfAttention": _gpt_neo_attention,
-    "OPTAttention": _delegated_standard,
-    "XGLMAttention": _delegated_standard,
-    "Llama4TextAttention": _llama4,  # complex-product rotary, L2 QK-norm, chunks, NoPE temperature
-}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rotary tables.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
-    for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(hf_config, attr, None)
-        if isinstance(params, dict):
-            return params
-    return {}
-
-
-class _Params:
-    """A per-layer-type rope parameter dict seen as a config (for :func:`check_rope_type`)."""
-
-    def __init__(self, params: dict[str, Any], config: Any) -> None:
-        self.rope_parameters = params
-        self.max_position_embeddings = getattr(config, "max_position_embeddings", 0)
-
-
-# Rope types whose table at a position does not depend on the sequence length (computed once by the source).
-_FIXED_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
-# Rope types the source recomputes for sequences longer than original_max_position_embeddings.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def check_rope_type(hf_config: Any, n_ctx: int) -> None:
-    """Accept scaled rope only where the source uses one table at every position up to ``n_ctx``."""
-    params = _rope_parameters(hf_config)
-    nested = [p for p in params.values() if isinstance(p, dict)]  # per layer type (Gemma 3)
-    for sub in nested:
-        check_rope_type(_Params(sub, hf_config), n_ctx)
-    rope_type = str(params.get("rope_type") or params.get("type") or "default")
-    if rope_type in _FIXED_ROPE:
-        return
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
-        original = params.get("original_max_position_embeddings") or getattr(
-            hf_config, "original_max_position_embeddings", None
-        )
-        original = int(original or getattr(hf_config, "max_position_embeddings", 0))
-        if n_ctx <= original:
-            return
-        raise refuse_piece(
-            None,
-            "rotary_emb",
-            f"rope scaling of type {rope_type!r} beyond original_max_position_embeddings={original} (n_ctx={n_ctx}): "
-            "the source recomputes its tables from the sequence length",
-            f"Use n_ctx ≤ {original}, where the table is the same at every length.",
-        )
-    raise refuse_piece(
-        None,
-        "rotary_emb",
-        f"rope scaling of type {rope_type!r}",
-        "Known rope types: " + ", ".join(_FIXED_ROPE + _LENGTH_DEPENDENT_ROPE),
-    )
-
-
-def rotary_pct(attn_config: Any) -> float:
-    """The rotary fraction the attention bridge itself uses (TransformerLens's ``get_rotary_pct_from_config`` on the
-    component's config, as ``PositionEmbeddingsAttentionBridge.forward`` calls it); 1 if unset."""
-    from transformer_lens.utilities.hf_utils import get_rotary_pct_from_config
-
-    return float(get_rotary_pct_from_config(attn_config))
-
-
-def model_rotary(
-    rotary_bridge: Any,
-    reading: AttentionReading,
-    head_dim: int,
-    pct: float,
-    n_ctx: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    layer_type: str | None = None,
-) -> RotarySpec:
-    """The tables the attention uses, from the source's own rotary module run over positions ``0..n_ctx-1`` (so
-    linear, llama3, YaRN and LongRoPE tables, attention scaling included, are what the source computes).
-
-    A table half as wide as the head with ``pct`` = 1 is GPT-OSS's un-duplicated layout: the bridge concatenates it
-    with itself (rotate-half over the whole head). ``layer_type``: the table of that layer type, for rotary modules
-    that keep one per type (Gemma 3's local and global bases). The module runs over chunks of positions written into
-    the tables in place (:func:`lens_aot.tl.bridge.rotary_tables.chunked_tables`): reading peaks at the tables plus a
-    few
-    MiB, not several copies of them (issue 22: ``convert``'s peak memory; Gemma 4's global tables are n_ctx × 512)."""
-    if rotary_bridge is None:
-        raise refuse_piece(None, "rotary_emb", "rotary attention without a 'rotary_emb' component")
-    module = _original(rotary_bridge)
-    probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
-    width = int(probe.shape[-1])
-    copies = 2 if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables else 1
-    columns = reader_columns(width, copies, reading.relayout)
-    width *= copies  # the reader's table width (the relayout to adjacent pairs keeps it)
-    if width > head_dim or width % 2:
-        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
-    recipe = verified_recipe(module, n_ctx, dtype, device, layer_type, columns, reading.rotary_sign == -1)
-    if recipe is not None:  # the rows computed on demand, verified bitwise at every position (core/rotary_recipe.py)
-        table_dtype = _rounded_table_dtype(reading, recipe.rounded[0], dtype)
-        return RotarySpec(width, None, None, reading.adjacent, reading.rotary_input_dtype, table_dtype, recipe)
-    chunked = chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
-    if chunked is None:  # a module that ignores its position ids: one call, its first n_ctx rows
-        cos, sin = module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
-        if cos.shape[0] < n_ctx:
-            raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
-        module_dtype = cos.dtype
-        cos, sin = (torch.cat([t[:n_ctx].to(dtype)] * copies, dim=-1) for t in (cos, sin))
-    else:
-        cos, sin, module_dtype = chunked
-    if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
-        sin.neg_()
-    if reading.relayout:
-        cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
-        sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
-    table_dtype = _rounded_table_dtype(reading, module_dtype, dtype)
-    return RotarySpec(width, cos, sin, reading.adjacent, reading.rotary_input_dtype, table_dtype)
-
-
-def _rounded_table_dtype(
-    reading: AttentionReading, module_dtype: torch.dtype, dtype: torch.dtype
-) -> torch.dtype | None:
-    """The dtype the bridge multiplies float32-rounded q and k by: the rotary module's own where it differs from the
-    model's (ERNIE 4.5's module keeps float32 tables); None where q and k are not rounded or the dtypes agree."""
-    return module_dtype if reading.rotary_input_dtype is not None and module_dtype != dtype else None
-
-
-def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
-    """GPT-J's sinusoidal table as transformers builds it (every version): ``inv_freq = 1 / 10000^(arange(0, d, 2) /
-    d)`` (integer arange divided in float32), angles ``pos · inv_freq`` in float32, each frequency repeated over its
-    adjacent pair, cast to the activation dtype. Computed from the config, never read from a module attribute
-    (transformers 5.24 moved it from ``GPTJAttention.embed_positions`` to a model-level module)."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device) / rotary_dim))
-    angles = torch.arange(n_ctx, dtype=torch.int64, device=device).float()[:, None] * inv_freq
-    sin: Tensor = torch.sin(angles).to(dtype).repeat_interleave(2, dim=-1)
-    cos: Tensor = torch.cos(angles).to(dtype).repeat_interleave(2, dim=-1)
-    # the same table as a recipe computed on demand, kept only where it gives these rows bitwise (rotary_recipe.py)
-    columns = torch.arange(inv_freq.shape[0]).repeat_interleave(2)
-    recipe = RotaryRecipe(inv_freq.float().cpu(), columns, 1.0, False, (dtype,), n_ctx, torch.device(device).type)
-    if recipe_of_tables(recipe, cos, sin) is not None:
-        return RotarySpec(rotary_dim, None, None, adjacent_pairs=True, recipe=recipe)  # type: ignore[arg-type]
-    return RotarySpec(rotary_dim, cos, sin, adjacent_pairs=True)

@@ -1,5 +1,7 @@
-"""Pieces of a decoder layout that a TransformerBridge adapter leaves outside its component mapping, read from the
-source and checked against its recorded forward (OPT; :mod:`lens_aot.tl.bridge.read` calls these).
+"""How a block combines its pieces, read from its recorded forward (:func:`block_layout`: sequential, parallel with
+two norms, parallel with one shared norm; sandwich norms, residual multipliers), and pieces of a decoder layout that a
+TransformerBridge adapter leaves outside its component mapping, read from the source and checked against its recorded
+forward (OPT; :mod:`lens_aot.tl.bridge.read` calls these).
 
 * **A containerless MLP** (OPT: ``fc1``/``fc2`` sit directly on the decoder layer, so the ``mlp`` bridge never
   runs as a module): :func:`containerless_mlp_hooks` records its ``in`` projection's input and its
@@ -18,17 +20,20 @@ A prediction head between the final norm and the unembedding (ModernBERT-decoder
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.tl.bridge.components import _component, _copy, _original
-from lens_aot.tl.bridge.probe import Call, refuse_piece
+from lens_aot.tl.blocks.multipliers import scaled
+from lens_aot.tl.blocks.post_norm import post_norm_mismatch
+from lens_aot.tl.reading.pieces import detached_copy, subcomponent, wrapped_module
+from lens_aot.tl.reading.probe import Call, close, refuse_piece
 
 __all__ = [
+    "block_layout",
     "check_embedding_projection",
     "containerless_mlp_hooks",
     "merge_containerless",
@@ -54,11 +59,11 @@ def containerless_mlp_hooks(blocks: list[Any]) -> Iterator[dict[tuple[int, str],
 
     try:
         for layer, block in enumerate(blocks):
-            mlp = _component(block, "mlp")
+            mlp = subcomponent(block, "mlp")
             if mlp is None:
                 continue
             for piece in ("in", "out"):
-                projection = _component(mlp, piece)
+                projection = subcomponent(mlp, piece)
                 module = getattr(projection, "original_component", None)  # the nn.Linear (a bridge component's
                 if isinstance(module, nn.Module):  # own register_forward_hook attaches to its hook points)
                     handles.append(module.register_forward_hook(hook((layer, f"mlp_{piece}"))))
@@ -100,16 +105,16 @@ def position_table(module: nn.Module, n_ctx: int) -> Float[Tensor, "n_ctx d_mode
     table = module.weight
     if table.shape[0] < offset + n_ctx:
         raise refuse_piece(None, "pos_embed", f"a position table of {table.shape[0] - offset} rows for n_ctx={n_ctx}")
-    return _copy(table[offset : offset + n_ctx])
+    return detached_copy(table[offset : offset + n_ctx])
 
 
 def unread_position_rows(bridge: Any) -> Float[Tensor, "offset d_model"] | None:
     """The rows before the offset of a position table looked up at ``position + offset`` (OPT's 2), which no forward
     reads, or None."""
-    component = _component(bridge, "pos_embed")
-    module = None if component is None else _original(component)
+    component = subcomponent(bridge, "pos_embed")
+    module = None if component is None else wrapped_module(component)
     offset = _lookup_offset(module)
-    return None if not offset else _copy(module.weight[:offset])
+    return None if not offset else detached_copy(module.weight[:offset])
 
 
 def check_embedding_projection(hf_config: Any) -> None:
@@ -131,7 +136,7 @@ def unmapped_position_table(bridge: Any, model: nn.Module, n_ctx: int) -> Float[
     when the source has no such module outside its blocks. The caller checks the first block's input against
     token + position embedding, so a table read wrongly is refused."""
     wrapped = {id(getattr(m, "original_component", None)) for m in bridge.modules()}
-    blocks = _component(bridge, "blocks")
+    blocks = subcomponent(bridge, "blocks")
     inside = {id(m) for block in (blocks or []) for m in getattr(block, "original_component", block).modules()}
     d_model = int(bridge.cfg.d_model)
     found = []
@@ -146,4 +151,73 @@ def unmapped_position_table(bridge: Any, model: nn.Module, n_ctx: int) -> Float[
     offset, table = found[0]
     if table.shape[0] < offset + n_ctx:
         raise refuse_piece(None, "pos_embed", f"a position table of {table.shape[0] - offset} rows for n_ctx={n_ctx}")
-    return _copy(table[offset : offset + n_ctx])
+    return detached_copy(table[offset : offset + n_ctx])
+
+
+def block_layout(
+    layer: int,
+    calls: dict[tuple[int, str], Call],
+    has: set[str],
+    multiplier: float | None = None,
+    finish: Callable[[Tensor], Tensor] = lambda out: out,
+) -> tuple[bool, bool]:
+    """``(parallel, shared_ln)`` of layer ``layer`` from its recorded forward, or a refusal naming what it is not.
+
+    ``has``: the block's pieces among ln1, ln2, ln1_post, ln2_post, mlp. Sublayer outputs pass through the sandwich
+    norms ``ln1_post`` / ``ln2_post`` if any (Gemma 2/3, OLMo-2), then the residual ``multiplier`` (Granite); ``finish``
+    acts on the sum (Gemma 4's per-layer-input sublayer and layer scalar, lens_aot.tl.blocks.per_layer_inputs).
+    """
+    block, attn = calls.get((layer, "block")), calls.get((layer, "attn"))
+    ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
+    if block is None or attn is None:
+        raise refuse_piece(layer, "block", "pieces that did not run in a forward pass (cannot read how they combine)")
+    x = block.input
+    if not close(attn.input, ln1.output if ln1 is not None else x):
+        if (post_norm := post_norm_mismatch(layer, calls, has)) is not None:  # (lens_aot.tl.blocks.post_norm)
+            raise refuse_piece(layer, *post_norm, "Post-norm blocks are read as m = x + ln1(attn(x)), m + ln2(mlp(m)).")
+        raise refuse_piece(
+            layer,
+            "attn",
+            "an input that is not ln1's output: post-LN blocks (BERT-style: resid = ln(resid + sublayer(resid)))",
+            "Only pre-norm blocks (resid += sublayer(ln(resid))) are supported.",
+        )
+    a_out = scaled(_post_norm_output(layer, "ln1_post", attn.output, calls, has), multiplier)
+    if "mlp" not in has:
+        if not close(block.output, x + a_out):
+            raise refuse_piece(layer, "block", "an output that is not input + attention (a residual multiplier?)")
+        return False, False
+    mlp = calls.get((layer, "mlp"))
+    if mlp is None or ("ln2" in has and ln2 is None):
+        raise refuse_piece(layer, "mlp", "a piece that did not run in a forward pass")
+    if "ln2" not in has and "ln1" in has:
+        if ln1 is None or not close(mlp.input, ln1.output):
+            raise refuse_piece(layer, "mlp", "an input that is neither ln2's output nor the shared ln1's")
+        parallel, shared = True, True
+    else:
+        if ln2 is not None and not close(mlp.input, ln2.output):
+            raise refuse_piece(layer, "mlp", "an input that is not ln2's output")
+        mlp_in = ln2.input if ln2 is not None else mlp.input
+        sequential, parallel = close(mlp_in, x + a_out), close(mlp_in, x)
+        if sequential == parallel:
+            raise refuse_piece(
+                layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
+            )
+        shared = False
+    out = x + a_out + scaled(_post_norm_output(layer, "ln2_post", mlp.output, calls, has), multiplier)
+    if not close(block.output, finish(out)):
+        raise refuse_piece(
+            layer,
+            "block",
+            "an output that is not input + attention + MLP (e.g. unseen norms or a residual multiplier)",
+        )
+    return parallel, shared
+
+
+def _post_norm_output(layer: int, piece: str, out: Tensor, calls: dict[tuple[int, str], Call], has: set[str]) -> Tensor:
+    """A sublayer's output after its post norm ``piece`` when the block has one (which must read that output)."""
+    if piece not in has:
+        return out
+    call = calls.get((layer, piece))
+    if call is None or not close(call.input, out):
+        raise refuse_piece(layer, piece, "a post norm that does not normalise its sublayer's output")
+    return call.output

@@ -7,7 +7,7 @@ TransformerLens's Gemma 4 adapter maps the layer's extra modules as plain compon
 off the Hugging Face ``Gemma4TextDecoderLayer`` (by public attributes): the router (``Gemma4TextRouter``: a weightless
 RMS norm, ``scale``, ``proj``, ``per_expert_scale``, ``scalar_root_size``), the batched experts (``gate_up_proj``
 ``[E, 2·I, d]``, gate first; ``down_proj`` ``[E, d, I]``; ``act_fn``) and three Gemma 4 RMS norms
-(:func:`lens_aot.tl.blocks.gemma4_norms.scaled_rms_norm`).
+(:func:`lens_aot.tl.reading.gemma4_norms.scaled_rms_norm`).
 
 The block's MLP sublayer is then ``m = post_1(mlp(ln2(x))) + post_2(experts(pre_2(x)))``, before ``ln2_post``: the
 recorded ``mlp`` call is the dense MLP alone, so :func:`beside_moe_calls` gives the block-layout reading the whole
@@ -28,10 +28,10 @@ from lens_aot.core.components.moe.moe_beside_mlp import MoEBesideMLP
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec.model_spec import MLPSpec, MoESpec, NormSpec
-from lens_aot.tl.blocks.gemma4_norms import scaled_rms_norm
 from lens_aot.tl.blocks.per_layer_inputs import PLE_PIECES
-from lens_aot.tl.bridge.components import _module_activation
-from lens_aot.tl.bridge.probe import Call, check_piece, refuse_piece
+from lens_aot.tl.reading.activation import module_activation
+from lens_aot.tl.reading.gemma4_norms import scaled_rms_norm
+from lens_aot.tl.reading.probe import Call, check_piece, refuse_piece
 
 __all__ = ["GEMMA4_PIECES", "MOE_PIECES", "beside_moe_calls", "has_moe_block", "read_beside_moe"]
 
@@ -74,7 +74,7 @@ def _experts(layer: int, experts: Any) -> list[MLPSpec]:
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
         raise refuse_piece(layer, "experts", "experts that are not batched gate_up_proj / down_proj tensors")
-    act = _module_activation(layer, SimpleNamespace(original_component=experts), None)
+    act = module_activation(layer, SimpleNamespace(original_component=experts), None)
     d_mlp, d_model = gate_up.shape[1] // 2, gate_up.shape[2]
     out = []
     for e in range(gate_up.shape[0]):

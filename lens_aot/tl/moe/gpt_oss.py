@@ -15,7 +15,7 @@
 
 The router is :class:`~lens_aot.core.components.moe.moe_router.TopKThenSoftmax` with the bias inside the router's
 ``F.linear`` (``MoESpec.b_router``). The Hugging Face reading is checked on a seeded probe against the block's own
-output (:func:`lens_aot.tl.moe.read._probe_router`).
+output (:func:`lens_aot.tl.moe.pieces.probe_router`).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def read_token_choice_router(block: Any, router: Any) -> dict[str, Any] | None:
     """The :class:`~lens_aot.core.spec.model_spec.MoESpec` router fields of a block whose router is its ``router`` (not
     a
     ``gate``), by what its source computes; None for any other router (then probed by
-    :func:`lens_aot.tl.moe.read._probe_router`):
+    :func:`lens_aot.tl.moe.pieces.probe_router`):
 
     * AFMoE's ``AfmoeTokenChoiceRouter`` (``gate`` an ``nn.Linear``, ``route_scale``): ``logits = gate(x)`` in the
       model dtype, cast to float32; ``s = sigmoid(logits)``; experts chosen on ``s + expert_bias`` (the block's

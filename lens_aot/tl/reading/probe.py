@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lens_aot.errors import UnsupportedArchitectureError
 
-# What the bridge readers support, named in every refusal of a piece (refuse_piece, bridge_components._refuse).
+# What the bridge readers support, named in every refusal of a piece (refuse_piece, pieces.bridge_refusal).
 SUPPORTED = (
     "TransformerBridge architectures read by their structure (docs/families.md lists every piece) — decoder-only "
     "blocks, sequential or parallel (Falcon, Cohere, GPT-J / GPT-NeoX), pre-norm, sandwich or post norms, "

@@ -1,7 +1,7 @@
 """A Hugging Face RMSNorm recognised as Gemma's (``x.float() · rsqrt(mean(x²) + eps) · (1 + weight.float())``, cast
 back) by its class name or, for the families that copy it under another name (VaultGemma's ``VaultGemmaRMSNorm``), by
 having exactly the bytecode of transformers' own ``GemmaRMSNorm`` (``forward`` and ``_norm``). Read by
-:mod:`lens_aot.tl.bridge.components` and re-exported by :mod:`lens_aot.tl.bridge.norms`."""
+:mod:`lens_aot.tl.reading.norms`."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ an RMSNorm in float32 with the scale applied before the cast back (``NormSpec.sc
 weightless ``RMSPre`` (the value norm, :mod:`lens_aot.core.components.scores.v_norm`). Its ``pow(·, -½)`` rounds as
 ``torch.rsqrt`` does (``rsqrt``: bit-exact in float64, where ``x / sqrt(·)`` differs by float32 rounding). It is
 recognised by its public attributes (a boolean ``with_scale``, a float ``eps``), never by class name;
-:func:`lens_aot.tl.bridge.float32.carry_float32_step` then keeps the form that reproduces the module on a probe
+:func:`lens_aot.tl.reading.float32.carry_float32_step` then keeps the form that reproduces the module on a probe
 input, and the per-piece check of :mod:`lens_aot.tl.bridge.read` confirms the reading against the recorded forward.
 """
 

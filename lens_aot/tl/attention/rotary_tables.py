@@ -1,7 +1,8 @@
 """The source's rotary tables over every position, read a chunk of positions at a time (issue 22: ``convert``'s peak
 memory).
 
-:func:`lens_aot.tl.bridge.attention.model_rotary` runs the source's own rotary module over positions ``0..n_ctx-1``.
+:func:`model_rotary` (the tables a layer's attention uses, read for the model's rotary module) runs the source's own
+rotary module over positions ``0..n_ctx-1``.
 Run over all of them at once, the module's output and its temporaries held the tables two to three times (Gemma 4's
 global layers: n_ctx 131,072 × 512, 512 MiB for cos and sin). Here it runs over chunks of positions whose rows are
 written into the tables in place: a row depends on its position only, and each call also passes the last position,
@@ -11,24 +12,35 @@ tables are bitwise those of one call over every position (``tests/test_memory.py
 Before any table is read, :func:`verified_recipe` tries to replace it by a recipe computed on demand
 (:mod:`lens_aot.core.rotary_recipe`): the module's own frequencies and scaling, checked bitwise against the module's
 rows at every position, a chunk at a time, keeping nothing (``tests/test_rotary_recipe.py``). The tables are read
-only where that check fails.
+only where that check fails. :func:`check_rope_type` accepts a scaled rope only where one table serves every
+position up to n_ctx; :func:`gptj_rotary` computes GPT-J's sinusoidal table from its config.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from lens_aot.core.rotary_recipe import BLOCK_ELEMENTS, RotaryRecipe, cast_chain
+from lens_aot.core.spec.model_spec import RotarySpec
 from lens_aot.tl.attention import llama4 as bridge_llama4
+from lens_aot.tl.reading.pieces import wrapped_module
+from lens_aot.tl.reading.probe import refuse_piece
+from lens_aot.tl.reading.record import AttentionReading
 
 __all__ = [
+    "check_rope_type",
     "chunked_tables",
+    "gptj_rotary",
+    "model_rotary",
     "module_frequencies",
     "module_tables",
     "reader_columns",
     "recipe_of_tables",
+    "rotary_pct",
     "verified_recipe",
 ]
 
@@ -167,7 +179,7 @@ def verified_recipe(
 
 
 def reader_columns(width: int, copies: int, relayout: bool) -> Int[Tensor, " table_width"] | None:
-    """The module column of each column of the reader's table (:func:`lens_aot.tl.bridge.attention.model_rotary`):
+    """The module column of each column of the reader's table (:func:`model_rotary`):
     ``copies`` side by side, then with ``relayout`` the first half's columns each twice (adjacent pairs); None when
     that is the module's layout itself."""
     columns = torch.arange(width).repeat(copies)
@@ -181,3 +193,147 @@ def recipe_of_tables(recipe: RotaryRecipe, cos: Tensor, sin: Tensor) -> RotaryRe
     reader computes itself from a formula, GPT-J's)."""
     ours_cos, ours_sin = recipe.table(cos.device)
     return recipe if torch.equal(ours_cos, cos) and torch.equal(ours_sin, sin) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tables a layer's attention uses.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, attr, None)
+        if isinstance(params, dict):
+            return params
+    return {}
+
+
+class _Params:
+    """A per-layer-type rope parameter dict seen as a config (for :func:`check_rope_type`)."""
+
+    def __init__(self, params: dict[str, Any], config: Any) -> None:
+        self.rope_parameters = params
+        self.max_position_embeddings = getattr(config, "max_position_embeddings", 0)
+
+
+# Rope types whose table at a position does not depend on the sequence length (computed once by the source).
+_FIXED_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+# Rope types the source recomputes for sequences longer than original_max_position_embeddings.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_rope_type(hf_config: Any, n_ctx: int) -> None:
+    """Accept scaled rope only where the source uses one table at every position up to ``n_ctx``."""
+    params = _rope_parameters(hf_config)
+    nested = [p for p in params.values() if isinstance(p, dict)]  # per layer type (Gemma 3)
+    for sub in nested:
+        check_rope_type(_Params(sub, hf_config), n_ctx)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if rope_type in _FIXED_ROPE:
+        return
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None
+        )
+        original = int(original or getattr(hf_config, "max_position_embeddings", 0))
+        if n_ctx <= original:
+            return
+        raise refuse_piece(
+            None,
+            "rotary_emb",
+            f"rope scaling of type {rope_type!r} beyond original_max_position_embeddings={original} (n_ctx={n_ctx}): "
+            "the source recomputes its tables from the sequence length",
+            f"Use n_ctx ≤ {original}, where the table is the same at every length.",
+        )
+    raise refuse_piece(
+        None,
+        "rotary_emb",
+        f"rope scaling of type {rope_type!r}",
+        "Known rope types: " + ", ".join(_FIXED_ROPE + _LENGTH_DEPENDENT_ROPE),
+    )
+
+
+def rotary_pct(attn_config: Any) -> float:
+    """The rotary fraction the attention bridge itself uses (TransformerLens's ``get_rotary_pct_from_config`` on the
+    component's config, as ``PositionEmbeddingsAttentionBridge.forward`` calls it); 1 if unset."""
+    from transformer_lens.utilities.hf_utils import get_rotary_pct_from_config
+
+    return float(get_rotary_pct_from_config(attn_config))
+
+
+def model_rotary(
+    rotary_bridge: Any,
+    reading: AttentionReading,
+    head_dim: int,
+    pct: float,
+    n_ctx: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_type: str | None = None,
+) -> RotarySpec:
+    """The tables the attention uses, from the source's own rotary module run over positions ``0..n_ctx-1`` (so
+    linear, llama3, YaRN and LongRoPE tables, attention scaling included, are what the source computes).
+
+    A table half as wide as the head with ``pct`` = 1 is GPT-OSS's un-duplicated layout: the bridge concatenates it
+    with itself (rotate-half over the whole head). ``layer_type``: the table of that layer type, for rotary modules
+    that keep one per type (Gemma 3's local and global bases). The module runs over chunks of positions written into
+    the tables in place (:func:`chunked_tables`): reading peaks at the tables plus a
+    few
+    MiB, not several copies of them (issue 22: ``convert``'s peak memory; Gemma 4's global tables are n_ctx × 512)."""
+    if rotary_bridge is None:
+        raise refuse_piece(None, "rotary_emb", "rotary attention without a 'rotary_emb' component")
+    module = wrapped_module(rotary_bridge)
+    probe, _ = module_tables(module, torch.arange(1, device=device), n_ctx - 1, dtype, layer_type)
+    width = int(probe.shape[-1])
+    copies = 2 if not reading.adjacent and width * 2 == head_dim and pct == 1.0 and reading.duplicate_half_tables else 1
+    columns = reader_columns(width, copies, reading.relayout)
+    width *= copies  # the reader's table width (the relayout to adjacent pairs keeps it)
+    if width > head_dim or width % 2:
+        raise refuse_piece(None, "rotary_emb", f"rotary tables of width {width} for head_dim {head_dim}")
+    recipe = verified_recipe(module, n_ctx, dtype, device, layer_type, columns, reading.rotary_sign == -1)
+    if recipe is not None:  # the rows computed on demand, verified bitwise at every position (core/rotary_recipe.py)
+        table_dtype = _rounded_table_dtype(reading, recipe.rounded[0], dtype)
+        return RotarySpec(width, None, None, reading.adjacent, reading.rotary_input_dtype, table_dtype, recipe)
+    chunked = chunked_tables(module, n_ctx, dtype, device, layer_type, copies)
+    if chunked is None:  # a module that ignores its position ids: one call, its first n_ctx rows
+        cos, sin = module_tables(module, torch.arange(n_ctx - 1, device=device), n_ctx - 1, dtype, layer_type)
+        if cos.shape[0] < n_ctx:
+            raise refuse_piece(None, "rotary_emb", f"rotary tables covering {cos.shape[0]} positions, fewer than n_ctx")
+        module_dtype = cos.dtype
+        cos, sin = (torch.cat([t[:n_ctx].to(dtype)] * copies, dim=-1) for t in (cos, sin))
+    else:
+        cos, sin, module_dtype = chunked
+    if reading.rotary_sign == -1:  # the source's rotate_half turns the other way (NanoChat)
+        sin.neg_()
+    if reading.relayout:
+        cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
+    table_dtype = _rounded_table_dtype(reading, module_dtype, dtype)
+    return RotarySpec(width, cos, sin, reading.adjacent, reading.rotary_input_dtype, table_dtype)
+
+
+def _rounded_table_dtype(
+    reading: AttentionReading, module_dtype: torch.dtype, dtype: torch.dtype
+) -> torch.dtype | None:
+    """The dtype the bridge multiplies float32-rounded q and k by: the rotary module's own where it differs from the
+    model's (ERNIE 4.5's module keeps float32 tables); None where q and k are not rounded or the dtypes agree."""
+    return module_dtype if reading.rotary_input_dtype is not None and module_dtype != dtype else None
+
+
+def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
+    """GPT-J's sinusoidal table as transformers builds it (every version): ``inv_freq = 1 / 10000^(arange(0, d, 2) /
+    d)`` (integer arange divided in float32), angles ``pos · inv_freq`` in float32, each frequency repeated over its
+    adjacent pair, cast to the activation dtype. Computed from the config, never read from a module attribute
+    (transformers 5.24 moved it from ``GPTJAttention.embed_positions`` to a model-level module)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device) / rotary_dim))
+    angles = torch.arange(n_ctx, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+    sin: Tensor = torch.sin(angles).to(dtype).repeat_interleave(2, dim=-1)
+    cos: Tensor = torch.cos(angles).to(dtype).repeat_interleave(2, dim=-1)
+    # the same table as a recipe computed on demand, kept only where it gives these rows bitwise (rotary_recipe.py)
+    columns = torch.arange(inv_freq.shape[0]).repeat_interleave(2)
+    recipe = RotaryRecipe(inv_freq.float().cpu(), columns, 1.0, False, (dtype,), n_ctx, torch.device(device).type)
+    if recipe_of_tables(recipe, cos, sin) is not None:
+        return RotarySpec(rotary_dim, None, None, adjacent_pairs=True, recipe=recipe)  # type: ignore[arg-type]
+    return RotarySpec(rotary_dim, cos, sin, adjacent_pairs=True)

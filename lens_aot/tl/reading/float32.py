@@ -6,7 +6,7 @@ normalised tensor back and then multiplies by its weight, Gemma's multiplies by 
 OLMo's LayerNorm normalises with ``F.layer_norm``'s kernel. In a float32 model these agree to rounding; in a float64
 model they differ by float32 rounding, which a float64 conversion must reproduce. :func:`carry_float32_step` runs
 the wrapped module once on a seeded probe input and keeps the form of the reading that reproduces it exactly (the
-closest if none does: :mod:`lens_aot.tl.bridge.probe` then refuses a piece that is not close enough).
+closest if none does: :mod:`lens_aot.tl.reading.probe` then refuses a piece that is not close enough).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ hyper-connections, mHC: every block has an ``attn_hc`` and an ``mlp_hc`` piece b
 
 Recognised by the pieces, not by the family's name: any block with a hyper-connection piece is read here. Each piece is
 read from the module the bridge wraps, by what it is: the hyper-connections (:mod:`lens_aot.tl.blocks.hyper`), the
-norms (:func:`~lens_aot.tl.bridge.norms.named_norm`), the attention (:mod:`lens_aot.tl.attention.compressed`:
+norms (:func:`~lens_aot.tl.reading.norms.named_norm`), the attention (:mod:`lens_aot.tl.attention.compressed`:
 DeepSeek-V4's
 sliding / compressed-sparse / heavily-compressed attention, carried as the source computes it) and the mixture of
 experts (sqrt-softplus or hash-routed, clamped-SwiGLU experts and a shared expert). ``convert``'s agreement check then
@@ -22,17 +22,10 @@ from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec, check_clamp
 from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, ModelSpec, MoESpec
 from lens_aot.tl.attention.compressed import read_compressed_attention
 from lens_aot.tl.blocks.hyper import read_hyper_connection, read_hyper_head
-from lens_aot.tl.bridge.components import (
-    _component,
-    _embedding,
-    _linear,
-    _original,
-    _subcomponents,
-    bridge_extra,
-    child,
-)
-from lens_aot.tl.bridge.norms import named_norm
-from lens_aot.tl.bridge.probe import refuse_piece
+from lens_aot.tl.bridge.components import bridge_extra, token_embedding
+from lens_aot.tl.reading.norms import named_norm
+from lens_aot.tl.reading.pieces import child, linear_weights, subcomponent, subcomponent_names, wrapped_module
+from lens_aot.tl.reading.probe import refuse_piece
 
 __all__ = ["has_streams", "read_streams"]
 
@@ -42,7 +35,7 @@ _BLOCK_PIECES = {"attn_hc", "ln1", "attn", "mlp_hc", "ln2", "mlp"}
 
 def has_streams(blocks: list[Any]) -> bool:
     """Whether any block carries a hyper-connection piece (its residual stream is several streams)."""
-    return any(_subcomponents(block) & set(_HYPER) for block in blocks)
+    return any(subcomponent_names(block) & set(_HYPER) for block in blocks)
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +117,7 @@ def read_streams(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
         raise refuse_piece(None, "model", "hyper-connections in a model without a config, an inner model or rotary")
     layers = []
     for layer, block in enumerate(blocks):
-        pieces = _subcomponents(block)
+        pieces = subcomponent_names(block)
         if pieces != _BLOCK_PIECES:
             extra = sorted(pieces - _BLOCK_PIECES) or sorted(_BLOCK_PIECES - pieces)
             raise refuse_piece(
@@ -133,25 +126,25 @@ def read_streams(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
                 f"hyper-connections with the pieces {sorted(pieces)} (read: {sorted(_BLOCK_PIECES)})",
                 f"The pieces {extra} are not read with hyper-connections.",
             )
-        attn = read_compressed_attention(_original(_component(block, "attn")), config, layer, rotary)
+        attn = read_compressed_attention(wrapped_module(subcomponent(block, "attn")), config, layer, rotary)
         layers.append(
             LayerSpec(
-                ln1=named_norm(layer, "ln1", _component(block, "ln1"), dtype),
+                ln1=named_norm(layer, "ln1", subcomponent(block, "ln1"), dtype),
                 attn=attn,
-                ln2=named_norm(layer, "ln2", _component(block, "ln2"), dtype),
-                mlp=read_stream_moe(_original(_component(block, "mlp")), layer),
-                hc_attn=read_hyper_connection(_original(_component(block, "attn_hc")), layer, "attn_hc"),
-                hc_mlp=read_hyper_connection(_original(_component(block, "mlp_hc")), layer, "mlp_hc"),
+                ln2=named_norm(layer, "ln2", subcomponent(block, "ln2"), dtype),
+                mlp=read_stream_moe(wrapped_module(subcomponent(block, "mlp")), layer),
+                hc_attn=read_hyper_connection(wrapped_module(subcomponent(block, "attn_hc")), layer, "attn_hc"),
+                hc_mlp=read_hyper_connection(wrapped_module(subcomponent(block, "mlp_hc")), layer, "mlp_hc"),
             )
         )
-    head = _component(bridge, "hc_head")
+    head = subcomponent(bridge, "hc_head")
     if head is None:
         raise refuse_piece(None, "hc_head", "hyper-connections without a head collapsing the streams before ln_final")
-    unembed = _original(_component(bridge, "unembed"))
+    unembed = wrapped_module(subcomponent(bridge, "unembed"))
     if not isinstance(unembed, nn.Linear):
         raise refuse_piece(None, "unembed", f"an unembedding of type {type(unembed).__name__}")
-    W_U, b_U = _linear(unembed, dtype)
-    W_E = _embedding(_component(bridge, "embed"))
+    W_U, b_U = linear_weights(unembed, dtype)
+    W_E = token_embedding(subcomponent(bridge, "embed"))
     return ModelSpec(
         d_model=int(W_E.shape[1]),
         n_ctx=int(cfg.n_ctx),
@@ -160,7 +153,7 @@ def read_streams(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
         causal=True,
         W_E=W_E,
         layers=layers,
-        ln_final=named_norm(None, "ln_final", _component(bridge, "ln_final"), dtype),
+        ln_final=named_norm(None, "ln_final", subcomponent(bridge, "ln_final"), dtype),
         W_U=W_U,
         b_U=b_U,
         positions="rotary",  # each attention carries its own rotary (lens_aot.core.spec.compressed)
@@ -170,5 +163,5 @@ def read_streams(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
         model_name=str(getattr(cfg, "model_name", "unnamed")),
         source_kind="TransformerBridge",
         extra=bridge_extra(bridge),
-        hc_head=read_hyper_head(_original(head)),
+        hc_head=read_hyper_head(wrapped_module(head)),
     )

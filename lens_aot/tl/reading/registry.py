@@ -1,0 +1,305 @@
+"""The registry of bridge readers: which reader reads which source, attention bridge or attention forward.
+
+:func:`lens_aot.tl.bridge.read.read_bridge` names no variant: it asks this registry. Three tables, each tried in a
+fixed order, the first match winning:
+
+* **model readers** (:func:`register_model_reader`): what a bridge's source is read as before its shared pieces
+  (norms, MLPs, embeddings): a :class:`~lens_aot.tl.reading.record.ModelReading` (per-layer attention readings, or
+  per-layer attention specs read whole) or a whole :class:`~lens_aot.core.spec.model_spec.ModelSpec`. Built in: a
+  TransformerLens-native source, DeepSeek-V4's several residual streams, multi-head latent attention, routed attention
+  heads, and the Hugging Face default (which reads each layer through the attention readers below). Tried by
+  descending ``priority``, then registration order.
+* **attention readers** (:func:`register_attention_reader`): one layer's attention bridge component, matched by what
+  it is (its bridge class, read by name: TransformerLens's classes are not imported here), read into an
+  :class:`~lens_aot.tl.reading.record.AttentionReading`. Built in: ALiBi bridges, the refused bridges, a plain
+  ``AttentionBridge`` around a registered attention forward, a delegated rotary forward, the position-embeddings and
+  joint-QKV bridges. Tried by descending ``priority``, then registration order; no match: refused.
+* **attention forwards** (:func:`register_attention_forward`): the Hugging Face attention module a plain
+  ``AttentionBridge`` calls, matched exactly by its class (or the class's name), read by a function
+  ``(layer, hf_attn, hf_config, dtype, n_ctx) -> AttentionReading``. Built in: GPT-J, GPT-Neo, OPT, XGLM, Llama 4,
+  ModernBERT-decoder. A class key is tried before a name key; a subclass is not its parent (its forward may differ).
+* **MLP readers** (:func:`register_mlp_reader`): a block's MLP bridge whose wrapped module is not a plain dense MLP,
+  matched by what the module is (its structure), read into an ``MLPSpec`` or ``MoESpec``. Built in: Llama 4's MoE,
+  sparse top-k MoEs, JetMoE's parallel experts (and the refusal of its other forms), a dense MLP inside an MoE bridge,
+  xIELU's learned scalars. Tried by descending ``priority``, then registration order; no match: the dense MLP bridge
+  is read (:func:`lens_aot.tl.reading.mlp.read_mlp`).
+
+The built-in readers register through these same functions when :mod:`lens_aot.tl` is imported
+(:mod:`lens_aot.tl.builtin_readers`). A reader outside lens_aot registers the same way; whatever it reads is still
+checked piece by piece against the source's recorded forward, so a wrong reading is refused, never converted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from lens_aot.tl.reading.pieces import wrapped_module
+from lens_aot.tl.reading.record import AttentionReading, ModelReading
+
+__all__ = [
+    "ATTENTION_FORWARDS",
+    "AttentionContext",
+    "AttentionForward",
+    "AttentionReader",
+    "MLPReader",
+    "ModelReader",
+    "attention_forward",
+    "attention_readers",
+    "mlp_readers",
+    "model_reader",
+    "model_readers",
+    "register_attention_forward",
+    "register_attention_reader",
+    "register_mlp_reader",
+    "register_model_reader",
+    "unregister_attention_forward",
+    "unregister_attention_reader",
+    "unregister_mlp_reader",
+    "unregister_model_reader",
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model readers.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelReader:
+    """A model-level reader. ``matches(bridge, model)``: whether it reads this bridge (``model``: the wrapped source
+    module; called before any check, so it must not raise). ``read(bridge, model, blocks, dtype)``: a
+    :class:`ModelReading`, or a whole ``ModelSpec`` (returned as it is). ``check(bridge, model)``: refusals before
+    the blocks are read (e.g. :func:`lens_aot.tl.bridge.checks.check_hf_source`); ``check_block(layer, block)``:
+    each block's refusals before ``read`` (e.g. :func:`lens_aot.tl.bridge.checks.check_block`)."""
+
+    name: str
+    matches: Callable[[Any, nn.Module], bool]
+    read: Callable[[Any, nn.Module, list[Any], torch.dtype], Any]
+    check: Callable[[Any, nn.Module], None] | None = None
+    check_block: Callable[[int, Any], None] | None = None
+    priority: int = 0
+
+
+_MODEL_READERS: list[ModelReader] = []
+
+
+def _insert(table: list[Any], entry: Any) -> None:
+    """Add ``entry`` after every entry of its priority or higher (descending priority, then registration order)."""
+    if any(other.name == entry.name for other in table):
+        raise ValueError(f"a reader named {entry.name!r} is already registered; unregister it first")
+    position = next((i for i, other in enumerate(table) if other.priority < entry.priority), len(table))
+    table.insert(position, entry)
+
+
+def _remove(table: list[Any], name: str, what: str) -> Any:
+    for i, entry in enumerate(table):
+        if entry.name == name:
+            return table.pop(i)
+    raise KeyError(f"no {what} named {name!r} is registered (registered: {[e.name for e in table]})")
+
+
+def register_model_reader(
+    name: str,
+    matches: Callable[[Any, nn.Module], bool],
+    read: Callable[[Any, nn.Module, list[Any], torch.dtype], ModelReading | Any],
+    *,
+    check: Callable[[Any, nn.Module], None] | None = None,
+    check_block: Callable[[int, Any], None] | None = None,
+    priority: int = 0,
+) -> ModelReader:
+    """Register a model-level reader (:class:`ModelReader`); the first whose ``matches`` holds reads the bridge.
+    Built-in priorities: native 400, several residual streams 300, MLA 200, routed heads 100, Hugging Face default
+    -1000 (it matches every source)."""
+    entry = ModelReader(name, matches, read, check, check_block, priority)
+    _insert(_MODEL_READERS, entry)
+    return entry
+
+
+def unregister_model_reader(name: str) -> ModelReader:
+    """Remove the model reader ``name`` (KeyError when none is registered under it); returns it."""
+    return _remove(_MODEL_READERS, name, "model reader")
+
+
+def model_readers() -> list[ModelReader]:
+    """The registered model readers, in the order they are tried."""
+    return list(_MODEL_READERS)
+
+
+def model_reader(bridge: Any, model: nn.Module) -> ModelReader:
+    """The first registered model reader whose ``matches(bridge, model)`` holds."""
+    for entry in _MODEL_READERS:
+        if entry.matches(bridge, model):
+            return entry
+    raise LookupError(f"no registered model reader reads a {type(model).__name__} (registered: {model_readers()})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention readers (one layer's attention bridge).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """What an attention reader reads one layer from: the layer's attention bridge ``attn``, the source's Hugging
+    Face config, the bridge's config, the model dtype, ``n_ctx`` and the model's ``rotary_emb`` component (None
+    without one)."""
+
+    layer: int
+    attn: Any
+    hf_config: Any
+    bridge_cfg: Any
+    dtype: torch.dtype
+    n_ctx: int
+    rotary_bridge: Any = None
+
+    @cached_property
+    def hf_attn(self) -> nn.Module:
+        """The module the attention bridge wraps (refused when it wraps none)."""
+        return wrapped_module(self.attn)
+
+    @property
+    def bridge_class(self) -> str:
+        """The attention bridge's class name."""
+        return type(self.attn).__name__
+
+    @property
+    def bridge_classes(self) -> list[str]:
+        """The names of the attention bridge's classes, its own first (its MRO)."""
+        return [c.__name__ for c in type(self.attn).__mro__]
+
+
+@dataclass(frozen=True)
+class AttentionReader:
+    """An attention reader: ``matches(ctx)`` (must not raise), ``read(ctx)`` → :class:`AttentionReading` (or a
+    refusal naming the layer and the piece)."""
+
+    name: str
+    matches: Callable[[AttentionContext], bool]
+    read: Callable[[AttentionContext], AttentionReading]
+    priority: int = 0
+
+
+_ATTENTION_READERS: list[AttentionReader] = []
+
+
+def register_attention_reader(
+    name: str,
+    matches: Callable[[AttentionContext], bool],
+    read: Callable[[AttentionContext], AttentionReading],
+    *,
+    priority: int = 0,
+) -> AttentionReader:
+    """Register an attention reader (:class:`AttentionReader`). Built-in priorities: ALiBi 600, refused bridges
+    500, registered attention forwards 400, delegated rotary forwards 300, position-embeddings bridges 200, joint-QKV
+    position-embeddings bridges 150, joint-QKV bridges 100."""
+    entry = AttentionReader(name, matches, read, priority)
+    _insert(_ATTENTION_READERS, entry)
+    return entry
+
+
+def unregister_attention_reader(name: str) -> AttentionReader:
+    """Remove the attention reader ``name`` (KeyError when none is registered under it); returns it."""
+    return _remove(_ATTENTION_READERS, name, "attention reader")
+
+
+def attention_readers() -> list[AttentionReader]:
+    """The registered attention readers, in the order they are tried."""
+    return list(_ATTENTION_READERS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention forwards (the Hugging Face module a plain AttentionBridge calls).
+# ---------------------------------------------------------------------------------------------------------------
+
+ForwardRead = Callable[[int, nn.Module, Any, torch.dtype, int], AttentionReading]
+
+
+@dataclass(frozen=True)
+class AttentionForward:
+    """How a Hugging Face attention forward is read: ``read(layer, hf_attn, hf_config, dtype, n_ctx)``. The common
+    refusals run first (extra components, sinks, clipping, non-causal attention); then a score soft-cap or a binding
+    sliding window is refused unless ``windows`` (the reader then reads the window itself)."""
+
+    key: type | str
+    read: ForwardRead
+    windows: bool = False
+
+
+# Keyed by a module class or a class name; read with attention_forward (a class key first).
+ATTENTION_FORWARDS: dict[type | str, AttentionForward] = {}
+
+
+def register_attention_forward(
+    key: type | str, read: ForwardRead, *, windows: bool = False, replace: bool = False
+) -> AttentionForward:
+    """Register how the attention module class ``key`` (or every class of that name) is read; ``replace``: over an
+    existing registration (else a ValueError)."""
+    if not isinstance(key, type | str):
+        raise TypeError(f"an attention forward is keyed by a module class or a class name, not {key!r}")
+    if key in ATTENTION_FORWARDS and not replace:
+        raise ValueError(f"an attention forward for {key!r} is already registered; pass replace=True to replace it")
+    entry = AttentionForward(key, read, windows)
+    ATTENTION_FORWARDS[key] = entry
+    return entry
+
+
+def unregister_attention_forward(key: type | str) -> AttentionForward:
+    """Remove the attention forward registered under ``key`` (KeyError when none is); returns it."""
+    if key not in ATTENTION_FORWARDS:
+        raise KeyError(f"no attention forward is registered for {key!r}")
+    return ATTENTION_FORWARDS.pop(key)
+
+
+def attention_forward(hf_attn: nn.Module) -> AttentionForward | None:
+    """The forward registered for ``hf_attn``'s exact class, else for its class's name, else None."""
+    cls = type(hf_attn)
+    return ATTENTION_FORWARDS.get(cls) or ATTENTION_FORWARDS.get(cls.__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLP readers (a block's MLP bridge).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLPReader:
+    """An MLP reader: ``matches(mlp_bridge, module, act_fn)`` (``module``: the module the bridge wraps, unwrapped;
+    ``act_fn``: the activation read off the module or config; must not raise), ``read(mlp_bridge, module, layer,
+    dtype, act_fn)`` → an ``MLPSpec`` or ``MoESpec`` (or a refusal naming the layer)."""
+
+    name: str
+    matches: Callable[[Any, nn.Module, str], bool]
+    read: Callable[[Any, nn.Module, int, torch.dtype, str], Any]
+    priority: int = 0
+
+
+_MLP_READERS: list[MLPReader] = []
+
+
+def register_mlp_reader(
+    name: str,
+    matches: Callable[[Any, nn.Module, str], bool],
+    read: Callable[[Any, nn.Module, int, torch.dtype, str], Any],
+    *,
+    priority: int = 0,
+) -> MLPReader:
+    """Register an MLP reader (:class:`MLPReader`). Built-in priorities: Llama 4's MoE 600, sparse MoEs 500,
+    parallel experts 400, other JetMoE forms (refused) 300, a dense MLP in an MoE bridge 200, xIELU 100."""
+    entry = MLPReader(name, matches, read, priority)
+    _insert(_MLP_READERS, entry)
+    return entry
+
+
+def unregister_mlp_reader(name: str) -> MLPReader:
+    """Remove the MLP reader ``name`` (KeyError when none is registered under it); returns it."""
+    return _remove(_MLP_READERS, name, "MLP reader")
+
+
+def mlp_readers() -> list[MLPReader]:
+    """The registered MLP readers, in the order they are tried."""
+    return list(_MLP_READERS)
