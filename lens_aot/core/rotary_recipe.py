@@ -7,7 +7,7 @@ the fp32 frequency of each column of the rotary module's output (``inv_freq`` la
 module's dtype and then cast as the reader and the user cast it (:attr:`RotaryRecipe.rounded`), ``c(j)`` the module
 column of each table column (the reader's layout: duplicated halves, relayout to adjacent pairs). Such a recipe is
 only ever built after the reader compared it bitwise with the module's own rows over every position ``0..n_ctx-1``
-(:func:`lens_aot.tl.bridge.rotary_tables.verified_recipe`); anything else keeps the full tables.
+(:func:`lens_aot.tl.attention.rotary_tables.verified_recipe`); anything else keeps the full tables.
 
 Llama 4's rotary module returns complex ``freqs_cis = polar(1, pos · f) · s`` instead of ``cos`` / ``sin``
 (``Llama4TextRotaryEmbedding``, read as adjacent-pair tables by :func:`lens_aot.tl.attention.llama4.complex_tables`).
