@@ -54,6 +54,17 @@ from lens_aot.hooks import hooked
 ReturnType = Literal["logits", "loss", "both"] | None
 
 
+def converted_class(source_kind: str | None, base: type | None = None) -> type[AttentionOnlyTransformer]:
+    """The class a converted model of a ``source_kind`` source takes: ``base`` (default
+    :class:`AttentionOnlyTransformer`) as the TransformerLens layer derives it
+    (:attr:`~lens_aot.core.source_layer.SourceLayer.model_class`): under 3.x also a ``HookedTransformer``
+    (:func:`lens_aot.tl.hooked.model.hooked_class`: ``isinstance(aot, HookedTransformer)`` holds, the
+    ``HookedTransformer`` methods that do not apply raise); under 4.x, a ``TransformerBridge`` when the source was one
+    (:func:`lens_aot.tl.bridge.model.bridge_class`), else ``base`` itself."""
+    chosen: type[AttentionOnlyTransformer] = source_layer().model_class(base or AttentionOnlyTransformer, source_kind)
+    return chosen
+
+
 class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     """An attention-only hooked transformer whose former MLP neurons are attention heads.
 
@@ -61,18 +72,17 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
     ``to_tokens`` / ``to_string`` (when the source had a tokenizer), the stacked weights (``W_Q`` … ``W_out``).
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> AttentionOnlyTransformer:
-        """An instance of ``cls`` as given when it is a class derived from this one (convert's build step passes the
-        class it chose, :func:`lens_aot.pipeline.build`). ``AttentionOnlyTransformer(spec, fits)`` itself (load,
-        revert, a hand-built model) takes the class the TransformerLens layer gives a converted model
-        (:attr:`~lens_aot.core.source_layer.SourceLayer.model_class`): under 3.x also a ``HookedTransformer``
-        (:func:`lens_aot.tl.hooked.model.hooked_class`: ``isinstance(aot, HookedTransformer)`` holds, the
-        ``HookedTransformer`` methods that do not apply raise); under 4.x, a ``TransformerBridge`` when the source was
-        one (:func:`lens_aot.tl.bridge.model.bridge_class`), else this class itself."""
-        if cls is not AttentionOnlyTransformer:
-            return object.__new__(cls)
-        spec = args[0] if args else kwargs.get("spec")
-        return object.__new__(source_layer().model_class(cls, getattr(spec, "source_kind", None)))
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        fits: dict[int, ActivationFit | GatedFit],
+        per_layer_fits: dict[int, GatedFit] | None = None,
+    ) -> AttentionOnlyTransformer:
+        """The converted model of ``spec``, of the class the TransformerLens layer gives it
+        (:func:`converted_class`): what the pipeline's build step, ``io``'s load and every other construction of a
+        converted model call. ``cls(spec, fits)`` itself builds a plain ``cls``."""
+        return converted_class(spec.source_kind, cls)(spec, fits, per_layer_fits)
 
     def __init__(
         self,
@@ -556,7 +566,7 @@ class AttentionOnlyTransformer(StackedWeights, Tokenizing, SpecTransformer):
 
     def to_spec(self) -> ModelSpec:
         """The source model this one implements, as a :class:`ModelSpec` (tensors copied; MLPs with their original
-        activation, not its fit). ``AttentionOnlyTransformer(aot.to_spec(), aot.cfg.activation_fits)`` rebuilds
+        activation, not its fit). ``AttentionOnlyTransformer.build(aot.to_spec(), aot.cfg.activation_fits)`` rebuilds
         ``aot``; :class:`lens_aot.core.check.reference.MLPTransformer` (``aot.to_spec()``) runs the original
         computation."""
         # the model's rotary tables: those of a layer without its own (``rotary_base_local``)
