@@ -15,8 +15,9 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.attention import Attention, with_cached
+from lens_aot.core.components.attention.attention import Attention
 from lens_aot.core.components.attention.dsa_indexer import SparseIndexer
+from lens_aot.core.components.attention.head_ops import with_cached
 from lens_aot.core.components.attention.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.attention import with_cached
+from lens_aot.core.components.attention.head_ops import with_cached
 from lens_aot.core.components.attention.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.components.ownership import exported, parameter
 from lens_aot.core.components.scores.rope import rotate_rope

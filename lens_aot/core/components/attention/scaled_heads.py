@@ -18,7 +18,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.attention import Attention, mask_scores, zero_unseen
+from lens_aot.core.components.attention.attention import Attention
+from lens_aot.core.components.attention.head_ops import mask_scores, zero_unseen
 from lens_aot.core.components.ownership import exported, table
 from lens_aot.core.components.scores.rotary_rows import shared_rows
 from lens_aot.core.rotary_recipe import RotaryRecipe

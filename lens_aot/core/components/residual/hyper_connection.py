@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.source_rms_norm import unweighted_rms_norm
 from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 
 __all__ = ["HyperConnection", "HyperHead", "UnweightedRMSNorm", "expand_streams", "mix_streams"]
@@ -49,7 +50,7 @@ class UnweightedRMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos hc_d_model"]) -> Float[Tensor, "batch pos hc_d_model"]:
         x = self.hook_in(x)
-        return self.hook_out(x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype))
+        return self.hook_out(unweighted_rms_norm(x, self.eps))
 
     def extra_repr(self) -> str:
         return f"eps={self.eps}"
