@@ -17,7 +17,7 @@ to move between source neurons and heads.
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeAlias, overload
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,8 @@ from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec, NormSpec, head_s
 from lens_aot.errors import HookNameError, InputError
 
 ReturnType = Literal["logits", "loss", "both"] | None
+NeuronFits: TypeAlias = dict[int, ActivationFit | GatedFit]  # per source layer with an MLP: its neurons as heads
+PerLayerFits: TypeAlias = dict[int, GatedFit] | None  # Gemma 4's per-layer-input sublayers' (None: the spec's own)
 
 
 def converted_class(source_kind: str | None, base: type | None = None) -> type[AttentionOnlyTransformer]:
@@ -73,23 +75,13 @@ class AttentionOnlyTransformer(
     """
 
     @classmethod
-    def build(
-        cls,
-        spec: ModelSpec,
-        fits: dict[int, ActivationFit | GatedFit],
-        per_layer_fits: dict[int, GatedFit] | None = None,
-    ) -> AttentionOnlyTransformer:
+    def build(cls, spec: ModelSpec, fits: NeuronFits, per_layer_fits: PerLayerFits = None) -> AttentionOnlyTransformer:
         """The converted model of ``spec``, of the class the TransformerLens layer gives it
         (:func:`converted_class`): what the pipeline's build step, ``io``'s load and every other construction of a
         converted model call. ``cls(spec, fits)`` itself builds a plain ``cls``."""
         return converted_class(spec.source_kind, cls)(spec, fits, per_layer_fits)
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        fits: dict[int, ActivationFit | GatedFit],
-        per_layer_fits: dict[int, GatedFit] | None = None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, fits: NeuronFits, per_layer_fits: PerLayerFits = None) -> None:
         """Build from a source :class:`ModelSpec` and, per source layer with an MLP, how its neurons become heads
         (an :class:`ActivationFit` for plain MLPs, a :class:`~lens_aot.core.fit.gating.GatedFit` for gated ones);
         ``per_layer_fits``: Gemma 4's per-layer-input sublayers' (default: :func:`~lens_aot.core.fit.per_layer.

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported_fields, own_parameters
 from lens_aot.core.components.scores.rope import rotate_rope
 from lens_aot.core.spec.dsa import IndexerSpec
 
@@ -26,17 +26,15 @@ from lens_aot.core.spec.dsa import IndexerSpec
 class SparseIndexer(nn.Module):
     """The indexer of one sparse-attention layer (module docstring)."""
 
+    PARAMETERS = ("W_q", "W_k", "W_weights")
+    SETTINGS = ("top_k", "rope_dim", "rope_layout", "softmax_scale", "weights_scale", "scores_dtype")
+
     def __init__(self, spec: IndexerSpec) -> None:
         super().__init__()
-        self.W_q = parameter(spec.W_q)
-        self.W_k = parameter(spec.W_k)
+        own_parameters(self, spec, *self.PARAMETERS)
         self.k_norm = Norm(spec.k_norm)
-        self.W_weights = parameter(spec.W_weights)
-        self.top_k = int(spec.top_k)
-        self.rope_dim = int(spec.rope_dim)
-        self.rope_layout = spec.rope_layout
-        self.softmax_scale = float(spec.softmax_scale)
-        self.weights_scale = float(spec.weights_scale)
+        self.top_k, self.rope_dim, self.rope_layout = int(spec.top_k), int(spec.rope_dim), spec.rope_layout
+        self.softmax_scale, self.weights_scale = float(spec.softmax_scale), float(spec.weights_scale)
         self.scores_dtype = spec.scores_dtype
         self.hook_index_scores = HookPoint()  # [batch, query, key]
         self.hook_index_mask = HookPoint()  # [batch, query, key], True where the key is kept
@@ -67,18 +65,9 @@ class SparseIndexer(nn.Module):
         return keep[:, None]
 
     def spec(self) -> IndexerSpec:
-        return IndexerSpec(
-            W_q=exported(self.W_q),
-            W_k=exported(self.W_k),
-            k_norm=self.k_norm.spec(),
-            W_weights=exported(self.W_weights),
-            top_k=self.top_k,
-            rope_dim=self.rope_dim,
-            rope_layout=self.rope_layout,
-            softmax_scale=self.softmax_scale,
-            weights_scale=self.weights_scale,
-            scores_dtype=self.scores_dtype,
-        )
+        """The :class:`IndexerSpec` this module implements."""
+        settings = {name: getattr(self, name) for name in self.SETTINGS}
+        return IndexerSpec(**exported_fields(self, *self.PARAMETERS), k_norm=self.k_norm.spec(), **settings)
 
 
 __all__ = ["SparseIndexer"]
