@@ -15,6 +15,8 @@ Morris 2023, Theorem 3).
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
@@ -40,6 +42,14 @@ from lens_aot.core.components.source_rms_norm import (  # noqa: F401 (re-exporte
 from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec.compressed import CompressedAttentionSpec
 from lens_aot.errors import InputError, LensAOTError
+
+QLatent: TypeAlias = Float[Tensor, "batch pos q_rank"]  # the normed query latent (hook_q_latent)
+Positions: TypeAlias = Int[Tensor, "1 pos"]
+Entries: TypeAlias = Float[Tensor, "batch n_entries d_head"]  # the compressor's entries (hook_compressed_kv)
+BlockBias: TypeAlias = Float[Tensor, "batch 1 pos n_entries"]  # 0 where a query sees an entry, else -inf
+HeadsFirst: TypeAlias = Float[Tensor, "batch head pos d_head"]  # the source's layout of the queries
+SharedKV: TypeAlias = Float[Tensor, "batch 1 key d_head"]  # the one key, also the value
+SlidingMask: TypeAlias = Float[Tensor, "batch 1 pos key"]
 
 
 class CompressedWeightError(LensAOTError, AttributeError):
@@ -170,13 +180,7 @@ class CompressedAttention(ScaledDenseHeads):
         zero = torch.zeros((), device=like.device, dtype=like.dtype)
         return torch.where(visible, zero, torch.finfo(like.dtype).min)
 
-    def _block_bias(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        q_latent: Float[Tensor, "batch pos q_rank"],
-        position_ids: Int[Tensor, "1 pos"],
-        compressed: Float[Tensor, "batch n_entries d_head"],
-    ) -> Float[Tensor, "batch 1 pos n_entries"]:
+    def _block_bias(self, x: Residual, q_latent: QLatent, position_ids: Positions, compressed: Entries) -> BlockBias:
         """Which compressed entries each query sees (0) or not (``-inf``), through ``hook_block_bias``: for "csa"
         the indexer's choices, for "hca" every entry whose window the query has passed."""
         batch, pos, _ = x.shape
@@ -235,11 +239,7 @@ class CompressedAttention(ScaledDenseHeads):
         return F.linear(grouped, self.o_b_proj)
 
     def _attend(
-        self,
-        q: Float[Tensor, "batch head pos d_head"],
-        k: Float[Tensor, "batch 1 key d_head"],
-        v: Float[Tensor, "batch 1 key d_head"],
-        mask: Float[Tensor, "batch 1 pos key"],
+        self, q: HeadsFirst, k: SharedKV, v: SharedKV, mask: SlidingMask
     ) -> Float[Tensor, "batch pos head d_head"]:
         """The source's eager attention with sinks: ``q·k · scale + mask`` (``hook_attn_scores``), the sinks joined
         as a last column, the row maximum subtracted, softmax in the scores' dtype, the sinks' column dropped

@@ -11,6 +11,8 @@ Morris 2023, Theorem 3).
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
@@ -21,6 +23,11 @@ from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported_fields, own_parameters
 from lens_aot.core.components.scores.rope import rotate_rope
 from lens_aot.core.spec.dsa import IndexerSpec
+
+Residual: TypeAlias = Float[Tensor, "batch pos d_model"]
+QLatent: TypeAlias = Float[Tensor, "batch pos q_rank"]  # the attention's query latent, which the indexer reads too
+RopeRows: TypeAlias = Float[Tensor, "batch_or_1 pos 1 rope_dim"]  # the attention's rotary cos / sin rows
+Visible: TypeAlias = Bool[Tensor, "batch_or_1 1 pos pos"]  # the keys a query sees (True)
 
 
 class SparseIndexer(nn.Module):
@@ -39,14 +46,7 @@ class SparseIndexer(nn.Module):
         self.hook_index_scores = HookPoint()  # [batch, query, key]
         self.hook_index_mask = HookPoint()  # [batch, query, key], True where the key is kept
 
-    def forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        q_latent: Float[Tensor, "batch pos q_rank"],
-        cos: Float[Tensor, "batch_or_1 pos 1 rope_dim"],
-        sin: Float[Tensor, "batch_or_1 pos 1 rope_dim"],
-        visible: Bool[Tensor, "batch_or_1 1 pos pos"],
-    ) -> Bool[Tensor, "batch 1 pos pos"]:
+    def forward(self, x: Residual, q_latent: QLatent, cos: RopeRows, sin: RopeRows, visible: Visible) -> Visible:
         """The keys each query keeps, ``visible`` (causal and padding) included."""
         batch, pos, _ = x.shape
         q = torch.einsum("bpr,rhd->bphd", q_latent, self.W_q)

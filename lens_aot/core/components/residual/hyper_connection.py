@@ -130,15 +130,7 @@ class HyperConnection(StreamWeights):
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         return comb
 
-    def mix(
-        self,
-        streams: Float[Tensor, "batch pos hc d_model"],
-        out: Float[Tensor, "batch pos d_model"],
-        post: Float[Tensor, "batch pos hc"],
-        comb: Float[Tensor, "batch pos hc hc"],
-    ) -> Float[Tensor, "batch pos hc d_model"]:
-        """:func:`mix_streams`: the streams after the sublayer whose input this connection collapsed."""
-        return mix_streams(streams, out, post, comb)
+    mix = staticmethod(mix_streams)  # the streams after the sublayer whose input this connection collapsed
 
     def spec(self) -> HyperConnectionSpec:
         """The :class:`HyperConnectionSpec` this module implements."""
