@@ -30,7 +30,7 @@ from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SpecTransformer
 from lens_aot.core.components.workspace import forward_workspace
-from lens_aot.core.config import AOTConfig, derived_source_fields
+from lens_aot.core.config import AOTConfig, converted_config_class, derived_source_fields  # noqa: F401 (AOTConfig re-exported)
 from lens_aot.core.fit.activations import ActivationFit
 from lens_aot.core.fit.gating import GatedFit
 from lens_aot.core.fit.per_layer import per_layer_neurons
@@ -89,7 +89,7 @@ class AttentionOnlyTransformer(
         ple = per_layer_neurons(spec, per_layer_fits)
         super().__init__(spec, lambda layer, mlp: neuron_mlp(mlp, fits[layer]), ple.build)
         n_heads, d_head, n_kv = head_shape(spec.layers[0].attn if spec.layers else None)
-        self.cfg = AOTConfig.of(
+        self.cfg = converted_config_class(spec.source_kind).of(
             spec,
             n_heads=n_heads,
             d_head=d_head,
