@@ -301,18 +301,18 @@ def build(
 ) -> Any:
     """The converted model of ``spec`` (in eval mode). ``masks="explicit"``: an :class:`AttentionOnlyTransformer` of
     the class the TransformerLens layer gives it for the source's kind
-    (:attr:`~lens_aot.core.source_layer.SourceLayer.model_class`: a ``HookedTransformer`` under 3.x, a
-    ``TransformerBridge`` for a bridge's conversion under 4.x); ``fresh``: the spec's tensors were read from
-    ``source`` for this conversion and the model takes them over rather than copying them (one copy of the weights
-    during conversion), never ``source``'s own ones unless ``share`` (then ``aot.shared_parameters`` lists them).
+    (:meth:`AttentionOnlyTransformer.build`, :func:`~lens_aot.core.runtime.model.converted_class`: a
+    ``HookedTransformer`` under 3.x, a ``TransformerBridge`` for a bridge's conversion under 4.x); ``fresh``: the
+    spec's tensors were read from ``source`` for this conversion and the model takes them over rather than copying
+    them (one copy of the weights during conversion), never ``source``'s own ones unless ``share`` (then
+    ``aot.shared_parameters`` lists them).
     ``masks="weights"``: the standard-mask model (Theorem 9) with ``omega``."""
     if masks == "weights":
         aot = to_standard_mask_model(spec, omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
     else:
-        model_class = source_layer().model_class(AttentionOnlyTransformer, spec.source_kind)
         owned = adopting(_tensors(source), share=_tensors(source) if share else ()) if fresh else nullcontext()
         with owned:
-            aot = model_class(spec, fits.mlp, fits.per_layer)
+            aot = AttentionOnlyTransformer.build(spec, fits.mlp, fits.per_layer)
         aot.shared_parameters = shared_parameters(aot, source) if share else {}
         if source_layer().is_bridge(source):  # the source bridge's state_dict keys too (issue 23)
             attach_source_keys(aot, source)

@@ -113,7 +113,7 @@ def test_gated_error_bound_holds_at_the_worst_input(act_fn, norm) -> None:
     spec = random_spec(norm=norm, act_fn=act_fn, dtype=torch.float64, n_layers=1, biases=False)
     mlp, ln = spec.layers[0].mlp, spec.layers[0].ln2
     fit = gated_fit(mlp, ln, 1e-4)
-    aot = AttentionOnlyTransformer(spec, {0: fit})
+    aot = AttentionOnlyTransformer.build(spec, {0: fit})
     block = aot.blocks[0]
     gate_heads, product_heads = block.mlp.gate_heads, block.mlp.product_heads
     u_bound = normalized_input_bound(ln, mlp.W_in, mlp.b_in)
@@ -282,7 +282,7 @@ def test_to_spec_round_trips_gated_and_parallel_models() -> None:
     for layer, original in zip(back.layers, spec.layers, strict=True):
         for name in ("W_gate", "b_gate", "W_in", "b_in", "W_out", "b_out", "b_post"):
             assert torch.equal(getattr(layer.mlp, name), getattr(original.mlp, name)), name
-    again = AttentionOnlyTransformer(back, aot.cfg.activation_fits)
+    again = AttentionOnlyTransformer.build(back, aot.cfg.activation_fits)
     tokens = _tokens(spec)
     assert torch.equal(again(tokens), aot(tokens))
 

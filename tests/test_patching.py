@@ -423,7 +423,7 @@ def wired() -> AttentionOnlyTransformer:
         b_U=torch.zeros(VOCAB, dtype=torch.float64),
         positions="none",
     )
-    aot = AttentionOnlyTransformer(spec, {0: activation_fit("silu"), 1: activation_fit("silu")})
+    aot = AttentionOnlyTransformer.build(spec, {0: activation_fit("silu"), 1: activation_fit("silu")})
     assert [aot.head_module(sub.name).n_heads for sub in aot.sublayers()] == [2, 2, 2, 1]
     return aot
 

@@ -81,7 +81,7 @@ def test_each_layer_converts_and_runs_on_its_own_device(gated: bool) -> None:
     spec = random_spec(gated=gated, act_fn="silu", n_layers=3, dtype=torch.float32)
     sharded = _on(spec, {1, 2}, META)
     if gated:  # the gated construction reads weights to choose its scales: choose them on the CPU copy
-        aot = lens_aot.AttentionOnlyTransformer(sharded, neuron_fits(spec))
+        aot = lens_aot.AttentionOnlyTransformer.build(sharded, neuron_fits(spec))
     else:
         aot = lens_aot.convert(sharded, check=False)
     assert aot.placement == Placement(CPU, (CPU, META, META), META)

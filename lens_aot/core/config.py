@@ -43,12 +43,6 @@ class AOTConfig(SourceConfig):
     # the source config's other fields (eps, rotary_base, n_params, ...), also set as attributes of this config
     source_config: dict[str, Any] = field(default_factory=dict)
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> AOTConfig:
-        """Under TransformerLens 3.x an instance is also a ``HookedTransformerConfig``
-        (:func:`lens_aot.tl.hooked.model.hooked_config_class`; under 4.x a TransformerBridge's conversion has a
-        ``TransformerBridgeConfig``), for code that checks the config's class."""
-        return object.__new__(source_layer().config_class(cls, kwargs.get("source_kind")))
-
     def __post_init__(self) -> None:
         own = {f.name for f in dataclass_fields(AOTConfig)} - {"original_architecture"}
         for name, value in self.source_config.items():
@@ -65,6 +59,16 @@ class AOTConfig(SourceConfig):
     def fields(self) -> dict[str, Any]:
         """The fields as a dict (what ``HookedTransformerConfig.to_dict`` gives for a source's config)."""
         return asdict(self)
+
+
+def converted_config_class(source_kind: str | None) -> type[AOTConfig]:
+    """The class a converted model's config takes, chosen with the model's
+    (:func:`~lens_aot.core.runtime.model.converted_class`): :class:`AOTConfig` as the TransformerLens layer derives
+    it (:attr:`~lens_aot.core.source_layer.SourceLayer.config_class`): under 3.x also a ``HookedTransformerConfig``
+    (:func:`lens_aot.tl.hooked.model.hooked_config_class`), under 4.x a ``TransformerLensConfig``, and a
+    ``TransformerBridgeConfig`` for a TransformerBridge's conversion, for code that checks the config's class."""
+    chosen: type[AOTConfig] = source_layer().config_class(AOTConfig, source_kind)
+    return chosen
 
 
 def derived_source_fields(spec: ModelSpec) -> dict[str, Any]:

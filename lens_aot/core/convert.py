@@ -96,7 +96,7 @@ def _convert_half(
 ) -> Any:
     """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
     cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
-    (:func:`lens_aot.core.components.mlp.neuron_attention.compute_dtype`). The half check: the converted half model's
+    (:func:`lens_aot.core.components.mlp.sum_of_logistics.compute_dtype`). The half check: the converted half model's
     logit
     error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both
     measured on the positions the converted half model routes as the float32 one does (all of them for a dense

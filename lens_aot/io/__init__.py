@@ -16,7 +16,7 @@ encoder and decoder (:mod:`lens_aot.io.schema`), so moving lens_aot's modules ca
 this lens_aot does not know is refused (the file is newer); a format-1 directory (lens_aot 0.1, whose config named
 module paths) is refused with the fix: convert the source again, then save.
 
-**Exactness.** :func:`load` rebuilds ``AttentionOnlyTransformer(spec, activation_fits, per_layer_fits)``.
+**Exactness.** :func:`load` rebuilds ``AttentionOnlyTransformer.build(spec, activation_fits, per_layer_fits)``.
 :func:`save` writes the model's own tensors (the spec is read off the model without copies) and builds the same
 modules around those very tensors (no weight is copied; only buffers are new) to compare its ``state_dict`` bitwise
 with the model's: entries that differ are stored too (keys ``state.<name>``) and written over the rebuilt model on
@@ -148,7 +148,7 @@ def save(aot: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | N
     # Rebuild from what is stored, as load() will, and store the state entries the rebuild does not reproduce. The
     # rebuilt modules take the model's own parameters over (no weight is copied): only their buffers are new.
     with adopting():
-        rebuilt = AttentionOnlyTransformer(spec, dict(aot.cfg.activation_fits), per_layer or None)
+        rebuilt = AttentionOnlyTransformer.build(spec, dict(aot.cfg.activation_fits), per_layer or None)
     with own_keys(aot):  # a bridge source's keys are computed from these (core/runtime/source_keys.py), not stored
         ours = aot.state_dict()
     theirs = rebuilt.state_dict()
@@ -218,7 +218,7 @@ def load(
     except LoadError as e:
         raise LoadError(f"{path}: {e}. The save is corrupt: save the model again.") from None
     try:
-        model = AttentionOnlyTransformer(spec, fits, per_layer)  # type: ignore[arg-type]
+        model = AttentionOnlyTransformer.build(spec, fits, per_layer)  # type: ignore[arg-type]
     except (ValueError, RuntimeError, KeyError, IndexError, AssertionError) as e:
         raise LoadError(
             f"{path}: the saved spec does not build a model ({type(e).__name__}: {e}); its tensors have inconsistent "

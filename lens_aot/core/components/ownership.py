@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -84,6 +84,28 @@ def _own(t: Tensor) -> Tensor:
 def parameter(t: Tensor) -> nn.Parameter:
     """``t`` as a parameter of a new module: a copy, or inside :func:`adopting` ``t`` itself when it may be taken."""
     return nn.Parameter(_own(t))
+
+
+Field: TypeAlias = str | tuple[str, str]  # a spec field kept under its own name, or (attribute, field)
+
+
+def _attribute_and_field(name: Field) -> tuple[str, str]:
+    return (name, name) if isinstance(name, str) else name
+
+
+def own_parameters(module: nn.Module, spec: Any, *names: Field) -> None:
+    """Each named tensor field of ``spec`` as a parameter of ``module`` (:func:`parameter`), in the order given: under
+    the field's name, or ``(attribute, field)`` under another."""
+    for name in names:
+        attribute, field = _attribute_and_field(name)
+        setattr(module, attribute, parameter(getattr(spec, field)))
+
+
+def exported_fields(module: nn.Module, *names: Field) -> dict[str, Tensor]:
+    """The inverse of :func:`own_parameters`: each named parameter of ``module`` as the spec field of that name
+    (:func:`exported`)."""
+    fields = (_attribute_and_field(name) for name in names)
+    return {field: exported(getattr(module, attribute)) for attribute, field in fields}
 
 
 _TABLES: ContextVar[dict[tuple[Any, ...], tuple[Any, Any]] | None] = ContextVar("lens_aot_tables", default=None)

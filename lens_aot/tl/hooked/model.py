@@ -115,8 +115,8 @@ def _hooked_config_class(base: type) -> type:
 
 
 def _reduce_as(base: type) -> Callable[[Any, int], Any]:
-    """``__reduce_ex__`` that pickles an instance as one of ``base`` (the class importable by name; its ``__new__``
-    gives the TransformerLens-derived class back on unpickling)."""
+    """``__reduce_ex__`` that pickles an instance as one of ``base`` (the class importable by name;
+    :func:`new_instance` gives the TransformerLens-derived class back on unpickling)."""
 
     def __reduce_ex__(self: Any, protocol: int) -> Any:  # noqa: N807
         reduced = object.__reduce_ex__(self, protocol)
@@ -128,8 +128,12 @@ def _reduce_as(base: type) -> Callable[[Any, int], Any]:
 
 
 def new_instance(cls: type) -> Any:
-    """An empty instance of ``cls`` through its own ``__new__`` (the unpickling of :func:`_reduce_as`)."""
-    return cls.__new__(cls)
+    """An empty instance of ``cls``'s TransformerLens-derived class (:func:`_hooked_class` for a converted model's
+    class, :func:`_hooked_config_class` for its config's): the unpickling of :func:`_reduce_as`."""
+    from torch import nn
+
+    derived = _hooked_class(cls) if issubclass(cls, nn.Module) else _hooked_config_class(cls)
+    return object.__new__(derived)
 
 
 # Fields of a source's config that describe the run-time state of that model object, or how it was built, not the

@@ -15,269 +15,45 @@ Morris 2023, Theorem 3).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
-from torch import Tensor, nn
+from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from lens_aot.core.components.attention.compressor import (  # noqa: F401 (re-exported)
+    CompressIndexer,
+    KVCompressor,
+    WindowPool,
+    causal_threshold,
+    compress_windows,
+)
 from lens_aot.core.components.attention.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.components.attention.sinks import AttentionSinks
-from lens_aot.core.components.norm import Norm
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.scores.tail_rotary import RotaryAngles, rotate_tail
+from lens_aot.core.components.source_rms_norm import (  # noqa: F401 (re-exported)
+    SourceRMSNorm,
+    source_rms_norm_spec,
+    unweighted_rms_norm,
+)
 from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry
-from lens_aot.core.spec.compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec, WindowPoolSpec
-from lens_aot.core.spec.model_spec import NormSpec
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
 from lens_aot.errors import InputError, LensAOTError
+
+QLatent: TypeAlias = Float[Tensor, "batch pos q_rank"]  # the normed query latent (hook_q_latent)
+Positions: TypeAlias = Int[Tensor, "1 pos"]
+Entries: TypeAlias = Float[Tensor, "batch n_entries d_head"]  # the compressor's entries (hook_compressed_kv)
+BlockBias: TypeAlias = Float[Tensor, "batch 1 pos n_entries"]  # 0 where a query sees an entry, else -inf
+HeadsFirst: TypeAlias = Float[Tensor, "batch head pos d_head"]  # the source's layout of the queries
+SharedKV: TypeAlias = Float[Tensor, "batch 1 key d_head"]  # the one key, also the value
+SlidingMask: TypeAlias = Float[Tensor, "batch 1 pos key"]
 
 
 class CompressedWeightError(LensAOTError, AttributeError):
     """A per-head residual-stream weight (``W_Q`` ...) read from DeepSeek-V4's attention, which has none."""
-
-
-class SourceRMSNorm(Norm):
-    """DeepSeek-V4's weighted RMS norm (``DeepseekV4RMSNorm``): ``(w · x̂).to(dtype)`` with ``x̂ = x.float() ·
-    rsqrt(mean(x²) + eps)``; the product takes the dtypes' promotion (float32 weights: float32, a float64 model's
-    weights: float64), the cast back comes last. Keeps :class:`Norm`'s hooks (``hook_scale``, ``hook_normalized``)."""
-
-    def forward(self, x: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:
-        normalized, dtype = self.normalized(x)
-        if self.w is not None:
-            normalized = self.w * normalized
-        if self.b is not None:
-            normalized = normalized + self.b
-        return normalized.to(dtype)
-
-
-def unweighted_rms_norm(x: Float[Tensor, "... d"], eps: float) -> Float[Tensor, "... d"]:
-    """``DeepseekV4UnweightedRMSNorm``: ``x · rsqrt(mean(x.float()²) + eps)`` with the scale cast to ``x``'s dtype
-    before the product."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def rotate_tail(
-    x: Float[Tensor, "... d"], cos: Float[Tensor, "... half"], sin: Float[Tensor, "... half"], unsqueeze_dim: int = 1
-) -> Float[Tensor, "... d"]:
-    """The source's ``apply_rotary_pos_emb``: the last ``2 · half`` channels of ``x`` rotated in interleaved pairs
-    ``(x0, x1), (x2, x3), …`` (``x·cos + rotate_half(x)·sin`` with each angle repeated twice), the products in float32
-    (or wider: the tables' dtype), cast back to ``x``'s dtype; the leading channels unchanged. ``cos`` / ``sin`` gain
-    a broadcast dimension at ``unsqueeze_dim`` (the heads)."""
-    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
-    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
-    rope_dim = cos.shape[-1]
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    half_turn = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = ((rope.float() * cos) + (half_turn.float() * sin)).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
-
-
-class RotaryAngles(nn.Module):
-    """One rope type's ``cos`` / ``sin`` rows computed when asked, as ``DeepseekV4RotaryEmbedding.forward`` computes
-    them: ``positions.float() · inv_freq.float()`` in float32, ``cos`` / ``sin`` of it times ``attention_scaling``,
-    cast to the activation dtype. ``inv_freq`` stays float32 when the model is cast (the source multiplies by its
-    float32 value whatever its dtype); moves follow the model."""
-
-    def __init__(self, inv_freq: Float[Tensor, " half"], attention_scaling: float) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", inv_freq.detach().to(torch.float32, copy=True))
-        self.attention_scaling = float(attention_scaling)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> RotaryAngles:
-        """A cast or a move: ``inv_freq`` moves with the model but keeps its float32 values."""
-        kept = self.inv_freq
-        super()._apply(fn, recurse)
-        if self.inv_freq.dtype != torch.float32:
-            self.inv_freq = kept.to(self.inv_freq.device)
-        return self
-
-    def forward(
-        self, like: Tensor, position_ids: Int[Tensor, "batch_or_1 pos"]
-    ) -> tuple[Float[Tensor, "batch_or_1 pos half"], Float[Tensor, "batch_or_1 pos half"]]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=like.device, dtype=torch.float)
-        cos = freqs.cos() * self.attention_scaling
-        sin = freqs.sin() * self.attention_scaling
-        return cos.to(dtype=like.dtype), sin.to(dtype=like.dtype)
-
-
-def compress_windows(
-    x: Float[Tensor, "batch pos d_model"],
-    kv_proj: Tensor,
-    gate_proj: Tensor,
-    position_bias: Tensor,
-    kv_norm: nn.Module,
-    rate: int,
-    d_head: int,
-    overlap: bool,
-    rotary: RotaryAngles,
-) -> Float[Tensor, "batch n_entries d_head"]:
-    """One entry per full window of ``rate`` positions (a shorter sequence gives none), as the source's compressors
-    compute it without a cache: ``kv = x kv_proj``, ``gate = x gate_proj + position_bias``; the gate's softmax over
-    the window's positions (float32, cast back) weighs ``kv``; the sum is normed and its rope channels rotated at the
-    window's first position. ``overlap`` ("csa" and the indexer): the projections hold two series, the previous
-    window's first ``d_head`` channels and this window's last ``d_head`` joining one softmax over ``2 · rate`` slots
-    (the first window's previous half: zero values, ``-inf`` gates)."""
-    batch = x.shape[0]
-    kv = F.linear(x, kv_proj)
-    gate = F.linear(x, gate_proj)
-    usable = (kv.shape[1] // rate) * rate
-    chunk_kv, chunk_gate = kv[:, :usable], gate[:, :usable]
-    if chunk_kv.shape[1] == 0:
-        return chunk_kv.new_zeros((batch, 0, d_head))
-    n_windows = chunk_kv.shape[1] // rate
-    chunk_kv = chunk_kv.view(batch, n_windows, rate, -1)
-    chunk_gate = chunk_gate.view(batch, n_windows, rate, -1) + position_bias
-    if overlap:
-        new_kv = chunk_kv.new_zeros((batch, n_windows, 2 * rate, d_head))
-        new_gate = chunk_gate.new_full((batch, n_windows, 2 * rate, d_head), float("-inf"))
-        new_kv[:, :, rate:] = chunk_kv[..., d_head:]
-        new_gate[:, :, rate:] = chunk_gate[..., d_head:]
-        if n_windows > 1:
-            new_kv[:, 1:, :rate] = chunk_kv[:, :-1, :, :d_head]
-            new_gate[:, 1:, :rate] = chunk_gate[:, :-1, :, :d_head]
-        chunk_kv, chunk_gate = new_kv, new_gate
-    compressed = kv_norm((chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2))
-    positions = torch.arange(n_windows, device=compressed.device)
-    positions = (positions * rate).unsqueeze(0).expand(batch, -1)
-    cos, sin = rotary(compressed, positions)
-    return rotate_tail(compressed.unsqueeze(1), cos, sin).squeeze(1)
-
-
-def causal_threshold(position_ids: Int[Tensor, "batch_or_1 pos"], rate: int) -> Int[Tensor, "batch_or_1 pos"]:
-    """How many compressed entries each query may see: entry ``w`` pools positions up to ``(w + 1) · rate - 1``."""
-    return (position_ids + 1) // rate
-
-
-class WindowPool(nn.Module):
-    """The pooling the compressor and the indexer share (:class:`~lens_aot.core.spec.compressed.WindowPoolSpec`): its
-    weights, its own rotary, and :func:`compress_windows` over them (``overlap``: two series, "csa" and the
-    indexer)."""
-
-    def __init__(self, spec: WindowPoolSpec, d_head: int, overlap: bool) -> None:
-        super().__init__()
-        self.compress_rate = int(spec.compress_rate)
-        self.d_head = int(d_head)
-        self.overlap = overlap
-        self.kv_proj = parameter(spec.kv_proj)
-        self.gate_proj = parameter(spec.gate_proj)
-        self.position_bias = parameter(spec.position_bias)
-        self.kv_norm = SourceRMSNorm(spec.kv_norm)
-        self.rotary_emb = RotaryAngles(spec.inv_freq, spec.attention_scaling)
-
-    def pool(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch n_entries d_head"]:
-        """The pooled entries (keys and values at once for the compressor, keys for the indexer)."""
-        return compress_windows(
-            x,
-            self.kv_proj,
-            self.gate_proj,
-            self.position_bias,
-            self.kv_norm,
-            self.compress_rate,
-            self.d_head,
-            self.overlap,
-            self.rotary_emb,
-        )
-
-    def pool_fields(self) -> dict[str, Any]:
-        """The :class:`WindowPoolSpec` fields of this pooling (for the subclasses' ``spec()``)."""
-        return dict(
-            compress_rate=self.compress_rate,
-            kv_proj=exported(self.kv_proj),
-            gate_proj=exported(self.gate_proj),
-            position_bias=exported(self.position_bias),
-            kv_norm=self.kv_norm.spec(),
-            inv_freq=exported(self.rotary_emb.inv_freq),
-            attention_scaling=self.rotary_emb.attention_scaling,
-        )
-
-
-class CompressIndexer(WindowPool):
-    """The Lightning indexer of a compressed-sparse-attention layer (:class:`CompressIndexerSpec`; transformers'
-    ``DeepseekV4Indexer``): its own compressed keys and each query's scores over them, as the source computes them.
-    The attention hooks the scores and the chosen entries (``hook_index_scores``, ``hook_indexer_topk``)."""
-
-    def __init__(self, spec: CompressIndexerSpec) -> None:
-        super().__init__(spec, spec.d_head, overlap=True)
-        self.q_b_proj = parameter(spec.q_b_proj)
-        self.weights_proj = parameter(spec.weights_proj)
-        self.top_k = int(spec.top_k)
-        self.softmax_scale = float(spec.softmax_scale)
-        self.weights_scaling = float(spec.weights_scaling)
-
-    @property
-    def n_heads(self) -> int:
-        return int(self.weights_proj.shape[0])
-
-    def forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        q_latent: Float[Tensor, "batch pos q_rank"],
-        position_ids: Int[Tensor, "1 pos"],
-    ) -> Float[Tensor, "batch pos n_entries"]:
-        """Each query's float32 scores ``Σ_h w_h · relu(q_h · k) · softmax_scale`` over the indexer's entries,
-        ``-inf`` on the entries the query may not see yet."""
-        batch, pos, _ = x.shape
-        keys = self.pool(x)
-        cos, sin = self.rotary_emb(x, position_ids)
-        q = F.linear(q_latent, self.q_b_proj).view(batch, pos, -1, self.d_head).transpose(1, 2)
-        q = rotate_tail(q, cos, sin).transpose(1, 2)  # [batch, pos, head, d_head]
-        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # [batch, pos, head, entry]
-        scores = F.relu(scores) * self.softmax_scale
-        weights = F.linear(x, self.weights_proj).float() * self.weights_scaling  # [batch, pos, head]
-        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)
-        if keys.shape[1] == 0:
-            return index_scores
-        entries = torch.arange(keys.shape[1], device=index_scores.device)
-        future = entries.view(1, 1, -1) >= causal_threshold(position_ids, self.compress_rate).unsqueeze(-1)
-        return index_scores.masked_fill(future, float("-inf"))
-
-    def choose(
-        self, index_scores: Float[Tensor, "batch pos n_entries"], position_ids: Int[Tensor, "1 pos"]
-    ) -> Int[Tensor, "batch pos k"]:
-        """The ``min(top_k, n_entries)`` best-scored entries of each query; ``-1`` for a choice the query may not
-        see (a query that has passed fewer than ``top_k`` windows)."""
-        chosen = index_scores.topk(min(self.top_k, index_scores.shape[-1]), dim=-1).indices
-        if index_scores.shape[-1] == 0:
-            return chosen
-        invalid = chosen >= causal_threshold(position_ids, self.compress_rate).unsqueeze(-1)
-        return torch.where(invalid, torch.full_like(chosen, -1), chosen)
-
-    def spec(self) -> CompressIndexerSpec:
-        return CompressIndexerSpec(
-            **self.pool_fields(),
-            d_head=self.d_head,
-            top_k=self.top_k,
-            q_b_proj=exported(self.q_b_proj),
-            weights_proj=exported(self.weights_proj),
-            softmax_scale=self.softmax_scale,
-            weights_scaling=self.weights_scaling,
-        )
-
-
-class KVCompressor(WindowPool):
-    """The compressor of a compressed layer (:class:`CompressorSpec`; transformers' ``DeepseekV4CSACompressor`` /
-    ``DeepseekV4HCACompressor``): its entries (:func:`compress_windows`, two series for "csa") and, for "csa", its
-    indexer."""
-
-    def __init__(self, spec: CompressorSpec, d_head: int) -> None:
-        if (spec.kind == "csa") != (spec.indexer is not None):
-            raise ValueError(f"a {spec.kind!r} compressor {'needs' if spec.kind == 'csa' else 'has no'} indexer")
-        super().__init__(spec, d_head, overlap=spec.kind == "csa")
-        self.kind = spec.kind
-        if spec.indexer is not None:
-            self.indexer = CompressIndexer(spec.indexer)
-
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch n_entries d_head"]:
-        """The compressed entries, keys and values at once."""
-        return self.pool(x)
-
-    def spec(self) -> CompressorSpec:
-        return CompressorSpec(
-            **self.pool_fields(),
-            kind=self.kind,  # type: ignore[arg-type]
-            indexer=self.indexer.spec() if hasattr(self, "indexer") else None,
-        )
 
 
 def repeat_heads(x: Float[Tensor, "batch 1 key d"], n_heads: int) -> Float[Tensor, "batch head key d"]:
@@ -404,13 +180,7 @@ class CompressedAttention(ScaledDenseHeads):
         zero = torch.zeros((), device=like.device, dtype=like.dtype)
         return torch.where(visible, zero, torch.finfo(like.dtype).min)
 
-    def _block_bias(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        q_latent: Float[Tensor, "batch pos q_rank"],
-        position_ids: Int[Tensor, "1 pos"],
-        compressed: Float[Tensor, "batch n_entries d_head"],
-    ) -> Float[Tensor, "batch 1 pos n_entries"]:
+    def _block_bias(self, x: Residual, q_latent: QLatent, position_ids: Positions, compressed: Entries) -> BlockBias:
         """Which compressed entries each query sees (0) or not (``-inf``), through ``hook_block_bias``: for "csa"
         the indexer's choices, for "hca" every entry whose window the query has passed."""
         batch, pos, _ = x.shape
@@ -469,11 +239,7 @@ class CompressedAttention(ScaledDenseHeads):
         return F.linear(grouped, self.o_b_proj)
 
     def _attend(
-        self,
-        q: Float[Tensor, "batch head pos d_head"],
-        k: Float[Tensor, "batch 1 key d_head"],
-        v: Float[Tensor, "batch 1 key d_head"],
-        mask: Float[Tensor, "batch 1 pos key"],
+        self, q: HeadsFirst, k: SharedKV, v: SharedKV, mask: SlidingMask
     ) -> Float[Tensor, "batch pos head d_head"]:
         """The source's eager attention with sinks: ``q·k · scale + mask`` (``hook_attn_scores``), the sinks joined
         as a last column, the row maximum subtracted, softmax in the scores' dtype, the sinks' column dropped
@@ -515,12 +281,6 @@ class CompressedAttention(ScaledDenseHeads):
             attention_scaling=self.rotary_emb.attention_scaling,
             compressor=self.compressor.spec() if hasattr(self, "compressor") else None,
         )
-
-
-def source_rms_norm_spec(weight: Tensor, eps: float) -> NormSpec:
-    """The :class:`NormSpec` of a ``DeepseekV4RMSNorm`` of ``weight`` (statistics in float32, ``rsqrt``); the
-    components build it as :class:`SourceRMSNorm`."""
-    return NormSpec("RMS", float(eps), weight.detach(), None, torch.float32, rsqrt=True)
 
 
 __all__ = [

@@ -11,6 +11,8 @@ Morris 2023, Theorem 3).
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
@@ -18,37 +20,33 @@ from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported_fields, own_parameters
 from lens_aot.core.components.scores.rope import rotate_rope
 from lens_aot.core.spec.dsa import IndexerSpec
+
+Residual: TypeAlias = Float[Tensor, "batch pos d_model"]
+QLatent: TypeAlias = Float[Tensor, "batch pos q_rank"]  # the attention's query latent, which the indexer reads too
+RopeRows: TypeAlias = Float[Tensor, "batch_or_1 pos 1 rope_dim"]  # the attention's rotary cos / sin rows
+Visible: TypeAlias = Bool[Tensor, "batch_or_1 1 pos pos"]  # the keys a query sees (True)
 
 
 class SparseIndexer(nn.Module):
     """The indexer of one sparse-attention layer (module docstring)."""
 
+    PARAMETERS = ("W_q", "W_k", "W_weights")
+    SETTINGS = ("top_k", "rope_dim", "rope_layout", "softmax_scale", "weights_scale", "scores_dtype")
+
     def __init__(self, spec: IndexerSpec) -> None:
         super().__init__()
-        self.W_q = parameter(spec.W_q)
-        self.W_k = parameter(spec.W_k)
+        own_parameters(self, spec, *self.PARAMETERS)
         self.k_norm = Norm(spec.k_norm)
-        self.W_weights = parameter(spec.W_weights)
-        self.top_k = int(spec.top_k)
-        self.rope_dim = int(spec.rope_dim)
-        self.rope_layout = spec.rope_layout
-        self.softmax_scale = float(spec.softmax_scale)
-        self.weights_scale = float(spec.weights_scale)
+        self.top_k, self.rope_dim, self.rope_layout = int(spec.top_k), int(spec.rope_dim), spec.rope_layout
+        self.softmax_scale, self.weights_scale = float(spec.softmax_scale), float(spec.weights_scale)
         self.scores_dtype = spec.scores_dtype
         self.hook_index_scores = HookPoint()  # [batch, query, key]
         self.hook_index_mask = HookPoint()  # [batch, query, key], True where the key is kept
 
-    def forward(
-        self,
-        x: Float[Tensor, "batch pos d_model"],
-        q_latent: Float[Tensor, "batch pos q_rank"],
-        cos: Float[Tensor, "batch_or_1 pos 1 rope_dim"],
-        sin: Float[Tensor, "batch_or_1 pos 1 rope_dim"],
-        visible: Bool[Tensor, "batch_or_1 1 pos pos"],
-    ) -> Bool[Tensor, "batch 1 pos pos"]:
+    def forward(self, x: Residual, q_latent: QLatent, cos: RopeRows, sin: RopeRows, visible: Visible) -> Visible:
         """The keys each query keeps, ``visible`` (causal and padding) included."""
         batch, pos, _ = x.shape
         q = torch.einsum("bpr,rhd->bphd", q_latent, self.W_q)
@@ -67,18 +65,9 @@ class SparseIndexer(nn.Module):
         return keep[:, None]
 
     def spec(self) -> IndexerSpec:
-        return IndexerSpec(
-            W_q=exported(self.W_q),
-            W_k=exported(self.W_k),
-            k_norm=self.k_norm.spec(),
-            W_weights=exported(self.W_weights),
-            top_k=self.top_k,
-            rope_dim=self.rope_dim,
-            rope_layout=self.rope_layout,
-            softmax_scale=self.softmax_scale,
-            weights_scale=self.weights_scale,
-            scores_dtype=self.scores_dtype,
-        )
+        """The :class:`IndexerSpec` this module implements."""
+        settings = {name: getattr(self, name) for name in self.SETTINGS}
+        return IndexerSpec(**exported_fields(self, *self.PARAMETERS), k_norm=self.k_norm.spec(), **settings)
 
 
 __all__ = ["SparseIndexer"]

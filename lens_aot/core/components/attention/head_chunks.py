@@ -14,9 +14,9 @@ that computed it. Every CPU float32 / float64 evaluation of the heads' ``σ(q)·
 per-head path, a no-op hook attached, and a product head's ``standard_z``) and of the neurons' sum over their heads
 (:func:`sum_terms`) is therefore done over the row chunks of :func:`chunk_rows`, which depend only on the number of
 rows, the number of heads and ``torch.get_num_threads()``, never on whether a hook is attached; the chunked packed
-path (:meth:`~lens_aot.core.components.mlp.neuron_attention.SelfAndSlotHeads._attend_chunked`) uses the same chunks, so
-its values are bitwise those of the per-head path by construction (tested in ``tests/test_workspace.py``). CUDA and
-half precision keep one whole-tensor call per operation.
+path (:meth:`~lens_aot.core.components.mlp.self_and_slot_heads.SelfAndSlotHeads._attend_chunked`) uses the same
+chunks, so its values are bitwise those of the per-head path by construction (tested in
+``tests/test_workspace.py``). CUDA and half precision keep one whole-tensor call per operation.
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.attention import Attention, with_cached
+from lens_aot.core.components.attention.attention import Attention
 from lens_aot.core.components.attention.dsa_indexer import SparseIndexer
+from lens_aot.core.components.attention.head_ops import with_cached
 from lens_aot.core.components.attention.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported, exported_fields, own_parameters, parameter
 from lens_aot.core.components.scores.rope import rotate_rope
 from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec.mla import MLASpec
@@ -54,17 +55,16 @@ class MLAAttention(ScaledDenseHeads):
         "per-head values), so there is no per-head map from the residual stream to read or multiply."
     )
 
+    # the spec's tensors, under DeepSeek-V2's names where they up-project the latents
+    PARAMETERS = (("W_UQ", "W_Q"), "W_kv_a", ("W_UK", "W_K"), ("W_UV", "W_V"), "W_O", "b_O")
+
     def __init__(self, spec: MLASpec, causal: bool) -> None:
         super().__init__()
         # DeepSeek-V2's names (§2.1): W^UQ, W^UK, W^UV up-project the latents; no map reads the residual stream
         # per head, so there is no W_Q / W_K / W_V here (reading them raises MLAWeightError)
-        self.W_UQ = parameter(spec.W_Q)
-        self.W_kv_a = parameter(spec.W_kv_a)
+        own_parameters(self, spec, *self.PARAMETERS[:2])
         self.b_kv_a = None if spec.b_kv_a is None else parameter(spec.b_kv_a)
-        self.W_UK = parameter(spec.W_K)
-        self.W_UV = parameter(spec.W_V)
-        self.W_O = parameter(spec.W_O)
-        self.b_O = parameter(spec.b_O)
+        own_parameters(self, spec, *self.PARAMETERS[2:])
         self.kv_a_norm = Norm(spec.kv_a_norm)
         if spec.W_q_a is not None:
             if spec.q_a_norm is None:
@@ -179,13 +179,8 @@ class MLAAttention(ScaledDenseHeads):
         """The :class:`MLASpec` this module implements (used by ``revert`` / ``to_spec``)."""
         q_a = hasattr(self, "W_q_a")
         return MLASpec(
-            W_Q=exported(self.W_UQ),
-            W_kv_a=exported(self.W_kv_a),
+            **exported_fields(self, *self.PARAMETERS),
             kv_a_norm=self.kv_a_norm.spec(),
-            W_K=exported(self.W_UK),
-            W_V=exported(self.W_UV),
-            W_O=exported(self.W_O),
-            b_O=exported(self.b_O),
             scale=self.scale,
             rope_dim=self.rope_dim,
             rope_layout=self.rope_layout,  # type: ignore[arg-type]

@@ -19,9 +19,9 @@ from torch import Tensor
 from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.attention import with_cached
+from lens_aot.core.components.attention.head_ops import with_cached
 from lens_aot.core.components.attention.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported_fields, own_parameters
 from lens_aot.core.components.scores.rope import rotate_rope
 from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec.routed import RoutedAttentionSpec
@@ -54,14 +54,12 @@ class RoutedAttention(ScaledDenseHeads):
         "map to read or multiply."
     )
 
+    # the spec's tensors: the experts' query and output maps under their own names (W_Q / W_O are refused)
+    PARAMETERS = ("W_router", ("W_Q_experts", "W_Q"), "W_K", "W_V", ("W_O_experts", "W_O"), "b_O")
+
     def __init__(self, spec: RoutedAttentionSpec, causal: bool) -> None:
         super().__init__()
-        self.W_router = parameter(spec.W_router)
-        self.W_Q_experts = parameter(spec.W_Q)
-        self.W_K = parameter(spec.W_K)
-        self.W_V = parameter(spec.W_V)
-        self.W_O_experts = parameter(spec.W_O)
-        self.b_O = parameter(spec.b_O)
+        own_parameters(self, spec, *self.PARAMETERS)
         self.top_k = int(spec.top_k)
         self.n_experts, self.n_kv, self.d_model, self.d_head = spec.W_Q.shape
         if not 1 <= self.top_k <= self.n_experts:
@@ -176,13 +174,8 @@ class RoutedAttention(ScaledDenseHeads):
     def spec(self) -> RoutedAttentionSpec:
         """The :class:`RoutedAttentionSpec` this module implements (used by ``revert`` / ``to_spec``)."""
         return RoutedAttentionSpec(
-            W_router=exported(self.W_router),
+            **exported_fields(self, *self.PARAMETERS),
             top_k=self.top_k,
-            W_Q=exported(self.W_Q_experts),
-            W_K=exported(self.W_K),
-            W_V=exported(self.W_V),
-            W_O=exported(self.W_O_experts),
-            b_O=exported(self.b_O),
             scale=self.scale,
             router_dtype=self.router_dtype,
             softmax_dtype=self.softmax_dtype,

@@ -18,7 +18,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.attention import Attention, mask_scores, zero_unseen
+from lens_aot.core.components.attention.attention import Attention
+from lens_aot.core.components.attention.head_ops import mask_scores, zero_unseen
 from lens_aot.core.components.ownership import exported, table
 from lens_aot.core.components.scores.rotary_rows import shared_rows
 from lens_aot.core.rotary_recipe import RotaryRecipe
@@ -27,6 +28,10 @@ from lens_aot.errors import InputError
 
 Residual: TypeAlias = Float[Tensor, "batch pos d_model"]  # the one input per position, and the output
 PaddingMask: TypeAlias = Int[Tensor, "batch offset_pos"]  # TransformerLens's attention_mask (1: a real token)
+QueriesQK: TypeAlias = Float[Tensor, "batch pos head d_qk"]
+KeysQK: TypeAlias = Float[Tensor, "batch key head d_qk"]
+Values: TypeAlias = Float[Tensor, "batch key head d_v"]
+KeyMask: TypeAlias = Bool[Tensor, "batch_or_1 1 query key"]  # the keys each query sees (True)
 
 
 class ScaledDenseHeads(nn.Module):
@@ -98,12 +103,12 @@ class ScaledDenseHeads(nn.Module):
 
     def forward(
         self,
-        query_input: Float[Tensor, "batch pos d_model"],
-        key_input: Float[Tensor, "batch pos d_model"] | None = None,
-        value_input: Float[Tensor, "batch pos d_model"] | None = None,
+        query_input: Residual,
+        key_input: Residual | None = None,
+        value_input: Residual | None = None,
         past_kv_cache_entry: KeyValueCacheEntry | None = None,
-        attention_mask: Int[Tensor, "batch offset_pos"] | None = None,
-    ) -> Float[Tensor, "batch pos d_model"]:
+        attention_mask: PaddingMask | None = None,
+    ) -> Residual:
         """TransformerLens's attention call: refuses per-head or separate key / value inputs (``use_attn_in``,
         ``use_split_qkv_input``; the layer reads one input per position, ``ONE_INPUT``), then :meth:`_forward`."""
         self._one_input(query_input, key_input, value_input, self.ONE_INPUT)
@@ -143,13 +148,7 @@ class ScaledDenseHeads(nn.Module):
         rows = (position_rows(t, pos, past, attention_mask)[:, :, None, :] for t in tables)
         return next(rows), next(rows)
 
-    def _z(
-        self,
-        q: Float[Tensor, "batch pos head d_qk"],
-        k: Float[Tensor, "batch key head d_qk"],
-        v: Float[Tensor, "batch key head d_v"],
-        mask: Bool[Tensor, "batch_or_1 1 query key"] | None,
-    ) -> Float[Tensor, "batch pos head d_v"]:
+    def _z(self, q: QueriesQK, k: KeysQK, v: Values, mask: KeyMask | None) -> Float[Tensor, "batch pos head d_v"]:
         """Scores ``q·k · scale`` (the source multiplies by its scale), masked with -inf, softmax in
         ``softmax_dtype`` and cast back; a query that sees no key gets a zero pattern row."""
         scores = einops.einsum(q, k, "b q h e, b k h e -> b h q k") * self.scale

@@ -26,7 +26,8 @@ from typing import Any
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from lens_aot.core.components.attention.attention import Attention, _project, fused_z
+from lens_aot.core.components.attention.attention import Attention
+from lens_aot.core.components.attention.head_ops import fused_z, project_heads
 from lens_aot.core.components.factory import attention_module
 from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry
 from lens_aot.core.spec.model_spec import AttentionSpec, RotarySpec
@@ -81,7 +82,7 @@ class SharedKVAttention(Attention):
                 f"in this forward (start_at_layer past layer {self.kv_from}?); run the forward from layer "
                 f"{self.kv_from} or earlier"
             )
-        q = self.hook_q(_project(query_input, self.W_Q, self.b_Q))
+        q = self.hook_q(project_heads(query_input, self.W_Q, self.b_Q))
         k, v = (t.to(q.device) for t in self.shared.value)  # the storing layer may sit on another device
         q, _ = self._qk_norm(q, k, after_rotary=False)
         past = k.shape[1] - q.shape[1]

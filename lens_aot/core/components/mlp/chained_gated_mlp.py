@@ -81,12 +81,17 @@ class ChainedGatedMLP(NeuronMLP):
     def _point_heads(self) -> None:
         """The square heads read the gate heads' ``W_in`` / ``b_in`` (one copy, under ``W_gate``)."""
         super()._point_heads()
-        square = self._modules.get("square_heads")
-        if square is None:  # NeuronMLP.__init__ has not built it yet
+        self._share_gate_inputs("square_heads")
+
+    def _share_gate_inputs(self, heads_name: str) -> None:
+        """The heads ``heads_name`` read the gate heads' ``W_in`` / ``b_in`` (one copy), once they are built
+        (``NeuronMLP.__init__`` points the heads before a subclass builds its own)."""
+        heads = self._modules.get(heads_name)
+        if heads is None:
             return
         for name in ("W_in", "b_in"):
-            square._parameters.pop(name, None)
-            object.__setattr__(square, name, getattr(self.gate_heads, name))
+            heads._parameters.pop(name, None)
+            object.__setattr__(heads, name, getattr(self.gate_heads, name))
 
     def _scratch_value(
         self, pre: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
@@ -138,25 +143,13 @@ class GatedXIELUMLP(ChainedGatedMLP):
     def _point_heads(self) -> None:
         """The direct heads read the gate heads' ``W_in`` / ``b_in`` too."""
         super()._point_heads()
-        direct = self._modules.get("direct_heads")
-        if direct is None:
-            return
-        for name in ("W_in", "b_in"):
-            direct._parameters.pop(name, None)
-            object.__setattr__(direct, name, getattr(self.gate_heads, name))
+        self._share_gate_inputs("direct_heads")
 
     def _scratch_value(
         self, pre: Float[Tensor, "batch pos d_mlp"], h: Float[Tensor, "batch pos d_mlp"]
     ) -> Float[Tensor, "batch pos d_mlp"]:
         """``s ≈ α_p·relu(g)·g`` (the square heads) plus the direct heads' ``β·g + α_n·N(g)``."""
-        direct = self.direct_heads
-        if self._fused(direct):
-            d = direct.activation(pre)
-        else:
-            d, z = direct.attend_and_sum(pre)
-            change = self._result_change(direct, z)
-            d = d if isinstance(change, float) else d + change
-        return super()._scratch_value(pre, h) + d
+        return super()._scratch_value(pre, h) + self._heads_sum(self.direct_heads, pre)
 
     def gate_activation(self, g: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
         """``s ≈ xielu(g)`` in closed form: what the product heads read."""

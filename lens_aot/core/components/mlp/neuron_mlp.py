@@ -151,13 +151,7 @@ class NeuronMLP(nn.Module):
         already through ``hook_pre`` (xIELU's heads share it)."""
         gate, product = self.gate_heads, self.product_heads
         pre, u = self._gated_inputs(x, pre)
-        if self._fused(gate):
-            h = gate.activation(pre)
-        else:
-            h, z_gate = gate.attend_and_sum(pre)
-            change = self._result_change(gate, z_gate)
-            h = h if isinstance(change, float) else h + change
-        h = product.hook_gate(self._scratch_value(pre, h))
+        h = product.hook_gate(self._scratch_value(pre, self._heads_sum(gate, pre)))
         product.check_range(u, h)
         z, standard = (None, True) if self._fused(product) else product.attend(u, h)
         if standard:
@@ -165,6 +159,18 @@ class NeuronMLP(nn.Module):
             # recomputing q, k, v and z to compare them with (the same value)
             return self._standard_post(u, h), z
         return product.neuron_output(z, u, h, dense=hooked(product.hook_attn_scores, product.hook_pattern)), z
+
+    def _heads_sum(
+        self, heads: NeuronAttention, pre: Float[Tensor, "batch pos d_mlp"]
+    ) -> Float[Tensor, "batch pos d_mlp"]:
+        """What neuron heads reading ``pre`` write, summed per neuron: their activation in closed form on the fused
+        path, else their heads' ``hook_z`` summed, with any change a ``hook_result`` hook made
+        (:meth:`_result_change`)."""
+        if self._fused(heads):
+            return heads.activation(pre)
+        total, z = heads.attend_and_sum(pre)
+        change = self._result_change(heads, z)
+        return total if isinstance(change, float) else total + change
 
     def _gated_inputs(
         self, x: Float[Tensor, "batch pos d_model"], pre: Tensor | None = None, quiet: bool = False

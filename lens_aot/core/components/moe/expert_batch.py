@@ -4,7 +4,8 @@ Each routed expert of a :class:`~lens_aot.core.components.moe.moe_mlp.MoEMLP` is
 :class:`~lens_aot.core.components.mlp.neuron_mlp.NeuronMLP`: gate heads then product heads (Huben & Morris 2023,
 Theorem 3 per neuron), each run on the expert's own routed rows. While nothing observes an expert (no hook, pre-hook or
 wrapped ``forward`` anywhere in it, no global module hook, no gradient, no ``use_attn_result``, not fused) and its
-heads would take the chunked path (:meth:`~lens_aot.core.components.mlp.neuron_attention.SelfAndSlotHeads._packable`),
+heads would take the chunked path
+(:meth:`~lens_aot.core.components.mlp.self_and_slot_heads.SelfAndSlotHeads._packable`),
 :func:`expert_outputs` runs every such expert's gate heads in one loop, with the per-call constants laid out once for
 all experts (one ``stack`` of every expert's fit terms, one output buffer, one ``split``) instead of once per head
 module: the same operations per chunk, fewer per expert. The product heads' output is the closed form ``u·h``, as on
@@ -93,7 +94,8 @@ def batchable(expert: nn.Module, rows: int, like: Tensor, quiet: bool = False) -
     """Whether ``expert`` on ``rows`` routed rows (of ``like``'s dtype and device) may join the layer's batched pass:
     a gated :class:`NeuronMLP` with the standard forward, not fused, unobserved (:func:`unseen`), no gradient, and
     both head modules on their chunked path (CPU float32 / float64, at least ``PACKED_MIN_ELEMENTS`` per-head
-    elements, as :meth:`~lens_aot.core.components.mlp.neuron_attention.SelfAndSlotHeads._packable` decides). ``quiet``:
+    elements, as :meth:`~lens_aot.core.components.mlp.self_and_slot_heads.SelfAndSlotHeads._packable` decides).
+    ``quiet``:
     the caller found that nothing observes any of the layer's experts (:meth:`Watch.unseen`) and that no gradient is
     recorded (:meth:`~lens_aot.core.components.moe.moe_mlp.MoEMLP.quiet`), so any number of rows from 1 is admitted
     (:func:`expert_outputs` computes them bitwise as the expert's own forward at every size)."""

@@ -31,7 +31,8 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.ownership import exported_fields, own_parameters
+from lens_aot.core.components.source_rms_norm import unweighted_rms_norm
 from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 
 __all__ = ["HyperConnection", "HyperHead", "UnweightedRMSNorm", "expand_streams", "mix_streams"]
@@ -49,7 +50,7 @@ class UnweightedRMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos hc_d_model"]) -> Float[Tensor, "batch pos hc_d_model"]:
         x = self.hook_in(x)
-        return self.hook_out(x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype))
+        return self.hook_out(unweighted_rms_norm(x, self.eps))
 
     def extra_repr(self) -> str:
         return f"eps={self.eps}"
@@ -77,14 +78,13 @@ class StreamWeights(nn.Module):
     their RMS-normed, flattened concatenation (``fn``, ``base``, ``scale``), and the hooks on the streams
     (``hook_in``), the collapse weights (``hook_pre``) and the collapsed stream (``hook_out``)."""
 
+    PARAMETERS = ("fn", "base", "scale")
+
     def __init__(self, spec: HyperConnectionSpec | HyperHeadSpec) -> None:
         super().__init__()
-        self.hc_mult = int(spec.hc_mult)
-        self.hc_eps = float(spec.hc_eps)
+        self.hc_mult, self.hc_eps = int(spec.hc_mult), float(spec.hc_eps)
         self.input_norm = UnweightedRMSNorm(spec.norm_eps)
-        self.fn = parameter(spec.fn)
-        self.base = parameter(spec.base)
-        self.scale = parameter(spec.scale)
+        own_parameters(self, spec, *self.PARAMETERS)
         self.hook_in = HookPoint()  # [batch, pos, hc_mult, d_model]
         self.hook_pre = HookPoint()  # [batch, pos, hc_mult]
         self.hook_out = HookPoint()  # [batch, pos, d_model]
@@ -130,15 +130,7 @@ class HyperConnection(StreamWeights):
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         return comb
 
-    def mix(
-        self,
-        streams: Float[Tensor, "batch pos hc d_model"],
-        out: Float[Tensor, "batch pos d_model"],
-        post: Float[Tensor, "batch pos hc"],
-        comb: Float[Tensor, "batch pos hc hc"],
-    ) -> Float[Tensor, "batch pos hc d_model"]:
-        """:func:`mix_streams`: the streams after the sublayer whose input this connection collapsed."""
-        return mix_streams(streams, out, post, comb)
+    mix = staticmethod(mix_streams)  # the streams after the sublayer whose input this connection collapsed
 
     def spec(self) -> HyperConnectionSpec:
         """The :class:`HyperConnectionSpec` this module implements."""
@@ -147,9 +139,7 @@ class HyperConnection(StreamWeights):
             self.sinkhorn_iters,
             self.hc_eps,
             self.input_norm.eps,
-            exported(self.fn),
-            exported(self.base),
-            exported(self.scale),
+            **exported_fields(self, *self.PARAMETERS),
         )
 
     def extra_repr(self) -> str:
@@ -168,9 +158,7 @@ class HyperHead(StreamWeights):
 
     def spec(self) -> HyperHeadSpec:
         """The :class:`HyperHeadSpec` this module implements."""
-        return HyperHeadSpec(
-            self.hc_mult, self.hc_eps, self.input_norm.eps, exported(self.fn), exported(self.base), exported(self.scale)
-        )
+        return HyperHeadSpec(self.hc_mult, self.hc_eps, self.input_norm.eps, **exported_fields(self, *self.PARAMETERS))
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, hc_eps={self.hc_eps}"
