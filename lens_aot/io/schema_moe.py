@@ -10,7 +10,8 @@ Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`
              router (optional: a DeepSeek group-limited router, written only when set),
              hook_names (optional: the experts' hook names when not lens_aot's, "transformer_lens_moe" or
              "transformer_lens_gpt_oss_moe": lens_aot.core.components.moe.source_expert_hooks),
-             beside (optional: Gemma 4's experts beside the dense MLP, lens_aot.io.schema_beside_moe)}
+             [beside: {ln_dense_post, ln_moe, ln_moe_post, router_norm: norm, router_scale, per_expert_scale}]
+             (Gemma 4's experts beside the dense MLP: MoEBesideMLPSpec's own fields)}
     router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
@@ -29,8 +30,8 @@ from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
 from lens_aot.core.components.moe.source_expert_hooks import HOOK_NAMES, LENS_AOT
 from lens_aot.core.fit.moe import MoEFit
 from lens_aot.core.spec.model_spec import MoESpec
+from lens_aot.core.variants import Codec, attach_codec
 from lens_aot.errors import LoadError
-from lens_aot.io.schema_beside_moe import decode_beside, encode_beside
 from lens_aot.io.schema_common import dtype_name
 
 __all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_moe_record", "moe_shape_problems"]
@@ -70,8 +71,7 @@ def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
         out["hash_table"] = encoder.tensor(moe.hash_table, f"{key}.hash_table")
     if moe.hook_names != LENS_AOT:
         out["hook_names"] = str(moe.hook_names)
-    if (beside := encode_beside(encoder, moe, key)) is not None:  # Gemma 4 (lens_aot.io.schema_beside_moe)
-        out["beside"] = beside
+    out |= encoder.extensions(moe, key, "moe")  # a variant's own fields (Gemma 4's "beside": lens_aot.core.variants)
     if moe.router is not None:
         r = moe.router
         out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
@@ -103,7 +103,8 @@ def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names", "beside", "hash_table"))
+    optional = ("b_out", "router", "input_scaled", "hook_names", "hash_table", *decoder.extension_names("moe"))
+    f = decoder.fields(obj, path, _FIELDS, optional)
     if f.get("hook_names", LENS_AOT) not in HOOK_NAMES[1:] and "hook_names" in f:
         raise LoadError(f"{decoder.where}: {path}.hook_names is {f['hook_names']!r}, not one of {HOOK_NAMES[1:]}.")
     if f.get("input_scaled", False) is not True and "input_scaled" in f:
@@ -133,7 +134,7 @@ def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
         hash_table=decoder.tensor(f["hash_table"], f"{path}.hash_table") if "hash_table" in f else None,
         **tensors,
     )
-    return decode_beside(decoder, f.get("beside"), path, moe)
+    return decoder.extended(moe, f, path, "moe")
 
 
 def encode_moe_fit(fit: MoEFit, layer: int, entry: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:
@@ -178,3 +179,8 @@ def moe_shape_problems(moe: MoESpec, path: str, d_model: int, expect_mlp: Callab
     if moe.shared is not None:
         expect_mlp(moe.shared, f"{path}.shared")
     return problems
+
+
+attach_codec(
+    "moe", Codec(encode_moe, decode_moe, claims=is_moe_record)
+)  # the saved form of lens_aot.core.variants' "moe"
