@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODEC", "FieldCodec", "is_off", "saved", "saved_fields"]
+__all__ = ["CODEC", "FieldCodec", "is_off", "labels", "saved", "saved_fields"]
 
 CODEC = "lens_aot.saved"  # the metadata key
 
@@ -28,7 +28,8 @@ class FieldCodec:
     written right after the first of these fields that is written (never alone: ``qk_norm_over`` beside a QK-norm);
     ``choices``: the values a ``str`` field may take; ``nested``: the dataclass of a ``"nested"`` record; ``at``: its
     place in the record when that is not its place in the class (records older than a field's declaration order);
-    ``null``: a field without a default that may still be saved as null."""
+    ``null``: a field without a default that may still be saved as null; ``label``: the variant's name when the
+    field is set (:meth:`~lens_aot.core.spec.model_spec.ModelSpec.variant_names`, docs/variants.md)."""
 
     kind: str
     variant: bool = False
@@ -37,6 +38,7 @@ class FieldCodec:
     nested: type | None = None
     at: float | None = None
     null: bool = False
+    label: str = ""
 
 
 def saved(
@@ -49,12 +51,13 @@ def saved(
     nested: type | None = None,
     at: float | None = None,
     null: bool = False,
+    label: str = "",
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field saved as ``kind`` (module docstring; :class:`FieldCodec` for the options)."""
     if companion_of and not variant:
         raise ValueError(f"a companion field (of {companion_of}) is written only with its leader: pass variant=True")
-    metadata = {CODEC: FieldCodec(kind, variant, companion_of, choices, nested, at, null)}
+    metadata = {CODEC: FieldCodec(kind, variant, companion_of, choices, nested, at, null, label)}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -82,3 +85,12 @@ def is_off(field: dataclasses.Field[Any], value: Any) -> bool:
     if default is None or value is None:
         return value is None and default is None
     return bool(value == default)
+
+
+def labels(obj: Any, cls: type) -> set[str]:
+    """The labels of ``cls``'s variant fields that ``obj`` sets (a field ``obj`` lacks counts as off)."""
+    found = set()
+    for field, codec in saved_fields(cls):
+        if codec.label and not is_off(field, getattr(obj, field.name, field.default)):
+            found.add(codec.label)
+    return found

@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.core.spec.fields import saved
+from lens_aot.core.spec.fields import labels, saved
 
 if TYPE_CHECKING:
     from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
@@ -87,25 +87,25 @@ class AttentionSpec:
     # QK-norm (Qwen3, Gemma 3, OLMo-2): q and k are RMS-normalized after hook_q / hook_k and before rotary.
     # ``qk_norm_over`` "head": over each head's d_head channels (TransformerLens ``use_qk_norm``); "projection": over
     # all heads' channels at once (OLMo-2's q_norm over n_heads·d_head, k_norm over n_kv·d_head).
-    q_norm: NormSpec | None = saved("norm", None, variant=True)
-    k_norm: NormSpec | None = saved("norm", None, variant=True)
+    q_norm: NormSpec | None = saved("norm", None, variant=True, label="QK-norm")
+    k_norm: NormSpec | None = saved("norm", None, variant=True, label="QK-norm")
     qk_norm_over: QKNormScope = saved(
         "str", "head", variant=True, companion_of=("q_norm", "k_norm"), choices=("head", "projection")
     )
     # Gemma 4: v is RMS-normalized over each head's d_head channels after hook_v (core/components/scores/v_norm.py).
-    v_norm: NormSpec | None = saved("norm", None, variant=True)
+    v_norm: NormSpec | None = saved("norm", None, variant=True, label="a value norm")
     # Gemma 2: scores become ``cap · tanh(scores / cap)`` before masking (TransformerLens ``attn_scores_soft_cap``).
-    scores_soft_cap: float | None = saved("float", None, variant=True)
+    scores_soft_cap: float | None = saved("float", None, variant=True, label="attention-score soft-capping")
     # OLMo / DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after the projection (and QK-norm).
-    clip_qkv: float | None = saved("float", None, variant=True)
+    clip_qkv: float | None = saved("float", None, variant=True, label="QKV clipping")
     # Sliding window: query q sees key k iff ``q - window < k`` (and ``k <= q`` if causal); None: every key.
-    window: int | None = saved("int", None, variant=True)
+    window: int | None = saved("int", None, variant=True, label="a sliding window")
     # This layer's own rotary tables (e.g. Gemma's local layers' ``rotary_base_local``); None: the model's.
-    rotary: RotarySpec | None = saved("rotary", None, variant=True)
+    rotary: RotarySpec | None = saved("rotary", None, variant=True, label="per-layer rotary tables")
     # ALiBi (Press et al. 2022; BLOOM, MPT): ``slope[h] · min(k - q, 0)`` is added to head h's scores.
-    alibi_slopes: Float[Tensor, " n_heads"] | None = saved("tensor", None, variant=True)
+    alibi_slopes: Float[Tensor, " n_heads"] | None = saved("tensor", None, variant=True, label="ALiBi")
     # Attention sinks (GPT-OSS): a learned per-head logit joins each softmax as an extra key with no value.
-    sinks: Float[Tensor, " n_heads"] | None = saved("tensor", None, variant=True)
+    sinks: Float[Tensor, " n_heads"] | None = saved("tensor", None, variant=True, label="attention sinks")
     # Where ALiBi counts key positions from (:mod:`lens_aot.core.components.scores.alibi_keys`): None, TransformerLens's
     # ``slope · min(k - q, 0)``; "first", ``slope · k`` (BLOOM); "last", ``slope · (k - last key)`` (MPT).
     alibi_key_origin: str | None = saved("str", None, variant=True, choices=("first", "last"))
@@ -114,34 +114,36 @@ class AttentionSpec:
     scores_dtype: torch.dtype | None = saved("dtype", None, variant=True)
     # HunYuan, NanoChat: q_norm / k_norm run on the rotated q and k (after rotary) instead of before it
     # (:mod:`lens_aot.core.components.scores.qk_norm_after_rotary`).
-    qk_norm_after_rotary: bool = saved("bool", False, variant=True)
+    qk_norm_after_rotary: bool = saved("bool", False, variant=True, label="QK-norm after rotary")
     # Ministral 3 (Llama-4 scaling): the rotated query at position p times 1 + beta · log(1 + floor(p / length))
     # (:mod:`lens_aot.core.components.scores.query_scale`); None: no scaling.
-    query_scale_beta: float | None = saved("float", None, variant=True)
+    query_scale_beta: float | None = saved("float", None, variant=True, label="position-dependent query scaling")
     query_scale_length: int | None = saved("int", None, variant=True, companion_of=("query_scale_beta",))
     # Qwen-1's log-n attention (TransformerLens 3.9's use_logn_attn): past this training length, the query at
     # (1-based) position p times log(p) / log(logn_length)
     # (:class:`lens_aot.core.components.scores.query_scale.LogNScale`);
     # None: no scaling.
-    logn_length: int | None = saved("int", None, variant=True)
+    logn_length: int | None = saved("int", None, variant=True, label="log-n query scaling")
     # Qwen-1's dynamic-NTK rotary (TransformerLens 3.9's use_dynamic_ntk_rope): past this training length the rotary
     # tables are ``ntk_rotary[i]``, those of the widened base for alpha = 2^(i+2) − 1 (3, 7, 15, …) chosen by the
     # number of keys (:mod:`lens_aot.core.components.scores.dynamic_ntk`); None: the ordinary tables at every length.
-    ntk_length: int | None = saved("int", None, variant=True)
+    ntk_length: int | None = saved("int", None, variant=True, label="dynamic-NTK rotary")
     ntk_rotary: tuple[RotarySpec, ...] = saved("rotaries", (), variant=True, companion_of=("ntk_length",))
     # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
     # (:mod:`lens_aot.core.components.attention.chunked_mask`); None: no chunking.
-    chunk: int | None = saved("int", None, variant=True)
+    chunk: int | None = saved("int", None, variant=True, label="chunked attention")
     # Gemma 4's shared keys and values (num_kv_shared_layers): this layer attends with the keys and values layer
     # ``kv_from`` computed (after its key norm, rotary and value norm) and has no key / value projection of its own:
     # W_K / W_V / b_K / b_V are then zero-width, [n_kv, d_model, 0] (core/components/attention/shared_kv_attention.py).
     kv_from: int | None = saved("int", None, variant=True)
     # Llama 4's NoPE layers: the query at position p times 1 + temperature_scale · log1p(floor((p + 1) /
     # temperature_floor)) (:mod:`lens_aot.core.components.scores.query_temperature`); None: no temperature.
-    temperature_scale: float | None = saved("float", None, variant=True)
+    temperature_scale: float | None = saved("float", None, variant=True, label="a NoPE-layer query temperature")
     temperature_floor: float | None = saved("float", None, variant=True, companion_of=("temperature_scale",))
     # AFMoE, Laguna: z · act(x @ W_gate) before W_O (:mod:`lens_aot.core.components.attention.output_gate`).
-    output_gate: OutputGateSpec | None = saved("nested", None, variant=True, nested=OutputGateSpec)
+    output_gate: OutputGateSpec | None = saved(
+        "nested", None, variant=True, nested=OutputGateSpec, label="an attention output gate"
+    )
 
 
 @dataclass
@@ -184,24 +186,26 @@ class LayerSpec:
     parallel: bool = saved("bool", False)
     # Sandwich norms (Gemma 2/3, TransformerLens ``use_normalization_before_and_after``): ``attn_out = ln1_post(attn)``
     # and ``mlp_out = ln2_post(mlp)`` before ``hook_attn_out`` / ``hook_mlp_out``.
-    ln1_post: NormSpec | None = saved("norm", None, variant=True)
-    ln2_post: NormSpec | None = saved("norm", None, variant=True)
+    ln1_post: NormSpec | None = saved("norm", None, variant=True, label="sandwich norms")
+    ln2_post: NormSpec | None = saved("norm", None, variant=True, label="sandwich norms")
     # Post-norm layers (OLMo-2; TransformerLens's POST_NORM_ARCHITECTURES): ``ln1`` / ``ln2`` normalize the
     # sublayer's output instead of its input: ``resid_mid = resid_pre + ln1(attn(resid_pre))``.
-    post_norm: bool = saved("bool", False, variant=True)
+    post_norm: bool = saved("bool", False, variant=True, label="post-norm layers")
     # Post-LN residual norms (the original GPT, BERT): the norms act on the residual stream itself,
     # ``resid_mid = ln1(resid_pre + attn(resid_pre))``, ``resid_post = ln2(resid_mid + mlp(resid_mid))``
     # (core/components/residual/post_ln_block.py).
-    residual_norm: bool = saved("bool", False, variant=True)
+    residual_norm: bool = saved("bool", False, variant=True, label="post-LN residual norms")
     # Gemma 4: the residual stream is multiplied by this constant at the end of the layer (after the MLP), before
     # hook_resid_post (core/components/residual/layer_scalar.py); None: no multiplier.
-    layer_scalar: float | None = saved("float", None, variant=True)
+    layer_scalar: float | None = saved("float", None, variant=True, label="a layer scalar")
     # Gemma 4: resid += post_norm(W_proj(act(W_gate·resid) ⊙ per_layer_input)) before the layer scalar (spec_per_layer)
-    per_layer: PerLayerSublayerSpec | None = saved("per_layer_sublayer", None, variant=True)
+    per_layer: PerLayerSublayerSpec | None = saved(
+        "per_layer_sublayer", None, variant=True, label="per-layer input embeddings"
+    )
     # DeepSeek-V4's hyper-connections (mHC, lens_aot.core.spec.hyper): the residual stream is hc_mult streams; each
     # sublayer reads the streams collapsed by ``hc_attn`` / ``hc_mlp`` and is written back into every stream
     # (core/components/residual/hyper_block.py). Both set or both None.
-    hc_attn: HyperConnectionSpec | None = saved("hyper", None, variant=True)
+    hc_attn: HyperConnectionSpec | None = saved("hyper", None, variant=True, label="hyper-connections")
     hc_mlp: HyperConnectionSpec | None = saved("hyper", None, variant=True)
 
 
@@ -289,20 +293,20 @@ class ModelSpec:
     W_pos: Float[Tensor, "n_ctx d_model"] | None = saved("tensor", None, at=11)
     rotary: RotarySpec | None = saved("rotary", None, at=16)
     # Post-embedding LayerNorm (BLOOM, TransformerLens ``post_embedding_ln``): ``embed = ln(W_E[tokens])``.
-    embed_ln: NormSpec | None = saved("norm", None, variant=True)
+    embed_ln: NormSpec | None = saved("norm", None, variant=True, label="a post-embedding norm")
     # Gemma 2: ``logits = cap · tanh(logits / cap)`` after the unembedding (``output_logits_soft_cap``).
-    logits_soft_cap: float | None = saved("float", None, variant=True)
+    logits_soft_cap: float | None = saved("float", None, variant=True, label="logit soft-capping")
     tokenizer: Any = None
     default_prepend_bos: bool = saved("bool", True, at=6)
     model_name: str = saved("str", "unnamed", at=7)
     source_kind: str = saved("str", "HookedTransformer", at=8)  # or "TransformerBridge"
     extra: dict[str, Any] = saved("json", default_factory=dict, at=9)
     # Cohere ``logit_scale``, Granite ``1 / logits_scaling``: ``logits = multiplier · unembed(...)``, before the cap.
-    logits_scale: float | None = saved("float", None, variant=True)
+    logits_scale: float | None = saved("float", None, variant=True, label="a logit multiplier")
     # ModernBERT-decoder: ``unembed(head(ln_final(resid)))``, a dense MLP (lens_aot.core.spec.prediction_head).
-    prediction_head: PredictionHeadSpec | None = saved("prediction_head", None, variant=True)
+    prediction_head: PredictionHeadSpec | None = saved("prediction_head", None, variant=True, label="a prediction head")
     per_layer_inputs: PerLayerInputsSpec | None = saved(
-        "per_layer_inputs", None, variant=True
+        "per_layer_inputs", None, variant=True, label="per-layer input embeddings"
     )  # Gemma 4: computed from the tokens (spec_per_layer)
     # The rows of the source's position table before its offset, which no forward reads (OPT looks positions up at
     # position + 2): kept unread, so that the source's state_dict key holds its whole table
@@ -314,50 +318,14 @@ class ModelSpec:
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
-        standard-mask construction) to refuse them by name."""
-        found: set[str] = set()
-        checks = {
-            "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
-            "a value norm": lambda a: getattr(a, "v_norm", None) is not None,  # not on MLASpec
-            "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
-            "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
-            "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
-            "log-n query scaling": lambda a: getattr(a, "logn_length", None) is not None,
-            "dynamic-NTK rotary": lambda a: getattr(a, "ntk_length", None) is not None,
-            "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
-            "a sliding window": lambda a: a.window is not None,
-            "chunked attention": lambda a: getattr(a, "chunk", None) is not None,
-            "a NoPE-layer query temperature": lambda a: getattr(a, "temperature_scale", None) is not None,
-            "per-layer rotary tables": lambda a: a.rotary is not None,
-            "QKV clipping": lambda a: a.clip_qkv is not None,
-            "ALiBi": lambda a: a.alibi_slopes is not None,
-            "attention sinks": lambda a: a.sinks is not None,
-        }
+        standard-mask construction) to refuse them by name. Each is the ``label`` its field declares (a field-level
+        variant, :func:`~lens_aot.core.spec.fields.saved`) or its attention spec type's ``FEATURE``."""
+        found: set[str] = labels(self, ModelSpec)
         for layer in self.layers:
-            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (spec_mla.py, ...)
+            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (mla.py, ...)
             if variant is not None:
                 found.add(variant)
-            found.update(name for name, check in checks.items() if check(layer.attn))
-            if layer.ln1_post is not None or layer.ln2_post is not None:
-                found.add("sandwich norms")
-            if layer.post_norm:
-                found.add("post-norm layers")
-            if layer.residual_norm:
-                found.add("post-LN residual norms")
-            if layer.layer_scalar is not None:
-                found.add("a layer scalar")
-            if layer.hc_attn is not None:
-                found.add("hyper-connections")
-        if self.embed_ln is not None:
-            found.add("a post-embedding norm")
-        if self.logits_soft_cap is not None:
-            found.add("logit soft-capping")
-        if self.logits_scale is not None:
-            found.add("a logit multiplier")
-        if self.prediction_head is not None:
-            found.add("a prediction head")
-        if self.per_layer_inputs is not None or any(layer.per_layer is not None for layer in self.layers):
-            found.add("per-layer input embeddings")
+            found |= labels(layer.attn, AttentionSpec) | labels(layer, LayerSpec)
         return sorted(found)
 
     @property
