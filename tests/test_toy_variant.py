@@ -298,3 +298,55 @@ def test_a_variant_field_without_a_saved_form_is_refused() -> None:
     with pytest.raises(ValueError, match=r"fields \['gain'\].*saved\(kind, default\)"):
         register_variant(Variant("toy_undeclared", "attention", Undeclared, extends=AttentionSpec, component=Attention))
     assert "toy_undeclared" not in VARIANTS
+
+
+def test_the_built_in_variants_fill_the_tables_in_their_order() -> None:
+    """The built-in descriptors give the factory and fit tables the rows (and the first-match order) they had when
+    the tables were written by hand."""
+    from lens_aot.core.components import factory
+    from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec
+    from lens_aot.core.fit.gating import GATED_FITS, ChainedGatedFit
+    from lens_aot.core.fit.neuron_fits import FITS
+    from lens_aot.core.fit.xielu import GatedXIELUFit, XIELUFit, XIELUSpec
+    from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
+    from lens_aot.core.spec.compressed import CompressedAttentionSpec
+    from lens_aot.core.spec.mla import MLASpec
+    from lens_aot.core.spec.model_spec import MoESpec
+    from lens_aot.core.spec.routed import RoutedAttentionSpec
+
+    builtin = lambda table: [kind for kind, _ in table if kind.__module__.startswith("lens_aot.")]  # noqa: E731
+    assert builtin(factory.ATTENTION) == [MLASpec, CompressedAttentionSpec, RoutedAttentionSpec]
+    assert builtin(factory.MOE) == [MoEBesideMLPSpec]
+    assert builtin(factory.NEURON_MLP_BY_SPEC) == [ClampedSwiGLUSpec]
+    assert builtin(factory.NEURON_MLP_BY_FIT) == [GatedXIELUFit, XIELUFit, ChainedGatedFit]
+    assert {MLPSpec, MoESpec, XIELUSpec} <= set(FITS) and list(GATED_FITS) == [ClampedSwiGLUSpec]
+
+
+def test_a_subclass_row_goes_before_its_base_row() -> None:
+    """A variant of a registered variant's spec type is chosen first (first match wins): its row is inserted before
+    the base's."""
+    from lens_aot.core.components import factory
+
+    register_toys()
+
+    @dataclass
+    class GainAttentionSpec2(GainAttentionSpec):
+        pass
+
+    try:
+        register_variant(Variant("toy_gain_2", "attention", GainAttentionSpec2, component=GainAttention))
+        kinds = [kind for kind, _ in factory.ATTENTION]
+        assert kinds.index(GainAttentionSpec2) < kinds.index(GainAttentionSpec)
+    finally:
+        VARIANTS.pop("toy_gain_2", None)
+        factory.ATTENTION[:] = [row for row in factory.ATTENTION if row[0] is not GainAttentionSpec2]
+
+
+def test_bad_declarations_are_refused_with_the_fix() -> None:
+    """A name taken twice, and a fit with no spec type to choose it by, are refused, naming what to change."""
+    register_toys()
+    with pytest.raises(ValueError, match="already registered; give this one another name"):
+        register_variant(Variant("toy_gain", "attention", GainAttentionSpec, component=GainAttention))
+    with pytest.raises(ValueError, match="no spec type to choose it by; give it spec="):
+        register_variant(Variant("toy_fit_only", "mlp", fit=swish_beta_fit))
+    assert "toy_fit_only" not in VARIANTS

@@ -122,6 +122,8 @@ def register_variant(variant: Variant) -> Variant:
                 f"variant {variant.name!r}: fields {undeclared} of {variant.spec.__name__} say nothing of how they are "
                 f"saved; declare them with lens_aot.core.spec.fields.saved(kind, default)"
             )
+    if (variant.fit is not None or variant.gated_fit is not None) and variant.spec is None:
+        raise ValueError(f"variant {variant.name!r} has a fit but no spec type to choose it by; give it spec=")
     chosen_by = variant.fit_type or variant.spec
     if variant.component is not None and chosen_by is None:
         raise ValueError(f"variant {variant.name!r} has a component but neither a spec type nor a fit type")
@@ -134,9 +136,9 @@ def register_variant(variant: Variant) -> Variant:
             _insert(factory.NEURON_MLP_BY_FIT, variant.fit_type, variant.component)
         else:
             _insert(factory.NEURON_MLP_BY_SPEC, chosen_by, variant.component)
-    if variant.fit is not None and variant.spec is not None:
+    if variant.fit is not None:
         neuron_fits.FITS[variant.spec] = variant.fit
-    if variant.gated_fit is not None and variant.spec is not None:
+    if variant.gated_fit is not None:
         GATED_FITS[variant.spec] = variant.gated_fit
     VARIANTS[variant.name] = variant
     return variant
@@ -153,6 +155,8 @@ def attach_codec(name: str, codec: Codec) -> None:
     """Give the registered variant ``name`` its own saved form (the io layer does so for the built-in variants whose
     records predate derived ones: multi-head latent attention, routed and compressed attention, mixtures of
     experts)."""
+    if name not in VARIANTS:
+        raise KeyError(f"no variant named {name!r} is registered; register_variant(Variant({name!r}, ...)) first")
     VARIANTS[name] = replace(VARIANTS[name], codec=codec)
 
 

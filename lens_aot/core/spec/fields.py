@@ -18,9 +18,6 @@ __all__ = ["CODEC", "FieldCodec", "is_off", "labels", "saved", "saved_fields"]
 
 CODEC = "lens_aot.saved"  # the metadata key
 
-KINDS = ("float", "int", "bool", "str", "json", "tensor", "dtype", "norm", "rotary", "rotaries", "nested")
-"""The codec kinds every spec may use; the io layer adds record kinds of its own (``attention``, ``mlp``, ...)."""
-
 
 @dataclass(frozen=True)
 class FieldCodec:
