@@ -17,11 +17,13 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
     spec    {d_model, n_ctx, d_vocab, d_vocab_out, causal, positions, default_prepend_bos, model_name, source_kind,
              extra {str: JSON}, W_E, W_pos?, W_U, b_U, ln_final: norm, rotary?: rotary, layers: [layer],
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
-             [prediction_head: head] (lens_aot/io/schema_prediction_head.py), [per_layer_inputs] (schema_per_layer.py),
+             [prediction_head: {W, b?, act_fn, ln: norm}],
+             [per_layer_inputs: {W_E, embed_scale, W_proj, proj_scale, norm: norm, input_scale, n_layers}],
              [hc_head] (schema_hyper.py)}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
-             [post_norm: true], [residual_norm: true], [layer_scalar], [per_layer] (schema_per_layer.py),
+             [post_norm: true], [residual_norm: true], [layer_scalar],
+             [per_layer: {W_gate, W_proj, act_fn, post_norm: norm}],
              [hc_attn, hc_mlp] (schema_hyper.py)}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [clip_qkv], [window], [rotary: rotary],
@@ -54,16 +56,16 @@ from torch import Tensor
 
 from lens_aot.core.spec.fields import FieldCodec, is_off, saved_fields
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
+from lens_aot.core.spec.prediction_head import PredictionHeadSpec
 from lens_aot.core.variants import VARIANTS, Slot, Variant, variants_of
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_attention as _attention  # noqa: F401  (gives mla / routed / compressed their codecs)
 from lens_aot.io import schema_fits, schema_rotary
 from lens_aot.io import schema_hyper as hyper
 from lens_aot.io import schema_moe as _moe  # noqa: F401  (gives mixtures of experts their codec)
-from lens_aot.io import schema_per_layer as ple
-from lens_aot.io.schema_common import dtype_name
+from lens_aot.io.schema_common import dtype_name, known_activation
 from lens_aot.io.schema_fits import encode_fits
-from lens_aot.io.schema_prediction_head import decode_prediction_head, encode_prediction_head
 
 __all__ = ["FLAGS", "Decoder", "Encoder", "decode_spec", "dtype_name", "encode_fits", "encode_report", "encode_spec"]
 
@@ -76,6 +78,15 @@ FLAGS = (
     "ungroup_grouped_query_attention",
     "use_hook_tokens",
 )
+
+
+# The record kinds that name a spec dataclass of saved fields of its own (declared as a kind, not as ``nested=``, where
+# the spec module cannot import that class: it imports the spec module).
+_RECORDS: dict[str, type] = {
+    "per_layer_inputs": PerLayerInputsSpec,  # Gemma 4
+    "per_layer_sublayer": PerLayerSublayerSpec,
+    "prediction_head": PredictionHeadSpec,  # ModernBERT-decoder
+}
 
 
 def _rotary_variants() -> tuple[str, ...]:
@@ -134,9 +145,8 @@ class Encoder:
             "attention": lambda: self.attention(value, key),
             "mlp": lambda: self.mlp(value, key),
             "layers": lambda: [self.layer(layer, f"{key}.{i}") for i, layer in enumerate(value)],
-            "per_layer_sublayer": lambda: ple.encode_sublayer(self, value, key),
-            "per_layer_inputs": lambda: ple.encode_inputs(self, value, key),
-            "prediction_head": lambda: encode_prediction_head(self, value, key),
+            "activation": lambda: str(value),
+            **{kind: lambda cls=cls: self.record(value, key, cls) for kind, cls in _RECORDS.items()},
             "hyper": lambda: hyper.encode_hyper(self, value, key)[key.rsplit(".", 1)[-1]],
             "hyper_head": lambda: hyper.encode_hyper(self, value, key)[key.rsplit(".", 1)[-1]],
         }
@@ -302,9 +312,11 @@ class Decoder(schema_fits.FitDecoder):
             "attention": lambda: self.attention(obj, path),
             "mlp": lambda: self.mlp(obj, path),
             "layers": lambda: self.layers(obj, path),
-            "per_layer_sublayer": lambda: ple.decode_sublayer(self, obj, path),
-            "per_layer_inputs": lambda: ple.decode_inputs(self, obj, path),
-            "prediction_head": lambda: decode_prediction_head(self, obj, path),
+            "activation": lambda: known_activation(self, obj, path),
+            **{
+                kind: lambda cls=cls: self.construct(cls, self.record(obj, path, cls)[1], path)
+                for kind, cls in _RECORDS.items()
+            },
             "hyper": lambda: hyper.decode_hyper(self, obj, path),
             "hyper_head": lambda: hyper.decode_hyper(self, obj, path, head=True),
         }
