@@ -19,12 +19,12 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
              [prediction_head: {W, b?, act_fn, ln: norm}],
              [per_layer_inputs: {W_E, embed_scale, W_proj, proj_scale, norm: norm, input_scale, n_layers}],
-             [hc_head] (schema_hyper.py)}
+             [hc_head: {hc_mult, hc_eps, norm_eps, fn, base, scale}]}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true], [residual_norm: true], [layer_scalar],
              [per_layer: {W_gate, W_proj, act_fn, post_norm: norm}],
-             [hc_attn, hc_mlp] (schema_hyper.py)}
+             [hc_attn, hc_mlp: {hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn, base, scale}] (both or neither)}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [clip_qkv], [window], [rotary: rotary],
              [alibi_slopes], [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true],
@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from lens_aot.core.spec.fields import FieldCodec, is_off, saved_fields
+from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
 from lens_aot.core.spec.prediction_head import PredictionHeadSpec
@@ -86,6 +87,8 @@ _RECORDS: dict[str, type] = {
     "per_layer_inputs": PerLayerInputsSpec,  # Gemma 4
     "per_layer_sublayer": PerLayerSublayerSpec,
     "prediction_head": PredictionHeadSpec,  # ModernBERT-decoder
+    "hyper": HyperConnectionSpec,  # DeepSeek-V4
+    "hyper_head": HyperHeadSpec,
 }
 
 
@@ -147,8 +150,6 @@ class Encoder:
             "layers": lambda: [self.layer(layer, f"{key}.{i}") for i, layer in enumerate(value)],
             "activation": lambda: str(value),
             **{kind: lambda cls=cls: self.record(value, key, cls) for kind, cls in _RECORDS.items()},
-            "hyper": lambda: hyper.encode_hyper(self, value, key)[key.rsplit(".", 1)[-1]],
-            "hyper_head": lambda: hyper.encode_hyper(self, value, key)[key.rsplit(".", 1)[-1]],
         }
         if kind not in handlers:
             raise UnsupportedArchitectureError(
@@ -317,8 +318,6 @@ class Decoder(schema_fits.FitDecoder):
                 kind: lambda cls=cls: self.construct(cls, self.record(obj, path, cls)[1], path)
                 for kind, cls in _RECORDS.items()
             },
-            "hyper": lambda: hyper.decode_hyper(self, obj, path),
-            "hyper_head": lambda: hyper.decode_hyper(self, obj, path, head=True),
         }
         if kind not in handlers:
             raise LoadError(f"{self.where}: {path} has codec kind {kind!r}, which the saved format does not know.")
