@@ -92,6 +92,17 @@ _RECORDS: dict[str, type] = {
 }
 
 
+_SCALARS: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
+# A scalar kind's JSON types and cast on load.
+_CHECKS: dict[str, tuple[type | tuple[type, ...], Any]] = {
+    "float": ((int, float), float),
+    "int": (int, int),
+    "bool": (bool, bool),
+    "str": (str, str),
+    "json": (dict, dict),
+}
+
+
 def _rotary_variants() -> tuple[str, ...]:
     """RotarySpec's variant fields (float32-step rotary), written only when set."""
     return tuple(f.name for f, codec in saved_fields(RotarySpec) if codec.variant)
@@ -134,9 +145,14 @@ class Encoder:
         kind = codec.kind
         if value is None and kind not in ("json", "rotaries"):
             return None
-        scalars: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
-        if kind in scalars:
-            return scalars[kind](value)
+        if kind == "tensor":  # the common kinds first, without building the table below
+            return self.tensor(value, key)
+        if kind in _SCALARS:
+            return _SCALARS[kind](value)
+        if kind == "dtype":
+            return dtype_name(value)
+        if kind == "norm":
+            return self.norm(value, key)
         handlers: dict[str, Any] = {
             "json": lambda: _json_only(dict(value), key),
             "tensor": lambda: self.tensor(value, key),
@@ -154,7 +170,7 @@ class Encoder:
         if kind not in handlers:
             raise UnsupportedArchitectureError(
                 f"cannot save {key}: its declared codec kind {kind!r} is not one the saved format knows "
-                f"({sorted([*scalars, *handlers])}); declare the field with one of those."
+                f"({sorted([*_SCALARS, 'tensor', 'dtype', 'norm', *handlers])}); declare the field with one of those."
             )
         return handlers[kind]()
 
@@ -289,22 +305,16 @@ class Decoder(schema_fits.FitDecoder):
             if required:
                 raise LoadError(f"{self.where}: {path} is null but must be a {kind}; the file is corrupt.")
             return None
-        checks: dict[str, tuple[type | tuple[type, ...], Any]] = {
-            "float": ((int, float), float),
-            "int": (int, int),
-            "bool": (bool, bool),
-            "str": (str, str),
-            "json": (dict, dict),
-        }
-        if kind in checks:
-            types, cast = checks[kind]
+        if kind == "tensor":
+            return self.tensor(obj, path)
+        if kind in _CHECKS:
+            types, cast = _CHECKS[kind]
             if not isinstance(obj, types) or (kind in ("float", "int") and isinstance(obj, bool)):
                 raise LoadError(f"{self.where}: {path} is {obj!r}, not a {kind}; the file is corrupt.")
             if codec.choices and obj not in codec.choices:
                 raise LoadError(f"{self.where}: {path} is {obj!r}, not one of {list(codec.choices)}; corrupt.")
             return cast(obj)
         handlers: dict[str, Any] = {
-            "tensor": lambda: self.tensor(obj, path),
             "dtype": lambda: self.dtype(obj, path),
             "norm": lambda: self.norm(obj, path),
             "rotary": lambda: self.rotary(obj, path),

@@ -11,6 +11,7 @@ existed, and a lens_aot that does not know it refuses the file by the field's na
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +61,10 @@ def saved(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def saved_fields(cls: type, below: type | None = None) -> list[tuple[dataclasses.Field[Any], FieldCodec]]:
+@functools.cache
+def saved_fields(cls: type, below: type | None = None) -> tuple[tuple[dataclasses.Field[Any], FieldCodec], ...]:
     """The saved fields of dataclass ``cls`` in record order (``at``, else declaration order), without those of
-    ``below`` (a base class: a variant's own fields)."""
+    ``below`` (a base class: a variant's own fields); computed once per class."""
     skip = {f.name for f in dataclasses.fields(below)} if below is not None else set()
     found = [
         (i, f, f.metadata[CODEC])
@@ -70,7 +72,7 @@ def saved_fields(cls: type, below: type | None = None) -> list[tuple[dataclasses
         if CODEC in f.metadata and f.name not in skip
     ]
     found.sort(key=lambda item: item[2].at if item[2].at is not None else 1000 + item[0])
-    return [(f, codec) for _, f, codec in found]
+    return tuple((f, codec) for _, f, codec in found)
 
 
 def is_off(field: dataclasses.Field[Any], value: Any) -> bool:
