@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
 from lens_aot.core.spec.fields import FieldCodec, is_off, saved_fields
 from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
@@ -89,6 +90,7 @@ _RECORDS: dict[str, type] = {
     "prediction_head": PredictionHeadSpec,  # ModernBERT-decoder
     "hyper": HyperConnectionSpec,  # DeepSeek-V4
     "hyper_head": HyperHeadSpec,
+    "group_router": GroupRouterSpec,  # DeepSeek routers (MoESpec.router)
 }
 
 
@@ -164,6 +166,7 @@ class Encoder:
             "attention": lambda: self.attention(value, key),
             "mlp": lambda: self.mlp(value, key),
             "layers": lambda: [self.layer(layer, f"{key}.{i}") for i, layer in enumerate(value)],
+            "mlps": lambda: [self.mlp(m, f"{key}.{e}") for e, m in enumerate(value)],
             "activation": lambda: str(value),
             **{kind: lambda cls=cls: self.record(value, key, cls) for kind, cls in _RECORDS.items()},
         }
@@ -323,6 +326,7 @@ class Decoder(schema_fits.FitDecoder):
             "attention": lambda: self.attention(obj, path),
             "mlp": lambda: self.mlp(obj, path),
             "layers": lambda: self.layers(obj, path),
+            "mlps": lambda: self.mlps(obj, path),
             "activation": lambda: known_activation(self, obj, path),
             **{
                 kind: lambda cls=cls: self.construct(cls, self.record(obj, path, cls)[1], path)
@@ -431,6 +435,15 @@ class Decoder(schema_fits.FitDecoder):
             return own
         f, values = self.record(obj, path, MLPSpec, optional=self.extension_names("mlp"))
         return self.extended(self.construct(MLPSpec, values, path), f, path, "mlp")
+
+    def mlps(self, obj: Any, path: str) -> list[Any]:
+        """A mixture of experts' experts: a non-empty list of MLP records, none null."""
+        if not isinstance(obj, list) or not obj:
+            raise LoadError(f"{self.where}: {path} is not a non-empty list; the file is corrupt.")
+        experts = [self.mlp(m, f"{path}.{e}") for e, m in enumerate(obj)]
+        if any(m is None for m in experts):
+            raise LoadError(f"{self.where}: {path} holds a null expert; the file is corrupt.")
+        return experts
 
     def layers(self, obj: Any, path: str) -> list[LayerSpec]:
         if not isinstance(obj, list):

@@ -349,38 +349,38 @@ class MoESpec:
     ``sigmoid(x @ W_shared_gate)`` when that is set, and added after the routed experts.
     """
 
-    W_router: Float[Tensor, "d_model n_experts"]
-    experts: list[MLPSpec]
-    top_k: int
-    norm_topk_prob: bool = True
-    softmax_dtype: torch.dtype | None = torch.float32
-    b_router: Float[Tensor, " n_experts"] | None = None
-    shared: MLPSpec | None = None
-    W_shared_gate: Float[Tensor, "d_model 1"] | None = None
+    W_router: Float[Tensor, "d_model n_experts"] = saved("tensor", at=2)
+    experts: list[MLPSpec] = saved("mlps", at=0)
+    top_k: int = saved("int", at=6)
+    norm_topk_prob: bool = saved("bool", True, at=7)
+    softmax_dtype: torch.dtype | None = saved("dtype", torch.float32, at=11)
+    b_router: Float[Tensor, " n_experts"] | None = saved("tensor", None, at=3)
+    shared: MLPSpec | None = saved("mlp", None, at=1)
+    W_shared_gate: Float[Tensor, "d_model 1"] | None = saved("tensor", None, at=4)
     # Router variants (lens_aot/core/components/moe/moe_router.py): the scores ("softmax" over all experts, or a
     # per-expert "sigmoid", MiniMax-M2 / GLM-4-MoE), a correction bias added to the scores for the choice only, the
     # dtype of the router logits (None: the activation dtype), the renormalisation's denominator clamp (ERNIE 4.5's
     # moe_norm_min) and the routed scaling factor multiplying the chosen weights.
-    scoring: str = "softmax"
-    e_score_correction_bias: Float[Tensor, " n_experts"] | None = None
-    logits_dtype: torch.dtype | None = None
-    norm_min: float = 0.0
-    routed_scaling_factor: float = 1.0
+    scoring: str = saved("str", "softmax", at=8)
+    e_score_correction_bias: Float[Tensor, " n_experts"] | None = saved("tensor", None, at=5)
+    logits_dtype: torch.dtype | None = saved("dtype", None, at=12)
+    norm_min: float = saved("float", 0.0, at=9)
+    routed_scaling_factor: float = saved("float", 1.0, at=10)
     # A DeepSeek router (sigmoid or softmax scores, group-limited top-k, scaled weights;
     # lens_aot.core.components.moe.moe_routers)
     # in place of the router fields above (whose norm_topk_prob / softmax_dtype / b_router it then ignores).
-    router: GroupRouterSpec | None = None
+    router: GroupRouterSpec | None = saved("group_router", None, variant=True, at=18)
     # A constant added to the layer's output after the routed and shared experts (JetMoE's MoE ``bias``).
-    b_out: Float[Tensor, " d_model"] | None = None
+    b_out: Float[Tensor, " d_model"] | None = saved("tensor", None, variant=True, at=13)
     # Llama 4: each chosen expert's router weight scales its *input* (``expert(w·x)``), not its output
     # (:mod:`lens_aot.core.components.moe.input_scaled_moe`).
-    input_scaled: bool = False
+    input_scaled: bool = saved("bool", False, variant=True, at=14)
     # DeepSeek-V4's hash-routed layers: the chosen experts are ``hash_table[token id]`` ([d_vocab, top_k], the
     # source's ``tid2eid``), their weights the router's scores of those experts (:mod:`.components.token_ids`).
-    hash_table: Int[Tensor, "d_vocab top_k"] | None = None
+    hash_table: Int[Tensor, "d_vocab top_k"] | None = saved("tensor", None, variant=True, at=15)
     # The experts' hook names (lens_aot.core.components.moe.source_expert_hooks): "lens_aot" (the dense gated MLP's),
     # or a TransformerLens 3.9 source's own, "transformer_lens_moe" (``MoE``) / "transformer_lens_gpt_oss_moe".
-    hook_names: str = "lens_aot"
+    hook_names: str = saved("str", "lens_aot", variant=True, at=16)
 
     @property
     def max_routed_weight(self) -> float:
