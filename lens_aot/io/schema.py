@@ -157,9 +157,6 @@ class Encoder:
             return self.norm(value, key)
         handlers: dict[str, Any] = {
             "json": lambda: _json_only(dict(value), key),
-            "tensor": lambda: self.tensor(value, key),
-            "dtype": lambda: dtype_name(value),
-            "norm": lambda: self.norm(value, key),
             "rotary": lambda: self.rotary(value, key),
             "rotaries": lambda: [self.rotary(r, f"{key}.{i}") for i, r in enumerate(value)],
             "nested": lambda: self.record(value, key, codec.nested),
