@@ -180,7 +180,7 @@ def test_the_graph_reads_imports() -> None:
 
     tl = read("lens_aot.tl")
     assert ("lens_aot.tl.bridge.read", False) in tl and ("lens_aot.core.source_layer", False) in tl
-    assert ("lens_aot.core.components.attention.mla_attention", False) in read("lens_aot.core.components.factory")
+    assert ("lens_aot.core.components.attention.mla_attention", False) in read("lens_aot.core.variants")
     assert ("lens_aot.hooks", False) in read("lens_aot.tl.hooks")
     assert ("lens_aot.analysis.circuits.graph", False) not in read("lens_aot.analysis.circuits.draw")  # TYPE_CHECKING
     assert ("lens_aot.cli.demo", True) in read("lens_aot.cli")  # inside a function

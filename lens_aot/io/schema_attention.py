@@ -34,6 +34,7 @@ from lens_aot.core.spec.compressed import CompressedAttentionSpec
 from lens_aot.core.spec.dsa import IndexerSpec
 from lens_aot.core.spec.mla import MLASpec
 from lens_aot.core.spec.routed import RoutedAttentionSpec
+from lens_aot.core.variants import Codec, attach_codec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_compressed
 from lens_aot.io.schema_common import dtype_name, required_norm
@@ -241,3 +242,7 @@ def _rope_problems(attn: MLASpec | RoutedAttentionSpec, path: str, n_ctx: int, w
         return [] if got == want else [f"{path}.rope_recipe gives {list(got)} rows, expected {list(want)}"]
     shapes = {n: tuple(t.shape) for n in ("cos", "sin") if (t := attn.__dict__.get("_" + n)) is not None}
     return [f"{path}.{n} has shape {list(s)}, expected {list(want)}" for n, s in shapes.items() if s != want]
+
+
+for _kind in ("mla", "routed", schema_compressed.KIND):  # the saved forms of these lens_aot.core.variants
+    attach_codec(_kind, Codec(encode_attention, decode_attention))

@@ -1,5 +1,5 @@
-"""The saved form of DeepSeek-V4's hyper-connections (:mod:`lens_aot.core.spec.hyper`), part of
-:mod:`lens_aot.io.schema`'s format version 2.
+"""The checks of DeepSeek-V4's saved hyper-connections (:mod:`lens_aot.core.spec.hyper`, records of
+:mod:`lens_aot.io.schema`'s format version 2, derived from their specs' declared fields).
 
 Schema::
 
@@ -18,57 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
+from lens_aot.core.spec.fields import saved_fields
+from lens_aot.core.spec.hyper import HyperHeadSpec
+from lens_aot.core.spec.model_spec import LayerSpec
 from lens_aot.errors import LoadError
 
-__all__ = [
-    "HEAD_FIELD",
-    "LAYER_FIELDS",
-    "check_hyper_layers",
-    "check_hyper_model",
-    "decode_hyper",
-    "encode_hyper",
-    "hyper_shape_problems",
-]
+__all__ = ["LAYER_FIELDS", "check_hyper_layers", "check_hyper_model", "hyper_shape_problems"]
 
-LAYER_FIELDS = ("hc_attn", "hc_mlp")  # a layer record's optional fields
-HEAD_FIELD = "hc_head"  # the spec record's optional field
-_TENSORS = ("fn", "base", "scale")
-_CONNECTION_INTS = ("hc_mult", "sinkhorn_iters")
-_HEAD_INTS = ("hc_mult",)
-_FLOATS = ("hc_eps", "norm_eps")
-
-
-def _ints(spec: Any) -> tuple[str, ...]:
-    return _CONNECTION_INTS if isinstance(spec, HyperConnectionSpec) else _HEAD_INTS
-
-
-def encode_hyper(encoder: Any, spec: HyperConnectionSpec | HyperHeadSpec | None, key: str) -> dict[str, Any]:
-    """``{key's last part: record}`` for a set ``spec`` (a layer's ``hc_attn`` / ``hc_mlp``, the model's ``hc_head``),
-    ``{}`` for None: the record's field is written only when set."""
-    if spec is None:
-        return {}
-    out: dict[str, Any] = {n: int(getattr(spec, n)) for n in _ints(spec)}
-    out |= {n: float(getattr(spec, n)) for n in _FLOATS}
-    out |= {n: encoder.tensor(getattr(spec, n), f"{key}.{n}") for n in _TENSORS}
-    return {key.rsplit(".", 1)[-1]: out}
-
-
-def decode_hyper(decoder: Any, obj: Any, path: str, head: bool = False) -> HyperConnectionSpec | HyperHeadSpec | None:
-    """The inverse of :func:`encode_hyper`'s record (None when the field was not written); ``head``: a
-    :class:`HyperHeadSpec` (``hc_head``), else a :class:`HyperConnectionSpec`."""
-    if obj is None:
-        return None
-    ints = _HEAD_INTS if head else _CONNECTION_INTS
-    f = decoder.fields(obj, path, (*ints, *_FLOATS, *_TENSORS))
-    values: dict[str, Any] = {}
-    for n in (*ints, *_FLOATS):
-        v = f[n]
-        if isinstance(v, bool) or not isinstance(v, int | float) or (n in ints and not isinstance(v, int)):
-            raise LoadError(f"{decoder.where}: {path}.{n} is {v!r}, not a number of its kind; the file is corrupt.")
-        values[n] = int(v) if n in ints else float(v)
-    values |= {n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _TENSORS}
-    return HyperHeadSpec(**values) if head else HyperConnectionSpec(**values)
+# LayerSpec's hyper-connection fields (those it declares with the "hyper" record kind): both or neither.
+LAYER_FIELDS = tuple(f.name for f, codec in saved_fields(LayerSpec) if codec.kind == "hyper")
 
 
 def check_hyper_layers(decoder: Any, fields: dict[str, Any], path: str) -> None:
@@ -106,7 +64,7 @@ def hyper_shape_problems(spec: Any) -> list[str]:
             problems.append(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
 
     hyper = [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(spec.layers) for n in LAYER_FIELDS]
-    for name, hc in [*hyper, (HEAD_FIELD, spec.hc_head)]:
+    for name, hc in [*hyper, ("hc_head", spec.hc_head)]:
         if hc is None:
             continue
         n = hc.hc_mult

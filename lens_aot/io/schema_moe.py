@@ -1,17 +1,19 @@
 """The saved form of mixture-of-experts layers (:class:`~lens_aot.core.spec.model_spec.MoESpec` and
 :class:`~lens_aot.core.fit.moe.MoEFit`), part of :mod:`lens_aot.io.schema`'s format version 2.
 
-Schema (``?``: may be null; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`)::
+Schema (``?``: may be null; ``[field]``: written only when set; ``mlp`` and the fits as in :mod:`lens_aot.io.schema`;
+the records derived from :class:`MoESpec`'s and ``GroupRouterSpec``'s declared fields)::
 
-    moe     {experts: [mlp], shared?: mlp, W_router, b_router?, W_shared_gate?, top_k, norm_topk_prob,
-             softmax_dtype?, scoring, e_score_correction_bias?, logits_dtype?, norm_min, routed_scaling_factor,
-             b_out (optional: JetMoE's output bias, written only when set),
-             input_scaled (optional: true when the router weights scale the experts' inputs, Llama 4),
-             router (optional: a DeepSeek group-limited router, written only when set),
-             hook_names (optional: the experts' hook names when not lens_aot's, "transformer_lens_moe" or
-             "transformer_lens_gpt_oss_moe": lens_aot.core.components.moe.source_expert_hooks),
-             beside (optional: Gemma 4's experts beside the dense MLP, lens_aot.io.schema_beside_moe)}
-    router  {scoring, n_group, topk_group, method, e_score_correction_bias?, norm_topk_prob, routed_scaling_factor}
+    moe     {experts: [mlp], shared?: mlp, W_router, b_router?, W_shared_gate?, e_score_correction_bias?, top_k,
+             norm_topk_prob, scoring, norm_min, routed_scaling_factor, softmax_dtype?, logits_dtype?,
+             [b_out] (JetMoE's output bias), [input_scaled: true] (the router weights scale the experts' inputs,
+             Llama 4), [hash_table] (DeepSeek-V4's hash-routed layers), [hook_names] (the experts' hook names when
+             not lens_aot's, "transformer_lens_moe" or "transformer_lens_gpt_oss_moe":
+             lens_aot.core.components.moe.source_expert_hooks),
+             [beside: {ln_dense_post, ln_moe, ln_moe_post, router_norm: norm, router_scale, per_expert_scale}]
+             (Gemma 4's experts beside the dense MLP: MoEBesideMLPSpec's own fields),
+             [router: router] (a DeepSeek group-limited router)}
+    router  {scoring, n_group, topk_group, method, norm_topk_prob, routed_scaling_factor, e_score_correction_bias?}
     fit     {layer, kind: "moe", experts: [fit], shared?: fit, output_scale: [float]}
 
 A layer's ``mlp`` record is an ``moe`` record exactly when it has ``experts``; a lens_aot that does not know MoE
@@ -23,23 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-
-from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
-from lens_aot.core.components.moe.source_expert_hooks import HOOK_NAMES, LENS_AOT
+from lens_aot.core.components.moe.source_expert_hooks import HOOK_NAMES
 from lens_aot.core.fit.moe import MoEFit
 from lens_aot.core.spec.model_spec import MoESpec
+from lens_aot.core.variants import Codec, attach_codec
 from lens_aot.errors import LoadError
-from lens_aot.io.schema_beside_moe import decode_beside, encode_beside
-from lens_aot.io.schema_common import dtype_name
 
 __all__ = ["decode_moe", "decode_moe_fit", "encode_moe", "encode_moe_fit", "is_moe_record", "moe_shape_problems"]
-
-_TENSORS = ("W_router", "b_router", "W_shared_gate", "e_score_correction_bias")
-_SCALARS = ("top_k", "norm_topk_prob", "scoring", "norm_min", "routed_scaling_factor")
-_DTYPES = ("softmax_dtype", "logits_dtype")
-_ROUTER_SCALARS = ("scoring", "n_group", "topk_group", "method", "norm_topk_prob", "routed_scaling_factor")
-_FIELDS = ("experts", "shared", *_TENSORS, *_SCALARS, *_DTYPES)
 
 
 def is_moe_record(obj: Any) -> bool:
@@ -48,92 +40,23 @@ def is_moe_record(obj: Any) -> bool:
 
 
 def encode_moe(encoder: Any, moe: MoESpec, key: str) -> dict[str, Any]:
-    """``moe`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
-    out: dict[str, Any] = {
-        "experts": [encoder.mlp(m, f"{key}.experts.{e}") for e, m in enumerate(moe.experts)],
-        "shared": encoder.mlp(moe.shared, f"{key}.shared"),
-    }
-    out.update({name: encoder.tensor(getattr(moe, name), f"{key}.{name}") for name in _TENSORS})
-    out.update(
-        top_k=int(moe.top_k),
-        norm_topk_prob=bool(moe.norm_topk_prob),
-        scoring=str(moe.scoring),
-        norm_min=float(moe.norm_min),
-        routed_scaling_factor=float(moe.routed_scaling_factor),
-    )
-    out.update({name: None if getattr(moe, name) is None else dtype_name(getattr(moe, name)) for name in _DTYPES})
-    if moe.b_out is not None:
-        out["b_out"] = encoder.tensor(moe.b_out, f"{key}.b_out")
-    if moe.input_scaled:
-        out["input_scaled"] = True
-    if moe.hash_table is not None:  # DeepSeek-V4's hash-routed layers
-        out["hash_table"] = encoder.tensor(moe.hash_table, f"{key}.hash_table")
-    if moe.hook_names != LENS_AOT:
-        out["hook_names"] = str(moe.hook_names)
-    if (beside := encode_beside(encoder, moe, key)) is not None:  # Gemma 4 (lens_aot.io.schema_beside_moe)
-        out["beside"] = beside
-    if moe.router is not None:
-        r = moe.router
-        out["router"] = {"scoring": str(r.scoring), "n_group": int(r.n_group), "topk_group": int(r.topk_group)}
-        out["router"] |= {"method": str(r.method), "norm_topk_prob": bool(r.norm_topk_prob)}
-        out["router"]["routed_scaling_factor"] = float(r.routed_scaling_factor)
-        out["router"]["e_score_correction_bias"] = encoder.tensor(
-            r.e_score_correction_bias, f"{key}.router.e_score_correction_bias"
-        )
-    return out
-
-
-def _decode_router(decoder: Any, obj: Any, path: str) -> GroupRouterSpec | None:
-    """A DeepSeek router record (lens_aot.core.components.moe.moe_routers), checked field by field."""
-    if obj is None:
-        return None
-    f = decoder.fields(obj, path, (*_ROUTER_SCALARS, "e_score_correction_bias"))
-    if f["scoring"] not in ("sigmoid", "softmax") or f["method"] not in ("greedy", "group_limited"):
-        raise LoadError(f"{decoder.where}: {path} has scoring {f['scoring']!r} / method {f['method']!r}; corrupt.")
-    return GroupRouterSpec(
-        scoring=f["scoring"],
-        n_group=int(f["n_group"]),
-        topk_group=int(f["topk_group"]),
-        method=f["method"],
-        e_score_correction_bias=decoder.tensor(f["e_score_correction_bias"], f"{path}.e_score_correction_bias"),
-        norm_topk_prob=bool(f["norm_topk_prob"]),
-        routed_scaling_factor=float(f["routed_scaling_factor"]),
-    )
+    """``moe`` as its record, from :class:`MoESpec`'s declared fields; ``encoder`` (a
+    :class:`~lens_aot.io.schema.Encoder`) collects the tensors. A variant's own fields (Gemma 4's ``beside``) come
+    before ``router``, where lens_aot has always written them."""
+    out = encoder.record(moe, key, MoESpec)
+    router = out.pop("router", None)
+    out |= encoder.extensions(moe, key, "moe")
+    return out if router is None else out | {"router": router}
 
 
 def decode_moe(decoder: Any, obj: Any, path: str) -> MoESpec:
     """The inverse of :func:`encode_moe` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS, ("b_out", "router", "input_scaled", "hook_names", "beside", "hash_table"))
-    if f.get("hook_names", LENS_AOT) not in HOOK_NAMES[1:] and "hook_names" in f:
+    f, values = decoder.record(obj, path, MoESpec, optional=decoder.extension_names("moe"))
+    if "hook_names" in f and f["hook_names"] not in HOOK_NAMES[1:]:
         raise LoadError(f"{decoder.where}: {path}.hook_names is {f['hook_names']!r}, not one of {HOOK_NAMES[1:]}.")
-    if f.get("input_scaled", False) is not True and "input_scaled" in f:
+    if "input_scaled" in f and f["input_scaled"] is not True:
         raise LoadError(f"{decoder.where}: {path}.input_scaled is {f['input_scaled']!r}, not true; corrupt.")
-    if not isinstance(f["experts"], list) or not f["experts"]:
-        raise LoadError(f"{decoder.where}: {path}.experts is not a non-empty list; the file is corrupt.")
-    experts = [decoder.mlp(m, f"{path}.experts.{e}") for e, m in enumerate(f["experts"])]
-    if any(m is None for m in experts):
-        raise LoadError(f"{decoder.where}: {path}.experts holds a null expert; the file is corrupt.")
-    router = decoder.required_tensor(f["W_router"], f"{path}.W_router")
-    tensors: dict[str, Tensor | None] = {n: decoder.tensor(f[n], f"{path}.{n}") for n in _TENSORS[1:]}
-    moe = MoESpec(
-        W_router=router,
-        experts=experts,
-        top_k=int(f["top_k"]),
-        norm_topk_prob=bool(f["norm_topk_prob"]),
-        softmax_dtype=decoder.dtype(f["softmax_dtype"], f"{path}.softmax_dtype"),
-        shared=decoder.mlp(f["shared"], f"{path}.shared"),
-        scoring=str(f["scoring"]),
-        logits_dtype=decoder.dtype(f["logits_dtype"], f"{path}.logits_dtype"),
-        norm_min=float(f["norm_min"]),
-        routed_scaling_factor=float(f["routed_scaling_factor"]),
-        b_out=decoder.tensor(f["b_out"], f"{path}.b_out") if "b_out" in f else None,
-        router=_decode_router(decoder, f.get("router"), f"{path}.router"),
-        input_scaled="input_scaled" in f,
-        hook_names=f.get("hook_names", LENS_AOT),
-        hash_table=decoder.tensor(f["hash_table"], f"{path}.hash_table") if "hash_table" in f else None,
-        **tensors,
-    )
-    return decode_beside(decoder, f.get("beside"), path, moe)
+    return decoder.extended(decoder.construct(MoESpec, values, path), f, path, "moe")
 
 
 def encode_moe_fit(fit: MoEFit, layer: int, entry: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:
@@ -178,3 +101,8 @@ def moe_shape_problems(moe: MoESpec, path: str, d_model: int, expect_mlp: Callab
     if moe.shared is not None:
         expect_mlp(moe.shared, f"{path}.shared")
     return problems
+
+
+attach_codec(
+    "moe", Codec(encode_moe, decode_moe, claims=is_moe_record)
+)  # the saved form of lens_aot.core.variants' "moe"

@@ -2,7 +2,8 @@
 
 Each variant's component lives in its own file and knows nothing of the others; the choice between them is made
 here only, by the spec's type (and, for a plain MLP, by its fit's type), so adding a variant adds a row to a table
-rather than a branch inside another variant's file (ARCHITECTURE.md, "Layers").
+rather than a branch inside another variant's file (ARCHITECTURE.md, "Layers"). The rows come from the variants'
+descriptors (:mod:`lens_aot.core.variants`), one per variant.
 
 * :data:`ATTENTION`: an attention spec → its component,
 :class:`~lens_aot.core.components.attention.attention.Attention` when
@@ -21,51 +22,29 @@ from typing import Any
 from torch import nn
 
 from lens_aot.core.components.attention.attention import Attention
-from lens_aot.core.components.attention.compressed_attention import CompressedAttention
-from lens_aot.core.components.attention.mla_attention import MLAAttention
-from lens_aot.core.components.attention.routed_attention import RoutedAttention
-from lens_aot.core.components.mlp.chained_gated_mlp import ChainedGatedMLP, GatedXIELUMLP
-from lens_aot.core.components.mlp.clamped_swiglu_mlp import ClampedSwiGLUMLP
 from lens_aot.core.components.mlp.neuron_mlp import NeuronMLP
 from lens_aot.core.components.mlp.squared_relu_mlp import SquaredReLUMLP
-from lens_aot.core.components.mlp.xielu_mlp import XIELUMLP
 from lens_aot.core.components.moe.input_scaled_moe import InputScaledMoEMLP
-from lens_aot.core.components.moe.moe_beside_mlp import MoEBesideMLP
 from lens_aot.core.components.moe.moe_mlp import MoEMLP
-from lens_aot.core.fit.clamped_swiglu import ClampedSwiGLUSpec
-from lens_aot.core.fit.gating import ChainedGatedFit, GatedFit
-from lens_aot.core.fit.xielu import GatedXIELUFit, XIELUFit
-from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
-from lens_aot.core.spec.compressed import CompressedAttentionSpec
-from lens_aot.core.spec.mla import MLASpec
+from lens_aot.core.fit.gating import GatedFit
 from lens_aot.core.spec.model_spec import AttentionSpec, MLPSpec, MoESpec, RotarySpec
-from lens_aot.core.spec.routed import RoutedAttentionSpec
 
 __all__ = ["ATTENTION", "MOE", "NEURON_MLP_BY_FIT", "NEURON_MLP_BY_SPEC", "attention_module", "moe_mlp", "neuron_mlp"]
 
 ExpertBuilder = Callable[[MLPSpec, int | None], nn.Module]
 
-# spec type -> component(spec, causal, rotary); the first row whose type the spec is an instance of wins.
-ATTENTION: list[tuple[type, Callable[[Any, bool, RotarySpec | None], nn.Module]]] = [
-    (MLASpec, lambda spec, causal, rotary: MLAAttention(spec, causal)),  # multi-head latent attention
-    (CompressedAttentionSpec, lambda spec, causal, rotary: CompressedAttention(spec, causal)),  # DeepSeek-V4
-    (RoutedAttentionSpec, lambda spec, causal, rotary: RoutedAttention(spec, causal)),  # JetMoE's MoA
-]
+# The tables start empty: each row is added by a variant's descriptor (:func:`lens_aot.core.variants.register_variant`,
+# where the built-in variants are declared), before the first row of a base type of its own (first match wins).
 
-# MoE spec type -> component(spec, build_expert); first match wins.
-MOE: list[tuple[type, Callable[[Any, ExpertBuilder], MoEMLP]]] = [
-    (MoEBesideMLPSpec, MoEBesideMLP),  # Gemma 4: beside the dense MLP
-]
+# spec type -> component(spec, causal, rotary)
+ATTENTION: list[tuple[type, Callable[[Any, bool, RotarySpec | None], nn.Module]]] = []
 
-# MLP spec type -> neuron heads(mlp, fit); then fit type -> neuron heads(mlp, fit); first match wins.
-NEURON_MLP_BY_SPEC: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
-    (ClampedSwiGLUSpec, ClampedSwiGLUMLP),  # GPT-OSS's experts
-]
-NEURON_MLP_BY_FIT: list[tuple[type, Callable[[Any, Any], nn.Module]]] = [
-    (GatedXIELUFit, GatedXIELUMLP),  # gated xIELU: xielu(g)·u
-    (XIELUFit, XIELUMLP),  # xIELU
-    (ChainedGatedFit, ChainedGatedMLP),  # gated squared ReLU: relu(g)²·u
-]
+# MoE spec type -> component(spec, build_expert)
+MOE: list[tuple[type, Callable[[Any, ExpertBuilder], MoEMLP]]] = []
+
+# MLP spec type -> neuron heads(mlp, fit); then fit type -> neuron heads(mlp, fit)
+NEURON_MLP_BY_SPEC: list[tuple[type, Callable[[Any, Any], nn.Module]]] = []
+NEURON_MLP_BY_FIT: list[tuple[type, Callable[[Any, Any], nn.Module]]] = []
 
 
 def _row(table: list[tuple[type, Callable[..., Any]]], value: object) -> Callable[..., Any] | None:

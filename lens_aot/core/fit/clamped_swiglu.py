@@ -39,7 +39,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from lens_aot.core.fit.activations import RELU_ERROR_CONSTANT, ActivationFit
-from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GATED_FITS, GatedFit, normalized_input_bound
+from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, normalized_input_bound
+from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import MLPSpec, NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
 
@@ -51,11 +52,11 @@ class ClampedSwiGLUSpec(MLPSpec):
     """A gated MLP with GPT-OSS's clamped SwiGLU (module docstring): ``W_gate`` / ``b_gate`` the gate, ``W_in`` /
     ``b_in`` the linear branch, ``alpha`` and ``limit`` the source's scalars (exact floats)."""
 
-    alpha: float = 1.702
-    limit: float = 7.0
+    alpha: float = saved("float", 1.702)
+    limit: float = saved("float", 7.0)
     # Added to the clamped linear branch: GPT-OSS's ``clamp(u) + 1``; DeepSeek-V4's ``silu(min(g, limit))·clamp(u)``
     # (its ``DeepseekV4Experts._apply_gate`` and ``DeepseekV4MLP``, alpha 1) adds nothing.
-    up_offset: float = 1.0
+    up_offset: float = saved("float", 1.0, variant=True)  # written only when not 1
 
     @classmethod
     def of(cls, mlp: MLPSpec, alpha: float, limit: float, up_offset: float = 1.0) -> ClampedSwiGLUSpec:
@@ -123,6 +124,3 @@ def clamped_swiglu_fit(
     denominator = (h_bound * u_bound.pow(3)).clamp_min(1e-300)
     scales = torch.sqrt(12.0 * tol / denominator).clamp(max=1.0)
     return GatedFit("silu", gate_fit(mlp.alpha), tuple(float(s) for s in scales.cpu()), tol)
-
-
-GATED_FITS[ClampedSwiGLUSpec] = clamped_swiglu_fit  # gated_fit's row for this variant

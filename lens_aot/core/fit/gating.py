@@ -50,8 +50,8 @@ DEFAULT_MAX_GATED_NEURON_ERROR = 1e-4
 MIN_PRODUCT_SCALE = 1e-24
 
 # Gated-MLP spec types with a fit of their own, which :func:`gated_fit` uses for them: spec type ->
-# fit(mlp, norm, max_neuron_error, heads_per_neuron). A variant's module registers its row when it is imported
-# (:mod:`lens_aot.core.fit.clamped_swiglu`, GPT-OSS's clamped SwiGLU), so this module imports no variant.
+# fit(mlp, norm, max_neuron_error, heads_per_neuron). A variant's descriptor adds its row
+# (:func:`lens_aot.core.variants.register_variant`; GPT-OSS's clamped SwiGLU), so this module imports no variant.
 GATED_FITS: dict[type, Callable[..., GatedFit]] = {}
 
 

@@ -9,24 +9,13 @@ from typing import Any
 from lens_aot.core.check.residual_bound import mlp_input_radii, reads_unnormalized
 from lens_aot.core.fit.activations import PRODUCT_ACTIVATIONS, ActivationFit, activation_fit
 from lens_aot.core.fit.gating import GatedFit, RangedInput, gated_fit
-from lens_aot.core.fit.moe import MoEFit, moe_fit
-from lens_aot.core.fit.xielu import XIELUSpec, xielu_fit
-from lens_aot.core.spec.model_spec import MLPSpec, ModelSpec, MoESpec, NormSpec
+from lens_aot.core.fit.moe import MoEFit
+from lens_aot.core.spec.model_spec import MLPSpec, ModelSpec, NormSpec
 
 Fit = ActivationFit | GatedFit | MoEFit
 FitFunction = Callable[[Any, NormSpec, float | None, int | None, int], Fit]
 """``(mlp, norm, max_neuron_error, heads_per_neuron, layer) -> fit``: ``norm`` is the layer's ``ln2``, or a
 :class:`RangedInput` where a product layer reads the residual unnormalized."""
-
-
-def _xielu(mlp: XIELUSpec, norm: NormSpec, max_neuron_error: float | None, heads: int | None, layer: int) -> Fit:
-    """xIELU MLPs (:mod:`lens_aot.core.fit.xielu`)."""
-    return xielu_fit(mlp, norm, max_neuron_error, heads, layer=layer)
-
-
-def _moe(mlp: MoESpec, norm: NormSpec, max_neuron_error: float | None, heads: int | None, layer: int) -> Fit:
-    """Mixtures of experts: per expert one of the other fits (:mod:`lens_aot.core.fit.moe`)."""
-    return moe_fit(mlp, norm, max_neuron_error, heads)
 
 
 def _dense(mlp: MLPSpec, norm: NormSpec, max_neuron_error: float | None, heads: int | None, layer: int) -> Fit:
@@ -37,9 +26,10 @@ def _dense(mlp: MLPSpec, norm: NormSpec, max_neuron_error: float | None, heads: 
     return activation_fit(mlp.act_fn, max_neuron_error, heads)
 
 
-FITS: dict[type, FitFunction] = {XIELUSpec: _xielu, MoESpec: _moe, MLPSpec: _dense}
+FITS: dict[type, FitFunction] = {MLPSpec: _dense}
 """The fit function of each MLP spec type; a type not listed takes its nearest listed base's (and an MLP of no
-listed type, ``MLPSpec``'s)."""
+listed type, ``MLPSpec``'s). A variant's row is added by :func:`lens_aot.core.variants.register_variant` (xIELU,
+mixtures of experts, ...)."""
 
 
 def fit_function(mlp: Any) -> FitFunction:

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lens_aot.core.fit.activations import RELU_ERROR_CONSTANT, ActivationFit
 from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, RangedInput, normalized_input_bound
+from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import MLPSpec, NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
 
@@ -72,10 +73,10 @@ class XIELUSpec(MLPSpec):
     effective scalars as the source computes them (``alpha_p = softplus(a_p)``, ``alpha_n = beta + softplus(a_n)``,
     in the source's dtype, kept as the exact floats)."""
 
-    alpha_p: float = 0.0
-    alpha_n: float = 0.0
-    beta: float = 0.0
-    eps: float = 0.0
+    alpha_p: float = saved("float", 0.0)
+    alpha_n: float = saved("float", 0.0)
+    beta: float = saved("float", 0.0)
+    eps: float = saved("float", 0.0)
 
 
 def xielu(

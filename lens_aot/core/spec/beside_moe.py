@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import MoESpec, NormSpec
 
 
@@ -32,12 +33,18 @@ from lens_aot.core.spec.model_spec import MoESpec, NormSpec
 class MoEBesideMLPSpec(MoESpec):
     """Module docstring. ``shared``: the dense MLP (reads ``ln2``'s output); the experts read ``ln_moe(resid)``."""
 
-    ln_dense_post: NormSpec | None = None  # post_feedforward_layernorm_1, on the dense MLP's output
-    ln_moe: NormSpec | None = None  # pre_feedforward_layernorm_2, on the raw residual: the experts' input
-    ln_moe_post: NormSpec | None = None  # post_feedforward_layernorm_2, on the experts' weighted sum
-    router_norm: NormSpec | None = None  # the router's weightless RMS norm of the raw residual
-    router_scale: Float[Tensor, " d_model"] | None = None  # times the normalised residual, with d_model^-1/2
-    per_expert_scale: Float[Tensor, " n_experts"] | None = None  # times each chosen expert's renormalised weight
+    # post_feedforward_layernorm_1, on the dense MLP's output
+    ln_dense_post: NormSpec | None = saved("norm", None)
+    # pre_feedforward_layernorm_2, on the raw residual: the experts' input
+    ln_moe: NormSpec | None = saved("norm", None)
+    # post_feedforward_layernorm_2, on the experts' weighted sum
+    ln_moe_post: NormSpec | None = saved("norm", None)
+    # the router's weightless RMS norm of the raw residual
+    router_norm: NormSpec | None = saved("norm", None)
+    # times the normalised residual, with d_model^-1/2
+    router_scale: Float[Tensor, " d_model"] | None = saved("tensor", None)
+    # times each chosen expert's renormalised weight
+    per_expert_scale: Float[Tensor, " n_experts"] | None = saved("tensor", None)
 
     def __post_init__(self) -> None:
         missing = [

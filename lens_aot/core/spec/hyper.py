@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.spec.fields import saved
+
 __all__ = ["HyperConnectionSpec", "HyperHeadSpec"]
 
 
@@ -40,13 +42,14 @@ class HyperConnectionSpec:
     ``[pre, post, comb]``. ``norm_eps``: the input RMSNorm's epsilon; ``hc_eps``: the floor added to ``pre`` and
     ``comb`` and to every Sinkhorn denominator."""
 
-    hc_mult: int
-    sinkhorn_iters: int
-    hc_eps: float
-    norm_eps: float
-    fn: Float[Tensor, "n_weights hc_d_model"]  # n_weights = (2 + hc_mult)·hc_mult, hc_d_model = hc_mult·d_model
-    base: Float[Tensor, " n_weights"]
-    scale: Float[Tensor, " three"]
+    hc_mult: int = saved("int")
+    sinkhorn_iters: int = saved("int")
+    hc_eps: float = saved("float")
+    norm_eps: float = saved("float")
+    # n_weights = (2 + hc_mult)·hc_mult, hc_d_model = hc_mult·d_model
+    fn: Float[Tensor, "n_weights hc_d_model"] = saved("tensor")
+    base: Float[Tensor, " n_weights"] = saved("tensor")
+    scale: Float[Tensor, " three"] = saved("tensor")
 
     @property
     def d_model(self) -> int:
@@ -58,12 +61,12 @@ class HyperHeadSpec:
     """The final collapse of the streams (transformers' ``DeepseekV4HyperHead``): ``Σ_i pre[i] · X[i]`` with
     ``pre = sigmoid(x̂ fnᵀ · scale + base) + hc_eps`` (``x̂`` the flattened streams' unweighted RMSNorm)."""
 
-    hc_mult: int
-    hc_eps: float
-    norm_eps: float
-    fn: Float[Tensor, "hc_mult hc_d_model"]
-    base: Float[Tensor, " hc_mult"]
-    scale: Float[Tensor, " one"]
+    hc_mult: int = saved("int")
+    hc_eps: float = saved("float")
+    norm_eps: float = saved("float")
+    fn: Float[Tensor, "hc_mult hc_d_model"] = saved("tensor")
+    base: Float[Tensor, " hc_mult"] = saved("tensor")
+    scale: Float[Tensor, " one"] = saved("tensor")
 
     @property
     def d_model(self) -> int:

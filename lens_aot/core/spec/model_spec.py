@@ -7,12 +7,14 @@ conversion needs. Nothing downstream of this file knows which TransformerLens ve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+
+from lens_aot.core.spec.fields import labels, saved
 
 if TYPE_CHECKING:
     from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
@@ -34,97 +36,23 @@ QKNormScope = Literal["head", "projection"]
 class NormSpec:
     """A LayerNorm or RMSNorm. ``kind`` None means no normalization (identity)."""
 
-    kind: NormKind | None
-    eps: float = 1e-5
-    w: Float[Tensor, " d_model"] | None = None  # LN / RMS scale
-    b: Float[Tensor, " d_model"] | None = None  # LN bias
-    compute_dtype: torch.dtype | None = None  # HF-style norms compute statistics in this dtype, then cast back
+    kind: NormKind | None = saved("str", null=True)
+    eps: float = saved("float", 1e-5)
+    w: Float[Tensor, " d_model"] | None = saved("tensor", None)  # LN / RMS scale
+    b: Float[Tensor, " d_model"] | None = saved("tensor", None)  # LN bias
+    compute_dtype: torch.dtype | None = saved(
+        "dtype", None
+    )  # HF-style norms compute statistics in this dtype, then cast back
     # Normalize as ``x * rsqrt(mean + eps)`` (HF LlamaRMSNorm, TransformerLens-native RMSNorm) rather than
     # ``x / sqrt(mean + eps)``. Mathematically identical; it only changes rounding, which matters when the
     # statistics are computed in float32 (``compute_dtype``) for a float64 model.
-    rsqrt: bool = False
+    rsqrt: bool = saved("bool", False)
     # Multiply by ``w`` (and add ``b``) in ``compute_dtype`` before casting back (HF GemmaRMSNorm's
     # ``(x̂ · (1 + w)).type_as(x)``) instead of casting back first (Llama's ``w · x̂.to(dtype)``); see
     # core/components/float32_norm.py.
-    scale_in_compute_dtype: bool = False
+    scale_in_compute_dtype: bool = saved("bool", False, variant=True)
     # Normalise with ``F.layer_norm`` in ``compute_dtype`` (OLMo's LayerNorm) instead of the explicit formula.
-    functional: bool = False
-
-
-@dataclass
-class AttentionSpec:
-    """One attention layer in TransformerLens layout (``n_kv`` < ``n_heads`` for grouped-query attention)."""
-
-    W_Q: Float[Tensor, "n_heads d_model d_head"]
-    W_K: Float[Tensor, "n_kv d_model d_head"]
-    W_V: Float[Tensor, "n_kv d_model d_head"]
-    W_O: Float[Tensor, "n_heads d_head d_model"]
-    b_Q: Float[Tensor, "n_heads d_head"]
-    b_K: Float[Tensor, "n_kv d_head"]
-    b_V: Float[Tensor, "n_kv d_head"]
-    b_O: Float[Tensor, " d_model"]
-    attn_scale: float  # scores are q·k / attn_scale
-    # If set, the softmax over scores is computed in this dtype and the pattern cast back to the activation dtype
-    # (HF-style eager attention, and TransformerBridge's PositionEmbeddingsAttentionBridge, use float32 even for
-    # float64 activations). None: softmax in the activation dtype.
-    softmax_dtype: torch.dtype | None = None
-    # ---- variants (each None / off by default; see docs/variants.md) ----
-    # QK-norm (Qwen3, Gemma 3, OLMo-2): q and k are RMS-normalized after hook_q / hook_k and before rotary.
-    # ``qk_norm_over`` "head": over each head's d_head channels (TransformerLens ``use_qk_norm``); "projection": over
-    # all heads' channels at once (OLMo-2's q_norm over n_heads·d_head, k_norm over n_kv·d_head).
-    q_norm: NormSpec | None = None
-    k_norm: NormSpec | None = None
-    qk_norm_over: QKNormScope = "head"
-    # Gemma 4: v is RMS-normalized over each head's d_head channels after hook_v (core/components/scores/v_norm.py).
-    v_norm: NormSpec | None = None
-    # Gemma 2: scores become ``cap · tanh(scores / cap)`` before masking (TransformerLens ``attn_scores_soft_cap``).
-    scores_soft_cap: float | None = None
-    # Sliding window: query q sees key k iff ``q - window < k`` (and ``k <= q`` if causal); None: every key.
-    window: int | None = None
-    # This layer's own rotary tables (e.g. Gemma's local layers' ``rotary_base_local``); None: the model's.
-    rotary: RotarySpec | None = None
-    # OLMo / DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after the projection (and QK-norm).
-    clip_qkv: float | None = None
-    # ALiBi (Press et al. 2022; BLOOM, MPT): ``slope[h] · min(k - q, 0)`` is added to head h's scores.
-    alibi_slopes: Float[Tensor, " n_heads"] | None = None
-    # Attention sinks (GPT-OSS): a learned per-head logit joins each softmax as an extra key with no value.
-    sinks: Float[Tensor, " n_heads"] | None = None
-    # Where ALiBi counts key positions from (:mod:`lens_aot.core.components.scores.alibi_keys`): None, TransformerLens's
-    # ``slope · min(k - q, 0)``; "first", ``slope · k`` (BLOOM); "last", ``slope · (k - last key)`` (MPT).
-    alibi_key_origin: str | None = None
-    # q and k cast to this dtype before ``q·kᵀ / attn_scale`` (HF GPT-J / GPT-Neo eager attention: float32 whatever
-    # the model dtype); None: the activation dtype. See core/components/attention/float32_attention.py.
-    scores_dtype: torch.dtype | None = None
-    # HunYuan, NanoChat: q_norm / k_norm run on the rotated q and k (after rotary) instead of before it
-    # (:mod:`lens_aot.core.components.scores.qk_norm_after_rotary`).
-    qk_norm_after_rotary: bool = False
-    # AFMoE, Laguna: z · act(x @ W_gate) before W_O (:mod:`lens_aot.core.components.attention.output_gate`).
-    output_gate: OutputGateSpec | None = None
-    # Ministral 3 (Llama-4 scaling): the rotated query at position p times 1 + beta · log(1 + floor(p / length))
-    # (:mod:`lens_aot.core.components.scores.query_scale`); None: no scaling.
-    query_scale_beta: float | None = None
-    query_scale_length: int | None = None
-    # Qwen-1's log-n attention (TransformerLens 3.9's use_logn_attn): past this training length, the query at
-    # (1-based) position p times log(p) / log(logn_length)
-    # (:class:`lens_aot.core.components.scores.query_scale.LogNScale`);
-    # None: no scaling.
-    logn_length: int | None = None
-    # Qwen-1's dynamic-NTK rotary (TransformerLens 3.9's use_dynamic_ntk_rope): past this training length the rotary
-    # tables are ``ntk_rotary[i]``, those of the widened base for alpha = 2^(i+2) − 1 (3, 7, 15, …) chosen by the
-    # number of keys (:mod:`lens_aot.core.components.scores.dynamic_ntk`); None: the ordinary tables at every length.
-    ntk_length: int | None = None
-    ntk_rotary: tuple[RotarySpec, ...] = ()
-    # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
-    # (:mod:`lens_aot.core.components.attention.chunked_mask`); None: no chunking.
-    chunk: int | None = None
-    # Llama 4's NoPE layers: the query at position p times 1 + temperature_scale · log1p(floor((p + 1) /
-    # temperature_floor)) (:mod:`lens_aot.core.components.scores.query_temperature`); None: no temperature.
-    temperature_scale: float | None = None
-    temperature_floor: float | None = None
-    # Gemma 4's shared keys and values (num_kv_shared_layers): this layer attends with the keys and values layer
-    # ``kv_from`` computed (after its key norm, rotary and value norm) and has no key / value projection of its own:
-    # W_K / W_V / b_K / b_V are then zero-width, [n_kv, d_model, 0] (core/components/attention/shared_kv_attention.py).
-    kv_from: int | None = None
+    functional: bool = saved("bool", False, variant=True)
 
 
 @dataclass
@@ -133,9 +61,89 @@ class OutputGateSpec:
     (``W_gate`` [n_heads, d_model]) or per channel ([n_heads, d_model, d_head]); ``act`` "sigmoid" or "softplus",
     computed in ``dtype`` when set (the source's float32 step) and cast back."""
 
-    W_gate: Float[Tensor, "n_heads d_model"] | Float[Tensor, "n_heads d_model d_head"]
-    act: str
-    dtype: torch.dtype | None = None
+    W_gate: Float[Tensor, "n_heads d_model"] | Float[Tensor, "n_heads d_model d_head"] = saved("tensor")
+    act: str = saved("str", choices=("sigmoid", "softplus"))
+    dtype: torch.dtype | None = saved("dtype", None)
+
+
+@dataclass
+class AttentionSpec:
+    """One attention layer in TransformerLens layout (``n_kv`` < ``n_heads`` for grouped-query attention)."""
+
+    W_Q: Float[Tensor, "n_heads d_model d_head"] = saved("tensor")
+    W_K: Float[Tensor, "n_kv d_model d_head"] = saved("tensor")
+    W_V: Float[Tensor, "n_kv d_model d_head"] = saved("tensor")
+    W_O: Float[Tensor, "n_heads d_head d_model"] = saved("tensor")
+    b_Q: Float[Tensor, "n_heads d_head"] = saved("tensor")
+    b_K: Float[Tensor, "n_kv d_head"] = saved("tensor")
+    b_V: Float[Tensor, "n_kv d_head"] = saved("tensor")
+    b_O: Float[Tensor, " d_model"] = saved("tensor")
+    attn_scale: float = saved("float")  # scores are q·k / attn_scale
+    # If set, the softmax over scores is computed in this dtype and the pattern cast back to the activation dtype
+    # (HF-style eager attention, and TransformerBridge's PositionEmbeddingsAttentionBridge, use float32 even for
+    # float64 activations). None: softmax in the activation dtype.
+    softmax_dtype: torch.dtype | None = saved("dtype", None)
+    # ---- variants (each None / off by default; see docs/variants.md) ----
+    # QK-norm (Qwen3, Gemma 3, OLMo-2): q and k are RMS-normalized after hook_q / hook_k and before rotary.
+    # ``qk_norm_over`` "head": over each head's d_head channels (TransformerLens ``use_qk_norm``); "projection": over
+    # all heads' channels at once (OLMo-2's q_norm over n_heads·d_head, k_norm over n_kv·d_head).
+    q_norm: NormSpec | None = saved("norm", None, variant=True, label="QK-norm")
+    k_norm: NormSpec | None = saved("norm", None, variant=True, label="QK-norm")
+    qk_norm_over: QKNormScope = saved(
+        "str", "head", variant=True, companion_of=("q_norm", "k_norm"), choices=("head", "projection")
+    )
+    # Gemma 4: v is RMS-normalized over each head's d_head channels after hook_v (core/components/scores/v_norm.py).
+    v_norm: NormSpec | None = saved("norm", None, variant=True, label="a value norm")
+    # Gemma 2: scores become ``cap · tanh(scores / cap)`` before masking (TransformerLens ``attn_scores_soft_cap``).
+    scores_soft_cap: float | None = saved("float", None, variant=True, label="attention-score soft-capping")
+    # OLMo / DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after the projection (and QK-norm).
+    clip_qkv: float | None = saved("float", None, variant=True, label="QKV clipping")
+    # Sliding window: query q sees key k iff ``q - window < k`` (and ``k <= q`` if causal); None: every key.
+    window: int | None = saved("int", None, variant=True, label="a sliding window")
+    # This layer's own rotary tables (e.g. Gemma's local layers' ``rotary_base_local``); None: the model's.
+    rotary: RotarySpec | None = saved("rotary", None, variant=True, label="per-layer rotary tables")
+    # ALiBi (Press et al. 2022; BLOOM, MPT): ``slope[h] · min(k - q, 0)`` is added to head h's scores.
+    alibi_slopes: Float[Tensor, " n_heads"] | None = saved("tensor", None, variant=True, label="ALiBi")
+    # Attention sinks (GPT-OSS): a learned per-head logit joins each softmax as an extra key with no value.
+    sinks: Float[Tensor, " n_heads"] | None = saved("tensor", None, variant=True, label="attention sinks")
+    # Where ALiBi counts key positions from (:mod:`lens_aot.core.components.scores.alibi_keys`): None, TransformerLens's
+    # ``slope · min(k - q, 0)``; "first", ``slope · k`` (BLOOM); "last", ``slope · (k - last key)`` (MPT).
+    alibi_key_origin: str | None = saved("str", None, variant=True, choices=("first", "last"))
+    # q and k cast to this dtype before ``q·kᵀ / attn_scale`` (HF GPT-J / GPT-Neo eager attention: float32 whatever
+    # the model dtype); None: the activation dtype. See core/components/attention/float32_attention.py.
+    scores_dtype: torch.dtype | None = saved("dtype", None, variant=True)
+    # HunYuan, NanoChat: q_norm / k_norm run on the rotated q and k (after rotary) instead of before it
+    # (:mod:`lens_aot.core.components.scores.qk_norm_after_rotary`).
+    qk_norm_after_rotary: bool = saved("bool", False, variant=True, label="QK-norm after rotary")
+    # Ministral 3 (Llama-4 scaling): the rotated query at position p times 1 + beta · log(1 + floor(p / length))
+    # (:mod:`lens_aot.core.components.scores.query_scale`); None: no scaling.
+    query_scale_beta: float | None = saved("float", None, variant=True, label="position-dependent query scaling")
+    query_scale_length: int | None = saved("int", None, variant=True, companion_of=("query_scale_beta",))
+    # Qwen-1's log-n attention (TransformerLens 3.9's use_logn_attn): past this training length, the query at
+    # (1-based) position p times log(p) / log(logn_length)
+    # (:class:`lens_aot.core.components.scores.query_scale.LogNScale`);
+    # None: no scaling.
+    logn_length: int | None = saved("int", None, variant=True, label="log-n query scaling")
+    # Qwen-1's dynamic-NTK rotary (TransformerLens 3.9's use_dynamic_ntk_rope): past this training length the rotary
+    # tables are ``ntk_rotary[i]``, those of the widened base for alpha = 2^(i+2) − 1 (3, 7, 15, …) chosen by the
+    # number of keys (:mod:`lens_aot.core.components.scores.dynamic_ntk`); None: the ordinary tables at every length.
+    ntk_length: int | None = saved("int", None, variant=True, label="dynamic-NTK rotary")
+    ntk_rotary: tuple[RotarySpec, ...] = saved("rotaries", (), variant=True, companion_of=("ntk_length",))
+    # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
+    # (:mod:`lens_aot.core.components.attention.chunked_mask`); None: no chunking.
+    chunk: int | None = saved("int", None, variant=True, label="chunked attention")
+    # Gemma 4's shared keys and values (num_kv_shared_layers): this layer attends with the keys and values layer
+    # ``kv_from`` computed (after its key norm, rotary and value norm) and has no key / value projection of its own:
+    # W_K / W_V / b_K / b_V are then zero-width, [n_kv, d_model, 0] (core/components/attention/shared_kv_attention.py).
+    kv_from: int | None = saved("int", None, variant=True)
+    # Llama 4's NoPE layers: the query at position p times 1 + temperature_scale · log1p(floor((p + 1) /
+    # temperature_floor)) (:mod:`lens_aot.core.components.scores.query_temperature`); None: no temperature.
+    temperature_scale: float | None = saved("float", None, variant=True, label="a NoPE-layer query temperature")
+    temperature_floor: float | None = saved("float", None, variant=True, companion_of=("temperature_scale",))
+    # AFMoE, Laguna: z · act(x @ W_gate) before W_O (:mod:`lens_aot.core.components.attention.output_gate`).
+    output_gate: OutputGateSpec | None = saved(
+        "nested", None, variant=True, nested=OutputGateSpec, label="an attention output gate"
+    )
 
 
 @dataclass
@@ -148,14 +156,14 @@ class MLPSpec:
     after the product. Hugging Face gated MLPs with ``mlp_bias`` have ``b_gate`` and ``b_in`` instead.)
     """
 
-    W_in: Float[Tensor, "d_model d_mlp"]
-    b_in: Float[Tensor, " d_mlp"]
-    W_out: Float[Tensor, "d_mlp d_model"]
-    b_out: Float[Tensor, " d_model"]
-    act_fn: str  # "silu", "relu", "gelu", "gelu_new", "gelu_fast"
-    W_gate: Float[Tensor, "d_model d_mlp"] | None = None
-    b_gate: Float[Tensor, " d_mlp"] | None = None
-    b_post: Float[Tensor, " d_mlp"] | None = None
+    W_in: Float[Tensor, "d_model d_mlp"] = saved("tensor")
+    b_in: Float[Tensor, " d_mlp"] = saved("tensor")
+    W_out: Float[Tensor, "d_mlp d_model"] = saved("tensor")
+    b_out: Float[Tensor, " d_model"] = saved("tensor")
+    act_fn: str = saved("str", at=0)  # "silu", "relu", "gelu", "gelu_new", "gelu_fast"
+    W_gate: Float[Tensor, "d_model d_mlp"] | None = saved("tensor", None)
+    b_gate: Float[Tensor, " d_mlp"] | None = saved("tensor", None)
+    b_post: Float[Tensor, " d_mlp"] | None = saved("tensor", None)
 
     @property
     def gated(self) -> bool:
@@ -170,33 +178,35 @@ class LayerSpec:
     ``resid += attn(ln1(resid)) + mlp(ln2(resid))`` (GPT-J ties ``ln2`` to ``ln1``).
     """
 
-    ln1: NormSpec
+    ln1: NormSpec = saved("norm")
     # MLASpec: multi-head latent attention (lens_aot.core.spec.mla); CompressedAttentionSpec: DeepSeek-V4's
-    attn: AttentionSpec | MLASpec | CompressedAttentionSpec
-    ln2: NormSpec | None = None
-    mlp: MLPSpec | MoESpec | None = None
-    parallel: bool = False
+    attn: AttentionSpec | MLASpec | CompressedAttentionSpec = saved("attention")
+    ln2: NormSpec | None = saved("norm", None)
+    mlp: MLPSpec | MoESpec | None = saved("mlp", None)
+    parallel: bool = saved("bool", False)
     # Sandwich norms (Gemma 2/3, TransformerLens ``use_normalization_before_and_after``): ``attn_out = ln1_post(attn)``
     # and ``mlp_out = ln2_post(mlp)`` before ``hook_attn_out`` / ``hook_mlp_out``.
-    ln1_post: NormSpec | None = None
-    ln2_post: NormSpec | None = None
+    ln1_post: NormSpec | None = saved("norm", None, variant=True, label="sandwich norms")
+    ln2_post: NormSpec | None = saved("norm", None, variant=True, label="sandwich norms")
     # Post-norm layers (OLMo-2; TransformerLens's POST_NORM_ARCHITECTURES): ``ln1`` / ``ln2`` normalize the
     # sublayer's output instead of its input: ``resid_mid = resid_pre + ln1(attn(resid_pre))``.
-    post_norm: bool = False
+    post_norm: bool = saved("bool", False, variant=True, label="post-norm layers")
     # Post-LN residual norms (the original GPT, BERT): the norms act on the residual stream itself,
     # ``resid_mid = ln1(resid_pre + attn(resid_pre))``, ``resid_post = ln2(resid_mid + mlp(resid_mid))``
     # (core/components/residual/post_ln_block.py).
-    residual_norm: bool = False
+    residual_norm: bool = saved("bool", False, variant=True, label="post-LN residual norms")
     # Gemma 4: the residual stream is multiplied by this constant at the end of the layer (after the MLP), before
     # hook_resid_post (core/components/residual/layer_scalar.py); None: no multiplier.
-    layer_scalar: float | None = None
+    layer_scalar: float | None = saved("float", None, variant=True, label="a layer scalar")
     # Gemma 4: resid += post_norm(W_proj(act(W_gate·resid) ⊙ per_layer_input)) before the layer scalar (spec_per_layer)
-    per_layer: PerLayerSublayerSpec | None = None
+    per_layer: PerLayerSublayerSpec | None = saved(
+        "per_layer_sublayer", None, variant=True, label="per-layer input embeddings"
+    )
     # DeepSeek-V4's hyper-connections (mHC, lens_aot.core.spec.hyper): the residual stream is hc_mult streams; each
     # sublayer reads the streams collapsed by ``hc_attn`` / ``hc_mlp`` and is written back into every stream
     # (core/components/residual/hyper_block.py). Both set or both None.
-    hc_attn: HyperConnectionSpec | None = None
-    hc_mlp: HyperConnectionSpec | None = None
+    hc_attn: HyperConnectionSpec | None = saved("hyper", None, variant=True, label="hyper-connections")
+    hc_mlp: HyperConnectionSpec | None = saved("hyper", None, variant=True)
 
 
 @dataclass
@@ -214,10 +224,10 @@ class RotarySpec:
     adjacent_pairs: bool = False
     # The rotated channels of q and k are rounded to this dtype before the rotation (TransformerBridge's adjacent-pair
     # rotary: ``q.float() · cos + rotate(q).float() · sin``); None: no rounding. See float32_attention.py.
-    input_dtype: torch.dtype | None = None
+    input_dtype: torch.dtype | None = saved("dtype", None, variant=True)
     # The dtype of the tables the source multiplies those rounded channels by (its rotary module's output: float32 for
     # ERNIE 4.5, whose products are then float32 too); None: the model dtype.
-    table_dtype: torch.dtype | None = None
+    table_dtype: torch.dtype | None = saved("dtype", None, variant=True)
     # The tables as a verified recipe (core/rotary_recipe.py), computed on demand; cos / sin are then None until
     # read (a read materialises the n_ctx rows: for export, revert and the reference only).
     recipe: RotaryRecipe | None = None
@@ -269,87 +279,53 @@ def attention_device(attn: Any) -> torch.device:
 class ModelSpec:
     """A whole source model, read into TransformerLens layout."""
 
-    d_model: int
-    n_ctx: int
-    d_vocab: int
-    d_vocab_out: int
-    causal: bool
-    W_E: Float[Tensor, "d_vocab d_model"]
-    layers: list[LayerSpec]
-    ln_final: NormSpec
-    W_U: Float[Tensor, "d_model d_vocab_out"]
-    b_U: Float[Tensor, " d_vocab_out"]
-    positions: PositionKind = "standard"
-    W_pos: Float[Tensor, "n_ctx d_model"] | None = None
-    rotary: RotarySpec | None = None
+    d_model: int = saved("int", at=0)
+    n_ctx: int = saved("int", at=1)
+    d_vocab: int = saved("int", at=2)
+    d_vocab_out: int = saved("int", at=3)
+    causal: bool = saved("bool", at=4)
+    W_E: Float[Tensor, "d_vocab d_model"] = saved("tensor", at=10)
+    layers: list[LayerSpec] = saved("layers", at=17)
+    ln_final: NormSpec = saved("norm", at=15)
+    W_U: Float[Tensor, "d_model d_vocab_out"] = saved("tensor", at=13)
+    b_U: Float[Tensor, " d_vocab_out"] = saved("tensor", at=14)
+    positions: PositionKind = saved("str", "standard", at=5)
+    W_pos: Float[Tensor, "n_ctx d_model"] | None = saved("tensor", None, at=11)
+    rotary: RotarySpec | None = saved("rotary", None, at=16)
     # Post-embedding LayerNorm (BLOOM, TransformerLens ``post_embedding_ln``): ``embed = ln(W_E[tokens])``.
-    embed_ln: NormSpec | None = None
+    embed_ln: NormSpec | None = saved("norm", None, variant=True, label="a post-embedding norm")
     # Gemma 2: ``logits = cap · tanh(logits / cap)`` after the unembedding (``output_logits_soft_cap``).
-    logits_soft_cap: float | None = None
+    logits_soft_cap: float | None = saved("float", None, variant=True, label="logit soft-capping")
     tokenizer: Any = None
-    default_prepend_bos: bool = True
-    model_name: str = "unnamed"
-    source_kind: str = "HookedTransformer"  # or "TransformerBridge"
-    extra: dict[str, Any] = field(default_factory=dict)
+    default_prepend_bos: bool = saved("bool", True, at=6)
+    model_name: str = saved("str", "unnamed", at=7)
+    source_kind: str = saved("str", "HookedTransformer", at=8)  # or "TransformerBridge"
+    extra: dict[str, Any] = saved("json", default_factory=dict, at=9)
     # Cohere ``logit_scale``, Granite ``1 / logits_scaling``: ``logits = multiplier · unembed(...)``, before the cap.
-    logits_scale: float | None = None
+    logits_scale: float | None = saved("float", None, variant=True, label="a logit multiplier")
     # ModernBERT-decoder: ``unembed(head(ln_final(resid)))``, a dense MLP (lens_aot.core.spec.prediction_head).
-    prediction_head: PredictionHeadSpec | None = None
-    per_layer_inputs: PerLayerInputsSpec | None = None  # Gemma 4: computed from the tokens (spec_per_layer)
+    prediction_head: PredictionHeadSpec | None = saved("prediction_head", None, variant=True, label="a prediction head")
+    per_layer_inputs: PerLayerInputsSpec | None = saved(
+        "per_layer_inputs", None, variant=True, label="per-layer input embeddings"
+    )  # Gemma 4: computed from the tokens (spec_per_layer)
     # The rows of the source's position table before its offset, which no forward reads (OPT looks positions up at
     # position + 2): kept unread, so that the source's state_dict key holds its whole table
     # (core/runtime/source_keys.py).
-    W_pos_unread: Float[Tensor, "offset d_model"] | None = None
+    W_pos_unread: Float[Tensor, "offset d_model"] | None = saved("tensor", None, variant=True, at=12)
     # DeepSeek-V4: the embedding is copied into hc_mult residual streams, and the streams are collapsed into one by
     # this head before ``ln_final`` (lens_aot.core.spec.hyper); None: one residual stream.
-    hc_head: HyperHeadSpec | None = None
+    hc_head: HyperHeadSpec | None = saved("hyper_head", None, variant=True)
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
-        standard-mask construction) to refuse them by name."""
-        found: set[str] = set()
-        checks = {
-            "QK-norm": lambda a: a.q_norm is not None or a.k_norm is not None,
-            "a value norm": lambda a: getattr(a, "v_norm", None) is not None,  # not on MLASpec
-            "QK-norm after rotary": lambda a: getattr(a, "qk_norm_after_rotary", False),  # not on MLASpec
-            "an attention output gate": lambda a: getattr(a, "output_gate", None) is not None,
-            "position-dependent query scaling": lambda a: getattr(a, "query_scale_beta", None) is not None,
-            "log-n query scaling": lambda a: getattr(a, "logn_length", None) is not None,
-            "dynamic-NTK rotary": lambda a: getattr(a, "ntk_length", None) is not None,
-            "attention-score soft-capping": lambda a: a.scores_soft_cap is not None,
-            "a sliding window": lambda a: a.window is not None,
-            "chunked attention": lambda a: getattr(a, "chunk", None) is not None,
-            "a NoPE-layer query temperature": lambda a: getattr(a, "temperature_scale", None) is not None,
-            "per-layer rotary tables": lambda a: a.rotary is not None,
-            "QKV clipping": lambda a: a.clip_qkv is not None,
-            "ALiBi": lambda a: a.alibi_slopes is not None,
-            "attention sinks": lambda a: a.sinks is not None,
-        }
+        standard-mask construction) to refuse them by name. Each is the ``label`` its field declares (a field-level
+        variant, :func:`~lens_aot.core.spec.fields.saved`) or its attention spec type's ``FEATURE``."""
+        found: set[str] = labels(self, ModelSpec)
         for layer in self.layers:
-            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (spec_mla.py, ...)
+            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (mla.py, ...)
             if variant is not None:
                 found.add(variant)
-            found.update(name for name, check in checks.items() if check(layer.attn))
-            if layer.ln1_post is not None or layer.ln2_post is not None:
-                found.add("sandwich norms")
-            if layer.post_norm:
-                found.add("post-norm layers")
-            if layer.residual_norm:
-                found.add("post-LN residual norms")
-            if layer.layer_scalar is not None:
-                found.add("a layer scalar")
-            if layer.hc_attn is not None:
-                found.add("hyper-connections")
-        if self.embed_ln is not None:
-            found.add("a post-embedding norm")
-        if self.logits_soft_cap is not None:
-            found.add("logit soft-capping")
-        if self.logits_scale is not None:
-            found.add("a logit multiplier")
-        if self.prediction_head is not None:
-            found.add("a prediction head")
-        if self.per_layer_inputs is not None or any(layer.per_layer is not None for layer in self.layers):
-            found.add("per-layer input embeddings")
+            found |= labels(layer.attn, AttentionSpec) | labels(layer, LayerSpec)
         return sorted(found)
 
     @property
@@ -373,38 +349,38 @@ class MoESpec:
     ``sigmoid(x @ W_shared_gate)`` when that is set, and added after the routed experts.
     """
 
-    W_router: Float[Tensor, "d_model n_experts"]
-    experts: list[MLPSpec]
-    top_k: int
-    norm_topk_prob: bool = True
-    softmax_dtype: torch.dtype | None = torch.float32
-    b_router: Float[Tensor, " n_experts"] | None = None
-    shared: MLPSpec | None = None
-    W_shared_gate: Float[Tensor, "d_model 1"] | None = None
+    W_router: Float[Tensor, "d_model n_experts"] = saved("tensor", at=2)
+    experts: list[MLPSpec] = saved("mlps", at=0)
+    top_k: int = saved("int", at=6)
+    norm_topk_prob: bool = saved("bool", True, at=7)
+    softmax_dtype: torch.dtype | None = saved("dtype", torch.float32, at=11)
+    b_router: Float[Tensor, " n_experts"] | None = saved("tensor", None, at=3)
+    shared: MLPSpec | None = saved("mlp", None, at=1)
+    W_shared_gate: Float[Tensor, "d_model 1"] | None = saved("tensor", None, at=4)
     # Router variants (lens_aot/core/components/moe/moe_router.py): the scores ("softmax" over all experts, or a
     # per-expert "sigmoid", MiniMax-M2 / GLM-4-MoE), a correction bias added to the scores for the choice only, the
     # dtype of the router logits (None: the activation dtype), the renormalisation's denominator clamp (ERNIE 4.5's
     # moe_norm_min) and the routed scaling factor multiplying the chosen weights.
-    scoring: str = "softmax"
-    e_score_correction_bias: Float[Tensor, " n_experts"] | None = None
-    logits_dtype: torch.dtype | None = None
-    norm_min: float = 0.0
-    routed_scaling_factor: float = 1.0
+    scoring: str = saved("str", "softmax", at=8)
+    e_score_correction_bias: Float[Tensor, " n_experts"] | None = saved("tensor", None, at=5)
+    logits_dtype: torch.dtype | None = saved("dtype", None, at=12)
+    norm_min: float = saved("float", 0.0, at=9)
+    routed_scaling_factor: float = saved("float", 1.0, at=10)
     # A DeepSeek router (sigmoid or softmax scores, group-limited top-k, scaled weights;
     # lens_aot.core.components.moe.moe_routers)
     # in place of the router fields above (whose norm_topk_prob / softmax_dtype / b_router it then ignores).
-    router: GroupRouterSpec | None = None
+    router: GroupRouterSpec | None = saved("group_router", None, variant=True, at=18)
     # A constant added to the layer's output after the routed and shared experts (JetMoE's MoE ``bias``).
-    b_out: Float[Tensor, " d_model"] | None = None
+    b_out: Float[Tensor, " d_model"] | None = saved("tensor", None, variant=True, at=13)
     # Llama 4: each chosen expert's router weight scales its *input* (``expert(w·x)``), not its output
     # (:mod:`lens_aot.core.components.moe.input_scaled_moe`).
-    input_scaled: bool = False
+    input_scaled: bool = saved("bool", False, variant=True, at=14)
     # DeepSeek-V4's hash-routed layers: the chosen experts are ``hash_table[token id]`` ([d_vocab, top_k], the
     # source's ``tid2eid``), their weights the router's scores of those experts (:mod:`.components.token_ids`).
-    hash_table: Int[Tensor, "d_vocab top_k"] | None = None
+    hash_table: Int[Tensor, "d_vocab top_k"] | None = saved("tensor", None, variant=True, at=15)
     # The experts' hook names (lens_aot.core.components.moe.source_expert_hooks): "lens_aot" (the dense gated MLP's),
     # or a TransformerLens 3.9 source's own, "transformer_lens_moe" (``MoE``) / "transformer_lens_gpt_oss_moe".
-    hook_names: str = "lens_aot"
+    hook_names: str = saved("str", "lens_aot", variant=True, at=16)
 
     @property
     def max_routed_weight(self) -> float:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import NormSpec
 
 __all__ = ["PerLayerInputsSpec", "PerLayerSublayerSpec"]
@@ -31,13 +32,13 @@ __all__ = ["PerLayerInputsSpec", "PerLayerSublayerSpec"]
 class PerLayerInputsSpec:
     """The model-level per-layer inputs (module docstring): ``W_E`` packs the layers, ``[d_vocab, n_layers·d_ple]``."""
 
-    W_E: Float[Tensor, "d_vocab n_layers_d_ple"]
-    embed_scale: float  # s_e, the source's buffer in the weights' dtype
-    W_proj: Float[Tensor, "d_model n_layers_d_ple"]
-    proj_scale: float  # s_p
-    norm: NormSpec  # over d_ple
-    input_scale: float  # s_i
-    n_layers: int
+    W_E: Float[Tensor, "d_vocab n_layers_d_ple"] = saved("tensor")
+    embed_scale: float = saved("float")  # s_e, the source's buffer in the weights' dtype
+    W_proj: Float[Tensor, "d_model n_layers_d_ple"] = saved("tensor")
+    proj_scale: float = saved("float")  # s_p
+    norm: NormSpec = saved("norm")  # over d_ple
+    input_scale: float = saved("float")  # s_i
+    n_layers: int = saved("int")
 
     @property
     def d_ple(self) -> int:
@@ -48,7 +49,7 @@ class PerLayerInputsSpec:
 class PerLayerSublayerSpec:
     """``resid += post_norm(act(resid @ W_gate) ⊙ p) @ W_proj`` (``p`` the layer's per-layer input)."""
 
-    W_gate: Float[Tensor, "d_model d_ple"]
-    W_proj: Float[Tensor, "d_ple d_model"]
-    act_fn: str
-    post_norm: NormSpec
+    W_gate: Float[Tensor, "d_model d_ple"] = saved("tensor")
+    W_proj: Float[Tensor, "d_ple d_model"] = saved("tensor")
+    act_fn: str = saved("activation")
+    post_norm: NormSpec = saved("norm")

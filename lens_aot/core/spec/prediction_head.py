@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import NormSpec
 
 __all__ = ["PredictionHeadSpec"]
@@ -26,7 +27,7 @@ class PredictionHeadSpec:
     no bias). ``act_fn``: the canonical name of the activation the source's module computes (``gelu`` is the erf
     form, ``gelu_new`` the tanh form); ``ln``: its norm, epsilon and weights as the module holds them."""
 
-    W: Float[Tensor, "d_model d_out"]
-    b: Float[Tensor, " d_out"] | None
-    act_fn: str
-    ln: NormSpec
+    W: Float[Tensor, "d_model d_out"] = saved("tensor")
+    b: Float[Tensor, " d_out"] | None = saved("tensor", null=True)
+    act_fn: str = saved("activation")
+    ln: NormSpec = saved("norm")

@@ -26,18 +26,20 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lens_aot.core.spec.fields import saved
+
 
 @dataclass
 class GroupRouterSpec:
     """A DeepSeek router (module docstring). ``method``: "greedy" or "group_limited" selection."""
 
-    scoring: Literal["sigmoid", "softmax"]
-    n_group: int = 1
-    topk_group: int = 1
-    method: Literal["greedy", "group_limited"] = "group_limited"
-    e_score_correction_bias: Float[Tensor, " n_experts"] | None = None
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
+    scoring: Literal["sigmoid", "softmax"] = saved("str", choices=("sigmoid", "softmax"))
+    n_group: int = saved("int", 1)
+    topk_group: int = saved("int", 1)
+    method: Literal["greedy", "group_limited"] = saved("str", "group_limited", choices=("greedy", "group_limited"))
+    e_score_correction_bias: Float[Tensor, " n_experts"] | None = saved("tensor", None, at=2000)  # written last
+    norm_topk_prob: bool = saved("bool", False)
+    routed_scaling_factor: float = saved("float", 1.0)
 
     def weight_bound(self, top_k: int) -> float:
         """An upper bound on the sum of a token's chosen weights (for :func:`lens_aot.core.fit.moe.output_scale`):
