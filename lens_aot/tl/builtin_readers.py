@@ -18,6 +18,7 @@ that patches a module function sees its patch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -163,30 +164,23 @@ register_attention_forward("ModernBertDecoderAttention", _modernbert, windows=Tr
 
 # ---- MLP readers -----------------------------------------------------------------------------------------------
 
-register_mlp_reader(  # before sparse MoEs: its router has top_k, but its scores scale the inputs
-    "llama 4 moe",
-    lambda mlp_bridge, module, act_fn: moe_llama4.is_llama4_moe(module),
-    lambda mlp_bridge, module, layer, dtype, act_fn: moe_llama4.read_llama4_moe(module, layer),
-    priority=600,
-)
+
+def _moe(module: Any, matches: str, read: str) -> tuple[Callable[..., bool], Callable[..., Any]]:
+    """An MLP reader's ``matches`` and ``read`` that call ``module``'s functions of those names on the wrapped module
+    (``read``: and the layer), by attribute at read time."""
+    return (
+        lambda mlp_bridge, hf_module, act_fn: getattr(module, matches)(hf_module),
+        lambda mlp_bridge, hf_module, layer, dtype, act_fn: getattr(module, read)(hf_module, layer),
+    )
+
+
+# Llama 4's before sparse MoEs: its router has top_k, but its scores scale the inputs. JetMoE: parallel experts.
+register_mlp_reader("llama 4 moe", *_moe(moe_llama4, "is_llama4_moe", "read_llama4_moe"), priority=600)
+register_mlp_reader("sparse moe", *_moe(moe_read, "is_sparse_moe", "read_hf_moe"), priority=500)
 register_mlp_reader(
-    "sparse moe",
-    lambda mlp_bridge, module, act_fn: moe_read.is_sparse_moe(module),
-    lambda mlp_bridge, module, layer, dtype, act_fn: moe_read.read_hf_moe(module, layer),
-    priority=500,
+    "parallel experts", *_moe(moe_parallel, "is_parallel_experts_moe", "read_parallel_experts_moe"), priority=400
 )
-register_mlp_reader(  # JetMoE
-    "parallel experts",
-    lambda mlp_bridge, module, act_fn: moe_parallel.is_parallel_experts_moe(module),
-    lambda mlp_bridge, module, layer, dtype, act_fn: moe_parallel.read_parallel_experts_moe(module, layer),
-    priority=400,
-)
-register_mlp_reader(
-    "other moe (refused)",
-    lambda mlp_bridge, module, act_fn: moe_read.is_other_moe(module),
-    lambda mlp_bridge, module, layer, dtype, act_fn: moe_read.refuse_other_moe(module, layer),
-    priority=300,
-)
+register_mlp_reader("other moe (refused)", *_moe(moe_read, "is_other_moe", "refuse_other_moe"), priority=300)
 register_mlp_reader(
     "dense mlp in an moe bridge",
     lambda mlp_bridge, module, act_fn: moe_read.dense_in_moe_bridge(mlp_bridge, module),

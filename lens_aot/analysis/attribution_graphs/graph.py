@@ -76,6 +76,7 @@ from lens_aot.errors import InputError
 __all__ = ["AttributionGraph", "attribution_graph"]
 
 DEFAULT_MAX_NODES = 2048
+PerNode = Float[Tensor, " n"]  # one value per node, in the order of ``nodes``
 
 
 # ==================================================================================================== the graph
@@ -106,22 +107,22 @@ class AttributionGraph:
     """
 
     nodes: list[str]
-    adjacency: Tensor
-    inputs: Float[Tensor, " n"]
-    constant: Float[Tensor, " n"]
-    error: Float[Tensor, " n"]
-    activations: Float[Tensor, " n"]
-    slopes: Float[Tensor, " n"]
+    adjacency: Float[Tensor, "n n"]
+    inputs: PerNode
+    constant: PerNode
+    error: PerNode
+    activations: PerNode
+    slopes: PerNode
     tokens: Int[Tensor, " pos"]
     prompt_tokens: list[str]
     logit_tokens: list[int]
     logit_probs: Float[Tensor, " n_logits"]
-    adjacency_linear: Tensor | None = None
-    inputs_linear: Float[Tensor, " n"] | None = None
-    constant_linear: Float[Tensor, " n"] | None = None
-    error_linear: Float[Tensor, " n"] | None = None
-    slopes_linear: Float[Tensor, " n"] | None = None
-    cumulative: Float[Tensor, " n"] | None = None
+    adjacency_linear: Float[Tensor, "n n"] | None = None
+    inputs_linear: PerNode | None = None
+    constant_linear: PerNode | None = None
+    error_linear: PerNode | None = None
+    slopes_linear: PerNode | None = None
+    cumulative: PerNode | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ reading

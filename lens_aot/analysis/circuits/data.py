@@ -25,14 +25,15 @@ from lens_aot.errors import InputError
 
 Dataset = Iterable[tuple[Any, Any, Any]]
 CircuitMetric = Callable[..., Tensor]
+TokenBatch = Int[Tensor, "batch pos"]  # token ids, one row per example
 
 
 @dataclass
 class Batch:
     """One checked batch: clean and corrupted tokens of one shape, labels, and each example's length."""
 
-    clean: Int[Tensor, "batch pos"]
-    corrupted: Int[Tensor, "batch pos"]
+    clean: TokenBatch
+    corrupted: TokenBatch
     labels: Any
     input_lengths: Int[Tensor, " batch"]
 

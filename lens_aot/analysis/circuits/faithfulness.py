@@ -208,20 +208,9 @@ def faithfulness_curve(
     finally:
         graph.in_graph, graph.nodes_in_graph = saved
     f = [(m - corrupted) / (clean - corrupted) for *_, m in rows]
+    columns = [list(column) for column in zip(*rows, strict=True)]  # n_edges, n_nodes, n_units, metric
     cpr, cmd = areas(fr, f)
-    return FaithfulnessCurve(
-        sizes=fr,
-        n_edges=[r[0] for r in rows],
-        n_nodes=[r[1] for r in rows],
-        n_units=[r[2] for r in rows],
-        metric=[r[3] for r in rows],
-        faithfulness=f,
-        clean=clean,
-        corrupted=corrupted,
-        cpr=cpr,
-        cmd=cmd,
-        granularity=graph.granularity,
-    )
+    return FaithfulnessCurve(fr, *columns, f, clean, corrupted, cpr, cmd, graph.granularity)
 
 
 __all__ = ["MIB_SIZES", "FaithfulnessCurve", "MetricGapWarning", "areas", "check_gap", "faithfulness_curve", "units"]

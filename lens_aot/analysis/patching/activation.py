@@ -23,7 +23,6 @@ from lens_aot.analysis.patching.runs import (
     _both_runs,
     _chunks,
     _direction,
-    _no_blocks,
     _pair,
     _patched_positions,
     _progress,
@@ -37,11 +36,11 @@ from lens_aot.analysis.patching.units import (
     UnitList,
     _head_module,
     _head_module_names,
-    _head_units,
     _Index,
     _modules_of,
     _neuron_units,
     _output_hook,
+    _selected_heads,
     _writes_linearly,
     _z_hook,
 )
@@ -253,8 +252,7 @@ def patch_heads(
     ``options``: ``per_position``, ``positions``, ``direction``, ``batch_size``, ``progress``, as in
     :func:`patch_units`.
     """
-    _no_blocks(options)  # type: ignore[arg-type]
-    return patch_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
+    return patch_units(aot, clean, corrupted, metric, _selected_heads(aot, heads, modules, options), **options)
 
 
 @converted_only(metric="patching")

@@ -60,7 +60,6 @@ from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
     _both_runs,
     _direction,
-    _no_blocks,
     _pair,
     _patched_positions,
     _require_linear_writes,
@@ -73,13 +72,13 @@ from lens_aot.analysis.patching.units import (
     UnitList,
     _head_grads,
     _head_module,
-    _head_units,
     _Index,
     _ModuleBlock,
     _neuron_units,
     _NeuronBlock,
     _order,
     _output_hook,
+    _selected_heads,
     _split_pairs,
     _state_hooks,
 )
@@ -353,8 +352,7 @@ def attribute_heads(
     :func:`~lens_aot.patching.patch_heads` with the same arguments, result type, units, labels and order.
     ``options``: ``method`` ("atp": one forward+backward, one forward; "ig": EAP-IG with ``steps`` interpolated
     inputs) and those of :func:`attribute_units`."""
-    _no_blocks(options)  # type: ignore[arg-type]
-    return attribute_units(aot, clean, corrupted, metric, _head_units(_Index(aot), heads, modules), **options)
+    return attribute_units(aot, clean, corrupted, metric, _selected_heads(aot, heads, modules, options), **options)
 
 
 @converted_only(metric="patching")

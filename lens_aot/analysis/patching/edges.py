@@ -18,10 +18,7 @@ from lens_aot.analysis.patching.runs import (
     _CHUNK_ELEMENTS,
     _both_runs,
     _direction,
-    _pair,
     _progress,
-    _receiver_inputs,
-    _require_linear_writes,
     _Runs,
 )
 from lens_aot.analysis.patching.units import (
@@ -32,7 +29,6 @@ from lens_aot.analysis.patching.units import (
     _head_grads,
     _head_module,
     _heads_by_module,
-    _Index,
     _input_hook,
     _input_hooks,
     _input_norm,
@@ -40,10 +36,9 @@ from lens_aot.analysis.patching.units import (
     _into_input,
     _order,
     _output_hook,
-    _path_units,
+    _path_inputs,
     _product_module,
     _reads_output_of,
-    _receiver_hooks,
     _resid_in_hook,
     _state_hooks,
     _state_of,
@@ -101,12 +96,9 @@ def attribute_edges(
         )
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InputError(f"batch_size must be a positive int (senders per chunk); got {batch_size!r}")
-    clean_t, corrupted_t = _pair(aot, clean, corrupted)
-    _require_linear_writes(aot, "edge attribution")
-    index = _Index(aot)
-    inputs = _receiver_inputs(receiver_input)
-    sender_units, receiver_units = _path_units(index, senders, receivers)
-    _receiver_hooks(aot, receiver_units, inputs)  # checks that the receivers' input hooks exist
+    clean_t, corrupted_t, index, inputs, sender_units, receiver_units, _ = _path_inputs(
+        aot, clean, corrupted, senders, receivers, receiver_input, "edge attribution"
+    )
     _warn_split_pairs(sender_units, "senders")
     if "v" in inputs:  # a lone product head's value is (2/ε)-amplified too; its query is scaled by ε, so "q" is fine
         _warn_split_pairs(receiver_units, "receivers (through 'v')")

@@ -28,10 +28,7 @@ from lens_aot.analysis.patching.runs import (
     _capture,
     _chunks,
     _direction,
-    _pair,
     _progress,
-    _receiver_inputs,
-    _require_linear_writes,
     _run,
     _scalar,
 )
@@ -45,8 +42,7 @@ from lens_aot.analysis.patching.units import (
     _Index,
     _module_of_input,
     _output_hook,
-    _path_units,
-    _receiver_hooks,
+    _path_inputs,
     _recomputed,
     _stop_after,
     _writes_linearly,
@@ -99,13 +95,11 @@ def path_patch(
     Returns a :class:`PathPatchingResult` with ``values`` ``[n_senders, n_receivers]``.
     """
     direction = _direction(direction)
-    clean_t, corrupted_t = _pair(aot, clean, corrupted)
-    _require_linear_writes(aot, "path patching")
-    index = _Index(aot)
-    inputs = _receiver_inputs(receiver_input)
-    sender_units, receiver_units = _path_units(index, senders, receivers)
+    # hook_names: the receiver inputs recorded in step 1, patched in step 2
+    clean_t, corrupted_t, index, inputs, sender_units, receiver_units, hook_names = _path_inputs(
+        aot, clean, corrupted, senders, receivers, receiver_input, "path patching"
+    )
     head_receivers = [r for r in receiver_units if isinstance(r, PatchUnit)]
-    hook_names = _receiver_hooks(aot, receiver_units, inputs)  # receiver inputs recorded in step 1, patched in step 2
     free_heads = _recomputed(index, recompute)
     batch, n_pos = clean_t.shape
     names = _head_module_names(aot)

@@ -3,7 +3,7 @@ checks, the metric's scalar check, chunking of stacked runs, and forwards with t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import torch
@@ -79,7 +79,7 @@ def _scalars(values: Sequence[Any], where: str) -> list[float]:
     return torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).cpu().tolist()
 
 
-def _no_blocks(options: dict[str, Any]) -> None:
+def _no_blocks(options: Mapping[str, Any]) -> None:
     """Refuse lens_aot 0.1's ``blocks=`` (flat block indices) with the new spelling."""
     if "blocks" in options:
         raise InputError(

@@ -40,7 +40,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
+
+from jaxtyping import Int
+from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exported to the other patching modules)
@@ -68,6 +71,8 @@ from lens_aot.analysis.patching.module_hooks import (  # noqa: F401  (re-exporte
     _writes_linearly,
     _z_hook,
 )
+from lens_aot.analysis.patching.options import ReceiverInput, TokensLike
+from lens_aot.analysis.patching.runs import _no_blocks, _pair, _receiver_inputs, _require_linear_writes
 from lens_aot.analysis.patching.unit_lists import (  # noqa: F401  (re-exported to the other patching modules)
     UnitList,
     _Block,
@@ -320,6 +325,17 @@ def _head_units(index: _Index, heads: Iterable[HeadLike] | None, modules: Iterab
     return units
 
 
+def _selected_heads(
+    aot: AttentionOnlyTransformer,
+    heads: Iterable[HeadLike] | None,
+    modules: Iterable[int | str] | None,
+    options: Mapping[str, Any],
+) -> UnitList:
+    """The units of ``patch_heads`` / ``attribute_heads``, after refusing a ``blocks=`` among their ``options``."""
+    _no_blocks(options)
+    return _head_units(_Index(aot), heads, modules)
+
+
 @converted_only
 def group(aot: AttentionOnlyTransformer, items: Iterable[UnitLike], name: str) -> PatchUnit:
     """One unit made of all the heads of ``items`` (units, heads, ``(module, head)``, neurons), patched together and
@@ -398,6 +414,38 @@ def _receiver_hooks(aot: AttentionOnlyTransformer, receivers: Sequence[Receiver]
                     raise InputError(f"{ref.name} has no hook_{x}, so its {x} input cannot be patched")
                 names.append(_input_hook(ref.name, x))
     return list(dict.fromkeys(names))
+
+
+class _PathInputs(NamedTuple):
+    """Path patching's and edge attribution's checked inputs."""
+
+    clean: Int[Tensor, "batch pos"]
+    corrupted: Int[Tensor, "batch pos"]
+    index: _Index
+    inputs: tuple[ReceiverInput, ...]
+    senders: list[PatchUnit]
+    receivers: list[Receiver]
+    hook_names: list[str]  # the receivers' input hooks, checked to exist
+
+
+def _path_inputs(
+    aot: AttentionOnlyTransformer,
+    clean: TokensLike,
+    corrupted: TokensLike,
+    senders: Any,
+    receivers: Any,
+    receiver_input: str | Iterable[str],
+    what: str,
+) -> _PathInputs:
+    """The token pair, the refusal of ``what`` on non-linear writes, the senders and receivers as units, the receiver
+    inputs and their hooks: what :func:`~lens_aot.patching.path_patch` and its estimate check first."""
+    clean_t, corrupted_t = _pair(aot, clean, corrupted)
+    _require_linear_writes(aot, what)
+    index = _Index(aot)
+    inputs = _receiver_inputs(receiver_input)
+    sender_units, receiver_units = _path_units(index, senders, receivers)
+    hook_names = _receiver_hooks(aot, receiver_units, inputs)
+    return _PathInputs(clean_t, corrupted_t, index, inputs, sender_units, receiver_units, hook_names)
 
 
 def _split_pairs(units: Iterable[PatchUnit | str]) -> list[PatchUnit]:

@@ -13,7 +13,9 @@ fixed order, the first match winning:
   it is (its bridge class, read by name: TransformerLens's classes are not imported here), read into an
   :class:`~lens_aot.tl.reading.record.AttentionReading`. Built in: ALiBi bridges, the refused bridges, a plain
   ``AttentionBridge`` around a registered attention forward, a delegated rotary forward, the position-embeddings and
-  joint-QKV bridges. Tried by descending ``priority``, then registration order; no match: refused.
+  joint-QKV bridges (built-in priorities: ALiBi 600, refused bridges 500, registered attention forwards 400, delegated
+  rotary forwards 300, position-embeddings bridges 200, joint-QKV position-embeddings bridges 150, joint-QKV bridges
+  100). Tried by descending ``priority``, then registration order; no match: refused.
 * **attention forwards** (:func:`register_attention_forward`): the Hugging Face attention module a plain
   ``AttentionBridge`` calls, matched exactly by its class (or the class's name), read by a function
   ``(layer, hf_attn, hf_config, dtype, n_ctx) -> AttentionReading``. Built in: GPT-J, GPT-Neo, OPT, XGLM, Llama 4,
@@ -21,8 +23,9 @@ fixed order, the first match winning:
 * **MLP readers** (:func:`register_mlp_reader`): a block's MLP bridge whose wrapped module is not a plain dense MLP,
   matched by what the module is (its structure), read into an ``MLPSpec`` or ``MoESpec``. Built in: Llama 4's MoE,
   sparse top-k MoEs, JetMoE's parallel experts (and the refusal of its other forms), a dense MLP inside an MoE bridge,
-  xIELU's learned scalars. Tried by descending ``priority``, then registration order; no match: the dense MLP bridge
-  is read (:func:`lens_aot.tl.reading.mlp.read_mlp`).
+  xIELU's learned scalars (built-in priorities: Llama 4's MoE 600, sparse MoEs 500, parallel experts 400, other
+  JetMoE forms (refused) 300, a dense MLP in an MoE bridge 200, xIELU 100). Tried by descending ``priority``, then
+  registration order; no match: the dense MLP bridge is read (:func:`lens_aot.tl.reading.mlp.read_mlp`).
 
 The built-in readers register through these same functions when :mod:`lens_aot.tl` is imported
 (:mod:`lens_aot.tl.builtin_readers`). A reader outside lens_aot registers the same way; whatever it reads is still
@@ -34,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -49,6 +52,7 @@ __all__ = [
     "AttentionReader",
     "MLPReader",
     "ModelReader",
+    "ReaderTable",
     "attention_forward",
     "attention_readers",
     "mlp_readers",
@@ -85,22 +89,62 @@ class ModelReader:
     priority: int = 0
 
 
-_MODEL_READERS: list[ModelReader] = []
+class _Entry(Protocol):
+    """What a table's entry has: a name, a priority and a ``matches`` test."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def matches(self) -> Callable[..., bool]: ...
 
 
-def _insert(table: list[Any], entry: Any) -> None:
-    """Add ``entry`` after every entry of its priority or higher (descending priority, then registration order)."""
-    if any(other.name == entry.name for other in table):
-        raise ValueError(f"a reader named {entry.name!r} is already registered; unregister it first")
-    position = next((i for i, other in enumerate(table) if other.priority < entry.priority), len(table))
-    table.insert(position, entry)
+R = TypeVar("R", bound=_Entry)
 
 
-def _remove(table: list[Any], name: str, what: str) -> Any:
-    for i, entry in enumerate(table):
-        if entry.name == name:
-            return table.pop(i)
-    raise KeyError(f"no {what} named {name!r} is registered (registered: {[e.name for e in table]})")
+class ReaderTable(Generic[R]):
+    """A table of named readers of one kind (``kind``: the entry class, built ``kind(name, matches, read,
+    priority=...)``), tried by descending ``priority``, then registration order; ``what`` names an entry in errors."""
+
+    def __init__(self, kind: type[R], what: str) -> None:
+        self.kind = kind
+        self.what = what
+        self._entries: list[R] = []
+
+    def add(self, entry: R) -> R:
+        """Add ``entry`` after every entry of its priority or higher (a ValueError when its name is taken); returns
+        it."""
+        if any(other.name == entry.name for other in self._entries):
+            raise ValueError(f"a reader named {entry.name!r} is already registered; unregister it first")
+        position = next((i for i, o in enumerate(self._entries) if o.priority < entry.priority), len(self._entries))
+        self._entries.insert(position, entry)
+        return entry
+
+    def register(self, name: str, matches: Callable[..., bool], read: Callable[..., Any], *, priority: int = 0) -> R:
+        """Register a reader: the first whose ``matches`` holds reads (see the module docstring for the built-in
+        priorities); returns its entry."""
+        return self.add(self.kind(name, matches, read, priority=priority))  # type: ignore[call-arg]
+
+    def unregister(self, name: str) -> R:
+        """Remove the reader ``name`` (KeyError when none is registered under it); returns it."""
+        for i, entry in enumerate(self._entries):
+            if entry.name == name:
+                return self._entries.pop(i)
+        raise KeyError(f"no {self.what} named {name!r} is registered (registered: {[e.name for e in self._entries]})")
+
+    def entries(self) -> list[R]:
+        """The registered readers, in the order they are tried."""
+        return list(self._entries)
+
+    def first(self, *args: Any) -> R | None:
+        """The first registered reader whose ``matches(*args)`` holds, or None."""
+        return next((entry for entry in self._entries if entry.matches(*args)), None)
+
+
+_MODEL_READERS = ReaderTable(ModelReader, "model reader")
 
 
 def register_model_reader(
@@ -115,26 +159,18 @@ def register_model_reader(
     """Register a model-level reader (:class:`ModelReader`); the first whose ``matches`` holds reads the bridge.
     Built-in priorities: native 400, several residual streams 300, MLA 200, routed heads 100, Hugging Face default
     -1000 (it matches every source)."""
-    entry = ModelReader(name, matches, read, check, check_block, priority)
-    _insert(_MODEL_READERS, entry)
-    return entry
+    return _MODEL_READERS.add(ModelReader(name, matches, read, check, check_block, priority))
 
 
-def unregister_model_reader(name: str) -> ModelReader:
-    """Remove the model reader ``name`` (KeyError when none is registered under it); returns it."""
-    return _remove(_MODEL_READERS, name, "model reader")
-
-
-def model_readers() -> list[ModelReader]:
-    """The registered model readers, in the order they are tried."""
-    return list(_MODEL_READERS)
+unregister_model_reader = _MODEL_READERS.unregister
+model_readers = _MODEL_READERS.entries
 
 
 def model_reader(bridge: Any, model: nn.Module) -> ModelReader:
     """The first registered model reader whose ``matches(bridge, model)`` holds."""
-    for entry in _MODEL_READERS:
-        if entry.matches(bridge, model):
-            return entry
+    entry = _MODEL_READERS.first(bridge, model)
+    if entry is not None:
+        return entry
     raise LookupError(f"no registered model reader reads a {type(model).__name__} (registered: {model_readers()})")
 
 
@@ -184,32 +220,10 @@ class AttentionReader:
     priority: int = 0
 
 
-_ATTENTION_READERS: list[AttentionReader] = []
-
-
-def register_attention_reader(
-    name: str,
-    matches: Callable[[AttentionContext], bool],
-    read: Callable[[AttentionContext], AttentionReading],
-    *,
-    priority: int = 0,
-) -> AttentionReader:
-    """Register an attention reader (:class:`AttentionReader`). Built-in priorities: ALiBi 600, refused bridges
-    500, registered attention forwards 400, delegated rotary forwards 300, position-embeddings bridges 200, joint-QKV
-    position-embeddings bridges 150, joint-QKV bridges 100."""
-    entry = AttentionReader(name, matches, read, priority)
-    _insert(_ATTENTION_READERS, entry)
-    return entry
-
-
-def unregister_attention_reader(name: str) -> AttentionReader:
-    """Remove the attention reader ``name`` (KeyError when none is registered under it); returns it."""
-    return _remove(_ATTENTION_READERS, name, "attention reader")
-
-
-def attention_readers() -> list[AttentionReader]:
-    """The registered attention readers, in the order they are tried."""
-    return list(_ATTENTION_READERS)
+_ATTENTION_READERS = ReaderTable(AttentionReader, "attention reader")
+register_attention_reader = _ATTENTION_READERS.register
+unregister_attention_reader = _ATTENTION_READERS.unregister
+attention_readers = _ATTENTION_READERS.entries
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,28 +292,7 @@ class MLPReader:
     priority: int = 0
 
 
-_MLP_READERS: list[MLPReader] = []
-
-
-def register_mlp_reader(
-    name: str,
-    matches: Callable[[Any, nn.Module, str], bool],
-    read: Callable[[Any, nn.Module, int, torch.dtype, str], Any],
-    *,
-    priority: int = 0,
-) -> MLPReader:
-    """Register an MLP reader (:class:`MLPReader`). Built-in priorities: Llama 4's MoE 600, sparse MoEs 500,
-    parallel experts 400, other JetMoE forms (refused) 300, a dense MLP in an MoE bridge 200, xIELU 100."""
-    entry = MLPReader(name, matches, read, priority)
-    _insert(_MLP_READERS, entry)
-    return entry
-
-
-def unregister_mlp_reader(name: str) -> MLPReader:
-    """Remove the MLP reader ``name`` (KeyError when none is registered under it); returns it."""
-    return _remove(_MLP_READERS, name, "MLP reader")
-
-
-def mlp_readers() -> list[MLPReader]:
-    """The registered MLP readers, in the order they are tried."""
-    return list(_MLP_READERS)
+_MLP_READERS = ReaderTable(MLPReader, "MLP reader")
+register_mlp_reader = _MLP_READERS.register
+unregister_mlp_reader = _MLP_READERS.unregister
+mlp_readers = _MLP_READERS.entries
