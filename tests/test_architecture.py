@@ -179,7 +179,7 @@ def test_the_graph_reads_imports() -> None:
         return {(target, in_function) for target, in_function, _ in imports(module, known[module], known)}
 
     tl = read("lens_aot.tl")
-    assert ("lens_aot.tl.bridge.read", False) in tl and ("lens_aot.core.source_layer", False) in tl
+    assert ("lens_aot.tl.builtin_readers", False) in tl and ("lens_aot.core.source_layer", False) in tl
     assert ("lens_aot.core.components.attention.mla_attention", False) in read("lens_aot.core.variants")
     assert ("lens_aot.hooks", False) in read("lens_aot.tl.hooks")
     assert ("lens_aot.analysis.circuits.graph", False) not in read("lens_aot.analysis.circuits.draw")  # TYPE_CHECKING

@@ -10,16 +10,17 @@ lens_aot changed for them.
 * Toy MLP: Swish-β, ``z · σ(β z)``, which is Huben & Morris (2023) Theorem 3's single neuron head with ``a = β``: the
   :class:`~lens_aot.core.fit.activations.ActivationFit` ``(1·z + 0)·σ(β z + 0)``, exact (``max_error`` 0).
 
-The source is a small torch module (:class:`ToySource`) read into a spec by :func:`read_toy`. The reader is a plain
-function here: TO CONNECT (lead): once lens_aot.tl has a reader registration point, register :func:`read_toy` there
-and convert with ``lens_aot.convert(source)``; :func:`convert_with` is the only place that calls the reader.
+The source is a small torch module (:class:`ToySource`) read into a spec by :func:`read_toy`, registered as a source
+reader (:func:`~lens_aot.tl.reading.registry.register_source_reader`): ``lens_aot.convert(source)`` then runs the whole
+pipeline (read → fit → build → check against the source's own forward) on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.core.variants import VARIANTS, Variant, register_variant
 from lens_aot.errors import LoadError
-from lens_aot.pipeline import build, fit
+from lens_aot.tl.reading.registry import register_source_reader, source_readers, unregister_source_reader
 
 D_MODEL, N_HEADS, D_HEAD, D_MLP, D_VOCAB, N_CTX = 16, 4, 4, 24, 40, 16
 
@@ -125,6 +126,8 @@ def register_toys() -> None:
                 component=SwishBetaMLP,
                 fit=swish_beta_fit,
                 label="Swish-β",
+                activation="swish_beta",  # exact like SiLU (Theorem 3, a = β): SiLU's stated error
+                stated_error={torch.float32: 1e-5, torch.float64: 1e-10},
             )
         )
 
@@ -167,7 +170,7 @@ class ToySource(nn.Module):
         x = x - x.mean(-1, keepdim=True)
         return x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * (1 + w) + b
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, return_type: str = "logits") -> Tensor:
         n = tokens.shape[1]
         resid = self.W_E[tokens] + self.W_pos[:n]
         mask = torch.ones(n, n, dtype=torch.bool).tril()
@@ -219,12 +222,12 @@ def read_toy(source: ToySource) -> ModelSpec:
     )
 
 
-def convert_with(reader: Callable[[Any], ModelSpec], source: Any) -> Any:
-    """``source`` converted through the pipeline (read → fit → build) by a spec-producing ``reader``: the one call
-    site of the reader (lens_aot.convert(source) once readers are registered in lens_aot.tl)."""
+def convert_toy(source: ToySource, **options: Any) -> Any:
+    """``lens_aot.convert(source)`` with the toys and their source reader registered (once per process)."""
     register_toys()
-    spec = reader(source)
-    return build(spec, fit(spec))
+    if "toy source" not in [reader.name for reader in source_readers()]:
+        register_source_reader("toy source", lambda model: isinstance(model, ToySource), read_toy)
+    return lens_aot.convert(source, **options)
 
 
 def _tokens() -> Tensor:
@@ -234,7 +237,7 @@ def _tokens() -> Tensor:
 @pytest.fixture(scope="module")
 def converted() -> tuple[ToySource, Any]:
     source = ToySource()
-    return source, convert_with(read_toy, source)
+    return source, convert_toy(source)
 
 
 def test_the_toys_are_chosen_by_the_tables(converted: tuple[ToySource, Any]) -> None:
@@ -258,6 +261,54 @@ def test_the_converted_model_computes_the_source(converted: tuple[ToySource, Any
         for layer in no_gain.layers:
             layer.gain.fill_(1.0)
         assert (aot(tokens) - no_gain(tokens)).abs().max().item() > 1e-3  # the gain matters: the check can fail
+
+
+def test_convert_runs_the_whole_pipeline_on_the_registered_source(converted: tuple[ToySource, Any]) -> None:
+    """``lens_aot.convert`` read the toy source through its registered reader and checked the result against the
+    source's own forward (the report's measured error, within the stated bound)."""
+    _, aot = converted
+    report = aot.report
+    assert report.max_abs_logit_error is not None and report.max_abs_logit_error < 1e-9
+    assert report.neuron_heads == 2 * D_MLP and report.max_neuron_error == 0.0
+
+
+def test_a_wrong_reading_of_a_registered_source_is_refused_by_the_check() -> None:
+    """The check step judges a registered reader's spec against the source's own forward: a reader that forgets the
+    gain gets a FaithfulnessError, not a model."""
+    register_toys()
+
+    def forgetful(source: ToySource) -> ModelSpec:
+        spec = read_toy(source)
+        for layer in spec.layers:
+            layer.attn.gain = torch.ones_like(layer.attn.gain)
+        return spec
+
+    register_source_reader("forgetful toy", lambda model: isinstance(model, ToySource), forgetful, priority=10)
+    try:
+        with pytest.raises(lens_aot.FaithfulnessError, match="exceeds"):
+            lens_aot.convert(ToySource(seed=3))
+    finally:
+        unregister_source_reader("forgetful toy")
+
+
+def test_an_unregistered_kind_of_source_is_refused_naming_what_convert_takes() -> None:
+    """Without a matching source reader, convert refuses the model by its type and says what it takes."""
+    with pytest.raises(lens_aot.UnsupportedArchitectureError, match=r"HookedTransformer.*ToySource"):
+        with _without_reader("toy source"):
+            lens_aot.convert(ToySource(seed=4))
+
+
+@contextmanager
+def _without_reader(name: str) -> Iterator[None]:
+    register_toys()
+    entry = next((r for r in source_readers() if r.name == name), None)
+    if entry is not None:
+        unregister_source_reader(name)
+    try:
+        yield
+    finally:
+        if entry is not None:
+            register_source_reader(entry.name, entry.matches, entry.read, priority=entry.priority)
 
 
 def test_save_and_load_round_trip_bitwise(converted: tuple[ToySource, Any], tmp_path: Path) -> None:

@@ -18,10 +18,13 @@ declared ``variant=True`` where the spec declares them, and the io layer writes 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import torch
+
+from lens_aot.core.check import faithfulness
 from lens_aot.core.components import factory
 from lens_aot.core.components.attention.compressed_attention import CompressedAttention
 from lens_aot.core.components.attention.mla_attention import MLAAttention
@@ -77,6 +80,10 @@ class Variant:
     heads) -> GatedFit``.
     ``codec``: a saved form of its own (:class:`Codec`); ``check``: problems of a loaded spec (a message, or None).
     ``label``: its name in the support matrix and refusals (docs/variants.md).
+    ``activation`` and ``stated_error``: an MLP variant's activation name (its spec's ``act_fn``) and the max
+    |Δlogit| the conversion states for it per dtype, joining
+    :data:`~lens_aot.core.check.faithfulness.STATED_LOGIT_ERROR` (the check step's stated term); without them the
+    activation must be one the table names.
     """
 
     name: str
@@ -90,6 +97,8 @@ class Variant:
     codec: Codec | None = None
     check: Callable[[Any], str | None] | None = None
     label: str = ""
+    activation: str | None = None
+    stated_error: Mapping[torch.dtype, float] | None = None
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -136,8 +145,12 @@ def register_variant(variant: Variant) -> Variant:
             _insert(factory.NEURON_MLP_BY_FIT, variant.fit_type, variant.component)
         else:
             _insert(factory.NEURON_MLP_BY_SPEC, chosen_by, variant.component)
+    if (variant.activation is None) != (variant.stated_error is None):
+        raise ValueError(f"variant {variant.name!r}: give activation= and stated_error= together (or neither)")
     if variant.fit is not None:
         neuron_fits.FITS[variant.spec] = variant.fit
+    for dtype, error in (variant.stated_error or {}).items():
+        faithfulness.STATED_LOGIT_ERROR[(variant.activation, dtype)] = float(error)
     if variant.gated_fit is not None:
         GATED_FITS[variant.spec] = variant.gated_fit
     VARIANTS[variant.name] = variant

@@ -26,31 +26,28 @@ from __future__ import annotations
 
 from typing import Any
 
-import lens_aot.tl.bridge.read as _bridge_reader
-import lens_aot.tl.builtin_readers  # noqa: F401  (registers the built-in bridge readers)
-import lens_aot.tl.hooked.read as _hooked_reader
+import lens_aot.tl.builtin_readers  # noqa: F401  (registers the built-in readers)
 from lens_aot.core.source_layer import SourceLayer, register
 from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.tl.hooked.model import hooked_class, hooked_config_class, hooked_config_dict
 from lens_aot.tl.hooked.sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
 from lens_aot.tl.hooked.write import hooked_from_spec
+from lens_aot.tl.reading.registry import source_reader
 from lens_aot.tl.versions import has_hooked_transformer, is_bridge, is_hooked_transformer, tl_version
 
 __all__ = ["has_hooked_transformer", "is_bridge", "is_hooked_transformer", "read_source", "tl_version"]
 
 
 def read_source(model: Any) -> ModelSpec | None:
-    """The spec of a HookedTransformer or TransformerBridge, or None when ``model`` is neither.
+    """The spec of a HookedTransformer or TransformerBridge (or of a source a registered source reader reads:
+    :func:`lens_aot.tl.reading.registry.register_source_reader`), or None when no source reader matches ``model``.
 
     Raises :class:`~lens_aot.errors.UnsupportedArchitectureError` for a TransformerLens model the spec cannot express
     faithfully (the message names the feature and what is supported). The readers are called through their
-    modules (``lens_aot.tl.bridge.read`` stays the module, patchable).
+    modules (``lens_aot.tl.bridge.read`` stays the module, patchable), first match by priority.
     """
-    if is_hooked_transformer(model):
-        return _hooked_reader.read_hooked_transformer(model)
-    if is_bridge(model):
-        return _bridge_reader.read_bridge(model)
-    return None
+    reader = source_reader(model)
+    return None if reader is None else reader.read(model)
 
 
 register(

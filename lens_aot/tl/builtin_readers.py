@@ -8,7 +8,7 @@ Attention readers: ALiBi bridges, refused bridges, a plain ``AttentionBridge`` a
 a delegated rotary forward (found by structure), position-embeddings, joint-QKV position-embeddings and joint-QKV
 bridges. Attention forwards (by Hugging Face class name): GPT-J, GPT-Neo, OPT, XGLM, Llama 4, ModernBERT-decoder.
 MLP readers: Llama 4's MoE, sparse MoEs, JetMoE's parallel experts (its other forms refused), a dense MLP in an MoE
-bridge, xIELU.
+bridge, xIELU. Source readers (what ``convert`` takes): a ``HookedTransformer`` and a ``TransformerBridge``.
 
 A new family's reader goes in the folder of what it reads (``tl/attention/`` for an attention, ``tl/blocks/`` for a
 block feature, ``tl/moe/`` for a mixture of experts) and is registered here, with a priority that places it before the
@@ -29,10 +29,12 @@ from lens_aot.tl.attention.delegated_rotary import is_delegated_rotary
 from lens_aot.tl.attention.mla import is_mla, read_mla
 from lens_aot.tl.attention.routed import is_routed, read_routed
 from lens_aot.tl.bridge import attention as bridge_attention
+from lens_aot.tl.bridge import read as bridge_read
 from lens_aot.tl.bridge.checks import check_block, check_hf_source
 from lens_aot.tl.bridge.read_hf import read_hf
 from lens_aot.tl.bridge.read_native import check_native_source, is_native, read_native
 from lens_aot.tl.bridge.streams import has_streams, read_streams
+from lens_aot.tl.hooked import read as hooked_read
 from lens_aot.tl.moe import llama4 as moe_llama4
 from lens_aot.tl.moe import parallel as moe_parallel
 from lens_aot.tl.moe import read as moe_read
@@ -46,7 +48,9 @@ from lens_aot.tl.reading.registry import (
     register_attention_reader,
     register_mlp_reader,
     register_model_reader,
+    register_source_reader,
 )
+from lens_aot.tl.versions import is_bridge, is_hooked_transformer
 
 __all__: list[str] = []
 
@@ -193,3 +197,7 @@ register_mlp_reader(  # learned scalars on the activation module (Apertus)
     lambda *args: moe_read.read_xielu_mlp(*args),
     priority=100,
 )
+
+# Source readers: what convert() takes (a reader outside lens_aot may add its own kind of source).
+register_source_reader("HookedTransformer", is_hooked_transformer, lambda m: hooked_read.read_hooked_transformer(m))
+register_source_reader("TransformerBridge", is_bridge, lambda m: bridge_read.read_bridge(m))

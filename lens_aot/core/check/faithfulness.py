@@ -36,6 +36,7 @@ from lens_aot.core.fit.activations import canonical_activation
 from lens_aot.core.fit.gating import GatedFit
 from lens_aot.core.fit.moe import sensitivity_hooks
 from lens_aot.core.fit.per_layer import sensitivity_hooks as per_layer_hooks
+from lens_aot.errors import UnsupportedArchitectureError
 
 STATED_LOGIT_ERROR: dict[tuple[str | None, torch.dtype], float] = {  # the docs' support matrix, max |Δlogit|
     ("silu", torch.float32): 1e-5,
@@ -60,10 +61,27 @@ ROUNDING_FACTOR = 4.0
 ROUNDING_ULPS = 16.0  # roundings of the logits' scale one layer of a forward pass may add (convert's derived floor)
 
 
+def _without_hooks(source: Any) -> Callable[..., Any]:
+    """What the sensitivity term calls on a source without ``run_with_hooks`` (a source a registered reader reads,
+    :func:`lens_aot.tl.reading.registry.register_source_reader`): nothing while every fit is exact (no neuron is
+    perturbed), else a refusal naming the fix."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedArchitectureError(
+            f"the conversion bound perturbs the source's neurons through TransformerLens hooks "
+            f"(blocks.{{l}}.mlp.hook_post), and {type(source).__name__} has no run_with_hooks. Give the source "
+            f"TransformerLens hook points (a HookedRootModule with those HookPoints), or use exact fits only."
+        )
+
+    return refuse
+
+
 def stated_logit_error(act_fn: str | None, dtype: torch.dtype, gated: bool = False) -> float:
-    """The support matrix's max |Δlogit| for an activation (``None``: attention-only) and dtype; the float32 value
-    for other dtypes (bfloat16 / float16 are not in the matrix: their rounding floor dominates)."""
-    key = "gated" if gated else (None if act_fn is None else canonical_activation(act_fn))
+    """The support matrix's max |Δlogit| for an activation (``None``: attention-only; a registered variant's own
+    activation, :class:`lens_aot.core.variants.Variant`'s ``stated_error``) and dtype; the float32 value for other
+    dtypes (bfloat16 / float16 are not in the matrix: their rounding floor dominates)."""
+    declared = act_fn is not None and (act_fn, torch.float32) in STATED_LOGIT_ERROR
+    key = "gated" if gated else (None if act_fn is None else act_fn if declared else canonical_activation(act_fn))
     if (key, dtype) in STATED_LOGIT_ERROR:
         return STATED_LOGIT_ERROR[(key, dtype)]
     return STATED_LOGIT_ERROR.get((key, torch.float32), STATED_LOGIT_ERROR[("gelu", torch.float32)])
@@ -157,6 +175,7 @@ def conversion_bound(
     extra = None
     if per_layer:
         extra = per_layer_hooks(names, per_layer)
-    sensitivity = neuron_sensitivity(source.run_with_hooks, tokens, eps, expected, custom=custom, extra=extra)
+    run_with_hooks = getattr(source, "run_with_hooks", None) or _without_hooks(source)
+    sensitivity = neuron_sensitivity(run_with_hooks, tokens, eps, expected, custom=custom, extra=extra)
     rounding = rounding_floor(rounding_dtype or expected.dtype, expected, n_layers)
     return logit_bound(stated, sensitivity, rounding), sensitivity, rounding

@@ -53,6 +53,7 @@ __all__ = [
     "MLPReader",
     "ModelReader",
     "ReaderTable",
+    "SourceReader",
     "attention_forward",
     "attention_readers",
     "mlp_readers",
@@ -62,10 +63,14 @@ __all__ = [
     "register_attention_reader",
     "register_mlp_reader",
     "register_model_reader",
+    "register_source_reader",
+    "source_reader",
+    "source_readers",
     "unregister_attention_forward",
     "unregister_attention_reader",
     "unregister_mlp_reader",
     "unregister_model_reader",
+    "unregister_source_reader",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,3 +301,37 @@ _MLP_READERS = ReaderTable(MLPReader, "MLP reader")
 register_mlp_reader = _MLP_READERS.register
 unregister_mlp_reader = _MLP_READERS.unregister
 mlp_readers = _MLP_READERS.entries
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Source readers.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceReader:
+    """A reader of a whole source model. ``matches(model)``: whether it reads this model (called on anything passed
+    to ``convert``, so it must not raise); ``read(model)``: the model's
+    :class:`~lens_aot.core.spec.model_spec.ModelSpec`, refusing (with the layer and the piece named) what the spec
+    cannot express."""
+
+    name: str
+    matches: Callable[[Any], bool]
+    read: Callable[[Any], Any]
+    priority: int = 0
+
+
+_SOURCE_READERS = ReaderTable(SourceReader, "source reader")
+
+register_source_reader = _SOURCE_READERS.register
+"""Register a source reader (:class:`SourceReader`): ``register_source_reader(name, matches, read, priority=0)``.
+Built in: ``"HookedTransformer"`` (TransformerLens 3.x, :mod:`lens_aot.tl.hooked.read`) and ``"TransformerBridge"``
+(:mod:`lens_aot.tl.bridge.read`), both at priority 0."""
+unregister_source_reader = _SOURCE_READERS.unregister
+source_readers = _SOURCE_READERS.entries
+
+
+def source_reader(model: Any) -> SourceReader | None:
+    """The first registered source reader whose ``matches(model)`` holds, or None (``convert`` then refuses the
+    model, naming what it takes)."""
+    return _SOURCE_READERS.first(model)
