@@ -283,18 +283,12 @@ def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -
             f"{option} applies to a TransformerLens source; a ModelSpec's tensors are copied. Pass the source model, "
             f"or build the model from the spec inside lens_aot.core.components.ownership.adopting() to take them over."
         )
-    if share_weights and source_layer().is_bridge(model):
-        raise InputError(
-            "share_weights=True needs a HookedTransformer source: a TransformerBridge keeps its weights in Hugging "
-            "Face's layouts (transposed, fused), which the converted model does not compute with. Pass consume=True "
-            "instead (the bridge's weights are handed over: one copy, the converted model's)."
-        )
     if share_weights and masks != "explicit":
         raise InputError(
             f"share_weights=True needs masks='explicit' (got {masks!r}): the standard-mask model's dense blocks are "
             f"not the source's tensors. Drop share_weights, or pass consume=True to hand the source's weights over."
         )
-    return masks == "explicit" and not source_layer().is_bridge(model)
+    return masks == "explicit"
 
 
 def _hand_over(model: Any, aot: Any) -> Any:

@@ -39,9 +39,37 @@ def _whole_view(converted: torch.Tensor, source: torch.Tensor) -> bool:
     )
 
 
+def _elements(t: torch.Tensor) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """The storage elements a (non-overlapping) strided tensor addresses, in a canonical form: its offset and its
+    dimensions as (stride, size) by increasing stride, size-1 dimensions dropped and each dimension merged into the
+    one below where they are contiguous. Two views with the same form address the same elements (a transpose, a
+    per-head reshape and its permute of one weight all have the form of the weight)."""
+    merged: list[tuple[int, int]] = []
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if merged and merged[-1][0] * merged[-1][1] == stride:
+            merged[-1] = (merged[-1][0], merged[-1][1] * size)
+        else:
+            merged.append((stride, size))
+    return t.storage_offset(), tuple(merged)
+
+
+def _same_elements(converted: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether ``converted`` is ``source``'s tensor in another layout: the same storage, dtype and elements (a view
+    of exactly the source parameter, e.g. a Hugging Face ``Linear`` weight read as TransformerLens's
+    ``[n_heads, d_model, d_head]``)."""
+    return (
+        converted.device == source.device
+        and converted.dtype == source.dtype
+        and converted.numel() == source.numel() > 0
+        and converted.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        and _elements(converted) == _elements(source)
+    )
+
+
 def shared_parameters(aot: nn.Module, source: nn.Module) -> dict[str, str]:
     """Converted parameter name -> source parameter name, for each parameter of ``aot`` that is a source
-    parameter's own tensor (the same storage, offset, shape and strides)."""
+    parameter's own tensor: the same storage, offset, shape and strides, or (a TransformerBridge's Hugging Face
+    layouts) a view of exactly that parameter's elements in another layout (:func:`_same_elements`)."""
     by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, p in source.named_parameters():
         if p.device.type != "meta":
@@ -50,18 +78,33 @@ def shared_parameters(aot: nn.Module, source: nn.Module) -> dict[str, str]:
     for name, p in aot.named_parameters():
         if p.device.type == "meta":
             continue
-        for source_name, q in by_storage.get(p.untyped_storage().data_ptr(), []):
-            if _whole_view(p, q):
-                shared[name] = source_name
-                break
+        candidates = by_storage.get(p.untyped_storage().data_ptr(), [])
+        found = next((n for n, q in candidates if _whole_view(p, q)), None)
+        found = found or next((n for n, q in candidates if _same_elements(p, q)), None)
+        if found is not None:
+            shared[name] = found
     return shared
+
+
+def _view_again(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor | None:
+    """``theirs`` seen in ``ours``'s shape and strides, where that view addresses exactly ``theirs``'s elements
+    (a half conversion of a TransformerBridge: the converted parameter was a view of the float32 source parameter in
+    another layout, and both were cast back keeping their strides), else None."""
+    if ours.dtype != theirs.dtype or ours.device != theirs.device or ours.numel() != theirs.numel():
+        return None
+    try:
+        view = theirs.detach().as_strided(ours.shape, ours.stride(), theirs.storage_offset())
+    except RuntimeError:  # the strides reach past the storage
+        return None
+    return view if _same_elements(view, theirs) else None
 
 
 def share_again(aot: nn.Module, source: nn.Module, names: dict[str, str]) -> dict[str, str]:
     """Point each converted parameter of ``names`` (converted -> source name, from :func:`shared_parameters` on the
     float32 conversion of a half source) at the source parameter's tensor again, where both now have the same
-    dtype, device, shape and strides and equal values bit for bit (half → float32 → half is exact). Returns the
-    pairs now shared; a pair that does not match keeps its own copy."""
+    dtype, device, shape and strides, or the converted one is a view of the source's in another layout
+    (:func:`_view_again`), and equal values bit for bit (half → float32 → half is exact). Returns the pairs now
+    shared; a pair that does not match keeps its own copy."""
     now: dict[str, str] = {}
     for name, source_name in names.items():
         ours, theirs = aot.get_parameter(name), source.get_parameter(source_name)
@@ -71,12 +114,13 @@ def share_again(aot: nn.Module, source: nn.Module, names: dict[str, str]) -> dic
             theirs.shape,
             theirs.stride(),
         )
-        if not same_layout:
+        view = theirs.detach() if same_layout else _view_again(ours, theirs)
+        if view is None:
             continue
-        if not _whole_view(ours, theirs):
-            if not torch.equal(ours.detach(), theirs.detach()):
+        if not _whole_view(ours, view):
+            if not torch.equal(ours.detach(), view):
                 continue
-            ours.data = theirs.detach()
+            ours.data = view
         now[name] = source_name
     return now
 

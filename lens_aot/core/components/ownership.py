@@ -137,6 +137,11 @@ def sharing() -> Iterator[None]:
         yield
 
 
+def sharing_now() -> bool:
+    """Whether :func:`sharing` is on: readers then return the source's own tensors (views where the layout differs)."""
+    return _SHARING.get()
+
+
 def exported(t: Tensor) -> Tensor:
     """``t`` for a spec read off a model: a copy, or inside :func:`sharing` ``t`` itself (detached)."""
     return t.detach() if _SHARING.get() else t.detach().clone()

@@ -16,6 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from lens_aot.core.components.ownership import exported, sharing_now
 from lens_aot.core.fit.activations import canonical_activation
 from lens_aot.core.spec.model_spec import AttentionSpec, MLPSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
@@ -159,6 +160,12 @@ def _copy(t: Tensor) -> Tensor:
     return t.detach().clone()
 
 
+def _source(t: Tensor) -> Tensor:
+    """A source tensor ``t`` (or a view of it) for the spec as it is: a copy, or inside
+    :func:`~lens_aot.core.components.ownership.sharing` (``convert(share_weights=True)``) ``t`` itself (detached)."""
+    return exported(t)
+
+
 def _linear_view(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
     """``(W, b)`` with ``y = x @ W + b`` for an ``nn.Linear`` (weight [out, in]) or HF ``Conv1D`` (weight [in, out]):
     views of the module's own tensors (a fresh zero bias where it has none). Copy before keeping them."""
@@ -174,14 +181,16 @@ def _linear_view(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "
 
 
 def _linear(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
-    """:func:`_linear_view`'s ``(W, b)`` as fresh contiguous copies."""
+    """:func:`_linear_view`'s ``(W, b)`` as fresh contiguous copies (inside
+    :func:`~lens_aot.core.components.ownership.sharing`: the views themselves)."""
     weight, b = _linear_view(module, dtype)
-    return weight.clone(memory_format=torch.contiguous_format), b.clone()
+    return _fresh(weight), _fresh(b)
 
 
 def _fresh(t: Tensor) -> Tensor:
-    """A contiguous copy of ``t`` (always a copy, even where ``t`` is already contiguous)."""
-    return t.clone(memory_format=torch.contiguous_format)
+    """A contiguous copy of ``t`` (always a copy, even where ``t`` is already contiguous); inside
+    :func:`~lens_aot.core.components.ownership.sharing`, ``t`` itself (a view of the source's tensor)."""
+    return t.detach() if sharing_now() else t.clone(memory_format=torch.contiguous_format)
 
 
 def _all_equal(t: Tensor | None, value: float) -> bool:
@@ -218,10 +227,10 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     if isinstance(module, nn.LayerNorm):
         if len(module.normalized_shape) != 1:
             raise _refuse(f"a LayerNorm over shape {tuple(module.normalized_shape)}")
-        w = None if module.weight is None else _copy(module.weight)
+        w = None if module.weight is None else _source(module.weight)
         if w is not None and name == "NemotronLayerNorm1P":  # F.layer_norm(x, shape, weight + 1, bias, eps)
             w = _copy(module.weight + 1.0)
-        b = None if module.bias is None else _copy(module.bias)
+        b = None if module.bias is None else _source(module.bias)
         return NormSpec("LN" if w is not None else "LNPre", float(module.eps), w, b)
     # TransformerLens-native norms (sources/native/model.py) compute their statistics in float32 whatever the
     # input dtype — `x.to(torch.float32)`, normalize, `.to(input_dtype)` — and only then apply the scale.
@@ -230,7 +239,7 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     if name == "OlmoLayerNorm":  # normalised by F.layer_norm (bridge_float32 reads that from its forward)
         return NormSpec("LNPre", 1e-5, compute_dtype=torch.float32)
     if name == "NativeRMSNorm":
-        return NormSpec("RMS", float(module.eps), _copy(module.weight), None, torch.float32, rsqrt=True)
+        return NormSpec("RMS", float(module.eps), _source(module.weight), None, torch.float32, rsqrt=True)
     if name == "NativeRMSNormPre":
         return NormSpec("RMSPre", float(module.eps), compute_dtype=torch.float32, rsqrt=True)
     if name == "NativeLayerNormPre":
@@ -240,9 +249,9 @@ def _native_norm_module(module: nn.Module, dtype: torch.dtype | None = None) -> 
     # its eps as ``variance_epsilon``; the per-layer probe check (lens_aot.tl.bridge.probe) confirms the formula.
     if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, Tensor):
         eps = float(module.variance_epsilon)
-        return NormSpec("RMS", eps, _copy(module.weight), None, torch.float32, rsqrt=True)
+        return NormSpec("RMS", eps, _source(module.weight), None, torch.float32, rsqrt=True)
     if name == "Llama4TextRMSNorm" and isinstance(module.weight, Tensor):  # Llama's forward, eps as ``eps``
-        return NormSpec("RMS", float(module.eps), _copy(module.weight), None, torch.float32, rsqrt=True)
+        return NormSpec("RMS", float(module.eps), _source(module.weight), None, torch.float32, rsqrt=True)
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
     # back (bridge_float32 reads where the scale is applied from the module's forward). 1 + weight is a float32
     # value, exact in float64.
@@ -272,11 +281,11 @@ def _python_norm(norm_bridge: Any, module: nn.Module, cls: str) -> NormSpec:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor):
         raise _refuse(f"a {cls} whose wrapped {type(module).__name__} has no weight")
-    w = _copy(1.0 + weight) if _norm_uses_weight_offset(norm_bridge) else _copy(weight)
+    w = _copy(1.0 + weight) if _norm_uses_weight_offset(norm_bridge) else _source(weight)
     if rms:
         return NormSpec("RMS", eps, w)
     bias = getattr(module, "bias", None)
-    return NormSpec("LN", eps, w, None if bias is None else _copy(bias))
+    return NormSpec("LN", eps, w, None if bias is None else _source(bias))
 
 
 def _simplify_norm(spec: NormSpec) -> NormSpec:
@@ -521,7 +530,7 @@ def _embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
         return _copy(module.weight * torch.as_tensor(scale).to(module.weight.dtype))
     if type(module) is not nn.Embedding:
         raise _refuse(f"a token embedding of type {name} (an nn.Embedding subclass with its own forward)")
-    return _copy(module.weight)
+    return _source(module.weight)
 
 
 def _rotary_from_tables(cos: Tensor, sin: Tensor, n_ctx: int, dtype: torch.dtype, adjacent: bool) -> RotarySpec:

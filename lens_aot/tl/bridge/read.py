@@ -71,12 +71,12 @@ from lens_aot.tl.bridge.components import (
     _attention,
     _blocks,
     _component,
-    _copy,
     _embedding,
     _linear,
     _module_activation,
     _original,
     _refuse,
+    _source,
     _source_model,
     _subcomponents,
     bridge_extra,
@@ -487,7 +487,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         table = pos_module.weight
         if table.shape[0] < n_ctx:
             raise _refuse(f"a position table of {table.shape[0]} rows for n_ctx={n_ctx}")
-        W_pos = _copy(table[:n_ctx]) if W_pos is None else W_pos
+        W_pos = _source(table[:n_ctx]) if W_pos is None else W_pos
     elif _component(bridge, "pos_embed") is not None:
         raise _refuse("both rotary and absolute positions")
     unembed = _original(_component(bridge, "unembed"))
