@@ -116,3 +116,17 @@ def test_shared_conversion_saves_and_loads(tokens: torch.Tensor, tmp_path: Path)
     theirs = {p.untyped_storage().data_ptr() for p in [*source.parameters(), *aot.parameters()]}
     assert not theirs & {p.untyped_storage().data_ptr() for p in loaded.parameters()}
     assert not _same_storage(loaded.embed.W_E, loaded.unembed.W_U)
+
+
+def test_copying_conversion_ties_what_the_source_ties(tokens: torch.Tensor) -> None:
+    """A copying conversion of a bridge that ties ``lm_head`` to ``wte`` holds the matrix once too (``W_U`` a
+    transposed view of its own ``W_E``, not the source's); an untied bridge's stay apart."""
+    tokens = tokens[:, :12]
+    source = make_bridge("gpt2")
+    aot = lens_aot.convert(source)
+    W_E, W_U = aot.embed.W_E, aot.unembed.W_U
+    assert _same_storage(W_E, W_U) and torch.equal(W_U, W_E.T)
+    assert not any(_same_storage(W_E, p) for p in source.parameters())
+    assert aot.shared_parameters == {}
+    untied = lens_aot.convert(make_bridge("llama"))
+    assert not _same_storage(untied.embed.W_E, untied.unembed.W_U)

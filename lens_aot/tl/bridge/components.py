@@ -533,6 +533,28 @@ def _embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
     return _source(module.weight)
 
 
+def _unembedding(
+    unembed: nn.Module, dtype: torch.dtype, embed_bridge: Any, W_E: Tensor | None
+) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"]]:
+    """``(W_U, b_U)`` of the unembedding ``Linear``. Where its weight is the embedding module's own (tied, GPT-2's
+    ``lm_head`` and ``wte``) and ``W_E`` (None: scaled, not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
+    the converted model then holds the matrix once, as the source does
+    (:func:`~lens_aot.core.components.ownership.adopting`)."""
+    weight, b = _linear_view(unembed, dtype)
+    table = getattr(_original(embed_bridge), "weight", None) if embed_bridge is not None else None
+    if W_E is None:
+        return _fresh(weight), _fresh(b)
+    tied = (
+        isinstance(unembed, nn.Linear)
+        and isinstance(table, Tensor)
+        and getattr(_original(embed_bridge), "embed_scale", None) is None
+        and unembed.weight.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+        and (unembed.weight.shape, unembed.weight.stride(), unembed.weight.storage_offset())
+        == (table.shape, table.stride(), table.storage_offset())
+    )
+    return (W_E.T if tied else _fresh(weight)), _fresh(b)
+
+
 def _rotary_from_tables(cos: Tensor, sin: Tensor, n_ctx: int, dtype: torch.dtype, adjacent: bool) -> RotarySpec:
     cos = cos.reshape(-1, cos.shape[-1])[:n_ctx]
     sin = sin.reshape(-1, sin.shape[-1])[:n_ctx]

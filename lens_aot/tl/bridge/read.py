@@ -79,6 +79,7 @@ from lens_aot.tl.bridge.components import (
     _source,
     _source_model,
     _subcomponents,
+    _unembedding,
     bridge_extra,
 )
 from lens_aot.tl.bridge.layout import (
@@ -493,7 +494,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     unembed = _original(_component(bridge, "unembed"))
     if not isinstance(unembed, nn.Linear):
         raise refuse_piece(None, "unembed", f"an unembedding of type {type(unembed).__name__}")
-    W_U, b_U = _linear(unembed, dtype)
+    W_U, b_U = _unembedding(unembed, dtype, _component(bridge, "embed"), None if embed_multiplier is not None else W_E)
     tokenizer = getattr(bridge, "tokenizer", None)
     spec = ModelSpec(
         d_model=int(W_E.shape[1]),
