@@ -198,20 +198,22 @@ def convert(
             are carried over (detached from the source while it is converted and checked, then re-attached to both).
             ``sae_lens.HookedSAETransformer``: one, from any source. ``HookedTransformer``: the converted class (a
             ``HookedSAETransformer`` source's SAEs are detached for the conversion, then re-attached to it only).
-        share_weights: ``HookedTransformer`` sources: the converted model's parameters read from the source in its own
-            layout are the source's tensors (the same storage), not copies: attention weights and biases, embeddings
-            ``W_E`` / ``W_pos``, unembedding ``W_U`` / ``b_U``, norm weights and biases, and the MLPs' ``W_in``,
-            ``W_out``, ``b_out`` (plain MLPs also ``b_in``; gated MLPs ``W_gate``, and ``b_in`` as the converted
-            ``b_post``). ``aot.shared_parameters`` lists them (converted name -> source name). The two models then
-            hold one copy of those weights, the logits are bit for bit those of a copying conversion, and an in-place
-            edit of a shared weight on either model shows on both (docs/performance.md#one-copy-of-the-weights).
-            Mixture-of-experts experts and tables computed at conversion stay copies. A ``TransformerBridge``'s
-            weights are in Hugging Face's layout: use ``consume=True``.
+        share_weights: the converted model's parameters whose values are the source's own are the source's
+            tensors (the same storage), not copies: attention weights and biases, embeddings ``W_E`` / ``W_pos``,
+            unembedding ``W_U`` / ``b_U``, norm weights and biases, and the MLPs' ``W_in``, ``W_out``, ``b_out``
+            (plain MLPs also ``b_in``; gated MLPs ``W_gate``, and ``b_in`` as the converted ``b_post``). A
+            ``HookedTransformer``'s in its own layout; a ``TransformerBridge``'s Hugging Face tensors as views in
+            TransformerLens's layouts (``Linear.weight.T``, per-head reshapes, GPT-2's fused ``c_attn`` split, a
+            tied ``W_U`` a transposed view of ``W_E``). ``aot.shared_parameters`` lists them (converted name ->
+            source name in ``source.named_parameters()``). The two models then hold one copy of those weights, the
+            logits are bit for bit those of a copying conversion, and an in-place edit of a shared weight on either
+            model shows on both (docs/performance.md#one-copy-of-the-weights). Mixture-of-experts experts, values
+            computed at conversion (zero biases a source lacks, scaled or offset weights) and tables stay copies.
         consume: hand the source's weights over to the converted model: after the conversion and its check (run
             against the source's own forward), every parameter and buffer of the source becomes a ``meta`` tensor and
             calling the source raises :class:`~lens_aot.errors.InputError`; the process then holds one copy of the
-            weights, the converted model's, for any source (HookedTransformer sources are also read without copies,
-            as with ``share_weights``, which lowers the conversion's peak).
+            weights, the converted model's, for any source (the source is also read without copies, as with
+            ``share_weights``, which lowers the conversion's peak).
 
     Returns:
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;

@@ -1,16 +1,18 @@
 """One copy of the weights: ``convert(share_weights=True)`` and ``convert(consume=True)``.
 
-With ``share_weights=True`` a ``HookedTransformer`` source is read without copies (its reader returns the source's
-own tensors, :func:`lens_aot.core.components.ownership.sharing`) and the converted model's components use those
-tensors as their parameters (``ownership.adopting(share=...)``): each converted parameter read from a source
-parameter in the same layout *is* that parameter's storage. :func:`shared_parameters` lists them (converted name ->
-source name, ``aot.shared_parameters``); for a float16 / bfloat16 source, read in float32, :func:`share_again` points
-the half converted parameters back at the half source's, which they equal bit for bit.
+With ``share_weights=True`` the source is read without copies (its reader returns the source's own tensors,
+:func:`lens_aot.core.components.ownership.sharing`: a ``HookedTransformer``'s in its own layout, a
+``TransformerBridge``'s Hugging Face tensors as views in TransformerLens's layouts) and the converted model's
+components use those tensors as their parameters (``ownership.adopting(share=...)``). :func:`shared_parameters`
+lists them (converted name -> source name, ``aot.shared_parameters``): a converted parameter that is a source
+parameter's tensor, or a view of exactly its elements in another layout; for a float16 / bfloat16 source, read in
+float32, :func:`share_again` points the half converted parameters back at the half source's (as views where they
+were), which they equal bit for bit.
 
 With ``consume=True`` the source's weights are handed over instead: after the conversion and its check (which runs
 the source's own forward), :func:`release` replaces every parameter and buffer of the source by a ``meta`` tensor
 of its shape (no storage) and its forward by one raising :class:`~lens_aot.errors.InputError`, so the process holds
-one copy of the weights, the converted model's, whatever the source's layout (a TransformerBridge's included).
+one copy of the weights, the converted model's (views of the source's storage where the values are the source's).
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def release(model: nn.Module) -> None:
         raise InputError(
             f"this {kind} was consumed by lens_aot.convert(..., consume=True): its weights now live in the converted "
             f"model and it holds none. Use the converted model; to keep the source usable, convert with "
-            f"share_weights=True (HookedTransformer: one copy, shared) or without consume (two copies), or load the "
+            f"share_weights=True (one copy, shared) or without consume (two copies), or load the "
             f"source again."
         )
 
