@@ -17,11 +17,12 @@
 
 * ``forward`` (``--forward``): the converted model's forward time with ``share_weights=True`` (parameters that are
   views of the source's tensors: transposed or per-head strided for a bridge) over a copying conversion's
-  (contiguous parameters), both in one process, alternating, median of ``--repeats``; 1×``--tokens`` tokens.
+  (contiguous parameters), both in one process, alternating (ABBA), median of ``--repeats``; 1×``--tokens`` tokens.
 
     python benchmarks/bench_memory.py [--source hooked|bridge|auto] [--threads N] [--tokens 1024]
     python benchmarks/bench_memory.py --one-copy [--source hooked|bridge|auto] [--shape gpt2|llama]
-    python benchmarks/bench_memory.py --forward [--source hooked|bridge|auto] [--tokens 256] [--repeats 5]
+    python benchmarks/bench_memory.py --forward [--source hooked|bridge|auto] [--shape gpt2|llama] [--tokens 256]
+        [--repeats 5]
 """
 
 from __future__ import annotations
@@ -132,25 +133,27 @@ def one_copy(kind: str, shape: str = "gpt2") -> list[str]:
     return rows
 
 
-def forward_ratio(kind: str, n_tokens: int, repeats: int) -> str:
-    """The shared conversion's forward time over the copying conversion's, GPT-2-small shape, both in this process."""
-    source = build_source("gpt2", kind, "cpu")
+def forward_ratio(kind: str, n_tokens: int, repeats: int, shape: str = "gpt2") -> str:
+    """The shared conversion's forward time over the copying conversion's, ``shape``, both in this process."""
+    source = build_source(shape, kind, "cpu")
     copied = lens_aot.convert(source, check=False)
     shared = lens_aot.convert(source, check=False, share_weights=True)
     tokens = torch.randint(0, copied.cfg.d_vocab, (1, n_tokens), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {"copied": [], "shared": []}
     with torch.no_grad():
         assert torch.equal(copied(tokens), shared(tokens))  # also the warm-up
-        for _ in range(repeats):
-            for name, model in (("copied", copied), ("shared", shared)):
+        for i in range(repeats):  # ABBA: neither model always runs first
+            for name, model in (("copied", copied), ("shared", shared))[:: 1 if i % 2 == 0 else -1]:
                 start = time.perf_counter()
                 model(tokens)
                 times[name].append(time.perf_counter() - start)
     a, b = statistics.median(times["copied"]), statistics.median(times["shared"])
+    fastest = min(times["shared"]) / min(times["copied"])
     strided = sum(not p.is_contiguous() for p in shared.parameters())
     return (
-        f"| {kind} | 1×{n_tokens} tokens, {torch.get_num_threads()} thread(s) | copying {a:.3f} s | share_weights "
-        f"{b:.3f} s ({len(shared.shared_parameters)} shared parameters, {strided} not contiguous) | {b / a:.3f}x |"
+        f"| {kind} ({shape}) | 1×{n_tokens} tokens, {torch.get_num_threads()} thread(s) | copying {a:.3f} s "
+        f"| share_weights {b:.3f} s ({len(shared.shared_parameters)} shared parameters, {strided} not contiguous) "
+        f"| {b / a:.3f}x (fastest runs: {fastest:.3f}x) |"
     )
 
 
@@ -168,7 +171,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--one-copy", action="store_true", help="only the share_weights / consume table")
-    parser.add_argument("--shape", choices=["gpt2", "llama"], default="gpt2", help="--one-copy: the source's shape")
+    parser.add_argument("--shape", choices=["gpt2", "llama"], default="gpt2", help="the source's shape")
     parser.add_argument("--forward", action="store_true", help="only the shared / copied forward time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-child", choices=["hooked", "bridge"], help=argparse.SUPPRESS)
@@ -187,7 +190,7 @@ def main() -> None:
         return
     if args.forward:
         print("| source | input | time | time | shared / copied |\n|---|---|---|---|---|")
-        print(forward_ratio(kind, args.tokens, args.repeats))
+        print(forward_ratio(kind, args.tokens, args.repeats, args.shape))
         return
     aot = lens_aot.convert(build_source("gpt2", kind, "cpu"), check=False)
     print(f"GPT-2-small shape, {kind} source, float32, CPU, {torch.get_num_threads()} thread(s)\n")
