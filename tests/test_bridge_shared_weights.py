@@ -30,6 +30,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     [
         ("gpt2", torch.float32, "share_weights"),
         ("gpt2", torch.float32, "consume"),
+        ("gpt2", torch.bfloat16, "consume"),
         ("llama", torch.float32, "share_weights"),
         ("llama", torch.float32, "consume"),
         ("llama", torch.bfloat16, "share_weights"),

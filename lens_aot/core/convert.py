@@ -275,8 +275,8 @@ def _convert(
 
 
 def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -> bool:
-    """Whether the conversion reads the source without copies (``share_weights``, or ``consume`` of a
-    HookedTransformer); refuses what cannot share or be consumed, naming the fix."""
+    """Whether the conversion reads the source without copies (``share_weights``, or ``consume`` with explicit
+    masks; HookedTransformer and TransformerBridge alike); refuses what cannot share or be consumed, naming the fix."""
     if not share_weights and not consume:
         return False
     option = "share_weights=True" if share_weights else "consume=True"
