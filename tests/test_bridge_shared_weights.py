@@ -121,7 +121,8 @@ def test_shared_conversion_saves_and_loads(tokens: torch.Tensor, tmp_path: Path)
 
 def test_copying_conversion_ties_what_the_source_ties(tokens: torch.Tensor) -> None:
     """A copying conversion of a bridge that ties ``lm_head`` to ``wte`` holds the matrix once too (``W_U`` a
-    transposed view of its own ``W_E``, not the source's); an untied bridge's stay apart."""
+    transposed view of its own ``W_E``, not the source's), still tied after ``load_state_dict`` of its own state; an
+    untied bridge's stay apart."""
     tokens = tokens[:, :12]
     source = make_bridge("gpt2")
     aot = lens_aot.convert(source)
@@ -129,5 +130,8 @@ def test_copying_conversion_ties_what_the_source_ties(tokens: torch.Tensor) -> N
     assert _same_storage(W_E, W_U) and torch.equal(W_U, W_E.T)
     assert not any(_same_storage(W_E, p) for p in source.parameters())
     assert aot.shared_parameters == {}
+    expected = _logits(aot, tokens)
+    aot.load_state_dict({k: v.clone() for k, v in aot.state_dict().items()})  # its keys and the bridge's
+    assert _same_storage(aot.embed.W_E, aot.unembed.W_U) and torch.equal(_logits(aot, tokens), expected)
     untied = lens_aot.convert(make_bridge("llama"))
     assert not _same_storage(untied.embed.W_E, untied.unembed.W_U)
