@@ -1,5 +1,5 @@
 """One copy of the weights for a TransformerBridge source (issue 38, item 3): ``convert(consume=True)`` hands the
-bridge's weights over; ``share_weights=True`` is refused with the fix (TransformerLens 3.9 and 4.x)."""
+bridge's weights over (TransformerLens 3.9 and 4.x; ``share_weights=True``: tests/test_bridge_shared_weights.py)."""
 
 from __future__ import annotations
 
@@ -46,9 +46,3 @@ def test_consumed_bridge_leaves_one_copy(dtype: torch.dtype, tokens: torch.Tenso
         source(tokens)
     lens_aot.save(aot, tmp_path / "consumed")
     assert torch.equal(_logits(lens_aot.load(tmp_path / "consumed"), tokens), expected)
-
-
-def test_bridge_cannot_share_weights() -> None:
-    """A bridge's weights are in Hugging Face's layouts: share_weights=True is an InputError naming consume=True."""
-    with pytest.raises(InputError, match="consume=True"):
-        lens_aot.convert(make_bridge("gpt2"), share_weights=True)

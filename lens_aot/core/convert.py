@@ -198,20 +198,22 @@ def convert(
             are carried over (detached from the source while it is converted and checked, then re-attached to both).
             ``sae_lens.HookedSAETransformer``: one, from any source. ``HookedTransformer``: the converted class (a
             ``HookedSAETransformer`` source's SAEs are detached for the conversion, then re-attached to it only).
-        share_weights: ``HookedTransformer`` sources: the converted model's parameters read from the source in its own
-            layout are the source's tensors (the same storage), not copies: attention weights and biases, embeddings
-            ``W_E`` / ``W_pos``, unembedding ``W_U`` / ``b_U``, norm weights and biases, and the MLPs' ``W_in``,
-            ``W_out``, ``b_out`` (plain MLPs also ``b_in``; gated MLPs ``W_gate``, and ``b_in`` as the converted
-            ``b_post``). ``aot.shared_parameters`` lists them (converted name -> source name). The two models then
-            hold one copy of those weights, the logits are bit for bit those of a copying conversion, and an in-place
-            edit of a shared weight on either model shows on both (docs/performance.md#one-copy-of-the-weights).
-            Mixture-of-experts experts and tables computed at conversion stay copies. A ``TransformerBridge``'s
-            weights are in Hugging Face's layout: use ``consume=True``.
+        share_weights: the converted model's parameters whose values are the source's own are the source's
+            tensors (the same storage), not copies: attention weights and biases, embeddings ``W_E`` / ``W_pos``,
+            unembedding ``W_U`` / ``b_U``, norm weights and biases, and the MLPs' ``W_in``, ``W_out``, ``b_out``
+            (plain MLPs also ``b_in``; gated MLPs ``W_gate``, and ``b_in`` as the converted ``b_post``). A
+            ``HookedTransformer``'s in its own layout; a ``TransformerBridge``'s Hugging Face tensors as views in
+            TransformerLens's layouts (``Linear.weight.T``, per-head reshapes, GPT-2's fused ``c_attn`` split, a
+            tied ``W_U`` a transposed view of ``W_E``). ``aot.shared_parameters`` lists them (converted name ->
+            source name in ``source.named_parameters()``). The two models then hold one copy of those weights, the
+            logits are bit for bit those of a copying conversion, and an in-place edit of a shared weight on either
+            model shows on both (docs/performance.md#one-copy-of-the-weights). Mixture-of-experts experts, values
+            computed at conversion (zero biases a source lacks, scaled or offset weights) and tables stay copies.
         consume: hand the source's weights over to the converted model: after the conversion and its check (run
             against the source's own forward), every parameter and buffer of the source becomes a ``meta`` tensor and
             calling the source raises :class:`~lens_aot.errors.InputError`; the process then holds one copy of the
-            weights, the converted model's, for any source (HookedTransformer sources are also read without copies,
-            as with ``share_weights``, which lowers the conversion's peak).
+            weights, the converted model's, for any source (the source is also read without copies, as with
+            ``share_weights``, which lowers the conversion's peak).
 
     Returns:
         An :class:`AttentionOnlyTransformer` (or ``StandardMaskTransformer``) with the source's dtype and device;
@@ -273,8 +275,8 @@ def _convert(
 
 
 def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -> bool:
-    """Whether the conversion reads the source without copies (``share_weights``, or ``consume`` of a
-    HookedTransformer); refuses what cannot share or be consumed, naming the fix."""
+    """Whether the conversion reads the source without copies (``share_weights``, or ``consume`` with explicit
+    masks; HookedTransformer and TransformerBridge alike); refuses what cannot share or be consumed, naming the fix."""
     if not share_weights and not consume:
         return False
     option = "share_weights=True" if share_weights else "consume=True"
@@ -283,18 +285,12 @@ def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -
             f"{option} applies to a TransformerLens source; a ModelSpec's tensors are copied. Pass the source model, "
             f"or build the model from the spec inside lens_aot.core.components.ownership.adopting() to take them over."
         )
-    if share_weights and source_layer().is_bridge(model):
-        raise InputError(
-            "share_weights=True needs a HookedTransformer source: a TransformerBridge keeps its weights in Hugging "
-            "Face's layouts (transposed, fused), which the converted model does not compute with. Pass consume=True "
-            "instead (the bridge's weights are handed over: one copy, the converted model's)."
-        )
     if share_weights and masks != "explicit":
         raise InputError(
             f"share_weights=True needs masks='explicit' (got {masks!r}): the standard-mask model's dense blocks are "
             f"not the source's tensors. Drop share_weights, or pass consume=True to hand the source's weights over."
         )
-    return masks == "explicit" and not source_layer().is_bridge(model)
+    return masks == "explicit"
 
 
 def _hand_over(model: Any, aot: Any) -> Any:

@@ -47,9 +47,12 @@ def test_one_copy_the_heads_read(pair: Pair) -> None:
     assert heads.W_in is mlp.W_in and heads.W_out is mlp.W_out
     names = [n for n, _ in pair.aot.named_parameters()]
     assert not any(n.endswith(("heads.W_in", "heads.W_out")) for n in names), "a second copy is registered"
-    size = sum(p.numel() for p in pair.aot.parameters())
-    distinct = {p.data_ptr() for p in pair.aot.parameters()}
-    assert len(distinct) == len(list(pair.aot.parameters())) and size > 0
+    W_E, W_U = pair.aot.embed.W_E, pair.aot.unembed.W_U
+    tied = W_U.data_ptr() == W_E.data_ptr() and torch.equal(W_U, W_E.T)  # a source that ties them (GPT-2): W_U is W_Eᵀ
+    params = [p for n, p in pair.aot.named_parameters() if not (tied and n == "unembed.W_U")]
+    size = sum(p.numel() for p in params)
+    distinct = {p.data_ptr() for p in params}
+    assert len(distinct) == len(params) and size > 0
 
 
 def test_optimizer_step_on_source_names_moves_the_heads(pair: Pair) -> None:

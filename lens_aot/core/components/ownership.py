@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from lens_aot.hooks import hooked
 
 _TAKEN: ContextVar[set[int] | None] = ContextVar("lens_aot_adopting", default=None)
+_WHOLE: ContextVar[dict[int, Tensor] | None] = ContextVar("lens_aot_adopted", default=None)  # storage -> matrix
 _SHARED: ContextVar[frozenset[int]] = ContextVar("lens_aot_shared", default=frozenset())
 
 
@@ -46,10 +47,13 @@ def adopting(keep: Iterable[Tensor] = (), share: Iterable[Tensor] = ()) -> Itera
     """Within, :func:`parameter` takes tensors over instead of copying them, except tensors sharing storage with
     ``keep`` (the source model's), with another adopted tensor, or viewing only part of their storage. A tensor
     sharing storage with one of ``share`` (the source's, for ``convert(share_weights=True)``) is used as it is, view
-    or not: the new module and the source then hold the same storage."""
+    or not: the new module and the source then hold the same storage. The transpose of a matrix taken over before
+    (``W_U = W_Eᵀ`` read from a source that ties its unembedding to its embedding) is used as it is too: the new
+    model ties the two as the source does."""
     shared = frozenset(t.untyped_storage().data_ptr() for t in share if t.device.type != "meta")
     with _set_within(_TAKEN, {t.untyped_storage().data_ptr() for t in keep}), _set_within(_SHARED, shared):
-        yield
+        with _set_within(_WHOLE, {}):
+            yield
 
 
 _BORROWING: ContextVar[bool] = ContextVar("lens_aot_borrowing", default=False)
@@ -74,11 +78,28 @@ def _own(t: Tensor) -> Tensor:
     storage = t.untyped_storage()
     if t.device.type != "meta" and storage.data_ptr() in _SHARED.get() and not t.is_inference():
         return t  # an inference-mode tensor cannot be a parameter that tracks gradients: copied below
+    matrices = _WHOLE.get()
+    if matrices is not None and _transposes(t, matrices.get(storage.data_ptr())):
+        return t  # tied: a view of the matrix this model took over
     whole = storage.nbytes() == t.numel() * t.element_size()
     if taken is None or not whole or storage.data_ptr() in taken or t.device.type == "meta":
         return t.clone()
     taken.add(storage.data_ptr())
+    if matrices is not None and t.ndim == 2:
+        matrices[storage.data_ptr()] = t
     return t
+
+
+def _transposes(t: Tensor, matrix: Tensor | None) -> bool:
+    """Whether ``t`` is ``matrix.T`` (the same storage, offset and elements, shape and strides swapped)."""
+    return (
+        matrix is not None
+        and t.ndim == 2
+        and t.shape == matrix.shape[::-1]
+        and t.stride() == matrix.stride()[::-1]
+        and t.storage_offset() == matrix.storage_offset()
+        and t.dtype == matrix.dtype
+    )
 
 
 def parameter(t: Tensor) -> nn.Parameter:
@@ -157,6 +178,11 @@ def sharing() -> Iterator[None]:
     (:mod:`lens_aot.tl.hooked.read`) then reads the source's own tensors too (``convert(share_weights=True)``)."""
     with _set_within(_SHARING, True):
         yield
+
+
+def sharing_now() -> bool:
+    """Whether :func:`sharing` is on: readers then return the source's own tensors (views where the layout differs)."""
+    return _SHARING.get()
 
 
 def exported(t: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """Reading a TransformerBridge's model-level pieces: the token embedding (:func:`token_embedding`), rotary tables
 given as cos / sin rows (:func:`rotary_from_tables`), and the ``ModelSpec.extra`` facts every bridge reading records
-(:func:`bridge_extra`). The helpers every piece reader shares are :mod:`lens_aot.tl.reading.pieces`; norms, MLPs and
+(:func:`bridge_extra`), and the unembedding, a view of a tied embedding (:func:`unembedding`). The helpers every piece
+reader shares are :mod:`lens_aot.tl.reading.pieces`; norms, MLPs and
 activations: :mod:`lens_aot.tl.reading.norms`, :mod:`lens_aot.tl.reading.mlp`, :mod:`lens_aot.tl.reading.activation`.
 """
 
@@ -14,9 +15,16 @@ from torch import Tensor, nn
 
 from lens_aot.core.spec.model_spec import RotarySpec
 from lens_aot.tl.hooked.model import source_config_fields, source_switches
-from lens_aot.tl.reading.pieces import bridge_refusal, detached_copy, wrapped_module
+from lens_aot.tl.reading.pieces import (
+    bridge_refusal,
+    detached_copy,
+    fresh_copy,
+    linear_view,
+    source_tensor,
+    wrapped_module,
+)
 
-__all__ = ["bridge_extra", "rotary_from_tables", "token_embedding"]
+__all__ = ["bridge_extra", "rotary_from_tables", "token_embedding", "unembedding"]
 
 
 def bridge_extra(bridge: Any) -> dict[str, Any]:
@@ -50,7 +58,29 @@ def token_embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
         return detached_copy(module.weight * torch.as_tensor(scale).to(module.weight.dtype))
     if type(module) is not nn.Embedding:
         raise bridge_refusal(f"a token embedding of type {name} (an nn.Embedding subclass with its own forward)")
-    return detached_copy(module.weight)
+    return source_tensor(module.weight)
+
+
+def unembedding(
+    unembed: nn.Module, dtype: torch.dtype, embed_bridge: Any, W_E: Tensor | None
+) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"]]:
+    """``(W_U, b_U)`` of the unembedding ``Linear``. Where its weight is the embedding module's own (tied, GPT-2's
+    ``lm_head`` and ``wte``) and ``W_E`` (None: scaled, not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
+    the converted model then holds the matrix once, as the source does
+    (:func:`~lens_aot.core.components.ownership.adopting`)."""
+    weight, b = linear_view(unembed, dtype)
+    table = getattr(wrapped_module(embed_bridge), "weight", None) if embed_bridge is not None else None
+    if W_E is None:
+        return fresh_copy(weight), fresh_copy(b)
+    tied = (
+        isinstance(unembed, nn.Linear)
+        and isinstance(table, Tensor)
+        and getattr(wrapped_module(embed_bridge), "embed_scale", None) is None
+        and unembed.weight.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+        and (unembed.weight.shape, unembed.weight.stride(), unembed.weight.storage_offset())
+        == (table.shape, table.stride(), table.storage_offset())
+    )
+    return (W_E.T if tied else fresh_copy(weight)), fresh_copy(b)
 
 
 def rotary_from_tables(cos: Tensor, sin: Tensor, n_ctx: int, dtype: torch.dtype, adjacent: bool) -> RotarySpec:

@@ -48,7 +48,7 @@ from lens_aot.tl.blocks.post_ln import is_post_ln
 from lens_aot.tl.blocks.post_norm import is_post_norm
 from lens_aot.tl.blocks.prediction_head import read_prediction_head
 from lens_aot.tl.bridge.checks import check_dtype
-from lens_aot.tl.bridge.components import bridge_extra, token_embedding
+from lens_aot.tl.bridge.components import bridge_extra, token_embedding, unembedding
 from lens_aot.tl.bridge.layout import (
     block_layout,
     containerless_mlp_hooks,
@@ -65,9 +65,9 @@ from lens_aot.tl.reading.norms import final_norm_on_embeddings, named_norm, opti
 from lens_aot.tl.reading.pieces import (
     bridge_blocks,
     bridge_refusal,
-    detached_copy,
     linear_weights,
     source_model,
+    source_tensor,
     subcomponent,
     wrapped_module,
 )
@@ -209,13 +209,14 @@ def read_bridge(bridge: Any) -> ModelSpec:
         table = pos_module.weight
         if table.shape[0] < n_ctx:
             raise bridge_refusal(f"a position table of {table.shape[0]} rows for n_ctx={n_ctx}")
-        W_pos = detached_copy(table[:n_ctx]) if W_pos is None else W_pos
+        W_pos = source_tensor(table[:n_ctx]) if W_pos is None else W_pos
     elif subcomponent(bridge, "pos_embed") is not None:
         raise bridge_refusal("both rotary and absolute positions")
     unembed = wrapped_module(subcomponent(bridge, "unembed"))
     if not isinstance(unembed, nn.Linear):
         raise refuse_piece(None, "unembed", f"an unembedding of type {type(unembed).__name__}")
-    W_U, b_U = linear_weights(unembed, dtype)
+    embed = subcomponent(bridge, "embed")
+    W_U, b_U = unembedding(unembed, dtype, embed, None if embed_multiplier is not None else W_E)
     tokenizer = getattr(bridge, "tokenizer", None)
     spec = ModelSpec(
         d_model=int(W_E.shape[1]),

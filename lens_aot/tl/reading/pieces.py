@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from lens_aot.core.components.ownership import exported, sharing_now
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.probe import SUPPORTED
 
@@ -29,6 +30,7 @@ __all__ = [
     "fresh_copy",
     "linear_view",
     "linear_weights",
+    "source_tensor",
     "source_model",
     "subcomponent",
     "subcomponent_names",
@@ -130,14 +132,22 @@ def linear_view(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d
     return weight, b
 
 
+def source_tensor(t: Tensor) -> Tensor:
+    """A source tensor ``t`` (or a view of it) for the spec as it is: a copy, or inside
+    :func:`~lens_aot.core.components.ownership.sharing` (``convert(share_weights=True)``) ``t`` itself (detached)."""
+    return exported(t)
+
+
 def linear_weights(
     module: nn.Module, dtype: torch.dtype
 ) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
-    """:func:`linear_view`'s ``(W, b)`` as fresh contiguous copies."""
+    """:func:`linear_view`'s ``(W, b)`` as fresh contiguous copies (inside
+    :func:`~lens_aot.core.components.ownership.sharing`: the views themselves)."""
     weight, b = linear_view(module, dtype)
-    return weight.clone(memory_format=torch.contiguous_format), b.clone()
+    return fresh_copy(weight), fresh_copy(b)
 
 
 def fresh_copy(t: Tensor) -> Tensor:
-    """A contiguous copy of ``t`` (always a copy, even where ``t`` is already contiguous)."""
-    return t.clone(memory_format=torch.contiguous_format)
+    """A contiguous copy of ``t`` (always a copy, even where ``t`` is already contiguous); inside
+    :func:`~lens_aot.core.components.ownership.sharing`, ``t`` itself (a view of the source's tensor)."""
+    return t.detach() if sharing_now() else t.clone(memory_format=torch.contiguous_format)
