@@ -122,3 +122,9 @@ def split_evenly(n_layers: int, devices: Sequence[DeviceLike]) -> Placement:
     per = math.ceil(n_layers / len(devs))
     layers = tuple(devs[i // per] for i in range(n_layers))
     return Placement(devs[0], layers, layers[-1])
+
+
+def cat_on(device: DeviceLike, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` of tensors that may sit on several devices (one per layer of a split model), on ``device``."""
+    target = as_device(device)
+    return torch.cat([t.to(target) for t in tensors], dim=dim)

@@ -545,7 +545,7 @@ def _active(prompt: FrozenPrompt, site: Site) -> Bool[Tensor, "pos width"]:
     if site.kind == "attn":
         return torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
     assert site.mlp is not None
-    return (value != 0) & (prompt.router_weight(site.mlp) != 0)[:, None]
+    return (value != 0) & (prompt.router_weight(site.mlp) != 0).to(value.device)[:, None]
 
 
 def _select(candidates: Candidates, max_nodes: int | None) -> list[tuple[Site, Int[Tensor, " k"]]]:
@@ -621,7 +621,7 @@ def _edges(
                 for site in prompt.sites:
                     if site.key not in grads:
                         continue
-                    contrib = prompt.contributions(site, grads[site.key]).flatten(1)
+                    contrib = prompt.contributions(site, grads[site.key]).flatten(1).to(device)  # site's -> logits'
                     dropped += contrib.index_select(1, left_out[site.key].to(device)).sum(1, dtype=torch.float64)
                     if site.key in starts:
                         index = kept_index[site.key].to(device)
@@ -638,7 +638,7 @@ def _edges(
         mlp = site.mlp
         assert mlp is not None
         rows = starts[site.key] + torch.arange(len(index))
-        positions, units = (index // site.width).to(device), (index % site.width).to(device)
+        positions, units = index // site.width, index % site.width  # CPU indices: valid on every layer's device
         hook = f"{mlp.path}.hook_pre"
         fill(hook, rows, positions, units, A, error)
         inputs[rows] = prompt.clean[hook][0, positions, units].double().cpu()

@@ -363,6 +363,7 @@ class FrozenPrompt:
         rows = len(positions)
         cot = out.new_zeros(rows, *out.shape)
         index = torch.arange(rows, device=out.device)
+        positions, units = positions.to(out.device), units.to(out.device)  # the target's layer's device
         if target == "logits":
             cot[index, positions, units] = 1
         else:
