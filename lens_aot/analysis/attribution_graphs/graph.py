@@ -545,7 +545,7 @@ def _active(prompt: FrozenPrompt, site: Site) -> Bool[Tensor, "pos width"]:
     if site.kind == "attn":
         return torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
     assert site.mlp is not None
-    return (value != 0) & (prompt.router_weight(site.mlp) != 0).to(value.device)[:, None]
+    return (value != 0) & (prompt.router_weight(site.mlp) != 0)[:, None]
 
 
 def _select(candidates: Candidates, max_nodes: int | None) -> list[tuple[Site, Int[Tensor, " k"]]]:
