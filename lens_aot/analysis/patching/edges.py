@@ -161,6 +161,8 @@ def _backward_edges(
     the residual ``receiver`` (None: the logits) reads."""
     per_head = {
         name: torch.einsum("bphe,bphe->h", d, _head_grads(_head_module(aot, name), grad.to(d.device)).to(d.dtype))
+        .to(torch.float64)
+        .cpu()  # one transfer per module, not one per head
         for name, d in dz.items()
         if _reads_output_of(aot, receiver, name)
     }
