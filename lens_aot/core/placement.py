@@ -11,6 +11,8 @@ to each block's device at block boundaries, as TransformerLens does, and to the 
 :class:`Placement` names the devices: the embeddings', one per source layer, and the final norm and unembedding's.
 ``Placement.of_spec`` reads it from a spec, ``from_n_devices`` and ``from_device_map`` compute it from TransformerLens
 and accelerate settings (without any device being present), and ``AttentionOnlyTransformer.place`` applies one.
+Analysis on a split model computes on each layer's device and brings tensors together with :func:`cat_on`,
+:func:`tensors_to` and :func:`module_device` (docs/devices.md, "Analysis across devices").
 """
 
 from __future__ import annotations
