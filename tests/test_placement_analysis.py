@@ -13,6 +13,7 @@ test_patching.py, test_attribution*.py, test_circuit_discovery.py and test_attri
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ import lens_aot.analysis.attribution_graphs.graph as graph_module
 import lens_aot.analysis.attribution_graphs.verify as verify_module
 from lens_aot import patching as P
 from lens_aot.circuits import attribution_graph, composition_scores, discover, evaluate, evaluate_baseline
-from lens_aot.core.placement import Placement, cat_on
+from lens_aot.core.placement import Placement, cat_on, module_device, tensors_to
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "devices.md"
 SOURCES = ["hooked-gpt2", "hooked-llama", "bridge-gpt2", "bridge-llama"]
@@ -240,10 +241,28 @@ def test_meta_readout_refuses_what_a_gpu_refuses() -> None:
     assert torch.einsum("i,i->", cpu, meta).device == META  # outside, torch lets this pass on meta
 
 
-def test_cat_on_gathers_tensors_of_several_devices() -> None:
+@dataclasses.dataclass
+class _Factors:
+    weight: torch.Tensor
+    count: int
+
+
+def test_placement_helpers_for_analysis() -> None:
+    """``cat_on`` gathers tensors of several devices; ``tensors_to`` moves a dataclass's tensors; ``module_device``
+    tells where a module computes."""
     parts = [torch.ones(2, 3), torch.ones(2, 1, device=META)]
     assert cat_on("meta", parts, dim=1).shape == (2, 4) and cat_on(META, parts, 1).device == META
     torch.testing.assert_close(cat_on("cpu", [torch.ones(1), torch.zeros(2)]), torch.tensor([1.0, 0.0, 0.0]))
+    ref = lens_aot.HeadRef("blocks.0.attn", 1)
+    factors = tensors_to(_Factors(torch.ones(3), 7), META)
+    assert factors.weight.device == META and factors.weight.shape == (3,) and factors.count == 7
+    moved = tensors_to(Placement(CPU, (CPU,), CPU), META)  # a dataclass without tensors: unchanged
+    assert moved == Placement(CPU, (CPU,), CPU)
+    with pytest.raises(TypeError, match="dataclass instance"):
+        tensors_to(ref, META)
+    assert module_device(torch.nn.Linear(2, 2).to(META)) == META
+    with pytest.raises(ValueError, match="no parameters or buffers"):
+        module_device(torch.nn.ReLU())
 
 
 def test_docs_say_where_analysis_results_land() -> None:
