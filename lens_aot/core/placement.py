@@ -11,21 +11,25 @@ to each block's device at block boundaries, as TransformerLens does, and to the 
 :class:`Placement` names the devices: the embeddings', one per source layer, and the final norm and unembedding's.
 ``Placement.of_spec`` reads it from a spec, ``from_n_devices`` and ``from_device_map`` compute it from TransformerLens
 and accelerate settings (without any device being present), and ``AttentionOnlyTransformer.place`` applies one.
+Analysis on a split model computes on each layer's device and brings tensors together with :func:`cat_on`,
+:func:`tensors_to` and :func:`module_device` (docs/devices.md, "Analysis across devices").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from lens_aot.core.spec.model_spec import ModelSpec, attention_device
 
 DeviceLike = torch.device | str | int
+T = TypeVar("T")
 
 
 def as_device(device: DeviceLike) -> torch.device:
@@ -122,3 +126,29 @@ def split_evenly(n_layers: int, devices: Sequence[DeviceLike]) -> Placement:
     per = math.ceil(n_layers / len(devs))
     layers = tuple(devs[i // per] for i in range(n_layers))
     return Placement(devs[0], layers, layers[-1])
+
+
+def cat_on(device: DeviceLike, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` of tensors that may sit on several devices (one per layer of a split model), on ``device``."""
+    target = as_device(device)
+    return torch.cat([t.to(target) for t in tensors], dim=dim)
+
+
+def tensors_to(obj: T, device: DeviceLike) -> T:
+    """A copy of dataclass instance ``obj`` with its tensor fields on ``device`` (the other fields as they are)."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"tensors_to takes a dataclass instance; got {type(obj).__name__}")
+    target = as_device(device)
+    moved = {
+        f.name: getattr(obj, f.name).to(target)
+        for f in dataclasses.fields(obj)
+        if isinstance(getattr(obj, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(obj, **moved)  # type: ignore[type-var]
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter (else buffer): where a layer of a split model computes."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    raise ValueError(f"{type(module).__name__} has no parameters or buffers to tell its device")

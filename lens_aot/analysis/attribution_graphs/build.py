@@ -225,7 +225,7 @@ def _graph_fields(
                 for site in prompt.sites:
                     if site.key not in grads:
                         continue
-                    contrib = prompt.contributions(site, grads[site.key]).flatten(1)
+                    contrib = prompt.contributions(site, grads[site.key]).flatten(1).to(device)  # site's -> logits'
                     dropped += contrib.index_select(1, left_out[site.key].to(device)).sum(1, dtype=torch.float64)
                     if site.key in starts:
                         index = kept_index[site.key].to(device)
@@ -242,7 +242,7 @@ def _graph_fields(
         mlp = site.mlp
         assert mlp is not None
         rows = starts[site.key] + torch.arange(len(index))
-        positions, units = (index // site.width).to(device), (index % site.width).to(device)
+        positions, units = index // site.width, index % site.width  # CPU indices: valid on every layer's device
         hook = f"{mlp.path}.hook_pre"
         fill(hook, rows, positions, units, A, error)
         inputs[rows] = prompt.clean[hook][0, positions, units].double().cpu()

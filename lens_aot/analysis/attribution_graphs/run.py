@@ -267,7 +267,7 @@ class FrozenPrompt:
     def router_weight(self, site: MLPSite) -> Float[Tensor, " pos"]:
         """The expert's router weight at each position (0 where it is not chosen); 1 for a dense MLP."""
         if site.expert is None:
-            return torch.ones(self.n_pos, dtype=self.logits.dtype, device=self.logits.device)
+            return torch.ones(self.n_pos, dtype=self.logits.dtype, device=self.aot.placement.layers[site.layer])
         layer = f"blocks.{site.layer}.mlp"
         weights = self.clean[f"{layer}.hook_topk_weights"]  # [pos, top_k]
         indices = self.clean[f"{layer}.hook_expert_indices"]
@@ -363,6 +363,7 @@ class FrozenPrompt:
         rows = len(positions)
         cot = out.new_zeros(rows, *out.shape)
         index = torch.arange(rows, device=out.device)
+        positions, units = positions.to(out.device), units.to(out.device)  # the target's layer's device
         if target == "logits":
             cot[index, positions, units] = 1
         else:

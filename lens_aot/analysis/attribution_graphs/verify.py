@@ -28,6 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.analysis.attribution_graphs.run import activation_fn
+from lens_aot.core.placement import module_device
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
@@ -157,7 +158,7 @@ def _evaluate(
     if u is not None:
         full_u = torch.zeros(n, k, d_mlp, dtype=dtype)
         full_u[:, torch.arange(k), units] = u.T.to(dtype)
-    device = next(aot.parameters()).device
+    device = module_device(aot.get_submodule(path))  # the MLP's layer's device
     with torch.no_grad():
         out = fn(full_g.to(device), None if full_u is None else full_u.to(device)).cpu()
     return out[:, torch.arange(k), units].T.to(torch.float64)

@@ -15,6 +15,7 @@ from torch import Tensor
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits import names
 from lens_aot.analysis.circuits.weights import _fold_norm, _has_neuron_layout, _neuron_out_rows, _pad_cols
+from lens_aot.core.placement import tensors_to
 from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 
@@ -268,9 +269,10 @@ def composition_scores(
     _check_pair(ss, rs, mode)
     send_heads = _select_heads(aot, ss, senders, "sender")
     recv_heads = _select_heads(aot, rs, receivers, "receiver")
-    device = aot.W_E.device
-    recv = _sublayer_factors(aot, rs, torch.tensor(recv_heads, device=device), fold_ln)
-    send = _sublayer_factors(aot, ss, torch.tensor(send_heads, device=device), fold_ln)
+    # head indices on the CPU (valid on every device); factors on their layer's device, the sender's then moved to
+    # the receiver's (a split model)
+    recv = _sublayer_factors(aot, rs, torch.tensor(recv_heads), fold_ln)
+    send = tensors_to(_sublayer_factors(aot, ss, torch.tensor(send_heads), fold_ln), aot.placement.layers[rs.layer])
     send = _align_sender(aot, ss, rs, send, recv.Q.shape[-2])
     parallel = getattr(aot.blocks[rs.layer], "parallel", False)
     hidden = parallel and ss.layer == rs.layer and ss.kind == "attention" and rs.kind != "attention"

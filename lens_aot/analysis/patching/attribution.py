@@ -221,12 +221,12 @@ def attribute_units(
             if name in head_names:
                 dz = _head_z(attn, other) - _head_z(attn, state)
                 gz = _head_grads(attn, runs.grads[_output_hook(name)])
-                per_head[name] = torch.einsum("bphe,bphe,pn->hn", dz, gz.to(dz.dtype), weights.to(dz.dtype))
+                per_head[name] = torch.einsum("bphe,bphe,pn->hn", dz, gz.to(dz.dtype), weights.to(dz.device, dz.dtype))
             if name in post_names:
                 assert isinstance(attn, ProductAttention)
                 g = runs.grads[_output_hook(name)][..., : attn.d_model] @ attn.W_out.T
                 dpost = _gated_post(attn, other) - _gated_post(attn, state)
-                per_post[name] = torch.einsum("bpn,bpn,pk->nk", dpost, g, weights.to(dpost.dtype))
+                per_post[name] = torch.einsum("bpn,bpn,pk->nk", dpost, g, weights.to(dpost.device, dpost.dtype))
     effect = _unit_sums(aot, resolved, per_head, per_post, weights.shape[1])
     effect = effect if per_position else effect[:, 0]
     positions_out = pos_list if per_position else None

@@ -152,7 +152,9 @@ def _backward_edges(
     """``Σ_{h ∈ s} Σ_{batch, pos} Δz_h · (grad · W_O[h])`` for every sender ``s``, over the heads whose output is in
     the residual ``receiver`` (None: the logits) reads."""
     per_head = {
-        name: torch.einsum("bphe,bphe->h", d, _head_grads(_head_module(aot, name), grad).to(d.dtype))
+        name: torch.einsum("bphe,bphe->h", d, _head_grads(_head_module(aot, name), grad.to(d.device)).to(d.dtype))
+        .to(torch.float64)
+        .cpu()  # one transfer per module, not one per head
         for name, d in dz.items()
         if _reads_output_of(aot, receiver, name)
     }
@@ -241,9 +243,9 @@ def _forward_edges(
     for chunk in _progress(chunks, progress, f"edges into {name}"):
         delta = resid.new_zeros(len(chunk), batch, n_pos, width)
         for n, (rows, hs) in _heads_by_module(senders, chunk, keep=W_O.__contains__).items():
-            h_t = torch.tensor(hs, dtype=torch.long, device=resid.device)
+            h_t = torch.tensor(hs, dtype=torch.long, device=dz[n].device)  # on the sender layer's device
             contrib = torch.einsum("bpme,med->mbpd", dz[n][:, :, h_t], W_O[n][h_t].to(resid.dtype))
-            contrib = _into_input(aot, name, n, contrib)
+            contrib = _into_input(aot, name, n, contrib.to(resid.device))
             delta.index_add_(0, torch.tensor(rows, dtype=torch.long, device=resid.device), contrib)
         moved = resid[None] + delta
         q1, v1 = _qv(attn, _state_of(aot, name, moved), head_t)

@@ -18,6 +18,7 @@ from lens_aot.analysis.circuits.layout import (
 )
 from lens_aot.analysis.circuits.moe import NeuronGroup, group_of
 from lens_aot.core.dtypes import HALF_DTYPES
+from lens_aot.core.placement import cat_on
 
 _CHUNK = 1 << 24  # elements per intermediate [batch, pos, receivers, ...] block
 
@@ -67,7 +68,7 @@ class _Scorer:
             if g.granularity == "mlp" and has_mlp(aot, layer):
                 idx.append(g.node_index[f"m{layer}"])
                 parts.append(diff[f"blocks.{layer}.hook_mlp_out"][:, :, None])
-        self._dense = (diff, idx, torch.cat(parts, dim=2))
+        self._dense = (diff, idx, cat_on(aot.W_U.device, parts, dim=2))  # layers' devices -> the logits
         return self._dense[1], self._dense[2]
 
     def add(
@@ -89,7 +90,7 @@ class _Scorer:
         n_dense = {"attn": self.before_attn, "mlp": self.before_mlp}[kind][at] if kind != "logits" else self.n_dense
         last = len(self.aot.blocks) if kind == "logits" else at  # neurons of earlier layers only
         idx, dense = self._dense_senders(diff)
-        block = torch.einsum("bpsd,bprd->sr", dense[:, :, :n_dense], G).double()
+        block = torch.einsum("bpsd,bprd->sr", dense[:, :, :n_dense], G.to(dense.device)).double()
         self.T[torch.tensor(idx[:n_dense])[:, None], cols[None, :]] += weight * block.cpu()
         for key, neurons in self.neurons.items():
             group = self.groups[key]
@@ -97,6 +98,7 @@ class _Scorer:
                 continue
             dpost = diff[group.post_hook][:, :, neurons]  # [b, p, k]: the outputs' change (gate·post in MoE)
             w_out = group.W_out[neurons]  # [k, d]
+            G = G.to(w_out.device)  # the receiver's gradient, on the sender layer's device
             step = max(1, _CHUNK // max(1, G.shape[0] * G.shape[1] * len(neurons)))
             for start in range(0, G.shape[2], step):
                 proj = G[:, :, start : start + step] @ w_out.T  # [b, p, r, k]
