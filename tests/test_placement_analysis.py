@@ -25,7 +25,7 @@ from factories_bridge import make_bridge
 from placement_helpers import CPU, META, MetaReadout
 
 import lens_aot
-import lens_aot.analysis.attribution_graphs.graph as graph_module
+import lens_aot.analysis.attribution_graphs.build as graph_module
 import lens_aot.analysis.attribution_graphs.verify as verify_module
 from lens_aot import patching as P
 from lens_aot.circuits import attribution_graph, composition_scores, discover, evaluate, evaluate_baseline
