@@ -13,9 +13,7 @@ fixed order, the first match winning:
   it is (its bridge class, read by name: TransformerLens's classes are not imported here), read into an
   :class:`~lens_aot.tl.reading.record.AttentionReading`. Built in: ALiBi bridges, the refused bridges, a plain
   ``AttentionBridge`` around a registered attention forward, a delegated rotary forward, the position-embeddings and
-  joint-QKV bridges (built-in priorities: ALiBi 600, refused bridges 500, registered attention forwards 400, delegated
-  rotary forwards 300, position-embeddings bridges 200, joint-QKV position-embeddings bridges 150, joint-QKV bridges
-  100). Tried by descending ``priority``, then registration order; no match: refused.
+  joint-QKV bridges. Tried by descending ``priority``, then registration order; no match: refused.
 * **attention forwards** (:func:`register_attention_forward`): the Hugging Face attention module a plain
   ``AttentionBridge`` calls, matched exactly by its class (or the class's name), read by a function
   ``(layer, hf_attn, hf_config, dtype, n_ctx) -> AttentionReading``. Built in: GPT-J, GPT-Neo, OPT, XGLM, Llama 4,
@@ -23,9 +21,8 @@ fixed order, the first match winning:
 * **MLP readers** (:func:`register_mlp_reader`): a block's MLP bridge whose wrapped module is not a plain dense MLP,
   matched by what the module is (its structure), read into an ``MLPSpec`` or ``MoESpec``. Built in: Llama 4's MoE,
   sparse top-k MoEs, JetMoE's parallel experts (and the refusal of its other forms), a dense MLP inside an MoE bridge,
-  xIELU's learned scalars (built-in priorities: Llama 4's MoE 600, sparse MoEs 500, parallel experts 400, other
-  JetMoE forms (refused) 300, a dense MLP in an MoE bridge 200, xIELU 100). Tried by descending ``priority``, then
-  registration order; no match: the dense MLP bridge is read (:func:`lens_aot.tl.reading.mlp.read_mlp`).
+  xIELU's learned scalars. Tried by descending ``priority``, then registration order; no match: the dense MLP bridge
+  is read (:func:`lens_aot.tl.reading.mlp.read_mlp`).
 
 The built-in readers register through these same functions when :mod:`lens_aot.tl` is imported
 (:mod:`lens_aot.tl.builtin_readers`). A reader outside lens_aot registers the same way; whatever it reads is still
@@ -52,6 +49,7 @@ __all__ = [
     "AttentionReader",
     "MLPReader",
     "ModelReader",
+    "Reader",
     "ReaderTable",
     "SourceReader",
     "attention_forward",
@@ -111,11 +109,10 @@ R = TypeVar("R", bound=_Entry)
 
 
 class ReaderTable(Generic[R]):
-    """A table of named readers of one kind (``kind``: the entry class, built ``kind(name, matches, read,
-    priority=...)``), tried by descending ``priority``, then registration order; ``what`` names an entry in errors."""
+    """A table of named readers of one kind, tried by descending ``priority``, then registration order; ``what``
+    names an entry in errors. ``unregister_*`` and ``*_readers`` are its :meth:`unregister` and :meth:`entries`."""
 
-    def __init__(self, kind: type[R], what: str) -> None:
-        self.kind = kind
+    def __init__(self, what: str) -> None:
         self.what = what
         self._entries: list[R] = []
 
@@ -127,11 +124,6 @@ class ReaderTable(Generic[R]):
         position = next((i for i, o in enumerate(self._entries) if o.priority < entry.priority), len(self._entries))
         self._entries.insert(position, entry)
         return entry
-
-    def register(self, name: str, matches: Callable[..., bool], read: Callable[..., Any], *, priority: int = 0) -> R:
-        """Register a reader: the first whose ``matches`` holds reads (see the module docstring for the built-in
-        priorities); returns its entry."""
-        return self.add(self.kind(name, matches, read, priority=priority))  # type: ignore[call-arg]
 
     def unregister(self, name: str) -> R:
         """Remove the reader ``name`` (KeyError when none is registered under it); returns it."""
@@ -149,7 +141,22 @@ class ReaderTable(Generic[R]):
         return next((entry for entry in self._entries if entry.matches(*args)), None)
 
 
-_MODEL_READERS = ReaderTable(ModelReader, "model reader")
+M = TypeVar("M")
+RD = TypeVar("RD")
+
+
+@dataclass(frozen=True)
+class Reader(Generic[M, RD]):
+    """A registered reader of one layer's attention or one block's MLP: its ``name``, its ``matches`` test, its
+    ``read`` and its ``priority`` (:class:`AttentionReader`, :class:`MLPReader`)."""
+
+    name: str
+    matches: M
+    read: RD
+    priority: int = 0
+
+
+_MODEL_READERS = ReaderTable[ModelReader]("model reader")
 
 
 def register_model_reader(
@@ -214,21 +221,27 @@ class AttentionContext:
         return [c.__name__ for c in type(self.attn).__mro__]
 
 
-@dataclass(frozen=True)
-class AttentionReader:
+AttentionMatch = Callable[[AttentionContext], bool]  # must not raise
+AttentionRead = Callable[[AttentionContext], AttentionReading]
+
+
+class AttentionReader(Reader[AttentionMatch, AttentionRead]):
     """An attention reader: ``matches(ctx)`` (must not raise), ``read(ctx)`` → :class:`AttentionReading` (or a
     refusal naming the layer and the piece)."""
 
-    name: str
-    matches: Callable[[AttentionContext], bool]
-    read: Callable[[AttentionContext], AttentionReading]
-    priority: int = 0
 
-
-_ATTENTION_READERS = ReaderTable(AttentionReader, "attention reader")
-register_attention_reader = _ATTENTION_READERS.register
+_ATTENTION_READERS = ReaderTable[AttentionReader]("attention reader")
 unregister_attention_reader = _ATTENTION_READERS.unregister
 attention_readers = _ATTENTION_READERS.entries
+
+
+def register_attention_reader(
+    name: str, matches: AttentionMatch, read: AttentionRead, *, priority: int = 0
+) -> AttentionReader:
+    """Register an attention reader (:class:`AttentionReader`). Built-in priorities: ALiBi 600, refused bridges
+    500, registered attention forwards 400, delegated rotary forwards 300, position-embeddings bridges 200, joint-QKV
+    position-embeddings bridges 150, joint-QKV bridges 100."""
+    return _ATTENTION_READERS.add(AttentionReader(name, matches, read, priority))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,22 +298,25 @@ def attention_forward(hf_attn: nn.Module) -> AttentionForward | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MLPReader:
+MLPMatch = Callable[[Any, nn.Module, str], bool]  # (mlp_bridge, module, act_fn); must not raise
+MLPRead = Callable[[Any, nn.Module, int, torch.dtype, str], Any]  # (mlp_bridge, module, layer, dtype, act_fn)
+
+
+class MLPReader(Reader[MLPMatch, MLPRead]):
     """An MLP reader: ``matches(mlp_bridge, module, act_fn)`` (``module``: the module the bridge wraps, unwrapped;
     ``act_fn``: the activation read off the module or config; must not raise), ``read(mlp_bridge, module, layer,
     dtype, act_fn)`` → an ``MLPSpec`` or ``MoESpec`` (or a refusal naming the layer)."""
 
-    name: str
-    matches: Callable[[Any, nn.Module, str], bool]
-    read: Callable[[Any, nn.Module, int, torch.dtype, str], Any]
-    priority: int = 0
 
-
-_MLP_READERS = ReaderTable(MLPReader, "MLP reader")
-register_mlp_reader = _MLP_READERS.register
+_MLP_READERS = ReaderTable[MLPReader]("MLP reader")
 unregister_mlp_reader = _MLP_READERS.unregister
 mlp_readers = _MLP_READERS.entries
+
+
+def register_mlp_reader(name: str, matches: MLPMatch, read: MLPRead, *, priority: int = 0) -> MLPReader:
+    """Register an MLP reader (:class:`MLPReader`). Built-in priorities: Llama 4's MoE 600, sparse MoEs 500,
+    parallel experts 400, other JetMoE forms (refused) 300, a dense MLP in an MoE bridge 200, xIELU 100."""
+    return _MLP_READERS.add(MLPReader(name, matches, read, priority))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,25 +324,21 @@ mlp_readers = _MLP_READERS.entries
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SourceReader:
-    """A reader of a whole source model. ``matches(model)``: whether it reads this model (called on anything passed
-    to ``convert``, so it must not raise); ``read(model)``: the model's
-    :class:`~lens_aot.core.spec.model_spec.ModelSpec`, refusing (with the layer and the piece named) what the spec
-    cannot express."""
+SourceMatch = Callable[[Any], bool]  # (model); called on anything passed to convert, so it must not raise
+SourceRead = Callable[[Any], Any]  # (model) -> its ModelSpec, refusing (layer and piece named) what it cannot express
+SourceReader = Reader[SourceMatch, SourceRead]
+"""A reader of a whole source model (``convert``'s input): ``matches(model)`` and ``read(model)``."""
 
-    name: str
-    matches: Callable[[Any], bool]
-    read: Callable[[Any], Any]
-    priority: int = 0
+_SOURCE_READERS = ReaderTable[SourceReader]("source reader")
 
 
-_SOURCE_READERS = ReaderTable(SourceReader, "source reader")
+def register_source_reader(name: str, matches: SourceMatch, read: SourceRead, *, priority: int = 0) -> SourceReader:
+    """Register a source reader (:data:`SourceReader`): the first whose ``matches(model)`` holds reads what
+    ``convert`` is given. Built in: ``"HookedTransformer"`` (TransformerLens 3.x, :mod:`lens_aot.tl.hooked.read`) and
+    ``"TransformerBridge"`` (:mod:`lens_aot.tl.bridge.read`), both at priority 0."""
+    return _SOURCE_READERS.add(SourceReader(name, matches, read, priority))
 
-register_source_reader = _SOURCE_READERS.register
-"""Register a source reader (:class:`SourceReader`): ``register_source_reader(name, matches, read, priority=0)``.
-Built in: ``"HookedTransformer"`` (TransformerLens 3.x, :mod:`lens_aot.tl.hooked.read`) and ``"TransformerBridge"``
-(:mod:`lens_aot.tl.bridge.read`), both at priority 0."""
+
 unregister_source_reader = _SOURCE_READERS.unregister
 source_readers = _SOURCE_READERS.entries
 

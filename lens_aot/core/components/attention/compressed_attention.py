@@ -82,9 +82,8 @@ class CompressedAttention(ScaledDenseHeads):
     rounds it.
     """
 
-    caches_keys = False  # no key-value cache: generate reruns the whole sequence (core/runtime/generate.py)
     ONE_INPUT = "DeepSeek-V4's attention reads one shared input per position"
-    ABSENT_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
+    caches_keys = False  # no key-value cache: generate reruns the whole sequence (core/runtime/generate.py)
     ABSENT_ERROR = CompressedWeightError
     ABSENT_WHY = (
         "DeepSeek-V4's attention has no {name}: its queries come through a normed low-rank latent "

@@ -47,7 +47,6 @@ class MLAAttention(ScaledDenseHeads):
     """
 
     ONE_INPUT = "multi-head latent attention reads one shared input per position"
-    ABSENT_MAPS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
     ABSENT_ERROR = MLAWeightError
     ABSENT_WHY = (
         "multi-head latent attention has no {name}: its queries, keys and values are computed from latents "

@@ -48,7 +48,9 @@ class ScaledDenseHeads(nn.Module):
     needs_dense_scores = True
     _mask = Attention._mask  # the causal / window / padding mask, as Attention computes it
     ONE_INPUT: ClassVar[str]
-    ABSENT_MAPS: ClassVar[tuple[str, ...]] = ()  # TransformerLens's attention weights the layer has no such map for
+    # TransformerLens's attention weights the layer has no such map for (by default every per-head input map and
+    # bias: a layer that reads its input through latents)
+    ABSENT_MAPS: ClassVar[tuple[str, ...]] = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V")
     ABSENT_ERROR: ClassVar[type[AttributeError]] = AttributeError  # the layer's error for reading one
     ABSENT_WHY: ClassVar[str] = "{name}"  # its message, ``{name}`` the weight read: what the layer computes instead
 
