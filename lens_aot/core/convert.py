@@ -23,7 +23,7 @@ from lens_aot.core.read import half_dtype, run_source, sample_tokens, upcast_hal
 from lens_aot.core.shared_weights import release
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec.model_spec import ModelSpec
-from lens_aot.errors import InputError, UnsupportedArchitectureError
+from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
 from lens_aot.pipeline import ConversionReport, Fits, build, eval_mode, fit, param_stats, read, refuse
 
 __all__ = ["ConversionReport", "Fits", "build", "convert", "fit", "half_precision_tolerance", "read"]
@@ -100,20 +100,26 @@ def _convert_half(
     model: Any, half: torch.dtype, check: bool | Literal["warn"], check_tokens: torch.Tensor | None, **options: Any
 ) -> Any:
     """Convert a float16 / bfloat16 source into a ``half`` model; its neuron heads evaluate their logistic sums in
-    float32 inside (:func:`lens_aot.core.components.mlp.neuron_attention.compute_dtype`). A source whose reader reads
-    half precision (a HookedTransformer) is read, fitted and built in ``half`` (:func:`_native_half`: no float32 copy
-    of its weights); a TransformerBridge is read, fitted and checked in float32, cast in place and back
-    (:func:`_upcast_half`). The half check: the converted half model's logit error against the float32 source must be
-    within :func:`half_precision_tolerance` of the half source's own, both measured on the positions the converted half
-    model routes as the float32 one does (all of them for a dense model; :mod:`lens_aot.core.check.routing_flips`)."""
+    float32 inside (:func:`lens_aot.core.components.mlp.neuron_attention.compute_dtype`). The source is read, fitted
+    and built in ``half`` and checked in float32 a block at a time (:func:`_native_half`: no float32 copy of its
+    weights); where that reading is refused or its float32 check fails, it is read, fitted and checked in float32, cast
+    in place and back (:func:`_upcast_half`), as before. The half check: the converted half model's logit error
+    against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both measured
+    on the positions the converted half model routes as the float32 one does (all of them for a dense model;
+    :mod:`lens_aot.core.check.routing_flips`)."""
     if options.get("masks") == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
             f"norms' compensating epsilon lose too much in half precision. Use the default masks='explicit', or cast "
             f"the model first: model.to(torch.float32)."
         )
-    convert_half = _upcast_half if source_layer().is_bridge(model) else _native_half
-    aot, tokens, expected, routes = convert_half(model, half, check, check_tokens, **options)
+    try:  # the native path's float32 check raises rather than warns: a refusal is confirmed in float32 below
+        aot, tokens, expected, routes = _native_half(model, half, bool(check), check_tokens, **options)
+    except (FaithfulnessError, UnsupportedArchitectureError):
+        # A reading the half probe refuses, or a half spec that rounds as the half source does where the float32
+        # source does not (e.g. rotary tables its module rounds to half): read, fit and check in float32 instead
+        # (the previous path, at its memory); a refusal there is the conversion's
+        aot, tokens, expected, routes = _upcast_half(model, half, check, check_tokens, **options)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
     report = replace(report, converted_bytes=param_stats(aot)[1])
     if expected is not None:

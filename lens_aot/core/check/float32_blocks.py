@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ class _Swap:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.depth = 0
-        self.saved: list[tuple[nn.Module, str, str, Tensor]] = []
+        self.saved: Restore = []
 
     def enter(self, *_: Any) -> None:
         self.depth += 1
@@ -50,12 +51,21 @@ class _Swap:
             self.saved = []
 
 
-def _upcast(module: nn.Module, recurse: bool = True) -> list[tuple[nn.Module, str, str, Tensor]]:
+Restore = list[tuple[nn.Module, str, str, Any]]
+
+
+def _upcast(module: nn.Module, recurse: bool = True) -> Restore:
     """Cast ``module``'s half floating parameters (their ``data``, the ``Parameter`` kept) and buffers to float32,
-    its submodules' too unless not ``recurse``, returning what to give back; a buffer reached twice is cast once."""
-    saved: list[tuple[nn.Module, str, str, Tensor]] = []
+    its submodules' too unless not ``recurse``, returning what to give back; a buffer reached twice is cast once. A
+    rotary recipe's rows (:mod:`lens_aot.core.rotary_recipe`, read from a half source: rounded to half by its module)
+    are those the module computes in float32 meanwhile: rounded to float32 only."""
+    saved: Restore = []
     seen: dict[int, Tensor] = {}
     for sub in module.modules() if recurse else [module]:
+        recipe = sub.__dict__.get("_recipe")
+        if recipe is not None and any(d in (torch.float16, torch.bfloat16) for d in getattr(recipe, "rounded", ())):
+            saved.append((sub, "__dict__", "_recipe", recipe))
+            sub.__dict__["_recipe"] = replace(recipe, rounded=(torch.float32,))
         for kind in ("_parameters", "_buffers"):
             for name, tensor in getattr(sub, kind).items():
                 if tensor is None or tensor.dtype not in (torch.float16, torch.bfloat16):
@@ -72,13 +82,20 @@ def _upcast(module: nn.Module, recurse: bool = True) -> list[tuple[nn.Module, st
     return saved
 
 
-def _restore(saved: list[tuple[nn.Module, str, str, Tensor]]) -> None:
-    """Give each parameter (its ``data``) and buffer back the tensor :func:`_upcast` took."""
+def _restore(saved: Restore) -> None:
+    """Give each parameter (its ``data``), buffer and rotary recipe back what :func:`_upcast` took; rotary rows kept
+    meanwhile in float32 (``kept.rows``, keyed by their rounding) are dropped."""
     for sub, kind, name, original in reversed(saved):
         if kind == "_parameters":
             sub._parameters[name].data = original  # type: ignore[union-attr]
-        else:
+        elif kind == "_buffers":
             sub._buffers[name] = original
+        else:
+            kept = getattr(sub, "kept", None)
+            rows = getattr(kept, "rows", {})
+            for key in [k for k in rows if k[0] == (torch.float32,)]:
+                del rows[key]
+            sub.__dict__[name] = original
 
 
 @contextmanager
@@ -104,12 +121,19 @@ def float32_blocks(*models: Any) -> Iterator[None]:
         yield
 
 
+ROUTING_FIELDS = ("W_router", "b_router", "W_shared_gate", "e_score_correction_bias")
+
+
 class Float32Spec:
     """A half spec seen as the float32 spec of the same weights (``dtype`` float32, everything else the spec's): what
-    the float32 check of a half source reads for its stated bound and rounding floor."""
+    the float32 check of a half source reads for its stated bound and rounding floor. Its mixtures of experts' routing
+    tensors (:data:`ROUTING_FIELDS`, a few vectors per layer, which the check's sensitivity hooks route the float32
+    source's activations with) are float32 copies; the experts' weights stay the spec's (cast one expert at a time
+    where the check applies them, :mod:`lens_aot.core.check.moe_perturbation`)."""
 
     def __init__(self, spec: Any) -> None:
         self._spec = spec
+        self.layers = [_float32_routing(layer) for layer in spec.layers]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,3 +141,13 @@ class Float32Spec:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._spec, name)
+
+
+def _float32_routing(layer: Any) -> Any:
+    """``layer`` with its mixture of experts' routing tensors in float32 (the layer itself when it has none in half)."""
+    mlp = getattr(layer, "mlp", None)
+    fields = {f: getattr(mlp, f, None) for f in ROUTING_FIELDS}
+    half = {
+        f: t.float() for f, t in fields.items() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16)
+    }
+    return replace(layer, mlp=replace(mlp, **half)) if half else layer

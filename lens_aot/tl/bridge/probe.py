@@ -43,7 +43,7 @@ MODEL_PIECES = ("embed", "pos_embed", "ln_final", "unembed")
 
 # A structural difference (a missing residual term, a norm applied to the wrong tensor) is O(1); rounding is far
 # below these. convert's own check against the whole forward then applies the certified bound.
-PROBE_TOLERANCE = {torch.float32: 2e-4, torch.float64: 1e-9}
+PROBE_TOLERANCE = {torch.float32: 2e-4, torch.float64: 1e-9, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 
 
 @dataclass

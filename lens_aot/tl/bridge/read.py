@@ -32,6 +32,7 @@ from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.mlp.mlp import MLP
 from lens_aot.core.components.ownership import borrowing
 from lens_aot.core.components.prediction_head import PredictionHead
+from lens_aot.core.dtypes import reads_half
 from lens_aot.core.read import check_finite
 from lens_aot.core.spec.mla import MLASpec
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
@@ -127,7 +128,7 @@ def _check_dtype(model: nn.Module) -> torch.dtype:
     if len(dtypes) != 1:
         raise _refuse(f"mixed parameter dtypes {sorted(map(str, dtypes))}", "Cast the bridge with bridge.to(dtype).")
     (dtype,) = dtypes
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in _FLOAT_DTYPES and not reads_half():  # convert's half path (core/dtypes.py)
         raise _refuse(
             f"parameters in {dtype} (the bridge then computes norms partly in float32 and casts back)",
             "Cast the bridge to float32 or float64 first: bridge.to(torch.float32).",
