@@ -41,10 +41,10 @@ def _bridge(kind: str, dtype: torch.dtype) -> Any:
     from lens_aot.matrix.measure import _source
 
     families = importlib.import_module("lens_aot.matrix.families")
-    if kind == "llama":
-        architecture = "LlamaForCausalLM"
+    if kind in ("llama", "mixtral"):  # Mixtral: 4 experts of 64 neurons, top-2
+        architecture = "LlamaForCausalLM" if kind == "llama" else "MixtralForCausalLM"
         fields = dict(vocab_size=VOCAB, hidden_size=D_MODEL, head_dim=32, max_position_embeddings=N_CTX)
-        fields.update(intermediate_size=D_MLP, num_hidden_layers=LAYERS)
+        fields.update(intermediate_size=D_MLP if kind == "llama" else 64, num_hidden_layers=LAYERS)
     else:
         architecture = "GPT2LMHeadModel"
         fields = dict(vocab_size=VOCAB, n_embd=D_MODEL, n_positions=N_CTX, n_inner=D_MLP, n_layer=LAYERS)
@@ -66,6 +66,20 @@ def test_convert_peak_is_at_most_1_5x_the_parameter_bytes(
     source's parameter bytes: the converted model's own copy (1.0x, in the source's dtype) plus one block in float32
     and the check's activations. (The gated fit's input bound runs over a fixed number of bytes per block of neurons,
     a constant that would dwarf these tiny weights: it is set to 64 KiB here, its result unchanged.)"""
+    _assert_peak(monkeypatch, make, kind, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_moe_convert_peak_is_at_most_1_5x_the_parameter_bytes(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The same for a mixture of experts (a Mixtral TransformerBridge): the float32 check routes with float32 copies
+    of the routers' weights, and the converted half model is judged on the positions routed as in float32."""
+    _assert_peak(monkeypatch, _bridge, "mixtral", dtype)
+
+
+def _assert_peak(monkeypatch: pytest.MonkeyPatch, make: Any, kind: str, dtype: torch.dtype) -> None:
+    """Convert ``make(kind, dtype)`` under :class:`PeakMeter` and assert the peak, the report and the source."""
     monkeypatch.setattr(gating, "BOUND_BLOCK_BYTES", 1 << 16)
     source = make(kind, dtype)
     weights = _weights(source)
