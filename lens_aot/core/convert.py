@@ -115,10 +115,11 @@ def _convert_half(
         )
     try:  # the native path's float32 check raises rather than warns: a refusal is confirmed in float32 below
         aot, tokens, expected, routes = _native_half(model, half, bool(check), check_tokens, **options)
-    except (FaithfulnessError, UnsupportedArchitectureError):
-        # A reading the half probe refuses, or a half spec that rounds as the half source does where the float32
-        # source does not (e.g. rotary tables its module rounds to half): read, fit and check in float32 instead
-        # (the previous path, at its memory); a refusal there is the conversion's
+    except (FaithfulnessError, UnsupportedArchitectureError, RuntimeError):
+        # A reading the half probe refuses, a half spec that rounds as the half source does where the float32 source
+        # does not (Gemma's norm scale 1 + w), or a source whose float32 run a block at a time meets a half tensor
+        # outside its block (Gemma 4's per-layer inputs: a dtype mismatch): read, fit and check in float32 instead
+        # (the previous path, at its memory); a refusal or error there is the conversion's
         aot, tokens, expected, routes = _upcast_half(model, half, check, check_tokens, **options)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
     report = replace(report, converted_bytes=param_stats(aot)[1])
