@@ -97,3 +97,30 @@ def _assert_peak(monkeypatch: pytest.MonkeyPatch, make: Any, kind: str, dtype: t
     assert meter.peak <= 1.5 * weights, (meter.peak / weights, meter.count)
     # the source is given back bit for bit, its tensors in their dtype
     assert all(torch.equal(before[n], t) and before[n].dtype == t.dtype for n, t in source.state_dict().items())
+
+
+@pytest.mark.skipif(not has_hooked_transformer(), reason="needs a HookedTransformer (TL 3.x)")
+def test_the_float32_fallback_shares_the_half_sources_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the half path falls back to reading in float32 (forced here), ``share_weights`` still gives a model whose
+    shared parameters are the half source's own tensors, with the half path's logits bit for bit."""
+    import lens_aot.core.convert as convert_module
+    from lens_aot.errors import FaithfulnessError
+
+    source = _hooked("llama", torch.bfloat16)
+    tokens = torch.arange(16)[None]
+    native = lens_aot.convert(source, share_weights=True)
+    with torch.no_grad():
+        expected = native(tokens)
+    del native
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise FaithfulnessError("forced: the float32 path")
+
+    monkeypatch.setattr(convert_module, "_native_half", refused)
+    aot = lens_aot.convert(source, share_weights=True)
+    assert aot.shared_parameters["blocks.0.attn.W_Q"] == "blocks.0.attn.W_Q"
+    for name, source_name in aot.shared_parameters.items():
+        ours, theirs = aot.get_parameter(name), source.get_parameter(source_name)
+        assert ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr(), name
+    with torch.no_grad():
+        assert torch.equal(aot(tokens), expected)

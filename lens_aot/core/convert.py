@@ -20,7 +20,7 @@ from lens_aot.core.check.float32_blocks import Float32Spec, float32_blocks
 from lens_aot.core.check.routing_flips import expert_choices, max_error_where, routed_layers, unflipped_positions
 from lens_aot.core.dtypes import half_reading
 from lens_aot.core.read import half_dtype, run_source, sample_tokens, upcast_half
-from lens_aot.core.shared_weights import release
+from lens_aot.core.shared_weights import release, share_again
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
@@ -121,6 +121,8 @@ def _convert_half(
         # outside its block (Gemma 4's per-layer inputs: a dtype mismatch): read, fit and check in float32 instead
         # (the previous path, at its memory); a refusal or error there is the conversion's
         aot, tokens, expected, routes = _upcast_half(model, half, check, check_tokens, **options)
+        if options.get("share"):  # read in float32: the half converted parameters point at the half source's again
+            aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
     report = replace(report, converted_bytes=param_stats(aot)[1])
     if expected is not None:
