@@ -23,6 +23,7 @@ into every parameter) on the same tokens:
 
     python benchmarks/bench_scale.py [--shape cpu|1b|8b|olmoe] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
         [--tokens 128] [--pairs 8] [--repeats 3] [--threads 1] [--layers N] [--scale 1.0] [--skip discover forward]
+        [--convert-only]
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink d_model, d_mlp and the vocabulary (a check)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["discover", "forward"])
+    parser.add_argument("--convert-only", action="store_true", help="measure convert's time and peak memory only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dims = dict(SHAPES[args.shape])
@@ -165,6 +167,9 @@ def main() -> None:
     source = build_source(dims, dtype, args.device)
     n_param = param_bytes(source)
     convert_s, convert_peak, aot = measured(lambda: lens_aot.convert(source, check=False).eval(), args.device)
+    if args.convert_only:
+        _print_table(args, dims, dtype, source, [_convert_row(convert_s, convert_peak, n_param)])
+        return
 
     gen = torch.Generator().manual_seed(0)
     clean = torch.randint(0, dims["d_vocab"], (1, args.tokens), generator=gen).to(args.device)
@@ -187,8 +192,7 @@ def main() -> None:
         fwd_aot = 0.0 if "forward" in args.skip else median_time(lambda: aot(clean), args.device, args.repeats)
     src_s = median_time(source_fwd_bwd, args.device, args.repeats)
     rows.append((f"source forward+backward, 1×{args.tokens}", f"{src_s * 1e3:.0f} ms", "1.00×", ""))
-    rows.append((f"convert (check=False), peak over {n_param / 2**20:.0f} MiB of parameters", f"{convert_s:.1f} s",
-                 f"{convert_peak / n_param:.2f}× param bytes", "≤ 1.5×"))  # fmt: skip
+    rows.append(_convert_row(convert_s, convert_peak, n_param))
     if "forward" not in args.skip:
         rows.append(("forward, converted / source", f"{fwd_aot * 1e3:.0f} ms", f"{fwd_aot / fwd_src:.2f}×", "≤ 1.0×"))
 
@@ -234,6 +238,19 @@ def main() -> None:
                      f"{graph.cfg['neurons_kept']} kept, extra peak {disc_mem / 2**20:.0f} MiB",
                      f"{disc_s * 1e3:.0f} ms", f"{disc_s / pairs_s:.2f}×", ""))  # fmt: skip
 
+    _print_table(args, dims, dtype, source, rows)
+
+
+def _convert_row(convert_s: float, convert_peak: int, n_param: int) -> tuple[str, str, str, str]:
+    """The table's row for ``convert``: its time and its peak over the parameter bytes."""
+    return (f"convert (check=False), peak over {n_param / 2**20:.0f} MiB of parameters", f"{convert_s:.1f} s",
+            f"{convert_peak / n_param:.2f}× param bytes", "≤ 1.5×")  # fmt: skip
+
+
+def _print_table(
+    args: argparse.Namespace, dims: dict[str, Any], dtype: torch.dtype, source: Any, rows: list[tuple[str, ...]]
+) -> None:
+    """The run's setting (shape, dtype, source class, device, threads), then ``rows`` as a Markdown table."""
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "CPU"
     print(f"shape {args.shape} {dims}, {str(dtype).removeprefix('torch.')}, source {type(source).__name__}, "
           f"{where}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}\n")  # fmt: skip

@@ -1,24 +1,29 @@
 """``lens_aot.convert``: a TransformerLens model in, a faithful attention-only model out, with a report.
 
 ``convert`` runs the pipeline of :mod:`lens_aot.pipeline` (``read → fit → build → check``) and wraps it: a
-``HookedSAETransformer`` source's SAEs are detached around it, a half-precision source is converted in float32 and the
-result cast back (with its own check), and ``consume`` releases the source's weights after the check."""
+``HookedSAETransformer`` source's SAEs are detached around it, a half-precision source is converted in its dtype (a
+TransformerBridge: in float32, the result cast back) with its own check, and ``consume`` releases the source's
+weights after the check."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 
 from lens_aot import pipeline
+from lens_aot.core.check.float32_blocks import Float32Spec, float32_blocks
 from lens_aot.core.check.routing_flips import expert_choices, max_error_where, routed_layers, unflipped_positions
+from lens_aot.core.dtypes import half_reading
 from lens_aot.core.read import half_dtype, run_source, sample_tokens, upcast_half
 from lens_aot.core.shared_weights import release, share_again
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec.model_spec import ModelSpec
-from lens_aot.errors import InputError, UnsupportedArchitectureError
+from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
 from lens_aot.pipeline import ConversionReport, Fits, build, eval_mode, fit, param_stats, read, refuse
 
 __all__ = ["ConversionReport", "Fits", "build", "convert", "fit", "half_precision_tolerance", "read"]
@@ -94,28 +99,30 @@ def _eval_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 def _convert_half(
     model: Any, half: torch.dtype, check: bool | Literal["warn"], check_tokens: torch.Tensor | None, **options: Any
 ) -> Any:
-    """Convert a float16 / bfloat16 source: read, fit and check in float32 (the source cast in place and back), then
-    cast the converted model to ``half``; its neuron heads evaluate their logistic sums in float32 inside
-    (:func:`lens_aot.core.components.mlp.sum_of_logistics.compute_dtype`). The half check: the converted half model's
-    logit
-    error against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both
-    measured on the positions the converted half model routes as the float32 one does (all of them for a dense
-    model; :mod:`lens_aot.core.check.routing_flips`)."""
+    """Convert a float16 / bfloat16 source into a ``half`` model; its neuron heads evaluate their logistic sums in
+    float32 inside (:func:`lens_aot.core.components.mlp.sum_of_logistics.compute_dtype`). The source is read, fitted
+    and built in ``half`` and checked in float32 a block at a time (:func:`_native_half`: no float32 copy of its
+    weights); where that reading is refused or its float32 check fails, it is read, fitted and checked in float32, cast
+    in place and back (:func:`_upcast_half`), as before. The half check: the converted half model's logit error
+    against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both measured
+    on the positions the converted half model routes as the float32 one does (all of them for a dense model;
+    :mod:`lens_aot.core.check.routing_flips`)."""
     if options.get("masks") == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
             f"norms' compensating epsilon lose too much in half precision. Use the default masks='explicit', or cast "
             f"the model first: model.to(torch.float32)."
         )
-    with upcast_half(model, half):
-        aot = _pipeline(model, check=check, check_tokens=check_tokens, **options)
-        tokens = sample_tokens(aot.cfg) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
-        expected = routes = None
-        if check:
-            expected = _eval_logits(model, tokens.to(aot.cfg.device)).float()
-            # the float32 routing (core/check/routing_flips.py); a dense model has none and needs no extra forward
-            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
-    aot.to(half)
+    try:  # the native path's float32 check raises rather than warns: a refusal is confirmed in float32 below
+        aot, tokens, expected, routes = _native_half(model, half, bool(check), check_tokens, **options)
+    except (FaithfulnessError, UnsupportedArchitectureError, RuntimeError):
+        # A reading the half probe refuses, a half spec that rounds as the half source does where the float32 source
+        # does not (Gemma's norm scale 1 + w), or a source whose float32 run a block at a time meets a half tensor
+        # outside its block (Gemma 4's per-layer inputs: a dtype mismatch): read, fit and check in float32 instead
+        # (the previous path, at its memory); a refusal or error there is the conversion's
+        aot, tokens, expected, routes = _upcast_half(model, half, check, check_tokens, **options)
+        if options.get("share"):  # read in float32: the half converted parameters point at the half source's again
+            aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
     report = replace(report, converted_bytes=param_stats(aot)[1])
     if expected is not None:
@@ -145,6 +152,79 @@ def _convert_half(
     return aot
 
 
+HalfResult = tuple[Any, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]
+
+
+def _upcast_half(
+    model: Any, half: torch.dtype, check: bool | Literal["warn"], check_tokens: torch.Tensor | None, **options: Any
+) -> HalfResult:
+    """The source cast to float32 in place (and back, bit for bit), converted and checked in float32, the converted
+    model cast to ``half``: it, the check tokens, the float32 source's logits on them and the converted float32
+    model's expert choices (None, None without a check)."""
+    with upcast_half(model, half):
+        aot = _pipeline(model, check=check, check_tokens=check_tokens, **options)
+        tokens = sample_tokens(aot.cfg) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
+        expected = routes = None
+        if check:
+            expected = _eval_logits(model, tokens.to(aot.cfg.device)).float()
+            # the float32 routing (core/check/routing_flips.py); a dense model has none and needs no extra forward
+            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
+    aot.to(half)
+    return aot, tokens, expected, routes
+
+
+@contextmanager
+def _fused_neurons(aot: Any) -> Iterator[None]:
+    """The converted model's neuron heads in closed form within (restored after): their fits' coefficients in the
+    compute dtype (float32 for the float32 check of a half model), not the per-head buffers rounded to half."""
+    before = getattr(aot.cfg, "use_fused_neurons", False)
+    aot.set_use_fused_neurons(True)
+    try:
+        yield
+    finally:
+        aot.set_use_fused_neurons(before)
+
+
+def _native_half(
+    model: Any,
+    half: torch.dtype,
+    check: bool | Literal["warn"],
+    check_tokens: torch.Tensor | None,
+    *,
+    share: bool,
+    max_neuron_error: float | None,
+    heads_per_neuron: int | None,
+    max_residual_norm: float | None,
+    masks: Literal["explicit", "weights"],
+    omega: float,
+) -> HalfResult:
+    """The source read into a ``half`` spec (:func:`~lens_aot.core.dtypes.half_reading`: its tensors copied in
+    ``half``, or shared with ``share``), fitted, and built in ``half`` (taking the spec's tensors over); the float32
+    check (:func:`lens_aot.pipeline.check`, its certified bound) then runs source and converted model in float32 a
+    block at a time (:func:`~lens_aot.core.check.float32_blocks.float32_blocks`: half → float32 is exact, so it is the
+    float32 check of the same weights without a float32 copy of them). Returns what :func:`_upcast_half` does."""
+    with half_reading():
+        spec, source = read(model, share=share)
+    fits = fit(
+        spec,
+        max_neuron_error=max_neuron_error,
+        heads_per_neuron=heads_per_neuron,
+        max_residual_norm=max_residual_norm,
+        masks=masks,
+    )
+    options = dict(masks=masks, omega=omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
+    aot = build(spec, fits, source, fresh=source is model, share=share, **options)
+    tokens = sample_tokens(spec) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
+    expected = routes = None
+    with float32_blocks(source, aot) if check else nullcontext(), _fused_neurons(aot):
+        spec32: Any = Float32Spec(spec)  # the float32 check's stated bound and rounding floor
+        aot.report = pipeline.check(source, aot, spec32, fits, mode=check, tokens=check_tokens)
+        if check:
+            expected = _eval_logits(source, tokens.to(aot.cfg.device)).float()
+            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
+    return aot, tokens, expected, routes
+
+
 def convert(
     model: Any,
     *,
@@ -163,9 +243,10 @@ def convert(
 
     Args:
         model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified
-            (a float16 / bfloat16 source is cast to float32 in place while it is read and checked, then cast back bit
-            for bit). A :class:`~lens_aot.core.spec.model_spec.ModelSpec` is accepted too (checked against
-            :class:`~lens_aot.core.check.reference.MLPTransformer`).
+            (a float16 / bfloat16 HookedTransformer is read in its dtype and checked in float32 a block at a
+            time; a float16 / bfloat16 TransformerBridge is cast to float32 in place while it is read and checked,
+            then cast back bit for bit). A :class:`~lens_aot.core.spec.model_spec.ModelSpec` is accepted too
+            (checked against :class:`~lens_aot.core.check.reference.MLPTransformer`).
         max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
             (default 1e-6). GELU variants use the fewest shifted-logistic heads per neuron meeting it (default 1e-4).
@@ -268,9 +349,7 @@ def _convert(
     if half is None:
         aot = _pipeline(model, **options)
     else:
-        aot = _convert_half(model, half, **options)
-        if share:  # read in float32: the half converted parameters point at the half source's again
-            aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
+        aot = _convert_half(model, half, **options)  # shared tensors: read in half, the source's own
     return _hand_over(model, aot) if consume else aot
 
 

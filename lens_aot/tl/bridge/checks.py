@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lens_aot.core.dtypes import reads_half
 from lens_aot.tl.attention.shared_kv_block import refuse_delegated_block
 from lens_aot.tl.blocks.sub_norms import refuse_sub_norms
 from lens_aot.tl.bridge.layout import check_embedding_projection
@@ -56,7 +57,7 @@ def check_dtype(model: nn.Module) -> torch.dtype:
             f"mixed parameter dtypes {sorted(map(str, dtypes))}", "Cast the bridge with bridge.to(dtype)."
         )
     (dtype,) = dtypes
-    if dtype not in FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES and not reads_half():  # convert's half path (core/dtypes.py)
         raise bridge_refusal(
             f"parameters in {dtype} (the bridge then computes norms partly in float32 and casts back)",
             "Cast the bridge to float32 or float64 first: bridge.to(torch.float32).",

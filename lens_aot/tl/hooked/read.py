@@ -16,6 +16,7 @@ from torch import nn
 
 from lens_aot.core.components.ownership import exported
 from lens_aot.core.components.scores.dynamic_ntk import ntk_alphas
+from lens_aot.core.dtypes import HALF_DTYPES, reads_half
 from lens_aot.core.fit.activations import canonical_activation
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import InputError, UnsupportedArchitectureError
@@ -277,7 +278,8 @@ def read_hooked_transformer(model: Any) -> ModelSpec:
     cfg = model.cfg
     _check_config(cfg)
     _refuse_mixed_half(model)
-    if model.embed.W_E.dtype not in (torch.float32, torch.float64):
+    half = reads_half() and model.embed.W_E.dtype in HALF_DTYPES  # convert's half path (core/dtypes.py)
+    if model.embed.W_E.dtype not in (torch.float32, torch.float64) and not half:
         raise UnsupportedArchitectureError(
             f"this HookedTransformer is in {model.embed.W_E.dtype}; lens_aot converts float32 or float64 models, "
             f"whose faithfulness it measures. Cast first: model.to(torch.float32)."
