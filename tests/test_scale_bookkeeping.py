@@ -207,7 +207,9 @@ def test_no_bar_unless_asked_or_in_a_notebook(small, capsys, monkeypatch) -> Non
 
     assert attribute(False) == "" and attribute("auto") == ""
     assert _bar(capsys, lambda: discover(small, DATA, label_metric, top_nodes=5)) == ""  # the default: "auto"
-    kernel = type("ZMQInteractiveShell", (), {})()
+    shell_class = type("ZMQInteractiveShell", (), {})
+    monkeypatch.setitem(sys.modules, "ipykernel.zmqshell", types.SimpleNamespace(ZMQInteractiveShell=shell_class))
+    kernel = shell_class()
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
     assert "| 2/2 " in attribute("auto")
     per_position = {"per_position": True, "positions": [1, 2], "batch_size": 1}

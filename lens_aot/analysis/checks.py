@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
+from lens_aot.tl.reading.registry import source_reader
 
 __all__ = ["VIZ_EXTRA", "circuit_metric", "converted_only", "patching_metric", "pyplot", "require_converted"]
 
@@ -43,7 +44,7 @@ def require_converted(model: Any, what: str) -> None:
     if isinstance(model, AttentionOnlyTransformer):
         return
     kind = type(model).__name__
-    source = any(c.__name__ in ("HookedTransformer", "TransformerBridge") for c in type(model).__mro__)
+    source = source_reader(model) is not None  # a model convert reads (lens_aot.tl's source readers)
     got = f"a {kind} (the source model, not yet converted)" if source else f"a {kind}"
     raise InputError(
         f"{what} works on a converted model (neuron heads included); got {got}. Convert it first: "

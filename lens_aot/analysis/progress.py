@@ -22,11 +22,13 @@ __all__ = ["Progress", "in_notebook", "progress_bar", "show_progress"]
 
 
 def in_notebook() -> bool:
-    """Whether this process is a Jupyter kernel (an IPython shell of the kernel's class; IPython is not imported)."""
-    ipython = sys.modules.get("IPython")
+    """Whether this process is a Jupyter kernel: IPython's shell is ipykernel's ``ZMQInteractiveShell`` (neither
+    package is imported here: a kernel has imported both)."""
+    ipython, zmqshell = sys.modules.get("IPython"), sys.modules.get("ipykernel.zmqshell")
     get = getattr(ipython, "get_ipython", None)
     shell = get() if callable(get) else None
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    kernel_shell = getattr(zmqshell, "ZMQInteractiveShell", None)
+    return shell is not None and isinstance(kernel_shell, type) and isinstance(shell, kernel_shell)
 
 
 def show_progress(progress: Any) -> bool:

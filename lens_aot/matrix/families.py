@@ -252,6 +252,8 @@ def randomize_(model: nn.Module, seed: int = 0) -> None:
     steer is exercised. Values come from a private float32 generator (the global RNG is untouched); tied parameters
     once.
     """
+    from transformers.pytorch_utils import Conv1D
+
     gen = torch.Generator().manual_seed(seed)
     owners = dict(model.named_modules())
     with torch.no_grad():
@@ -263,7 +265,7 @@ def randomize_(model: nn.Module, seed: int = 0) -> None:
             else:
                 if isinstance(module, nn.Embedding):
                     std = 0.25
-                elif type(module).__name__ == "Conv1D":
+                elif isinstance(module, Conv1D):  # weight [in, out]
                     std = 1.0 / math.sqrt(shape[0])
                 else:
                     std = 1.0 / math.sqrt(shape[-1])
