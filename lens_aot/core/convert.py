@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -29,23 +29,25 @@ from lens_aot.pipeline import ConversionReport, Fits, build, eval_mode, fit, par
 __all__ = ["ConversionReport", "Fits", "build", "convert", "fit", "half_precision_tolerance", "read"]
 
 
+def _positive_finite(value: Any) -> bool:
+    """Whether ``value`` is a positive finite number (an int or float, not a bool)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ok and math.isfinite(value) and value > 0
+
+
 def _check_options(max_neuron_error: Any, heads_per_neuron: Any, max_residual_norm: Any = None) -> None:
     """Refuse option values that would silently give a wrong or meaningless model."""
-    if max_residual_norm is not None:
-        ok = isinstance(max_residual_norm, (int, float)) and not isinstance(max_residual_norm, bool)
-        if not ok or not math.isfinite(max_residual_norm) or max_residual_norm <= 0:
-            raise ValueError(
-                f"max_residual_norm must be a positive finite number (the largest ‖x‖ of a residual read by an MLP "
-                f"with no norm before it, e.g. 1e3); got {max_residual_norm!r}. Leave it unset for the bound "
-                f"certified from the weights."
-            )
-    if max_neuron_error is not None:
-        ok = isinstance(max_neuron_error, (int, float)) and not isinstance(max_neuron_error, bool)
-        if not ok or not math.isfinite(max_neuron_error) or max_neuron_error <= 0:
-            raise ValueError(
-                f"max_neuron_error must be a positive finite number (a bound on each neuron's error, e.g. 1e-4); "
-                f"got {max_neuron_error!r}. Leave it unset for the defaults."
-            )
+    if max_residual_norm is not None and not _positive_finite(max_residual_norm):
+        raise ValueError(
+            f"max_residual_norm must be a positive finite number (the largest ‖x‖ of a residual read by an MLP "
+            f"with no norm before it, e.g. 1e3); got {max_residual_norm!r}. Leave it unset for the bound "
+            f"certified from the weights."
+        )
+    if max_neuron_error is not None and not _positive_finite(max_neuron_error):
+        raise ValueError(
+            f"max_neuron_error must be a positive finite number (a bound on each neuron's error, e.g. 1e-4); "
+            f"got {max_neuron_error!r}. Leave it unset for the defaults."
+        )
     if heads_per_neuron is not None and (
         not isinstance(heads_per_neuron, int) or isinstance(heads_per_neuron, bool) or heads_per_neuron < 1
     ):
@@ -55,30 +57,51 @@ def _check_options(max_neuron_error: Any, heads_per_neuron: Any, max_residual_no
         )
 
 
-def _pipeline(
-    model: Any,
-    *,
-    max_neuron_error: float | None,
-    heads_per_neuron: int | None,
-    masks: Literal["explicit", "weights"],
-    omega: float,
-    check: bool | Literal["warn"],
-    check_tokens: torch.Tensor | None,
-    max_residual_norm: float | None,
-    share: bool,
-) -> Any:
-    """``read → fit → build → check`` (:mod:`lens_aot.pipeline`): the converted model, its report attached."""
-    spec, source = read(model, share=share)
+@dataclass(frozen=True)
+class ConvertOptions:
+    """:func:`convert`'s options for one conversion, checked (:func:`_check_options`); ``share``: the source is read
+    without copies (:func:`_check_sharing`); ``consume``: its weights are released after the check."""
+
+    max_neuron_error: float | None
+    heads_per_neuron: int | None
+    masks: Literal["explicit", "weights"]
+    omega: float
+    check: bool | Literal["warn"]
+    check_tokens: torch.Tensor | None
+    max_residual_norm: float | None
+    share: bool
+    consume: bool
+
+
+def _fit_and_build(model: Any, spec: ModelSpec, source: Any, options: ConvertOptions) -> tuple[Fits, Any]:
+    """``fit → build`` (:mod:`lens_aot.pipeline`) of ``spec``, read from ``model`` (``source``: the model the check
+    runs as the source): its fits and the converted model."""
     fits = fit(
         spec,
-        max_neuron_error=max_neuron_error,
-        heads_per_neuron=heads_per_neuron,
-        max_residual_norm=max_residual_norm,
-        masks=masks,
+        max_neuron_error=options.max_neuron_error,
+        heads_per_neuron=options.heads_per_neuron,
+        max_residual_norm=options.max_residual_norm,
+        masks=options.masks,
     )
-    options = dict(masks=masks, omega=omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
-    aot = build(spec, fits, source, fresh=source is model, share=share, **options)
-    aot.report = pipeline.check(source, aot, spec, fits, mode=check, tokens=check_tokens)
+    aot = build(
+        spec,
+        fits,
+        source,
+        fresh=source is model,
+        share=options.share,
+        masks=options.masks,
+        omega=options.omega,
+        max_neuron_error=options.max_neuron_error,
+        heads_per_neuron=options.heads_per_neuron,
+    )
+    return fits, aot
+
+
+def _pipeline(model: Any, options: ConvertOptions) -> Any:
+    """``read → fit → build → check`` (:mod:`lens_aot.pipeline`): the converted model, its report attached."""
+    spec, source = read(model, share=options.share)
+    fits, aot = _fit_and_build(model, spec, source, options)
+    aot.report = pipeline.check(source, aot, spec, fits, mode=options.check, tokens=options.check_tokens)
     return aot
 
 
@@ -96,9 +119,7 @@ def _eval_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
         return run_source(model, tokens)
 
 
-def _convert_half(
-    model: Any, half: torch.dtype, check: bool | Literal["warn"], check_tokens: torch.Tensor | None, **options: Any
-) -> Any:
+def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any:
     """Convert a float16 / bfloat16 source into a ``half`` model; its neuron heads evaluate their logistic sums in
     float32 inside (:func:`lens_aot.core.components.mlp.sum_of_logistics.compute_dtype`). The source is read, fitted
     and built in ``half`` and checked in float32 a block at a time (:func:`_native_half`: no float32 copy of its
@@ -107,21 +128,21 @@ def _convert_half(
     against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both measured
     on the positions the converted half model routes as the float32 one does (all of them for a dense model;
     :mod:`lens_aot.core.check.routing_flips`)."""
-    if options.get("masks") == "weights":
+    if options.masks == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
             f"norms' compensating epsilon lose too much in half precision. Use the default masks='explicit', or cast "
             f"the model first: model.to(torch.float32)."
         )
     try:  # the native path's float32 check raises rather than warns: a refusal is confirmed in float32 below
-        aot, tokens, expected, routes = _native_half(model, half, bool(check), check_tokens, **options)
+        aot, tokens, expected, routes = _native_half(model, half, replace(options, check=bool(options.check)))
     except (FaithfulnessError, UnsupportedArchitectureError, RuntimeError):
         # A reading the half probe refuses, a half spec that rounds as the half source does where the float32 source
         # does not (Gemma's norm scale 1 + w), or a source whose float32 run a block at a time meets a half tensor
         # outside its block (Gemma 4's per-layer inputs: a dtype mismatch): read, fit and check in float32 instead
         # (the previous path, at its memory); a refusal or error there is the conversion's
-        aot, tokens, expected, routes = _upcast_half(model, half, check, check_tokens, **options)
-        if options.get("share"):  # read in float32: the half converted parameters point at the half source's again
+        aot, tokens, expected, routes = _upcast_half(model, half, options)
+        if options.share:  # read in float32: the half converted parameters point at the half source's again
             aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
     report = replace(report, converted_bytes=param_stats(aot)[1])
@@ -144,7 +165,7 @@ def _convert_half(
                 f"{where}. Convert the float32 model and keep it in float32: model.to(torch.float32); or pass "
                 f"check='warn' to get the model anyway."
             )
-            refuse(message, check)
+            refuse(message, options.check)
         report = replace(
             report, half_logit_error=error, half_source_logit_error=source_error, half_positions=int(keep.sum())
         )
@@ -155,22 +176,32 @@ def _convert_half(
 HalfResult = tuple[Any, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]
 
 
-def _upcast_half(
-    model: Any, half: torch.dtype, check: bool | Literal["warn"], check_tokens: torch.Tensor | None, **options: Any
-) -> HalfResult:
+def _upcast_half(model: Any, half: torch.dtype, options: ConvertOptions) -> HalfResult:
     """The source cast to float32 in place (and back, bit for bit), converted and checked in float32, the converted
     model cast to ``half``: it, the check tokens, the float32 source's logits on them and the converted float32
     model's expert choices (None, None without a check)."""
     with upcast_half(model, half):
-        aot = _pipeline(model, check=check, check_tokens=check_tokens, **options)
-        tokens = sample_tokens(aot.cfg) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
-        expected = routes = None
-        if check:
-            expected = _eval_logits(model, tokens.to(aot.cfg.device)).float()
-            # the float32 routing (core/check/routing_flips.py); a dense model has none and needs no extra forward
-            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
+        aot = _pipeline(model, options)
+        tokens, expected, routes = _float32_reference(model, aot, aot.cfg, options)
     aot.to(half)
     return aot, tokens, expected, routes
+
+
+def _float32_reference(
+    source: Any, aot: Any, shape: Any, options: ConvertOptions
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]:
+    """The half check's tokens (``options.check_tokens``, else :func:`~lens_aot.core.read.sample_tokens` of
+    ``shape``: the spec or the converted model's config), and with ``options.check`` the float32 source's logits on
+    them and the converted float32 model's expert choices (None, None without a check)."""
+    tokens = (
+        sample_tokens(shape) if options.check_tokens is None else aot._as_tokens(options.check_tokens, prepend_bos=None)
+    )
+    expected = routes = None
+    if options.check:
+        expected = _eval_logits(source, tokens.to(aot.cfg.device)).float()
+        # the float32 routing (core/check/routing_flips.py); a dense model has none and needs no extra forward
+        routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
+    return tokens, expected, routes
 
 
 @contextmanager
@@ -185,43 +216,19 @@ def _fused_neurons(aot: Any) -> Iterator[None]:
         aot.set_use_fused_neurons(before)
 
 
-def _native_half(
-    model: Any,
-    half: torch.dtype,
-    check: bool | Literal["warn"],
-    check_tokens: torch.Tensor | None,
-    *,
-    share: bool,
-    max_neuron_error: float | None,
-    heads_per_neuron: int | None,
-    max_residual_norm: float | None,
-    masks: Literal["explicit", "weights"],
-    omega: float,
-) -> HalfResult:
+def _native_half(model: Any, half: torch.dtype, options: ConvertOptions) -> HalfResult:
     """The source read into a ``half`` spec (:func:`~lens_aot.core.dtypes.half_reading`: its tensors copied in
     ``half``, or shared with ``share``), fitted, and built in ``half`` (taking the spec's tensors over); the float32
     check (:func:`lens_aot.pipeline.check`, its certified bound) then runs source and converted model in float32 a
     block at a time (:func:`~lens_aot.core.check.float32_blocks.float32_blocks`: half → float32 is exact, so it is the
     float32 check of the same weights without a float32 copy of them). Returns what :func:`_upcast_half` does."""
     with half_reading():
-        spec, source = read(model, share=share)
-    fits = fit(
-        spec,
-        max_neuron_error=max_neuron_error,
-        heads_per_neuron=heads_per_neuron,
-        max_residual_norm=max_residual_norm,
-        masks=masks,
-    )
-    options = dict(masks=masks, omega=omega, max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron)
-    aot = build(spec, fits, source, fresh=source is model, share=share, **options)
-    tokens = sample_tokens(spec) if check_tokens is None else aot._as_tokens(check_tokens, prepend_bos=None)
-    expected = routes = None
-    with float32_blocks(source, aot) if check else nullcontext(), _fused_neurons(aot):
+        spec, source = read(model, share=options.share)
+    fits, aot = _fit_and_build(model, spec, source, options)
+    with float32_blocks(source, aot) if options.check else nullcontext(), _fused_neurons(aot):
         spec32: Any = Float32Spec(spec)  # the float32 check's stated bound and rounding floor
-        aot.report = pipeline.check(source, aot, spec32, fits, mode=check, tokens=check_tokens)
-        if check:
-            expected = _eval_logits(source, tokens.to(aot.cfg.device)).float()
-            routes = expert_choices(aot, tokens.to(aot.cfg.device))[1] if routed_layers(aot) else {}
+        aot.report = pipeline.check(source, aot, spec32, fits, mode=options.check, tokens=options.check_tokens)
+        tokens, expected, routes = _float32_reference(source, aot, spec, options)
     return aot, tokens, expected, routes
 
 
@@ -302,55 +309,34 @@ def convert(
     """
     tl = source_layer()
     target = tl.conversion_target(model, into)
-    options = dict(
-        max_neuron_error=max_neuron_error,
-        heads_per_neuron=heads_per_neuron,
-        masks=masks,
-        omega=omega,
-        check=check,
-        check_tokens=check_tokens,
-        max_residual_norm=max_residual_norm,
-        share_weights=share_weights,
-        consume=consume,
-    )
-    if target is None and not tl.has_attached_saes(model):
-        return _convert(model, **options)
+    carried = target is not None or tl.has_attached_saes(model)
     # SAELens's HookedSAETransformer (tl/hooked/sae.py): converted and checked without the source's SAEs
     if target is not None and masks != "explicit":
         raise InputError(
             f"into=HookedSAETransformer needs masks='explicit' (got {masks!r}): pass into="
             "transformer_lens.HookedTransformer to convert a HookedSAETransformer source otherwise"
         )
+    _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
+    share = _check_sharing(model, masks, share_weights, consume)
+    options = ConvertOptions(
+        max_neuron_error, heads_per_neuron, masks, omega, check, check_tokens, max_residual_norm, share, consume
+    )
+    if not carried:
+        return _convert(model, options)
     with tl.carrying_saes(model) as saes:
-        aot = _convert(model, **options)
+        aot = _convert(model, options)
     return aot if target is None else tl.as_hooked_sae_transformer(aot, saes)
 
 
-def _convert(
-    model: Any,
-    *,
-    max_neuron_error: float | None,
-    heads_per_neuron: int | None,
-    masks: Literal["explicit", "weights"],
-    omega: float,
-    check: bool | Literal["warn"],
-    check_tokens: torch.Tensor | None,
-    max_residual_norm: float | None,
-    share_weights: bool,
-    consume: bool,
-) -> Any:
-    """:func:`convert` of a source without SAEs attached: the options checked, then the pipeline, for a
-    half-precision source inside :func:`_convert_half`; ``consume``: the source's weights released afterwards."""
-    _check_options(max_neuron_error, heads_per_neuron, max_residual_norm)
-    share = _check_sharing(model, masks, share_weights, consume)
-    options = dict(max_neuron_error=max_neuron_error, heads_per_neuron=heads_per_neuron, masks=masks, omega=omega)
-    options.update(check=check, check_tokens=check_tokens, max_residual_norm=max_residual_norm, share=share)
+def _convert(model: Any, options: ConvertOptions) -> Any:
+    """:func:`convert` of a source without SAEs attached, its options checked: the pipeline, for a half-precision
+    source inside :func:`_convert_half`; ``consume``: the source's weights released afterwards."""
     half = half_dtype(model)
     if half is None:
-        aot = _pipeline(model, **options)
+        aot = _pipeline(model, options)
     else:
-        aot = _convert_half(model, half, **options)  # shared tensors: read in half, the source's own
-    return _hand_over(model, aot) if consume else aot
+        aot = _convert_half(model, half, options)  # shared tensors: read in half, the source's own
+    return _hand_over(model, aot) if options.consume else aot
 
 
 def _check_sharing(model: Any, masks: str, share_weights: bool, consume: bool) -> bool:

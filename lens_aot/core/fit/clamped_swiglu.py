@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from lens_aot.core.fit.activations import RELU_ERROR_CONSTANT, ActivationFit
-from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, normalized_input_bound
+from lens_aot.core.fit.gating import GatedFit, gated_tolerance, normalized_input_bound
 from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import MLPSpec, NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
@@ -110,9 +110,7 @@ def clamped_swiglu_fit(
             f"a clamped SwiGLU's gate is exact with one head per neuron (g·σ(alpha·g)); got "
             f"heads_per_neuron={heads_per_neuron}."
         )
-    tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
-    if not tol > 0:
-        raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
+    tol = gated_tolerance(max_neuron_error)
     h_max = max(mlp.limit, RELU_ERROR_CONSTANT / mlp.alpha)
     if norm.kind is None:  # no norm before it: the clamps alone bound both factors, for every input
         u_bound = torch.full((mlp.W_in.shape[1],), mlp.limit + abs(mlp.up_offset), dtype=torch.float64)

@@ -90,6 +90,36 @@ class RangedInput(NormSpec):
     layer: int | None = None
 
 
+def require_norm(norm: NormSpec, refusal: str, supported: str) -> None:
+    """Refuse an MLP whose product heads' error grows with its input when it has no normalization before it
+    (``norm`` of kind None, or a :class:`RangedInput`): ``refusal`` says what it is and how its error grows, then
+    what is ``supported``."""
+    if isinstance(norm, RangedInput) or norm.kind is None:
+        raise UnsupportedArchitectureError(
+            f"{refusal}, so it needs the bounded input a LayerNorm / RMSNorm gives. Supported: {supported}."
+        )
+
+
+def gated_tolerance(max_neuron_error: float | None) -> float:
+    """A gated MLP's per-neuron bound: ``max_neuron_error``, default :data:`DEFAULT_MAX_GATED_NEURON_ERROR`; refused
+    unless positive (it sets the product scale)."""
+    tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
+    if not tol > 0:
+        raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
+    return tol
+
+
+def gate_and_input_bounds(
+    norm: NormSpec, mlp: MLPSpec
+) -> tuple[Float[Tensor, " d_mlp"], Float[Tensor, " d_mlp"], float]:
+    """A gated MLP's per-neuron bounds after ``norm`` (:func:`normalized_input_bound`): ``|g_n| ≤ G_n`` on its gate
+    projection, ``|u_n| ≤ U_n`` on its input projection, and ``max U`` (at least 1e-30)."""
+    assert mlp.W_gate is not None
+    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
+    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
+    return g_bound, u_bound, max(float(u_bound.max()) if u_bound.numel() else 0.0, 1e-30)
+
+
 BOUND_BLOCK_BYTES = 8 << 20  # float64 bytes of one block of neurons in normalized_input_bound
 
 
@@ -157,11 +187,8 @@ def gated_fit(
         # relu2(z) = relu(z)·z: a gated neuron whose gate and linear branch are the same projection
         mlp = MLPSpec(mlp.W_in, mlp.b_in, mlp.W_out, mlp.b_out, PRODUCT_ACTIVATIONS[source_act], mlp.W_in, mlp.b_in)
     assert mlp.W_gate is not None
-    tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
-    if not tol > 0:
-        raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
-    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
-    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
+    tol = gated_tolerance(max_neuron_error)
+    g_bound, u_bound, _ = gate_and_input_bounds(norm, mlp)
     return bounded_gated_fit(mlp.act_fn, g_bound, u_bound, norm, tol, heads_per_neuron, source_act=source_act)
 
 
@@ -267,18 +294,14 @@ def chained_gated_fit(
     layers' growth in ``|g|⁴·|u|``.
     """
     assert mlp.W_gate is not None
-    tol = DEFAULT_MAX_GATED_NEURON_ERROR if max_neuron_error is None else float(max_neuron_error)
-    if not tol > 0:
-        raise ValueError(f"max_neuron_error must be > 0 for gated MLPs (it sets the product scale); got {tol}.")
-    if isinstance(norm, RangedInput) or norm.kind is None:
-        raise UnsupportedArchitectureError(
-            f"a gated {mlp.act_fn} MLP (relu(g)²·u) without a normalization layer before it: its chained product's "
-            f"error grows as |g|⁴·|u|, so it needs the bounded input a LayerNorm / RMSNorm gives. Supported: gated "
-            f"squared-ReLU MLPs after LN, LNPre, RMS or RMSPre."
-        )
-    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
-    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
-    u_max = max(float(u_bound.max()) if u_bound.numel() else 0.0, 1e-30)
+    tol = gated_tolerance(max_neuron_error)
+    require_norm(
+        norm,
+        f"a gated {mlp.act_fn} MLP (relu(g)²·u) without a normalization layer before it: its chained product's "
+        f"error grows as |g|⁴·|u|",
+        "gated squared-ReLU MLPs after LN, LNPre, RMS or RMSPre",
+    )
+    g_bound, u_bound, u_max = gate_and_input_bounds(norm, mlp)
     square_tol = tol / (2 * u_max)
     inner = bounded_gated_fit("relu", g_bound, g_bound, norm, square_tol, heads_per_neuron)
     s_bound = g_bound.pow(2) + square_tol

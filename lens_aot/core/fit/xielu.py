@@ -41,10 +41,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.fit.activations import RELU_ERROR_CONSTANT, ActivationFit
-from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, RangedInput, normalized_input_bound
+from lens_aot.core.fit.gating import (
+    DEFAULT_MAX_GATED_NEURON_ERROR,
+    gate_and_input_bounds,
+    normalized_input_bound,
+    require_norm,
+)
 from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import MLPSpec, NormSpec
-from lens_aot.errors import UnsupportedArchitectureError
 
 DEFAULT_MAX_XIELU_NEURON_ERROR = DEFAULT_MAX_GATED_NEURON_ERROR
 # Shares of max_neuron_error: the negative branch (fit + clamp) and the gate head; the product heads get the rest.
@@ -146,18 +150,15 @@ def gated_xielu_fit(
     """
     where = f"layer {layer} mlp" if layer is not None else "mlp"
     assert mlp.W_gate is not None
-    if isinstance(norm, RangedInput) or norm.kind is None:
-        raise UnsupportedArchitectureError(
-            f"{where}: a gated xIELU MLP with no normalization before it: its chained product's error grows as "
-            f"|g|⁴·|u|, so it needs the bounded input a LayerNorm / RMSNorm gives. Supported: gated xIELU MLPs after "
-            f"LayerNorm or RMSNorm."
-        )
+    require_norm(
+        norm,
+        f"{where}: a gated xIELU MLP with no normalization before it: its chained product's error grows as |g|⁴·|u|",
+        "gated xIELU MLPs after LayerNorm or RMSNorm",
+    )
     scalars = dict(alpha_p=mlp.alpha_p, alpha_n=mlp.alpha_n, beta=mlp.beta, eps=mlp.eps)
     b_gate = mlp.W_gate.new_zeros(mlp.W_gate.shape[1]) if mlp.b_gate is None else mlp.b_gate
     gate = XIELUSpec(mlp.W_gate, b_gate, mlp.W_out, mlp.b_out, mlp.act_fn, **scalars)
-    g_bound = normalized_input_bound(norm, mlp.W_gate, mlp.b_gate)
-    u_bound = normalized_input_bound(norm, mlp.W_in, mlp.b_in)
-    u_max = max(float(u_bound.max()) if u_bound.numel() else 0.0, 1e-30)
+    g_bound, u_bound, u_max = gate_and_input_bounds(norm, mlp)
     if max_neuron_error is None:
         best = mlp.alpha_n * (NEGATIVE_FITS[max(NEGATIVE_FITS)][0] + clamp_error(mlp.eps))
         tol = max(DEFAULT_MAX_XIELU_NEURON_ERROR, 2 * u_max * best / NEGATIVE_SHARE)
@@ -218,12 +219,12 @@ def xielu_fit(
         return gated_xielu_fit(mlp, norm, max_neuron_error, heads_per_neuron, layer)
     if not isinstance(mlp, XIELUSpec):
         raise TypeError(f"{where}: xielu_fit needs an XIELUSpec (the activation's scalars), got {type(mlp).__name__}")
-    if isinstance(norm, RangedInput) or norm.kind is None:
-        raise UnsupportedArchitectureError(
-            f"{where}: an xIELU MLP with no normalization before it: its α_p·relu(z)·z piece is built by product heads "
-            f"whose error grows as |z|⁴, so it needs the bounded input a LayerNorm / RMSNorm gives. Supported: xIELU "
-            f"MLPs after LayerNorm or RMSNorm (Apertus)."
-        )
+    require_norm(
+        norm,
+        f"{where}: an xIELU MLP with no normalization before it: its α_p·relu(z)·z piece is built by product heads "
+        f"whose error grows as |z|⁴",
+        "xIELU MLPs after LayerNorm or RMSNorm (Apertus)",
+    )
     if not (mlp.alpha_p >= 0 and mlp.alpha_n >= 0 and all(map(math.isfinite, (mlp.alpha_p, mlp.alpha_n, mlp.beta)))):
         raise ValueError(
             f"{where}: xIELU scalars alpha_p={mlp.alpha_p}, alpha_n={mlp.alpha_n}, beta={mlp.beta} are not finite "
