@@ -40,7 +40,7 @@ from lens_aot.core.fit.moe import moe_fit
 from lens_aot.core.fit.xielu import GatedXIELUFit, XIELUFit, XIELUSpec, xielu_fit
 from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec.compressed import CompressedAttentionSpec
-from lens_aot.core.spec.fields import saved_fields
+from lens_aot.core.spec.fields import TYPE_LABELS, saved_fields
 from lens_aot.core.spec.mla import MLASpec
 from lens_aot.core.spec.model_spec import AttentionSpec, MLPSpec, MoESpec, NormSpec
 from lens_aot.core.spec.routed import RoutedAttentionSpec
@@ -79,7 +79,9 @@ class Variant:
     fit``; ``gated_fit``: its row of :data:`~lens_aot.core.fit.gating.GATED_FITS`, ``(mlp, norm, max_neuron_error,
     heads) -> GatedFit``.
     ``codec``: a saved form of its own (:class:`Codec`); ``check``: problems of a loaded spec (a message, or None).
-    ``label``: its name in the support matrix and refusals (docs/variants.md).
+    ``label``: its name in refusals (docs/variants.md): a spec type's joins
+    :data:`~lens_aot.core.spec.fields.TYPE_LABELS`, so :meth:`~lens_aot.core.spec.model_spec.ModelSpec.variant_names`
+    names an attention variant by it.
     ``activation`` and ``stated_error``: an MLP variant's activation name (its spec's ``act_fn``) and the max
     |Δlogit| the conversion states for it per dtype, joining
     :data:`~lens_aot.core.check.faithfulness.STATED_LOGIT_ERROR` (the check step's stated term); without them the
@@ -153,6 +155,8 @@ def register_variant(variant: Variant) -> Variant:
         faithfulness.STATED_LOGIT_ERROR[(variant.activation, dtype)] = float(error)
     if variant.gated_fit is not None:
         GATED_FITS[variant.spec] = variant.gated_fit
+    if variant.spec is not None and variant.label:
+        TYPE_LABELS[variant.spec] = variant.label
     VARIANTS[variant.name] = variant
     return variant
 
@@ -222,7 +226,7 @@ register_variant(
         "attention",
         CompressedAttentionSpec,
         component=lambda spec, causal, rotary: CompressedAttention(spec, causal),
-        label="DeepSeek-V4 compressed attention",
+        label="compressed attention",
     )
 )
 register_variant(
@@ -231,7 +235,7 @@ register_variant(
         "attention",
         RoutedAttentionSpec,
         component=lambda spec, causal, rotary: RoutedAttention(spec, causal),
-        label="mixture of attention heads",
+        label="a mixture of attention heads",
     )
 )
 register_variant(Variant("moe", "mlp", MoESpec, fit=_moe, label="mixture of experts"))

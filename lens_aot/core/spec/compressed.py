@@ -27,7 +27,7 @@ source's rotary modules multiply positions by ``inv_freq.float()`` whatever thei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from jaxtyping import Float
 from torch import Tensor
@@ -98,8 +98,6 @@ class CompressedAttentionSpec(NoAttentionVariants):
     layer's attention report them. ``inv_freq`` / ``attention_scaling`` are the rotary of this layer's rope type
     ("main" for sliding layers, "compress" for compressed ones); the rotated channels are the last ``rope_dim`` of
     each head, in interleaved pairs. ``compressor`` is None on sliding layers."""
-
-    FEATURE: ClassVar[str] = "compressed attention"  # its name in ModelSpec.features()
 
     q_a_proj: Float[Tensor, "q_rank d_model"] = saved("tensor", at=0)
     q_a_norm: NormSpec = saved("norm", at=7)

@@ -12,7 +12,7 @@ computes these heads exactly as the source does (:mod:`lens_aot.core.components.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from jaxtyping import Float
@@ -43,8 +43,6 @@ class MLASpec(NoAttentionVariants):
     ``recipe``, computed from it on demand (bitwise the same: verified against the source when read; ``cos`` / ``sin``
     are then None until read, and a read materialises the n_ctx rows: for export, revert and the reference only).
     """
-
-    FEATURE: ClassVar[str] = "multi-head latent attention"  # its name in ModelSpec.features()
 
     W_Q: Float[Tensor, "n_heads q_in d_qk"] = saved("tensor", at=0)
     W_kv_a: Float[Tensor, "d_model kv_rank_plus_rope"] = saved("tensor", at=1)

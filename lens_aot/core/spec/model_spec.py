@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.core.spec.fields import labels, saved
+from lens_aot.core.spec.fields import labels, saved, type_label
 
 if TYPE_CHECKING:
     from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
@@ -319,10 +319,11 @@ class ModelSpec:
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
         standard-mask construction) to refuse them by name. Each is the ``label`` its field declares (a field-level
-        variant, :func:`~lens_aot.core.spec.fields.saved`) or its attention spec type's ``FEATURE``."""
+        variant, :func:`~lens_aot.core.spec.fields.saved`) or the ``label`` of its attention's variant descriptor
+        (:mod:`lens_aot.core.variants`)."""
         found: set[str] = labels(self, ModelSpec)
         for layer in self.layers:
-            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (mla.py, ...)
+            variant = type_label(layer.attn)  # an attention variant's own name (MLA, ...: lens_aot.core.variants)
             if variant is not None:
                 found.add(variant)
             found |= labels(layer.attn, AttentionSpec) | labels(layer, LayerSpec)

@@ -16,7 +16,6 @@ heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from jaxtyping import Float
@@ -33,8 +32,6 @@ class RoutedAttentionSpec(NoAttentionVariants):
     """One mixture-of-attention-heads layer (module docstring). ``cos`` / ``sin``: the source's rotary tables over the
     whole head (rotate-half layout), one row per position, or, with a ``recipe``, computed from it on demand (as
     :class:`~lens_aot.core.spec.mla.MLASpec`'s)."""
-
-    FEATURE: ClassVar[str] = "a mixture of attention heads"  # its name in ModelSpec.features()
 
     W_router: Float[Tensor, "d_model n_experts"] = saved("tensor", at=0)
     top_k: int = saved("int", at=6)  # after b_O (and the rotary tables) in the record
