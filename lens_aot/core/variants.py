@@ -211,33 +211,15 @@ def _beside_check(moe: MoEBesideMLPSpec) -> str | None:
     return None
 
 
-register_variant(
-    Variant(
-        "mla",
-        "attention",
-        MLASpec,
-        component=lambda spec, causal, rotary: MLAAttention(spec, causal),
-        label="multi-head latent attention",
-    )
-)
-register_variant(
-    Variant(
-        "compressed",
-        "attention",
-        CompressedAttentionSpec,
-        component=lambda spec, causal, rotary: CompressedAttention(spec, causal),
-        label="compressed attention",
-    )
-)
-register_variant(
-    Variant(
-        "routed",
-        "attention",
-        RoutedAttentionSpec,
-        component=lambda spec, causal, rotary: RoutedAttention(spec, causal),
-        label="a mixture of attention heads",
-    )
-)
+def _attention(name: str, spec: type, component: type, label: str) -> Variant:
+    """An attention variant whose component is built from its spec and causality alone (no shared rotary: its
+    tables are its spec's own)."""
+    return Variant(name, "attention", spec, component=lambda s, causal, rotary: component(s, causal), label=label)
+
+
+register_variant(_attention("mla", MLASpec, MLAAttention, "multi-head latent attention"))
+register_variant(_attention("compressed", CompressedAttentionSpec, CompressedAttention, "compressed attention"))
+register_variant(_attention("routed", RoutedAttentionSpec, RoutedAttention, "a mixture of attention heads"))
 register_variant(Variant("moe", "mlp", MoESpec, fit=_moe, label="mixture of experts"))
 register_variant(
     Variant(

@@ -21,7 +21,7 @@ from torch import Tensor
 from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.core.spec.dsa import IndexerSpec
 from lens_aot.core.spec.fields import saved
-from lens_aot.core.spec.model_spec import NormSpec, recipe_table
+from lens_aot.core.spec.model_spec import NormSpec, with_recipe_tables
 from lens_aot.core.spec.scaled import NoAttentionVariants
 
 # How the source rotates the rotary channels: "halves" (rotate_half, GPT-NeoX layout), "interleaved" (DeepSeek-V3's
@@ -31,6 +31,7 @@ RopeLayout = Literal["halves", "interleaved", "complex"]
 ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("halves", "interleaved", "complex")
 
 
+@with_recipe_tables
 @dataclass
 class MLASpec(NoAttentionVariants):
     """One multi-head latent attention layer (module docstring), weights in TransformerLens's per-head layout.
@@ -69,12 +70,10 @@ class MLASpec(NoAttentionVariants):
 
     @property
     def n_heads(self) -> int:
+        """The attention heads (``W_Q``'s first dimension)."""
         return int(self.W_Q.shape[0])
 
     @property
     def kv_rank(self) -> int:
+        """The key-value latent's rank ``r`` (what ``W_K`` / ``W_V`` read)."""
         return int(self.W_K.shape[1])
-
-
-MLASpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
-MLASpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]

@@ -8,7 +8,7 @@ conversion needs. Nothing downstream of this file knows which TransformerLens ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from jaxtyping import Float, Int
@@ -233,6 +233,9 @@ class RotarySpec:
     recipe: RotaryRecipe | None = None
 
 
+_Spec = TypeVar("_Spec", bound=type)
+
+
 def recipe_table(index: int) -> property:
     """``cos`` / ``.sin`` of a spec with an optional ``recipe`` (:class:`RotarySpec`, MLA, routed attention): the stored
     table, or the recipe's rows over n_ctx (computed when first read, then kept by this spec, so that what reads them
@@ -253,8 +256,15 @@ def recipe_table(index: int) -> property:
     return property(get, put)
 
 
-RotarySpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
-RotarySpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]
+def with_recipe_tables(cls: _Spec) -> _Spec:
+    """``cls`` (a spec dataclass with ``cos`` / ``sin`` fields and a ``recipe``) with its ``cos`` / ``sin`` read
+    through :func:`recipe_table`."""
+    cls.cos = recipe_table(0)  # type: ignore[attr-defined]
+    cls.sin = recipe_table(1)  # type: ignore[attr-defined]
+    return cls
+
+
+with_recipe_tables(RotarySpec)
 
 
 def head_shape(attn: Any) -> tuple[int, int, int]:

@@ -23,10 +23,11 @@ from torch import Tensor
 
 from lens_aot.core.rotary_recipe import RotaryRecipe
 from lens_aot.core.spec.fields import saved
-from lens_aot.core.spec.model_spec import recipe_table
+from lens_aot.core.spec.model_spec import with_recipe_tables
 from lens_aot.core.spec.scaled import NoAttentionVariants
 
 
+@with_recipe_tables
 @dataclass
 class RoutedAttentionSpec(NoAttentionVariants):
     """One mixture-of-attention-heads layer (module docstring). ``cos`` / ``sin``: the source's rotary tables over the
@@ -50,17 +51,15 @@ class RoutedAttentionSpec(NoAttentionVariants):
 
     @property
     def n_experts(self) -> int:
+        """The attention experts (each a query and an output map)."""
         return int(self.W_Q.shape[0])
 
     @property
     def n_kv(self) -> int:
+        """The key / value heads every expert shares."""
         return int(self.W_K.shape[0])
 
     @property
     def n_heads(self) -> int:
         """The slot heads: ``top_k · n_kv``."""
         return int(self.top_k) * self.n_kv
-
-
-RoutedAttentionSpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
-RoutedAttentionSpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]
