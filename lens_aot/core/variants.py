@@ -169,9 +169,9 @@ def _own_fields(spec: type, base: type) -> list[tuple[Any, Any]]:
 
 
 def attach_codec(name: str, codec: Codec) -> None:
-    """Give the registered variant ``name`` its own saved form (the io layer does so for the built-in variants whose
-    records predate derived ones: multi-head latent attention, routed and compressed attention, mixtures of
-    experts)."""
+    """Give the registered variant ``name`` its own saved form (the io layer does so for the built-in variants saved as
+    records of their own: multi-head latent attention, routed and compressed attention, whose codecs add the record's
+    ``kind`` and rotary tables to their specs' declared fields, and mixtures of experts)."""
     if name not in VARIANTS:
         raise KeyError(f"no variant named {name!r} is registered; register_variant(Variant({name!r}, ...)) first")
     VARIANTS[name] = replace(VARIANTS[name], codec=codec)

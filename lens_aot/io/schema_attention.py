@@ -15,7 +15,10 @@ Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
     compressed {kind: "compressed", …} (DeepSeek-V4's attention: lens_aot/io/schema_compressed.py)
     rope    cos, sin  |  rope_recipe: recipe
 
-``rope`` is the rotary tables: the rows ``cos`` / ``sin`` (every save before recipes), or a ``rope_recipe`` record
+Each record's fields but ``kind`` and ``rope`` are its spec's declared ones (:func:`lens_aot.core.spec.fields.saved`,
+in their ``at`` order: the order these records had before they were derived), encoded and decoded by
+:class:`~lens_aot.io.schema.Encoder` / ``Decoder``; ``indexer`` is written only when the layer has one. ``rope`` is
+the rotary tables: the rows ``cos`` / ``sin`` (every save before recipes), or a ``rope_recipe`` record
 (:mod:`lens_aot.io.schema_rotary`: a few numbers, not n_ctx rows); a lens_aot that does not know ``rope_recipe``
 refuses such a file by its unknown field.
 

@@ -12,7 +12,8 @@ Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
     indexer     {d_head, top_k, compress_rate, kv_proj, gate_proj, position_bias, kv_norm: norm, q_b_proj,
                  weights_proj, softmax_scale, weights_scaling, inv_freq, attention_scaling}
 
-``compressor`` is null on sliding layers and ``indexer`` null on "hca" compressors (both always written, so a lost
+The fields are the specs' declared ones (:func:`lens_aot.core.spec.fields.saved`, in their ``at`` order). ``compressor``
+is null on sliding layers and ``indexer`` null on "hca" compressors (both always written, so a lost
 field reads as a corrupt file, not as another layer type). The tensors are the spec's own, in its dtype: ``inv_freq``
 stays float32 in a float64 model, as the spec holds it; the floats are JSON numbers (float64, exact). Nothing is
 approximated, so the rebuilt attention computes exactly what was saved.
