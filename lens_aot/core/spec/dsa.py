@@ -18,6 +18,7 @@ Nothing is approximated: :mod:`lens_aot.core.components.attention.dsa_indexer` c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from jaxtyping import Float
@@ -25,6 +26,12 @@ from torch import Tensor
 
 from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import NormSpec
+
+# How the source rotates the rotary channels: "halves" (rotate_half, GPT-NeoX layout), "interleaved" (DeepSeek-V3's
+# rope_interleave: channel pairs (0,1), (2,3), ... rotated and written back as [evens, odds]), "complex" (DeepSeek-V2:
+# pairs as complex numbers times the source's complex table, in float32).
+RopeLayout = Literal["halves", "interleaved", "complex"]
+ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("halves", "interleaved", "complex")
 
 
 @dataclass
@@ -38,7 +45,7 @@ class IndexerSpec:
     top_k: int = saved("int")
     rope_dim: int = saved("int")
     # GLM-MoE-DSA's indexer; DeepSeek-V3.2's is "halves"
-    rope_layout: str = saved("str", "interleaved", choices=("halves", "interleaved", "complex"))
+    rope_layout: str = saved("str", "interleaved", choices=ROPE_LAYOUTS)
     softmax_scale: float = saved("float", 1.0)
     weights_scale: float = saved("float", 1.0)
     scores_dtype: torch.dtype = saved("dtype", torch.float32)  # never null (its codec refuses it)

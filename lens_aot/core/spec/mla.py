@@ -12,23 +12,16 @@ computes these heads exactly as the source does (:mod:`lens_aot.core.components.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.core.spec.dsa import IndexerSpec
+from lens_aot.core.spec.dsa import ROPE_LAYOUTS, IndexerSpec, RopeLayout
 from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import NormSpec, with_recipe_tables
 from lens_aot.core.spec.scaled import NoAttentionVariants
-
-# How the source rotates the rotary channels: "halves" (rotate_half, GPT-NeoX layout), "interleaved" (DeepSeek-V3's
-# rope_interleave: channel pairs (0,1), (2,3), ... rotated and written back as [evens, odds]), "complex" (DeepSeek-V2:
-# pairs as complex numbers times the source's complex table, in float32).
-RopeLayout = Literal["halves", "interleaved", "complex"]
-ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("halves", "interleaved", "complex")
 
 
 @with_recipe_tables
