@@ -31,11 +31,13 @@ so the rebuilt heads compute exactly what was saved.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from lens_aot.core.spec.compressed import CompressedAttentionSpec
 from lens_aot.core.spec.mla import MLASpec
 from lens_aot.core.spec.routed import RoutedAttentionSpec
+from lens_aot.core.spec.scaled import NoAttentionVariants
 from lens_aot.core.variants import Codec, attach_codec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_compressed
@@ -48,9 +50,9 @@ __all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "en
 # ones (lens_aot.core.spec.fields.saved), in their declared record order.
 _ROPE_AFTER = {"mla": "kind", "routed": "b_O"}
 _ROPE = ("cos", "sin", "rope_recipe")  # the tables, or a recipe (one or the other)
-# AttentionSpec's variants, which these specs carry only as "off" (a set one would be silently dropped on save).
-_OFF = {"q_norm": None, "k_norm": None, "qk_norm_over": "head", "scores_soft_cap": None, "window": None}
-_OFF |= {"clip_qkv": None, "alibi_slopes": None, "sinks": None, "rotary": None}
+# AttentionSpec's variants, which these specs carry only as "off" (a set one would be silently dropped on save): the
+# fields NoAttentionVariants declares, with their defaults.
+_OFF = {f.name: f.default for f in dataclasses.fields(NoAttentionVariants)}
 
 
 def attention_kind(obj: Any) -> str | None:
