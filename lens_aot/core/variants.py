@@ -40,7 +40,7 @@ from lens_aot.core.fit.moe import moe_fit
 from lens_aot.core.fit.xielu import GatedXIELUFit, XIELUFit, XIELUSpec, xielu_fit
 from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec.compressed import CompressedAttentionSpec
-from lens_aot.core.spec.fields import saved_fields
+from lens_aot.core.spec.fields import TYPE_LABELS, saved_fields
 from lens_aot.core.spec.mla import MLASpec
 from lens_aot.core.spec.model_spec import AttentionSpec, MLPSpec, MoESpec, NormSpec
 from lens_aot.core.spec.routed import RoutedAttentionSpec
@@ -79,7 +79,9 @@ class Variant:
     fit``; ``gated_fit``: its row of :data:`~lens_aot.core.fit.gating.GATED_FITS`, ``(mlp, norm, max_neuron_error,
     heads) -> GatedFit``.
     ``codec``: a saved form of its own (:class:`Codec`); ``check``: problems of a loaded spec (a message, or None).
-    ``label``: its name in the support matrix and refusals (docs/variants.md).
+    ``label``: its name in refusals (docs/variants.md): a spec type's joins
+    :data:`~lens_aot.core.spec.fields.TYPE_LABELS`, so :meth:`~lens_aot.core.spec.model_spec.ModelSpec.variant_names`
+    names an attention variant by it.
     ``activation`` and ``stated_error``: an MLP variant's activation name (its spec's ``act_fn``) and the max
     |Δlogit| the conversion states for it per dtype, joining
     :data:`~lens_aot.core.check.faithfulness.STATED_LOGIT_ERROR` (the check step's stated term); without them the
@@ -153,6 +155,8 @@ def register_variant(variant: Variant) -> Variant:
         faithfulness.STATED_LOGIT_ERROR[(variant.activation, dtype)] = float(error)
     if variant.gated_fit is not None:
         GATED_FITS[variant.spec] = variant.gated_fit
+    if variant.spec is not None and variant.label:
+        TYPE_LABELS[variant.spec] = variant.label
     VARIANTS[variant.name] = variant
     return variant
 
@@ -165,9 +169,9 @@ def _own_fields(spec: type, base: type) -> list[tuple[Any, Any]]:
 
 
 def attach_codec(name: str, codec: Codec) -> None:
-    """Give the registered variant ``name`` its own saved form (the io layer does so for the built-in variants whose
-    records predate derived ones: multi-head latent attention, routed and compressed attention, mixtures of
-    experts)."""
+    """Give the registered variant ``name`` its own saved form (the io layer does so for the built-in variants saved as
+    records of their own: multi-head latent attention, routed and compressed attention, whose codecs add the record's
+    ``kind`` and rotary tables to their specs' declared fields, and mixtures of experts)."""
     if name not in VARIANTS:
         raise KeyError(f"no variant named {name!r} is registered; register_variant(Variant({name!r}, ...)) first")
     VARIANTS[name] = replace(VARIANTS[name], codec=codec)
@@ -207,33 +211,15 @@ def _beside_check(moe: MoEBesideMLPSpec) -> str | None:
     return None
 
 
-register_variant(
-    Variant(
-        "mla",
-        "attention",
-        MLASpec,
-        component=lambda spec, causal, rotary: MLAAttention(spec, causal),
-        label="multi-head latent attention",
-    )
-)
-register_variant(
-    Variant(
-        "compressed",
-        "attention",
-        CompressedAttentionSpec,
-        component=lambda spec, causal, rotary: CompressedAttention(spec, causal),
-        label="DeepSeek-V4 compressed attention",
-    )
-)
-register_variant(
-    Variant(
-        "routed",
-        "attention",
-        RoutedAttentionSpec,
-        component=lambda spec, causal, rotary: RoutedAttention(spec, causal),
-        label="mixture of attention heads",
-    )
-)
+def _attention(name: str, spec: type, component: type, label: str) -> Variant:
+    """An attention variant whose component is built from its spec and causality alone (no shared rotary: its
+    tables are its spec's own)."""
+    return Variant(name, "attention", spec, component=lambda s, causal, rotary: component(s, causal), label=label)
+
+
+register_variant(_attention("mla", MLASpec, MLAAttention, "multi-head latent attention"))
+register_variant(_attention("compressed", CompressedAttentionSpec, CompressedAttention, "compressed attention"))
+register_variant(_attention("routed", RoutedAttentionSpec, RoutedAttention, "a mixture of attention heads"))
 register_variant(Variant("moe", "mlp", MoESpec, fit=_moe, label="mixture of experts"))
 register_variant(
     Variant(

@@ -15,7 +15,10 @@ Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
     compressed {kind: "compressed", …} (DeepSeek-V4's attention: lens_aot/io/schema_compressed.py)
     rope    cos, sin  |  rope_recipe: recipe
 
-``rope`` is the rotary tables: the rows ``cos`` / ``sin`` (every save before recipes), or a ``rope_recipe`` record
+Each record's fields but ``kind`` and ``rope`` are its spec's declared ones (:func:`lens_aot.core.spec.fields.saved`,
+in their ``at`` order: the order these records had before they were derived), encoded and decoded by
+:class:`~lens_aot.io.schema.Encoder` / ``Decoder``; ``indexer`` is written only when the layer has one. ``rope`` is
+the rotary tables: the rows ``cos`` / ``sin`` (every save before recipes), or a ``rope_recipe`` record
 (:mod:`lens_aot.io.schema_rotary`: a few numbers, not n_ctx rows); a lens_aot that does not know ``rope_recipe``
 refuses such a file by its unknown field.
 
@@ -28,44 +31,33 @@ so the rebuilt heads compute exactly what was saved.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from lens_aot.core.spec.compressed import CompressedAttentionSpec
-from lens_aot.core.spec.dsa import IndexerSpec
 from lens_aot.core.spec.mla import MLASpec
 from lens_aot.core.spec.routed import RoutedAttentionSpec
+from lens_aot.core.spec.scaled import NoAttentionVariants
 from lens_aot.core.variants import Codec, attach_codec
 from lens_aot.errors import LoadError, UnsupportedArchitectureError
 from lens_aot.io import schema_compressed
-from lens_aot.io.schema_common import dtype_name, required_norm
+from lens_aot.io.schema_common import required_norm
 from lens_aot.io.schema_rotary import decode_recipe, encode_recipe
 
 __all__ = ["attention_kind", "attention_shape_problems", "decode_attention", "encode_attention", "required_norm"]
 
-_MLA_TENSORS = ("W_Q", "W_kv_a", "W_K", "W_V", "W_O", "b_O")
+# Where each kind's record holds its rotary tables (right after this field); every other field is its spec's declared
+# ones (lens_aot.core.spec.fields.saved), in their declared record order.
+_ROPE_AFTER = {"mla": "kind", "routed": "b_O"}
 _ROPE = ("cos", "sin", "rope_recipe")  # the tables, or a recipe (one or the other)
-_MLA_OPTIONAL_TENSORS = ("W_q_a", "b_q_a", "b_kv_a")
-_MLA_FIELDS = ("kind", *_MLA_TENSORS, *_MLA_OPTIONAL_TENSORS, "kv_a_norm", "q_a_norm", "scale", "rope_dim")
-_MLA_FIELDS += ("rope_layout", "softmax_dtype")
-_INDEXER_TENSORS = ("W_q", "W_k", "W_weights")
-_INDEXER_FIELDS = (*_INDEXER_TENSORS, "k_norm", "top_k", "rope_dim", "rope_layout", "softmax_scale", "weights_scale")
-_INDEXER_FIELDS += ("scores_dtype",)
-_ROUTED_TENSORS = ("W_router", "W_Q", "W_K", "W_V", "W_O", "b_O")
-_ROUTED_FIELDS = ("kind", *_ROUTED_TENSORS, "top_k", "scale", "router_dtype", "softmax_dtype")
-_ROPE_LAYOUTS = ("halves", "interleaved", "complex")
-# AttentionSpec's variants, which these specs carry only as "off" (a set one would be silently dropped on save).
-_OFF = {"q_norm": None, "k_norm": None, "qk_norm_over": "head", "scores_soft_cap": None, "window": None}
-_OFF |= {"clip_qkv": None, "alibi_slopes": None, "sinks": None, "rotary": None}
+# AttentionSpec's variants, which these specs carry only as "off" (a set one would be silently dropped on save): the
+# fields NoAttentionVariants declares, with their defaults.
+_OFF = {f.name: f.default for f in dataclasses.fields(NoAttentionVariants)}
 
 
 def attention_kind(obj: Any) -> str | None:
     """``"mla"``, ``"routed"`` or ``"compressed"`` for those records; None for a plain attention record."""
     return obj.get("kind") if isinstance(obj, dict) and "kind" in obj else None
-
-
-def _dtype(attn: Any, name: str) -> str | None:
-    value = getattr(attn, name)
-    return None if value is None else dtype_name(value)
 
 
 def _check_off(attn: Any, key: str, real: tuple[str, ...] = ()) -> None:
@@ -87,24 +79,18 @@ def encode_attention(
         _check_off(attn, key, ("window", "sinks"))
         return schema_compressed.encode_compressed(encoder, attn, key)
     _check_off(attn, key)
-    if isinstance(attn, MLASpec):
-        out: dict[str, Any] = {"kind": "mla", **_encode_rope(encoder, attn, key)}
-        out |= {n: encoder.tensor(getattr(attn, n), f"{key}.{n}") for n in (*_MLA_TENSORS, *_MLA_OPTIONAL_TENSORS)}
-        out |= {n: encoder.norm(getattr(attn, n), f"{key}.{n}") for n in ("kv_a_norm", "q_a_norm")}
-        out |= {"scale": float(attn.scale), "rope_dim": int(attn.rope_dim), "rope_layout": str(attn.rope_layout)}
-        out["softmax_dtype"] = _dtype(attn, "softmax_dtype")
-        if attn.indexer is not None:
-            out["indexer"] = _encode_indexer(encoder, attn.indexer, f"{key}.indexer")
-        return out
-    if isinstance(attn, RoutedAttentionSpec):
-        out = {"kind": "routed", **{n: encoder.tensor(getattr(attn, n), f"{key}.{n}") for n in _ROUTED_TENSORS}}
-        out |= _encode_rope(encoder, attn, key)
-        out |= {"top_k": int(attn.top_k), "scale": float(attn.scale)}
-        return out | {n: _dtype(attn, n) for n in ("router_dtype", "softmax_dtype")}
-    raise UnsupportedArchitectureError(
-        f"{key}: an attention of type {type(attn).__name__} has no saved format; save a model returned by "
-        f"lens_aot.convert, or convert the source again instead of saving."
-    )
+    kind = "mla" if isinstance(attn, MLASpec) else "routed" if isinstance(attn, RoutedAttentionSpec) else None
+    if kind is None:
+        raise UnsupportedArchitectureError(
+            f"{key}: an attention of type {type(attn).__name__} has no saved format; save a model returned by "
+            f"lens_aot.convert, or convert the source again instead of saving."
+        )
+    out: dict[str, Any] = {}
+    for name, value in {"kind": kind, **encoder.record(attn, key)}.items():
+        out[name] = value
+        if name == _ROPE_AFTER[kind]:
+            out |= _encode_rope(encoder, attn, key)
+    return out
 
 
 def _encode_rope(encoder: Any, attn: MLASpec | RoutedAttentionSpec, key: str) -> dict[str, Any]:
@@ -126,70 +112,22 @@ def _decode_rope(decoder: Any, f: dict[str, Any], path: str) -> dict[str, Any]:
     return {n: decoder.required_tensor(f[n], f"{path}.{n}") for n in ("cos", "sin")} | {"recipe": None}
 
 
-def _encode_indexer(encoder: Any, indexer: IndexerSpec, key: str) -> dict[str, Any]:
-    out: dict[str, Any] = {n: encoder.tensor(getattr(indexer, n), f"{key}.{n}") for n in _INDEXER_TENSORS}
-    out["k_norm"] = encoder.norm(indexer.k_norm, f"{key}.k_norm")
-    out |= {"top_k": int(indexer.top_k), "rope_dim": int(indexer.rope_dim), "rope_layout": str(indexer.rope_layout)}
-    out |= {"softmax_scale": float(indexer.softmax_scale), "weights_scale": float(indexer.weights_scale)}
-    return out | {"scores_dtype": _dtype(indexer, "scores_dtype")}
-
-
-def _layout(decoder: Any, value: Any, path: str) -> str:
-    if value not in _ROPE_LAYOUTS:
-        raise LoadError(f"{decoder.where}: {path} is {value!r}, not one of {list(_ROPE_LAYOUTS)}; the file is corrupt.")
-    return str(value)
-
-
 def decode_attention(decoder: Any, obj: Any, path: str) -> MLASpec | RoutedAttentionSpec | CompressedAttentionSpec:
     """The inverse of :func:`encode_attention` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
     kind = attention_kind(obj)
     if kind == schema_compressed.KIND:
         return schema_compressed.decode_compressed(decoder, obj, path)
-    if kind == "mla":
-        f = decoder.fields(obj, path, _MLA_FIELDS, ("indexer", *_ROPE))
-        return MLASpec(
-            **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _MLA_TENSORS},
-            **_decode_rope(decoder, f, path),
-            **{n: decoder.tensor(f[n], f"{path}.{n}") for n in _MLA_OPTIONAL_TENSORS},
-            kv_a_norm=required_norm(decoder, f["kv_a_norm"], f"{path}.kv_a_norm"),
-            q_a_norm=decoder.norm(f["q_a_norm"], f"{path}.q_a_norm"),
-            scale=float(f["scale"]),
-            rope_dim=int(f["rope_dim"]),
-            rope_layout=_layout(decoder, f["rope_layout"], f"{path}.rope_layout"),  # type: ignore[arg-type]
-            softmax_dtype=decoder.dtype(f["softmax_dtype"], f"{path}.softmax_dtype"),
-            indexer=None if f.get("indexer") is None else _decode_indexer(decoder, f["indexer"], f"{path}.indexer"),
+    cls = {"mla": MLASpec, "routed": RoutedAttentionSpec}.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise LoadError(
+            f"{decoder.where}: {path} is an attention of kind {kind!r}, which this lens_aot does not know; the model "
+            f"was saved by a newer lens_aot. Upgrade lens_aot (pip install -U lens-aot) to load it."
         )
-    if kind == "routed":
-        f = decoder.fields(obj, path, _ROUTED_FIELDS, _ROPE)
-        return RoutedAttentionSpec(
-            **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _ROUTED_TENSORS},
-            **_decode_rope(decoder, f, path),
-            top_k=int(f["top_k"]),
-            scale=float(f["scale"]),
-            router_dtype=decoder.dtype(f["router_dtype"], f"{path}.router_dtype"),
-            softmax_dtype=decoder.dtype(f["softmax_dtype"], f"{path}.softmax_dtype"),
-        )
-    raise LoadError(
-        f"{decoder.where}: {path} is an attention of kind {kind!r}, which this lens_aot does not know; the model was "
-        f"saved by a newer lens_aot. Upgrade lens_aot (pip install -U lens-aot) to load it."
-    )
-
-
-def _decode_indexer(decoder: Any, obj: Any, path: str) -> IndexerSpec:
-    f = decoder.fields(obj, path, _INDEXER_FIELDS)
-    scores_dtype = decoder.dtype(f["scores_dtype"], f"{path}.scores_dtype")
-    if scores_dtype is None:
-        raise LoadError(f"{decoder.where}: {path}.scores_dtype is null; the file is corrupt.")
-    return IndexerSpec(
-        **{n: decoder.required_tensor(f[n], f"{path}.{n}") for n in _INDEXER_TENSORS},
-        k_norm=required_norm(decoder, f["k_norm"], f"{path}.k_norm"),
-        top_k=int(f["top_k"]),
-        rope_dim=int(f["rope_dim"]),
-        rope_layout=_layout(decoder, f["rope_layout"], f"{path}.rope_layout"),
-        softmax_scale=float(f["softmax_scale"]),
-        weights_scale=float(f["weights_scale"]),
-        scores_dtype=scores_dtype,
-    )
+    f, values = decoder.record(obj, path, cls, optional=("kind", *_ROPE))
+    indexer = values.get("indexer")
+    if indexer is not None and indexer.scores_dtype is None:
+        raise LoadError(f"{decoder.where}: {path}.indexer.scores_dtype is null; the file is corrupt.")
+    return decoder.construct(cls, values | _decode_rope(decoder, f, path), path)
 
 
 def attention_shape_problems(attn: Any, path: str, d_model: int, n_ctx: int) -> list[str]:

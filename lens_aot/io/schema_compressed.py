@@ -12,7 +12,8 @@ Schema (``?``: may be null; ``norm`` as in :mod:`lens_aot.io.schema`)::
     indexer     {d_head, top_k, compress_rate, kv_proj, gate_proj, position_bias, kv_norm: norm, q_b_proj,
                  weights_proj, softmax_scale, weights_scaling, inv_freq, attention_scaling}
 
-``compressor`` is null on sliding layers and ``indexer`` null on "hca" compressors (both always written, so a lost
+The fields are the specs' declared ones (:func:`lens_aot.core.spec.fields.saved`, in their ``at`` order). ``compressor``
+is null on sliding layers and ``indexer`` null on "hca" compressors (both always written, so a lost
 field reads as a corrupt file, not as another layer type). The tensors are the spec's own, in its dtype: ``inv_freq``
 stays float32 in a float64 model, as the spec holds it; the floats are JSON numbers (float64, exact). Nothing is
 approximated, so the rebuilt attention computes exactly what was saved.
@@ -22,118 +23,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from lens_aot.core.spec.compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
+from lens_aot.core.spec.compressed import CompressedAttentionSpec
 from lens_aot.errors import LoadError
-from lens_aot.io.schema_common import required_norm
 
 __all__ = ["compressed_shape_problems", "decode_compressed", "encode_compressed"]
 
 KIND = "compressed"
-_TENSORS = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "sinks", "inv_freq")
-_NORMS = ("q_a_norm", "kv_norm")
-_FLOATS = ("q_b_norm_eps", "scale", "attention_scaling")
-_INTS = ("o_groups", "d_head", "window", "rope_dim")
-_FIELDS = ("kind", *_TENSORS, *_NORMS, *_FLOATS, *_INTS, "compressor")
-_COMPRESSOR_KINDS = ("csa", "hca")
-_COMPRESSOR_TENSORS = ("kv_proj", "gate_proj", "position_bias", "inv_freq")
-_COMPRESSOR_FIELDS = ("kind", "compress_rate", *_COMPRESSOR_TENSORS, "kv_norm", "attention_scaling", "indexer")
-_INDEXER_TENSORS = (*_COMPRESSOR_TENSORS, "q_b_proj", "weights_proj")
-_INDEXER_FLOATS = ("softmax_scale", "weights_scaling", "attention_scaling")
-_INDEXER_INTS = ("d_head", "top_k", "compress_rate")
-_INDEXER_FIELDS = (*_INDEXER_TENSORS, "kv_norm", *_INDEXER_FLOATS, *_INDEXER_INTS)
-
-
-def _record(encoder: Any, spec: Any, key: str, tensors: tuple[str, ...], norms: tuple[str, ...]) -> dict[str, Any]:
-    """The tensors and norms of ``spec`` (a dataclass) as record fields, collected by ``encoder``."""
-    out = {n: encoder.tensor(getattr(spec, n), f"{key}.{n}") for n in tensors}
-    return out | {n: encoder.norm(getattr(spec, n), f"{key}.{n}") for n in norms}
 
 
 def encode_compressed(encoder: Any, attn: CompressedAttentionSpec, key: str) -> dict[str, Any]:
-    """``attn`` as its record; ``encoder`` (a :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
-    out: dict[str, Any] = {"kind": KIND, **_record(encoder, attn, key, _TENSORS, _NORMS)}
-    out |= {n: float(getattr(attn, n)) for n in _FLOATS} | {n: int(getattr(attn, n)) for n in _INTS}
-    c, ck = attn.compressor, f"{key}.compressor"
-    out["compressor"] = None if c is None else _encode_compressor(encoder, c, ck)
-    return out
-
-
-def _encode_compressor(encoder: Any, c: CompressorSpec, key: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"kind": str(c.kind), "compress_rate": int(c.compress_rate)}
-    out |= _record(encoder, c, key, _COMPRESSOR_TENSORS, ("kv_norm",))
-    out["attention_scaling"] = float(c.attention_scaling)
-    ix, ik = c.indexer, f"{key}.indexer"
-    out["indexer"] = None if ix is None else _encode_indexer(encoder, ix, ik)
-    return out
-
-
-def _encode_indexer(encoder: Any, ix: CompressIndexerSpec, key: str) -> dict[str, Any]:
-    out = _record(encoder, ix, key, _INDEXER_TENSORS, ("kv_norm",))
-    return out | {n: float(getattr(ix, n)) for n in _INDEXER_FLOATS} | {n: int(getattr(ix, n)) for n in _INDEXER_INTS}
-
-
-def _number(decoder: Any, value: Any, path: str, kind: type) -> Any:
-    """A JSON number as ``kind`` (an int must be integral), else a LoadError naming ``path``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
-        raise LoadError(
-            f"{decoder.where}: {path} is {value!r}, not {'an integer' if kind is int else 'a number'}; "
-            "the file is corrupt. Save the model again."
-        )
-    return kind(value)
-
-
-def _decode(
-    decoder: Any,
-    f: dict[str, Any],
-    path: str,
-    tensors: tuple[str, ...],
-    norms: tuple[str, ...],
-    floats: tuple[str, ...],
-    ints: tuple[str, ...],
-) -> dict[str, Any]:
-    """The constructor arguments held by a record's fields ``f``: required tensors, norms, floats and ints."""
-    out: dict[str, Any] = {n: decoder.required_tensor(f[n], f"{path}.{n}") for n in tensors}
-    out |= {n: required_norm(decoder, f[n], f"{path}.{n}") for n in norms}
-    out |= {n: _number(decoder, f[n], f"{path}.{n}", float) for n in floats}
-    return out | {n: _number(decoder, f[n], f"{path}.{n}", int) for n in ints}
+    """``attn`` as its record (its declared fields, :func:`lens_aot.core.spec.fields.saved`); ``encoder`` (a
+    :class:`~lens_aot.io.schema.Encoder`) collects the tensors."""
+    return {"kind": KIND, **encoder.record(attn, key)}
 
 
 def decode_compressed(decoder: Any, obj: Any, path: str) -> CompressedAttentionSpec:
-    """The inverse of :func:`encode_compressed` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`)."""
-    f = decoder.fields(obj, path, _FIELDS)
-    c = f["compressor"]
-    return CompressedAttentionSpec(
-        **_decode(decoder, f, path, _TENSORS, _NORMS, _FLOATS, _INTS),
-        compressor=None if c is None else _decode_compressor(decoder, c, f"{path}.compressor"),
-    )
-
-
-def _decode_compressor(decoder: Any, obj: Any, path: str) -> CompressorSpec:
-    f = decoder.fields(obj, path, _COMPRESSOR_FIELDS)
-    kind = f["kind"]
-    if kind not in _COMPRESSOR_KINDS:
+    """The inverse of :func:`encode_compressed` (``decoder``: a :class:`~lens_aot.io.schema.Decoder`): a compressor
+    has an indexer exactly when it is "csa"."""
+    values = decoder.record(obj, path, CompressedAttentionSpec, optional=("kind",))[1]
+    c = values["compressor"]
+    if c is not None and (c.kind == "csa") != (c.indexer is not None):
         raise LoadError(
-            f"{decoder.where}: {path}.kind is {kind!r}, not one of {list(_COMPRESSOR_KINDS)}; the file is corrupt or "
-            f"was saved by a newer lens_aot. Upgrade lens_aot (pip install -U lens-aot) or save the model again."
+            f"{decoder.where}: {path}.compressor is a {c.kind!r} compressor {'without' if c.kind == 'csa' else 'with'} "
+            "an indexer (a 'csa' compressor has one, an 'hca' compressor none); the file is corrupt. Save the model "
+            "again."
         )
-    if (kind == "csa") != (f["indexer"] is not None):
-        raise LoadError(
-            f"{decoder.where}: {path} is a {kind!r} compressor {'without' if kind == 'csa' else 'with'} an indexer "
-            "(a 'csa' compressor has one, an 'hca' compressor none); the file is corrupt. Save the model again."
-        )
-    ix = f["indexer"]
-    return CompressorSpec(
-        kind=kind,
-        **_decode(decoder, f, path, _COMPRESSOR_TENSORS, ("kv_norm",), ("attention_scaling",), ("compress_rate",)),
-        indexer=None if ix is None else _decode_indexer(decoder, ix, f"{path}.indexer"),
-    )
-
-
-def _decode_indexer(decoder: Any, obj: Any, path: str) -> CompressIndexerSpec:
-    f = decoder.fields(obj, path, _INDEXER_FIELDS)
-    return CompressIndexerSpec(
-        **_decode(decoder, f, path, _INDEXER_TENSORS, ("kv_norm",), _INDEXER_FLOATS, _INDEXER_INTS)
-    )
+    return decoder.construct(CompressedAttentionSpec, values, path)
 
 
 def compressed_shape_problems(attn: CompressedAttentionSpec, path: str, d_model: int) -> list[str]:

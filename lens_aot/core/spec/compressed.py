@@ -27,11 +27,12 @@ source's rotary modules multiply positions by ``inv_freq.float()`` whatever thei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from jaxtyping import Float
 from torch import Tensor
 
+from lens_aot.core.spec.fields import saved
 from lens_aot.core.spec.model_spec import NormSpec
 from lens_aot.core.spec.scaled import NoAttentionVariants
 
@@ -45,13 +46,13 @@ class WindowPoolSpec:
     (``inv_freq``, float32, and ``attention_scaling``: the "compress" rope). The projections are ``d_head`` wide, or
     ``2 · d_head`` for two overlapping series (the previous window's, then this window's: "csa" and the indexer)."""
 
-    compress_rate: int
-    kv_proj: Float[Tensor, "width_d_head d_model"]
-    gate_proj: Float[Tensor, "width_d_head d_model"]
-    position_bias: Float[Tensor, "compress_rate width_d_head"]
-    kv_norm: NormSpec
-    inv_freq: Float[Tensor, " half_rope_dim"]
-    attention_scaling: float = 1.0
+    compress_rate: int = saved("int", at=10)
+    kv_proj: Float[Tensor, "width_d_head d_model"] = saved("tensor", at=20)
+    gate_proj: Float[Tensor, "width_d_head d_model"] = saved("tensor", at=30)
+    position_bias: Float[Tensor, "compress_rate width_d_head"] = saved("tensor", at=40)
+    kv_norm: NormSpec = saved("norm", at=70)
+    inv_freq: Float[Tensor, " half_rope_dim"] = saved("tensor", at=50)
+    attention_scaling: float = saved("float", 1.0, at=100)
 
     @property
     def rope_dim(self) -> int:
@@ -65,12 +66,13 @@ class CompressIndexerSpec(WindowPoolSpec):
     latent, and scores ``Σ_h w_h · relu(q_h · k) · softmax_scale`` with ``w = x weights_proj · weights_scaling``
     (float32); each query keeps its ``top_k`` best-scored entries among those it may see."""
 
-    d_head: int
-    top_k: int
-    q_b_proj: Float[Tensor, "n_heads_d_head q_rank"]
-    weights_proj: Float[Tensor, "n_heads d_model"]
-    softmax_scale: float
-    weights_scaling: float
+    compress_rate: int = saved("int", at=130)  # last in the indexer's record, first in the compressor's
+    d_head: int = saved("int", at=110)
+    top_k: int = saved("int", at=120)
+    q_b_proj: Float[Tensor, "n_heads_d_head q_rank"] = saved("tensor", at=60)
+    weights_proj: Float[Tensor, "n_heads d_model"] = saved("tensor", at=65)
+    softmax_scale: float = saved("float", at=80)
+    weights_scaling: float = saved("float", at=90)
 
     @property
     def n_heads(self) -> int:
@@ -83,8 +85,8 @@ class CompressorSpec(WindowPoolSpec):
     module docstring). "csa": two series, ``2 · d_head`` wide, and ``indexer`` is set; "hca": ``d_head`` wide, no
     indexer."""
 
-    kind: CompressorKind
-    indexer: CompressIndexerSpec | None = None
+    kind: CompressorKind = saved("str", choices=("csa", "hca"), at=0)
+    indexer: CompressIndexerSpec | None = saved("nested", None, nested=CompressIndexerSpec, at=200)
 
 
 @dataclass(kw_only=True)
@@ -97,25 +99,24 @@ class CompressedAttentionSpec(NoAttentionVariants):
     ("main" for sliding layers, "compress" for compressed ones); the rotated channels are the last ``rope_dim`` of
     each head, in interleaved pairs. ``compressor`` is None on sliding layers."""
 
-    FEATURE: ClassVar[str] = "compressed attention"  # its name in ModelSpec.features()
-
-    q_a_proj: Float[Tensor, "q_rank d_model"]
-    q_a_norm: NormSpec
-    q_b_proj: Float[Tensor, "n_heads_d_head q_rank"]
-    q_b_norm_eps: float  # the unweighted RMS norm of each head's query
-    kv_proj: Float[Tensor, "d_head d_model"]
-    kv_norm: NormSpec
-    o_a_proj: Float[Tensor, "o_groups_o_rank group_in"]  # per group: [o_rank, n_heads · d_head / o_groups]
-    o_groups: int
-    o_b_proj: Float[Tensor, "d_model o_groups_o_rank"]
-    sinks: Float[Tensor, " n_heads"]
-    d_head: int
-    scale: float  # scores are q·k * scale (a multiplier, as the source applies it)
-    window: int
-    rope_dim: int
-    inv_freq: Float[Tensor, " half_rope_dim"]  # float32
-    attention_scaling: float = 1.0
-    compressor: CompressorSpec | None = None
+    q_a_proj: Float[Tensor, "q_rank d_model"] = saved("tensor", at=0)
+    q_a_norm: NormSpec = saved("norm", at=7)
+    q_b_proj: Float[Tensor, "n_heads_d_head q_rank"] = saved("tensor", at=1)
+    q_b_norm_eps: float = saved("float", at=9)  # the unweighted RMS norm of each head's query
+    kv_proj: Float[Tensor, "d_head d_model"] = saved("tensor", at=2)
+    kv_norm: NormSpec = saved("norm", at=8)
+    # per group: [o_rank, n_heads · d_head / o_groups]
+    o_a_proj: Float[Tensor, "o_groups_o_rank group_in"] = saved("tensor", at=3)
+    o_groups: int = saved("int", at=12)
+    o_b_proj: Float[Tensor, "d_model o_groups_o_rank"] = saved("tensor", at=4)
+    sinks: Float[Tensor, " n_heads"] = saved("tensor", at=5)
+    d_head: int = saved("int", at=13)
+    scale: float = saved("float", at=10)  # scores are q·k * scale (a multiplier, as the source applies it)
+    window: int = saved("int", at=14)
+    rope_dim: int = saved("int", at=15)
+    inv_freq: Float[Tensor, " half_rope_dim"] = saved("tensor", at=6)  # float32
+    attention_scaling: float = saved("float", 1.0, at=11)
+    compressor: CompressorSpec | None = saved("nested", None, nested=CompressorSpec, at=16)
 
     @property
     def n_heads(self) -> int:

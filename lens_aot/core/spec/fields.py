@@ -15,9 +15,13 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODEC", "FieldCodec", "is_off", "labels", "saved", "saved_fields"]
+__all__ = ["CODEC", "TYPE_LABELS", "FieldCodec", "is_off", "labels", "saved", "saved_fields", "type_label"]
 
 CODEC = "lens_aot.saved"  # the metadata key
+
+TYPE_LABELS: dict[type, str] = {}
+"""The names of the variants with spec types of their own, by spec type: each its descriptor's ``label``
+(:func:`lens_aot.core.variants.register_variant` adds them)."""
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,8 @@ def labels(obj: Any, cls: type) -> set[str]:
         if codec.label and not is_off(field, getattr(obj, field.name, field.default)):
             found.add(codec.label)
     return found
+
+
+def type_label(obj: Any) -> str | None:
+    """The label of the variant whose spec type ``obj`` is an instance of (the most derived), or None."""
+    return next((TYPE_LABELS[t] for t in type(obj).__mro__ if t in TYPE_LABELS), None)

@@ -30,11 +30,30 @@ from torch import Tensor
 
 from lens_aot.core.spec.fields import saved
 
-__all__ = ["HyperConnectionSpec", "HyperHeadSpec"]
+__all__ = ["HyperConnectionSpec", "HyperHeadSpec", "StreamCollapseSpec"]
 
 
-@dataclass
-class HyperConnectionSpec:
+@dataclass(kw_only=True)
+class StreamCollapseSpec:
+    """What a hyper-connection and the hyper head share: ``n = hc_mult`` streams collapsed by weights computed from
+    their flattened RMSNorm (epsilon ``norm_eps``) through ``fn`` [n_weights, n·d_model], ``base`` [n_weights] and
+    ``scale``; ``hc_eps`` the floor added to ``pre``. ``n_weights`` is ``(2 + n)·n`` for a connection (pre, post,
+    comb), ``n`` for the head."""
+
+    hc_mult: int = saved("int", at=0)
+    hc_eps: float = saved("float", at=2)
+    norm_eps: float = saved("float", at=3)
+    fn: Float[Tensor, "n_weights hc_d_model"] = saved("tensor", at=4)  # hc_d_model = hc_mult·d_model
+    base: Float[Tensor, " n_weights"] = saved("tensor", at=5)
+    scale: Float[Tensor, " n_scales"] = saved("tensor", at=6)  # three for a connection, one for the head
+
+    @property
+    def d_model(self) -> int:
+        return int(self.fn.shape[1]) // self.hc_mult
+
+
+@dataclass(kw_only=True)
+class HyperConnectionSpec(StreamCollapseSpec):
     """One hyper-connection around a sublayer (transformers' ``DeepseekV4HyperConnection``; module docstring).
 
     ``fn`` rows are ``[pre (n), post (n), comb (n·n, row-major [n, n])]``, its columns the flattened streams
@@ -42,32 +61,10 @@ class HyperConnectionSpec:
     ``[pre, post, comb]``. ``norm_eps``: the input RMSNorm's epsilon; ``hc_eps``: the floor added to ``pre`` and
     ``comb`` and to every Sinkhorn denominator."""
 
-    hc_mult: int = saved("int")
-    sinkhorn_iters: int = saved("int")
-    hc_eps: float = saved("float")
-    norm_eps: float = saved("float")
-    # n_weights = (2 + hc_mult)·hc_mult, hc_d_model = hc_mult·d_model
-    fn: Float[Tensor, "n_weights hc_d_model"] = saved("tensor")
-    base: Float[Tensor, " n_weights"] = saved("tensor")
-    scale: Float[Tensor, " three"] = saved("tensor")
-
-    @property
-    def d_model(self) -> int:
-        return int(self.fn.shape[1]) // self.hc_mult
+    sinkhorn_iters: int = saved("int", at=1)  # second in the record, after hc_mult
 
 
-@dataclass
-class HyperHeadSpec:
+@dataclass(kw_only=True)
+class HyperHeadSpec(StreamCollapseSpec):
     """The final collapse of the streams (transformers' ``DeepseekV4HyperHead``): ``Σ_i pre[i] · X[i]`` with
     ``pre = sigmoid(x̂ fnᵀ · scale + base) + hc_eps`` (``x̂`` the flattened streams' unweighted RMSNorm)."""
-
-    hc_mult: int = saved("int")
-    hc_eps: float = saved("float")
-    norm_eps: float = saved("float")
-    fn: Float[Tensor, "hc_mult hc_d_model"] = saved("tensor")
-    base: Float[Tensor, " hc_mult"] = saved("tensor")
-    scale: Float[Tensor, " one"] = saved("tensor")
-
-    @property
-    def d_model(self) -> int:
-        return int(self.fn.shape[1]) // self.hc_mult

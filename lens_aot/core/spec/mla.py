@@ -12,23 +12,19 @@ computes these heads exactly as the source does (:mod:`lens_aot.core.components.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.core.spec.dsa import IndexerSpec
-from lens_aot.core.spec.model_spec import NormSpec, recipe_table
+from lens_aot.core.spec.dsa import ROPE_LAYOUTS, IndexerSpec, RopeLayout
+from lens_aot.core.spec.fields import saved
+from lens_aot.core.spec.model_spec import NormSpec, with_recipe_tables
 from lens_aot.core.spec.scaled import NoAttentionVariants
 
-# How the source rotates the rotary channels: "halves" (rotate_half, GPT-NeoX layout), "interleaved" (DeepSeek-V3's
-# rope_interleave: channel pairs (0,1), (2,3), ... rotated and written back as [evens, odds]), "complex" (DeepSeek-V2:
-# pairs as complex numbers times the source's complex table, in float32).
-RopeLayout = Literal["halves", "interleaved", "complex"]
 
-
+@with_recipe_tables
 @dataclass
 class MLASpec(NoAttentionVariants):
     """One multi-head latent attention layer (module docstring), weights in TransformerLens's per-head layout.
@@ -42,37 +38,35 @@ class MLASpec(NoAttentionVariants):
     are then None until read, and a read materialises the n_ctx rows: for export, revert and the reference only).
     """
 
-    FEATURE: ClassVar[str] = "multi-head latent attention"  # its name in ModelSpec.features()
-
-    W_Q: Float[Tensor, "n_heads q_in d_qk"]
-    W_kv_a: Float[Tensor, "d_model kv_rank_plus_rope"]
-    kv_a_norm: NormSpec
-    W_K: Float[Tensor, "n_heads kv_rank d_nope"]
-    W_V: Float[Tensor, "n_heads kv_rank d_v"]
-    W_O: Float[Tensor, "n_heads d_v d_model"]
-    b_O: Float[Tensor, " d_model"]
-    scale: float  # scores are q·k * scale (a multiplier, as the source applies it)
-    rope_dim: int
+    W_Q: Float[Tensor, "n_heads q_in d_qk"] = saved("tensor", at=0)
+    W_kv_a: Float[Tensor, "d_model kv_rank_plus_rope"] = saved("tensor", at=1)
+    kv_a_norm: NormSpec = saved("norm", at=9)
+    W_K: Float[Tensor, "n_heads kv_rank d_nope"] = saved("tensor", at=2)
+    W_V: Float[Tensor, "n_heads kv_rank d_v"] = saved("tensor", at=3)
+    W_O: Float[Tensor, "n_heads d_v d_model"] = saved("tensor", at=4)
+    b_O: Float[Tensor, " d_model"] = saved("tensor", at=5)
+    scale: float = saved("float", at=11)  # scores are q·k * scale (a multiplier, as the source applies it)
+    rope_dim: int = saved("int", at=12)
     cos: Float[Tensor, "n_ctx rope_dim"]
     sin: Float[Tensor, "n_ctx rope_dim"]
-    rope_layout: RopeLayout = "halves"
-    W_q_a: Float[Tensor, "d_model q_rank"] | None = None  # query compression (None: W_Q reads x directly)
-    b_q_a: Float[Tensor, " q_rank"] | None = None
-    q_a_norm: NormSpec | None = None
-    b_kv_a: Float[Tensor, " kv_rank_plus_rope"] | None = None
-    softmax_dtype: torch.dtype | None = torch.float32
+    rope_layout: RopeLayout = saved("str", "halves", choices=ROPE_LAYOUTS, at=13)
+    W_q_a: Float[Tensor, "d_model q_rank"] | None = saved(
+        "tensor", None, at=6
+    )  # query compression (None: W_Q reads x directly)
+    b_q_a: Float[Tensor, " q_rank"] | None = saved("tensor", None, at=7)
+    q_a_norm: NormSpec | None = saved("norm", None, at=10)
+    b_kv_a: Float[Tensor, " kv_rank_plus_rope"] | None = saved("tensor", None, at=8)
+    softmax_dtype: torch.dtype | None = saved("dtype", torch.float32, at=14)
     # DeepSeek Sparse Attention's indexer (GLM-MoE-DSA): each query keeps only its top-k keys (lens_aot.core.spec.dsa)
-    indexer: IndexerSpec | None = None
+    indexer: IndexerSpec | None = saved("nested", None, variant=True, nested=IndexerSpec, at=15)
     recipe: RotaryRecipe | None = None  # cos / sin computed on demand (lens_aot.core.rotary_recipe)
 
     @property
     def n_heads(self) -> int:
+        """The attention heads (``W_Q``'s first dimension)."""
         return int(self.W_Q.shape[0])
 
     @property
     def kv_rank(self) -> int:
+        """The key-value latent's rank ``r`` (what ``W_K`` / ``W_V`` read)."""
         return int(self.W_K.shape[1])
-
-
-MLASpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
-MLASpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]

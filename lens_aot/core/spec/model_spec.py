@@ -8,13 +8,13 @@ conversion needs. Nothing downstream of this file knows which TransformerLens ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lens_aot.core.spec.fields import labels, saved
+from lens_aot.core.spec.fields import labels, saved, type_label
 
 if TYPE_CHECKING:
     from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
@@ -233,6 +233,9 @@ class RotarySpec:
     recipe: RotaryRecipe | None = None
 
 
+_Spec = TypeVar("_Spec", bound=type)
+
+
 def recipe_table(index: int) -> property:
     """``cos`` / ``.sin`` of a spec with an optional ``recipe`` (:class:`RotarySpec`, MLA, routed attention): the stored
     table, or the recipe's rows over n_ctx (computed when first read, then kept by this spec, so that what reads them
@@ -253,8 +256,15 @@ def recipe_table(index: int) -> property:
     return property(get, put)
 
 
-RotarySpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
-RotarySpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]
+def with_recipe_tables(cls: _Spec) -> _Spec:
+    """``cls`` (a spec dataclass with ``cos`` / ``sin`` fields and a ``recipe``) with its ``cos`` / ``sin`` read
+    through :func:`recipe_table`."""
+    cls.cos = recipe_table(0)  # type: ignore[attr-defined]
+    cls.sin = recipe_table(1)  # type: ignore[attr-defined]
+    return cls
+
+
+with_recipe_tables(RotarySpec)
 
 
 def head_shape(attn: Any) -> tuple[int, int, int]:
@@ -319,10 +329,11 @@ class ModelSpec:
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
         standard-mask construction) to refuse them by name. Each is the ``label`` its field declares (a field-level
-        variant, :func:`~lens_aot.core.spec.fields.saved`) or its attention spec type's ``FEATURE``."""
+        variant, :func:`~lens_aot.core.spec.fields.saved`) or the ``label`` of its attention's variant descriptor
+        (:mod:`lens_aot.core.variants`)."""
         found: set[str] = labels(self, ModelSpec)
         for layer in self.layers:
-            variant = getattr(type(layer.attn), "FEATURE", None)  # an attention variant's own name (mla.py, ...)
+            variant = type_label(layer.attn)  # an attention variant's own name (MLA, ...: lens_aot.core.variants)
             if variant is not None:
                 found.add(variant)
             found |= labels(layer.attn, AttentionSpec) | labels(layer, LayerSpec)

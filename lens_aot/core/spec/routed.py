@@ -16,52 +16,50 @@ heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.rotary_recipe import RotaryRecipe
-from lens_aot.core.spec.model_spec import recipe_table
+from lens_aot.core.spec.fields import saved
+from lens_aot.core.spec.model_spec import with_recipe_tables
 from lens_aot.core.spec.scaled import NoAttentionVariants
 
 
+@with_recipe_tables
 @dataclass
 class RoutedAttentionSpec(NoAttentionVariants):
     """One mixture-of-attention-heads layer (module docstring). ``cos`` / ``sin``: the source's rotary tables over the
     whole head (rotate-half layout), one row per position, or, with a ``recipe``, computed from it on demand (as
     :class:`~lens_aot.core.spec.mla.MLASpec`'s)."""
 
-    FEATURE: ClassVar[str] = "a mixture of attention heads"  # its name in ModelSpec.features()
-
-    W_router: Float[Tensor, "d_model n_experts"]
-    top_k: int
-    W_Q: Float[Tensor, "n_experts n_kv d_model d_head"]
-    W_K: Float[Tensor, "n_kv d_model d_head"]
-    W_V: Float[Tensor, "n_kv d_model d_head"]
-    W_O: Float[Tensor, "n_experts n_kv d_head d_model"]
-    b_O: Float[Tensor, " d_model"]
-    scale: float  # scores are q·k * scale (a multiplier, as the source applies it)
+    W_router: Float[Tensor, "d_model n_experts"] = saved("tensor", at=0)
+    top_k: int = saved("int", at=6)  # after b_O (and the rotary tables) in the record
+    W_Q: Float[Tensor, "n_experts n_kv d_model d_head"] = saved("tensor", at=1)
+    W_K: Float[Tensor, "n_kv d_model d_head"] = saved("tensor", at=2)
+    W_V: Float[Tensor, "n_kv d_model d_head"] = saved("tensor", at=3)
+    W_O: Float[Tensor, "n_experts n_kv d_head d_model"] = saved("tensor", at=4)
+    b_O: Float[Tensor, " d_model"] = saved("tensor", at=5)
+    scale: float = saved("float", at=7)  # scores are q·k * scale (a multiplier, as the source applies it)
     cos: Float[Tensor, "n_ctx d_head"]
     sin: Float[Tensor, "n_ctx d_head"]
-    router_dtype: torch.dtype | None = torch.float32  # the router logits are cast to it after the projection
-    softmax_dtype: torch.dtype | None = torch.float32
+    # the router logits are cast to it after the projection
+    router_dtype: torch.dtype | None = saved("dtype", torch.float32, at=8)
+    softmax_dtype: torch.dtype | None = saved("dtype", torch.float32, at=9)
     recipe: RotaryRecipe | None = None  # cos / sin computed on demand (lens_aot.core.rotary_recipe)
 
     @property
     def n_experts(self) -> int:
+        """The attention experts (each a query and an output map)."""
         return int(self.W_Q.shape[0])
 
     @property
     def n_kv(self) -> int:
+        """The key / value heads every expert shares."""
         return int(self.W_K.shape[0])
 
     @property
     def n_heads(self) -> int:
         """The slot heads: ``top_k · n_kv``."""
         return int(self.top_k) * self.n_kv
-
-
-RoutedAttentionSpec.cos = recipe_table(0)  # type: ignore[method-assign,assignment]
-RoutedAttentionSpec.sin = recipe_table(1)  # type: ignore[method-assign,assignment]

@@ -45,7 +45,15 @@ def read_hyper_connection(module: Any, layer: int | None = None, piece: str = "a
             f"weights fn {tuple(fn.shape)}, base {tuple(base.shape)}, "
             f"scale {tuple(scale.shape)} (expected [{n_weights}, {hc}·d_model], [{n_weights}], [3])",
         )
-    spec = HyperConnectionSpec(int(hc), int(iters), float(hc_eps), float(norm_eps), fn, base, scale)
+    spec = HyperConnectionSpec(
+        hc_mult=int(hc),
+        sinkhorn_iters=int(iters),
+        hc_eps=float(hc_eps),
+        norm_eps=float(norm_eps),
+        fn=fn,
+        base=base,
+        scale=scale,
+    )
     _check(module, spec, HyperConnection, layer, piece)
     return spec
 
@@ -64,7 +72,7 @@ def read_hyper_head(module: Any, piece: str = "hc_head") -> HyperHeadSpec:
             f"weights hc_fn {tuple(fn.shape)}, hc_base {tuple(base.shape)}, "
             f"hc_scale {tuple(scale.shape)} (expected [{hc}, {hc}·d_model], [{hc}], [1])",
         )
-    spec = HyperHeadSpec(int(hc), float(hc_eps), float(norm_eps), fn, base, scale)
+    spec = HyperHeadSpec(hc_mult=int(hc), hc_eps=float(hc_eps), norm_eps=float(norm_eps), fn=fn, base=base, scale=scale)
     _check(module, spec, HyperHead, None, piece)
     return spec
 

@@ -135,10 +135,10 @@ class HyperConnection(StreamWeights):
     def spec(self) -> HyperConnectionSpec:
         """The :class:`HyperConnectionSpec` this module implements."""
         return HyperConnectionSpec(
-            self.hc_mult,
-            self.sinkhorn_iters,
-            self.hc_eps,
-            self.input_norm.eps,
+            hc_mult=self.hc_mult,
+            sinkhorn_iters=self.sinkhorn_iters,
+            hc_eps=self.hc_eps,
+            norm_eps=self.input_norm.eps,
             **exported_fields(self, *self.PARAMETERS),
         )
 
@@ -158,7 +158,12 @@ class HyperHead(StreamWeights):
 
     def spec(self) -> HyperHeadSpec:
         """The :class:`HyperHeadSpec` this module implements."""
-        return HyperHeadSpec(self.hc_mult, self.hc_eps, self.input_norm.eps, **exported_fields(self, *self.PARAMETERS))
+        return HyperHeadSpec(
+            hc_mult=self.hc_mult,
+            hc_eps=self.hc_eps,
+            norm_eps=self.input_norm.eps,
+            **exported_fields(self, *self.PARAMETERS),
+        )
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, hc_eps={self.hc_eps}"
