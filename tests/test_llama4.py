@@ -1,7 +1,7 @@
 """Issue 22: Llama 4's text model (``Llama4ForCausalLM``), read from the attention forward the bridge delegates to
 (:mod:`lens_aot.tl.attention.llama4`): rotary as a float32 complex product (adjacent pairs), a weightless L2 QK-norm
 after it (an ``RMSPre`` :class:`~lens_aot.core.components.scores.qk_norm_after_rotary.PostRotaryQKNorm`), chunked causal
-attention (:mod:`lens_aot.core.components.attention.chunked_mask`) and the NoPE layers' query temperature
+attention (:mod:`lens_aot.core.components.scores.chunked_mask`) and the NoPE layers' query temperature
 (:mod:`lens_aot.core.components.scores.query_temperature`). Its mixture of experts (router scores scale the experts'
 inputs: :class:`~lens_aot.core.components.moe.input_scaled_moe.InputScaledMoEMLP`, whose router is
 :class:`~lens_aot.core.components.moe.moe_router.TopKThenSigmoid`) and its dense layers convert too.

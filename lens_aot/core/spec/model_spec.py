@@ -130,7 +130,7 @@ class AttentionSpec:
     ntk_length: int | None = saved("int", None, variant=True, label="dynamic-NTK rotary")
     ntk_rotary: tuple[RotarySpec, ...] = saved("rotaries", (), variant=True, companion_of=("ntk_length",))
     # Llama 4: chunked causal attention, key k visible to query q only in q's chunk of ``chunk`` positions
-    # (:mod:`lens_aot.core.components.attention.chunked_mask`); None: no chunking.
+    # (:mod:`lens_aot.core.components.scores.chunked_mask`); None: no chunking.
     chunk: int | None = saved("int", None, variant=True, label="chunked attention")
     # Gemma 4's shared keys and values (num_kv_shared_layers): this layer attends with the keys and values layer
     # ``kv_from`` computed (after its key norm, rotary and value norm) and has no key / value projection of its own:

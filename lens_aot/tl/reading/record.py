@@ -72,7 +72,7 @@ class AttentionReading:
     duplicate_half_tables: bool = True
     # Ministral 3's Llama-4 query scaling (beta, original_max_position_embeddings), where it binds below n_ctx
     query_scale: tuple[float, int] | None = spec_field("query_scale_beta", "query_scale_length")
-    # GPT-OSS's attention sinks (a learned logit per head joins the float32 softmax; core/components/attention/sinks.py)
+    # GPT-OSS's attention sinks (a learned logit per head joins the float32 softmax; core/components/scores/sinks.py)
     sinks: Tensor | None = spec_field("sinks")
     # Llama 4 (lens_aot.tl.attention.llama4): a binding attention chunk size; the NoPE layers' query temperature
     # (attn_scale, floor_scale)

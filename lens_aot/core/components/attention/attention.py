@@ -14,7 +14,6 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from lens_aot.core.components.attention.chunked_mask import same_chunk
 from lens_aot.core.components.attention.float32_attention import RotationInDtype, ScoresInDtype, rotate
 from lens_aot.core.components.attention.head_ops import (
     fused_z,
@@ -25,15 +24,16 @@ from lens_aot.core.components.attention.head_ops import (
     zero_unseen,
 )
 from lens_aot.core.components.attention.output_gate import make_output_gate
-from lens_aot.core.components.attention.sinks import AttentionSinks
 from lens_aot.core.components.float32_norm import make_qk_norm
 from lens_aot.core.components.ownership import exported, parameter, table, through_hook
 from lens_aot.core.components.scores.alibi import ALiBi
 from lens_aot.core.components.scores.alibi_keys import KeyPositionALiBi
+from lens_aot.core.components.scores.chunked_mask import same_chunk
 from lens_aot.core.components.scores.dynamic_ntk import DynamicNTKTables
 from lens_aot.core.components.scores.query_scale import LogNScale, PositionQueryScale
 from lens_aot.core.components.scores.query_temperature import QueryTemperature
 from lens_aot.core.components.scores.rotary_rows import shared_rows
+from lens_aot.core.components.scores.sinks import AttentionSinks
 from lens_aot.core.components.scores.v_norm import make_v_norm
 from lens_aot.core.components.soft_cap import SoftCap
 from lens_aot.core.runtime.kv_cache import KeyValueCacheEntry, position_rows

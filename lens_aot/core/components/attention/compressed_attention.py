@@ -31,8 +31,8 @@ from lens_aot.core.components.attention.compressor import (  # noqa: F401 (re-ex
     compress_windows,
 )
 from lens_aot.core.components.attention.scaled_heads import PaddingMask, Residual, ScaledDenseHeads
-from lens_aot.core.components.attention.sinks import AttentionSinks
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.components.scores.sinks import AttentionSinks
 from lens_aot.core.components.scores.tail_rotary import RotaryAngles, rotate_tail
 from lens_aot.core.components.source_rms_norm import (  # noqa: F401 (re-exported)
     SourceRMSNorm,
