@@ -170,6 +170,18 @@ def test_core_imports_nothing_from_tl() -> None:
     assert [(m, t) for m in core for t in sorted(graph[m]) if t == "lens_aot.tl" or t.startswith("lens_aot.tl.")] == []
 
 
+def test_tl_builds_no_core_component() -> None:
+    """No lens_aot.tl module imports a module of lens_aot.core.components (issue 39): a reader checks a piece it reads
+    through the check step (:mod:`lens_aot.core.check.pieces`, :mod:`lens_aot.core.check.attention_pieces`), which
+    builds the component; the specs, pure functions and ownership switches a reader needs live outside the components
+    (core/spec/, :mod:`lens_aot.core.ownership`)."""
+    graph = import_graph()
+    components = "lens_aot.core.components"
+    tl = [m for m in graph if m == "lens_aot.tl" or m.startswith("lens_aot.tl.")]
+    found = [(m, t) for m in tl for t in sorted(graph[m]) if t == components or t.startswith(components + ".")]
+    assert found == []
+
+
 def test_the_graph_reads_imports() -> None:
     """The walker sees relative, ``from package import module`` and function-level imports, and skips
     ``TYPE_CHECKING`` blocks (so a green graph above means something)."""

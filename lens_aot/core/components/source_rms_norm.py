@@ -8,7 +8,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.components.norm import Norm
-from lens_aot.core.spec.model_spec import NormSpec
+from lens_aot.core.spec.source_norm import source_rms_norm_spec
+
+__all__ = ["SourceRMSNorm", "source_rms_norm_spec", "unweighted_rms_norm"]  # source_rms_norm_spec re-exported
 
 
 class SourceRMSNorm(Norm):
@@ -29,9 +31,3 @@ def unweighted_rms_norm(x: Float[Tensor, "... d"], eps: float) -> Float[Tensor, 
     """``DeepseekV4UnweightedRMSNorm``: ``x · rsqrt(mean(x.float()²) + eps)`` with the scale cast to ``x``'s dtype
     before the product."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def source_rms_norm_spec(weight: Tensor, eps: float) -> NormSpec:
-    """The :class:`NormSpec` of a ``DeepseekV4RMSNorm`` of ``weight`` (statistics in float32, ``rsqrt``); the
-    components build it as :class:`SourceRMSNorm`."""
-    return NormSpec("RMS", float(eps), weight.detach(), None, torch.float32, rsqrt=True)

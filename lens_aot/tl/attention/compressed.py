@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.components.attention.compressed_attention import source_rms_norm_spec
 from lens_aot.core.spec.compressed import CompressedAttentionSpec, CompressIndexerSpec, CompressorSpec
 from lens_aot.core.spec.model_spec import NormSpec
+from lens_aot.core.spec.source_norm import source_rms_norm_spec
 from lens_aot.tl.reading.pieces import child, unwrapped
 from lens_aot.tl.reading.probe import refuse_piece
 

@@ -31,9 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.components.attention.attention import Attention
-from lens_aot.core.components.attention.output_gate import GATES
-from lens_aot.core.components.ownership import borrowing
+from lens_aot.core.check.attention_pieces import OUTPUT_GATE_ACTIVATIONS, candidate_attention_output
 from lens_aot.core.spec.model_spec import OutputGateSpec, RotarySpec
 from lens_aot.tl.attention.delegated import check_eager
 from lens_aot.tl.attention.k_eq_v import values_are_keys
@@ -140,8 +138,9 @@ def read_delegated_rotary(
         cos, sin = _probe_tables(rotary_module, str(types[layer]) if types else None, n, dtype, device)
         with torch.no_grad():
             extra = {"shared_kv_states": {}} if _takes(hf_attn, "shared_kv_states") else {}
+            shared_kv = None
             if spec.kv_from is not None:  # Gemma 4's shared keys and values: seeded ones (read_shared_kv)
-                extra, shared_module = probe_states(layer, spec, hf_attn, n, dtype, device)
+                extra, shared_kv = probe_states(layer, spec, hf_attn, n, dtype, device)
             want = hf_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask, **extra)
         want = want[0] if isinstance(want, tuple) else want
         if not isinstance(want, Tensor) or want.shape != x.shape[:2] + (spec.W_O.shape[-1],):
@@ -157,21 +156,17 @@ def read_delegated_rotary(
     positions = [(after, sign, "model") for after in (False, True) for sign in (1, -1)] + [(False, 1, "none")]
     gates: list[OutputGateSpec | None] = [None]
     if gate_weight is not None:  # AFMoE: sigmoid; Laguna: softplus of a float32 copy
-        gates = [OutputGateSpec(gate_weight, act, gate_dtype) for act in GATES for gate_dtype in (None, torch.float32)]
+        acts, dtypes = OUTPUT_GATE_ACTIVATIONS, (None, torch.float32)
+        gates = [OutputGateSpec(gate_weight, act, gate_dtype) for act in acts for gate_dtype in dtypes]
     for (after, sign, rope), gate in itertools.product(positions, gates):
         if (q_norm is None and k_norm is None) and after:
             continue
         spec.qk_norm_after_rotary, spec.output_gate = after, gate
         table = RotarySpec(width if rope == "model" else 0, cos[0].to(dtype), (sign * sin[0]).to(dtype))
-        try:  # a throw-away module over the spec's own tensors (no copy of the layer's weights per candidate)
-            with borrowing():
-                shared = spec.kv_from is not None
-                module = (shared_module(spec, table) if shared else Attention(spec, True, table)).to(device)
-        except ValueError:  # a candidate no component has (a float32-scale QK-norm after rotary): not this reading
+        # a throw-away module over the spec's own tensors (no copy of the layer's weights per candidate)
+        got = candidate_attention_output(spec, table, x, layer, shared_kv)
+        if got is None:  # a candidate no component has (a float32-scale QK-norm after rotary): not this reading
             continue
-        with torch.no_grad():
-            got = module(x)
-        del module
         if close(got, want):
             reading = AttentionReading(scale, softmax_dtype, rope)
             reading.q_norm, reading.k_norm, reading.qk_norm_after_rotary = q_norm, k_norm, after

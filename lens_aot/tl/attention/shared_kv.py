@@ -9,19 +9,18 @@ structure: those public attributes and config fields, never a class name. Its sp
 projections and ``kv_from`` = that layer; its queries, query norm, scale and rotary are read and probed as any
 delegated rotary attention (:mod:`lens_aot.tl.attention.delegated_rotary`, with seeded stored keys and values), and the
 reading is checked against the recorded forward with the keys and values the storing layer's own reading computes
-from its recorded input (:func:`checked_attention`), so a query weight, norm or scale 1e-3 off is refused.
+from its recorded input (:func:`checked_attention`, computed by :mod:`lens_aot.core.check.attention_pieces`), so a
+query weight, norm or scale 1e-3 off is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lens_aot.core.components.attention.shared_kv_attention import SharedKeyValues, SharedKVAttention
-from lens_aot.core.components.factory import attention_module
+from lens_aot.core.check.attention_pieces import attention_output, shared_kv_attention_output
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, RotarySpec
 from lens_aot.tl.reading.probe import Call, refuse_piece
 
@@ -89,16 +88,14 @@ def shared_kv_spec(
 
 def probe_states(
     layer: int, spec: AttentionSpec, hf_attn: Any, n: int, dtype: torch.dtype, device: torch.device
-) -> tuple[dict[str, Any], Callable[[Any, RotarySpec], nn.Module]]:
+) -> tuple[dict[str, Any], tuple[Tensor, Tensor]]:
     """For the delegated-rotary probe of a sharing layer: the ``shared_kv_states`` argument of seeded keys and values
-    [1, n_kv, n, d_head], and a builder of the candidate module reading the same ones."""
+    [1, n_kv, n, d_head], and those keys and values (for the candidate modules to read the same ones)."""
     n_kv, d_head = spec.W_K.shape[0], spec.W_Q.shape[2]
     generator = torch.Generator().manual_seed(1000 + layer)
     k, v = (torch.randn(1, n_kv, n, d_head, generator=generator, dtype=dtype).to(device) for _ in range(2))
-    box = SharedKeyValues(int(spec.kv_from or 0))
-    box.value = (k.transpose(1, 2), v.transpose(1, 2))
     states = {"shared_kv_states": {_hf(hf_attn).layer_type: (k, v)}}
-    return states, lambda candidate, table: SharedKVAttention(candidate, True, table, box, layer)
+    return states, (k, v)
 
 
 def checked_attention(
@@ -108,18 +105,16 @@ def checked_attention(
     rotary: RotarySpec | None,
     calls: dict[tuple[int, str], Call],
     layers: list[LayerSpec],
-) -> nn.Module:
-    """The module that checks layer ``layer``'s attention reading against its recorded call: for a sharing layer, a
-    :class:`SharedKVAttention` holding the keys and values the storing layer's reading computes from that layer's
-    recorded input; else :func:`~lens_aot.core.components.factory.attention_module`."""
+) -> Tensor:
+    """Layer ``layer``'s attention reading on its recorded input, to check against its recorded output: for a
+    sharing layer with the keys and values the storing layer's reading computes from that layer's recorded input
+    (refused by name when that layer's attention did not run); else the attention component of the reading
+    (:mod:`lens_aot.core.check.attention_pieces`)."""
     source = getattr(attn, "kv_from", None)
-    device = calls[(layer, "attn")].input.device
+    x = calls[(layer, "attn")].input
     if source is None:
-        return attention_module(attn, causal, rotary).to(device)
-    stored, box = calls.get((source, "attn")), SharedKeyValues(source)
+        return attention_output(attn, causal, rotary, x)
+    stored = calls.get((source, "attn"))
     if stored is None:
         raise refuse_piece(layer, "attn", f"keys and values shared from layer {source}, whose attention did not run")
-    storing = attention_module(layers[source].attn, causal, rotary).to(device)
-    storing.kv_store = box
-    storing(stored.input)
-    return SharedKVAttention(attn, causal, rotary, box, layer).to(device)
+    return shared_kv_attention_output(attn, causal, rotary, layer, layers[source].attn, stored.input, x)

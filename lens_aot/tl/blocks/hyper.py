@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.components.ownership import borrowing
-from lens_aot.core.components.residual.hyper_connection import HyperConnection, HyperHead
+from lens_aot.core.check.pieces import hyper_outputs
 from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
 from lens_aot.tl.reading.pieces import unwrapped
 from lens_aot.tl.reading.probe import PROBE_TOLERANCE, refuse_piece, relative_error
@@ -54,7 +53,7 @@ def read_hyper_connection(module: Any, layer: int | None = None, piece: str = "a
         base=base,
         scale=scale,
     )
-    _check(module, spec, HyperConnection, layer, piece)
+    _check(module, spec, layer, piece)
     return spec
 
 
@@ -73,7 +72,7 @@ def read_hyper_head(module: Any, piece: str = "hc_head") -> HyperHeadSpec:
             f"hc_scale {tuple(scale.shape)} (expected [{hc}, {hc}·d_model], [{hc}], [1])",
         )
     spec = HyperHeadSpec(hc_mult=int(hc), hc_eps=float(hc_eps), norm_eps=float(norm_eps), fn=fn, base=base, scale=scale)
-    _check(module, spec, HyperHead, None, piece)
+    _check(module, spec, None, piece)
     return spec
 
 
@@ -108,7 +107,6 @@ def _weights(module: nn.Module, names: tuple[str, ...], layer: int | None, piece
 def _check(
     module: nn.Module,
     spec: HyperConnectionSpec | HyperHeadSpec,
-    component: type[HyperConnection] | type[HyperHead],
     layer: int | None,
     piece: str,
 ) -> None:
@@ -119,8 +117,8 @@ def _check(
     generator = torch.Generator().manual_seed(0)
     streams = torch.randn(2, 5, spec.hc_mult, spec.d_model, generator=generator, dtype=torch.float64)
     streams = streams.to(device=spec.fn.device, dtype=spec.fn.dtype)
-    with borrowing(), torch.no_grad():
-        got, want = component(spec)(streams), module(streams)
+    with torch.no_grad():
+        got, want = hyper_outputs(spec, streams), module(streams)
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
     if len(got) != len(want):
         raise _refuse(module, layer, piece, f"{len(want)} outputs (expected {len(got)})")

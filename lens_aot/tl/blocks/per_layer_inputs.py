@@ -17,9 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.components.ownership import borrowing
-from lens_aot.core.components.residual.per_layer_inputs import PerLayerInputs, PerLayerInputStore
-from lens_aot.core.components.residual.per_layer_sublayer import PerLayerSublayer
+from lens_aot.core.check.pieces import per_layer_store, per_layer_sublayer_output
 from lens_aot.core.spec.model_spec import ModelSpec, NormSpec
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
 from lens_aot.tl.blocks.multipliers import scaled
@@ -93,11 +91,9 @@ class PerLayerReading:
         self.inputs = _inputs(model, len(blocks), dtype) if any(self.layers) else None
         if any(self.layers) and self.inputs is None:
             raise refuse_piece(None, "per_layer_inputs", "per-layer sublayers without embed_tokens_per_layer")
-        self.store = PerLayerInputStore()
         logits, first = calls.get((-1, "logits")), calls.get((0, "block"))  # the tokens, W_E[tokens]
-        if self.inputs is not None and logits is not None and first is not None:
-            with torch.no_grad(), borrowing():
-                PerLayerInputs(self.inputs, self.store)(logits.input, first.input)
+        tokens, embedded = (None, None) if logits is None or first is None else (logits.input, first.input)
+        self.store = per_layer_store(self.inputs, tokens, embedded)  # read by the sublayers' checks
 
     def finish(self, layer: int, layer_scalar: float | None) -> Callable[[Tensor], Tensor]:
         """What the block does after ``resid_mid + mlp_out``: the sublayer (if any), then the layer scalar."""
@@ -106,8 +102,8 @@ class PerLayerReading:
             return lambda out: scaled(out, layer_scalar)
 
         def finished(out: Tensor) -> Tensor:
-            with torch.no_grad(), borrowing():
-                return scaled(PerLayerSublayer(spec, layer, self.store).to(out.device)(out), layer_scalar)
+            with torch.no_grad():
+                return scaled(per_layer_sublayer_output(spec, layer, self.store, out), layer_scalar)
 
         return finished
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.core.components.prediction_head import PredictionHead
+from lens_aot.core.check.pieces import prediction_head_outputs
 from lens_aot.core.spec.prediction_head import PredictionHeadSpec
 from lens_aot.tl.reading.activation import activation_by_values
 from lens_aot.tl.reading.norms import native_norm
@@ -67,7 +67,6 @@ def _check(module: nn.Module, spec: PredictionHeadSpec) -> None:
     """Refuse when ``spec`` does not reproduce ``module`` on a seeded probe input, or its norm the module's norm on
     inputs of scale ``sqrt(eps)`` (where a wrong epsilon shows)."""
     weight = module.dense.weight
-    carried = PredictionHead(spec).to(weight.device)
     generator = torch.Generator().manual_seed(0)
 
     def probe(width: int, scale: float) -> torch.Tensor:
@@ -77,9 +76,10 @@ def _check(module: nn.Module, spec: PredictionHeadSpec) -> None:
     x, u = probe(spec.W.shape[0], 3.0), probe(spec.W.shape[1], float(spec.ln.eps) ** 0.5)
     tolerance = PROBE_TOLERANCE.get(weight.dtype, 2e-4)
     with torch.no_grad():
+        head, norm = prediction_head_outputs(spec, x, u)  # the carried head on x, its norm alone on u
         for what, got, want in (
-            ("the head dense → act → norm", carried(x), module(x)),
-            (f"its LayerNorm (eps={spec.ln.eps})", carried.ln(u), module.norm(u)),
+            ("the head dense → act → norm", head, module(x)),
+            (f"its LayerNorm (eps={spec.ln.eps})", norm, module.norm(u)),
         ):
             if not bool(torch.isfinite(want).all()):  # NaN / inf weights: core.read.check_finite names them
                 continue

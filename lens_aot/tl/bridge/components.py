@@ -67,7 +67,7 @@ def unembedding(
     """``(W_U, b_U)`` of the unembedding ``Linear``. Where its weight is the embedding module's own (tied, GPT-2's
     ``lm_head`` and ``wte``) and ``W_E`` (None: scaled, not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
     the converted model then holds the matrix once, as the source does
-    (:func:`~lens_aot.core.components.ownership.adopting`)."""
+    (:func:`~lens_aot.core.ownership.adopting`)."""
     weight, b = linear_view(unembed, dtype)
     table = getattr(wrapped_module(embed_bridge), "weight", None) if embed_bridge is not None else None
     if W_E is None:

@@ -2,7 +2,8 @@
 layer's pieces (:func:`verify_layer`: norms, attention, MLP) and what lies around the blocks (:func:`verify_model`:
 embeddings, block chaining, final norm, logits), and naming the piece whose forward is not finite
 (:func:`refuse_non_finite`). A piece lens_aot reads wrongly is refused naming the layer and the piece, never converted.
-The modules built for the checks use the spec's tensors (no copy of the layer's weights) and are dropped at once.
+The pieces' outputs are the components' (:mod:`lens_aot.core.check.pieces`), built over the spec's tensors (no copy of
+the layer's weights) and dropped at once.
 """
 
 from __future__ import annotations
@@ -11,13 +12,9 @@ from typing import Any
 
 import torch
 
-from lens_aot.core.components.factory import moe_mlp
-from lens_aot.core.components.float32_norm import make_norm
-from lens_aot.core.components.mlp.mlp import MLP
-from lens_aot.core.components.ownership import borrowing
-from lens_aot.core.components.prediction_head import PredictionHead
+from lens_aot.core.check.pieces import mlp_output, norm_output, prediction_head_output
 from lens_aot.core.read import check_finite
-from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec, MoESpec
+from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.attention.shared_kv import checked_attention
 from lens_aot.tl.blocks.multipliers import scaled
@@ -29,22 +26,21 @@ __all__ = ["refuse_non_finite", "verify_layer", "verify_model"]
 def verify_layer(
     layer: int, spec: LayerSpec, rotary: Any, causal: bool, calls: dict[tuple[int, str], Call], layers: list[LayerSpec]
 ) -> None:
-    """Check each piece's reading against its recorded output (:mod:`lens_aot.tl.reading.probe`). The modules built
-    for the check use the spec's tensors (no copy of the layer's weights) and are dropped at once."""
-    with torch.no_grad(), borrowing():
+    """Check each piece's reading against its recorded output (:mod:`lens_aot.tl.reading.probe`): each piece's
+    output is its component's on the recorded input (:mod:`lens_aot.core.check.pieces`)."""
+    with torch.no_grad():
         norms = (("ln1", spec.ln1), ("ln2", spec.ln2), ("ln1_post", spec.ln1_post), ("ln2_post", spec.ln2_post))
         for piece, norm in norms:
             call = calls.get((layer, piece))
             if norm is not None and call is not None:
-                check_piece(layer, piece, make_norm(norm)(call.input), call, f"the {norm.kind} reading")
+                check_piece(layer, piece, norm_output(norm, call.input), call, f"the {norm.kind} reading")
         call = calls.get((layer, "attn"))
         if call is not None:
-            got = checked_attention(layer, spec.attn, causal, rotary, calls, layers)(call.input)  # read_shared_kv
+            got = checked_attention(layer, spec.attn, causal, rotary, calls, layers)  # read_shared_kv
             check_piece(layer, "attn", got, call, "the attention reading (scale, rotary, softmax)")
         call = calls.get((layer, "mlp"))
         if spec.mlp is not None and call is not None:
-            mlp = moe_mlp(spec.mlp, lambda m, e: MLP(m)) if isinstance(spec.mlp, MoESpec) else MLP(spec.mlp)
-            got = mlp.to(call.input.device)(call.input)
+            got = mlp_output(spec.mlp, call.input)
             got = got.reshape(call.output.shape) if got.numel() == call.output.numel() else got  # Llama 4: flat
             check_piece(layer, "mlp", got, call, f"the {'gated ' if spec.mlp.gated else ''}{spec.mlp.act_fn} MLP")
 
@@ -63,7 +59,7 @@ def verify_model(
             raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
         first = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
         if spec.embed_ln is not None:  # BLOOM's word_embeddings_layernorm
-            first = make_norm(spec.embed_ln).to(first.device)(first)
+            first = norm_output(spec.embed_ln, first)
         if not close(first, calls[(0, "block")].input):
             raise refuse_piece(
                 None,
@@ -76,11 +72,11 @@ def verify_model(
                 raise refuse_piece(layer - 1, "block", "an output that is not the next block's input")
         final = calls[(n_layers - 1, "block")].output
         ln_final = calls.get((-1, "ln_final"))
-        normed = make_norm(spec.ln_final).to(final.device)(final)
+        normed = norm_output(spec.ln_final, final)
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
             raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
         if spec.prediction_head is not None:
-            normed = PredictionHead(spec.prediction_head).to(final.device)(normed)
+            normed = prediction_head_output(spec.prediction_head, normed)
         out = normed @ spec.W_U + spec.b_U
         if spec.logits_scale is not None:
             out = out * spec.logits_scale

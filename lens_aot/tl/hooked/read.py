@@ -2,8 +2,8 @@
 
 HookedTransformer only exists in TransformerLens < 4, so nothing here imports it: modules are recognised by class
 name and read through their attributes. Every weight is read in the source's own layout, as a copy or, inside
-:func:`~lens_aot.core.components.ownership.sharing` (``convert(share_weights=True)``), as the source's tensor
-itself (:func:`~lens_aot.core.components.ownership.exported`). The configuration is checked against a whitelist:
+:func:`~lens_aot.core.ownership.sharing` (``convert(share_weights=True)``), as the source's tensor
+itself (:func:`~lens_aot.core.ownership.exported`). The configuration is checked against a whitelist:
 any feature that changes the forward pass and that the spec cannot express raises :class:`UnsupportedArchitectureError`.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.core.components.ownership import exported
-from lens_aot.core.components.scores.dynamic_ntk import ntk_alphas
 from lens_aot.core.dtypes import HALF_DTYPES, reads_half
 from lens_aot.core.fit.activations import canonical_activation
+from lens_aot.core.ownership import exported
+from lens_aot.core.spec.dynamic_ntk import ntk_alphas
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 from lens_aot.tl.blocks.xielu import read_xielu

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lens_aot.core.components.scores.dynamic_ntk import ntk_alphas
+from lens_aot.core.spec.dynamic_ntk import ntk_alphas
 from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 

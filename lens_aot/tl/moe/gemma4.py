@@ -23,9 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.core.components.mlp.mlp import MLP
-from lens_aot.core.components.moe.moe_beside_mlp import MoEBesideMLP
-from lens_aot.core.components.ownership import borrowing
+from lens_aot.core.check.pieces import mlp_output, moe_beside_mlp_output
 from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec.model_spec import MLPSpec, MoESpec, NormSpec
 from lens_aot.tl.blocks.per_layer_inputs import PLE_PIECES
@@ -125,12 +123,11 @@ def read_beside_moe(
     )
     whole, ln2, dense_call = calls.pop((layer, "mlp"), None), calls.get((layer, "ln2")), calls.pop((layer, DENSE), None)
     if whole is not None and ln2 is not None:
-        with torch.no_grad(), borrowing():
+        with torch.no_grad():
             if dense_call is not None:
-                got = MLP(dense).to(dense_call.input.device)(dense_call.input)
+                got = mlp_output(dense, dense_call.input)
                 check_piece(layer, "mlp", got, dense_call, "the gated dense MLP beside the experts")
-            moe = MoEBesideMLP(spec, lambda m, e: MLP(m)).to(whole.input.device)
-            got = moe(whole.input, ln2.input)
+            got = moe_beside_mlp_output(spec, whole.input, ln2.input)
             what = "the mixture of experts beside the dense MLP (router, experts, their norms and the sum)"
             check_piece(layer, "mlp", got, whole, what)
     return spec

@@ -10,9 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lens_aot.core.components.factory import moe_mlp
-from lens_aot.core.components.mlp.mlp import MLP
-from lens_aot.core.components.ownership import borrowing
+from lens_aot.core.check.pieces import mlp_output
 from lens_aot.core.fit.activations import canonical_activation
 from lens_aot.core.spec.model_spec import MLPSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
@@ -93,8 +91,8 @@ def probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> MoE
             return first
         want = want[0] if isinstance(want, tuple) else want
         want = want.reshape(probe.shape) if want.numel() == probe.numel() else want  # Llama 4's: [tokens, d_model]
-        with borrowing():  # throw-away modules over the candidates' own expert tensors (no copy of the experts)
-            outputs = [moe_mlp(c, lambda m, e: MLP(m)).to(device)(probe) for c in candidates]
+        # throw-away modules over the candidates' own expert tensors (no copy of the experts)
+        outputs = [mlp_output(c, probe) for c in candidates]
     errors = [relative_error(got, want) for got in outputs]
     best = min(range(len(candidates)), key=errors.__getitem__)
     if not close(outputs[best], want):

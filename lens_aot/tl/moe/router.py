@@ -1,5 +1,5 @@
 """Read a DeepSeek-style router (DeepSeek-V2/V3, GLM-4-MoE-Lite, GLM-MoE-DSA) into
-:class:`~lens_aot.core.components.moe.moe_routers.GroupRouterSpec`, by its public attributes: ``routed_scaling_factor``
+:class:`~lens_aot.core.spec.group_router.GroupRouterSpec`, by its public attributes: ``routed_scaling_factor``
 marks one;
 an ``e_score_correction_bias`` buffer marks sigmoid scoring (V3), a ``topk_method`` softmax scoring (V2). Anything
 else with those marks is refused by name (the probe would also catch a misreading). AFMoE's and GraniteMoe's
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lens_aot.core.components.moe.moe_routers import GroupRouterSpec
+from lens_aot.core.spec.group_router import GroupRouterSpec
 from lens_aot.errors import UnsupportedArchitectureError
 
 

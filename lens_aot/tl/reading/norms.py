@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lens_aot.core.components.float32_norm import make_norm
+from lens_aot.core.check.pieces import norm_output
 from lens_aot.core.spec.model_spec import NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.float32 import carry_float32_step
@@ -182,5 +182,5 @@ def final_norm_on_embeddings(spec: Any, calls: dict[tuple[int, str], Any]) -> No
         embedded = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
         if close(embedded, first.input):
             return None
-        normed = make_norm(spec.ln_final).to(embedded.device)(embedded)
+        normed = norm_output(spec.ln_final, embedded)
     return spec.ln_final if close(normed, first.input) else None

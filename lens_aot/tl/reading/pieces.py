@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.core.components.ownership import exported, sharing_now
+from lens_aot.core.ownership import exported, sharing_now
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.probe import SUPPORTED
 
@@ -134,7 +134,7 @@ def linear_view(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d
 
 def source_tensor(t: Tensor) -> Tensor:
     """A source tensor ``t`` (or a view of it) for the spec as it is: a copy, or inside
-    :func:`~lens_aot.core.components.ownership.sharing` (``convert(share_weights=True)``) ``t`` itself (detached)."""
+    :func:`~lens_aot.core.ownership.sharing` (``convert(share_weights=True)``) ``t`` itself (detached)."""
     return exported(t)
 
 
@@ -142,12 +142,12 @@ def linear_weights(
     module: nn.Module, dtype: torch.dtype
 ) -> tuple[Float[Tensor, "d_in d_out"], Float[Tensor, " d_out"]]:
     """:func:`linear_view`'s ``(W, b)`` as fresh contiguous copies (inside
-    :func:`~lens_aot.core.components.ownership.sharing`: the views themselves)."""
+    :func:`~lens_aot.core.ownership.sharing`: the views themselves)."""
     weight, b = linear_view(module, dtype)
     return fresh_copy(weight), fresh_copy(b)
 
 
 def fresh_copy(t: Tensor) -> Tensor:
     """A contiguous copy of ``t`` (always a copy, even where ``t`` is already contiguous); inside
-    :func:`~lens_aot.core.components.ownership.sharing`, ``t`` itself (a view of the source's tensor)."""
+    :func:`~lens_aot.core.ownership.sharing`, ``t`` itself (a view of the source's tensor)."""
     return t.detach() if sharing_now() else t.clone(memory_format=torch.contiguous_format)

@@ -11,35 +11,15 @@ the one the source would use for each forward. Up to the training length the ord
 
 from __future__ import annotations
 
-import math
-
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
 from lens_aot.core.components.ownership import exported, table
+from lens_aot.core.spec.dynamic_ntk import ntk_alpha, ntk_alphas, ntk_index
 from lens_aot.core.spec.model_spec import RotarySpec
 
-__all__ = ["DynamicNTKTables", "ntk_alpha", "ntk_alphas", "ntk_index"]
-
-
-def ntk_alpha(keys: int, length: int) -> float:
-    """Qwen-1's ``get_ntk_alpha`` as TransformerLens 3.9 computes it: 1 for ``keys <= length``, else
-    ``2^ceil(log2(keys / length) + 1) − 1``."""
-    if keys <= length:
-        return 1.0
-    return float(max(2 ** math.ceil(math.log(keys / length, 2) + 1) - 1, 1))
-
-
-def ntk_index(alpha: float) -> int:
-    """The position of ``alpha`` (3, 7, 15, …) in :func:`ntk_alphas`: ``log2(alpha + 1) − 2``."""
-    return round(math.log2(alpha + 1)) - 2
-
-
-def ntk_alphas(length: int, n_ctx: int) -> list[float]:
-    """Every ``alpha > 1`` that a forward of at most ``n_ctx`` keys reaches, in increasing order (3, 7, …)."""
-    top = ntk_alpha(n_ctx, length)
-    return [float(2**k - 1) for k in range(2, ntk_index(top) + 3)] if top > 1 else []
+__all__ = ["DynamicNTKTables", "ntk_alpha", "ntk_alphas", "ntk_index"]  # the ntk_* re-exported
 
 
 class DynamicNTKTables(nn.Module):
