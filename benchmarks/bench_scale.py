@@ -15,7 +15,8 @@ HookedTransformer where TransformerLens has one (3.x), else as a TransformerBrid
 Measured in one process, each against the **source's own forward+backward** (forward, the metric, ``backward()``
 into every parameter) on the same tokens:
 
-* ``convert`` time (``check=False``) and its peak memory above the memory before it, over the parameter bytes;
+* ``convert`` time (``check=False``; ``--check``: with its agreement check) and its peak memory above the memory
+  before it, over the parameter bytes;
 * the converted forward over the source's;
 * ``attribute_neurons(method="atp")`` over every neuron (target ≤ 5×);
 * ``discover(method="EAP", granularity="neuron")`` over ``--pairs`` pairs, against the source's forward+backward
@@ -23,7 +24,7 @@ into every parameter) on the same tokens:
 
     python benchmarks/bench_scale.py [--shape cpu|1b|8b|olmoe] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
         [--tokens 128] [--pairs 8] [--repeats 3] [--threads 1] [--layers N] [--scale 1.0] [--skip discover forward]
-        [--convert-only]
+        [--convert-only] [--check]
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="shrink d_model, d_mlp and the vocabulary (a check)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["discover", "forward"])
     parser.add_argument("--convert-only", action="store_true", help="measure convert's time and peak memory only")
+    parser.add_argument("--check", action="store_true", help="convert with its agreement check (default: check=False)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dims = dict(SHAPES[args.shape])
@@ -166,9 +168,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or default_dtype)
     source = build_source(dims, dtype, args.device)
     n_param = param_bytes(source)
-    convert_s, convert_peak, aot = measured(lambda: lens_aot.convert(source, check=False).eval(), args.device)
+    convert_s, convert_peak, aot = measured(lambda: lens_aot.convert(source, check=args.check).eval(), args.device)
     if args.convert_only:
-        _print_table(args, dims, dtype, source, [_convert_row(convert_s, convert_peak, n_param)])
+        _print_table(args, dims, dtype, source, [_convert_row(convert_s, convert_peak, n_param, args.check)])
         return
 
     gen = torch.Generator().manual_seed(0)
@@ -192,7 +194,7 @@ def main() -> None:
         fwd_aot = 0.0 if "forward" in args.skip else median_time(lambda: aot(clean), args.device, args.repeats)
     src_s = median_time(source_fwd_bwd, args.device, args.repeats)
     rows.append((f"source forward+backward, 1×{args.tokens}", f"{src_s * 1e3:.0f} ms", "1.00×", ""))
-    rows.append(_convert_row(convert_s, convert_peak, n_param))
+    rows.append(_convert_row(convert_s, convert_peak, n_param, args.check))
     if "forward" not in args.skip:
         rows.append(("forward, converted / source", f"{fwd_aot * 1e3:.0f} ms", f"{fwd_aot / fwd_src:.2f}×", "≤ 1.0×"))
 
@@ -241,9 +243,9 @@ def main() -> None:
     _print_table(args, dims, dtype, source, rows)
 
 
-def _convert_row(convert_s: float, convert_peak: int, n_param: int) -> tuple[str, str, str, str]:
+def _convert_row(convert_s: float, convert_peak: int, n_param: int, check: bool = False) -> tuple[str, str, str, str]:
     """The table's row for ``convert``: its time and its peak over the parameter bytes."""
-    return (f"convert (check=False), peak over {n_param / 2**20:.0f} MiB of parameters", f"{convert_s:.1f} s",
+    return (f"convert (check={check}), peak over {n_param / 2**20:.0f} MiB of parameters", f"{convert_s:.1f} s",
             f"{convert_peak / n_param:.2f}× param bytes", "≤ 1.5×")  # fmt: skip
 
 
