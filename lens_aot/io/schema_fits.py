@@ -17,6 +17,7 @@ not know a fit kind refuses the file by it (it comes from a newer lens_aot).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,18 +30,23 @@ from lens_aot.io.schema_moe import decode_moe_fit, encode_moe_fit
 
 __all__ = ["FitDecoder", "encode_fits"]
 
-_SIGMOID_SUM = ("act_fn", "alpha", "beta", "b", "d", "max_error")
-_XIELU_SCALARS = ("alpha_p", "alpha_n", "beta", "eps")
+# The records' fields, read off the fits' declarations: a sigmoid sum's every field (Theorem 3's terms), an xIELU
+# fit's learned scalars (the fields declared before its ``direct`` fit).
+_SIGMOID_SUM = tuple(f.name for f in dataclasses.fields(ActivationFit))
+_XIELU_FIELDS = [f.name for f in dataclasses.fields(XIELUFit)]
+_XIELU_SCALARS = tuple(_XIELU_FIELDS[: _XIELU_FIELDS.index("direct")])
 
 
 def _sigmoid_sum(fit: ActivationFit) -> dict[str, Any]:
+    """``fit``'s record: its activation's name, each term list as floats, its bound."""
+    values = {name: getattr(fit, name) for name in _SIGMOID_SUM}
     return {
-        "act_fn": fit.act_fn,
-        "alpha": [float(v) for v in fit.alpha],
-        "beta": [float(v) for v in fit.beta],
-        "b": [float(v) for v in fit.b],
-        "d": [float(v) for v in fit.d],
-        "max_error": float(fit.max_error),
+        name: value
+        if isinstance(value, str)
+        else [float(v) for v in value]
+        if isinstance(value, tuple)
+        else float(value)
+        for name, value in values.items()
     }
 
 

@@ -16,6 +16,7 @@ only when true, so a lens_aot that does not know it refuses the file instead of 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from lens_aot.io.schema_common import dtype_name
 
 __all__ = ["decode_recipe", "decode_rotary", "encode_recipe", "encode_rotary", "rotary_shape_problems"]
 
-_FIELDS = ("freqs", "columns", "scaling", "negate_sin", "rounded", "n_ctx", "device_type")
+_OPTIONAL = ("polar",)  # written only when set
+_FIELDS = tuple(f.name for f in dataclasses.fields(RotaryRecipe) if f.name not in _OPTIONAL)
 
 
 def encode_rotary(encoder: Any, rotary: RotarySpec, key: str, variants: tuple[str, ...]) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def encode_recipe(recipe: RotaryRecipe) -> dict[str, Any]:
 
 def decode_recipe(decoder: Any, obj: Any, path: str) -> RotaryRecipe:
     """The recipe of a record (``decoder``: a :class:`~lens_aot.io.schema.Decoder`, for its errors)."""
-    f = decoder.fields(obj, path, _FIELDS, ("polar",))
+    f = decoder.fields(obj, path, _FIELDS, _OPTIONAL)
     try:
         freqs = torch.tensor([float(x) for x in f["freqs"]], dtype=torch.float32)
         columns = None if f["columns"] is None else torch.tensor([int(c) for c in f["columns"]], dtype=torch.int64)
