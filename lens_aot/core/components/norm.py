@@ -40,8 +40,8 @@ class Norm(nn.Module):
             return x
         normalized, dtype = self.normalized(x)
         x = normalized.to(dtype)
-        if self.w is not None:
-            x = x * self.w
+        if self.w is not None:  # a half model's scale may be kept in float32 (an offset norm's 1 + w): rounded here
+            x = x * self.w.to(dtype)
         if self.b is not None:
             x = x + self.b
         return x

@@ -44,6 +44,11 @@ def _norm_uses_weight_offset(norm_bridge: Any) -> bool:
     return bool(getattr(getattr(norm_bridge, "config", None), "rmsnorm_uses_offset", False))
 
 
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or float32 for a half dtype: where a derived norm scale (``1 + weight``) is kept."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _all_equal(t: Tensor | None, value: float) -> bool:
     return t is not None and bool((t == value).all())
 
@@ -80,7 +85,9 @@ def native_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormSpec
             raise bridge_refusal(f"a LayerNorm over shape {tuple(module.normalized_shape)}")
         w = None if module.weight is None else source_tensor(module.weight)
         if w is not None and name == "NemotronLayerNorm1P":  # F.layer_norm(x, shape, weight + 1, bias, eps)
-            w = detached_copy(module.weight + 1.0)
+            # weight + 1 is computed in the source's dtype: in float32 at least (exact for a half weight), so that
+            # the float32 check sees the float32 source's scale; a half model rounds it once, as its source does
+            w = (module.weight.detach().to(_at_least_float32(module.weight.dtype)) + 1.0).contiguous()
         b = None if module.bias is None else source_tensor(module.bias)
         return NormSpec("LN" if w is not None else "LNPre", float(module.eps), w, b)
     # TransformerLens-native norms (sources/native/model.py) compute their statistics in float32 whatever the
@@ -107,8 +114,11 @@ def native_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormSpec
     # back (lens_aot.tl.reading.float32 reads where the scale is applied from its forward). 1 + weight is a float32
     # value, exact in float64.
     if computes_gemma_rmsnorm(module):  # Gemma, Gemma 2, Gemma 3, VaultGemma: the same forward
+        # A half source's scale stays float32, as its forward computes it (a half copy would round it where neither
+        # the half nor the float32 source does).
         scale = 1.0 + module.weight.detach().float()
-        return NormSpec("RMS", float(module.eps), scale.to(module.weight.dtype), None, torch.float32, rsqrt=True)
+        w = scale.to(_at_least_float32(module.weight.dtype))
+        return NormSpec("RMS", float(module.eps), w, None, torch.float32, rsqrt=True)
     # A weightless HF RMSNorm (NanoChat's: x.float() · rsqrt(mean(x²) + eps), cast back); the probe confirms it.
     weightless = not any(True for _ in module.parameters())
     if name.endswith("RMSNorm") and weightless and isinstance(getattr(module, "eps", None), float):
