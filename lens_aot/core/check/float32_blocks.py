@@ -26,8 +26,19 @@ def run_blocks(model: nn.Module) -> list[nn.Module]:
     and dicts in their place (each block of the stack on its own); those holding no tensors (hook points) left out."""
     units: list[nn.Module] = []
     for child in model.children():
+        if "_original_container" in child.__dict__:
+            units += _state_owners(child)
+            continue
         units += list(child.children()) if isinstance(child, nn.ModuleList | nn.ModuleDict) else [child]
     return [unit for unit in units if any(True for _ in [*unit.parameters(), *unit.buffers()])]
+
+
+def _state_owners(view: nn.Module) -> list[nn.Module]:
+    """The modules whose state a TransformerBridge registers through views (its ``_ContainerStateOwner``: Gemma 4's
+    per-layer input embedding, projection and norm, which the source's own forward calls outside any bridge block):
+    the original modules, whose forwards run, one unit each; those of the views with state and no view below them."""
+    leaves = [m for m in view.modules() if not any(True for _ in m.children()) and (m._parameters or m._buffers)]
+    return [m.__dict__["_original_container"] for m in leaves if "_original_container" in m.__dict__]
 
 
 class _Swap:

@@ -3,7 +3,8 @@
 
 The module stores ``alpha_p`` and ``alpha_n`` pre-softplus and ``beta`` / ``eps`` as buffers; its Python forward uses
 ``α_p = softplus(alpha_p)`` and ``α_n = beta + softplus(alpha_n)``, computed in the parameters' dtype. They are read
-here by the same operations in that dtype, so the spec holds exactly the values the source multiplies by.
+here by the same operations in that dtype (in float32 for a half module: its float32 check's), so the spec holds
+exactly the values the source multiplies by.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ def xielu_module(module: Any) -> Any:
 def xielu_scalars(act: Any) -> dict[str, float]:
     """``alpha_p``, ``alpha_n``, ``beta``, ``eps`` as the module's forward computes them (module docstring)."""
     with torch.no_grad():
-        beta = act.beta.detach()
+        # A half module's scalars in float32 (exact), as its forward computes them once cast to float32: the float32
+        # check's source (core/check/float32_blocks.py); the half model evaluates its fits in float32 too.
+        dtype = torch.promote_types(act.alpha_p.dtype, torch.float32)
+        beta = act.beta.detach().to(dtype)
         return {
-            "alpha_p": float(F.softplus(act.alpha_p.detach()).reshape(-1)[0]),
-            "alpha_n": float((beta + F.softplus(act.alpha_n.detach())).reshape(-1)[0]),
+            "alpha_p": float(F.softplus(act.alpha_p.detach().to(dtype)).reshape(-1)[0]),
+            "alpha_n": float((beta + F.softplus(act.alpha_n.detach().to(dtype))).reshape(-1)[0]),
             "beta": float(beta.reshape(-1)[0]),
             "eps": float(act.eps.detach().reshape(-1)[0]),
         }
