@@ -26,19 +26,30 @@ def run_blocks(model: nn.Module) -> list[nn.Module]:
     and dicts in their place (each block of the stack on its own); those holding no tensors (hook points) left out."""
     units: list[nn.Module] = []
     for child in model.children():
-        if "_original_container" in child.__dict__:
-            units += _state_owners(child)
-            continue
         units += list(child.children()) if isinstance(child, nn.ModuleList | nn.ModuleDict) else [child]
-    return [unit for unit in units if any(True for _ in [*unit.parameters(), *unit.buffers()])]
+    units = [unit for unit in units if any(True for _ in [*unit.parameters(), *unit.buffers()])]
+    return units + _outside_units(model, units)
 
 
-def _state_owners(view: nn.Module) -> list[nn.Module]:
-    """The modules whose state a TransformerBridge registers through views (its ``_ContainerStateOwner``: Gemma 4's
-    per-layer input embedding, projection and norm, which the source's own forward calls outside any bridge block):
-    the original modules, whose forwards run, one unit each; those of the views with state and no view below them."""
-    leaves = [m for m in view.modules() if not any(True for _ in m.children()) and (m._parameters or m._buffers)]
-    return [m.__dict__["_original_container"] for m in leaves if "_original_container" in m.__dict__]
+def _outside_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The modules of a TransformerBridge's wrapped model (``original_model``) that hold tensors no unit's forward
+    casts, each leaf its own unit: what the source's own forward calls outside the bridge's components (Gemma 4's
+    per-layer input embedding, projection and norm; the bridge registers their state through views whose forwards
+    never run, ``_ContainerStateOwner``, counted as covering nothing)."""
+    wrapped = model.__dict__.get("original_model")
+    if not isinstance(wrapped, nn.Module):
+        return []
+    running = [unit for unit in units if "_original_container" not in unit.__dict__]
+    covered = {id(t) for unit in running for t in [*unit.parameters(), *unit.buffers()]}
+    covered |= {id(t) for t in [*model._parameters.values(), *model._buffers.values()] if t is not None}
+    return [
+        module
+        for module in wrapped.modules()
+        if not any(True for _ in module.children())
+        and any(
+            id(t) not in covered for t in [*module._parameters.values(), *module._buffers.values()] if t is not None
+        )
+    ]
 
 
 class _Swap:
