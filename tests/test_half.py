@@ -24,7 +24,8 @@ def test_bridge_half(family: str, half: torch.dtype) -> None:
 
 
 # Weights the float32 source derives in float32 where a half spec rounded them: an offset norm's scale 1 + w (Gemma's
-# RMSNorm, Nemotron's LayerNorm1P) and xIELU's softplus'd scalars (Apertus), now kept in float32: native conversions.
+# RMSNorm, Nemotron's LayerNorm1P) and xIELU's softplus'd scalars (Apertus), now kept in float32: native conversions
+# at the matrix's shapes (d_model 64: Gemma's embedding scale √d_model = 8, folded into W_E, is exact in half).
 NATIVE_NOW = [
     ("GemmaForCausalLM", torch.bfloat16),
     ("Gemma2ForCausalLM", torch.bfloat16),

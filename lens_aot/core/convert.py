@@ -137,10 +137,11 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
     try:  # the native path's float32 check raises rather than warns: a refusal is confirmed in float32 below
         aot, tokens, expected, routes = _native_half(model, half, replace(options, check=bool(options.check)))
     except (FaithfulnessError, UnsupportedArchitectureError, RuntimeError):
-        # A reading the half probe refuses, a half spec that rounds a weight where the float32 source does not (none
-        # of the support matrix's now: an offset norm's 1 + w and xIELU's scalars are kept in float32), or a source
-        # whose float32 run a block at a time meets a half tensor no unit casts (a dtype mismatch): read, fit and
-        # check in float32 instead (the previous path, at its memory); a refusal or error there is the conversion's
+        # A reading the half probe refuses, a half spec that rounds a weight where the float32 source does not
+        # (Gemma's W_E · √d_model where √d_model is not a power of two; an offset norm's 1 + w and xIELU's scalars
+        # are kept in float32), or a source whose float32 run a block at a time meets a half tensor no unit casts (a
+        # dtype mismatch): read, fit and check in float32 instead (the previous path, at its memory); a refusal or
+        # error there is the conversion's
         aot, tokens, expected, routes = _upcast_half(model, half, options)
         if options.share:  # read in float32: the half converted parameters point at the half source's again
             aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
