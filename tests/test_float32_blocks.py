@@ -10,9 +10,10 @@ from factories_bridge import D_VOCAB, make_bridge
 
 import lens_aot
 from lens_aot.core.check import float32_blocks as float32_blocks_module
-from lens_aot.core.check import float32_vocab
+from lens_aot.core.check import float32_vocab, residual_bound
 from lens_aot.core.check.float32_blocks import float32_blocks, run_blocks
 from lens_aot.core.check.float32_vocab import vocab_weights
+from lens_aot.core.fit import per_layer
 from lens_aot.core.memory import PeakMeter
 from lens_aot.core.read import run_source, upcast_half
 
@@ -119,3 +120,20 @@ def test_converted_models_vocabulary_weights_in_float32_blocks(family: str, monk
         with float32_blocks(aot):
             whole = aot(tokens)
     assert torch.equal(blocks, whole)
+
+
+@pytest.mark.parametrize("half", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(32, 64), (128, 1000), (512, 5000), (2048, 3000)])
+def test_blockwise_float64_norms_are_the_whole_casts(
+    shape: tuple[int, int], half: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The residual bound's and the per-layer fit's float64 norms and maxima, cast a block of columns or rows at a
+    time (small blocks here, the smallest allowed among them), are bitwise those of the whole float64 cast."""
+    W = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(half)
+    whole = W.double()
+    for block in (1 << 12, 1 << 16, residual_bound.BLOCK_BYTES):
+        monkeypatch.setattr(residual_bound, "BLOCK_BYTES", block)
+        monkeypatch.setattr(per_layer, "BLOCK_BYTES", block)
+        assert torch.equal(residual_bound.norms64(W, 0), whole.norm(dim=0))
+        assert torch.equal(residual_bound.norms64(W, 1), whole.norm(dim=1))
+        assert torch.equal(per_layer._column_abs_max(W), whole.abs().amax(0))
