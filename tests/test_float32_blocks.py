@@ -16,6 +16,7 @@ from lens_aot.core.check.float32_vocab import vocab_weights
 from lens_aot.core.fit import per_layer
 from lens_aot.core.memory import PeakMeter
 from lens_aot.core.read import run_source, upcast_half
+from lens_aot.tl import has_hooked_transformer
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -137,3 +138,26 @@ def test_blockwise_float64_norms_are_the_whole_casts(
         assert torch.equal(residual_bound.norms64(W, 0), whole.norm(dim=0))
         assert torch.equal(residual_bound.norms64(W, 1), whole.norm(dim=1))
         assert torch.equal(per_layer._column_abs_max(W), whole.abs().amax(0))
+
+
+@pytest.mark.skipif(not has_hooked_transformer(), reason="needs a HookedTransformer (TL 3.x)")
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hooked_transformers_vocabulary_weights_in_float32_blocks(
+    half: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A HookedTransformer's Embed and Unembed (``W_U.T.contiguous()``) computed from their half tensors give the
+    logits of the run with them cast whole, bit for bit."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    shape = dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_mlp=128, d_vocab=300, n_ctx=32, act_fn="gelu_new")
+    model = HookedTransformer(HookedTransformerConfig(**shape, normalization_type="LN", dtype=half, seed=0)).eval()
+    assert {w.kind for unit in run_blocks(model) for w in vocab_weights(unit)} == {"embed", "unembed"}
+    monkeypatch.setattr(float32_vocab, "CHUNK", 64)
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        with float32_blocks(model):
+            blocks = model(tokens)
+        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+        with float32_blocks(model):
+            whole = model(tokens)
+    assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
