@@ -6,6 +6,12 @@ final norm, its unembedding, …) has its floating parameters and buffers cast t
 given back, the very tensors they were, when it ends (also on error). half → float32 is exact, so every forward then
 computes what the whole model cast to float32 computes, bit for bit, while holding one module's float32 copy at a
 time. The model's ``cfg.dtype`` (TransformerLens reads it in its forwards) is float32 meanwhile.
+
+The embedding and the unembedding are not cast whole (:mod:`lens_aot.core.check.float32_vocab`): the lookup casts the
+half rows it gathers, the logits are computed a chunk of vocabulary rows at a time; bit for bit the whole cast's on
+CPU (tested). On CUDA, where cuBLAS may choose another kernel for a chunk's shape than for the whole product's, the
+logits may differ from the whole cast's in their last float32 bits (not measured: no GPU run); the check compares
+them against its tolerance, orders of magnitude above that.
 """
 
 from __future__ import annotations

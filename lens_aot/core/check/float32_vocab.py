@@ -12,7 +12,8 @@ bridge reads its ``dtype``); the computation itself is done from the half tensor
   of float32-cast weight rows as the whole product (each logit is the dot product of one weight row with the
   residual, the same BLAS call on fewer rows: bit-identical on CPU, tested by ``tests/test_float32_blocks.py`` for
   chunks of 64 rows and more, and at Llama-3.2-1B's shape [128,256 × 2,048] for chunks of 4,096 to 16,384 rows;
-  chunks of 32 rows at d_model 32 take another BLAS kernel and differ in the last bits, hence the large chunk).
+  chunks of 32 rows at d_model 32 take another BLAS kernel and differ in the last bits, hence the large chunk; on
+  CUDA not measured: cuBLAS may pick another kernel for a chunk, a difference in the last float32 bits at most).
 
 Modules of other kinds, and lookups under autograd, fall back to the whole float32 cast (correct, not lighter).
 """
