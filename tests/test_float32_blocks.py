@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from factories_bridge import D_VOCAB, make_bridge
 
+import lens_aot
+from lens_aot.core.check import float32_blocks as float32_blocks_module
+from lens_aot.core.check import float32_vocab, residual_bound
 from lens_aot.core.check.float32_blocks import float32_blocks, run_blocks
+from lens_aot.core.check.float32_vocab import vocab_weights
+from lens_aot.core.fit import per_layer
 from lens_aot.core.memory import PeakMeter
 from lens_aot.core.read import run_source, upcast_half
+from lens_aot.tl import has_hooked_transformer
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -44,3 +51,113 @@ def test_blockwise_float32_forward_holds_one_block() -> None:
         run_source(source, torch.arange(8)[None])
     activations = 8 * D_VOCAB * 4 * 4  # a few [8, vocab] float32 tensors
     assert meter.peak <= 2 * largest + activations < 2 * weights, (meter.peak, largest, weights)
+
+
+@pytest.mark.parametrize("chunk", [64, 97, 8192])
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3"])
+def test_vocabulary_weights_in_chunks_are_the_whole_cast(
+    family: str, half: torch.dtype, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedding looked up from half rows and the unembedding computed a chunk of vocabulary rows at a time
+    (across chunk sizes dividing the vocabulary or not) give the whole float32 cast's logits bit for bit."""
+    monkeypatch.setattr(float32_vocab, "CHUNK", chunk)
+    source = make_bridge(family, half)
+    assert {w.kind for unit in run_blocks(source) for w in vocab_weights(unit)} == {"embed", "linear"}
+    tokens = torch.randint(0, D_VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with upcast_half(source, half):
+            whole = run_source(source, tokens)
+        with float32_blocks(source):
+            blocks = run_source(source, tokens)
+    assert torch.equal(blocks, whole)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 1000), (7, 96, 5000), (33, 128, 20000), (130, 256, 32768)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_in_row_chunks_is_the_whole_product(shape: tuple[int, int, int], transposed: bool) -> None:
+    """F.linear on chunks of the weight's rows is bitwise the whole product's columns (this BLAS), for the layouts
+    the unembeddings use (nn.Linear's [vocab, d] weight; W_U [d, vocab] transposed)."""
+    n, d, vocab = shape
+    g = torch.Generator().manual_seed(0)
+    x, bias = torch.randn(n, d, generator=g), torch.randn(vocab, generator=g)
+    weight = torch.randn(d, vocab, generator=g).T if transposed else torch.randn(vocab, d, generator=g)
+    whole = F.linear(x, weight, bias)
+    for chunk in (1000, 4096, 8192):
+        parts = [F.linear(x, weight[a : a + chunk], bias[a : a + chunk]) for a in range(0, vocab, chunk)]
+        assert torch.equal(torch.cat(parts, -1), whole), chunk
+
+
+def test_float32_run_holds_no_whole_vocabulary_copy() -> None:
+    """At a shape whose vocabulary dominates, the float32 run's peak stays below one float32 copy of the embedding
+    (the whole cast of either vocabulary weight would exceed it)."""
+    from lens_aot.matrix.families import Family, build_hf_model
+    from lens_aot.matrix.measure import _source
+
+    vocab, d_model = 32768, 128  # untied: an embedding and an unembedding of 16 MiB each in float32
+    fields = dict(vocab_size=vocab, hidden_size=d_model, head_dim=32, intermediate_size=256, num_hidden_layers=1)
+    family = Family("LlamaForCausalLM", fields=dict(fields, max_position_embeddings=32, tie_word_embeddings=False))
+    source = _source(build_hf_model(family).to(torch.bfloat16), family, "bridge", torch.bfloat16)
+    copy = vocab * d_model * 4
+    with torch.no_grad(), float32_blocks(source), PeakMeter() as meter:
+        logits = run_source(source, torch.arange(4)[None])
+    assert torch.isfinite(logits).all()
+    assert meter.peak < copy / 2, (meter.peak, copy)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_converted_models_vocabulary_weights_in_float32_blocks(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The converted model (its Embed and Unembed each a block of their own, hooked as the vocabulary weights'
+    module too) run a block at a time with its vocabulary weights computed from their half tensors is the run with
+    them cast whole, bit for bit."""
+    monkeypatch.setattr(float32_vocab, "CHUNK", 64)
+    aot = lens_aot.convert(make_bridge(family, torch.bfloat16), check="warn")
+    assert {w.kind for unit in run_blocks(aot) for w in vocab_weights(unit)} == {"embed", "unembed"}
+    tokens = torch.randint(0, D_VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with float32_blocks(aot):
+            blocks = aot(tokens)
+        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+        with float32_blocks(aot):
+            whole = aot(tokens)
+    assert torch.equal(blocks, whole)
+
+
+@pytest.mark.parametrize("half", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(32, 64), (128, 1000), (512, 5000), (2048, 3000)])
+def test_blockwise_float64_norms_are_the_whole_casts(
+    shape: tuple[int, int], half: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The residual bound's and the per-layer fit's float64 norms and maxima, cast a block of columns or rows at a
+    time (small blocks here, the smallest allowed among them), are bitwise those of the whole float64 cast."""
+    W = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(half)
+    whole = W.double()
+    for block in (1 << 12, 1 << 16, residual_bound.BLOCK_BYTES):
+        monkeypatch.setattr(residual_bound, "BLOCK_BYTES", block)
+        monkeypatch.setattr(per_layer, "BLOCK_BYTES", block)
+        assert torch.equal(residual_bound.norms64(W, 0), whole.norm(dim=0))
+        assert torch.equal(residual_bound.norms64(W, 1), whole.norm(dim=1))
+        assert torch.equal(per_layer._column_abs_max(W), whole.abs().amax(0))
+
+
+@pytest.mark.skipif(not has_hooked_transformer(), reason="needs a HookedTransformer (TL 3.x)")
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hooked_transformers_vocabulary_weights_in_float32_blocks(
+    half: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A HookedTransformer's Embed and Unembed (``W_U.T.contiguous()``) computed from their half tensors give the
+    logits of the run with them cast whole, bit for bit."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    shape = dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_mlp=128, d_vocab=300, n_ctx=32, act_fn="gelu_new")
+    model = HookedTransformer(HookedTransformerConfig(**shape, normalization_type="LN", dtype=half, seed=0)).eval()
+    assert {w.kind for unit in run_blocks(model) for w in vocab_weights(unit)} == {"embed", "unembed"}
+    monkeypatch.setattr(float32_vocab, "CHUNK", 64)
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        with float32_blocks(model):
+            blocks = model(tokens)
+        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+        with float32_blocks(model):
+            whole = model(tokens)
+    assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)

@@ -6,17 +6,25 @@ final norm, its unembedding, …) has its floating parameters and buffers cast t
 given back, the very tensors they were, when it ends (also on error). half → float32 is exact, so every forward then
 computes what the whole model cast to float32 computes, bit for bit, while holding one module's float32 copy at a
 time. The model's ``cfg.dtype`` (TransformerLens reads it in its forwards) is float32 meanwhile.
+
+The embedding and the unembedding are not cast whole (:mod:`lens_aot.core.check.float32_vocab`): the lookup casts the
+half rows it gathers, the logits are computed a chunk of vocabulary rows at a time; bit for bit the whole cast's on
+CPU (tested). On CUDA, where cuBLAS may choose another kernel for a chunk's shape than for the whole product's, the
+logits may differ from the whole cast's in their last float32 bits (not measured: no GPU run); the check compares
+them against its tolerance, orders of magnitude above that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lens_aot.core.check.float32_vocab import VocabWeight, vocab_weights
 
 __all__ = ["Float32Spec", "float32_blocks", "run_blocks"]
 
@@ -60,27 +68,33 @@ class _Swap:
         self.module = module
         self.depth = 0
         self.saved: Restore = []
+        self.vocab = vocab_weights(module)  # computed from their half tensors (lens_aot.core.check.float32_vocab)
 
     def enter(self, *_: Any) -> None:
         self.depth += 1
         if self.depth == 1:
-            self.saved = _upcast(self.module)
+            self.saved = _upcast(self.module, vocab=self.vocab)
 
     def exit(self, *_: Any) -> None:
         self.depth -= 1
         if self.depth == 0:
             _restore(self.saved)
             self.saved = []
+            for weight in self.vocab:
+                weight.release()
 
 
 Restore = list[tuple[nn.Module, str, str, Any]]
 
 
-def _upcast(module: nn.Module, recurse: bool = True) -> Restore:
+def _upcast(module: nn.Module, recurse: bool = True, vocab: Sequence[VocabWeight] = ()) -> Restore:
     """Cast ``module``'s half floating parameters (their ``data``, the ``Parameter`` kept) and buffers to float32,
     its submodules' too unless not ``recurse``, returning what to give back; a buffer reached twice is cast once. A
     rotary recipe's rows (:mod:`lens_aot.core.rotary_recipe`, read from a half source: rounded to half by its module)
-    are those the module computes in float32 meanwhile: rounded to float32 only."""
+    are those the module computes in float32 meanwhile: rounded to float32 only. A parameter of ``vocab`` gets its
+    float32 stand-in (no storage: :class:`~lens_aot.core.check.float32_vocab.VocabWeight` computes from the half
+    tensor)."""
+    stand_ins = {id(w.parameter): w for w in vocab}
     saved: Restore = []
     seen: dict[int, Tensor] = {}
     for sub in module.modules() if recurse else [module]:
@@ -94,6 +108,8 @@ def _upcast(module: nn.Module, recurse: bool = True) -> Restore:
                     continue
                 original = tensor.data if kind == "_parameters" else tensor
                 upcast = seen.get(id(tensor)) if kind == "_buffers" else None
+                if id(tensor) in stand_ins and kind == "_parameters":
+                    upcast = stand_ins[id(tensor)].stand_in(original)
                 upcast = original.float() if upcast is None else upcast
                 seen[id(tensor)] = upcast
                 saved.append((sub, kind, name, original))
@@ -135,6 +151,8 @@ def float32_blocks(*models: Any) -> Iterator[None]:
                 post = unit.register_forward_hook(swap.exit, always_call=True)
                 stack.callback(post.remove)
                 stack.callback(pre.remove)
+                for handle in [h for weight in swap.vocab for h in weight.hooks()]:  # within the swap's (same module)
+                    stack.callback(handle.remove)
             stack.callback(_restore, _upcast(model, recurse=False))  # the root's own tensors, not its children's
             cfg = getattr(model, "cfg", None)
             if getattr(cfg, "dtype", None) in (torch.float16, torch.bfloat16):

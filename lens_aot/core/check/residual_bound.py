@@ -33,8 +33,25 @@ from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, Mod
 RADIUS_MARGIN = 1e-2
 
 
+BLOCK_BYTES = 8 << 20  # float64 bytes of one block of a weight's rows or columns: no whole-weight float64 copy
+
+
 def _f64(t: Tensor) -> Tensor:
     return t.detach().to(torch.float64)
+
+
+def norms64(W: Tensor, dim: int) -> Float[Tensor, " n"]:
+    """The float64 2-norms of the 2-D ``W`` along ``dim`` (``0``: of its columns, ``1``: of its rows), cast to float64
+    a block of the other dimension at a time (:data:`BLOCK_BYTES` each, at least 64 columns or rows: a single column
+    is reduced as a contiguous vector, in another summation order): each norm is its own column's or row's, bitwise
+    the same as over the whole cast (``tests/test_float32_blocks.py``)."""
+    other, length = 1 - dim, W.shape[dim]
+    step = max(64, BLOCK_BYTES // (8 * max(1, length)))
+    if W.shape[other] <= step:
+        return _f64(W).norm(dim=dim)
+    return torch.cat(
+        [_f64(W.narrow(other, i, min(step, W.shape[other] - i))).norm(dim=dim) for i in range(0, W.shape[other], step)]
+    )
 
 
 def norm_output_bound(norm: NormSpec, d_model: int) -> float:
@@ -52,17 +69,20 @@ def _read(norm: NormSpec | None, radius: float, d_model: int) -> float:
 def attention_output_bound(attn: AttentionSpec, radius: float) -> float:
     """``Σ_h (‖W_V^h W_O^h‖₂·radius + ‖b_V^h W_O^h‖) + ‖b_O‖`` (grouped-query heads share their key-value head)."""
     n_heads, n_kv = attn.W_Q.shape[0], attn.W_V.shape[0]
-    kv = torch.arange(n_heads) // (n_heads // n_kv)
-    W_V, b_V, W_O = _f64(attn.W_V)[kv], _f64(attn.b_V)[kv], _f64(attn.W_O)
-    # ‖W_V W_O‖₂ = ‖R W_O‖₂ with W_V = Q R (Q's columns orthonormal): d_head × d_model matrices, not d_model²
-    OV = torch.linalg.matrix_norm(torch.linalg.qr(W_V).R @ W_O, ord=2)
-    bias = torch.einsum("hd,hdm->hm", b_V, W_O).norm(dim=-1)
-    return float((OV * radius + bias).sum()) + float(_f64(attn.b_O).norm())
+    kv = (torch.arange(n_heads) // (n_heads // n_kv)).tolist()
+    b_V = _f64(attn.b_V)
+    OV, bias = [], []
+    for h in range(n_heads):  # one head's weights in float64 at a time
+        W_V, W_O = _f64(attn.W_V[kv[h]]), _f64(attn.W_O[h])
+        # ‖W_V W_O‖₂ = ‖R W_O‖₂ with W_V = Q R (Q's columns orthonormal): d_head × d_model matrices, not d_model²
+        OV.append(torch.linalg.matrix_norm(torch.linalg.qr(W_V).R @ W_O, ord=2))
+        bias.append((b_V[kv[h]] @ W_O).norm())
+    return float((torch.stack(OV) * radius + torch.stack(bias)).sum()) + float(_f64(attn.b_O).norm())
 
 
 def _pre_bound(W: Tensor, b: Tensor | None, radius: float) -> Float[Tensor, " d_mlp"]:
     bias = 0.0 if b is None else _f64(b).abs()
-    return radius * _f64(W).norm(dim=0) + bias
+    return radius * norms64(W, 0) + bias
 
 
 def mlp_output_bound(mlp: MLPSpec | MoESpec, radius: float) -> float:
@@ -82,16 +102,16 @@ def mlp_output_bound(mlp: MLPSpec | MoESpec, radius: float) -> float:
             post = post + _f64(mlp.b_post).abs()
     else:
         post = u * u if mlp.act_fn == "relu2" else u
-    return float(post @ _f64(mlp.W_out).norm(dim=1)) + float(_f64(mlp.b_out).norm())
+    return float(post @ norms64(mlp.W_out, 1)) + float(_f64(mlp.b_out).norm())
 
 
 def embedding_bound(spec: ModelSpec) -> float:
     """The largest norm of an embedded token (with its learned position, or through the post-embedding norm)."""
     if spec.embed_ln is not None and spec.embed_ln.kind is not None:
         return norm_output_bound(spec.embed_ln, spec.d_model)
-    bound = float(_f64(spec.W_E).norm(dim=1).max())
+    bound = float(norms64(spec.W_E, 1).max())
     if spec.positions == "standard" and spec.W_pos is not None:
-        bound += float(_f64(spec.W_pos).norm(dim=1).max())
+        bound += float(norms64(spec.W_pos, 1).max())
     return bound
 
 

@@ -37,12 +37,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.check.residual_bound import (
+    BLOCK_BYTES,
     RADIUS_MARGIN,
     _read,
     attention_output_bound,
     embedding_bound,
     mlp_output_bound,
     norm_output_bound,
+    norms64,
 )
 from lens_aot.core.components.mlp.per_layer_neurons import PerLayerNeuronSublayer
 from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, RangedInput, bounded_gated_fit
@@ -79,8 +81,16 @@ def per_layer_input_bound(inputs: PerLayerInputsSpec, layer: int) -> Float[Tenso
         )
     w = torch.ones(d, dtype=torch.float64) if norm.w is None else norm.w.detach().to(torch.float64).abs().cpu()
     b = 0.0 if norm.b is None else norm.b.detach().to(torch.float64).abs().cpu()
-    token = inputs.W_E[:, cols].detach().to(torch.float64).abs().amax(0).cpu() * abs(inputs.embed_scale)
+    token = _column_abs_max(inputs.W_E[:, cols]) * abs(inputs.embed_scale)
     return (math.sqrt(d) * w + b + token) * abs(inputs.input_scale) * (1 + RADIUS_MARGIN)
+
+
+def _column_abs_max(W: Tensor) -> Float[Tensor, " n"]:
+    """``max |W[:, n]|`` per column in float64 (on the CPU), over blocks of rows (the vocabulary) of
+    :data:`~lens_aot.core.check.residual_bound.BLOCK_BYTES` in float64: a maximum, the same whatever the blocks."""
+    step = max(1, BLOCK_BYTES // (8 * max(1, W.shape[1])))
+    blocks = [W[i : i + step].detach().to(torch.float64).abs().amax(0) for i in range(0, W.shape[0], step)]
+    return torch.stack(blocks).amax(0).cpu()
 
 
 def _after(post: NormSpec | None, d_model: int, out_bound: Callable[[], float]) -> float:
@@ -146,7 +156,7 @@ def per_layer_fits(
         assert sub is not None
         radius = float(max_residual_norm) if max_residual_norm is not None else radii[i]
         norm = RangedInput(None, radius=radius, layer=i)
-        g_bound = radius * sub.W_gate.detach().to(torch.float64).norm(dim=0).cpu()
+        g_bound = radius * norms64(sub.W_gate, 0).cpu()
         u_bound = per_layer_input_bound(spec.per_layer_inputs, i)
         fits[i] = bounded_gated_fit(sub.act_fn, g_bound, u_bound, norm, tol, heads_per_neuron, piece="per_layer")
     return fits
