@@ -13,6 +13,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from lens_aot.core.ownership import exported
 from lens_aot.core.spec.model_spec import RotarySpec
 from lens_aot.tl.hooked.model import source_config_fields, source_switches
 from lens_aot.tl.reading.pieces import (
@@ -20,7 +21,6 @@ from lens_aot.tl.reading.pieces import (
     detached_copy,
     fresh_copy,
     linear_view,
-    source_tensor,
     wrapped_module,
 )
 
@@ -58,7 +58,7 @@ def token_embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
         return detached_copy(module.weight * torch.as_tensor(scale).to(module.weight.dtype))
     if type(module) is not nn.Embedding:
         raise bridge_refusal(f"a token embedding of type {name} (an nn.Embedding subclass with its own forward)")
-    return source_tensor(module.weight)
+    return exported(module.weight)
 
 
 def unembedding(

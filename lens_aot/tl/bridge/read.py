@@ -32,6 +32,7 @@ from typing import Any
 
 from torch import nn
 
+from lens_aot.core.ownership import exported
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, NormSpec
 from lens_aot.tl.attention.alibi import strip_inner_residuals
 from lens_aot.tl.attention.projections import attention_projections
@@ -67,7 +68,6 @@ from lens_aot.tl.reading.pieces import (
     bridge_refusal,
     linear_weights,
     source_model,
-    source_tensor,
     subcomponent,
     wrapped_module,
 )
@@ -209,7 +209,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         table = pos_module.weight
         if table.shape[0] < n_ctx:
             raise bridge_refusal(f"a position table of {table.shape[0]} rows for n_ctx={n_ctx}")
-        W_pos = source_tensor(table[:n_ctx]) if W_pos is None else W_pos
+        W_pos = exported(table[:n_ctx]) if W_pos is None else W_pos
     elif subcomponent(bridge, "pos_embed") is not None:
         raise bridge_refusal("both rotary and absolute positions")
     unembed = wrapped_module(subcomponent(bridge, "unembed"))

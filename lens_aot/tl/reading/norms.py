@@ -18,12 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.check.pieces import norm_output
+from lens_aot.core.ownership import exported
 from lens_aot.core.spec.model_spec import NormSpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.float32 import carry_float32_step
 from lens_aot.tl.reading.gemma4_norms import scaled_rms_norm
 from lens_aot.tl.reading.gemma_norm import computes_gemma_rmsnorm
-from lens_aot.tl.reading.pieces import bridge_refusal, detached_copy, source_tensor, wrapped_module
+from lens_aot.tl.reading.pieces import bridge_refusal, detached_copy, wrapped_module
 from lens_aot.tl.reading.probe import close
 
 __all__ = ["final_norm_on_embeddings", "named_norm", "native_norm", "optional_norm", "read_norm"]
@@ -83,12 +84,12 @@ def native_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormSpec
     if isinstance(module, nn.LayerNorm):
         if len(module.normalized_shape) != 1:
             raise bridge_refusal(f"a LayerNorm over shape {tuple(module.normalized_shape)}")
-        w = None if module.weight is None else source_tensor(module.weight)
+        w = None if module.weight is None else exported(module.weight)
         if w is not None and name == "NemotronLayerNorm1P":  # F.layer_norm(x, shape, weight + 1, bias, eps)
             # weight + 1 is computed in the source's dtype: in float32 at least (exact for a half weight), so that
             # the float32 check sees the float32 source's scale; a half model rounds it once, as its source does
             w = (module.weight.detach().to(_at_least_float32(module.weight.dtype)) + 1.0).contiguous()
-        b = None if module.bias is None else source_tensor(module.bias)
+        b = None if module.bias is None else exported(module.bias)
         return NormSpec("LN" if w is not None else "LNPre", float(module.eps), w, b)
     # TransformerLens-native norms (sources/native/model.py) compute their statistics in float32 whatever the
     # input dtype — `x.to(torch.float32)`, normalize, `.to(input_dtype)` — and only then apply the scale.
@@ -97,7 +98,7 @@ def native_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormSpec
     if name == "OlmoLayerNorm":  # normalised by F.layer_norm (lens_aot.tl.reading.float32 reads that from its forward)
         return NormSpec("LNPre", 1e-5, compute_dtype=torch.float32)
     if name == "NativeRMSNorm":
-        return NormSpec("RMS", float(module.eps), source_tensor(module.weight), None, torch.float32, rsqrt=True)
+        return NormSpec("RMS", float(module.eps), exported(module.weight), None, torch.float32, rsqrt=True)
     if name == "NativeRMSNormPre":
         return NormSpec("RMSPre", float(module.eps), compute_dtype=torch.float32, rsqrt=True)
     if name == "NativeLayerNormPre":
@@ -107,9 +108,9 @@ def native_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormSpec
     # its eps as ``variance_epsilon``; the per-layer probe check (lens_aot.tl.reading.probe) confirms the formula.
     if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, Tensor):
         eps = float(module.variance_epsilon)
-        return NormSpec("RMS", eps, source_tensor(module.weight), None, torch.float32, rsqrt=True)
+        return NormSpec("RMS", eps, exported(module.weight), None, torch.float32, rsqrt=True)
     if name == "Llama4TextRMSNorm" and isinstance(module.weight, Tensor):  # Llama's forward, eps as ``eps``
-        return NormSpec("RMS", float(module.eps), source_tensor(module.weight), None, torch.float32, rsqrt=True)
+        return NormSpec("RMS", float(module.eps), exported(module.weight), None, torch.float32, rsqrt=True)
     # HF GemmaRMSNorm: normalizes x.float() the same way, multiplies by (1 + weight.float()) in float32, then casts
     # back (lens_aot.tl.reading.float32 reads where the scale is applied from its forward). 1 + weight is a float32
     # value, exact in float64.
@@ -142,11 +143,11 @@ def _python_norm(norm_bridge: Any, module: nn.Module, cls: str) -> NormSpec:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor):
         raise bridge_refusal(f"a {cls} whose wrapped {type(module).__name__} has no weight")
-    w = detached_copy(1.0 + weight) if _norm_uses_weight_offset(norm_bridge) else source_tensor(weight)
+    w = detached_copy(1.0 + weight) if _norm_uses_weight_offset(norm_bridge) else exported(weight)
     if rms:
         return NormSpec("RMS", eps, w)
     bias = getattr(module, "bias", None)
-    return NormSpec("LN", eps, w, None if bias is None else source_tensor(bias))
+    return NormSpec("LN", eps, w, None if bias is None else exported(bias))
 
 
 def _simplify_norm(spec: NormSpec) -> NormSpec:

@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.core.ownership import exported, sharing_now
+from lens_aot.core.ownership import sharing_now
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.probe import SUPPORTED
 
@@ -30,7 +30,6 @@ __all__ = [
     "fresh_copy",
     "linear_view",
     "linear_weights",
-    "source_tensor",
     "source_model",
     "subcomponent",
     "subcomponent_names",
@@ -130,12 +129,6 @@ def linear_view(module: nn.Module, dtype: torch.dtype) -> tuple[Float[Tensor, "d
     bias = getattr(module, "bias", None)
     b = torch.zeros(weight.shape[1], dtype=dtype, device=weight.device) if bias is None else bias.detach()
     return weight, b
-
-
-def source_tensor(t: Tensor) -> Tensor:
-    """A source tensor ``t`` (or a view of it) for the spec as it is: a copy, or inside
-    :func:`~lens_aot.core.ownership.sharing` (``convert(share_weights=True)``) ``t`` itself (detached)."""
-    return exported(t)
 
 
 def linear_weights(
