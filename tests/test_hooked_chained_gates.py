@@ -258,3 +258,66 @@ def test_gated_relu2_experts_convert_within_their_bound(one_thread: None) -> Non
     with torch.no_grad():
         err = float((aot(tokens) - model(tokens)).abs().max())
     assert err <= aot.report.logit_bound and err <= TOLERANCES[("gated", torch.float32)], err
+
+
+def _xielu_moe(dtype: torch.dtype) -> Any:
+    """A TransformerLens 3.9 mixture of four gated xIELU experts, each expert's learned scalars moved off their initial
+    values and apart from the other experts' (reading one expert's, or the defaults, would fail)."""
+    model = make_hooked("rms-rotary", "xielu", dtype, gated_mlp=True, num_experts=4, experts_per_token=2)
+    model = model.to(dtype).eval()  # TransformerLens builds the experts and the router in float32
+    with torch.no_grad():
+        for block in model.blocks:
+            for e, expert in enumerate(block.mlp.experts):
+                expert.act_fn.alpha_p.add_(0.1 * (e + 1))
+                expert.act_fn.alpha_n.sub_(0.2)
+                expert.act_fn.beta.fill_(0.4 + 0.05 * e)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_gated_xielu_experts_convert_within_their_bound(dtype: torch.dtype, tmp_path: Any, one_thread: None) -> None:
+    """A mixture of gated xIELU experts converts (it raised a bare ValueError: the experts were fitted by their
+    activation's name, without their learned scalars): each expert is a :class:`GatedXIELUMLP` with its own scalars,
+    every routed neuron's ``hook_post`` is within its fit's bound of ``xielu(g)·u`` (the source expert's ``hook_gate``
+    and ``hook_pre``), the logits within the certified bound; save / load bitwise, revert to the source's function."""
+    model = _xielu_moe(dtype)
+    aot = lens_aot.convert(model)
+    fits = aot.cfg.activation_fits[0].experts
+    assert all(isinstance(expert, GatedXIELUMLP) for expert in aot.blocks[0].mlp.experts)
+    assert [f.beta for f in fits] == pytest.approx([0.4, 0.45, 0.5, 0.55])
+    tokens = _tokens()
+    with torch.no_grad():
+        expected, source = model.run_with_cache(tokens)
+        logits, cache = aot.run_with_cache(tokens)
+    err = float((logits - expected).abs().max())
+    assert err <= aot.report.logit_bound, (err, aot.report.logit_bound)
+    seen = 0
+    for e, fit in enumerate(fits):  # layer 0 reads the source's residual: its experts' own g and u
+        prefix = f"blocks.0.mlp.experts.{e}"
+        if f"{prefix}.hook_post" not in source.keys():  # routed no token
+            continue
+        g, u = source[f"{prefix}.hook_gate"], source[f"{prefix}.hook_pre"]
+        exact = xielu(g, fit.alpha_p, fit.alpha_n, fit.beta, fit.eps) * u
+        slack = 0.0 if dtype == torch.float64 else 64 * torch.finfo(dtype).eps * (1 + float(exact.abs().max()))
+        assert float((cache[f"{prefix}.hook_post"] - exact).abs().max()) <= fit.max_error + slack
+        seen += 1
+    assert seen >= 2
+    lens_aot.save(aot, tmp_path)
+    back = lens_aot.revert(aot)
+    with torch.no_grad():
+        assert torch.equal(lens_aot.load(tmp_path)(tokens), logits)
+        torch.testing.assert_close(back(tokens), expected, rtol=0, atol=64 * torch.finfo(dtype).eps)
+
+
+def test_an_xielu_expert_without_its_scalars_is_refused_by_name() -> None:
+    """An expert read with activation ``xielu`` but no learned scalars (a plain :class:`MLPSpec`) is refused with
+    :class:`~lens_aot.errors.UnsupportedArchitectureError` naming the scalars and the reader to use, not a bare
+    ``ValueError`` from the gated fit."""
+    from lens_aot.core.fit.moe import expert_fit
+    from lens_aot.core.spec.model_spec import MLPSpec
+
+    W = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mlp = MLPSpec(W, W.new_zeros(4), W.T.clone(), W.new_zeros(8), "xielu", W_gate=W.clone())
+    norm = NormSpec("RMS", 1e-6, W.new_ones(8))
+    with pytest.raises(lens_aot.errors.UnsupportedArchitectureError, match="alpha_p, alpha_n, beta, eps"):
+        expert_fit(mlp, norm, None, None)

@@ -127,12 +127,14 @@ class FitDecoder:
         return out
 
     def _expert_fit(self, obj: Any, path: str) -> ActivationFit | GatedFit:
-        """One expert's fit inside an MoE layer's entry (a dense layer's entry kind: sigmoid_sum or gated)."""
+        """One expert's fit inside an MoE layer's entry (a dense layer's entry kind: sigmoid_sum, gated or xielu)."""
         kind = obj.get("kind") if isinstance(obj, dict) else None
         if kind == "gated":
             return self._gated(obj, path)
         if kind == "sigmoid_sum":
             return self._sigmoid_sum(obj, path, ("layer", "kind"))
+        if kind == "xielu":  # an xIELU expert, plain or gated (lens_aot.core.fit.moe.expert_fit)
+            return self._xielu(obj, path)
         raise LoadError(f"{self.where}: {path} is an expert fit of kind {kind!r}; the file is corrupt or newer.")
 
     def _gated(self, obj: dict[str, Any], path: str) -> GatedFit:

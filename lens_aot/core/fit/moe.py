@@ -44,8 +44,10 @@ from lens_aot.core.components.moe.moe_routers import router_logits as group_rout
 from lens_aot.core.components.moe.moe_routers import router_scores, select_experts
 from lens_aot.core.fit.activations import ActivationFit, activation_fit
 from lens_aot.core.fit.gating import GatedFit, gated_fit
+from lens_aot.core.fit.xielu import XIELUFit, XIELUSpec, xielu_fit
 from lens_aot.core.spec.beside_moe import MoEBesideMLPSpec
 from lens_aot.core.spec.model_spec import MLPSpec, MoESpec, NormSpec
+from lens_aot.errors import UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,18 @@ class MoEFit:
 
 def expert_fit(
     mlp: MLPSpec, norm: NormSpec, max_neuron_error: float | None, heads_per_neuron: int | None
-) -> ActivationFit | GatedFit:
-    """One expert's construction: exactly a dense MLP's (gated: :func:`gated_fit` on its weights)."""
+) -> ActivationFit | GatedFit | XIELUFit:
+    """One expert's construction: exactly a dense MLP's (gated: :func:`gated_fit` on its weights; xIELU, plain or
+    gated: :func:`~lens_aot.core.fit.xielu.xielu_fit` with the expert's learned scalars)."""
+    if isinstance(mlp, XIELUSpec):
+        return xielu_fit(mlp, norm, max_neuron_error, heads_per_neuron)
+    if mlp.act_fn == "xielu":
+        raise UnsupportedArchitectureError(
+            "an expert with activation 'xielu' was read without xIELU's learned scalars (alpha_p, alpha_n, beta, "
+            "eps): its neurons are built from them (lens_aot.core.fit.xielu.xielu_fit), not from the name. Read "
+            "the expert as an XIELUSpec (lens_aot.tl.blocks.xielu.read_xielu on its activation module), or report "
+            "the architecture so its reader learns to."
+        )
     if mlp.gated:
         return gated_fit(mlp, norm, max_neuron_error, heads_per_neuron)
     return activation_fit(mlp.act_fn, max_neuron_error, heads_per_neuron)

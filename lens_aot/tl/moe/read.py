@@ -56,16 +56,16 @@ def read_hooked_moe(moe: nn.Module, act_fn: str, norm_topk_prob: bool, layer: in
         if type(expert).__name__ != "MoEGatedMLP":
             raise refuse_moe(layer, f"an expert of type {type(expert).__name__}")
         d_mlp = expert.W_in.weight.shape[0]
-        experts.append(
-            MLPSpec(
-                contiguous_copy(expert.W_in.weight.T),
-                expert.W_in.weight.new_zeros(d_mlp),
-                contiguous_copy(expert.W_out.weight.T),
-                expert.W_out.weight.new_zeros(expert.W_out.weight.shape[0]),
-                act_fn,
-                W_gate=contiguous_copy(expert.W_gate.weight.T),
-            )
+        spec = MLPSpec(
+            contiguous_copy(expert.W_in.weight.T),
+            expert.W_in.weight.new_zeros(d_mlp),
+            contiguous_copy(expert.W_out.weight.T),
+            expert.W_out.weight.new_zeros(expert.W_out.weight.shape[0]),
+            act_fn,
+            W_gate=contiguous_copy(expert.W_gate.weight.T),
         )
+        # each expert's own trainable XIELU module: its learned scalars (a gated xIELU expert)
+        experts.append(read_xielu.read_xielu(spec, expert, layer) if act_fn == "xielu" else spec)
     return MoESpec(
         contiguous_copy(moe.W_gate.weight.T),
         experts,
