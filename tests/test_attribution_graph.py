@@ -363,6 +363,21 @@ def test_to_dict(graphs: dict[str, AttributionGraph], tmp_path: Path) -> None:
     assert len(everything["nodes"]) == len(graph)
 
 
+def test_prompt_text_keeps_token_ids_apart_without_a_tokenizer() -> None:
+    """``metadata.prompt`` of a model without a tokenizer is its token ids separated by spaces (joined without a
+    separator, ``5, 17, 33`` and ``51, 73, 3`` both read "51733"): the ids come back from it, one per
+    ``prompt_tokens`` entry; with a tokenizer it is the decoded tokens joined, the prompt's text."""
+    aot = lens_aot.convert(make_bridge("gpt2", torch.float64))
+    graph = attribution_graph(aot, TOKENS[:6], max_nodes=5)
+    metadata = graph.to_dict()["metadata"]
+    assert metadata["prompt"] == "5 17 33 2 61 40"
+    assert [int(t) for t in metadata["prompt"].split(" ")] == TOKENS[:6].tolist()
+    assert metadata["prompt"].split(" ") == metadata["prompt_tokens"]
+    with_tokenizer = lens_aot.convert(make_bridge("gpt2-silu", torch.float64, tokenizer=True))
+    text = attribution_graph(with_tokenizer, "w1 w2 w3", max_nodes=5).to_dict()["metadata"]
+    assert text["prompt"] == "".join(text["prompt_tokens"]) and text["prompt_tokens"][1:] == ["w1", "w2", "w3"]
+
+
 def _circuit_tracer(*args: str) -> str:
     """Run tests/circuit_tracer_check.py in circuit-tracer's own environment (it pins transformers ≤ 4.57.3:
     ``make .venv-ct`` builds it, ``make test`` first); under CI a missing environment fails the test."""

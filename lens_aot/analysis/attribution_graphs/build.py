@@ -294,6 +294,7 @@ def _graph_fields(
         dtype=str(dtype).replace("torch.", ""),
         float32_steps=float32_steps(aot),
         logit_token_text=dict(zip(logit_tokens, _decoded(aot, torch.tensor(logit_tokens)), strict=True)),
+        tokenizer=aot.tokenizer is not None,  # prompt_tokens are decoded text, else token ids (the export's prompt)
     )
     return dict(
         nodes=names,

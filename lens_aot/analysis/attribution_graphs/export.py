@@ -4,9 +4,11 @@ Neuronpedia's graph viewer read, and ``circuit_tracer.frontend.graph_models.Mode
 ``{"metadata", "qParams", "nodes", "links"}``, as ``circuit_tracer.utils.create_graph_files`` writes them:
 
 * ``metadata``: ``slug``, ``scan`` (the source model's name unless given: Neuronpedia reads it as a model id, which
-  must exist there to upload), ``transcoder_list`` (empty: no transcoder), ``prompt_tokens``, ``prompt``,
-  ``node_threshold``, ``schema_version`` 1, ``info`` (``description``, ``generator``, the replacement and completeness
-  scores), ``generation_settings`` and ``pruning_settings`` (Neuronpedia's graph schema's optional fields);
+  must exist there to upload), ``transcoder_list`` (empty: no transcoder), ``prompt_tokens`` (each token's text; a
+  model without a tokenizer: its id), ``prompt`` (the tokens' text joined; without a tokenizer the ids separated by
+  spaces, :func:`prompt_text`), ``node_threshold``, ``schema_version`` 1, ``info`` (``description``, ``generator``,
+  the replacement and completeness scores), ``generation_settings`` and ``pruning_settings`` (Neuronpedia's graph
+  schema's optional fields);
 * ``nodes``: ``node_id``, ``feature``, ``layer`` (a string), ``ctx_idx`` (the position), ``feature_type``,
   ``jsNodeId``, ``clerp`` (the label), ``influence`` (the cumulative influence rank the frontend's pruning slider
   reads), ``activation``, ``is_target_logit``, ``token_prob``, ``run_idx``, ``reverse_ctx_idx``. An embedding is a
@@ -72,7 +74,7 @@ def graph_dict(
         "scan": scan or model,
         "transcoder_list": [],
         "prompt_tokens": list(graph.prompt_tokens),
-        "prompt": "".join(graph.prompt_tokens),
+        "prompt": prompt_text(graph),
         "node_threshold": info.get("node_threshold"),
         "schema_version": SCHEMA_VERSION,
         "info": {
@@ -96,6 +98,15 @@ def graph_dict(
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""}
     return {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+
+
+def prompt_text(graph: AttributionGraph) -> str:
+    """``metadata.prompt``: the decoded tokens joined (the prompt's text, as circuit-tracer writes its input string),
+    or, for a model without a tokenizer, the token ids separated by single spaces (``"5 17 33"``: joined without a
+    separator they would run together; ``[int(t) for t in prompt.split()]`` gives the ids back)."""
+    if graph.info.get("tokenizer", True):
+        return "".join(graph.prompt_tokens)
+    return " ".join(str(int(t)) for t in graph.tokens)
 
 
 def source_name(model_name: str) -> str:
