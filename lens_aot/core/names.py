@@ -2,7 +2,9 @@
 
 The converted model is numbered like its source (``blocks.{l}`` is source layer ``l``). Its head modules are
 ``blocks.{l}.attn`` (the source's heads) and, replacing the MLP, ``blocks.{l}.mlp.heads`` (plain MLPs) or
-``blocks.{l}.mlp.gate_heads`` and ``blocks.{l}.mlp.product_heads`` (gated MLPs). Labels: ``L3H2`` (attention head),
+``blocks.{l}.mlp.gate_heads`` and ``blocks.{l}.mlp.product_heads`` (gated MLPs; a gated relu² / xIELU MLP's gate, a
+chained product, adds ``blocks.{l}.mlp.square_heads`` and, xIELU, ``blocks.{l}.mlp.direct_heads`` between them).
+Labels: ``L3H2`` (attention head),
 ``L3N17`` (neuron), ``L3N17.2`` (the neuron's head at position 2 of ``aot.neuron_heads(3, 17)``), ``L3N17.4+5`` (a
 gated neuron's two product heads, positions 4 and 5, together: the unit patching and attribution use for them).
 Mixture-of-experts layers hold each expert's modules under ``blocks.{l}.mlp.experts.{e}`` (the shared expert:
@@ -18,13 +20,20 @@ from typing import Literal, NamedTuple
 
 from lens_aot.errors import InputError
 
-HeadKind = Literal["attention", "neuron", "gate", "product"]
-# the attribute of a block's ``mlp`` holding each kind of neuron head, in forward order
-NEURON_MODULES: dict[str, HeadKind] = {"heads": "neuron", "gate_heads": "gate", "product_heads": "product"}
+HeadKind = Literal["attention", "neuron", "gate", "square", "direct", "product"]
+# the attribute of a block's ``mlp`` holding each kind of neuron head, in forward order (square and direct heads: the
+# inner stages of a chained gate, lens_aot.core.components.mlp.chained_gated_mlp, writing the product heads' scratch)
+NEURON_MODULES: dict[str, HeadKind] = {
+    "heads": "neuron",
+    "gate_heads": "gate",
+    "square_heads": "square",
+    "direct_heads": "direct",
+    "product_heads": "product",
+}
 
 _EXPERT = r"(?:experts\.(0|[1-9]\d*)\.|(shared_expert)\.)?"
 _MODULE = re.compile(
-    rf"^blocks\.(0|[1-9]\d*)\.(attn|mlp\.{_EXPERT}(heads|gate_heads|product_heads)|per_layer\.(gate_heads|product_heads))$"
+    rf"^blocks\.(0|[1-9]\d*)\.(attn|mlp\.{_EXPERT}(heads|gate_heads|square_heads|direct_heads|product_heads)|per_layer\.(gate_heads|product_heads))$"
 )
 _LABEL = re.compile(
     r"^L(0|[1-9]\d*)(?:H(0|[1-9]\d*)|(?:E(0|[1-9]\d*)|(S))?N(0|[1-9]\d*)(?:\.(0|[1-9]\d*)(?:\+(0|[1-9]\d*))?)?)$"
@@ -114,7 +123,8 @@ def parse_module(name: str) -> ModuleName:
         _MODULE,
         name,
         "a head module name like 'blocks.3.attn', 'blocks.3.mlp.heads', 'blocks.3.mlp.gate_heads', "
-        "'blocks.3.mlp.product_heads', (mixtures of experts) 'blocks.3.mlp.experts.5.gate_heads' or (Gemma 4's "
+        "'blocks.3.mlp.product_heads', (a chained gate's inner stages) 'blocks.3.mlp.square_heads' / "
+        "'blocks.3.mlp.direct_heads', (mixtures of experts) 'blocks.3.mlp.experts.5.gate_heads' or (Gemma 4's "
         "per-layer-input sublayer) 'blocks.3.per_layer.gate_heads'",
     )
     layer, part = int(match.group(1)), match.group(2)

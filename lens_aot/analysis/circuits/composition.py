@@ -132,20 +132,25 @@ def _align_sender(
     aot: AttentionOnlyTransformer, sender: Sublayer, receiver: Sublayer, send: _Factors, width: int
 ) -> _Factors:
     """The sender's output in the receiver's input coordinates (``width`` channels: ``d_model``, then for product
-    heads the MLP's scratch). Gate heads write only their MLP's scratch, which only that MLP's product heads read;
-    every other head writes the residual stream (the first ``d_model`` channels)."""
+    heads the MLP's scratch). Gate heads write only their MLP's scratch, which only that MLP's product heads read (a
+    chained gate: its gate heads' ``r`` only its square heads, and the square and direct heads' sum only its product
+    heads, :func:`~lens_aot.analysis.circuits.names.scratch_reader`); every other head writes the residual stream
+    (the first ``d_model`` channels)."""
     W_O = send.W_O
     if names.writes_scratch(sender):
         d_model = aot.cfg.d_model
         if names.reads_scratch(receiver) and receiver.layer == sender.layer:
             mlp = aot.get_submodule(sender.name.rpartition(".")[0])
-            if not getattr(mlp, "linear_scratch", True):
+            if sender.kind == "gate" and receiver.kind == "product" and not getattr(mlp, "linear_scratch", True):
                 raise UnsupportedArchitectureError(
                     f"{sender.name}: in a gated relu2 / xIELU MLP the gate heads' output r ≈ relu(g) reaches the "
                     f"product heads through the square heads (s ≈ relu(g)·g), a product, so gate → product "
                     f"composition is not a bilinear score of their weights. Score the other pairs."
                 )
-            W_O = torch.nn.functional.pad(W_O, (d_model, width - d_model - W_O.shape[-1]))
+            if receiver.name != names.scratch_reader(aot, sender):  # the MLP's other scratch: not read
+                W_O = W_O.new_zeros(*W_O.shape[:-1], width)
+            else:
+                W_O = torch.nn.functional.pad(W_O, (d_model, width - d_model - W_O.shape[-1]))
         else:
             W_O = W_O.new_zeros(*W_O.shape[:-1], width)
     else:

@@ -12,7 +12,9 @@ layer 1) or ``"L1N17.2"`` (head 2 of ``aot.neuron_heads(1, 17)``). Names and lab
 What a sub-layer reads: attention ``ln1(blocks.{l}.hook_resid_pre)``; neuron, gate and product heads
 ``ln2(blocks.{l}.hook_resid_mid)`` (parallel layers: ``hook_resid_pre``); product heads also the MLP's scratch (the
 gate heads' output, ``blocks.{l}.mlp.product_heads.hook_gate``, ``d_mlp`` wide). Gate heads write that scratch, every
-other head the residual stream (``d_model``).
+other head the residual stream (``d_model``). A gated relu² / xIELU MLP's gate is a chained product: its gate heads
+write ``r`` (``square_heads.hook_gate``), read by its square heads, which with its direct heads (xIELU) write the
+product heads' scratch (:func:`scratch_reader`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lens_aot.analysis.checks import converted_only
+from lens_aot.analysis.patching.module_hooks import _product_module
 from lens_aot.core import names as core_names
 from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError
@@ -95,13 +98,21 @@ def scratch_hook(sub: Sublayer) -> str:
 
 
 def reads_scratch(sub: Sublayer) -> bool:
-    """Whether a sub-layer's heads read the MLP's scratch after the normalized residual (product heads)."""
-    return sub.kind == "product"
+    """Whether a sub-layer's heads read the MLP's scratch after the normalized residual (product heads; a chained
+    gate's square heads, which read ``r``)."""
+    return sub.kind in ("product", "square")
 
 
 def writes_scratch(sub: Sublayer) -> bool:
-    """Whether a sub-layer's heads write the MLP's scratch rather than the residual (gate heads)."""
-    return sub.kind == "gate"
+    """Whether a sub-layer's heads write the MLP's scratch rather than the residual (gate heads; a chained gate's
+    square and direct heads)."""
+    return sub.kind in ("gate", "square", "direct")
+
+
+def scratch_reader(aot: AttentionOnlyTransformer, sub: Sublayer) -> str | None:
+    """The sub-layer that reads a scratch-writing sub-layer's output as its values: its MLP's product heads, or (the
+    gate heads of a chained gate) its square heads; None for a sub-layer that writes the residual."""
+    return _product_module(aot, sub.name)
 
 
 def head_hook(ref: HeadRef | Sublayer, hook: str) -> str:

@@ -181,7 +181,7 @@ def patch_units(
                     where.append(pos)
             if linear:
                 hooks = [
-                    (_output_hook(name), _add_hook(_delta(dz[name], W_O[name], len(chunk), *pair)))
+                    (_output_hook(aot, name), _add_hook(_delta(dz[name], W_O[name], len(chunk), *pair)))
                     for name, pair in pairs.items()
                 ]
             else:

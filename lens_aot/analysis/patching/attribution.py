@@ -207,7 +207,7 @@ def attribute_units(
     head_names, post_names = _needed(aot, resolved)
     names = sorted(head_names | post_names, key=_order)
     record = [hook for name in names for hook in _state_hooks(aot, name)]
-    grads = [_output_hook(name) for name in names]
+    grads = [_output_hook(aot, name) for name in names]
     runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, record, grads, method, steps, progress)
     weights = _position_weights(n_pos, pos_list, per_position, runs.grads[grads[0]])
 
@@ -220,11 +220,11 @@ def attribute_units(
             other = [runs.other.acts[n] for n in _state_hooks(aot, name)]
             if name in head_names:
                 dz = _head_z(attn, other) - _head_z(attn, state)
-                gz = _head_grads(attn, runs.grads[_output_hook(name)])
+                gz = _head_grads(attn, runs.grads[_output_hook(aot, name)])
                 per_head[name] = torch.einsum("bphe,bphe,pn->hn", dz, gz.to(dz.dtype), weights.to(dz.device, dz.dtype))
             if name in post_names:
                 assert isinstance(attn, ProductAttention)
-                g = runs.grads[_output_hook(name)][..., : attn.d_model] @ attn.W_out.T
+                g = runs.grads[_output_hook(aot, name)][..., : attn.d_model] @ attn.W_out.T
                 dpost = _gated_post(attn, other) - _gated_post(attn, state)
                 per_post[name] = torch.einsum("bpn,bpn,pk->nk", dpost, g, weights.to(dpost.device, dpost.dtype))
     effect = _unit_sums(aot, resolved, per_head, per_post, weights.shape[1])

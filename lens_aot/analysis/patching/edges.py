@@ -111,7 +111,7 @@ def attribute_edges(
     record = [hook for name in sender_names + neuron_recv for hook in _state_hooks(aot, name)]
     record += [hook for name in recv_names for hook in _input_hooks(aot, name)]
     grads = [_input_hook(name, x) for name in attn_recv for x in inputs]
-    grads += [_output_hook(name) for name in neuron_recv]
+    grads += [_output_hook(aot, name) for name in neuron_recv]
     grads += [final] if "logits" in receiver_units else []
     runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, record, grads, method, steps, progress)
 
@@ -224,7 +224,7 @@ def _forward_edges(
     pair_head = [where[h] for h in head_of]  # a column sums its heads
     pair_col = [cols[i] for i in col_of]
     z0 = _head_z(attn, state)[..., head_t, 0]
-    grad_out = runs.grads[_output_hook(name)]
+    grad_out = runs.grads[_output_hook(aot, name)]
     product = _product_module(aot, name)
     if "v" in inputs and product is not None and any(_covers(receivers[c], product) for c in cols):  # type: ignore[arg-type]
         # gate heads whose neuron's product heads are receivers too: the product heads' values (the gate's only

@@ -1,9 +1,9 @@
 """Hook names, inputs and gradients of the converted model's head modules, for the patching code.
 
-Where a head module (``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` / ``gate_heads`` / ``product_heads``) sits in the
-forward pass, which hooks carry its per-head output, its inputs and its state, and how a gradient at its output maps
-to its heads. Used by :mod:`lens_aot.analysis.patching.units` and the patching modules it serves; it imports none of
-them.
+Where a head module (``blocks.{l}.attn``, ``blocks.{l}.mlp.heads`` / ``gate_heads`` / ``product_heads``, and a gated
+relu² / xIELU MLP's ``square_heads`` / ``direct_heads``) sits in the forward pass, which hooks carry its per-head
+output, its inputs and its state, and how a gradient at its output maps to its heads. Used by
+:mod:`lens_aot.analysis.patching.units` and the patching modules it serves; it imports none of them.
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.components import NeuronAttention, ProductAttention
+from lens_aot.core.components.mlp.chained_gated_mlp import SquareProductAttention
 from lens_aot.core.names import mlp_of, module_expert, parse_module
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import UnsupportedArchitectureError
 
-# rank of a head module within its layer, in forward order
-_RANK = {"attention": 0, "neuron": 1, "gate": 1, "product": 2}
+# rank of a head module within its layer, in forward order (a chained gate's square and direct heads read the gate's
+# pre-activation and its gate heads' output, and write the scratch its product heads read)
+_RANK = {"attention": 0, "neuron": 1, "gate": 1, "square": 2, "direct": 2, "product": 3}
+# head kinds that write their MLP's scratch (not the residual): each is read by one module of the MLP as its values
+_SCRATCH_WRITERS = ("gate", "square", "direct")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -65,13 +69,17 @@ def _module_of_input(hook_name: str) -> str:
     return hook_name.rpartition(".hook_")[0]
 
 
-def _output_hook(name: str) -> str:
+def _output_hook(aot: AttentionOnlyTransformer, name: str) -> str:
     """The hook of what module ``name`` writes (``Σ_h z_h · W_O[h] + b_O``): ``hook_attn_out`` (attention),
-    ``hook_mlp_out`` (neuron and product heads), or the product heads' ``hook_gate`` (gate heads: the MLP's
-    scratch). A mixture-of-experts layer's expert: its ``hook_out`` (its output before its router weight)."""
+    ``hook_mlp_out`` (neuron and product heads), or the ``hook_gate`` of the module that reads it as its values (the
+    MLP's scratch: the product heads' for gate heads, and for a chained gate's square and direct heads; a chained
+    gate's gate heads write ``r``, the square heads' ``hook_gate``). A mixture-of-experts layer's expert: its
+    ``hook_out`` (its output before its router weight)."""
     layer, kind = parse_module(name)
-    if kind == "gate":
-        return f"{mlp_of(name)}.product_heads.hook_gate"
+    if kind in _SCRATCH_WRITERS:
+        reader = _product_module(aot, name)
+        assert reader is not None
+        return f"{reader}.hook_gate"
     if kind != "attention" and module_expert(name) is not None:
         return f"{mlp_of(name)}.hook_out"
     return f"blocks.{layer}.hook_{'attn' if kind == 'attention' else 'mlp'}_out"
@@ -86,10 +94,13 @@ def _state_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
     if kind == "attention":
         return [_z_hook(name)]
     mlp = aot.get_submodule(mlp_of(name))
+    gate_pre = f"{mlp_of(name)}.{getattr(mlp, 'gate_hook_name', 'hook_pre')}"
     if kind == "product":
         return [f"{mlp_of(name)}.{getattr(mlp, 'linear_hook_name', 'hook_pre_linear')}", f"{name}.hook_gate"]
-    if kind in ("neuron", "gate"):
-        return [f"{mlp_of(name)}.{getattr(mlp, 'gate_hook_name', 'hook_pre')}"]
+    if kind == "square":  # a chained gate's square pair: query from the gate's pre-activation, value r (its hook_gate)
+        return [gate_pre, f"{name}.hook_gate"]
+    if kind in ("neuron", "gate", "direct"):
+        return [gate_pre]
     return [_z_hook(name)]
 
 
@@ -106,8 +117,8 @@ def _resid_in_hook(aot: AttentionOnlyTransformer, name: str) -> str:
 
 def _input_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
     """The hooks that together are module ``name``'s input (:func:`_input_of`): its residual, and for product heads
-    the MLP's scratch (``hook_gate``)."""
-    scratch = [f"{name}.hook_gate"] if _kind_of(name) == "product" else []
+    (and a chained gate's square heads) the MLP's scratch they read (``hook_gate``)."""
+    scratch = [f"{name}.hook_gate"] if _kind_of(name) in ("product", "square") else []
     return [_resid_in_hook(aot, name), *scratch]
 
 
@@ -137,14 +148,16 @@ def _linear_scratch(aot: AttentionOnlyTransformer, name: str) -> bool:
 
 
 def _reads_output_of(aot: AttentionOnlyTransformer, receiver: str | None, sender: str) -> bool:
-    """Whether module ``sender``'s output is in the input of module ``receiver`` (None: the logits): a gate module's
-    output reaches only its own layer's product heads; the others' reach the residual after them. A gate module whose
-    output reaches its product heads only through a product (gated relu² / xIELU) has no linear edge to them:
-    refused with :class:`~lens_aot.errors.UnsupportedArchitectureError`."""
+    """Whether module ``sender``'s output is in the input of module ``receiver`` (None: the logits): a module writing
+    its MLP's scratch (gate heads; a chained gate's square and direct heads) reaches only the module of its MLP that
+    reads it as values (:func:`_product_module`); the others' reach the residual after them. A chained gate's gate
+    module reaches its product heads only through a product (the square heads, gated relu² / xIELU): no linear edge
+    to them, refused with :class:`~lens_aot.errors.UnsupportedArchitectureError`."""
     s_layer, s_kind = parse_module(sender)
-    if s_kind == "gate":
-        reads = receiver is not None and receiver == f"{mlp_of(sender)}.product_heads"
-        if reads and not _linear_scratch(aot, sender):
+    if s_kind in _SCRATCH_WRITERS:
+        reads = receiver is not None and receiver == _product_module(aot, sender)
+        product = receiver is not None and receiver == f"{mlp_of(sender)}.product_heads"
+        if s_kind == "gate" and product and not _linear_scratch(aot, sender):
             raise UnsupportedArchitectureError(
                 f"{sender}: in a gated relu2 / xIELU MLP the gate heads' output r ≈ relu(g) reaches the product heads "
                 f"through the square heads (s ≈ relu(g)·g), a product, so the edge from a gate head to the product "
@@ -164,17 +177,26 @@ def _stop_after(names: Iterable[str]) -> int:
 
 
 def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
-    """The product-head module that reads gate module ``name``'s output (its values, through ``hook_gate``); None if
-    ``name`` holds no gate heads."""
-    return f"{mlp_of(name)}.product_heads" if _kind_of(name) == "gate" else None
+    """The module that reads module ``name``'s output as its values (through its ``hook_gate``): the product heads for
+    gate heads, and for a chained gate's square and direct heads; a chained gate's square heads for its gate heads
+    (they read ``r``); None if ``name`` writes the residual."""
+    kind = _kind_of(name)
+    if kind not in _SCRATCH_WRITERS:
+        return None
+    chained = kind == "gate" and not _linear_scratch(aot, name)
+    return f"{mlp_of(name)}.{'square_heads' if chained else 'product_heads'}"
 
 
 def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
     """Whether module ``name`` has an output hook and a ``W_O``, so its output is ``Σ_h z_h · W_O[h] + b_O`` and a
     change of head outputs can be applied to its output directly."""
-    if _kind_of(name) == "gate" and not _linear_scratch(aot, name):  # a product of it is read: patch hook_z instead
+    kind = _kind_of(name)
+    if kind == "gate" and not _linear_scratch(aot, name):  # a product of it is read: patch hook_z instead
         return False
-    return _output_hook(name) in aot.hook_dict and isinstance(getattr(_head_module(aot, name), "W_O", None), Tensor)
+    if kind in ("square", "direct"):  # a chained gate's inner stages: patched through hook_z, as its gate heads
+        return False
+    W_O = getattr(_head_module(aot, name), "W_O", None)
+    return _output_hook(aot, name) in aot.hook_dict and isinstance(W_O, Tensor)
 
 
 # ==================================================================================================== module inputs
@@ -183,8 +205,9 @@ def _into_input(
 ) -> Float[Tensor, "... d_in"]:
     """Place sender module ``sender``'s output change in receiver ``receiver``'s input (:func:`_input_of`): the
     residual part, or (a gate module feeding its product heads) the scratch part after the residual."""
-    width = aot.cfg.d_model + (int(_head_module(aot, receiver).d_mlp) if _kind_of(receiver) == "product" else 0)
-    before = aot.cfg.d_model if _kind_of(sender) == "gate" else 0
+    scratch = _kind_of(receiver) in ("product", "square")
+    width = aot.cfg.d_model + (int(_head_module(aot, receiver).d_mlp) if scratch else 0)
+    before = aot.cfg.d_model if _kind_of(sender) in _SCRATCH_WRITERS else 0
     return torch.nn.functional.pad(contrib, (before, width - before - contrib.shape[-1]))
 
 
@@ -204,7 +227,11 @@ def _head_grads(
 ) -> Float[Tensor, "*run batch pos head d_head"]:
     """``∂(grad_out · module output)/∂z_h = grad_out · W_O[h]`` for every head, without per-head ``W_O`` rows for neuron
     modules (``grad_out`` at the module's :func:`_output_hook`): a neuron head's row is its neuron's ``W_out`` row
-    (gate heads: its scratch channel, the gradient at ``hook_gate``; product heads: ``±(2/ε)·W_out[n]``)."""
+    (gate heads: its scratch channel, the gradient at ``hook_gate``; product heads: ``±(2/ε)·W_out[n]``; a chained
+    gate's square heads: ``±(2/ε')`` times scratch channel ``n``'s gradient)."""
+    if isinstance(attn, SquareProductAttention):
+        per_neuron = grad_out * (2 / attn.scales)
+        return (per_neuron.repeat_interleave(2, dim=-1) * attn.signs.to(per_neuron.dtype))[..., None]
     if isinstance(attn, ProductAttention):
         main = grad_out @ attn.W_out.T * (2 / attn.scales)
         return torch.stack((main, -main), dim=-1).flatten(-2)[..., None]

@@ -114,7 +114,7 @@ def path_patch(
     z_names = [name for name in names if name in sender_modules or name not in linear]  # the head outputs needed
 
     with torch.no_grad():
-        record = [*map(_z_hook, z_names), *map(_output_hook, linear)]
+        record = [*map(_z_hook, z_names), *(_output_hook(aot, name) for name in linear)]
         runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, record)
         base_t = runs.base_tokens
         z_base = {name: runs.base.acts[_z_hook(name)] for name in z_names}
@@ -134,7 +134,7 @@ def path_patch(
                 rows, heads = senders_in.get(name, ([], []))
                 if name in linear:
                     delta = _delta(dz[name], W_O[name], len(chunk), rows, heads) if rows else None
-                    hooks.append((_output_hook(name), _set_hook(runs.base.acts[_output_hook(name)], delta)))
+                    hooks.append((_output_hook(aot, name), _set_hook(runs.base.acts[_output_hook(aot, name)], delta)))
                 else:
                     sender = torch.zeros(len(chunk), z_base[name].shape[2], dtype=torch.bool, device=base_t.device)
                     sender[rows, heads] = True

@@ -6,17 +6,24 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from lens_aot.core.names import Expert, HeadKind
+from lens_aot.core.names import Expert, HeadKind, parse_module
 
 __all__ = ["ExpertHeadOrigin", "HeadOrigin", "HeadRef", "Sublayer"]
 
 
 class HeadRef(NamedTuple):
     """A head of the converted model: ``name`` is its head module's hook prefix (``blocks.3.attn``,
-    ``blocks.3.mlp.heads``, ...), ``head`` its index there."""
+    ``blocks.3.mlp.heads``, ...), ``head`` its index there; :attr:`kind` what its heads compute."""
 
     name: str
     head: int
+
+    @property
+    def kind(self) -> HeadKind:
+        """What the head computes, named by its module: "attention", "neuron" (a plain MLP's Theorem 3 heads),
+        "gate", "square" / "direct" (a chained gate's inner stages, writing the scratch the product heads read) or
+        "product"."""
+        return parse_module(self.name).kind
 
 
 class HeadOrigin(NamedTuple):

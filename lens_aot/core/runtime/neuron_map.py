@@ -64,7 +64,8 @@ class NeuronHeadMap:
 
     def neuron_modules(self, layer: int) -> list[str]:
         """Names of the modules holding source layer ``layer``'s neuron heads, in order: ``mlp.heads`` for a plain
-        MLP; ``mlp.gate_heads`` then ``mlp.product_heads`` for a gated one; none for a layer without an MLP."""
+        MLP; ``mlp.gate_heads`` then ``mlp.product_heads`` for a gated one (a gated relu² / xIELU MLP: ``square_heads``
+        and, xIELU, ``direct_heads`` between them); none for a layer without an MLP."""
         block = self.blocks[self._layer(layer)]
         if not block.has_mlp:
             return []
@@ -84,7 +85,10 @@ class NeuronHeadMap:
         "per_layer"``: of Gemma 4's per-layer-input sublayer, ``blocks.{l}.per_layer``, gated, labels ``L{l}P{n}``).
 
         Plain MLPs: one head per term of the activation's fit. Gated MLPs: the gate heads (one per term of the gate
-        activation's fit), then the neuron's two product heads (``+``, ``−``). Mixture-of-experts layers: neuron
+        activation's fit), then the neuron's two product heads (``+``, ``−``); a gated relu² / xIELU MLP's gate is a
+        chained product, whose square pair (and xIELU's direct heads) come between them, so every head that computes
+        part of the neuron is listed once (each :class:`HeadRef`'s ``kind`` names its stage). An xIELU MLP: its
+        direct heads, its gate head, its product pair. Mixture-of-experts layers: neuron
         ``neuron`` of expert ``expert`` (an index, or ``"shared"`` for the shared expert), whose heads' output is
         scaled by the expert's router weight at each position.
         """
@@ -127,11 +131,11 @@ class NeuronHeadMap:
             return HeadOrigin("attention", layer, head, 0)
         k = module.heads_per_neuron
         if ".per_layer." in name:  # Gemma 4's per-layer-input neurons (core/components/mlp/per_layer_neurons.py)
-            offset = self.blocks[layer].per_layer.gate_heads.heads_per_neuron if kind == "product" else 0
+            offset = _offset(self.blocks[layer].per_layer, name)
             return HeadOrigin("per_layer", layer, head // k, offset + head % k)
         expert = module_expert(name)
         mlp = self.blocks[layer].mlp if expert is None else self.blocks[layer].mlp.expert(expert)
-        offset = mlp.gate_heads.heads_per_neuron if kind == "product" else 0
+        offset = _offset(mlp, name)
         if expert is None:
             return HeadOrigin("neuron", layer, head // k, offset + head % k)
         return ExpertHeadOrigin("neuron", layer, head // k, offset + head % k, expert)
@@ -146,3 +150,15 @@ class NeuronHeadMap:
         if not -n <= layer < n:
             raise IndexRangeError(f"source layer {layer} out of range: the source had {n} layers")
         return layer % n
+
+
+def _offset(mlp: Any, name: str) -> int:
+    """Where the heads of module ``name`` start among each neuron's heads (``neuron_heads``): the heads per neuron of
+    the MLP's modules before it, in forward order."""
+    attr = name.rsplit(".", 1)[1]
+    offset = 0
+    for other, heads in mlp.head_modules():
+        if other == attr:
+            return offset
+        offset += int(heads.heads_per_neuron)
+    raise InputError(f"{name!r} is not a head module of this model; aot.sublayers() lists them")

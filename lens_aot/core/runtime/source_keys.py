@@ -363,7 +363,7 @@ def _load_post_hook(module: nn.Module, incompatible: Any) -> None:
 
 
 # The neuron heads' own constants (Theorem 3's fit terms, the product heads' scales), built by the conversion.
-_CONSTRUCTED = re.compile(r"(^|\.)(heads|gate_heads|product_heads)\.")
+_CONSTRUCTED = re.compile(r"(^|\.)(heads|gate_heads|square_heads|direct_heads|product_heads)\.")
 
 
 def attach(aot: nn.Module, source: nn.Module) -> None:

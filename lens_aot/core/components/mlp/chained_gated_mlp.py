@@ -19,15 +19,19 @@ Hooks: the source's ``hook_pre`` (``g``), ``hook_pre_linear`` (``u``), ``hook_po
 ``r`` and ``product_heads.hook_gate`` is ``s ≈ relu(g)²`` (a gated MLP's ``h ≈ act(g)``); each head module has its
 per-head ``hook_q`` … ``hook_z``. Weights under the source's names (``W_gate``, ``W_in``, ``b_in``, ``W_out``,
 ``b_out``); the square heads read the gate heads' ``W_in`` / ``b_in`` (``W_gate``, one copy). The square heads are an
-inner stage of the gate: ``aot.neuron_heads(l, n)`` lists the gate and product heads, the units of patching.
+inner stage of the gate, and neuron heads like the others: ``head_modules()`` (so ``aot.sublayers()``) lists
+``gate_heads``, ``square_heads`` (xIELU: and ``direct_heads``), ``product_heads`` in forward order, and
+``aot.neuron_heads(l, n)`` every head of neuron ``n``, each once (its ``HeadRef.kind`` "gate", "square", "direct" or
+"product"). Their hooks have no compact-cache derivation (:meth:`ChainedGatedMLP.derivations`): a cache stores them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.mlp.neuron_attention import NeuronAttention
 from lens_aot.core.components.mlp.neuron_mlp import NeuronMLP
@@ -113,9 +117,14 @@ class ChainedGatedMLP(NeuronMLP):
         g = self._gate_input(g)
         return self.square_heads.product(g, self.gate_heads.activation(g))
 
-    def internal_hooks(self) -> tuple[HookPoint, ...]:
-        """The per-head hooks of the gate, product and square heads."""
-        return (*super().internal_hooks(), *self.square_heads.internal_hooks())
+    def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:
+        """The gate and product heads' (:meth:`NeuronMLP.derivations`); the inner stages' hooks (square and direct
+        heads, whose inputs are not the hooks a gated MLP's derivations read) have none, so a cache stores them."""
+        return {
+            hook: how
+            for hook, how in super().derivations().items()
+            if not hook.startswith(("square_heads.", "direct_heads."))
+        }
 
 
 class GatedXIELUMLP(ChainedGatedMLP):
@@ -154,10 +163,6 @@ class GatedXIELUMLP(ChainedGatedMLP):
     def gate_activation(self, g: Float[Tensor, "... d_mlp"]) -> Float[Tensor, "... d_mlp"]:
         """``s ≈ xielu(g)`` in closed form: what the product heads read."""
         return super().gate_activation(g) + self.direct_heads.activation(self._gate_input(g))
-
-    def internal_hooks(self) -> tuple[HookPoint, ...]:
-        """The per-head hooks of the gate, product, square and direct heads."""
-        return (*super().internal_hooks(), *self.direct_heads.internal_hooks())
 
     def spec(self) -> XIELUSpec:
         """The gated xIELU MLP these heads implement, with the source's scalars."""
