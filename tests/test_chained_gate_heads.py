@@ -138,3 +138,27 @@ def test_an_experts_neuron_lists_its_square_heads(one_thread: None) -> None:
     for component, ref in enumerate(refs):
         origin = aot.head_origin(ref.name, ref.head)
         assert (origin.layer, origin.index, origin.component, origin.expert) == (0, NEURON, component, 1)
+
+
+def test_composition_follows_the_scratch(chained: tuple[str, Any]) -> None:
+    """Weight-based circuits read the inner stages as writing the scratch: the gate heads' ``r`` V-composes into the
+    square heads, the square (and direct) heads' ``s`` into the product heads, and none of them writes the residual
+    stream (zero composition into the next layer's attention; no unembedding path)."""
+    from lens_aot import circuits
+
+    act, aot = chained
+    mlp = "blocks.0.mlp"
+    inner = ["square_heads", "direct_heads"] if act == "xielu" else ["square_heads"]
+    assert (
+        float(circuits.composition_scores(aot, f"{mlp}.gate_heads", f"{mlp}.square_heads", mode="V").scores.max()) > 0
+    )
+    for stage in inner:
+        into_product = circuits.composition_scores(aot, f"{mlp}.{stage}", f"{mlp}.product_heads", mode="V").scores
+        assert float(into_product.max()) > 0
+        for mode in ("Q", "K", "V"):
+            assert (
+                float(circuits.composition_scores(aot, f"{mlp}.{stage}", "blocks.1.attn", mode=mode).scores.abs().max())
+                == 0
+            )
+        with pytest.raises(lens_aot.errors.InputError, match="writes the MLP's scratch"):
+            circuits.ov_circuit(aot, (f"{mlp}.{stage}", 0), unembed=True)

@@ -42,7 +42,8 @@ def _unembedding(aot: AttentionOnlyTransformer, w: HeadWeights, fold_ln: bool) -
     """``W_U`` as a read of the residual stream (the final norm folded when ``fold_ln``)."""
     if writes_scratch(sublayer(aot, w.name)):
         raise InputError(
-            f"{w.name} (gate heads) writes the MLP's scratch, not the residual stream, so it has no direct path to "
+            f"{w.name} (gate heads, or a chained gate's square / direct heads) writes the MLP's scratch, not the "
+            f"residual stream, so it has no direct path to "
             f"the logits; use the product heads of the same MLP (aot.neuron_module(layer)) for unembed/full circuits"
         )
     if hasattr(aot, "prediction_head"):  # ModernBERT-decoder: a dense MLP between ln_final and W_U
