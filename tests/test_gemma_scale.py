@@ -18,6 +18,7 @@ import torch
 import lens_aot
 import lens_aot.core.convert as convert_module
 from lens_aot.core.read import run_source
+from lens_aot.core.spec.model_spec import scaled_rows
 from lens_aot.io.files import read_tensors, write_tensors
 from lens_aot.matrix.families import build_hf_model, families
 from lens_aot.matrix.measure import _source, tokens_for
@@ -33,12 +34,13 @@ GEMMAS = [
 D_MODEL = 128  # √128 is not a power of two: the embedding scale rounds in half
 
 
-def _family(name: str) -> Any:
-    """The matrix's family ``name`` at d_model :data:`D_MODEL` (skipped where this TransformerLens lacks it)."""
+def _family(name: str, **fields: Any) -> Any:
+    """The matrix's family ``name`` at d_model :data:`D_MODEL`, with ``fields`` (skipped where this TransformerLens
+    lacks it)."""
     family = {f.name: f for f in families(bridge_architectures())}.get(name)
     if family is None or not family.in_scope:
         pytest.skip(f"{name} is not in this TransformerLens's registry")
-    return dataclasses.replace(family, fields={**family.fields, "hidden_size": D_MODEL})
+    return dataclasses.replace(family, fields={**family.fields, "hidden_size": D_MODEL, **fields})
 
 
 def _no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,8 +50,8 @@ def _no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(convert_module, "_upcast_half", no_fallback)
 
 
-def _bridge(name: str, dtype: torch.dtype) -> Any:
-    family = _family(name)
+def _bridge(name: str, dtype: torch.dtype, **fields: Any) -> Any:
+    family = _family(name, **fields)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _source(build_hf_model(family).to(dtype), family, "bridge", dtype)
@@ -77,6 +79,31 @@ def test_gemma_half_sources_at_real_widths_convert_natively(
     assert aot.report.dtype == str(half).removeprefix("torch.")
     assert 0 < source_error < 1
     assert error <= 2 * source_error, (error, source_error)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_float32_buffers_multiply_as_the_source(half: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A half source whose scale buffers are float32 (√d_model and Gemma 4's √d_ple, here 32: neither a power of
+    two): the converted model keeps the float32 values (not rounded to half) and its embedding and per-layer input
+    lookups are the source's, bit for bit (each multiplies by the scale cast to the weight's dtype); converted
+    natively within the 2× rule."""
+    _no_fallback(monkeypatch)
+    source = _bridge("Gemma4ForCausalLM", half, hidden_size_per_layer_input=32)
+    text = source.original_model.model
+    text.embed_tokens.embed_scale = torch.tensor(D_MODEL**0.5)  # float32 buffers beside the half weights
+    text.embed_tokens_per_layer.embed_scale = torch.tensor(32**0.5)
+    tokens = tokens_for(batch=2)
+    aot = lens_aot.convert(source, check_tokens=tokens)
+    assert aot.embed.embed_scale == float(torch.tensor(D_MODEL**0.5)) != float(torch.tensor(D_MODEL**0.5).to(half))
+    assert aot.embed.per_layer_inputs.embed_scale == float(torch.tensor(32**0.5))
+    with torch.no_grad():
+        assert torch.equal(aot.embed(tokens), text.embed_tokens(tokens))
+        ple = aot.embed.per_layer_inputs
+        ours = scaled_rows(ple.W_E[tokens], ple.embed_scale)
+        assert torch.equal(ours, text.embed_tokens_per_layer(tokens))
+    report = aot.report
+    assert report.half_logit_error is not None and report.half_source_logit_error is not None
+    assert report.half_logit_error <= 2 * report.half_source_logit_error
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
