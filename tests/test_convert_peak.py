@@ -41,7 +41,11 @@ def _bridge(kind: str, dtype: torch.dtype) -> Any:
     from lens_aot.matrix.measure import _source
 
     families = importlib.import_module("lens_aot.matrix.families")
-    if kind in ("llama", "mixtral"):  # Mixtral: 4 experts of 64 neurons, top-2
+    if kind == "gemma":  # √d_model = √128, not a power of two: the embedding scale rounds in half (issue 38)
+        architecture = "GemmaForCausalLM"
+        fields = dict(vocab_size=VOCAB, hidden_size=D_MODEL, head_dim=32, max_position_embeddings=N_CTX)
+        fields.update(intermediate_size=D_MLP, num_hidden_layers=LAYERS)
+    elif kind in ("llama", "mixtral"):  # Mixtral: 4 experts of 64 neurons, top-2
         architecture = "LlamaForCausalLM" if kind == "llama" else "MixtralForCausalLM"
         fields = dict(vocab_size=VOCAB, hidden_size=D_MODEL, head_dim=32, max_position_embeddings=N_CTX)
         fields.update(intermediate_size=D_MLP if kind == "llama" else 64, num_hidden_layers=LAYERS)
@@ -76,6 +80,21 @@ def test_moe_convert_peak_is_at_most_1_5x_the_parameter_bytes(
     """The same for a mixture of experts (a Mixtral TransformerBridge): the float32 check routes with float32 copies
     of the routers' weights, and the converted half model is judged on the positions routed as in float32."""
     _assert_peak(monkeypatch, _bridge, "mixtral", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemma_convert_peak_is_at_most_1_5x_the_parameter_bytes(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The same for a Gemma TransformerBridge at d_model 128, whose embedding scale √128 rounds in half: converted
+    natively (the float32 fallback, at several times the memory, made to raise), its scale applied at the lookup."""
+    import lens_aot.core.convert as convert_module
+
+    def no_fallback(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("fell back to the float32 path")
+
+    monkeypatch.setattr(convert_module, "_upcast_half", no_fallback)
+    _assert_peak(monkeypatch, _bridge, "gemma", dtype)
 
 
 def _assert_peak(monkeypatch: pytest.MonkeyPatch, make: Any, kind: str, dtype: torch.dtype) -> None:

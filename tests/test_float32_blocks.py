@@ -161,3 +161,89 @@ def test_hooked_transformers_vocabulary_weights_in_float32_blocks(
         with float32_blocks(model):
             whole = model(tokens)
     assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
+
+
+def _gemma4_converted(half: torch.dtype, vocab: int = 128, d_model: int = 64) -> object:
+    """A Gemma 4 bridge (per-layer inputs) in ``half`` at vocabulary ``vocab``, converted (check off: the tests run
+    its float32 forward themselves)."""
+    pytest.importorskip("transformers.models.gemma4")
+    from gemma4_helpers import SHORT_CONTEXT, bridge_in
+
+    from lens_aot.matrix.families import Family, build_hf_model
+
+    fields = {**SHORT_CONTEXT, "vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size": d_model}
+    model = build_hf_model(Family("Gemma4ForCausalLM", "test", fields))
+    return lens_aot.convert(bridge_in(model, half)[1], check=False)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gemma4_per_layer_table_gathered_with_the_embedding(half: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The converted Gemma 4 model's Embed (which passes its ids on to the per-layer inputs' lookup) gathers its own
+    table and the per-layer input table at the same rows: the logits are the whole cast's, bit for bit."""
+    aot = _gemma4_converted(half)
+    kinds = sorted(w.kind for unit in run_blocks(aot) for w in vocab_weights(unit))
+    assert kinds == ["embed", "follow", "unembed"], kinds
+    monkeypatch.setattr(float32_vocab, "CHUNK", 64)
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        with float32_blocks(aot):
+            blocks = aot(tokens)
+        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+        with float32_blocks(aot):
+            whole = aot(tokens)
+    assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
+
+
+class _MaxNormModel(torch.nn.Module):
+    """An embedding with ``max_norm`` (its lookup renormalises the rows it reads) and a linear readout."""
+
+    def __init__(self, vocab: int, d_model: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model, max_norm=1.5)
+        self.out = torch.nn.Linear(d_model, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens))
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_max_norm_embedding_gathered(half: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``nn.Embedding`` with ``max_norm`` renormalises the gathered float32 rows as the whole cast renormalises
+    its copy's: the same output bit for bit, the half table untouched (renormalised only in float32 temporaries)."""
+    torch.manual_seed(0)
+    model = _MaxNormModel(300, 32).to(half)
+    assert [w.kind for unit in run_blocks(model) for w in vocab_weights(unit)] == ["embed"]
+    table = model.embed.weight.detach().clone()
+    tokens = torch.randint(0, 300, (3, 17), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        with float32_blocks(model):
+            blocks = model(tokens)
+        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+        with float32_blocks(model):
+            whole = model(tokens)
+    assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
+    assert torch.equal(model.embed.weight, table)
+    assert (whole.abs() > 0).any()
+
+
+def _peak(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """torch's peak storage in ``model``'s float32 run a block at a time (finite output asserted)."""
+    with torch.no_grad(), float32_blocks(model), PeakMeter() as meter:
+        out = model(tokens)
+    assert torch.isfinite(out).all()
+    return meter.peak
+
+
+def test_gathered_embeddings_hold_no_whole_vocabulary_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``max_norm`` embedding and Gemma 4's converted Embed (with its per-layer input table), at shapes whose
+    vocabulary dominates: the float32 run's peak stays below a float32 copy of the smaller vocabulary table, which
+    the run with the tables cast whole exceeds."""
+    tokens = torch.arange(4)[None]
+    model = _MaxNormModel(32768, 128).to(torch.bfloat16)
+    aot = _gemma4_converted(torch.bfloat16, vocab=65536)
+    cases = [(model, 4 * model.embed.weight.numel()), (aot, 4 * aot.embed.per_layer_inputs.W_E.numel())]
+    gathered = [_peak(m, tokens) for m, _ in cases]
+    monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+    whole = [_peak(m, tokens) for m, _ in cases]
+    for (_, copy), peak, cast in zip(cases, gathered, whole, strict=True):
+        assert peak < copy / 2 and cast > copy, (peak, cast, copy)

@@ -25,7 +25,7 @@ def test_bridge_half(family: str, half: torch.dtype) -> None:
 
 # Weights the float32 source derives in float32 where a half spec rounded them: an offset norm's scale 1 + w (Gemma's
 # RMSNorm, Nemotron's LayerNorm1P) and xIELU's softplus'd scalars (Apertus), now kept in float32: native conversions
-# at the matrix's shapes (d_model 64: Gemma's embedding scale √d_model = 8, folded into W_E, is exact in half).
+# at the matrix's shapes (d_model 64; at d_model 128, where √d_model rounds in half: tests/test_gemma_scale.py).
 NATIVE_NOW = [
     ("GemmaForCausalLM", torch.bfloat16),
     ("Gemma2ForCausalLM", torch.bfloat16),

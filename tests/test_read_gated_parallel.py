@@ -102,7 +102,9 @@ def test_gemma_quirks() -> None:
     bridge = make_bridge("gemma", torch.float32)
     spec = read_bridge(bridge)
     hf = bridge.original_model.model
-    assert torch.equal(spec.W_E, hf.embed_tokens.weight * torch.tensor(32**0.5, dtype=torch.float32))
+    # the scale is kept apart (issue 38: W_E the raw weight, applied at the lookup); the effective table is the same
+    assert torch.equal(spec.scaled_W_E, hf.embed_tokens.weight * torch.tensor(32**0.5, dtype=torch.float32))
+    assert torch.equal(spec.W_E, hf.embed_tokens.weight) and spec.embed_scale == float(hf.embed_tokens.embed_scale)
     norm = hf.layers[0].input_layernorm
     assert spec.layers[0].ln1.w is not None and torch.equal(spec.layers[0].ln1.w, 1.0 + norm.weight)
     assert spec.layers[0].mlp is not None and spec.layers[0].mlp.act_fn == "gelu_new"

@@ -158,7 +158,7 @@ class StandardMaskTransformer(StandardMaskModel, HookedRootModule):
 
         builder = _Builder(spec, layout, omega, torch.zeros(layout.width, dtype=dtype, device=device))
         # Embeddings: token d_vocab is the bias token (x = 0); position t ≥ 1 is the source's position t − 1.
-        W_E = builder.writes(torch.cat((spec.W_E, spec.W_E.new_zeros(1, d))))
+        W_E = builder.writes(torch.cat((spec.scaled_W_E, spec.W_E.new_zeros(1, d))))  # Gemma's scale folded in
         W_pos = builder.zeros(layout.n_positions, layout.width)
         if spec.positions == "standard":
             assert spec.W_pos is not None

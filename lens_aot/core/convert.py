@@ -138,7 +138,7 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
         aot, tokens, expected, routes = _native_half(model, half, replace(options, check=bool(options.check)))
     except (FaithfulnessError, UnsupportedArchitectureError, RuntimeError):
         # A reading the half probe refuses, a half spec that rounds a weight where the float32 source does not
-        # (Gemma's W_E · √d_model where √d_model is not a power of two; an offset norm's 1 + w and xIELU's scalars
+        # (none known: Gemma's embedding scale is applied at the lookup, an offset norm's 1 + w and xIELU's scalars
         # are kept in float32), or a source whose float32 run a block at a time meets a half tensor no unit casts (a
         # dtype mismatch): read, fit and check in float32 instead (the previous path, at its memory); a refusal or
         # error there is the conversion's

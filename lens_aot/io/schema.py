@@ -19,7 +19,7 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
              [prediction_head: {W, b?, act_fn, ln: norm}],
              [per_layer_inputs: {W_E, embed_scale, W_proj, proj_scale, norm: norm, input_scale, n_layers}],
-             [hc_head: {hc_mult, hc_eps, norm_eps, fn, base, scale}]}
+             [hc_head: {hc_mult, hc_eps, norm_eps, fn, base, scale}], [embed_scale: float] (absent: 1)}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true], [residual_norm: true], [layer_scalar],

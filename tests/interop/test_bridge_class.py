@@ -124,9 +124,9 @@ def test_applying_methods_give_the_sources_results(bpair: Pair) -> None:
     assert aot.get_token_position(token, bpair.tokens[:1]) == source.get_token_position(token, bpair.tokens[:1])
     assert aot.to_single_str_token(token) == source.to_single_str_token(token)
     ours, theirs = aot.tl_parameters(), source.tl_parameters()
-    names = ["blocks.0.attn.W_Q", "blocks.1.attn.W_K", "blocks.1.attn.W_O", "unembed.W_U"]
-    # Gemma multiplies its embeddings by √d_model in the forward; the converted model's W_E is the scaled table it adds
-    names += ["embed.W_E"] if bpair.name != "gemma2" else []
+    # embed.W_E too for Gemma (issue 38): its √d_model is applied at the lookup (embed.embed_scale), as the source's
+    # forward does, so the converted model's W_E is the source's raw table
+    names = ["blocks.0.attn.W_Q", "blocks.1.attn.W_K", "blocks.1.attn.W_O", "unembed.W_U", "embed.W_E"]
     for name in names:
         assert_close(ours[name], theirs[name], 0.0, f"tl_parameters()[{name!r}]")
     assert aot.n_params_total == sum(p.numel() for p in aot.parameters())

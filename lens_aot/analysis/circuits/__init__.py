@@ -26,7 +26,8 @@ are centred, which is the norm's mean subtraction. The circuits then act on the 
 ``blocks.{l}.ln1.hook_normalized`` for attention heads and ``blocks.{l}.ln2.hook_normalized`` for the MLP's neuron
 heads (``(x − mean)/scale``; the residual itself where there is no norm), see :func:`circuit_input`; the division
 by the norm's scale is the one thing left out, as in TransformerLens. ``fold_ln=False`` uses the stored
-weights, which act on the norm's output. Full circuits (``full=True``) go from the token embedding ``W_E`` through
+weights, which act on the norm's output. Full circuits (``full=True``) go from the token embedding ``W_E`` (times the
+Gemma families' embedding scale, ``embed.scaled_W_E``: the embedding the residual stream receives) through
 the head to the unembedding ``W_U`` (with the final norm folded the same way), ignoring positions and norm scales,
 like TransformerLens's ``W_E @ OV @ W_U``. Rotary position embeddings are not part of any circuit.
 

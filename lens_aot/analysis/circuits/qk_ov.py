@@ -33,9 +33,9 @@ from lens_aot.errors import InputError
 
 
 def _embedding(aot: AttentionOnlyTransformer, width: int) -> Float[Tensor, "d_vocab width"]:
-    """``W_E`` as the input of a head reading ``width`` channels (zero on the MLP's scratch, which the embedding
-    does not write)."""
-    return _pad_cols(aot.W_E.detach(), width)
+    """The effective embedding (``W_E`` times the Gemma families' embedding scale, ``Embed.scaled_W_E``) as the input
+    of a head reading ``width`` channels (zero on the MLP's scratch, which the embedding does not write)."""
+    return _pad_cols(aot.embed.scaled_W_E.detach(), width)
 
 
 def _unembedding(aot: AttentionOnlyTransformer, w: HeadWeights, fold_ln: bool) -> Float[Tensor, "d_model d_vocab_out"]:

@@ -7,7 +7,11 @@ bridge reads its ``dtype``); the computation itself is done from the half tensor
 - an embedding lookup gathers the half rows its token ids name and casts them (a lookup of float32-cast rows is the
   float32 cast of the half rows it looks up): the ids are replaced, for the module's own forward, by their positions
   among the distinct ids, the weight by those rows in float32; whatever the forward does next (Gemma's scale, cast
-  to the weight's dtype, multiplied) sees float32 exactly as in the whole cast;
+  to the weight's dtype, multiplied) sees float32 exactly as in the whole cast. An ``nn.Embedding`` with
+  ``max_norm`` renormalises the rows it looks up, each on its own, in the float32 table it is given: the gathered
+  rows, renormalised as in the whole cast's copy. The converted model's ``Embed`` with Gemma 4's per-layer inputs
+  passes the same ids to their table's lookup (``embed.per_layer_inputs.W_E``): that table is gathered at the same
+  rows (a follower, :attr:`VocabWeight.followers`), so both lookups read their rows by the same positions;
 - an unembedding computes its logits a chunk of :data:`CHUNK` vocabulary rows at a time, each the same ``F.linear``
   of float32-cast weight rows as the whole product (each logit is the dot product of one weight row with the
   residual, the same BLAS call on fewer rows: bit-identical on CPU, tested by ``tests/test_float32_blocks.py`` for
@@ -16,6 +20,8 @@ bridge reads its ``dtype``); the computation itself is done from the half tensor
   CUDA not measured: cuBLAS may pick another kernel for a chunk, a difference in the last float32 bits at most).
 
 Modules of other kinds, and lookups under autograd, fall back to the whole float32 cast (correct, not lighter).
+Tested bit for bit against the whole cast, and for a peak below a float32 copy of the vocabulary tables, by
+``tests/test_float32_blocks.py``.
 """
 
 from __future__ import annotations
@@ -33,14 +39,17 @@ CHUNK = 8192  # vocabulary rows of the unembedding cast to float32 at a time
 
 class VocabWeight:
     """One vocabulary-sized half parameter of ``module`` (``name``), computed from while its block runs in float32.
-    ``kind``: ``"embed"`` (a lookup by the forward's first argument), ``"linear"`` (``nn.Linear``: logits = x Wᵀ + b)
-    or ``"unembed"`` (a TransformerLens-style ``Unembed``: logits = x W_U + b_U, ``W_U`` [d_model, vocab])."""
+    ``kind``: ``"embed"`` (a lookup by the forward's first argument), ``"linear"`` (``nn.Linear``: logits = x Wᵀ + b),
+    ``"unembed"`` (a TransformerLens-style ``Unembed``: logits = x W_U + b_U, ``W_U`` [d_model, vocab]) or
+    ``"follow"`` (a table the forward of an ``"embed"`` weight's module looks up by the same ids: gathered by that
+    weight's hook, in its ``followers``)."""
 
     def __init__(self, module: nn.Module, name: str, kind: str) -> None:
         self.module, self.name, self.kind = module, name, kind
         self.original: Tensor | None = None  # the half tensor, while the block runs
         self.placeholder: Tensor | None = None
         self.padding_idx: Any = None
+        self.followers: list[VocabWeight] = []  # tables looked up by the same ids (Gemma 4's per-layer inputs)
 
     @property
     def parameter(self) -> nn.Parameter:
@@ -58,6 +67,8 @@ class VocabWeight:
     def hooks(self) -> list[Any]:
         """The module's hooks for the block's duration (their handles): registered after its block's float32 swap
         (the module may be the block itself), the lookup runs after the swap's start and ends before the swap's end."""
+        if self.kind == "follow":
+            return []
         if self.kind == "embed":
             return [
                 self.module.register_forward_pre_hook(self._lookup),
@@ -71,11 +82,14 @@ class VocabWeight:
         if self.original is None:  # not within its block: the module holds its own tensor
             return None
         ids = args[0] if args else None
-        if not isinstance(ids, Tensor) or torch.is_grad_enabled() or getattr(module, "max_norm", None) is not None:
-            self.parameter.data = self.original.float()
+        weights = [self, *(w for w in self.followers if w.original is not None)]
+        if not isinstance(ids, Tensor) or torch.is_grad_enabled():
+            for weight in weights:
+                weight.parameter.data = weight.original.float()  # type: ignore[union-attr]
             return None
         rows, positions = torch.unique(ids, return_inverse=True)
-        self.parameter.data = self.original[rows].float()
+        for weight in weights:
+            weight.parameter.data = weight.original[rows].float()  # type: ignore[index]
         if isinstance(module, nn.Embedding):  # no gradient taken: padding_idx changes no value of the forward
             self.padding_idx, module.padding_idx = module.padding_idx, None
         return (positions, *args[1:])
@@ -83,7 +97,8 @@ class VocabWeight:
     def _after_lookup(self, module: nn.Module, *_: Any) -> None:
         if self.original is None:
             return
-        self.parameter.data = self.placeholder  # type: ignore[assignment]
+        for weight in [self, *(w for w in self.followers if w.original is not None)]:
+            weight.parameter.data = weight.placeholder  # type: ignore[assignment]
         if isinstance(module, nn.Embedding):
             module.padding_idx = self.padding_idx
 
@@ -128,24 +143,34 @@ class _Forget:
 
 def vocab_weights(unit: nn.Module) -> list[VocabWeight]:
     """The vocabulary-sized half parameters of ``unit``'s subtree this module computes from: nn.Embedding (a plain
-    lookup, or a ``…ScaledWordEmbedding`` multiplying it) and ``Embed`` modules' ``W_E`` (a lookup without per-layer
-    inputs, which read the ids too); ``Unembed`` modules' ``W_U``, and the ``nn.Linear`` of an unembedding bridge."""
+    lookup, ``max_norm`` or not, or a ``…ScaledWordEmbedding`` multiplying it) and ``Embed`` modules' ``W_E`` (with
+    Gemma 4's per-layer input table, ``per_layer_inputs.W_E``, as its follower: looked up by the same ids);
+    ``Unembed`` modules' ``W_U``, and the ``nn.Linear`` of an unembedding bridge."""
     found: list[VocabWeight] = []
     unembedding_bridge = type(unit).__name__ == "UnembeddingBridge"
+    followed: set[int] = set()
     for module in unit.modules():
+        if id(module) in followed:
+            continue
         kind, name = _kind(module, unembedding_bridge)
         tensor = module._parameters.get(name) if kind else None
         if tensor is not None and tensor.dtype in (torch.float16, torch.bfloat16):
             found.append(VocabWeight(module, name, kind))
+            ple = getattr(module, "per_layer_inputs", None) if kind == "embed" else None
+            table = ple._parameters.get("W_E") if isinstance(ple, nn.Module) else None
+            if table is not None and table.dtype in (torch.float16, torch.bfloat16):
+                found[-1].followers.append(VocabWeight(ple, "W_E", "follow"))
+                found.append(found[-1].followers[-1])
+                followed.add(id(ple))
     return found
 
 
 def _kind(module: nn.Module, unembedding_bridge: bool) -> tuple[str, str]:
     cls = type(module)
-    if isinstance(module, nn.Embedding) and module.max_norm is None:
+    if isinstance(module, nn.Embedding):
         plain = cls.forward is nn.Embedding.forward or cls.__name__.endswith("ScaledWordEmbedding")
         return ("embed", "weight") if plain else ("", "")
-    if cls.__name__ == "Embed" and "W_E" in module._parameters and not hasattr(module, "per_layer_inputs"):
+    if cls.__name__ == "Embed" and "W_E" in module._parameters:
         return "embed", "W_E"
     if cls.__name__ == "Unembed" and "W_U" in module._parameters and cls.__module__.split(".")[0] in _UNEMBEDS:
         return "unembed", "W_U"

@@ -25,7 +25,7 @@ from lens_aot.core.components import MLP
 from lens_aot.core.components.factory import moe_mlp
 from lens_aot.core.components.token_ids import token_ids_in_scope
 from lens_aot.core.components.transformer import SourceConfig, SpecTransformer
-from lens_aot.core.spec.model_spec import ModelSpec, MoESpec
+from lens_aot.core.spec.model_spec import ModelSpec, MoESpec, scaled_rows
 
 
 class MLPTransformerConfig(SourceConfig):
@@ -271,12 +271,12 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
 
     if tokens.ndim == 1:
         tokens = tokens[None]
-    resid = spec.W_E[tokens]
+    resid = scaled_rows(spec.W_E[tokens], spec.embed_scale)  # Gemma's W_E[t] · s.to(W_E.dtype)
     ple = spec.per_layer_inputs
     if ple is not None:  # Gemma 4: P = (norm((e W_proj) s_p) + W_E_ple[t] s_e) s_i, [batch, pos, layer, d_ple]
         shape = (*tokens.shape, ple.n_layers, ple.d_ple)
         proj = norm(((resid @ ple.W_proj) * ple.proj_scale).reshape(shape), ple.norm)
-        per_layer_inputs = (proj + (ple.W_E[tokens] * ple.embed_scale).reshape(shape)) * ple.input_scale
+        per_layer_inputs = (proj + scaled_rows(ple.W_E[tokens], ple.embed_scale).reshape(shape)) * ple.input_scale
     if spec.embed_ln is not None:
         resid = norm(resid, spec.embed_ln)
     if spec.positions == "standard":

@@ -28,7 +28,15 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
+from lens_aot.core.spec.model_spec import (
+    AttentionSpec,
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NormSpec,
+    scale_in,
+)
 
 RADIUS_MARGIN = 1e-2
 
@@ -106,10 +114,14 @@ def mlp_output_bound(mlp: MLPSpec | MoESpec, radius: float) -> float:
 
 
 def embedding_bound(spec: ModelSpec) -> float:
-    """The largest norm of an embedded token (with its learned position, or through the post-embedding norm)."""
+    """The largest norm of an embedded token (with its learned position, or through the post-embedding norm): the
+    largest row norm of ``W_E`` times the embedding scale as the lookup multiplies it (cast to the spec's dtype:
+    :func:`~lens_aot.core.spec.model_spec.scaled_rows`; its product's rounding is within ``RADIUS_MARGIN``)."""
     if spec.embed_ln is not None and spec.embed_ln.kind is not None:
         return norm_output_bound(spec.embed_ln, spec.d_model)
     bound = float(norms64(spec.W_E, 1).max())
+    if spec.embed_scale != 1.0:
+        bound *= abs(scale_in(spec.embed_scale, spec.dtype))
     if spec.positions == "standard" and spec.W_pos is not None:
         bound += float(norms64(spec.W_pos, 1).max())
     return bound

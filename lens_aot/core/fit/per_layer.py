@@ -49,7 +49,7 @@ from lens_aot.core.check.residual_bound import (
 from lens_aot.core.components.mlp.per_layer_neurons import PerLayerNeuronSublayer
 from lens_aot.core.fit.gating import DEFAULT_MAX_GATED_NEURON_ERROR, GatedFit, RangedInput, bounded_gated_fit
 from lens_aot.core.runtime.head_refs import HeadRef
-from lens_aot.core.spec.model_spec import ModelSpec, NormSpec
+from lens_aot.core.spec.model_spec import ModelSpec, NormSpec, scale_in
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 
@@ -81,7 +81,7 @@ def per_layer_input_bound(inputs: PerLayerInputsSpec, layer: int) -> Float[Tenso
         )
     w = torch.ones(d, dtype=torch.float64) if norm.w is None else norm.w.detach().to(torch.float64).abs().cpu()
     b = 0.0 if norm.b is None else norm.b.detach().to(torch.float64).abs().cpu()
-    token = _column_abs_max(inputs.W_E[:, cols]) * abs(inputs.embed_scale)
+    token = _column_abs_max(inputs.W_E[:, cols]) * abs(scale_in(inputs.embed_scale, inputs.W_E.dtype))
     return (math.sqrt(d) * w + b + token) * abs(inputs.input_scale) * (1 + RADIUS_MARGIN)
 
 

@@ -83,7 +83,7 @@ class SourceKey:
     layouts: tuple[str, ...]
     groups: int = 1
     # further converted tensors holding a single-tensor key: (name, layout, scale): a norm both branches of a
-    # parallel block share (ln1 and ln2, scale 1), a tied embedding the forward multiplies (Gemma's W_E = √d·E)
+    # parallel block share (ln1 and ln2, scale 1), a tied embedding folded with a multiplier (Granite's W_E = m·E)
     also: tuple[tuple[str, str, float], ...] = ()
 
     def layout(self, i: int) -> Layout:

@@ -32,6 +32,22 @@ PositionKind = Literal["standard", "rotary", "alibi", "none", "shortformer"]
 QKNormScope = Literal["head", "projection"]
 
 
+def scaled_rows(rows: Tensor, scale: float) -> Tensor:
+    """``rows · scale`` as a Gemma-family ``*ScaledWordEmbedding`` computes its lookup, ``weight[ids] ·
+    embed_scale.to(weight.dtype)``: the scale (the source's buffer value, exact as a Python float) cast to ``rows``'
+    dtype, then multiplied, so a half table rounds as the half source does and a float32 one computes the float32
+    product. ``rows`` itself (no op) when the scale is 1. Looked-up rows or the whole table: an elementwise product,
+    the same either way."""
+    if scale == 1.0:
+        return rows
+    return rows * torch.tensor(scale, dtype=torch.float64).to(rows.dtype)
+
+
+def scale_in(scale: float, dtype: torch.dtype) -> float:
+    """The embedding scale as :func:`scaled_rows` multiplies rows of ``dtype`` by it: cast to ``dtype``."""
+    return float(torch.tensor(scale, dtype=torch.float64).to(dtype))
+
+
 @dataclass
 class NormSpec:
     """A LayerNorm or RMSNorm. ``kind`` None means no normalization (identity)."""
@@ -325,6 +341,11 @@ class ModelSpec:
     # DeepSeek-V4: the embedding is copied into hc_mult residual streams, and the streams are collapsed into one by
     # this head before ``ln_final`` (lens_aot.core.spec.hyper); None: one residual stream.
     hc_head: HyperHeadSpec | None = saved("hyper_head", None, variant=True)
+    # Gemma-family ``*ScaledWordEmbedding`` (Gemma 1-4, VaultGemma): ``embed = W_E[tokens] · s.to(W_E.dtype)``, ``s``
+    # the source's ``embed_scale`` buffer (√d_model) at its own precision (:func:`scaled_rows`); ``W_E`` the raw
+    # weight. 1: no multiply (every other family, and TransformerLens 3.9's HookedTransformer, which folds it into
+    # W_E). Files saved before this field load with 1.
+    embed_scale: float = saved("float", 1.0, variant=True)
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
@@ -338,6 +359,16 @@ class ModelSpec:
                 found.add(variant)
             found |= labels(layer.attn, AttentionSpec) | labels(layer, LayerSpec)
         return sorted(found)
+
+    def embedded(self, tokens: Tensor) -> Tensor:
+        """The token embedding of ``tokens``: ``W_E[tokens]`` times the embedding scale (:func:`scaled_rows`)."""
+        return scaled_rows(self.W_E[tokens], self.embed_scale)
+
+    @property
+    def scaled_W_E(self) -> Tensor:
+        """The effective embedding table, ``W_E · embed_scale`` (``W_E`` itself when the scale is 1): what circuits
+        through the embedding read."""
+        return scaled_rows(self.W_E, self.embed_scale)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -33,7 +33,9 @@ class PerLayerInputsSpec:
     """The model-level per-layer inputs (module docstring): ``W_E`` packs the layers, ``[d_vocab, n_layers·d_ple]``."""
 
     W_E: Float[Tensor, "d_vocab n_layers_d_ple"] = saved("tensor")
-    embed_scale: float = saved("float")  # s_e, the source's buffer in the weights' dtype
+    # s_e, the source's buffer at its own precision, cast to W_E's dtype at the lookup as the source does
+    # (:func:`~lens_aot.core.spec.model_spec.scaled_rows`)
+    embed_scale: float = saved("float")
     W_proj: Float[Tensor, "d_model n_layers_d_ple"] = saved("tensor")
     proj_scale: float = saved("float")  # s_p
     norm: NormSpec = saved("norm")  # over d_ple

@@ -1,9 +1,10 @@
 """Constant multipliers around a bridge's blocks (Granite's μP multipliers, Cohere's logit scale), read from the
 source's modules and config and checked against the bridge's recorded forward (:mod:`lens_aot.tl.reading.probe`).
 
-* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward): folded into ``W_E``, exactly as
-  Gemma's √d_model (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same product), so ``hook_embed`` is the scaled
-  embedding, as TransformerLens's Granite bridge exposes it at ``hook_embed``.
+* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward): folded into ``W_E``
+  (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same product; Gemma's √d_model, a buffer cast to the weight's dtype, is
+  kept apart instead: ``ModelSpec.embed_scale``), so ``hook_embed`` is the scaled embedding, as TransformerLens's
+  Granite bridge exposes it at ``hook_embed``.
 * ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): folded into each sublayer's output
   projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included), so ``hook_result`` of every head (neuron
   heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled contributions that are added to the residual

@@ -56,7 +56,7 @@ def _inputs(model: nn.Module, n_layers: int, dtype: torch.dtype) -> PerLayerInpu
         raise refuse_piece(None, "per_layer_inputs", "a per-layer model projection with a bias")
     return PerLayerInputsSpec(
         W_E=embed.weight.detach().to(dtype).clone(),
-        embed_scale=float(embed.embed_scale.to(embed.weight.dtype)),
+        embed_scale=float(embed.embed_scale),  # its own precision: cast to W_E's dtype at the lookup
         W_proj=_weight(proj, dtype),
         proj_scale=float(text.per_layer_model_projection_scale),
         norm=_norm(None, "per_layer_inputs", text.per_layer_projection_norm),

@@ -40,12 +40,13 @@ def bridge_extra(bridge: Any) -> dict[str, Any]:
     }
 
 
-def token_embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
-    """The token embedding table as the wrapped module's forward produces it (``EmbeddingBridge`` calls it).
-
-    ``nn.Embedding``: its weight. Gemma's ``GemmaTextScaledWordEmbedding`` multiplies each looked-up row by its
-    ``embed_scale`` buffer (√d_model) cast to the weight dtype: the same elementwise product, so ``weight · scale``
-    is exact.
+def token_embedding(embed_bridge: Any) -> tuple[Float[Tensor, "d_vocab d_model"], float]:
+    """The token embedding table and its scale, as the wrapped module's forward uses them (``EmbeddingBridge`` calls
+    it): ``(weight, 1.0)`` for an ``nn.Embedding``. Gemma's ``*ScaledWordEmbedding`` multiplies each looked-up row by
+    its ``embed_scale`` buffer (√d_model) cast to the weight dtype: ``(weight, float(embed_scale))``, the buffer at
+    its own precision (``ModelSpec.embed_scale``, applied at the lookup by
+    :func:`~lens_aot.core.spec.model_spec.scaled_rows` as the source does). The weight is the source's own
+    (:func:`~lens_aot.core.ownership.exported`: a view under ``share_weights=True``).
     """
     if embed_bridge is None:
         raise bridge_refusal("no 'embed' component")
@@ -55,17 +56,18 @@ def token_embedding(embed_bridge: Any) -> Float[Tensor, "d_vocab d_model"]:
         raise bridge_refusal(f"a token embedding of type {name} (expected an nn.Embedding)")
     scale = getattr(module, "embed_scale", None)
     if scale is not None:  # Gemma's *ScaledWordEmbedding: weight[token] · embed_scale.to(weight.dtype)
-        return detached_copy(module.weight * torch.as_tensor(scale).to(module.weight.dtype))
+        return exported(module.weight), float(torch.as_tensor(scale))
     if type(module) is not nn.Embedding:
         raise bridge_refusal(f"a token embedding of type {name} (an nn.Embedding subclass with its own forward)")
-    return exported(module.weight)
+    return exported(module.weight), 1.0
 
 
 def unembedding(
     unembed: nn.Module, dtype: torch.dtype, embed_bridge: Any, W_E: Tensor | None
 ) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"]]:
     """``(W_U, b_U)`` of the unembedding ``Linear``. Where its weight is the embedding module's own (tied, GPT-2's
-    ``lm_head`` and ``wte``) and ``W_E`` (None: scaled, not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
+    ``lm_head`` and ``wte``; Gemma's, whose scale is applied at the lookup, not held in ``W_E``) and ``W_E`` (None:
+    scaled by a multiplier, not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
     the converted model then holds the matrix once, as the source does
     (:func:`~lens_aot.core.ownership.adopting`)."""
     weight, b = linear_view(unembed, dtype)
@@ -75,7 +77,6 @@ def unembedding(
     tied = (
         isinstance(unembed, nn.Linear)
         and isinstance(table, Tensor)
-        and getattr(wrapped_module(embed_bridge), "embed_scale", None) is None
         and unembed.weight.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
         and (unembed.weight.shape, unembed.weight.stride(), unembed.weight.storage_offset())
         == (table.shape, table.stride(), table.storage_offset())

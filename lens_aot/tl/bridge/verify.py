@@ -55,9 +55,10 @@ def verify_model(
         raise refuse_piece(None, "model", "a forward pass whose embedding, blocks or logits could not be recorded")
     tokens = logits.input
     with torch.no_grad():
-        if not close(spec.W_E[tokens], scaled(embed.output, embed_multiplier)):
+        embedded = spec.embedded(tokens)  # W_E[tokens], times Gemma's embedding scale
+        if not close(embedded, scaled(embed.output, embed_multiplier)):
             raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
-        first = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
+        first = embedded if spec.W_pos is None else embedded + spec.W_pos[: tokens.shape[1]]
         if spec.embed_ln is not None:  # BLOOM's word_embeddings_layernorm
             first = norm_output(spec.embed_ln, first)
         if not close(first, calls[(0, "block")].input):

@@ -208,8 +208,9 @@ def hooked_config(spec: ModelSpec) -> Any:
 
 
 def _hooked_state(spec: ModelSpec, grouped: bool) -> dict[str, Tensor]:
-    """The spec's weights under HookedTransformer state-dict names."""
-    state: dict[str, Tensor] = {"embed.W_E": spec.W_E, "unembed.W_U": spec.W_U, "unembed.b_U": spec.b_U}
+    """The spec's weights under HookedTransformer state-dict names (``W_E`` with the Gemma families' embedding scale
+    folded in: HookedTransformer has no scale of its own, and its Gemma folds √d_model into ``W_E`` the same way)."""
+    state: dict[str, Tensor] = {"embed.W_E": spec.scaled_W_E, "unembed.W_U": spec.W_U, "unembed.b_U": spec.b_U}
     if spec.positions in ("standard", "shortformer"):
         assert spec.W_pos is not None
         state["pos_embed.W_pos"] = spec.W_pos

@@ -190,7 +190,8 @@ def final_norm_on_embeddings(spec: Any, calls: dict[tuple[int, str], Any]) -> No
         return None
     tokens = logits.input
     with torch.no_grad():
-        embedded = spec.W_E[tokens] if spec.W_pos is None else spec.W_E[tokens] + spec.W_pos[: tokens.shape[1]]
+        embedded = spec.embedded(tokens)  # W_E[tokens], times Gemma's embedding scale
+        embedded = embedded if spec.W_pos is None else embedded + spec.W_pos[: tokens.shape[1]]
         if close(embedded, first.input):
             return None
         normed = norm_output(spec.ln_final, embedded)

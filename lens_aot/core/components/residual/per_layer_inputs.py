@@ -20,6 +20,7 @@ from transformer_lens.hook_points import HookPoint
 
 from lens_aot.core.components.float32_norm import make_norm
 from lens_aot.core.components.ownership import exported, parameter
+from lens_aot.core.spec.model_spec import scaled_rows
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec
 from lens_aot.errors import InputError
 
@@ -67,7 +68,7 @@ class PerLayerInputs(nn.Module):
     ) -> Float[Tensor, "batch pos n_layers d_ple"]:
         """Compute ``P`` from the tokens and their main embedding, keep it for the blocks and return it."""
         shape = (*tokens.shape, self.n_layers, self.W_E.shape[1] // self.n_layers)
-        token = (F.embedding(tokens, self.W_E) * self.embed_scale).reshape(shape)
+        token = scaled_rows(F.embedding(tokens, self.W_E), self.embed_scale).reshape(shape)  # s_e.to(W_E.dtype)
         proj = self.norm((F.linear(embedded, self.W_proj.T) * self.proj_scale).reshape(shape))
         out = self.hook_per_layer_inputs((proj + token) * self.input_scale)
         self.store.value = out
