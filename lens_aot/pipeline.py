@@ -9,7 +9,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +36,9 @@ from lens_aot.errors import BoundExceededError, FaithfulnessError
 from lens_aot.hooks import attached_hooks
 
 _PACKAGE = str(Path(__file__).resolve().parent)
+
+
+VARIANT = {"variant": True}  # a ConversionReport field saved only when not its default (lens_aot.io.schema)
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,10 @@ class ConversionReport:
     rounding_dtype: str | None = None  # whose epsilon R uses: "float32" for float64 sources with float32 steps
     # half sources: how convert took them: "native" (read, fitted and built in the half dtype, checked in float32 a
     # block at a time) or "float32" (read, fitted and checked in float32, the source cast in place and back, the
-    # converted model cast to half), and for "float32" why (the native path's refusal: its type and first line)
-    half_path: str | None = None
-    half_path_reason: str | None = None
+    # converted model cast to half), and for "float32" why (the native path's refusal: its type and first line).
+    # Saved only when set (VARIANT: a float32 model's file is what lens_aot wrote before these fields).
+    half_path: str | None = field(default=None, metadata=VARIANT)
+    half_path_reason: str | None = field(default=None, metadata=VARIANT)
 
     def __str__(self) -> str:
         if self.activation is None:

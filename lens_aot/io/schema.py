@@ -231,10 +231,15 @@ class Encoder:
 
 
 def encode_report(report: Any) -> dict[str, Any] | None:
-    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists)."""
+    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists); a field marked ``variant`` in
+    its metadata only when not its default (a file without it is what lens_aot wrote before the field)."""
     if report is None:
         return None
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    fields = {
+        f.name: getattr(report, f.name)
+        for f in dataclasses.fields(report)
+        if not (f.metadata.get("variant") and getattr(report, f.name) == f.default)
+    }
     return _json_only({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}, "report")
 
 
