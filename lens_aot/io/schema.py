@@ -39,7 +39,8 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
     fits    (lens_aot/io/schema_fits.py)
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
              use_hook_tokens}: bool (each optional)
-    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
+    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples; [half_path],
+             [half_path_reason]: a half source's}
 
 ``[field]``: a variant (docs/variants.md), written only when the model has it, so a save without variants is what
 lens_aot wrote before they existed, and a lens_aot that does not know a variant refuses the file by name.
