@@ -11,6 +11,13 @@ class UnsupportedArchitectureError(LensAOTError, ValueError):
     """The source model uses a feature the conversion cannot reproduce faithfully."""
 
 
+class HalfReadingError(UnsupportedArchitectureError):
+    """A float16 / bfloat16 source read in its own dtype (``convert``'s half path) whose reading of a piece does not
+    reproduce the piece within the probe's half-precision tolerance: half rounding may be why, so ``convert`` reads,
+    fits and checks that source in float32 instead (cast in place and back); outside ``convert`` it is the
+    :class:`UnsupportedArchitectureError` it subclasses."""
+
+
 class UnsupportedActivationError(LensAOTError, ValueError):
     """The MLP activation function has no neuron-head construction."""
 
@@ -42,6 +49,12 @@ class LoadError(LensAOTError, ValueError):
 class FaithfulnessError(LensAOTError, ValueError):
     """``convert`` measured a converted model that disagrees with its source beyond the bound it states, or was given
     a source whose behaviour cannot be carried over (hooks attached, active dropout)."""
+
+
+class BoundExceededError(FaithfulnessError):
+    """``convert``'s check measured a logit error beyond the bound it states for the conversion (as opposed to a
+    source refused before measuring: hooks attached, active dropout). On a half source's native path, ``convert``
+    confirms it in float32 (the source cast in place and back) before raising it."""
 
 
 class HookNameError(LensAOTError, KeyError):

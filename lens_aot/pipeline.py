@@ -9,7 +9,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,10 +32,13 @@ from lens_aot.core.shared_weights import shared_parameters
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec.model_spec import MLPSpec, ModelSpec, MoESpec, head_shape
 from lens_aot.core.spec.per_layer import PerLayerSublayerSpec
-from lens_aot.errors import FaithfulnessError
+from lens_aot.errors import BoundExceededError, FaithfulnessError
 from lens_aot.hooks import attached_hooks
 
 _PACKAGE = str(Path(__file__).resolve().parent)
+
+
+VARIANT = {"variant": True}  # a ConversionReport field saved only when not its default (lens_aot.io.schema)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,12 @@ class ConversionReport:
     rounding: float | None = None  # R: the rounding floor of the source's dtype at its logits' scale
     neuron_rounding: float = 0.0  # per-neuron rounding of the fit's evaluation in this dtype, per unit (1 + |z|)
     rounding_dtype: str | None = None  # whose epsilon R uses: "float32" for float64 sources with float32 steps
+    # half sources: how convert took them: "native" (read, fitted and built in the half dtype, checked in float32 a
+    # block at a time) or "float32" (read, fitted and checked in float32, the source cast in place and back, the
+    # converted model cast to half), and for "float32" why (the native path's refusal: its type and first line).
+    # Saved only when set (VARIANT: a float32 model's file is what lens_aot wrote before these fields).
+    half_path: str | None = field(default=None, metadata=VARIANT)
+    half_path_reason: str | None = field(default=None, metadata=VARIANT)
 
     def __str__(self) -> str:
         if self.activation is None:
@@ -118,7 +127,15 @@ class ConversionReport:
                 f"  bound           max |Δlogit| ≤ {self.logit_bound:.2e} ({'within' if ok else 'EXCEEDED'}; "
                 f"max(stated, 8·S + 4·R), S {self.neuron_sensitivity:.1e}, R {self.rounding:.1e}{self._float32_note()})"
             )
+        if self.half_path is not None:
+            lines.append(f"  half path       {self._half_path_text()}")
         return "\n".join(lines)
+
+    def _half_path_text(self) -> str:
+        """How a half source was converted (:attr:`half_path`), and why where it was read in float32."""
+        if self.half_path == "native":
+            return f"native (read, fitted and built in {self.dtype}; checked in float32 a block at a time)"
+        return f"{self.half_path} (read and checked in float32, cast to {self.dtype}): {self.half_path_reason}"
 
     def _float32_note(self) -> str:
         """Says when R is a narrower dtype's floor than the model's (a source that computes some steps in float32)."""
@@ -331,7 +348,8 @@ def check(
 ) -> ConversionReport:
     """The report of ``model`` converted from ``source`` (read as ``spec``, fitted as ``fits``). ``mode`` True: run
     both on ``tokens`` (default: :func:`~lens_aot.core.read.sample_tokens`) and raise
-    :class:`~lens_aot.errors.FaithfulnessError` when the logit error exceeds the bound stated for this conversion, or
+    :class:`~lens_aot.errors.FaithfulnessError` when the logit error exceeds the bound stated for this conversion (its
+    subclass :class:`~lens_aot.errors.BoundExceededError`), or
     when the source has what is not carried over (hooks attached, active dropout); ``"warn"``: warn instead; False:
     measure nothing."""
     mlp_fits = fits.mlp
@@ -384,15 +402,15 @@ def check(
             f"forward or module); or tighten the fit (max_neuron_error), or use float64. Pass check='warn' to get "
             f"the model anyway."
         )
-        refuse(message, mode)
+        refuse(message, mode, BoundExceededError)
     return report
 
 
-def refuse(message: str, check: bool | str) -> None:
-    """Raise :class:`FaithfulnessError` with ``message``, or (``check="warn"``) warn with it, attributed to the first
-    caller outside lens_aot (the line that called ``convert``)."""
+def refuse(message: str, check: bool | str, error: type[FaithfulnessError] = FaithfulnessError) -> None:
+    """Raise ``error`` (a :class:`FaithfulnessError`) with ``message``, or (``check="warn"``) warn with it,
+    attributed to the first caller outside lens_aot (the line that called ``convert``)."""
     if check != "warn":
-        raise FaithfulnessError(message)
+        raise error(message)
     level, frame = 1, sys._getframe(0)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1

@@ -123,7 +123,7 @@ def test_the_float32_fallback_shares_the_half_sources_weights(monkeypatch: pytes
     """Where the half path falls back to reading in float32 (forced here), ``share_weights`` still gives a model whose
     shared parameters are the half source's own tensors, with the half path's logits bit for bit."""
     import lens_aot.core.convert as convert_module
-    from lens_aot.errors import FaithfulnessError
+    from lens_aot.errors import BoundExceededError
 
     source = _hooked("llama", torch.bfloat16)
     tokens = torch.arange(16)[None]
@@ -133,7 +133,7 @@ def test_the_float32_fallback_shares_the_half_sources_weights(monkeypatch: pytes
     del native
 
     def refused(*args: Any, **kwargs: Any) -> Any:
-        raise FaithfulnessError("forced: the float32 path")
+        raise BoundExceededError("forced: the float32 path")  # a plain FaithfulnessError is not a fallback case
 
     monkeypatch.setattr(convert_module, "_native_half", refused)
     aot = lens_aot.convert(source, share_weights=True)

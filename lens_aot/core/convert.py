@@ -23,7 +23,7 @@ from lens_aot.core.read import half_dtype, run_source, sample_tokens, upcast_hal
 from lens_aot.core.shared_weights import release, share_again
 from lens_aot.core.source_layer import source_layer
 from lens_aot.core.spec.model_spec import ModelSpec
-from lens_aot.errors import FaithfulnessError, InputError, UnsupportedArchitectureError
+from lens_aot.errors import BoundExceededError, HalfReadingError, InputError, UnsupportedArchitectureError
 from lens_aot.pipeline import ConversionReport, Fits, build, eval_mode, fit, param_stats, read, refuse
 
 __all__ = ["ConversionReport", "Fits", "build", "convert", "fit", "half_precision_tolerance", "read"]
@@ -123,8 +123,11 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
     """Convert a float16 / bfloat16 source into a ``half`` model; its neuron heads evaluate their logistic sums in
     float32 inside (:func:`lens_aot.core.components.mlp.sum_of_logistics.compute_dtype`). The source is read, fitted
     and built in ``half`` and checked in float32 a block at a time (:func:`_native_half`: no float32 copy of its
-    weights); where that reading is refused or its float32 check fails, it is read, fitted and checked in float32, cast
-    in place and back (:func:`_upcast_half`), as before. The half check: the converted half model's logit error
+    weights); where a piece's half reading misses the source beyond the probe's half tolerance
+    (:class:`~lens_aot.errors.HalfReadingError`) or the float32 check exceeds its bound
+    (:class:`~lens_aot.errors.BoundExceededError`), it is read, fitted and checked in float32, cast in place and back
+    (:func:`_upcast_half`), as before: ``report.half_path`` says which ("native" / "float32"), ``half_path_reason``
+    why. Any other error is raised as it is. The half check: the converted half model's logit error
     against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both measured
     on the positions the converted half model routes as the float32 one does (all of them for a dense model;
     :mod:`lens_aot.core.check.routing_flips`)."""
@@ -136,17 +139,21 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
         )
     try:  # the native path's float32 check raises rather than warns: a refusal is confirmed in float32 below
         aot, tokens, expected, routes = _native_half(model, half, replace(options, check=bool(options.check)))
-    except (FaithfulnessError, UnsupportedArchitectureError, RuntimeError):
-        # A reading the half probe refuses, a half spec that rounds a weight where the float32 source does not
-        # (none known: Gemma's embedding scale is applied at the lookup, an offset norm's 1 + w and xIELU's scalars
-        # are kept in float32), or a source whose float32 run a block at a time meets a half tensor no unit casts (a
-        # dtype mismatch): read, fit and check in float32 instead (the previous path, at its memory); a refusal or
-        # error there is the conversion's
+        path, reason = "native", None
+    except (HalfReadingError, BoundExceededError) as error:
+        # The two refusals float32 may not confirm: a piece's reading that misses the source's own half forward
+        # beyond the probe's half tolerance (HalfReadingError: its rounding may be why), and the float32 check's
+        # measured error beyond its bound (BoundExceededError: a half spec that rounds a weight where the float32
+        # source does not; none known at the support matrix's shapes: Gemma's embedding scale is applied at the
+        # lookup, an offset norm's 1 + w and xIELU's scalars are kept in float32). Read, fit and check in float32
+        # instead (the previous path, at its memory); a refusal or error there is the conversion's. Anything else (a
+        # refusal of the architecture, a source whose half forward fails, a bug) is raised as it is.
+        path, reason = "float32", f"{type(error).__name__}: {str(error).splitlines()[0]}"
         aot, tokens, expected, routes = _upcast_half(model, half, options)
         if options.share:  # read in float32: the half converted parameters point at the half source's again
             aot.shared_parameters = share_again(aot, model, aot.shared_parameters)
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
-    report = replace(report, converted_bytes=param_stats(aot)[1])
+    report = replace(report, converted_bytes=param_stats(aot)[1], half_path=path, half_path_reason=reason)
     if expected is not None:
         source_logits = _eval_logits(model, tokens.to(aot.cfg.device))
         logits, half_routes = expert_choices(aot, tokens.to(aot.cfg.device))

@@ -39,7 +39,8 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
     fits    (lens_aot/io/schema_fits.py)
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
              use_hook_tokens}: bool (each optional)
-    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples}
+    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples; [half_path],
+             [half_path_reason]: a half source's}
 
 ``[field]``: a variant (docs/variants.md), written only when the model has it, so a save without variants is what
 lens_aot wrote before they existed, and a lens_aot that does not know a variant refuses the file by name.
@@ -231,10 +232,15 @@ class Encoder:
 
 
 def encode_report(report: Any) -> dict[str, Any] | None:
-    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists)."""
+    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists); a field marked ``variant`` in
+    its metadata only when not its default (a file without it is what lens_aot wrote before the field)."""
     if report is None:
         return None
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    fields = {
+        f.name: getattr(report, f.name)
+        for f in dataclasses.fields(report)
+        if not (f.metadata.get("variant") and getattr(report, f.name) == f.default)
+    }
     return _json_only({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}, "report")
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from lens_aot.core.components.norm import Norm
+from lens_aot.core.components.norm import Norm, in_dtype
 from lens_aot.core.components.ownership import through_hook
 from lens_aot.core.components.scores.qk_norm import QKNorm
 from lens_aot.core.components.scores.qk_norm_after_rotary import PostRotaryQKNorm
@@ -38,9 +38,9 @@ class ScaleInComputeDtypeNorm(Norm):
             return x
         normalized, dtype = self.normalized(x)
         if self.w is not None:
-            normalized = normalized * self.w.to(normalized.dtype)
+            normalized = normalized * in_dtype(self.w, normalized.dtype)
         if self.b is not None:
-            normalized = normalized + self.b.to(normalized.dtype)
+            normalized = normalized + in_dtype(self.b, normalized.dtype)
         return normalized.to(dtype)
 
 

@@ -12,6 +12,12 @@ from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.spec.model_spec import NormKind, NormSpec
 
 
+def in_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` in ``dtype``: itself when it already is (what ``tensor.to(dtype)`` returns then, without the call
+    on every forward), else its cast (a half model's float32 norm scale, rounded as its source rounds it)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 class Norm(nn.Module):
     """Normalization with TransformerLens's hooks (``hook_scale``, ``hook_normalized``).
 
@@ -41,7 +47,7 @@ class Norm(nn.Module):
         normalized, dtype = self.normalized(x)
         x = normalized.to(dtype)
         if self.w is not None:  # a half model's scale may be kept in float32 (an offset norm's 1 + w): rounded here
-            x = x * self.w.to(dtype)
+            x = x * in_dtype(self.w, dtype)
         if self.b is not None:
             x = x + self.b
         return x

@@ -39,7 +39,7 @@ from lens_aot.tl.attention.projections import attention_projections
 from lens_aot.tl.attention.shared_kv import is_kv_shared, probe_states
 from lens_aot.tl.reading.norms import read_norm
 from lens_aot.tl.reading.pieces import linear_weights, subcomponent, wrapped_module
-from lens_aot.tl.reading.probe import close, refuse_piece
+from lens_aot.tl.reading.probe import close, inexact_piece, refuse_piece
 from lens_aot.tl.reading.record import AttentionReading
 
 __all__ = ["is_delegated_rotary", "read_delegated_rotary"]
@@ -174,7 +174,8 @@ def read_delegated_rotary(
             reading.rotary_sign, reading.output_gate = sign, gate
             reading.duplicate_half_tables = False  # the module rotates cos.shape[-1] channels as given
             return reading
-    raise refuse_piece(
+    raise inexact_piece(
+        dtype,
         layer,
         "attn",
         f"a delegated {type(hf_attn).__name__}.forward that matches no reading lens_aot has (QK-norm before or after "

@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 from lens_aot.core.check.pieces import hyper_outputs
 from lens_aot.core.spec.hyper import HyperConnectionSpec, HyperHeadSpec
+from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.pieces import unwrapped
-from lens_aot.tl.reading.probe import PROBE_TOLERANCE, refuse_piece, relative_error
+from lens_aot.tl.reading.probe import PROBE_TOLERANCE, inexact, refuse_piece, relative_error
 
 __all__ = ["read_hyper_connection", "read_hyper_head"]
 
@@ -76,7 +77,7 @@ def read_hyper_head(module: Any, piece: str = "hc_head") -> HyperHeadSpec:
     return spec
 
 
-def _refuse(module: nn.Module, layer: int | None, piece: str, what: str) -> Exception:
+def _refuse(module: nn.Module, layer: int | None, piece: str, what: str) -> UnsupportedArchitectureError:
     return refuse_piece(
         layer,
         piece,
@@ -128,4 +129,5 @@ def _check(
             continue
         err = relative_error(g, w)
         if not err <= tolerance:
-            raise _refuse(module, layer, piece, f"outputs not reproduced (relative error {err:.2e} on a probe input)")
+            error = _refuse(module, layer, piece, f"outputs not reproduced (relative error {err:.2e} on a probe input)")
+            raise inexact(error, spec.fn.dtype)

@@ -25,7 +25,7 @@ from lens_aot.core.spec.prediction_head import PredictionHeadSpec
 from lens_aot.tl.reading.activation import activation_by_values
 from lens_aot.tl.reading.norms import native_norm
 from lens_aot.tl.reading.pieces import detached_copy, subcomponent, wrapped_module
-from lens_aot.tl.reading.probe import PROBE_TOLERANCE, refuse_piece, relative_error
+from lens_aot.tl.reading.probe import PROBE_TOLERANCE, inexact, refuse_piece, relative_error
 
 __all__ = ["read_prediction_head"]
 
@@ -85,10 +85,11 @@ def _check(module: nn.Module, spec: PredictionHeadSpec) -> None:
                 continue
             err = relative_error(got, want)
             if not err <= tolerance:
-                raise refuse_piece(
+                error = refuse_piece(
                     None,
                     "prediction_head",
                     f"{what} read as {spec.act_fn} does not reproduce {type(module).__name__} (relative error "
                     f"{err:.2e} on a probe input)",
                     "This head computes something lens_aot does not read; please report the architecture.",
                 )
+                raise inexact(error, weight.dtype)

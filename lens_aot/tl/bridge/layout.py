@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lens_aot.tl.blocks.multipliers import scaled
 from lens_aot.tl.blocks.post_norm import post_norm_mismatch
 from lens_aot.tl.reading.pieces import detached_copy, subcomponent, wrapped_module
-from lens_aot.tl.reading.probe import Call, close, refuse_piece
+from lens_aot.tl.reading.probe import Call, close, inexact_piece, refuse_piece
 
 __all__ = [
     "block_layout",
@@ -171,11 +171,14 @@ def block_layout(
     ln1, ln2 = calls.get((layer, "ln1")), calls.get((layer, "ln2"))
     if block is None or attn is None:
         raise refuse_piece(layer, "block", "pieces that did not run in a forward pass (cannot read how they combine)")
-    x = block.input
+    x, dtype = block.input, block.output.dtype
     if not close(attn.input, ln1.output if ln1 is not None else x):
         if (post_norm := post_norm_mismatch(layer, calls, has)) is not None:  # (lens_aot.tl.blocks.post_norm)
-            raise refuse_piece(layer, *post_norm, "Post-norm blocks are read as m = x + ln1(attn(x)), m + ln2(mlp(m)).")
-        raise refuse_piece(
+            raise inexact_piece(
+                dtype, layer, *post_norm, "Post-norm blocks are read as m = x + ln1(attn(x)), m + ln2(mlp(m))."
+            )
+        raise inexact_piece(
+            dtype,
             layer,
             "attn",
             "an input that is not ln1's output: post-LN blocks (BERT-style: resid = ln(resid + sublayer(resid)))",
@@ -184,28 +187,31 @@ def block_layout(
     a_out = scaled(_post_norm_output(layer, "ln1_post", attn.output, calls, has), multiplier)
     if "mlp" not in has:
         if not close(block.output, x + a_out):
-            raise refuse_piece(layer, "block", "an output that is not input + attention (a residual multiplier?)")
+            raise inexact_piece(
+                dtype, layer, "block", "an output that is not input + attention (a residual multiplier?)"
+            )
         return False, False
     mlp = calls.get((layer, "mlp"))
     if mlp is None or ("ln2" in has and ln2 is None):
         raise refuse_piece(layer, "mlp", "a piece that did not run in a forward pass")
     if "ln2" not in has and "ln1" in has:
         if ln1 is None or not close(mlp.input, ln1.output):
-            raise refuse_piece(layer, "mlp", "an input that is neither ln2's output nor the shared ln1's")
+            raise inexact_piece(dtype, layer, "mlp", "an input that is neither ln2's output nor the shared ln1's")
         parallel, shared = True, True
     else:
         if ln2 is not None and not close(mlp.input, ln2.output):
-            raise refuse_piece(layer, "mlp", "an input that is not ln2's output")
+            raise inexact_piece(dtype, layer, "mlp", "an input that is not ln2's output")
         mlp_in = ln2.input if ln2 is not None else mlp.input
         sequential, parallel = close(mlp_in, x + a_out), close(mlp_in, x)
         if sequential == parallel:
-            raise refuse_piece(
-                layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
+            raise inexact_piece(
+                dtype, layer, "mlp", "an input that is neither from the block input (parallel) nor input + attention"
             )
         shared = False
     out = x + a_out + scaled(_post_norm_output(layer, "ln2_post", mlp.output, calls, has), multiplier)
     if not close(block.output, finish(out)):
-        raise refuse_piece(
+        raise inexact_piece(
+            dtype,
             layer,
             "block",
             "an output that is not input + attention + MLP (e.g. unseen norms or a residual multiplier)",

@@ -18,7 +18,7 @@ from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.attention.shared_kv import checked_attention
 from lens_aot.tl.blocks.multipliers import scaled
-from lens_aot.tl.reading.probe import Call, check_piece, close, refuse_piece
+from lens_aot.tl.reading.probe import Call, check_piece, close, inexact_piece, refuse_piece
 
 __all__ = ["refuse_non_finite", "verify_layer", "verify_model"]
 
@@ -53,16 +53,17 @@ def verify_model(
     logits, embed = calls.get((-1, "logits")), calls.get((-1, "embed"))
     if logits is None or embed is None or (0, "block") not in calls:
         raise refuse_piece(None, "model", "a forward pass whose embedding, blocks or logits could not be recorded")
-    tokens = logits.input
+    tokens, dtype = logits.input, logits.output.dtype
     with torch.no_grad():
         embedded = spec.embedded(tokens)  # W_E[tokens], times Gemma's embedding scale
         if not close(embedded, scaled(embed.output, embed_multiplier)):
-            raise refuse_piece(None, "embed", "a token embedding that is not a table lookup (times a constant)")
+            raise inexact_piece(dtype, None, "embed", "a token embedding that is not a table lookup (times a constant)")
         first = embedded if spec.W_pos is None else embedded + spec.W_pos[: tokens.shape[1]]
         if spec.embed_ln is not None:  # BLOOM's word_embeddings_layernorm
             first = norm_output(spec.embed_ln, first)
         if not close(first, calls[(0, "block")].input):
-            raise refuse_piece(
+            raise inexact_piece(
+                dtype,
                 None,
                 "embed",
                 "a first block input that is not token + position embedding (an embedding multiplier "
@@ -70,12 +71,14 @@ def verify_model(
             )
         for layer in range(1, n_layers):
             if not close(calls[(layer - 1, "block")].output, calls[(layer, "block")].input):
-                raise refuse_piece(layer - 1, "block", "an output that is not the next block's input")
+                raise inexact_piece(dtype, layer - 1, "block", "an output that is not the next block's input")
         final = calls[(n_layers - 1, "block")].output
         ln_final = calls.get((-1, "ln_final"))
         normed = norm_output(spec.ln_final, final)
         if ln_final is not None and not (close(ln_final.input, final) and close(normed, ln_final.output)):
-            raise refuse_piece(None, "ln_final", "a final norm that is not read exactly or not fed by the last block")
+            raise inexact_piece(
+                dtype, None, "ln_final", "a final norm that is not read exactly or not fed by the last block"
+            )
         if spec.prediction_head is not None:
             normed = prediction_head_output(spec.prediction_head, normed)
         out = normed @ spec.W_U + spec.b_U
@@ -84,7 +87,8 @@ def verify_model(
         if spec.logits_soft_cap is not None:
             out = spec.logits_soft_cap * torch.tanh(out / spec.logits_soft_cap)
         if not close(out, logits.output):
-            raise refuse_piece(
+            raise inexact_piece(
+                dtype,
                 None,
                 "unembed",
                 "logits that are not unembed(ln_final(resid)) (e.g. a logit multiplier or final-logit soft-capping)",

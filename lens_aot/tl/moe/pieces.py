@@ -15,7 +15,7 @@ from lens_aot.core.fit.activations import canonical_activation
 from lens_aot.core.spec.model_spec import MLPSpec, MoESpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.reading.pieces import unwrap
-from lens_aot.tl.reading.probe import close, relative_error
+from lens_aot.tl.reading.probe import close, inexact, relative_error
 
 
 def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
@@ -96,9 +96,10 @@ def probe_router(block: nn.Module, candidates: list[MoESpec], layer: int) -> MoE
     errors = [relative_error(got, want) for got in outputs]
     best = min(range(len(candidates)), key=errors.__getitem__)
     if not close(outputs[best], want):
-        raise refuse_moe(
+        error = refuse_moe(
             layer,
             f"a router of type {type(find_router(block)).__name__} whose routing lens_aot cannot reproduce (softmax "
             f"or sigmoid scores, correction bias, renormalisation, routed scaling: relative error {errors[best]:.2e})",
         )
+        raise inexact(error, dtype)
     return candidates[best]

@@ -8,7 +8,9 @@ with plain PyTorch forward hooks on every block, norm, attention and MLP compone
 raises; hooks a user attached to the bridge's hook points are detached meanwhile and put back, and it runs in
 eval mode) and keeps each
 piece's last input and output; :func:`check_piece` compares a reading's output with the recorded one and names the
-layer and the piece when they differ.
+layer and the piece when they differ. A reading of a half-precision source (``convert``'s half path) that misses in
+half is refused with :class:`~lens_aot.errors.HalfReadingError` (:func:`inexact`): ``convert`` then reads it in
+float32.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.core.dtypes import HALF_DTYPES
+from lens_aot.errors import HalfReadingError, UnsupportedArchitectureError
 
 # What the bridge readers support, named in every refusal of a piece (refuse_piece, pieces.bridge_refusal).
 SUPPORTED = (
@@ -148,15 +151,34 @@ def refuse_piece(layer: int | None, piece: str, what: str, fix: str = "") -> Uns
     )
 
 
+def inexact(error: UnsupportedArchitectureError, dtype: torch.dtype) -> UnsupportedArchitectureError:
+    """``error``, the refusal of a reading whose output misses the piece's beyond :data:`PROBE_TOLERANCE`, as a
+    :class:`~lens_aot.errors.HalfReadingError` when the two were compared in ``dtype`` half precision (a half source
+    read in its dtype, :func:`lens_aot.core.dtypes.half_reading`): its rounding may be why, and ``convert`` reads the
+    source in float32 instead. In float32 / float64 it is ``error`` itself."""
+    if dtype not in HALF_DTYPES:
+        return error
+    return HalfReadingError(f"{error} (compared in {str(dtype).removeprefix('torch.')})")
+
+
+def inexact_piece(
+    dtype: torch.dtype, layer: int | None, piece: str, what: str, fix: str = ""
+) -> UnsupportedArchitectureError:
+    """:func:`refuse_piece` of a reading that misses the recorded forward, compared in ``dtype`` (:func:`inexact`)."""
+    return inexact(refuse_piece(layer, piece, what, fix), dtype)
+
+
 def check_piece(layer: int, piece: str, got: Tensor, call: Call | None, what: str) -> None:
-    """Refuse when a reading's output ``got`` (on the recorded input) differs from the recorded output."""
+    """Refuse when a reading's output ``got`` (on the recorded input) differs from the recorded output (in half
+    precision: :func:`inexact`)."""
     if call is None:
         return
     err = relative_error(got, call.output)
     if err > PROBE_TOLERANCE.get(call.output.dtype, 2e-4):
-        raise refuse_piece(
+        error = refuse_piece(
             layer,
             piece,
             f"{what} does not reproduce what the source computes (relative error {err:.2e} on a probe input)",
             "This piece computes something lens_aot does not read; please report the architecture.",
         )
+        raise inexact(error, call.output.dtype)
