@@ -20,6 +20,7 @@ from half_helpers import assert_half_within_twice_source_rounding
 
 import lens_aot
 import lens_aot.core.convert as convert_module
+import lens_aot.io
 from lens_aot.core.check.routing_flips import expert_choices, max_error_where, unflipped_positions
 from lens_aot.core.read import half_dtype, run_source
 from lens_aot.core.source_layer import source_layer
@@ -114,6 +115,19 @@ def test_olmo_families_convert_from_half(name: str, half: torch.dtype, no_fallba
     source_error = max_error_where(hf_half, expected, keep)
     assert 0 < source_error < 1
     assert error <= 2 * source_error, (error, source_error)
+
+
+def test_restored_half_forward_is_saved_in_the_report(tmp_path: Any) -> None:
+    """``report.half_source_forward`` (what the half floor was measured with) survives a save and a load."""
+    family = _family("OlmoForCausalLM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        source = _source(build_hf_model(family).to(torch.bfloat16), family, "bridge", torch.bfloat16)
+        aot = lens_aot.convert(source, check_tokens=tokens_for(batch=2))
+        assert aot.report.half_source_forward == convert_module.ROTATED_QK_RESTORED
+        lens_aot.io.save(aot, tmp_path / "olmo")
+        loaded = lens_aot.io.load(tmp_path / "olmo")
+    assert loaded.report == aot.report
 
 
 def family_layers(model: Any) -> int:

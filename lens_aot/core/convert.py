@@ -127,7 +127,8 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
     in place and back (:func:`_upcast_half`), as before. The half check: the converted half model's logit error
     against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both measured
     on the positions the converted half model routes as the float32 one does (all of them for a dense model;
-    :mod:`lens_aot.core.check.routing_flips`)."""
+    :mod:`lens_aot.core.check.routing_flips`); the half source's logits are :func:`_half_source_logits`'s (its own
+    forward, or Hugging Face's where TransformerLens drops a cast; refused when neither runs)."""
     if options.masks == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
