@@ -230,11 +230,17 @@ class Encoder:
         return self.record(spec, key, ModelSpec)
 
 
+# Report fields added after format 2, written only when set (a report leaving them None saves as before they existed)
+REPORT_WRITTEN_WHEN_SET = ("half_source_forward",)
+
+
 def encode_report(report: Any) -> dict[str, Any] | None:
-    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists)."""
+    """A :class:`~lens_aot.pipeline.ConversionReport` as its fields (tuples as lists; :data:`REPORT_WRITTEN_WHEN_SET`
+    only when not None)."""
     if report is None:
         return None
     fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    fields = {k: v for k, v in fields.items() if v is not None or k not in REPORT_WRITTEN_WHEN_SET}
     return _json_only({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}, "report")
 
 
