@@ -1,5 +1,5 @@
 """The half-precision forward Hugging Face computes where a TransformerBridge drops one of its casts: rotated q and k
-rounded back to the model's dtype (OLMo, OLMo-2, OLMo-3, FlexOLMo under TransformerLens 4.3).
+rounded back to the model's dtype (OLMo, OLMo-2, OLMo-3, FlexOLMo under TransformerLens 4.3 and 3.9).
 
 Hugging Face's OLMo rotary module returns its cos / sin in float32 (no ``.to(x.dtype)``, unlike Llama's), and OLMo's
 own ``apply_rotary_pos_emb`` casts the rotated q and k back to their dtype (``q_embed.to(q_type)``). TransformerLens
