@@ -2,7 +2,8 @@
 rounded back to the model's dtype (OLMo, OLMo-2, OLMo-3, FlexOLMo under TransformerLens 4.3 and 3.9).
 
 Hugging Face's OLMo rotary module returns its cos / sin in float32 (no ``.to(x.dtype)``, unlike Llama's), and OLMo's
-own ``apply_rotary_pos_emb`` casts the rotated q and k back to their dtype (``q_embed.to(q_type)``). TransformerLens
+own ``apply_rotary_pos_emb`` casts the rotated q and k back to their dtype (``q_embed.to(q_type)``): rotary in full
+precision, as the original OLMo code computes it (huggingface/transformers#38131). TransformerLens
 4.3's ``PositionEmbeddingsAttentionBridge`` applies Llama's ``apply_rotary_pos_emb`` instead, which has no such cast:
 in float16 / bfloat16 q and k come out in float32, the pattern follows them, and ``pattern @ v`` meets the half
 values (``RuntimeError: expected m1 and m2 to have the same dtype``). The bridge's own half forward therefore cannot
