@@ -66,6 +66,9 @@ class ConversionReport:
     # half sources: the positions both errors are measured on, those routed in every layer as the float32 model
     # routes them (all of them without experts; lens_aot.core.check.routing_flips)
     half_positions: int | None = None
+    # half sources whose own forward cannot run as TransformerLens runs it: what the half source's error was measured
+    # with instead (Hugging Face's own half forward; lens_aot.core.convert._half_source_logits). None: as it is
+    half_source_forward: str | None = field(default=None, metadata=VARIANT)
     gated: bool = False  # gated MLPs: gate heads (heads_per_neuron − 2 per neuron) + 2 product heads per neuron
     parallel: bool = False  # parallel attention + MLP layers
     product_scales: tuple[float, float] | None = None  # gated: smallest and largest ε_n of the product heads
@@ -129,6 +132,8 @@ class ConversionReport:
             )
         if self.half_path is not None:
             lines.append(f"  half path       {self._half_path_text()}")
+        if self.half_source_forward is not None:
+            lines.append(f"  half source     its error measured with {self.half_source_forward}")
         return "\n".join(lines)
 
     def _half_path_text(self) -> str:

@@ -35,8 +35,8 @@ SUBSET = (
     "DeepseekV3ForCausalLM",
     "JetMoeForCausalLM",
 )
-# The half source's own forward raises (TransformerBridge's attention multiplies float32 weights by half values):
-# there is nothing to convert or compare against.
+# The half source's own forward raises (TransformerLens's rotary attention bridge keeps OLMo's float32 rotated q, k):
+# convert judges it against Hugging Face's own half forward instead, asserted in tests/test_half_sources.py.
 SOURCE_CANNOT_RUN_IN_HALF = ("FlexOlmoForCausalLM",)
 
 

@@ -130,7 +130,8 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
     why. Any other error is raised as it is. The half check: the converted half model's logit error
     against the float32 source must be within :func:`half_precision_tolerance` of the half source's own, both measured
     on the positions the converted half model routes as the float32 one does (all of them for a dense model;
-    :mod:`lens_aot.core.check.routing_flips`)."""
+    :mod:`lens_aot.core.check.routing_flips`); the half source's logits are :func:`_half_source_logits`'s (its own
+    forward, or Hugging Face's where TransformerLens drops a cast; refused when neither runs)."""
     if options.masks == "weights":
         raise UnsupportedArchitectureError(
             f"standard-mask mode cannot use {half} weights, it needs float32 or float64: scores of size Ω and the "
@@ -155,7 +156,7 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
     report = replace(aot.report, dtype=str(half).removeprefix("torch."), source_bytes=param_stats(model)[1])
     report = replace(report, converted_bytes=param_stats(aot)[1], half_path=path, half_path_reason=reason)
     if expected is not None:
-        source_logits = _eval_logits(model, tokens.to(aot.cfg.device))
+        source_logits, restored = _half_source_logits(model, half, tokens.to(aot.cfg.device))
         logits, half_routes = expert_choices(aot, tokens.to(aot.cfg.device))
         keep = unflipped_positions(routes or {}, half_routes, tuple(tokens.shape))
         if not bool(keep.any()):  # every sequence flips at its first position: judge every position
@@ -175,10 +176,48 @@ def _convert_half(model: Any, half: torch.dtype, options: ConvertOptions) -> Any
             )
             refuse(message, options.check)
         report = replace(
-            report, half_logit_error=error, half_source_logit_error=source_error, half_positions=int(keep.sum())
+            report,
+            half_logit_error=error,
+            half_source_logit_error=source_error,
+            half_positions=int(keep.sum()),
+            half_source_forward=restored,
         )
     aot.report = report
     return aot
+
+
+# What report.half_source_forward says when the half source's error was measured with its rotated q, k cast back
+ROTATED_QK_RESTORED = (
+    "rotated q and k cast back to the half dtype, as Hugging Face's own forward does (TransformerLens's rotary "
+    "attention bridge keeps them in float32, and its half forward cannot run)"
+)
+
+
+def _half_source_logits(model: Any, half: torch.dtype, tokens: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    """The half source's logits on ``tokens`` (the floor :func:`half_precision_tolerance` doubles) and what had to be
+    restored to get them (None: its own forward, as it is).
+
+    Where the source's own forward raises, and runs once its rotated q and k are cast back to ``half``
+    (:attr:`~lens_aot.core.source_layer.SourceLayer.rotated_qk_in_model_dtype`), those logits are the floor: they
+    are what Hugging Face's own half forward computes (OLMo's ``apply_rotary_pos_emb`` casts back; TransformerLens
+    4.3's rotary attention bridge does not, so its half forward of OLMo, OLMo-2, OLMo-3 and FlexOLMo multiplies a
+    float32 pattern by half values; :mod:`lens_aot.tl.reading.half_forward`). Any other failure is refused: without
+    the half source's own error there is nothing to judge the converted half model against."""
+    try:
+        return _eval_logits(model, tokens), None
+    except RuntimeError as error:
+        failure: RuntimeError = error
+    with source_layer().rotated_qk_in_model_dtype(model, half) as restored:
+        if restored:
+            try:
+                return _eval_logits(model, tokens), ROTATED_QK_RESTORED
+            except RuntimeError as error:
+                failure = error
+    raise UnsupportedArchitectureError(
+        f"the {half} source cannot run its own forward ({type(failure).__name__}: {failure}), so there is no "
+        f"{half} source error to judge the converted {half} model against (the half check allows twice it). "
+        f"Convert the float32 model and keep it in float32: model.to(torch.float32)."
+    ) from failure
 
 
 HalfResult = tuple[Any, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from lens_aot.core.spec.model_spec import ModelSpec
 
 __all__ = ["SourceLayer", "register", "source_layer"]
@@ -50,6 +52,10 @@ class SourceLayer:
     """Detaches a source's SAEs for the conversion, re-attaching them whatever happens; yields them."""
     as_hooked_sae_transformer: Callable[[Any, Any], Any]
     """A converted model as a ``HookedSAETransformer``, with the given SAEs attached."""
+    rotated_qk_in_model_dtype: Callable[[Any, torch.dtype], AbstractContextManager[int]]
+    """Within, a source's rotated q and k are cast back to the given dtype where its TransformerLens attention keeps
+    them in another (the cast Hugging Face's OLMo applies and TransformerLens 4.3's rotary attention bridge drops);
+    yields how many places carry the cast (0: nothing to restore)."""
 
 
 _registered: list[SourceLayer] = []

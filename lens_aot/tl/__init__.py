@@ -32,6 +32,7 @@ from lens_aot.core.spec.model_spec import ModelSpec
 from lens_aot.tl.hooked.model import hooked_class, hooked_config_class, hooked_config_dict
 from lens_aot.tl.hooked.sae import as_hooked_sae_transformer, carrying_saes, conversion_target, has_attached_saes
 from lens_aot.tl.hooked.write import hooked_from_spec
+from lens_aot.tl.reading.half_forward import rotated_qk_in_model_dtype
 from lens_aot.tl.reading.registry import source_reader
 from lens_aot.tl.versions import has_hooked_transformer, is_bridge, is_hooked_transformer, tl_version
 
@@ -63,5 +64,6 @@ register(
         has_attached_saes=has_attached_saes,
         carrying_saes=carrying_saes,
         as_hooked_sae_transformer=as_hooked_sae_transformer,
+        rotated_qk_in_model_dtype=rotated_qk_in_model_dtype,
     )
 )

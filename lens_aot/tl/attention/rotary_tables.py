@@ -35,6 +35,7 @@ __all__ = [
     "check_rope_type",
     "chunked_tables",
     "gptj_rotary",
+    "gptj_table_dtype",
     "model_rotary",
     "module_frequencies",
     "module_tables",
@@ -322,13 +323,24 @@ def _rounded_table_dtype(
     return module_dtype if reading.rotary_input_dtype is not None and module_dtype != dtype else None
 
 
-def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device) -> RotarySpec:
+def gptj_rotary(
+    rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.device, stored: torch.dtype | None = None
+) -> RotarySpec:
     """GPT-J's sinusoidal table as transformers builds it (every version): ``inv_freq = 1 / 10000^(arange(0, d, 2) /
     d)`` (integer arange divided in float32), angles ``pos · inv_freq`` in float32, each frequency repeated over its
     adjacent pair, cast to the activation dtype. Computed from the config, never read from a module attribute
-    (transformers 5.24 moved it from ``GPTJAttention.embed_positions`` to a model-level module)."""
+    (transformers 5.24 moved it from ``GPTJAttention.embed_positions`` to a model-level module).
+
+    ``stored``: the dtype of the source's table buffer (:func:`gptj_table_dtype`). A half buffer (a float32 model
+    cast with ``model.to(torch.bfloat16)``: the cast rounds the sinusoids once, for good) gives stored tables rounded
+    to it, which a float32 run of the same weights keeps (:func:`lens_aot.core.check.float32_blocks.float32_blocks`
+    casts them exactly, as it casts the source's buffer); a recipe's rows would be recomputed unrounded there."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device) / rotary_dim))
     angles = torch.arange(n_ctx, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+    if stored in (torch.float16, torch.bfloat16):
+        rounded = [torch.sin(angles).to(stored).to(dtype), torch.cos(angles).to(stored).to(dtype)]
+        sin_rows, cos_rows = (t.repeat_interleave(2, dim=-1) for t in rounded)
+        return RotarySpec(rotary_dim, cos_rows, sin_rows, adjacent_pairs=True)
     sin: Tensor = torch.sin(angles).to(dtype).repeat_interleave(2, dim=-1)
     cos: Tensor = torch.cos(angles).to(dtype).repeat_interleave(2, dim=-1)
     # the same table as a recipe computed on demand, kept only where it gives these rows bitwise (rotary_recipe.py)
@@ -337,3 +349,13 @@ def gptj_rotary(rotary_dim: int, n_ctx: int, dtype: torch.dtype, device: torch.d
     if recipe_of_tables(recipe, cos, sin) is not None:
         return RotarySpec(rotary_dim, None, None, adjacent_pairs=True, recipe=recipe)  # type: ignore[arg-type]
     return RotarySpec(rotary_dim, cos, sin, adjacent_pairs=True)
+
+
+def gptj_table_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of GPT-J's sinusoid buffer ``embed_positions`` (on its model-level rotary module from transformers
+    5.24, on each attention before), or None where the source has none as a tensor."""
+    for module in model.modules():
+        table = getattr(module, "embed_positions", None)
+        if isinstance(table, Tensor) and table.is_floating_point():
+            return table.dtype
+    return None

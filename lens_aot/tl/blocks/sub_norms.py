@@ -33,6 +33,11 @@ __all__ = ["refuse_sub_norms"]
 _PROJECTION_NORM_PREFIXES = ("q", "k", "v")
 # transformers' BitNet-quantised linear classes (transformers.integrations.bitnet).
 _QUANTISED = ("BitLinear", "AutoBitLinear")
+# The fix every refusal here names: none within convert (the pieces are not neuron- or head-wise in any dtype).
+NO_FIX = (
+    "No option of convert changes this, in any dtype: the construction needs sublayers that are sums of independent "
+    "neurons and heads. Analyse this model with its TransformerBridge itself."
+)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -89,9 +94,10 @@ def refuse_sub_norms(layer: int, block: Any) -> None:
                 f"act(gate)·up before the down projection: each neuron's output is divided by the RMS of all of "
                 f"them, which no neuron head computes alone; Theorem 3 is neuron-wise)"
                 + (_quantisation_text(quantised, also=True) if quantised else ""),
+                NO_FIX,
             )
         if quantised:
-            raise refuse_piece(layer, "mlp", _quantisation_text(quantised, also=False))
+            raise refuse_piece(layer, "mlp", _quantisation_text(quantised, also=False), NO_FIX)
     if attn is not None:
         quantised = _quantised(attn)
         for name, norm in _head_norms(attn):
@@ -101,6 +107,7 @@ def refuse_sub_norms(layer: int, block: Any) -> None:
                 f"{name} normalises across heads ({type(norm).__name__} over all heads' concatenated outputs "
                 "before the output projection: the layer is not a sum of per-head output maps)"
                 + (_quantisation_text(quantised, also=True) if quantised else ""),
+                NO_FIX,
             )
         if quantised:
-            raise refuse_piece(layer, "attn", _quantisation_text(quantised, also=False))
+            raise refuse_piece(layer, "attn", _quantisation_text(quantised, also=False), NO_FIX)

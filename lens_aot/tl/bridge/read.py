@@ -30,8 +30,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import nn
 
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.ownership import exported
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, NormSpec
 from lens_aot.tl.attention.alibi import strip_inner_residuals
@@ -71,7 +73,7 @@ from lens_aot.tl.reading.pieces import (
     subcomponent,
     wrapped_module,
 )
-from lens_aot.tl.reading.probe import SUPPORTED, record, refuse_piece
+from lens_aot.tl.reading.probe import SUPPORTED, Call, record, refuse_piece
 from lens_aot.tl.reading.record import ModelReading
 from lens_aot.tl.reading.registry import model_reader
 
@@ -80,6 +82,19 @@ __all__ = ["SUPPORTED", "read_bridge"]
 
 def _pieces(block: Any) -> set[str]:
     return {name for name in ("ln1", "ln2", "ln1_post", "ln2_post", "mlp") if subcomponent(block, name) is not None}
+
+
+def _record(bridge: Any, blocks: list[Any], n_pos: int, dtype: torch.dtype) -> dict[tuple[int, str], Call]:
+    """The probe's recorded forward (:func:`~lens_aot.tl.reading.probe.record`); a half source whose own forward
+    raises is recorded once more with its rotated q and k cast back to its dtype, the forward Hugging Face computes
+    (:mod:`lens_aot.tl.reading.half_forward`: OLMo's under TransformerLens 4.3), which its reading is checked
+    against."""
+    try:
+        return record(bridge, blocks, n_pos)
+    except RuntimeError:
+        if dtype not in HALF_DTYPES:
+            raise
+        return record(bridge, blocks, n_pos, rotated_dtype=dtype)
 
 
 def read_bridge(bridge: Any) -> ModelSpec:
@@ -110,7 +125,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     hf = reading.hf_source
     try:
         with containerless_mlp_hooks(blocks) as extra:
-            calls = beside_moe_calls(blocks, record(bridge, blocks, min(n_ctx, 12)))  # Gemma 4's MoE sublayer
+            calls = beside_moe_calls(blocks, _record(bridge, blocks, min(n_ctx, 12), dtype))  # Gemma 4's MoE
         merge_containerless(calls, extra, len(blocks))  # OPT's fc1/fc2 (lens_aot.tl.bridge.layout)
     except Exception as error:  # the bridge's own forward fails: nothing can be read from it
         raise refuse_piece(

@@ -14,7 +14,7 @@ from torch import nn
 from lens_aot.core.spec.model_spec import RotarySpec
 from lens_aot.tl.attention.delegated_rotary import rotary_component
 from lens_aot.tl.attention.nope import no_rotary
-from lens_aot.tl.attention.rotary_tables import check_rope_type, gptj_rotary, model_rotary, rotary_pct
+from lens_aot.tl.attention.rotary_tables import check_rope_type, gptj_rotary, gptj_table_dtype, model_rotary, rotary_pct
 from lens_aot.tl.bridge.attention import read_attention
 from lens_aot.tl.reading.pieces import bridge_refusal, linear_weights, subcomponent, wrapped_module
 from lens_aot.tl.reading.probe import refuse_piece
@@ -69,7 +69,7 @@ def read_hf(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.dtype
         rotary_dim = int(wrapped_module(subcomponent(blocks[0], "attn")).rotary_dim)
         if int(getattr(config, "max_position_embeddings", n_ctx)) < n_ctx:
             raise refuse_piece(None, "rotary_emb", f"rotary tables shorter than n_ctx={n_ctx}")
-        rotary = gptj_rotary(rotary_dim, n_ctx, dtype, device)
+        rotary = gptj_rotary(rotary_dim, n_ctx, dtype, device, gptj_table_dtype(model))
     return ModelReading(
         attn=[(r.scale, r.softmax_dtype) for r in readings],
         readings=readings,

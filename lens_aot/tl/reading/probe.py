@@ -15,6 +15,7 @@ float32.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.errors import HalfReadingError, UnsupportedArchitectureError
+from lens_aot.tl.reading.half_forward import rotated_qk_in_model_dtype
 
 # What the bridge readers support, named in every refusal of a piece (refuse_piece, pieces.bridge_refusal).
 SUPPORTED = (
@@ -67,11 +69,16 @@ def _first_tensor(value: Any) -> Tensor | None:
     return None
 
 
-def record(bridge: Any, blocks: list[Any], n_pos: int) -> dict[tuple[int, str], Call]:
+def record(
+    bridge: Any, blocks: list[Any], n_pos: int, rotated_dtype: torch.dtype | None = None
+) -> dict[tuple[int, str], Call]:
     """Run ``bridge`` on ``n_pos`` seeded tokens; return ``{(layer, piece): Call}`` for ``block`` and
-    :data:`PIECES` (a piece absent from a block is absent from the result)."""
+    :data:`PIECES` (a piece absent from a block is absent from the result). ``rotated_dtype``: the rotated q and k
+    cast back to it (:func:`lens_aot.tl.reading.half_forward.rotated_qk_in_model_dtype`: the half forward Hugging
+    Face computes where the bridge's own cannot run)."""
     calls: dict[tuple[int, str], Call] = {}
     handles = []
+    casts = ExitStack()
 
     def hook(key: tuple[int, str]) -> Any:
         def fn(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -98,6 +105,8 @@ def record(bridge: Any, blocks: list[Any], n_pos: int) -> dict[tuple[int, str], 
         for point, _, _ in detached:
             point._forward_hooks.clear()
             point._forward_pre_hooks.clear()
+        if rotated_dtype is not None:  # after the detaching: these hooks are the probe's own
+            casts.enter_context(rotated_qk_in_model_dtype(bridge, rotated_dtype))
         for layer, block in enumerate(blocks):
             handles.append(block.register_forward_hook(hook((layer, "block")), with_kwargs=True))
             for piece in PIECES:
@@ -119,6 +128,7 @@ def record(bridge: Any, blocks: list[Any], n_pos: int) -> dict[tuple[int, str], 
         if isinstance(logits, Tensor):
             calls[(-1, "logits")] = Call(tokens, logits.detach().clone())
     finally:
+        casts.close()
         for handle in handles:
             handle.remove()
         for module, flag in training:
