@@ -174,3 +174,30 @@ def test_other_families_have_no_scale(tmp_path: Path) -> None:
     assert aot.embed.scaled_W_E is aot.embed.W_E
     config = json.loads((lens_aot.save(aot, tmp_path) / "config.json").read_text())
     assert "embed_scale" not in config["spec"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    ("name", "width", "rounded"), [("GemmaForCausalLM", "hidden_size", True), ("XGLMForCausalLM", "d_model", False)]
+)
+def test_embedding_is_the_sources_bit_for_bit(
+    name: str, width: str, rounded: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hook_embed`` of the converted model is the source's own token embedding bit for bit, in every dtype: Gemma's
+    buffer is cast to the weight's dtype before the multiply, XGLM's ``embed_scale`` number is not (torch rounds the
+    product of a half tensor and a number once), so the two multiply differently in half (``embed_scale_rounded``);
+    both convert natively."""
+    family = _family(name, **{width: D_MODEL})
+    _no_fallback(monkeypatch)
+    tokens = tokens_for(batch=2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_hf_model(family).to(dtype)
+        aot = lens_aot.convert(_source(model, family, "bridge", dtype), check_tokens=tokens)
+        _, cache = aot.run_with_cache(tokens, names_filter="hook_embed")
+        expected = model.get_input_embeddings()(tokens)
+    assert aot.embed.embed_scale_rounded is rounded and aot.embed.embed_scale == pytest.approx(D_MODEL**0.5, rel=1e-3)
+    assert torch.equal(cache["hook_embed"], expected)
+    if not rounded and dtype != torch.float32:  # XGLM's scale cast to half first would round its rows otherwise
+        other = scaled_rows(aot.W_E[tokens], aot.embed.embed_scale, not rounded)
+        assert not torch.equal(other, expected)

@@ -121,7 +121,7 @@ def embedding_bound(spec: ModelSpec) -> float:
         return norm_output_bound(spec.embed_ln, spec.d_model)
     bound = float(norms64(spec.W_E, 1).max())
     if spec.embed_scale != 1.0:
-        bound *= abs(scale_in(spec.embed_scale, spec.dtype))
+        bound *= abs(scale_in(spec.embed_scale, spec.dtype, spec.embed_scale_rounded))
     if spec.positions == "standard" and spec.W_pos is not None:
         bound += float(norms64(spec.W_pos, 1).max())
     return bound

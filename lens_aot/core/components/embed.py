@@ -19,8 +19,9 @@ class Embed(nn.Module):
     """``W_E[tokens]``, or ``ln(W_E[tokens])`` with a post-embedding LayerNorm (BLOOM; TransformerLens's
     ``post_embedding_ln``, the module ``embed.ln`` with its hooks). Gemma 4's per-layer inputs
     (``embed.per_layer_inputs``, :mod:`.per_layer_inputs`) are computed here from the tokens and ``W_E[tokens]``.
-    ``embed_scale`` (the Gemma families' √d_model, ``ModelSpec.embed_scale``): the looked-up rows are multiplied by
-    it cast to ``W_E``'s dtype, as the source's ``*ScaledWordEmbedding`` does; no multiply when it is 1."""
+    ``embed_scale`` (the Gemma families' and XGLM's √d_model, ``ModelSpec.embed_scale``): the looked-up rows are
+    multiplied by it as the source does (cast to ``W_E``'s dtype first where ``embed_scale_rounded``, Gemma's
+    ``*ScaledWordEmbedding``; as a number, XGLM's); no multiply when it is 1."""
 
     def __init__(
         self,
@@ -28,10 +29,11 @@ class Embed(nn.Module):
         ln: nn.Module | None = None,
         per_layer_inputs: Any = None,
         embed_scale: float = 1.0,
+        embed_scale_rounded: bool = True,
     ) -> None:
         super().__init__()
         self.W_E = parameter(W_E)
-        self.embed_scale = float(embed_scale)
+        self.embed_scale, self.embed_scale_rounded = float(embed_scale), bool(embed_scale_rounded)
         self.ln = ln
         if per_layer_inputs is not None:
             self.per_layer_inputs = per_layer_inputs
@@ -49,12 +51,12 @@ class Embed(nn.Module):
     def scaled_W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         """The effective embedding table ``W_E · embed_scale`` (``W_E`` itself when the scale is 1): the embedding
         the circuits through it read (:func:`~lens_aot.core.spec.model_spec.scaled_rows`)."""
-        return scaled_rows(self.W_E, self.embed_scale)
+        return scaled_rows(self.W_E, self.embed_scale, self.embed_scale_rounded)
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
         embedded = self.W_E[tokens]
         if self.embed_scale != 1.0:
-            embedded = scaled_rows(embedded, self.embed_scale)
+            embedded = scaled_rows(embedded, self.embed_scale, self.embed_scale_rounded)
         if hasattr(self, "per_layer_inputs"):
             self.per_layer_inputs(tokens, embedded)
         if self.ln is not None:

@@ -170,7 +170,13 @@ class SpecTransformer(HookedRootModule):
         # HookedTransformer (lens_aot.tl.hooked.model), whose __init__ builds a model of its own
         HookedRootModule.__init__(self)
         ple = None if spec.per_layer_inputs is None else PerLayerInputs(spec.per_layer_inputs, store)
-        self.embed = Embed(spec.W_E, None if spec.embed_ln is None else make_norm(spec.embed_ln), ple, spec.embed_scale)
+        self.embed = Embed(
+            spec.W_E,
+            None if spec.embed_ln is None else make_norm(spec.embed_ln),
+            ple,
+            spec.embed_scale,
+            spec.embed_scale_rounded,
+        )
         self.embed.forward_stores = list(shared_kv.boxes.values())  # emptied as each forward starts
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         # shortformer positions (TransformerLens 3.9): the learned positions enter each attention layer's queries and
@@ -224,6 +230,7 @@ class SpecTransformer(HookedRootModule):
             "per_layer_inputs": self.embed.per_layer_inputs.spec() if hasattr(self.embed, "per_layer_inputs") else None,
             "hc_head": self.hc_head.spec() if hasattr(self, "hc_head") else None,
             "embed_scale": self.embed.embed_scale,
+            "embed_scale_rounded": self.embed.embed_scale_rounded,
         }
 
     def output_modules(self) -> list[nn.Module]:

@@ -32,20 +32,25 @@ PositionKind = Literal["standard", "rotary", "alibi", "none", "shortformer"]
 QKNormScope = Literal["head", "projection"]
 
 
-def scaled_rows(rows: Tensor, scale: float) -> Tensor:
-    """``rows · scale`` as a Gemma-family ``*ScaledWordEmbedding`` computes its lookup, ``weight[ids] ·
-    embed_scale.to(weight.dtype)``: the scale (the source's buffer value, exact as a Python float) cast to ``rows``'
-    dtype, then multiplied, so a half table rounds as the half source does and a float32 one computes the float32
-    product. ``rows`` itself (no op) when the scale is 1. Looked-up rows or the whole table: an elementwise product,
-    the same either way."""
+def scaled_rows(rows: Tensor, scale: float, rounded: bool = True) -> Tensor:
+    """``rows · scale`` as the source's scaled embedding computes its lookup. ``rounded`` (a Gemma-family
+    ``*ScaledWordEmbedding``, ``weight[ids] · embed_scale.to(weight.dtype)``): the scale (the source's buffer value,
+    exact as a Python float) cast to ``rows``' dtype, then multiplied, so a half table rounds as the half source does
+    and a float32 one computes the float32 product. Not ``rounded`` (XGLM's ``weight[ids] · embed_scale``, a Python
+    number): multiplied as a Python number, as the source does (torch rounds the product of a half tensor and a number
+    once). ``rows`` itself (no op) when the scale is 1. Looked-up rows or the whole table: an elementwise product, the
+    same either way."""
     if scale == 1.0:
         return rows
+    if not rounded:
+        return rows * scale
     return rows * torch.tensor(scale, dtype=torch.float64).to(rows.dtype)
 
 
-def scale_in(scale: float, dtype: torch.dtype) -> float:
-    """The embedding scale as :func:`scaled_rows` multiplies rows of ``dtype`` by it: cast to ``dtype``."""
-    return float(torch.tensor(scale, dtype=torch.float64).to(dtype))
+def scale_in(scale: float, dtype: torch.dtype, rounded: bool = True) -> float:
+    """The embedding scale as :func:`scaled_rows` multiplies rows of ``dtype`` by it: cast to ``dtype`` where
+    ``rounded``, else the number itself."""
+    return float(torch.tensor(scale, dtype=torch.float64).to(dtype)) if rounded else scale
 
 
 @dataclass
@@ -346,6 +351,9 @@ class ModelSpec:
     # weight. 1: no multiply (every other family, and TransformerLens 3.9's HookedTransformer, which folds it into
     # W_E). Files saved before this field load with 1.
     embed_scale: float = saved("float", 1.0, variant=True)
+    # How the lookup multiplies by embed_scale (:func:`scaled_rows`): True, cast to W_E's dtype first (Gemma's
+    # buffer, ``embed_scale.to(weight.dtype)``); False, as a Python number (XGLM's ``embed_scale`` attribute)
+    embed_scale_rounded: bool = saved("bool", True, variant=True)
 
     def variant_names(self) -> list[str]:
         """The variants (docs/variants.md) this model uses, by name: for code that handles only plain layers (the
@@ -362,13 +370,13 @@ class ModelSpec:
 
     def embedded(self, tokens: Tensor) -> Tensor:
         """The token embedding of ``tokens``: ``W_E[tokens]`` times the embedding scale (:func:`scaled_rows`)."""
-        return scaled_rows(self.W_E[tokens], self.embed_scale)
+        return scaled_rows(self.W_E[tokens], self.embed_scale, self.embed_scale_rounded)
 
     @property
     def scaled_W_E(self) -> Tensor:
         """The effective embedding table, ``W_E · embed_scale`` (``W_E`` itself when the scale is 1): what circuits
         through the embedding read."""
-        return scaled_rows(self.W_E, self.embed_scale)
+        return scaled_rows(self.W_E, self.embed_scale, self.embed_scale_rounded)
 
     @property
     def dtype(self) -> torch.dtype:

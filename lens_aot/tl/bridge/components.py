@@ -40,13 +40,14 @@ def bridge_extra(bridge: Any) -> dict[str, Any]:
     }
 
 
-def token_embedding(embed_bridge: Any) -> tuple[Float[Tensor, "d_vocab d_model"], float]:
-    """The token embedding table and its scale, as the wrapped module's forward uses them (``EmbeddingBridge`` calls
-    it): ``(weight, 1.0)`` for an ``nn.Embedding``. Gemma's ``*ScaledWordEmbedding`` multiplies each looked-up row by
-    its ``embed_scale`` buffer (√d_model) cast to the weight dtype: ``(weight, float(embed_scale))``, the buffer at
-    its own precision (``ModelSpec.embed_scale``, applied at the lookup by
-    :func:`~lens_aot.core.spec.model_spec.scaled_rows` as the source does). The weight is the source's own
-    (:func:`~lens_aot.core.ownership.exported`: a view under ``share_weights=True``).
+def token_embedding(embed_bridge: Any) -> tuple[Float[Tensor, "d_vocab d_model"], float, bool]:
+    """The token embedding table, its scale and how it is multiplied, as the wrapped module's forward uses them
+    (``EmbeddingBridge`` calls it): ``(weight, 1.0, True)`` for an ``nn.Embedding``. Gemma's ``*ScaledWordEmbedding``
+    multiplies each looked-up row by its ``embed_scale`` buffer (√d_model) cast to the weight dtype: ``(weight,
+    float(embed_scale), True)``, the buffer at its own precision; XGLM's ``XGLMScaledWordEmbedding`` by its
+    ``embed_scale`` number: ``(weight, embed_scale, False)`` (``ModelSpec.embed_scale`` and ``embed_scale_rounded``,
+    applied at the lookup by :func:`~lens_aot.core.spec.model_spec.scaled_rows` as the source does). The weight is the
+    source's own (:func:`~lens_aot.core.ownership.exported`: a view under ``share_weights=True``).
     """
     if embed_bridge is None:
         raise bridge_refusal("no 'embed' component")
@@ -55,11 +56,13 @@ def token_embedding(embed_bridge: Any) -> tuple[Float[Tensor, "d_vocab d_model"]
     if not isinstance(module, nn.Embedding):
         raise bridge_refusal(f"a token embedding of type {name} (expected an nn.Embedding)")
     scale = getattr(module, "embed_scale", None)
-    if scale is not None:  # Gemma's *ScaledWordEmbedding: weight[token] · embed_scale.to(weight.dtype)
-        return exported(module.weight), float(torch.as_tensor(scale))
-    if type(module) is not nn.Embedding:
+    if isinstance(scale, Tensor):  # Gemma's *ScaledWordEmbedding: weight[token] · embed_scale.to(weight.dtype)
+        return exported(module.weight), float(scale), True
+    if isinstance(scale, (int, float)):  # XGLM's XGLMScaledWordEmbedding: weight[token] · embed_scale, a number
+        return exported(module.weight), float(scale), False
+    if type(module) is not nn.Embedding or scale is not None:
         raise bridge_refusal(f"a token embedding of type {name} (an nn.Embedding subclass with its own forward)")
-    return exported(module.weight), 1.0
+    return exported(module.weight), 1.0, True
 
 
 def unembedding(

@@ -209,7 +209,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     prediction_head = read_prediction_head(bridge, dtype) if hf else None  # ModernBERT-decoder's lm_head
     hf_config = getattr(model, "config", None) if hf else None
     embed_multiplier = embedding_multiplier(hf_config)
-    W_E, embed_scale = token_embedding(subcomponent(bridge, "embed"))
+    W_E, embed_scale, embed_scale_rounded = token_embedding(subcomponent(bridge, "embed"))
     W_E = scaled(W_E, embed_multiplier)
     W_pos = None
     if reading.positions == "standard":
@@ -242,6 +242,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
         causal=bool(reading.causal),
         W_E=W_E,
         embed_scale=embed_scale,
+        embed_scale_rounded=embed_scale_rounded,
         layers=layers,
         ln_final=named_norm(None, "ln_final", subcomponent(bridge, "ln_final"), dtype),
         W_U=W_U,

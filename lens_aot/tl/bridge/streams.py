@@ -144,7 +144,7 @@ def read_streams(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
     if not isinstance(unembed, nn.Linear):
         raise refuse_piece(None, "unembed", f"an unembedding of type {type(unembed).__name__}")
     W_U, b_U = linear_weights(unembed, dtype)
-    W_E, embed_scale = token_embedding(subcomponent(bridge, "embed"))
+    W_E, embed_scale, embed_scale_rounded = token_embedding(subcomponent(bridge, "embed"))
     return ModelSpec(
         d_model=int(W_E.shape[1]),
         n_ctx=int(cfg.n_ctx),
@@ -153,6 +153,7 @@ def read_streams(bridge: Any, model: nn.Module, blocks: list[Any], dtype: torch.
         causal=True,
         W_E=W_E,
         embed_scale=embed_scale,
+        embed_scale_rounded=embed_scale_rounded,
         layers=layers,
         ln_final=named_norm(None, "ln_final", subcomponent(bridge, "ln_final"), dtype),
         W_U=W_U,
