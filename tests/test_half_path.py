@@ -99,12 +99,21 @@ def test_bound_exceeded_falls_back_and_records_why(monkeypatch: pytest.MonkeyPat
     assert (loaded.half_path, loaded.half_path_reason) == (report.half_path, report.half_path_reason)
 
 
-def test_float32_refusal_after_fallback_is_raised() -> None:
-    """GPT-J's bfloat16 source at the matrix's shapes: its native float32 check exceeds the bound, and its float32
-    reading then refuses the attention (its bfloat16 weights' rotary reading): the float32 path's refusal is raised."""
-    source = _matrix_source("GPTJForCausalLM", torch.bfloat16)
-    with pytest.raises(UnsupportedArchitectureError, match="layer 0 attn: the attention reading") as raised:
-        lens_aot.convert(source, check_tokens=tokens_for())
+def test_float32_refusal_after_fallback_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native float32 check that exceeds its bound falls back, and a refusal of the float32 path is then raised,
+    the native refusal as its context (planted: no family of the support matrix takes that road now; GPT-J's
+    bfloat16 source did, until its half sinusoid buffer was read as stored tables, tests/test_half_sources.py)."""
+
+    def exceeded(*args: object, **kwargs: object) -> None:
+        raise BoundExceededError("planted: the float32 check's bound exceeded")
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise UnsupportedArchitectureError("planted: the float32 reading refused")
+
+    monkeypatch.setattr(convert_module, "_native_half", exceeded)
+    monkeypatch.setattr(convert_module, "_upcast_half", refused)
+    with pytest.raises(UnsupportedArchitectureError, match="planted: the float32 reading refused") as raised:
+        lens_aot.convert(make_bridge("llama", torch.bfloat16))
     assert isinstance(raised.value.__context__, BoundExceededError)
 
 
