@@ -105,6 +105,20 @@ def test_float32_run_holds_no_whole_vocabulary_copy() -> None:
     assert meter.peak < copy / 2, (meter.peak, copy)
 
 
+def _gathered_and_whole(
+    model: torch.nn.Module, tokens: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s float32 run a block at a time, with its vocabulary weights gathered / chunked from their half
+    tensors, then with every weight cast whole (``vocab_weights`` patched to find none)."""
+    with torch.no_grad():
+        with float32_blocks(model):
+            blocks = model(tokens)
+        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
+        with float32_blocks(model):
+            whole = model(tokens)
+    return blocks, whole
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_converted_models_vocabulary_weights_in_float32_blocks(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The converted model (its Embed and Unembed each a block of their own, hooked as the vocabulary weights'
@@ -114,12 +128,7 @@ def test_converted_models_vocabulary_weights_in_float32_blocks(family: str, monk
     aot = lens_aot.convert(make_bridge(family, torch.bfloat16), check="warn")
     assert {w.kind for unit in run_blocks(aot) for w in vocab_weights(unit)} == {"embed", "unembed"}
     tokens = torch.randint(0, D_VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        with float32_blocks(aot):
-            blocks = aot(tokens)
-        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
-        with float32_blocks(aot):
-            whole = aot(tokens)
+    blocks, whole = _gathered_and_whole(aot, tokens, monkeypatch)
     assert torch.equal(blocks, whole)
 
 
@@ -154,12 +163,7 @@ def test_hooked_transformers_vocabulary_weights_in_float32_blocks(
     assert {w.kind for unit in run_blocks(model) for w in vocab_weights(unit)} == {"embed", "unembed"}
     monkeypatch.setattr(float32_vocab, "CHUNK", 64)
     tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        with float32_blocks(model):
-            blocks = model(tokens)
-        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
-        with float32_blocks(model):
-            whole = model(tokens)
+    blocks, whole = _gathered_and_whole(model, tokens, monkeypatch)
     assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
 
 
@@ -185,12 +189,7 @@ def test_gemma4_per_layer_table_gathered_with_the_embedding(half: torch.dtype, m
     assert kinds == ["embed", "follow", "unembed"], kinds
     monkeypatch.setattr(float32_vocab, "CHUNK", 64)
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        with float32_blocks(aot):
-            blocks = aot(tokens)
-        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
-        with float32_blocks(aot):
-            whole = aot(tokens)
+    blocks, whole = _gathered_and_whole(aot, tokens, monkeypatch)
     assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
 
 
@@ -215,12 +214,7 @@ def test_max_norm_embedding_gathered(half: torch.dtype, monkeypatch: pytest.Monk
     assert [w.kind for unit in run_blocks(model) for w in vocab_weights(unit)] == ["embed"]
     table = model.embed.weight.detach().clone()
     tokens = torch.randint(0, 300, (3, 17), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        with float32_blocks(model):
-            blocks = model(tokens)
-        monkeypatch.setattr(float32_blocks_module, "vocab_weights", lambda unit: [])  # every weight cast whole
-        with float32_blocks(model):
-            whole = model(tokens)
+    blocks, whole = _gathered_and_whole(model, tokens, monkeypatch)
     assert blocks.dtype == torch.float32 and torch.equal(blocks, whole)
     assert torch.equal(model.embed.weight, table)
     assert (whole.abs() > 0).any()
