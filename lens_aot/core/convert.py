@@ -297,9 +297,10 @@ def convert(
 
     Args:
         model: a ``HookedTransformer`` (TransformerLens 3.x) or ``TransformerBridge`` (3.9 / 4.x). It is not modified
-            (a float16 / bfloat16 HookedTransformer is read in its dtype and checked in float32 a block at a
-            time; a float16 / bfloat16 TransformerBridge is cast to float32 in place while it is read and checked,
-            then cast back bit for bit). A :class:`~lens_aot.core.spec.model_spec.ModelSpec` is accepted too
+            (a float16 / bfloat16 source is read, fitted and built in its dtype and checked in float32 a block at a
+            time; only where that half reading misses its probe's tolerance or the float32 check exceeds its bound is
+            it cast to float32 in place while it is read and checked, then cast back bit for bit:
+            ``report.half_path`` says which). A :class:`~lens_aot.core.spec.model_spec.ModelSpec` is accepted too
             (checked against :class:`~lens_aot.core.check.reference.MLPTransformer`).
         max_neuron_error: bound on each neuron's activation error ``|fit(z) − act(z)|`` over all z. SiLU is exact
             (one head per neuron, Theorem 3). ReLU uses one head with sharpness ``0.2785 / max_neuron_error``
