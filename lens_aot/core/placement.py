@@ -76,10 +76,18 @@ class Placement:
     def from_device_map(device_map: Mapping[str, DeviceLike], n_layers: int) -> Placement:
         """An accelerate ``device_map`` / ``hf_device_map`` (module name -> device; ``"model.layers.3"``,
         ``"transformer.h.3"``, …). Layers are found by their index; the embeddings are the first non-layer entry,
-        the unembedding the ``lm_head`` (else ``embed_out``, else the last entry)."""
+        the unembedding the ``lm_head`` (else ``embed_out``, else the last entry). A ``"disk"`` entry (accelerate's
+        disk offload: no device holds that module) is refused."""
         layer_devices: dict[int, torch.device] = {}
         others: list[tuple[str, torch.device]] = []
         whole: torch.device | None = None
+        on_disk = [name for name, device in device_map.items() if device == "disk"]
+        if on_disk:
+            raise ValueError(
+                f"the device map offloads {len(on_disk)} modules to disk ({', '.join(on_disk[:3])}): no device holds "
+                f"them, so they have no placement. Map every module to a device (no 'disk' entry), or read where the "
+                f"weights are once they are in memory (Placement.of_source)."
+            )
         for name, device in device_map.items():
             dev = as_device(device)
             if name == "":
@@ -105,11 +113,13 @@ class Placement:
     @staticmethod
     def of_source(model: Any) -> Placement:
         """The placement of a TransformerLens source: ``hf_device_map`` of a bridge's Hugging Face model when it has
-        one, else where its parameters are (``n_devices``: each block's own device)."""
+        one that places every module on a device, else (no map, or one with accelerate's ``"disk"`` entries, whose
+        weights are wherever they were brought back to) where its parameters are (``n_devices``: each block's own
+        device)."""
         hf = getattr(model, "original_model", None)
         n_layers = int(model.cfg.n_layers)
         device_map = getattr(hf, "hf_device_map", None)
-        if isinstance(device_map, Mapping) and device_map:
+        if isinstance(device_map, Mapping) and device_map and "disk" not in device_map.values():
             return Placement.from_device_map(device_map, n_layers)
 
         def first(module: Any) -> torch.device:

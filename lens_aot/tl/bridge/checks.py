@@ -1,8 +1,9 @@
 """The refusals a Hugging Face source gets before it is read (no forward needed): sources that are not decoder-only
 text transformers (:func:`check_hf_source`), block bridges and block pieces lens_aot has no component for
-(:func:`check_block`), and parameter dtypes other than float32 / float64 (:func:`check_dtype`). The built-in Hugging
-Face model readers register :func:`check_hf_source` and :func:`check_block` (:mod:`lens_aot.tl.builtin_readers`); a
-model reader registered from outside lens_aot for a Hugging Face family passes them too.
+(:func:`check_block`), parameter dtypes other than float32 / float64 (:func:`check_dtype`), and weights that are not
+in memory (:func:`check_in_memory`: accelerate's CPU or disk offload). The built-in Hugging Face model readers register
+:func:`check_hf_source` and :func:`check_block` (:mod:`lens_aot.tl.builtin_readers`); a model reader registered from
+outside lens_aot for a Hugging Face family passes them too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from lens_aot.core.dtypes import reads_half
+from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.attention.shared_kv_block import refuse_delegated_block
 from lens_aot.tl.blocks.sub_norms import refuse_sub_norms
 from lens_aot.tl.bridge.layout import check_embedding_projection
@@ -20,7 +22,7 @@ from lens_aot.tl.moe.gemma4 import GEMMA4_PIECES
 from lens_aot.tl.reading.pieces import FLOAT_DTYPES, bridge_refusal, subcomponent, subcomponent_names
 from lens_aot.tl.reading.probe import refuse_piece
 
-__all__ = ["check_block", "check_dtype", "check_hf_source"]
+__all__ = ["check_block", "check_dtype", "check_hf_source", "check_in_memory"]
 
 # Block bridges that delegate to the wrapped block's own forward and only decide which hooks exist.
 _PLAIN_BLOCKS = ("BlockBridge", "ParallelBlockBridge")
@@ -63,6 +65,78 @@ def check_dtype(model: nn.Module) -> torch.dtype:
             "Cast the bridge to float32 or float64 first: bridge.to(torch.float32).",
         )
     return dtype
+
+
+def _offload_hooks(module: nn.Module) -> list[Any]:
+    """The accelerate hooks attached to ``module`` itself that offload its weights (``_hf_hook``, a ``SequentialHook``'s
+    parts included; read from the module's own ``__dict__``, never through a bridge component's attribute
+    forwarding)."""
+    hook = vars(module).get("_hf_hook")
+    if hook is None:
+        return []
+    return [h for h in getattr(hook, "hooks", (hook,)) if getattr(h, "offload", False)]
+
+
+def _restorable(module: nn.Module, leaves: list[str]) -> bool:
+    """Whether removing accelerate's hook brings ``module``'s meta tensors ``leaves`` back: its offloading hook holds
+    them in a weights map and they were in memory when the model was dispatched (``AlignDevicesHook.detach_hook``
+    then puts each back on its original device; ``from_pretrained`` offload never loads them, so they stay ``meta``)."""
+    meta = torch.device("meta")
+    for hook in _offload_hooks(module):
+        originals = getattr(hook, "original_devices", {})
+        if getattr(hook, "weights_map", None) is not None and all(originals.get(leaf, meta) != meta for leaf in leaves):
+            return True
+    return False
+
+
+def check_in_memory(model: nn.Module) -> None:
+    """Refuse a source whose weights are not all in memory: parameters or buffers on the ``meta`` device, as
+    accelerate leaves the modules it offloads to the CPU or disk (``dispatch_model`` / ``from_pretrained`` with
+    ``"disk"`` or, beside a GPU, ``"cpu"`` entries in ``device_map``; ``cpu_offload``, ``disk_offload``), its hooks
+    loading them only during a forward. lens_aot reads every weight at once, so such a source is refused, naming how
+    many modules are affected and the fix that works for it (removing the hooks where they can bring the weights back,
+    else reloading without offload)."""
+    missing: list[str] = []
+    restorable = True
+    hooked = isinstance(getattr(model, "hf_device_map", None), dict)
+    for name, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        leaves = [leaf for leaf, tensor in own if tensor.is_meta]
+        if not leaves:
+            continue
+        missing.append(name.replace("._original_component", "").replace("_original_component.", "") or "(the model)")
+        hooked = hooked or bool(_offload_hooks(module))
+        restorable = restorable and _restorable(module, leaves)
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    what = "offloaded weights" if hooked else "weights on the meta device"
+    how = (
+        "accelerate offloaded them to the CPU or disk: they are on the meta device and its hooks load them only during "
+        "a forward"
+        if hooked
+        else "they are on the meta device, with no values (e.g. a model built under init_empty_weights)"
+    )
+    if restorable:
+        fix = (
+            "Bring them into memory first: `for m in [m for m in bridge.modules() if '_hf_hook' in vars(m)]: "
+            "accelerate.hooks.remove_hook_from_module(m)` (each module's weights return from accelerate's weights map "
+            "to the device they were on when it was dispatched; on the Hugging Face model before wrapping it, "
+            "`remove_hook_from_module(model, recurse=True)`), or load the model without offload."
+        )
+    else:
+        fix = (
+            "Load the model without offload: `from_pretrained(..., device_map=...)` with devices that hold every "
+            "module (no 'disk' entry, no 'cpu' entry beside a GPU), or without device_map and then "
+            "`model.to(device)`; a model that was in memory when accelerate dispatched it gets its weights back with "
+            "`accelerate.hooks.remove_hook_from_module(model, recurse=True)` before it is wrapped in a bridge. "
+            "Removing the hooks does not bring back weights that were never in memory (from_pretrained's "
+            "offload_folder) or that the bridge added on meta."
+        )
+    raise UnsupportedArchitectureError(
+        f"this TransformerBridge's source model has {what}: {len(missing)} modules' weights are not in memory "
+        f"({shown}; {how}), and lens_aot reads every weight to convert. {fix}"
+    )
 
 
 def _check_source(bridge: Any, model: nn.Module) -> None:

@@ -50,7 +50,7 @@ from lens_aot.tl.blocks.per_layer_inputs import PerLayerReading
 from lens_aot.tl.blocks.post_ln import is_post_ln
 from lens_aot.tl.blocks.post_norm import is_post_norm
 from lens_aot.tl.blocks.prediction_head import read_prediction_head
-from lens_aot.tl.bridge.checks import check_dtype
+from lens_aot.tl.bridge.checks import check_dtype, check_in_memory
 from lens_aot.tl.bridge.components import bridge_extra, token_embedding, unembedding
 from lens_aot.tl.bridge.layout import (
     block_layout,
@@ -106,6 +106,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     """
     cfg = bridge.cfg
     model = source_model(bridge)
+    check_in_memory(model)  # accelerate's CPU / disk offload leaves weights on meta (lens_aot.tl.bridge.checks)
     reader = model_reader(bridge, model)  # the first registered model reader that matches (lens_aot.tl.reading)
     if reader.check is not None:
         reader.check(bridge, model)
