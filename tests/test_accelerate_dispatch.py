@@ -200,3 +200,16 @@ def test_weights_from_pretrained_left_on_disk_are_refused(family: str, tmp_path:
     with torch.no_grad():
         logits = lens_aot.convert(_bridge(reloaded.eval(), architecture))(TOKENS)
     torch.testing.assert_close(logits, _reference(family), rtol=0, atol=0)
+
+
+def test_meta_weights_without_accelerate_are_refused() -> None:
+    """A bridge whose Hugging Face model holds a module on ``meta`` with no accelerate hook (e.g. built under
+    ``init_empty_weights``): refused, naming the module in the Hugging Face model's terms and saying the weights have
+    no values; never read as a model."""
+    model, architecture = _hf("llama")
+    model.model.layers[1].mlp.down_proj.to("meta")
+    with pytest.raises(UnsupportedArchitectureError) as refusal:
+        lens_aot.convert(_bridge(model, architecture))
+    message = str(refusal.value)
+    assert "weights on the meta device: 1 modules' weights are not in memory (model.layers.1.mlp.down_proj;" in message
+    assert "with no values" in message and "Load real weights into those modules first" in message

@@ -46,3 +46,12 @@ def test_consumed_bridge_leaves_one_copy(dtype: torch.dtype, tokens: torch.Tenso
         source(tokens)
     lens_aot.save(aot, tmp_path / "consumed")
     assert torch.equal(_logits(lens_aot.load(tmp_path / "consumed"), tokens), expected)
+
+
+def test_a_consumed_bridge_is_not_read_again() -> None:
+    """Converting a consumed bridge again is refused naming why (its weights were handed over; all on ``meta``), not
+    read as a model without weights."""
+    source = make_bridge("gpt2")
+    lens_aot.convert(source, consume=True)
+    with pytest.raises(InputError, match=r"consumed by lens_aot.convert\(..., consume=True\): it holds no weights"):
+        lens_aot.convert(source)

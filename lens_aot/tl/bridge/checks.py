@@ -117,7 +117,12 @@ def check_in_memory(model: nn.Module) -> None:
         if hooked
         else "they are on the meta device, with no values (e.g. a model built under init_empty_weights)"
     )
-    if restorable:
+    if not hooked:
+        fix = (
+            "Load real weights into those modules first (`from_pretrained(...)` without offload, or "
+            "`model.load_state_dict(state_dict, assign=True)` after `init_empty_weights`), then wrap the model."
+        )
+    elif restorable:
         fix = (
             "Bring them into memory first: `for m in [m for m in bridge.modules() if '_hf_hook' in vars(m)]: "
             "accelerate.hooks.remove_hook_from_module(m)` (each module's weights return from accelerate's weights map "

@@ -35,7 +35,9 @@ from torch import nn
 
 from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.ownership import exported
+from lens_aot.core.shared_weights import consumed
 from lens_aot.core.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, NormSpec
+from lens_aot.errors import InputError
 from lens_aot.tl.attention.alibi import strip_inner_residuals
 from lens_aot.tl.attention.projections import attention_projections
 from lens_aot.tl.attention.shared_kv_block import delegated_layer_scalar
@@ -106,6 +108,11 @@ def read_bridge(bridge: Any) -> ModelSpec:
     """
     cfg = bridge.cfg
     model = source_model(bridge)
+    if consumed(bridge):  # its weights were handed to a converted model (all on meta now)
+        raise InputError(
+            "this TransformerBridge was consumed by lens_aot.convert(..., consume=True): it holds no weights to read. "
+            "Use the model that conversion returned, or load the source again."
+        )
     check_in_memory(model)  # accelerate's CPU / disk offload leaves weights on meta (lens_aot.tl.bridge.checks)
     reader = model_reader(bridge, model)  # the first registered model reader that matches (lens_aot.tl.reading)
     if reader.check is not None:
