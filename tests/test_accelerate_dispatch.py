@@ -11,6 +11,7 @@ and the fix the refusal names converts it. Only the CPU exists here: several rea
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ import pytest
 import torch
 from accelerate import cpu_offload, dispatch_model
 from accelerate.hooks import remove_hook_from_module
-from factories_bridge import FAMILIES, N_LAYERS, _randomize_
+from factories_bridge import FAMILIES, N_LAYERS, _randomize_, tiny_tokenizer
 from torch import nn
+from transformer_lens.model_bridge import TransformerBridge
 
 import lens_aot
 from lens_aot.core.placement import Placement
@@ -213,3 +215,44 @@ def test_meta_weights_without_accelerate_are_refused() -> None:
     message = str(refusal.value)
     assert "weights on the meta device: 1 modules' weights are not in memory (model.layers.1.mlp.down_proj;" in message
     assert "with no values" in message and "Load real weights into those modules first" in message
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_boot_transformers_over_a_dispatched_or_offloading_load(family: str, tmp_path: Path) -> None:
+    """The user's route, offline from a local directory: ``TransformerBridge.boot_transformers(path,
+    hf_model=dispatched)`` converts as the plain boot does, bit for bit, with the placement of its ``hf_device_map``;
+    ``boot_transformers(path, device_map={..., "disk"}, offload_folder=...)`` (TransformerLens 4.3; 3.9 has no
+    ``offload_folder``) is refused naming the offloaded modules."""
+    model, architecture = _hf(family)
+    model.config.architectures = [architecture]
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = TransformerBridge.boot_transformers(path, tokenizer=tiny_tokenizer(), device="cpu").eval()
+        loaded = type(model).from_pretrained(path, attn_implementation="eager").eval()
+        dispatched = dispatch_model(loaded, device_map=_device_map(family), main_device="cpu", force_hooks=True)
+        bridge = TransformerBridge.boot_transformers(path, tokenizer=tiny_tokenizer(), hf_model=dispatched).eval()
+    assert _hooks(bridge.original_model) and bridge.original_model.hf_device_map == _device_map(family)
+    with torch.no_grad():
+        expected = lens_aot.convert(plain)(TOKENS)
+        aot = lens_aot.convert(bridge)
+        torch.testing.assert_close(aot(TOKENS), expected, rtol=0, atol=0)
+    assert aot.placement == Placement.from_device_map(_device_map(family), N_LAYERS)
+    if "offload_folder" not in inspect.signature(TransformerBridge.boot_transformers).parameters:
+        assert tl_version().startswith("3.")
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offloading = TransformerBridge.boot_transformers(
+            path,
+            tokenizer=tiny_tokenizer(),
+            device_map=_device_map(family, last_layer="disk"),
+            offload_folder=str(tmp_path / "offload"),
+        ).eval()
+    n_offloaded = _meta_modules(offloading.original_model)
+    with pytest.raises(UnsupportedArchitectureError, match="Load the model without offload") as refusal:
+        lens_aot.convert(offloading)
+    assert n_offloaded > 0 and f"offloaded weights: {n_offloaded} modules' weights are not in memory" in str(
+        refusal.value
+    )
