@@ -1,10 +1,13 @@
 """Constant multipliers around a bridge's blocks (Granite's μP multipliers, Cohere's logit scale), read from the
 source's modules and config and checked against the bridge's recorded forward (:mod:`lens_aot.tl.reading.probe`).
 
-* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward): folded into ``W_E``
-  (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same product; Gemma's √d_model, a buffer cast to the weight's dtype, is
-  kept apart instead: ``ModelSpec.embed_scale``), so ``hook_embed`` is the scaled embedding, as TransformerLens's
-  Granite bridge exposes it at ``hook_embed``.
+* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward, ``m`` a Python float): kept
+  apart from ``W_E`` (the source's raw weight) as ``ModelSpec.embed_scale`` with ``embed_scale_rounded=False``, and
+  multiplied at the lookup as the source does (:func:`~lens_aot.core.spec.model_spec.scaled_rows`). In float32 and
+  float64 this is the product the former fold into ``W_E`` computed (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same
+  elementwise product); in half precision ``W_E`` stays unrounded, so the float32 check of a half conversion
+  (:mod:`lens_aot.core.check.float32_blocks`) compares the source's own weights. ``hook_embed`` is the scaled
+  embedding, as TransformerLens 4.3's Granite bridge exposes it at ``hook_embed``.
 * ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): folded into each sublayer's output
   projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included), so ``hook_result`` of every head (neuron
   heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled contributions that are added to the residual
@@ -39,6 +42,24 @@ def _positive(value: Any, where: str, piece: str, layer: int | None = None) -> f
 def embedding_multiplier(config: Any) -> float | None:
     """The constant the forward multiplies the token embeddings by (``config.embedding_multiplier``), or None."""
     return _positive(getattr(config, "embedding_multiplier", None), "embedding multiplier", "embed")
+
+
+def embedding_scale(multiplier: float | None, scale: float, rounded: bool) -> tuple[float, bool]:
+    """``(ModelSpec.embed_scale, embed_scale_rounded)`` for a token embedding read as ``(scale, rounded)``
+    (:func:`~lens_aot.tl.bridge.components.token_embedding`) in a model whose forward multiplies the embeddings by
+    ``multiplier`` (a Python number: the product is rounded once, ``rounded=False``). Refused when both are set (a
+    scaled embedding module inside a model with an embedding multiplier: two roundings in half precision, which one
+    ``embed_scale`` cannot carry)."""
+    if multiplier is None:
+        return scale, rounded
+    if scale != 1.0:
+        raise refuse_piece(
+            None,
+            "embed",
+            f"an embedding multiplier ({multiplier}) around a scaled token embedding (scale {scale}): lens_aot "
+            "carries one embedding scale; convert a model with one of the two",
+        )
+    return multiplier, False
 
 
 def residual_multiplier(layer: int, block_module: Any) -> float | None:
