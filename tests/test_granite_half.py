@@ -1,0 +1,146 @@
+"""Granite's μP multipliers in half precision (issue 38): the embedding multiplier is kept apart from ``W_E``
+(``ModelSpec.embed_scale``, multiplied at the lookup as a number, as ``GraniteModel.forward`` does), so a bf16 or fp16
+Granite / GraniteMoe source with its real multipliers converts natively (no float32 fallback) within the 2× rule,
+``W_E`` is the source's raw weight (a shared view under ``share_weights``, the tied ``W_U`` its transpose),
+``hook_embed`` is the source's scaled embedding bit for bit, and saves keep the multiplier. The float32 and float64
+conversions are the fold's bit for bit (tests/test_multipliers.py keeps their faithfulness)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lens_aot
+import lens_aot.core.convert as convert_module
+from lens_aot.core.read import run_source
+from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.matrix.families import build_hf_model, families
+from lens_aot.matrix.measure import _source, tokens_for
+from lens_aot.tl.blocks.multipliers import embedding_scale
+from lens_aot.tl.registry import bridge_architectures
+
+GRANITES = ["GraniteForCausalLM", "GraniteMoeForCausalLM"]
+# Granite 3's own μP multipliers (the attention multiplier a power of two, as in the released configs)
+MULTIPLIERS = dict(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0, attention_multiplier=2**-7)
+HALVES = [torch.bfloat16, torch.float16]
+
+
+def _family(name: str, **fields: Any) -> Any:
+    """The matrix's family ``name`` with the real multipliers and ``fields`` (skipped where this TransformerLens's
+    registry lacks it)."""
+    family = {f.name: f for f in families(bridge_architectures())}.get(name)
+    if family is None or not family.in_scope:
+        pytest.skip(f"{name} is not in this TransformerLens's registry")
+    return dataclasses.replace(family, fields={**family.fields, **MULTIPLIERS, **fields})
+
+
+def _no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fallback(*args: object, **kwargs: object) -> None:
+        raise AssertionError("fell back to the float32 path")
+
+    monkeypatch.setattr(convert_module, "_upcast_half", no_fallback)
+
+
+def _model(family: Any, dtype: torch.dtype) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_hf_model(family).to(dtype)
+
+
+def _bridge(family: Any, dtype: torch.dtype) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _source(_model(family, dtype), family, "bridge", dtype)
+
+
+@pytest.mark.parametrize("d_model", [None, 128], ids=["default-width", "d128"])
+@pytest.mark.parametrize("half", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", GRANITES)
+def test_granite_half_sources_convert_natively(
+    name: str, half: torch.dtype, d_model: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No float32 fallback (``_upcast_half`` raises), the embedding multiplier is ``embed_scale`` (a number, not
+    rounded to half), and the converted half model is within twice the half source's own logit error against the
+    float32 source (the 2× rule, ``half_precision_tolerance``)."""
+    family = _family(name, **({} if d_model is None else {"hidden_size": d_model}))
+    _no_fallback(monkeypatch)
+    tokens = tokens_for(batch=2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = run_source(_bridge(family, torch.float32), tokens).float()
+        source = _bridge(family, half)
+        aot = lens_aot.convert(source, check_tokens=tokens)
+        source_error = float((run_source(source, tokens).float() - expected).abs().max())
+        error = float((aot(tokens).float() - expected).abs().max())
+    assert aot.report.dtype == str(half).removeprefix("torch.") and aot.report.half_path != "float32"
+    assert aot.embed.embed_scale == 12.0 and aot.embed.embed_scale_rounded is False
+    assert 0 < source_error < 1
+    assert error <= 2 * source_error, (error, source_error)
+    report = aot.report
+    assert report.half_logit_error is not None and report.half_source_logit_error is not None
+    assert report.half_logit_error <= 2 * report.half_source_logit_error
+
+
+@pytest.mark.parametrize("dtype", [*HALVES, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", GRANITES)
+def test_hook_embed_is_the_sources_scaled_embedding(name: str, dtype: torch.dtype) -> None:
+    """``hook_embed`` is ``embed_tokens(ids) · embedding_multiplier`` as ``GraniteModel.forward`` computes it, bit for
+    bit in every dtype (one rounding of the product of the rows and the number)."""
+    family = _family(name)
+    model = _model(family, dtype)
+    tokens = tokens_for(batch=2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        aot = lens_aot.convert(_source(model, family, "bridge", dtype), check=False)
+        _, cache = aot.run_with_cache(tokens, names_filter="hook_embed")
+        expected = model.get_input_embeddings()(tokens) * model.config.embedding_multiplier
+    assert torch.equal(cache["hook_embed"], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_converted_W_E_is_the_bridges(dtype: torch.dtype) -> None:
+    """``W_E`` is the source's raw embedding weight (not multiplied); with ``share_weights=True`` it is the bridge's
+    tensor (same storage) and the tied unembedding a transposed view of it; the logits are the copying conversion's
+    bit for bit."""
+    source = _bridge(_family("GraniteForCausalLM", tie_word_embeddings=True), dtype)
+    weight = source.original_model.model.embed_tokens.weight
+    tokens = tokens_for(batch=2)
+    copied = lens_aot.convert(source, check=False)
+    assert torch.equal(copied.W_E, weight) and copied.embed.embed_scale == 12.0
+    with torch.no_grad():
+        expected = copied(tokens)
+    del copied
+    aot = lens_aot.convert(source, share_weights=True, check=False)
+    assert aot.W_E.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert aot.shared_parameters["embed.W_E"]
+    assert aot.W_U.untyped_storage().data_ptr() == aot.W_E.untyped_storage().data_ptr()  # tied: W_U = W_Eᵀ
+    assert torch.equal(aot.W_U, aot.W_E.T)
+    with torch.no_grad():
+        assert torch.equal(aot(tokens), expected)
+
+
+def test_save_load_keeps_the_multiplier(tmp_path: Path) -> None:
+    """A saved bf16 Granite model loads with its embedding multiplier (a number, not rounded) and its logits bit for
+    bit."""
+    aot = lens_aot.convert(_bridge(_family("GraniteForCausalLM"), torch.bfloat16), check=False)
+    tokens = tokens_for(batch=2)
+    with torch.no_grad():
+        expected = aot(tokens)
+    loaded = lens_aot.load(lens_aot.save(aot, tmp_path / "m"))
+    assert (loaded.embed.embed_scale, loaded.embed.embed_scale_rounded) == (12.0, False)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), expected)
+
+
+def test_a_multiplier_beside_a_scaled_embedding_is_refused() -> None:
+    """One ``embed_scale`` cannot carry two roundings: a multiplier around a scaled embedding module is refused,
+    naming both; either alone is carried as read."""
+    assert embedding_scale(None, 11.3125, True) == (11.3125, True)
+    assert embedding_scale(12.0, 1.0, True) == (12.0, False)
+    with pytest.raises(UnsupportedArchitectureError, match=r"embedding multiplier \(12.0\).*scale 11.3125"):
+        embedding_scale(12.0, 11.3125, True)
