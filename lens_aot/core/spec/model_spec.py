@@ -228,6 +228,11 @@ class LayerSpec:
     # (core/components/residual/hyper_block.py). Both set or both None.
     hc_attn: HyperConnectionSpec | None = saved("hyper", None, variant=True, label="hyper-connections")
     hc_mlp: HyperConnectionSpec | None = saved("hyper", None, variant=True)
+    # Granite's ``resid + m·sublayer`` in a half-precision model: W_O, b_O, W_out, b_out are the source's own and each
+    # sublayer's output is multiplied by this number before hook_attn_out / hook_mlp_out, as the source multiplies
+    # (core/components/residual/block.py; every head's hook_result is scaled too). None: no multiplier, or (float32,
+    # float64) folded into those weights when read, the same product (lens_aot.tl.blocks.multipliers).
+    residual_multiplier: float | None = saved("float", None, variant=True, label="a residual multiplier")
 
 
 @dataclass

@@ -8,10 +8,15 @@ source's modules and config and checked against the bridge's recorded forward (:
   elementwise product); in half precision ``W_E`` stays unrounded, so the float32 check of a half conversion
   (:mod:`lens_aot.core.check.float32_blocks`) compares the source's own weights. ``hook_embed`` is the scaled
   embedding, as TransformerLens 4.3's Granite bridge exposes it at ``hook_embed``.
-* ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): folded into each sublayer's output
-  projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included), so ``hook_result`` of every head (neuron
-  heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled contributions that are added to the residual
-  stream, as on TransformerLens's ``ScaledResidualBlockBridge``; ``hook_z`` and ``mlp.hook_post`` are unchanged.
+* ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): in float32 and float64, folded into each
+  sublayer's output projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included); in half precision
+  kept apart as ``LayerSpec.residual_multiplier``, the weights the source's own, and multiplied at each sublayer's
+  output as the source does (:class:`~lens_aot.core.components.residual.block.TransformerBlock`): a half fold would
+  round ``W·m`` where the source rounds ``(x·W)·m``, so the float32 check of a half conversion
+  (:mod:`lens_aot.core.check.float32_blocks`) would compare weights the source does not hold. Either way
+  ``hook_result`` of every head (neuron heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled
+  contributions that are added to the residual stream, as on TransformerLens's ``ScaledResidualBlockBridge``;
+  ``hook_z`` and ``mlp.hook_post`` are unchanged.
 * ``attention_multiplier`` is the attention module's ``scaling`` (read by :mod:`lens_aot.tl.bridge.attention`).
 * The logit multiplier (Cohere ``logit_scale``, Granite ``1 / logits_scaling``): the
   :class:`~lens_aot.core.components.logit_scale.LogitScale` component after the unembedding.
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, MoESpec
 from lens_aot.tl.reading.probe import Call, close, refuse_piece
 
@@ -97,12 +103,21 @@ def scaled(t: Tensor, multiplier: float | None) -> Tensor:
     return t if multiplier is None else t * multiplier
 
 
-def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None) -> None:
-    """Fold ``resid + m·sublayer`` into the sublayers' output projections, in place (see the module docstring)."""
+def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None, dtype: torch.dtype) -> None:
+    """Carry ``resid + m·sublayer`` in ``spec``, in place (see the module docstring): folded into the sublayers'
+    output projections in float32 and float64 (``W·m``: exact to the source's own rounding of ``(x·W)·m``), held as
+    ``spec.residual_multiplier`` in half precision (the weights unrounded)."""
     if multiplier is None:
         return
     if spec.ln1_post is not None or spec.ln2_post is not None or spec.post_norm:
         raise refuse_piece(layer, "block", "a residual multiplier together with norms after the sublayers")
+    if dtype in HALF_DTYPES:
+        if spec.residual_norm or spec.per_layer is not None or spec.hc_attn is not None:
+            raise refuse_piece(
+                layer, "block", "a residual multiplier in a post-LN, per-layer-input or hyper-connection block"
+            )
+        spec.residual_multiplier = multiplier
+        return
     spec.attn.W_O = spec.attn.W_O * multiplier
     spec.attn.b_O = spec.attn.b_O * multiplier
     mlps: list[MLPSpec] = []

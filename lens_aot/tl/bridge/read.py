@@ -203,7 +203,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             )
         if finite:
             verify_layer(layer, spec, reading.rotary, bool(reading.causal), calls, layers)
-        fold_residual_multiplier(layer, spec, multipliers[layer])
+        fold_residual_multiplier(layer, spec, multipliers[layer], dtype)
         layers.append(spec)
 
     prediction_head = read_prediction_head(bridge, dtype) if hf else None  # ModernBERT-decoder's lm_head
