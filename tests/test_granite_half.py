@@ -144,3 +144,78 @@ def test_a_multiplier_beside_a_scaled_embedding_is_refused() -> None:
     assert embedding_scale(12.0, 1.0, True) == (12.0, False)
     with pytest.raises(UnsupportedArchitectureError, match=r"embedding multiplier \(12.0\).*scale 11.3125"):
         embedding_scale(12.0, 11.3125, True)
+
+
+def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max())
+
+
+@pytest.mark.parametrize("half", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", GRANITES)
+def test_half_residual_multiplier_is_carried_apart(name: str, half: torch.dtype) -> None:
+    """In half precision ``W_O`` is the source's ``o_proj`` weight (unrounded, not multiplied) and each layer holds
+    the residual multiplier (``LayerSpec.residual_multiplier``); in float32 it is folded into ``W_O`` as before (the
+    spec holds none)."""
+    family = _family(name)
+    for dtype in (half, torch.float32):
+        model = _model(family, dtype)
+        aot = lens_aot.convert(_source(model, family, "bridge", dtype), check=False)
+        o_proj = model.model.layers[0].self_attn.o_proj.weight  # [d_model, n_heads·d_head]
+        W_O = aot.blocks[0].attn.W_O.detach().flatten(0, 1).T
+        multipliers = [layer.residual_multiplier for layer in aot.to_spec().layers]
+        if dtype == half:
+            assert multipliers == [0.22] * len(multipliers) and torch.equal(W_O, o_proj)
+        else:
+            assert multipliers == [None] * len(multipliers) and torch.equal(W_O, o_proj * 0.22)
+
+
+@pytest.mark.parametrize("half", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", GRANITES)
+def test_half_hooks_are_the_scaled_contributions(name: str, half: torch.dtype) -> None:
+    """With the multiplier apart, ``hook_attn_out`` / ``hook_mlp_out`` are the scaled contributions, as on the half
+    bridge (TransformerLens's ``ScaledResidualBlockBridge``; to half rounding: 2e-2 of the largest value, where a
+    missing or doubled multiplier is off by 78% or more); each head's ``hook_result`` (attention and the MLP's output
+    heads, every expert's) is ``z·W_O·m``, and the attention heads' results sum to ``hook_attn_out``, so zeroing them
+    zeroes it (``b_O`` is 0)."""
+    family = _family(name)
+    source = _bridge(family, half)
+    tokens = tokens_for(batch=2)
+    aot = lens_aot.convert(source, check_tokens=tokens)
+    aot.set_use_attn_result(True)
+    with torch.no_grad():
+        _, ours = aot.run_with_cache(tokens)
+        _, theirs = source.run_with_cache(tokens)
+    for hook in ["blocks.0.hook_attn_out", "blocks.0.hook_mlp_out", "blocks.1.hook_attn_out", "blocks.1.hook_mlp_out"]:
+        assert _relative(ours[hook], theirs[hook]) < 2e-2, hook
+    attn = aot.blocks[0].attn
+    heads = ours["blocks.0.attn.hook_result"].float().sum(2) + attn.b_O.detach().float() * 0.22
+    assert _relative(heads, ours["blocks.0.hook_attn_out"]) < 2e-2
+    products = [n for n in ours if n.startswith("blocks.0.mlp") and n.endswith("product_heads.hook_result")]
+    assert products
+    for hook in products:
+        heads_module = aot.get_submodule(hook.removesuffix(".hook_result"))
+        expected = ours[hook.replace("hook_result", "hook_z")] * heads_module.W_O.detach().squeeze(1) * 0.22
+        assert torch.equal(ours[hook], expected), hook
+
+    def zero(result: torch.Tensor, hook: Any) -> torch.Tensor:
+        return torch.zeros_like(result)
+
+    with torch.no_grad(), aot.hooks(fwd_hooks=[("blocks.0.attn.hook_result", zero)]):
+        _, zeroed = aot.run_with_cache(tokens)
+    assert not zeroed["blocks.0.hook_attn_out"].any()
+
+
+def test_half_multiplier_survives_save_load_and_revert(tmp_path: Path) -> None:
+    """A bf16 Granite MoE saved with its residual multipliers loads with them and its logits bit for bit; reverted to
+    the reference MLP model, it computes the converted model's function (to half rounding)."""
+    family = _family("GraniteMoeForCausalLM")
+    aot = lens_aot.convert(_bridge(family, torch.bfloat16), check=False)
+    tokens = tokens_for(batch=2)
+    with torch.no_grad():
+        expected = aot(tokens)
+    loaded = lens_aot.load(lens_aot.save(aot, tmp_path / "m"))
+    assert [layer.residual_multiplier for layer in loaded.to_spec().layers] == [0.22] * len(aot.blocks)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), expected)
+        reverted = lens_aot.revert(aot, to="reference")(tokens)
+    assert _relative(reverted, expected) < 2e-2

@@ -70,6 +70,11 @@ def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:
         raise _refuse("it scales its NoPE layers' queries by position (Llama 4); TransformerLens does not")
     if any(getattr(layer, "layer_scalar", None) is not None for layer in spec.layers):
         raise _refuse("it multiplies the residual stream at each layer's end (Gemma 4's layer_scalar)")
+    if any(getattr(layer, "residual_multiplier", None) is not None for layer in spec.layers):
+        raise _refuse(
+            "it multiplies each sublayer's output by a residual multiplier (a half-precision Granite); a float32 or "
+            "float64 conversion holds it in W_O / W_out"
+        )
     if getattr(spec, "per_layer_inputs", None) is not None:
         raise _refuse("it adds a sublayer fed by per-layer token embeddings (Gemma 4's per-layer input embeddings)")
     if any(getattr(layer.attn, "v_norm", None) is not None for layer in spec.layers):
