@@ -219,3 +219,22 @@ def test_half_multiplier_survives_save_load_and_revert(tmp_path: Path) -> None:
         assert torch.equal(loaded(tokens), expected)
         reverted = lens_aot.revert(aot, to="reference")(tokens)
     assert _relative(reverted, expected) < 2e-2
+
+
+def test_linear_patching_refuses_a_half_residual_multiplier() -> None:
+    """Gradient attribution maps a head's output through ``W_O``, which in half precision does not hold the residual
+    multiplier: refused, naming the multiplier and the fix (the float32 conversion, which folds it, is accepted)."""
+    from lens_aot.errors import InputError
+    from lens_aot.patching import attribute_heads
+
+    family = _family("GraniteForCausalLM")
+    tokens = tokens_for(batch=1)
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 0].sum()
+
+    half = lens_aot.convert(_bridge(family, torch.bfloat16), check=False)
+    with pytest.raises(InputError, match="residual multiplier.*Convert in float32"):
+        attribute_heads(half, tokens, tokens.flip(-1), metric)
+    full = lens_aot.convert(_bridge(family, torch.float32), check=False)
+    assert attribute_heads(full, tokens, tokens.flip(-1), metric) is not None
