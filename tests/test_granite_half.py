@@ -238,3 +238,23 @@ def test_linear_patching_refuses_a_half_residual_multiplier() -> None:
         attribute_heads(half, tokens, tokens.flip(-1), metric)
     full = lens_aot.convert(_bridge(family, torch.float32), check=False)
     assert attribute_heads(full, tokens, tokens.flip(-1), metric) is not None
+
+
+def test_weight_reading_analyses_refuse_a_half_residual_multiplier() -> None:
+    """Analyses that read what a head writes from ``W_O`` / ``W_out`` (OV circuits, circuit discovery and evaluation,
+    attribution graphs) refuse a half-precision model whose residual multiplier those weights do not hold, naming the
+    fix; activation patching reruns the block (its linear shortcut is off there) and the float32 conversion, which
+    folds the multiplier, is accepted."""
+    from lens_aot.analysis.attribution_graphs.graph import attribution_graph
+    from lens_aot.analysis.circuits.qk_ov import ov_circuit
+    from lens_aot.analysis.patching.module_hooks import _writes_linearly
+    from lens_aot.errors import InputError
+
+    family = _family("GraniteForCausalLM")
+    half = lens_aot.convert(_bridge(family, torch.bfloat16), check=False)
+    for call in (lambda m: ov_circuit(m, (0, 0)), lambda m: attribution_graph(m, tokens_for(batch=1)[0])):
+        with pytest.raises(InputError, match="residual multiplier.*Convert in float32"):
+            call(half)
+    assert not _writes_linearly(half, "blocks.0.attn")
+    full = lens_aot.convert(_bridge(family, torch.float32), check=False)
+    assert ov_circuit(full, (0, 0)) is not None and _writes_linearly(full, "blocks.0.attn")

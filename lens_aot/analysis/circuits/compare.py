@@ -97,7 +97,7 @@ def _geometric(total: int, count: int = 10) -> list[int]:
     return [n for n in out if n <= total]
 
 
-@converted_only(metric="circuit")
+@converted_only(metric="circuit", writes=True)
 def compare_granularities(
     aot: Any,
     dataset: Dataset,

@@ -246,7 +246,7 @@ def _scores(send: _Factors, recv: _Factors, mode: str, seen: _Factors | None = N
     return scores.masked_fill(send.ov_zero[:, None] | zero_B[None, :], 0.0)
 
 
-@converted_only
+@converted_only(writes=True)
 def composition_scores(
     aot: AttentionOnlyTransformer,
     sender: names.SublayerLike,
@@ -300,7 +300,7 @@ def composition_scores(
     )
 
 
-@converted_only
+@converted_only(writes=True)
 def composition_score(
     aot: AttentionOnlyTransformer, sender: names.HeadLike, receiver: names.HeadLike, mode: Mode, *, fold_ln: bool = True
 ) -> float:

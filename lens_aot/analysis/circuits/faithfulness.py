@@ -160,7 +160,7 @@ def units(graph: Graph) -> int:
     return c["attention"] + c["mlp"] + c["neuron"]
 
 
-@converted_only(metric="circuit")
+@converted_only(metric="circuit", writes=True)
 def faithfulness_curve(
     aot: Any,
     graph: Graph,

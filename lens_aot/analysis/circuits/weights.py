@@ -142,7 +142,7 @@ def _raw_head_weights(attn: Any, h: int) -> dict[str, Tensor]:
     )
 
 
-@converted_only
+@converted_only(writes=True)
 def head_weights(aot: AttentionOnlyTransformer, head: HeadLike, *, fold_ln: bool = True) -> HeadWeights:
     """A head's weights (detached), with the norm its sub-layer reads through folded in when ``fold_ln`` (see the
     module docstring).

@@ -189,7 +189,11 @@ def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
 
 def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
     """Whether module ``name`` has an output hook and a ``W_O``, so its output is ``Σ_h z_h · W_O[h] + b_O`` and a
-    change of head outputs can be applied to its output directly."""
+    change of head outputs can be applied to its output directly (not in a block whose residual multiplier ``W_O``
+    does not hold, a half-precision Granite's: patched through ``hook_z`` there, rerunning the block)."""
+    parts = name.split(".")
+    if parts[0] == "blocks" and getattr(aot.blocks[int(parts[1])], "residual_multiplier", None) is not None:
+        return False
     kind = _kind_of(name)
     if kind == "gate" and not _linear_scratch(aot, name):  # a product of it is read: patch hook_z instead
         return False

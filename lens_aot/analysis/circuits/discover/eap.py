@@ -79,7 +79,7 @@ def _top_neurons(
 
 
 @torch.no_grad()
-@converted_only(metric="circuit")
+@converted_only(metric="circuit", writes=True)
 def discover(
     aot: Any,
     dataset: Dataset,
