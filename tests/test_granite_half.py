@@ -258,3 +258,17 @@ def test_weight_reading_analyses_refuse_a_half_residual_multiplier() -> None:
     assert not _writes_linearly(half, "blocks.0.attn")
     full = lens_aot.convert(_bridge(family, torch.float32), check=False)
     assert ov_circuit(full, (0, 0)) is not None and _writes_linearly(full, "blocks.0.attn")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cache_head_results_carry_the_multiplier(dtype: torch.dtype) -> None:
+    """``cache.compute_head_results()`` (no ``use_attn_result``) gives each head's scaled contribution in every dtype
+    and TransformerLens version: the heads sum to ``hook_attn_out`` (``b_O`` is 0), where ``z·W_O`` alone would be
+    off by ``1/m - 1`` (3.5) in half precision."""
+    aot = lens_aot.convert(_bridge(_family("GraniteForCausalLM"), dtype), check=False)
+    with torch.no_grad():
+        _, cache = aot.run_with_cache(tokens_for(batch=2))
+        cache.compute_head_results()
+    for layer in range(len(aot.blocks)):
+        heads = cache[f"blocks.{layer}.attn.hook_result"].float().sum(-2)
+        assert _relative(heads, cache[f"blocks.{layer}.hook_attn_out"]) < 2e-2

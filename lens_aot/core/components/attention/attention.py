@@ -283,6 +283,13 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return q, k
 
+    @property
+    def _result_contribution_scale(self) -> float:
+        """``result_scale`` under the name TransformerLens 4's ``ActivationCache`` reads when it computes each head's
+        result from ``hook_z`` and ``W_O`` (``compute_head_results``, as for its ``ScaledResidualBlockBridge``): 1
+        when there is none."""
+        return 1.0 if self.result_scale is None else self.result_scale
+
     def write_out(self, z: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos d_model"]:
         """``z·W_O + b_O``, through ``hook_result`` (one row per head) when ``use_attn_result`` is on; times
         ``result_scale`` where the block sets one (a half-precision Granite's residual multiplier,
