@@ -295,7 +295,7 @@ class Attention(nn.Module):
         ``result_scale`` where the block sets one (a half-precision Granite's residual multiplier,
         :class:`~lens_aot.core.components.residual.block.TransformerBlock`: each head's result is then the scaled
         contribution, as on TransformerLens's ``ScaledResidualBlockBridge``)."""
-        scale = self.result_scale
+        scale = self.__dict__.get("result_scale")  # (MLA's heads call this method without Attention's __init__)
         if self.use_attn_result:
             result = einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d")
             result = self.hook_result(result if scale is None else result * scale)
