@@ -272,3 +272,13 @@ def test_cache_head_results_carry_the_multiplier(dtype: torch.dtype) -> None:
     for layer in range(len(aot.blocks)):
         heads = cache[f"blocks.{layer}.attn.hook_result"].float().sum(-2)
         assert _relative(heads, cache[f"blocks.{layer}.hook_attn_out"]) < 2e-2
+
+
+def test_revert_to_hooked_refuses_a_half_residual_multiplier() -> None:
+    """The HookedTransformer config writer that ``revert(aot, to="hooked")`` uses names a half-precision residual
+    multiplier (a HookedTransformer has none) and where a float32 conversion holds it."""
+    from lens_aot.tl.hooked.write_variants import variant_config
+
+    aot = lens_aot.convert(_bridge(_family("GraniteForCausalLM", logits_scaling=1.0), torch.bfloat16), check=False)
+    with pytest.raises(UnsupportedArchitectureError, match="residual multiplier.*float32 or float64 conversion"):
+        variant_config(aot.to_spec(), 1e-5)
