@@ -63,7 +63,7 @@ def embedding_scale(multiplier: float | None, scale: float, rounded: bool) -> tu
             None,
             "embed",
             f"an embedding multiplier ({multiplier}) around a scaled token embedding (scale {scale}): lens_aot "
-            "carries one embedding scale; convert a model with one of the two",
+            "carries one embedding scale, and no supported source has both (report the model to lens_aot)",
         )
     return multiplier, False
 
@@ -105,7 +105,7 @@ def scaled(t: Tensor, multiplier: float | None) -> Tensor:
 
 def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None, dtype: torch.dtype) -> None:
     """Carry ``resid + m·sublayer`` in ``spec``, in place (see the module docstring): folded into the sublayers'
-    output projections in float32 and float64 (``W·m``: exact to the source's own rounding of ``(x·W)·m``), held as
+    output projections in float32 and float64 (``x·(W·m)``: the source's ``(x·W)·m`` to that dtype's rounding), held as
     ``spec.residual_multiplier`` in half precision (the weights unrounded)."""
     if multiplier is None:
         return
