@@ -105,8 +105,8 @@ def test_hook_embed_is_the_sources_scaled_embedding(name: str, dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_converted_W_E_is_the_bridges(dtype: torch.dtype) -> None:
     """``W_E`` is the source's raw embedding weight (not multiplied); with ``share_weights=True`` it is the bridge's
-    tensor (same storage) and the tied unembedding a transposed view of it; the logits are the copying conversion's
-    bit for bit."""
+    tensor (same storage) and the tied unembedding a transposed view of it (in half precision ``W_O`` and ``W_out``
+    are shared too); the logits are the copying conversion's bit for bit."""
     source = _bridge(_family("GraniteForCausalLM", tie_word_embeddings=True), dtype)
     weight = source.original_model.model.embed_tokens.weight
     tokens = tokens_for(batch=2)
@@ -118,6 +118,9 @@ def test_converted_W_E_is_the_bridges(dtype: torch.dtype) -> None:
     aot = lens_aot.convert(source, share_weights=True, check=False)
     assert aot.W_E.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
     assert aot.shared_parameters["embed.W_E"]
+    # half precision: W_O and W_out are the source's own too (the residual multiplier kept apart); float32 folds it
+    folded = {"blocks.0.attn.W_O", "blocks.0.mlp.W_out"}
+    assert folded <= set(aot.shared_parameters) if dtype != torch.float32 else not folded & set(aot.shared_parameters)
     assert aot.W_U.untyped_storage().data_ptr() == aot.W_E.untyped_storage().data_ptr()  # tied: W_U = W_Eᵀ
     assert torch.equal(aot.W_U, aot.W_E.T)
     with torch.no_grad():
