@@ -224,45 +224,6 @@ def test_half_multiplier_survives_save_load_and_revert(tmp_path: Path) -> None:
     assert _relative(reverted, expected) < 2e-2
 
 
-def test_linear_patching_refuses_a_half_residual_multiplier() -> None:
-    """Gradient attribution maps a head's output through ``W_O``, which in half precision does not hold the residual
-    multiplier: refused, naming the multiplier and the fix (the float32 conversion, which folds it, is accepted)."""
-    from lens_aot.errors import InputError
-    from lens_aot.patching import attribute_heads
-
-    family = _family("GraniteForCausalLM")
-    tokens = tokens_for(batch=1)
-
-    def metric(logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, -1, 0].sum()
-
-    half = lens_aot.convert(_bridge(family, torch.bfloat16), check=False)
-    with pytest.raises(InputError, match="residual multiplier.*Convert in float32"):
-        attribute_heads(half, tokens, tokens.flip(-1), metric)
-    full = lens_aot.convert(_bridge(family, torch.float32), check=False)
-    assert attribute_heads(full, tokens, tokens.flip(-1), metric) is not None
-
-
-def test_weight_reading_analyses_refuse_a_half_residual_multiplier() -> None:
-    """Analyses that read what a head writes from ``W_O`` / ``W_out`` (OV circuits, circuit discovery and evaluation,
-    attribution graphs) refuse a half-precision model whose residual multiplier those weights do not hold, naming the
-    fix; activation patching reruns the block (its linear shortcut is off there) and the float32 conversion, which
-    folds the multiplier, is accepted."""
-    from lens_aot.analysis.attribution_graphs.graph import attribution_graph
-    from lens_aot.analysis.circuits.qk_ov import ov_circuit
-    from lens_aot.analysis.patching.module_hooks import _writes_linearly
-    from lens_aot.errors import InputError
-
-    family = _family("GraniteForCausalLM")
-    half = lens_aot.convert(_bridge(family, torch.bfloat16), check=False)
-    for call in (lambda m: ov_circuit(m, (0, 0)), lambda m: attribution_graph(m, tokens_for(batch=1)[0])):
-        with pytest.raises(InputError, match="residual multiplier.*Convert in float32"):
-            call(half)
-    assert not _writes_linearly(half, "blocks.0.attn")
-    full = lens_aot.convert(_bridge(family, torch.float32), check=False)
-    assert ov_circuit(full, (0, 0)) is not None and _writes_linearly(full, "blocks.0.attn")
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cache_head_results_carry_the_multiplier(dtype: torch.dtype) -> None:
     """``cache.compute_head_results()`` (no ``use_attn_result``) gives each head's scaled contribution in every dtype
@@ -277,11 +238,30 @@ def test_cache_head_results_carry_the_multiplier(dtype: torch.dtype) -> None:
         assert _relative(heads, cache[f"blocks.{layer}.hook_attn_out"]) < 2e-2
 
 
-def test_revert_to_hooked_refuses_a_half_residual_multiplier() -> None:
-    """The HookedTransformer config writer that ``revert(aot, to="hooked")`` uses names a half-precision residual
-    multiplier (a HookedTransformer has none) and where a float32 conversion holds it."""
-    from lens_aot.tl.hooked.write_variants import variant_config
+def test_revert_to_hooked_folds_a_half_residual_multiplier() -> None:
+    """``revert(aot, to="hooked")`` folds a half-precision residual multiplier into ``W_O`` / ``b_O`` / ``W_out`` /
+    ``b_out`` (every expert's) in the weights' dtype, as a float32 conversion folds it (a HookedTransformer has no
+    multiplier): the folded spec holds none and its config is written; the model's own spec is not modified, and a
+    spec without a multiplier is returned as is. (A converted Granite bridge's float32 norms keep the full revert
+    refused for another reason, tests/test_hooked_*.)"""
+    from lens_aot.tl.hooked.write_variants import folded_multipliers, variant_config
 
-    aot = lens_aot.convert(_bridge(_family("GraniteForCausalLM", logits_scaling=1.0), torch.bfloat16), check=False)
-    with pytest.raises(UnsupportedArchitectureError, match="residual multiplier.*float32 or float64 conversion"):
-        variant_config(aot.to_spec(), 1e-5)
+    for name in GRANITES:
+        aot = lens_aot.convert(_bridge(_family(name, logits_scaling=1.0), torch.bfloat16), check=False)
+        spec = aot.to_spec()
+        folded = folded_multipliers(spec)
+        assert [layer.residual_multiplier for layer in folded.layers] == [None] * len(spec.layers)
+        assert [layer.residual_multiplier for layer in spec.layers] == [0.22] * len(spec.layers)
+        variant_config(folded, 1e-5)
+        for ours, theirs in zip(folded.layers, spec.layers, strict=True):
+            assert torch.equal(ours.attn.W_O, theirs.attn.W_O * 0.22) and ours.attn.W_O.dtype == torch.bfloat16
+            assert torch.equal(ours.attn.b_O, theirs.attn.b_O * 0.22)
+            mlps = (
+                [(ours.mlp, theirs.mlp)]
+                if name == "GraniteForCausalLM"
+                else zip(ours.mlp.experts, theirs.mlp.experts, strict=True)
+            )
+            for a, b in mlps:
+                assert torch.equal(a.W_out, b.W_out * 0.22) and torch.equal(a.b_out, b.b_out * 0.22)
+    full = lens_aot.convert(_bridge(_family("GraniteForCausalLM"), torch.float32), check=False).to_spec()
+    assert folded_multipliers(full) is full

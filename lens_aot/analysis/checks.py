@@ -55,31 +55,14 @@ def require_converted(model: Any, what: str) -> None:
 MetricForm = Literal["patching", "circuit"]
 
 
-def require_folded_multipliers(model: Any, what: str) -> None:
-    """Refuse ``what`` (an analysis that reads what a head writes from its ``W_O`` / ``W_out``) on a model whose
-    blocks multiply their sublayers' outputs by a residual multiplier those weights do not hold (a half-precision
-    Granite conversion, ``LayerSpec.residual_multiplier``), naming the fix."""
-    layers = [i for i, block in enumerate(model.blocks) if getattr(block, "residual_multiplier", None) is not None]
-    if layers:
-        raise InputError(
-            f"{what} reads what each head writes from its W_O / W_out, but layers {layers} multiply their sublayers' "
-            f"outputs by a residual multiplier that W_O / W_out do not hold (a half-precision Granite conversion). "
-            f"Convert in float32 or float64, where the multiplier is folded into W_O / W_out: "
-            f"lens_aot.convert(source.to(torch.float32))."
-        )
-
-
-def converted_only(
-    fn: F | None = None, *, metric: MetricForm | None = None, name: str | None = None, writes: bool = False
-) -> Any:
+def converted_only(fn: F | None = None, *, metric: MetricForm | None = None, name: str | None = None) -> Any:
     """Wrap a public analysis function whose first argument is the model so that, before anything else runs, it
     refuses a model that is not converted (:func:`require_converted`) and, with ``metric``, a metric argument
     (``metric`` or ``patching_metric``) not of that form (:func:`patching_metric` / :func:`circuit_metric`).
     ``@converted_only`` or ``@converted_only(metric="patching")``; ``name``: the function's public name in messages
-    (default: its own); ``writes``: the function reads what heads write from ``W_O`` / ``W_out``
-    (:func:`require_folded_multipliers`)."""
+    (default: its own)."""
     if fn is None:
-        return functools.partial(converted_only, metric=metric, name=name, writes=writes)
+        return functools.partial(converted_only, metric=metric, name=name)
     what = name or fn.__name__
     signature = inspect.signature(fn)
     check = {None: None, "patching": patching_metric, "circuit": circuit_metric}[metric]
@@ -87,8 +70,6 @@ def converted_only(
     @functools.wraps(fn)
     def checked(model: Any, *args: Any, **kwargs: Any) -> Any:
         require_converted(model, what)
-        if writes:
-            require_folded_multipliers(model, what)
         if check is not None:
             try:
                 bound = signature.bind_partial(model, *args, **kwargs).arguments

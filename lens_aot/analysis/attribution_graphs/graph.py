@@ -69,7 +69,7 @@ from lens_aot.analysis.attribution_graphs.page import show_html, write_html
 from lens_aot.analysis.attribution_graphs.prune import combined, coo, entry_mask, node_influence, prune_masks, scores
 from lens_aot.analysis.attribution_graphs.run import FrozenPrompt
 from lens_aot.analysis.attribution_graphs.verify import GraphVerification, verify_graph
-from lens_aot.analysis.checks import require_converted, require_folded_multipliers
+from lens_aot.analysis.checks import require_converted
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError
 
@@ -394,7 +394,6 @@ def attribution_graph(
             (hyper-connections, Gemma 4's per-layer inputs, gated attention outputs, a shared expert's gate).
     """
     require_converted(aot, "attribution_graph")  # its neurons are the graph's nodes
-    require_folded_multipliers(aot, "attribution_graph")  # its edges read what heads write from W_O / W_out
     if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
         raise InputError(
             f"max_nodes must be a positive int (the neurons and heads the graph keeps) or None (every active one); "

@@ -97,7 +97,7 @@ def _geometric(total: int, count: int = 10) -> list[int]:
     return [n for n in out if n <= total]
 
 
-@converted_only(metric="circuit", writes=True)
+@converted_only(metric="circuit")
 def compare_granularities(
     aot: Any,
     dataset: Dataset,

@@ -279,7 +279,7 @@ def _record_corrupted(aot: Any, graph: Graph, tokens: Tensor, posts: set[str]) -
 
 
 @torch.no_grad()
-@converted_only(metric="circuit", writes=True)
+@converted_only(metric="circuit")
 def evaluate(
     aot: Any, graph: Graph, dataset: Dataset, metric: CircuitMetric, *, progress: Progress = "auto"
 ) -> Float[Tensor, " example"]:
@@ -310,7 +310,7 @@ def evaluate(
 
 
 @torch.no_grad()
-@converted_only(metric="circuit", writes=True)
+@converted_only(metric="circuit")
 def evaluate_baseline(aot: Any, dataset: Dataset, metric: CircuitMetric) -> Baseline:
     """The metric per example on the clean and on the corrupted input, without intervention (the full and the
     empty circuit)."""

@@ -160,7 +160,7 @@ def units(graph: Graph) -> int:
     return c["attention"] + c["mlp"] + c["neuron"]
 
 
-@converted_only(metric="circuit", writes=True)
+@converted_only(metric="circuit")
 def faithfulness_curve(
     aot: Any,
     graph: Graph,

@@ -98,7 +98,7 @@ def qk_circuit(
     return FactoredMatrix(torch.cat(rows), torch.cat(cols).T)
 
 
-@converted_only(writes=True)
+@converted_only
 def ov_circuit(
     aot: AttentionOnlyTransformer,
     head: HeadLike,
@@ -204,7 +204,7 @@ def circuit_input(
     return torch.cat([main, scratch], dim=-1)
 
 
-@converted_only(writes=True)
+@converted_only
 def circuit_scores(
     aot: AttentionOnlyTransformer, head: HeadLike, x: Float[Tensor, "... pos d_in"], *, fold_ln: bool = True
 ) -> Float[Tensor, "... query key_and_slots"]:

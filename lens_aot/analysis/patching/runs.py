@@ -291,19 +291,13 @@ def _integrated_grads(
 def _require_linear_writes(aot: AttentionOnlyTransformer, what: str) -> None:
     """Refuse ``what`` (an algorithm that maps a head's output change or gradient through ``W_O`` to
     ``hook_attn_out`` / ``hook_mlp_out``) on layers that normalize a sublayer's output before it reaches the residual
-    stream (sandwich norms ``ln1_post`` / ``ln2_post``: Gemma 2/3; post-norm: OLMo-2), where that map is not linear,
-    and on layers whose residual multiplier ``W_O`` does not hold (a half-precision Granite)."""
+    stream (sandwich norms ``ln1_post`` / ``ln2_post``: Gemma 2/3; post-norm: OLMo-2), where that map is not linear (a
+    half-precision Granite's residual multiplier is linear: carried by :func:`~.module_hooks._write_map` and
+    :func:`~.module_hooks._head_grads`)."""
     for layer, block in enumerate(aot.blocks):
         if block.post_norm or hasattr(block, "ln1_post") or hasattr(block, "ln2_post"):
             raise InputError(
                 f"{what} treats hook_attn_out / hook_mlp_out as the sum of the heads' outputs, but layer {layer} "
                 f"normalizes its sublayers' outputs first (sandwich or post norms), so a head's change does not reach "
                 f"them linearly. Use activation patching (patch_heads / patch_neurons), which reruns the model."
-            )
-        if getattr(block, "residual_multiplier", None) is not None:
-            raise InputError(
-                f"{what} maps a head's output through its W_O, but layer {layer} multiplies its sublayers' outputs by "
-                f"a residual multiplier that W_O does not hold (a half-precision Granite). Convert in float32 (the "
-                f"multiplier is folded into W_O / W_out there) or use activation patching (patch_heads / "
-                f"patch_neurons), which reruns the model."
             )

@@ -79,7 +79,7 @@ def _top_neurons(
 
 
 @torch.no_grad()
-@converted_only(metric="circuit", writes=True)
+@converted_only(metric="circuit")
 def discover(
     aot: Any,
     dataset: Dataset,

@@ -85,6 +85,9 @@ class NeuronMLP(nn.Module):
         if "W_gate" not in self._shared:  # a plain source MLP has no gate (as TransformerLens's ``W_gate`` stack reads
             self.__dict__["W_gate"] = None  # it); a plain attribute, so that no read goes through a __getattr__
         self._point_heads()
+        # the output heads write (through this MLP's output) to the residual stream, which the block scales with it
+        # (lens_aot.core.components.residual.writes); the gate heads write the MLP's scratch and are not scaled
+        self._out_heads.result_scale = None
 
     # ---- the source MLP's weights, under its names, one copy ----
     def _source_names(self) -> dict[str, tuple[str, str]]:

@@ -40,7 +40,8 @@ class TransformerBlock(nn.Module):
     are the scaled contributions; the attention multiplies its output (and each head's ``hook_result``) itself
     (``Attention.result_scale``), and every neuron-head MLP inside the MLP (each expert's) scales its output heads'
     ``hook_result`` (``NeuronMLP.result_scale``), so every ``hook_result`` is a scaled contribution too, as on
-    TransformerLens's ``ScaledResidualBlockBridge``. Float32 and float64 models hold ``m`` folded into the weights.
+    TransformerLens's ``ScaledResidualBlockBridge``; analyses read what a module writes through
+    :func:`~.writes.written` (``W_O·m``, ``W_out·m``). Float32 and float64 models hold ``m`` folded into the weights.
     """
 
     # TransformerLens 4's readout tools (``tools.analysis.logit_lens``) read a block's output as the residual stream
@@ -71,7 +72,7 @@ class TransformerBlock(nn.Module):
                 )
             attn.result_scale = self.residual_multiplier
             for module in mlp.modules() if mlp is not None else ():
-                if hasattr(module, "result_scale"):  # neuron-head MLPs, every expert's (NeuronMLP)
+                if hasattr(module, "result_scale"):  # neuron-head MLPs, every expert's, and their output heads
                     module.result_scale = self.residual_multiplier
         self.parallel = parallel
         self.post_norm = post_norm
