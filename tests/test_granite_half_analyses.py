@@ -28,9 +28,12 @@ from test_granite_half import _family, _model
 import lens_aot
 from lens_aot.circuits import (
     attribution_graph,
+    circuit_scores,
+    compare_granularities,
     composition_scores,
     discover,
     evaluate,
+    faithfulness_curve,
     head_weights,
     ov_circuit,
 )
@@ -222,3 +225,30 @@ def test_attribution_graph_carries_the_multiplier(name: str) -> None:
     assert heads
     ours_a, theirs_a = ours.activations[heads], theirs.activations[heads]
     assert _rel(ours_a, theirs_a) < TOL32 and _rel(ours_a / M, theirs_a) > 1
+
+
+@pytest.mark.parametrize("name", ["GraniteForCausalLM", "GraniteMoeForCausalLM"])
+def test_faithfulness_and_granularities_carry_the_multiplier(name: str) -> None:
+    """Faithfulness curves (each point a circuit evaluated through the neurons' ``W_out·m`` writes) and the
+    granularity comparison with the multiplier apart are the folded float32 conversion's, to float32 rounding."""
+    _, full = _pair(name)
+    apart = _apart(name)
+    data = random_batches(full.cfg.d_vocab, 6, 0, 2)
+    graphs = [discover(m, data, label_metric, granularity="neuron", top_nodes=None) for m in (apart, full)]
+    graphs[1].scores = graphs[0].scores.clone().to(graphs[1].scores.dtype)  # the same circuits in both
+    ours, theirs = (faithfulness_curve(m, g, data, label_metric) for m, g in zip((apart, full), graphs, strict=True))
+    assert ours.n_edges == theirs.n_edges
+    assert _rel(ours.metric, theirs.metric) < TOL32
+    if name == "GraniteForCausalLM":
+        ours, theirs = (compare_granularities(m, data, label_metric, n_edges=[4, 16, 64]) for m in (apart, full))
+        assert _rel(ours.neuron.scores, theirs.neuron.scores) < TOL32
+        assert _rel(ours.neuron_curve.metric, theirs.neuron_curve.metric) < TOL32
+        assert _rel(ours.mlp_curve.metric, theirs.mlp_curve.metric) < TOL32
+
+
+def test_circuit_scores_of_a_half_granite() -> None:
+    """The QK circuit's scores (which read no write) of the half model are the float32 conversion's."""
+    half, full = _pair("GraniteForCausalLM")
+    x = torch.randn(5, full.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    ours, theirs = circuit_scores(half, (1, 0), x.to(torch.bfloat16)), circuit_scores(full, (1, 0), x)
+    assert _rel(ours, theirs) < TOL
