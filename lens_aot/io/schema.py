@@ -24,7 +24,8 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true], [residual_norm: true], [layer_scalar],
              [per_layer: {W_gate, W_proj, act_fn, post_norm: norm}],
-             [hc_attn, hc_mlp: {hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn, base, scale}] (both or neither)}
+             [hc_attn, hc_mlp: {hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn, base, scale}] (both or neither),
+             [residual_multiplier: float] (a half-precision Granite's; absent: none)}
     attention {W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, attn_scale, softmax_dtype?, [q_norm: norm], [k_norm: norm],
              [v_norm: norm], [qk_norm_over], [scores_soft_cap], [clip_qkv], [window], [rotary: rotary],
              [alibi_slopes], [sinks], [alibi_key_origin], [scores_dtype], [qk_norm_after_rotary: true],

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lens_aot.analysis.attribution_graphs.nodes import node_name
 from lens_aot.analysis.attribution_graphs.run import FrozenPrompt, Site, float32_steps, narrower
+from lens_aot.core.components.residual.writes import written
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, UnsupportedArchitectureError
 
@@ -331,12 +332,13 @@ def _name(site: Site, flat: int) -> str:
 
 
 def _output_norms(prompt: FrozenPrompt, site: Site, index: Tensor) -> Tensor:
-    """The norm of what each embedding (the residual before layer 0) or head (``z·W_O``) node writes."""
+    """The norm of what each embedding (the residual before layer 0) or head (``z·W_O``, times a half-precision
+    Granite's residual multiplier) node writes."""
     value = prompt.source_value(site)[0]
     if site.kind == "emb":
         return value.norm(dim=-1)[index.to(value.device)]
     attn = prompt.aot.blocks[site.layer].attn
-    out = torch.einsum("phe,hed->phd", value, attn.W_O.to(value.dtype))
+    out = torch.einsum("phe,hed->phd", value, written(attn).to(value.dtype))
     return out.norm(dim=-1).flatten()[index.to(value.device)]
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits import names
 from lens_aot.analysis.circuits.weights import _fold_norm, _has_neuron_layout, _neuron_out_rows, _pad_cols
+from lens_aot.core.components.residual.writes import scaled, write_scale
 from lens_aot.core.placement import tensors_to
 from lens_aot.core.runtime.model import AttentionOnlyTransformer, HeadOrigin, HeadRef, Sublayer
 from lens_aot.errors import InputError, UnsupportedArchitectureError
@@ -77,7 +78,7 @@ def _sublayer_factors(aot: AttentionOnlyTransformer, sub: Sublayer, heads: Tenso
         none = torch.zeros(len(heads), dtype=torch.bool, device=W_Q.device)
         return _Factors(
             V=W_V,
-            W_O=attn.W_O.detach()[heads],
+            W_O=scaled(attn.W_O.detach()[heads], write_scale(attn)),  # what they write (half Granite: times m)
             Q=W_Q,
             K=W_K,
             K_slot=K_slot,

@@ -24,6 +24,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.core.components.moe.source_expert_hooks import dense_expert_hooks
+from lens_aot.core.components.residual.writes import written
 from lens_aot.errors import InputError
 
 FINGERPRINT_PARAMETERS = 64  # parameters sampled (in name order) for a graph's fingerprint of its model's weights
@@ -56,8 +57,9 @@ def final_resid(aot: Any) -> str:
 def head_out(
     aot: Any, layer: int, z: Float[Tensor, "batch pos head d_head"]
 ) -> Float[Tensor, "batch pos head d_model"]:
-    """Every attention head's write into the residual, ``z_h @ W_O[h]`` (no ``b_O``)."""
-    return torch.einsum("bphe,hed->bphd", z, aot.blocks[layer].attn.W_O)
+    """Every attention head's write into the residual, ``z_h @ W_O[h]`` (no ``b_O``; times a half-precision Granite's
+    residual multiplier, :func:`~lens_aot.core.components.residual.writes.written`)."""
+    return torch.einsum("bphe,hed->bphd", z, written(aot.blocks[layer].attn))
 
 
 def is_moe(aot: Any, layer: int) -> bool:

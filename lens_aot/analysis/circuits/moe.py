@@ -28,6 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.analysis.circuits.layout import PreMap, is_moe
+from lens_aot.core.components.residual.writes import written
 from lens_aot.errors import InputError
 
 GroupExpert = int | Literal["shared"] | None  # routed expert, shared expert, or a dense MLP (None)
@@ -71,7 +72,9 @@ class NeuronGroup:
 
     @property
     def W_out(self) -> Float[Tensor, "d_mlp d_model"]:
-        return self.module.W_out
+        """What each neuron writes per unit of its output (a half-precision Granite's residual multiplier included,
+        :func:`~lens_aot.core.components.residual.writes.written`)."""
+        return written(self.module, "W_out")
 
     @property
     def d_mlp(self) -> int:

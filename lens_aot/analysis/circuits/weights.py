@@ -15,6 +15,7 @@ from torch import Tensor
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.circuits.names import HeadLike, as_head_ref, head_module, head_norm, sublayer
 from lens_aot.core.components import NeuronAttention
+from lens_aot.core.components.residual.writes import scaled, write_scale
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 
 # one head's weight shapes (``r``: its internal dimension, ``s``: its memory slots)
@@ -99,9 +100,10 @@ def _has_neuron_layout(attn: Any) -> bool:
 
 def _neuron_out_rows(attn: NeuronAttention, neurons: Int[Tensor, " g"]) -> Float[Tensor, "g d_out"]:
     """Output rows of the given neurons: their ``W_out`` rows, or (gate heads, which write their activation to the
-    MLP's scratch) the one-hot of their scratch channel, ``d_mlp`` wide."""
+    MLP's scratch) the one-hot of their scratch channel, ``d_mlp`` wide; times a half-precision Granite's residual
+    multiplier where the block applies one (:func:`~lens_aot.core.components.residual.writes.write_scale`)."""
     if attn.W_out is not None:
-        return attn.W_out.detach()[neurons]
+        return scaled(attn.W_out.detach()[neurons], write_scale(attn))
     offset, width = attn.scratch
     rows = attn.W_in.new_zeros(len(neurons), width)
     rows[torch.arange(len(neurons), device=rows.device), offset + neurons] = 1.0
@@ -136,7 +138,7 @@ def _raw_head_weights(attn: Any, h: int) -> dict[str, Tensor]:
         b_K=attn.b_K[kv],
         W_V=attn.W_V[kv],
         b_V=attn.b_V[kv],
-        W_O=attn.W_O[h],
+        W_O=scaled(attn.W_O[h], write_scale(attn)),  # what it writes (half Granite: times the residual multiplier)
         k_slot=W_Q.new_zeros(0, r) if k_bias is None else k_bias[h].reshape(-1, r),
         v_slot=W_Q.new_zeros(0, r) if v_bias is None else v_bias[h].reshape(-1, r),
     )

@@ -17,6 +17,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
+from lens_aot.analysis.patching.module_hooks import _write_map
 from lens_aot.analysis.patching.options import Direction, Metric, TokensLike
 from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
@@ -167,7 +168,7 @@ def patch_units(
         runs = _both_runs(aot, clean_t, corrupted_t, metric, direction, [_z_hook(name) for name in names])
         z = {name: runs.other.acts[_z_hook(name)] for name in names}  # the values patched in
         dz = {name: z[name] - runs.base.acts[_z_hook(name)] for name in names} if linear else {}
-        W_O = {name: _head_module(aot, name).W_O.detach() for name in names} if linear else {}
+        W_O = {name: _write_map(aot, name) for name in names} if linear else {}
         per_forward = _variants_per_forward(aot, batch, n_pos, batch_size)
         values: list[float] = []
         for chunk in _progress(list(_chunks(len(variants), per_forward)), progress, "activation patching"):

@@ -55,6 +55,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
+from lens_aot.analysis.patching.module_hooks import _out_scale
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PatchingResult, _node_result
 from lens_aot.analysis.patching.runs import (
@@ -84,6 +85,7 @@ from lens_aot.analysis.patching.units import (
 )
 from lens_aot.analysis.progress import Progress
 from lens_aot.core.components import NeuronAttention, ProductAttention
+from lens_aot.core.components.residual.writes import scaled
 from lens_aot.core.names import neuron_label
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import InputError, one_of
@@ -220,11 +222,12 @@ def attribute_units(
             other = [runs.other.acts[n] for n in _state_hooks(aot, name)]
             if name in head_names:
                 dz = _head_z(attn, other) - _head_z(attn, state)
-                gz = _head_grads(attn, runs.grads[_output_hook(aot, name)])
+                gz = _head_grads(attn, runs.grads[_output_hook(aot, name)], _out_scale(aot, name))
                 per_head[name] = torch.einsum("bphe,bphe,pn->hn", dz, gz.to(dz.dtype), weights.to(dz.device, dz.dtype))
             if name in post_names:
                 assert isinstance(attn, ProductAttention)
                 g = runs.grads[_output_hook(aot, name)][..., : attn.d_model] @ attn.W_out.T
+                g = scaled(g, _out_scale(aot, name))
                 dpost = _gated_post(attn, other) - _gated_post(attn, state)
                 per_post[name] = torch.einsum("bpn,bpn,pk->nk", dpost, g, weights.to(dpost.device, dpost.dtype))
     effect = _unit_sums(aot, resolved, per_head, per_post, weights.shape[1])

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.attribution import _head_z, _method, _warn_split_pairs
+from lens_aot.analysis.patching.module_hooks import _out_scale, _write_map
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
@@ -152,7 +153,11 @@ def _backward_edges(
     """``Σ_{h ∈ s} Σ_{batch, pos} Δz_h · (grad · W_O[h])`` for every sender ``s``, over the heads whose output is in
     the residual ``receiver`` (None: the logits) reads."""
     per_head = {
-        name: torch.einsum("bphe,bphe->h", d, _head_grads(_head_module(aot, name), grad.to(d.device)).to(d.dtype))
+        name: torch.einsum(
+            "bphe,bphe->h",
+            d,
+            _head_grads(_head_module(aot, name), grad.to(d.device), _out_scale(aot, name)).to(d.dtype),
+        )
         .to(torch.float64)
         .cpu()  # one transfer per module, not one per head
         for name, d in dz.items()
@@ -230,10 +235,10 @@ def _forward_edges(
         # gate heads whose neuron's product heads are receivers too: the product heads' values (the gate's only
         # reader) are patched, so a gate head's change does not reach the metric
         grad_out = torch.zeros_like(grad_out)
-    gz = _head_grads(attn, grad_out)[..., head_t, 0].to(z0.dtype)
+    gz = _head_grads(attn, grad_out, _out_scale(aot, name))[..., head_t, 0].to(z0.dtype)
     q0, v0 = _qv(attn, state, head_t)
     upstream = [n for n in dz if _reads_output_of(aot, name, n)]
-    W_O = {n: _head_module(aot, n).W_O.detach() for n in upstream}
+    W_O = {n: _write_map(aot, n) for n in upstream}
     out = torch.zeros(len(senders), len(receivers), dtype=torch.float64)
     if "q" not in inputs and "v" not in inputs or not W_O:
         return out

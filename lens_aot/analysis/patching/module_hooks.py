@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lens_aot.core.components import NeuronAttention, ProductAttention
 from lens_aot.core.components.mlp.chained_gated_mlp import SquareProductAttention
+from lens_aot.core.components.residual.writes import scaled, write_scale
 from lens_aot.core.names import mlp_of, module_expert, parse_module
 from lens_aot.core.runtime.model import AttentionOnlyTransformer
 from lens_aot.errors import UnsupportedArchitectureError
@@ -189,7 +190,8 @@ def _product_module(aot: AttentionOnlyTransformer, name: str) -> str | None:
 
 def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
     """Whether module ``name`` has an output hook and a ``W_O``, so its output is ``Σ_h z_h · W_O[h] + b_O`` and a
-    change of head outputs can be applied to its output directly."""
+    change of head outputs can be applied to its output directly (through :func:`_write_map`, which carries a
+    half-precision Granite's residual multiplier)."""
     kind = _kind_of(name)
     if kind == "gate" and not _linear_scratch(aot, name):  # a product of it is read: patch hook_z instead
         return False
@@ -197,6 +199,21 @@ def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
         return False
     W_O = getattr(_head_module(aot, name), "W_O", None)
     return _output_hook(aot, name) in aot.hook_dict and isinstance(W_O, Tensor)
+
+
+def _out_scale(aot: AttentionOnlyTransformer, name: str) -> float | None:
+    """The number the block multiplies module ``name``'s output by before its :func:`_output_hook` (a half-precision
+    Granite's residual multiplier, :func:`~lens_aot.core.components.residual.writes.write_scale`): None for modules
+    writing the MLP's scratch and for an expert's, whose ``hook_out`` is before the multiplier."""
+    if _kind_of(name) in _SCRATCH_WRITERS or (_kind_of(name) != "attention" and module_expert(name) is not None):
+        return None
+    return write_scale(_head_module(aot, name))
+
+
+def _write_map(aot: AttentionOnlyTransformer, name: str) -> Float[Tensor, "head d_head d_out"]:
+    """Module ``name``'s ``W_O`` (detached) as it maps a change of its head outputs to its :func:`_output_hook`:
+    times :func:`_out_scale` where the block multiplies its output (the tensor itself otherwise)."""
+    return scaled(_head_module(aot, name).W_O.detach(), _out_scale(aot, name))
 
 
 # ==================================================================================================== module inputs
@@ -223,12 +240,20 @@ def _state_of(aot: AttentionOnlyTransformer, name: str, x: Float[Tensor, "... d_
 
 
 def _head_grads(
+    attn: torch.nn.Module, grad_out: Float[Tensor, "*run batch pos d_out"], scale: float | None = None
+) -> Float[Tensor, "*run batch pos head d_head"]:
+    """``∂(grad_out · module output)/∂z_h = grad_out · W_O[h]·scale`` for every head (``scale``: the module's
+    :func:`_out_scale`, None for 1), without per-head ``W_O`` rows for neuron modules (``grad_out`` at the module's
+    :func:`_output_hook`): a neuron head's row is its neuron's ``W_out`` row (gate heads: its scratch channel, the
+    gradient at ``hook_gate``; product heads: ``±(2/ε)·W_out[n]``; a chained gate's square heads: ``±(2/ε')`` times
+    scratch channel ``n``'s gradient)."""
+    return scaled(_unscaled_head_grads(attn, grad_out), scale)
+
+
+def _unscaled_head_grads(
     attn: torch.nn.Module, grad_out: Float[Tensor, "*run batch pos d_out"]
 ) -> Float[Tensor, "*run batch pos head d_head"]:
-    """``∂(grad_out · module output)/∂z_h = grad_out · W_O[h]`` for every head, without per-head ``W_O`` rows for neuron
-    modules (``grad_out`` at the module's :func:`_output_hook`): a neuron head's row is its neuron's ``W_out`` row
-    (gate heads: its scratch channel, the gradient at ``hook_gate``; product heads: ``±(2/ε)·W_out[n]``; a chained
-    gate's square heads: ``±(2/ε')`` times scratch channel ``n``'s gradient)."""
+    """:func:`_head_grads` before its scale."""
     if isinstance(attn, SquareProductAttention):
         per_neuron = grad_out * (2 / attn.scales)
         return (per_neuron.repeat_interleave(2, dim=-1) * attn.signs.to(per_neuron.dtype))[..., None]

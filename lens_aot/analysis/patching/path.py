@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.activation import _delta, _variants_per_forward
+from lens_aot.analysis.patching.module_hooks import _write_map
 from lens_aot.analysis.patching.options import Direction, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
@@ -36,7 +37,6 @@ from lens_aot.analysis.patching.units import (
     PatchUnit,
     Receiver,
     UnitLike,
-    _head_module,
     _head_module_names,
     _heads_by_module,
     _Index,
@@ -120,7 +120,7 @@ def path_patch(
         z_base = {name: runs.base.acts[_z_hook(name)] for name in z_names}
         z_other = {name: runs.other.acts[_z_hook(name)] for name in z_names}
         dz = {name: z_other[name] - z_base[name] for name in linear if name in sender_modules}
-        W_O = {name: _head_module(aot, name).W_O.detach() for name in dz}
+        W_O = {name: _write_map(aot, name) for name in dz}
         free = {name: torch.zeros(z_base[name].shape[2], dtype=torch.bool, device=base_t.device) for name in z_names}
         for ref in free_heads:
             free[ref.name][ref.head] = True

@@ -291,7 +291,9 @@ def _integrated_grads(
 def _require_linear_writes(aot: AttentionOnlyTransformer, what: str) -> None:
     """Refuse ``what`` (an algorithm that maps a head's output change or gradient through ``W_O`` to
     ``hook_attn_out`` / ``hook_mlp_out``) on layers that normalize a sublayer's output before it reaches the residual
-    stream (sandwich norms ``ln1_post`` / ``ln2_post``: Gemma 2/3; post-norm: OLMo-2), where that map is not linear."""
+    stream (sandwich norms ``ln1_post`` / ``ln2_post``: Gemma 2/3; post-norm: OLMo-2), where that map is not linear (a
+    half-precision Granite's residual multiplier is linear: carried by :func:`~.module_hooks._write_map` and
+    :func:`~.module_hooks._head_grads`)."""
     for layer, block in enumerate(aot.blocks):
         if block.post_norm or hasattr(block, "ln1_post") or hasattr(block, "ln2_post"):
             raise InputError(

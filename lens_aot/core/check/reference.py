@@ -298,6 +298,8 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             continue
         attn = partial(attention, a=layer.attn, index=index)
         attn_out = sublayer(resid, layer.ln1, layer.ln1_post, attn, layer.post_norm)
+        m = getattr(layer, "residual_multiplier", None)  # a half-precision Granite's resid + m·sublayer
+        attn_out = attn_out if m is None else attn_out * m
         if layer.mlp is None:
             resid = resid + attn_out
         else:
@@ -306,6 +308,7 @@ def independent_logits(spec: ModelSpec, tokens: Int[Tensor, "batch pos"]) -> Flo
             if getattr(layer.mlp, "router_norm", None) is not None:  # Gemma 4 (lens_aot.core.spec.beside_moe)
                 f = partial(beside_moe, resid=mlp_in, m=layer.mlp)
             mlp_out = sublayer(mlp_in, layer.ln2, layer.ln2_post, f, layer.post_norm)
+            mlp_out = mlp_out if m is None else mlp_out * m
             resid = mlp_in + mlp_out + (attn_out if layer.parallel else 0)
         if (p := layer.per_layer) is not None:  # Gemma 4: resid += post_norm(W_proj(act(W_gate resid) ⊙ P[l]))
             gated = act(p.act_fn, resid @ p.W_gate) * per_layer_inputs[:, :, index]

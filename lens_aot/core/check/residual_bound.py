@@ -14,7 +14,9 @@ output whose norm is bounded in terms of what it reads:
 * an MLP neuron has ``|z_n| ≤ X·‖W_in[:, n]‖ + |b_in[n]|``, ``|act(z)| ≤ |z|`` (SiLU, ReLU, GELU variants),
   ``relu(z)² ≤ z²``, gated ``|act(g)·u| ≤ G·U``, so ``‖out‖ ≤ Σ_n |post_n|·‖W_out[n]‖ + ‖b_out‖``; a mixture of experts
   at most its largest expert's (router weights sum to at most 1) plus its shared expert's; Gemma 4's experts beside
-  the dense MLP (:mod:`lens_aot.core.spec.beside_moe`) at most the two branches' post norms' bounds.
+  the dense MLP (:mod:`lens_aot.core.spec.beside_moe`) at most the two branches' post norms' bounds;
+* a residual multiplier ``m`` (a half-precision Granite layer, ``LayerSpec.residual_multiplier``: ``resid + m·out``)
+  multiplies each sublayer's bound by ``|m|`` (float32 and float64 models hold it in the weights).
 
 :func:`mlp_input_radii` returns, per layer, ``(1 + RADIUS_MARGIN)`` times the bound at that layer's MLP input: the
 margin covers the converted model's own residual, which differs from the source's by its (much smaller) stated error.
@@ -146,13 +148,14 @@ def mlp_input_radii(spec: ModelSpec) -> dict[int, float]:
             continue
         attn_in = radius if layer.post_norm else _read(layer.ln1, radius, d)
         attn_post = layer.ln1 if layer.post_norm else layer.ln1_post
-        attn_out = _sublayer(attention_output_bound(layer.attn, attn_in), attn_post, d)
+        m = abs(layer.residual_multiplier or 1.0)  # a half-precision Granite's resid + m·sublayer (no post norms)
+        attn_out = _sublayer(attention_output_bound(layer.attn, attn_in) * m, attn_post, d)
         mlp_resid = radius if layer.parallel else radius + attn_out
         if layer.mlp is not None:
             mlp_in = mlp_resid if layer.post_norm else _read(layer.ln2, mlp_resid, d)
             radii[i] = mlp_in * (1 + RADIUS_MARGIN)
             mlp_post = layer.ln2 if layer.post_norm else layer.ln2_post
-            mlp_out = _sublayer(mlp_output_bound(layer.mlp, mlp_in), mlp_post, d)
+            mlp_out = _sublayer(mlp_output_bound(layer.mlp, mlp_in) * m, mlp_post, d)
         else:
             mlp_out = 0.0
         radius = radius + attn_out + mlp_out

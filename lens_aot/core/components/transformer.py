@@ -158,6 +158,10 @@ class SpecTransformer(HookedRootModule):
                 scalar: dict[str, Any] = {} if ls.layer_scalar is None else {"layer_scalar": ls.layer_scalar}  # Gemma 4
                 if scalar and ls.residual_norm:
                     raise ValueError(f"layer {layer}: a layer scalar on a post-LN block (no source has one)")
+                if ls.residual_multiplier is not None:  # a half-precision Granite layer (components/residual/block.py)
+                    if ls.residual_norm or ls.post_norm:
+                        raise ValueError(f"layer {layer}: a residual multiplier on a post-LN or post-norm block")
+                    scalar["residual_multiplier"] = ls.residual_multiplier
                 norms = (make_norm(ls.ln1), attn, ln2, mlp, ls.parallel, ln1_post, ln2_post)
                 if ls.per_layer is not None:
                     last = all(later.per_layer is None for later in spec.layers[layer + 1 :])
@@ -247,7 +251,11 @@ def hyper_block(layer: int, spec: LayerSpec, pieces: tuple[Any, ...]) -> nn.Modu
     for a plain block (``ln1``, attention, ``ln2``, MLP, ...); refuses what its source never combines with them."""
     ln1, attn, ln2, mlp, parallel, ln1_post, ln2_post = pieces
     others = [name for name, on in (("a parallel layout", parallel), ("sandwich norms", ln1_post or ln2_post)) if on]
-    others += [n for n in ("post_norm", "residual_norm", "layer_scalar", "per_layer") if getattr(spec, n)]
+    others += [
+        n
+        for n in ("post_norm", "residual_norm", "layer_scalar", "per_layer", "residual_multiplier")
+        if getattr(spec, n)
+    ]
     if spec.hc_mlp is None or mlp is None or ln2 is None or others:
         raise ValueError(
             f"layer {layer}: hyper-connections need both sublayers and nothing else; this layer has {others}"

@@ -248,6 +248,22 @@ class NeuronHeadCache(ActivationCache):
                 )
             raise HookNameError(hint) from error
 
+    def compute_head_results(self) -> None:
+        """TransformerLens's ``compute_head_results`` (each head's ``z·W_O``), with each result it computed multiplied
+        by its attention's ``result_scale`` (a half-precision Granite's residual multiplier, which ``W_O`` does not
+        hold), so the heads sum to ``hook_attn_out`` as their ``hook_result`` does. TransformerLens 4 applies it
+        itself (its ``_ensure_head_results`` reads ``Attention._result_contribution_scale``); 3.x does not."""
+        keys = [f"blocks.{layer}.attn.hook_result" for layer in range(self.model.cfg.n_layers)]
+        before = {key: dict.get(self.cache_dict, key) for key in keys}
+        super().compute_head_results()
+        if hasattr(ActivationCache, "_ensure_head_results"):  # TransformerLens 4: already scaled
+            return
+        for layer, key in enumerate(keys):
+            scale = getattr(self.model.blocks[layer].attn, "result_scale", None)
+            after = dict.get(self.cache_dict, key)
+            if scale is not None and after is not None and after is not before[key]:
+                self.cache_dict[key] = after * scale
+
     def _batch_size(self) -> int:
         sizes = [v.size(0) for _, v in self.cache_dict.stored() if v.ndim > 0]
         return max(set(sizes), key=sizes.count) if sizes else 1

@@ -228,6 +228,11 @@ class LayerSpec:
     # (core/components/residual/hyper_block.py). Both set or both None.
     hc_attn: HyperConnectionSpec | None = saved("hyper", None, variant=True, label="hyper-connections")
     hc_mlp: HyperConnectionSpec | None = saved("hyper", None, variant=True)
+    # Granite's ``resid + m·sublayer`` in a half-precision model: W_O, b_O, W_out, b_out are the source's own and each
+    # sublayer's output is multiplied by this number before hook_attn_out / hook_mlp_out, as the source multiplies
+    # (core/components/residual/block.py; every head's hook_result is scaled too). None: no multiplier, or (float32,
+    # float64) folded into those weights when read, the same product (lens_aot.tl.blocks.multipliers).
+    residual_multiplier: float | None = saved("float", None, variant=True, label="a residual multiplier")
 
 
 @dataclass
@@ -348,11 +353,13 @@ class ModelSpec:
     hc_head: HyperHeadSpec | None = saved("hyper_head", None, variant=True)
     # Gemma-family ``*ScaledWordEmbedding`` (Gemma 1-4, VaultGemma): ``embed = W_E[tokens] · s.to(W_E.dtype)``, ``s``
     # the source's ``embed_scale`` buffer (√d_model) at its own precision (:func:`scaled_rows`); ``W_E`` the raw
-    # weight. 1: no multiply (every other family, and TransformerLens 3.9's HookedTransformer, which folds it into
-    # W_E). Files saved before this field load with 1.
+    # weight; also Granite's ``embedding_multiplier`` (``inputs_embeds · m``, a number: not rounded). 1: no multiply
+    # (every other family, and TransformerLens 3.9's HookedTransformer, which folds it into W_E). Files saved before
+    # this field load with 1 (their W_E the scaled table).
     embed_scale: float = saved("float", 1.0, variant=True)
     # How the lookup multiplies by embed_scale (:func:`scaled_rows`): True, cast to W_E's dtype first (Gemma's
-    # buffer, ``embed_scale.to(weight.dtype)``); False, as a Python number (XGLM's ``embed_scale`` attribute)
+    # buffer, ``embed_scale.to(weight.dtype)``); False, as a Python number (XGLM's ``embed_scale`` attribute,
+    # Granite's ``embedding_multiplier``)
     embed_scale_rounded: bool = saved("bool", True, variant=True)
 
     def variant_names(self) -> list[str]:

@@ -1,14 +1,22 @@
 """Constant multipliers around a bridge's blocks (Granite's μP multipliers, Cohere's logit scale), read from the
 source's modules and config and checked against the bridge's recorded forward (:mod:`lens_aot.tl.reading.probe`).
 
-* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward): folded into ``W_E``
-  (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same product; Gemma's √d_model, a buffer cast to the weight's dtype, is
-  kept apart instead: ``ModelSpec.embed_scale``), so ``hook_embed`` is the scaled embedding, as TransformerLens's
-  Granite bridge exposes it at ``hook_embed``.
-* ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): folded into each sublayer's output
-  projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included), so ``hook_result`` of every head (neuron
-  heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled contributions that are added to the residual
-  stream, as on TransformerLens's ``ScaledResidualBlockBridge``; ``hook_z`` and ``mlp.hook_post`` are unchanged.
+* ``embedding_multiplier`` (Granite, ``inputs_embeds · m`` in the model's forward, ``m`` a Python float): kept
+  apart from ``W_E`` (the source's raw weight) as ``ModelSpec.embed_scale`` with ``embed_scale_rounded=False``, and
+  multiplied at the lookup as the source does (:func:`~lens_aot.core.spec.model_spec.scaled_rows`). In float32 and
+  float64 this is the product the former fold into ``W_E`` computed (``W_E[t]·m`` and ``(W_E·m)[t]`` are the same
+  elementwise product); in half precision ``W_E`` stays unrounded, so the float32 check of a half conversion
+  (:mod:`lens_aot.core.check.float32_blocks`) compares the source's own weights. ``hook_embed`` is the scaled
+  embedding, as TransformerLens 4.3's Granite bridge exposes it at ``hook_embed``.
+* ``residual_multiplier`` (Granite's decoder layer: ``resid + m·sublayer``): in float32 and float64, folded into each
+  sublayer's output projection (``W_O``, ``b_O``; ``W_out``, ``b_out``, every expert's included); in half precision
+  kept apart as ``LayerSpec.residual_multiplier``, the weights the source's own, and multiplied at each sublayer's
+  output as the source does (:class:`~lens_aot.core.components.residual.block.TransformerBlock`): a half fold would
+  round ``W·m`` where the source rounds ``(x·W)·m``, so the float32 check of a half conversion
+  (:mod:`lens_aot.core.check.float32_blocks`) would compare weights the source does not hold. Either way
+  ``hook_result`` of every head (neuron heads too), ``hook_attn_out`` and ``hook_mlp_out`` are the scaled
+  contributions that are added to the residual stream, as on TransformerLens's ``ScaledResidualBlockBridge``;
+  ``hook_z`` and ``mlp.hook_post`` are unchanged.
 * ``attention_multiplier`` is the attention module's ``scaling`` (read by :mod:`lens_aot.tl.bridge.attention`).
 * The logit multiplier (Cohere ``logit_scale``, Granite ``1 / logits_scaling``): the
   :class:`~lens_aot.core.components.logit_scale.LogitScale` component after the unembedding.
@@ -21,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lens_aot.core.dtypes import HALF_DTYPES
 from lens_aot.core.spec.model_spec import LayerSpec, MLPSpec, MoESpec
 from lens_aot.tl.reading.probe import Call, close, refuse_piece
 
@@ -39,6 +48,24 @@ def _positive(value: Any, where: str, piece: str, layer: int | None = None) -> f
 def embedding_multiplier(config: Any) -> float | None:
     """The constant the forward multiplies the token embeddings by (``config.embedding_multiplier``), or None."""
     return _positive(getattr(config, "embedding_multiplier", None), "embedding multiplier", "embed")
+
+
+def embedding_scale(multiplier: float | None, scale: float, rounded: bool) -> tuple[float, bool]:
+    """``(ModelSpec.embed_scale, embed_scale_rounded)`` for a token embedding read as ``(scale, rounded)``
+    (:func:`~lens_aot.tl.bridge.components.token_embedding`) in a model whose forward multiplies the embeddings by
+    ``multiplier`` (a Python number: the product is rounded once, ``rounded=False``). Refused when both are set (a
+    scaled embedding module inside a model with an embedding multiplier: two roundings in half precision, which one
+    ``embed_scale`` cannot carry)."""
+    if multiplier is None:
+        return scale, rounded
+    if scale != 1.0:
+        raise refuse_piece(
+            None,
+            "embed",
+            f"an embedding multiplier ({multiplier}) around a scaled token embedding (scale {scale}): lens_aot "
+            "carries one embedding scale, and no supported source has both (report the model to lens_aot)",
+        )
+    return multiplier, False
 
 
 def residual_multiplier(layer: int, block_module: Any) -> float | None:
@@ -76,12 +103,21 @@ def scaled(t: Tensor, multiplier: float | None) -> Tensor:
     return t if multiplier is None else t * multiplier
 
 
-def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None) -> None:
-    """Fold ``resid + m·sublayer`` into the sublayers' output projections, in place (see the module docstring)."""
+def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None, dtype: torch.dtype) -> None:
+    """Carry ``resid + m·sublayer`` in ``spec``, in place (see the module docstring): folded into the sublayers'
+    output projections in float32 and float64 (``x·(W·m)``: the source's ``(x·W)·m`` to that dtype's rounding), held as
+    ``spec.residual_multiplier`` in half precision (the weights unrounded)."""
     if multiplier is None:
         return
     if spec.ln1_post is not None or spec.ln2_post is not None or spec.post_norm:
         raise refuse_piece(layer, "block", "a residual multiplier together with norms after the sublayers")
+    if dtype in HALF_DTYPES:
+        if spec.residual_norm or spec.per_layer is not None or spec.hc_attn is not None:
+            raise refuse_piece(
+                layer, "block", "a residual multiplier in a post-LN, per-layer-input or hyper-connection block"
+            )
+        spec.residual_multiplier = multiplier
+        return
     spec.attn.W_O = spec.attn.W_O * multiplier
     spec.attn.b_O = spec.attn.b_O * multiplier
     mlps: list[MLPSpec] = []

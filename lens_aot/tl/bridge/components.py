@@ -69,8 +69,8 @@ def unembedding(
     unembed: nn.Module, dtype: torch.dtype, embed_bridge: Any, W_E: Tensor | None
 ) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"]]:
     """``(W_U, b_U)`` of the unembedding ``Linear``. Where its weight is the embedding module's own (tied, GPT-2's
-    ``lm_head`` and ``wte``; Gemma's, whose scale is applied at the lookup, not held in ``W_E``) and ``W_E`` (None:
-    scaled by a multiplier, not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
+    ``lm_head`` and ``wte``; Gemma's and Granite's, whose scale or multiplier is applied at the lookup, not held in
+    ``W_E``) and ``W_E`` (None: not the weight) was read from it, ``W_U`` is ``W_Eᵀ``, a view:
     the converted model then holds the matrix once, as the source does
     (:func:`~lens_aot.core.ownership.adopting`)."""
     weight, b = linear_view(unembed, dtype)

@@ -43,10 +43,10 @@ from lens_aot.tl.attention.projections import attention_projections
 from lens_aot.tl.attention.shared_kv_block import delegated_layer_scalar
 from lens_aot.tl.blocks.multipliers import (
     embedding_multiplier,
+    embedding_scale,
     fold_residual_multiplier,
     logit_multiplier,
     residual_multiplier,
-    scaled,
 )
 from lens_aot.tl.blocks.per_layer_inputs import PerLayerReading
 from lens_aot.tl.blocks.post_ln import is_post_ln
@@ -211,14 +211,14 @@ def read_bridge(bridge: Any) -> ModelSpec:
             )
         if finite:
             verify_layer(layer, spec, reading.rotary, bool(reading.causal), calls, layers)
-        fold_residual_multiplier(layer, spec, multipliers[layer])
+        fold_residual_multiplier(layer, spec, multipliers[layer], dtype)
         layers.append(spec)
 
     prediction_head = read_prediction_head(bridge, dtype) if hf else None  # ModernBERT-decoder's lm_head
     hf_config = getattr(model, "config", None) if hf else None
     embed_multiplier = embedding_multiplier(hf_config)
     W_E, embed_scale, embed_scale_rounded = token_embedding(subcomponent(bridge, "embed"))
-    W_E = scaled(W_E, embed_multiplier)
+    embed_scale, embed_scale_rounded = embedding_scale(embed_multiplier, embed_scale, embed_scale_rounded)
     W_pos = None
     if reading.positions == "standard":
         pos = subcomponent(bridge, "pos_embed")
@@ -240,7 +240,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
     if not isinstance(unembed, nn.Linear):
         raise refuse_piece(None, "unembed", f"an unembedding of type {type(unembed).__name__}")
     embed = subcomponent(bridge, "embed")
-    W_U, b_U = unembedding(unembed, dtype, embed, None if embed_multiplier is not None else W_E)
+    W_U, b_U = unembedding(unembed, dtype, embed, W_E)
     tokenizer = getattr(bridge, "tokenizer", None)
     spec = ModelSpec(
         d_model=int(W_E.shape[1]),

@@ -22,7 +22,13 @@ from torch import Tensor
 from lens_aot.core.spec.model_spec import ModelSpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
 from lens_aot.tl.build import StateDictMismatchError, build_hooked, require_hooked_transformer
-from lens_aot.tl.hooked.write_variants import check_built, layer_rotary, variant_config, variant_state
+from lens_aot.tl.hooked.write_variants import (
+    check_built,
+    folded_multipliers,
+    layer_rotary,
+    variant_config,
+    variant_state,
+)
 
 __all__ = ["FIX", "hooked_config", "hooked_from_spec"]
 
@@ -279,6 +285,7 @@ def hooked_from_spec(spec: ModelSpec) -> Any:
     attention stores ``_W_K``, ``_W_V``, ``_b_K``, ``_b_V``), the rotary tables are the spec's (so rounding matches
     the source), the tokenizer is the spec's object. Returned in eval mode.
     """
+    spec = folded_multipliers(spec)  # a half-precision Granite's residual multiplier, which it has no place for
     cfg = hooked_config(spec)
     values = {**_hooked_state(spec, grouped=cfg.n_key_value_heads is not None), **variant_state(spec)}
     try:

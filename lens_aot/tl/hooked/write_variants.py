@@ -8,6 +8,7 @@ A variant a HookedTransformer can hold only uniformly (one ``attn_scores_soft_ca
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,9 @@ import torch
 from torch import Tensor
 
 from lens_aot.core.spec.dynamic_ntk import ntk_alphas
-from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec, NormSpec, RotarySpec
+from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec, MoESpec, NormSpec, RotarySpec
 from lens_aot.errors import UnsupportedArchitectureError
+from lens_aot.tl.blocks.multipliers import fold_residual_multiplier
 
 FIX = 'Use revert(aot, to="reference") for a lens_aot.core.check.reference.MLPTransformer, which holds any spec.'
 
@@ -39,6 +41,34 @@ def _check_rms(name: str, norm: NormSpec, eps: float, dtype: torch.dtype) -> Non
         raise _refuse(f"{name} is a {norm.kind} norm (TransformerLens builds an RMSNorm with a weight there)")
     if float(norm.eps) != eps or norm.compute_dtype not in (None, dtype) or norm.rsqrt:
         raise _refuse(f"{name} uses eps {norm.eps} / {norm.compute_dtype} / rsqrt unlike the model's norms (eps {eps})")
+
+
+def folded_multipliers(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with each layer's residual multiplier (a half-precision Granite's ``LayerSpec.residual_multiplier``,
+    which a HookedTransformer has no place for) folded into its sublayers' output projections (``W_O``, ``b_O``,
+    ``W_out``, ``b_out``, every expert's) in the weights' own dtype, as a float32 conversion folds it
+    (:func:`~lens_aot.tl.blocks.multipliers.fold_residual_multiplier`): the HookedTransformer then computes
+    ``x·(W·m)`` where the source computes ``(x·W)·m``, so in half precision it rounds ``W·m`` as lens_aot's fold did
+    before half models kept the multiplier apart (a difference of half rounding, docs/variants.md). ``spec`` itself
+    is not modified; without a multiplier it is returned as is."""
+    if all(getattr(layer, "residual_multiplier", None) is None for layer in spec.layers):
+        return spec
+    layers = []
+    for i, layer in enumerate(spec.layers):
+        m = layer.residual_multiplier
+        if m is None:
+            layers.append(layer)
+            continue
+        mlp = layer.mlp
+        if isinstance(mlp, MoESpec):
+            shared = None if mlp.shared is None else dataclasses.replace(mlp.shared)
+            mlp = dataclasses.replace(mlp, experts=[dataclasses.replace(e) for e in mlp.experts], shared=shared)
+        elif mlp is not None:
+            mlp = dataclasses.replace(mlp)
+        copy = dataclasses.replace(layer, attn=dataclasses.replace(layer.attn), mlp=mlp, residual_multiplier=None)
+        fold_residual_multiplier(i, copy, m, torch.float32)  # (float32: fold, whatever the weights' dtype)
+        layers.append(copy)
+    return dataclasses.replace(spec, layers=layers)
 
 
 def variant_config(spec: ModelSpec, eps: float) -> dict[str, Any]:

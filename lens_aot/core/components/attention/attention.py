@@ -94,6 +94,8 @@ class Attention(nn.Module):
         self.own_rotary = spec.rotary is not None
         rotary = spec.rotary if spec.rotary is not None else rotary
         self.use_attn_result = False
+        # the residual multiplier of a half-precision Granite layer, set by its block (write_out); None: none
+        self.result_scale: float | None = None
         self.ungroup = (
             False  # grouped-query attention: one key / value per query head (cfg.ungroup_grouped_query_attention)
         )
@@ -281,13 +283,26 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return q, k
 
+    @property
+    def _result_contribution_scale(self) -> float:
+        """``result_scale`` under the name TransformerLens 4's ``ActivationCache`` reads when it computes each head's
+        result from ``hook_z`` and ``W_O`` (``compute_head_results``, as for its ``ScaledResidualBlockBridge``): 1
+        when there is none."""
+        return 1.0 if self.result_scale is None else self.result_scale
+
     def write_out(self, z: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos d_model"]:
-        """``z·W_O + b_O``, through ``hook_result`` (one row per head) when ``use_attn_result`` is on."""
+        """``z·W_O + b_O``, through ``hook_result`` (one row per head) when ``use_attn_result`` is on; times
+        ``result_scale`` where the block sets one (a half-precision Granite's residual multiplier,
+        :class:`~lens_aot.core.components.residual.block.TransformerBlock`: each head's result is then the scaled
+        contribution, as on TransformerLens's ``ScaledResidualBlockBridge``)."""
+        scale = self.__dict__.get("result_scale")  # (MLA's heads call this method without Attention's __init__)
         if self.use_attn_result:
-            result = self.hook_result(einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d"))
-            return result.sum(dim=2) + self.b_O
+            result = einops.einsum(z, self.W_O, "b p h e, h e d -> b p h d")
+            result = self.hook_result(result if scale is None else result * scale)
+            return result.sum(dim=2) + (self.b_O if scale is None else self.b_O * scale)
         # the [.., head·d_head] @ [head·d_head, d_model] product einsum reduces to, without its view operations
-        return z.flatten(-2) @ self.W_O.flatten(0, 1) + self.b_O
+        out = z.flatten(-2) @ self.W_O.flatten(0, 1) + self.b_O
+        return out if scale is None else out * scale  # the source's (x·W_O)·m
 
     @property
     def needs_dense_scores(self) -> bool:

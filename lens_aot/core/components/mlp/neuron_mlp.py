@@ -64,6 +64,9 @@ class NeuronMLP(nn.Module):
         self.act_fn = mlp.act_fn
         self.d_mlp = int(mlp.W_in.shape[1])
         self.use_fused = False
+        # the residual multiplier of a half-precision Granite layer, set by its block, which multiplies this MLP's
+        # output by it: the output heads' hook_result is then the scaled contribution (_result_change); None: none
+        self.result_scale: float | None = None
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         if isinstance(fit, GatedFit):
             assert mlp.W_gate is not None
@@ -82,6 +85,9 @@ class NeuronMLP(nn.Module):
         if "W_gate" not in self._shared:  # a plain source MLP has no gate (as TransformerLens's ``W_gate`` stack reads
             self.__dict__["W_gate"] = None  # it); a plain attribute, so that no read goes through a __getattr__
         self._point_heads()
+        # the output heads write (through this MLP's output) to the residual stream, which the block scales with it
+        # (lens_aot.core.components.residual.writes); the gate heads write the MLP's scratch and are not scaled
+        self._out_heads.result_scale = None
 
     # ---- the source MLP's weights, under its names, one copy ----
     def _source_names(self) -> dict[str, tuple[str, str]]:
@@ -133,7 +139,7 @@ class NeuronMLP(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         post, z = self._gated_post(x) if self.gated else self._plain_post(x)
         out = self.hook_post(post) @ self.W_out + self.b_out
-        change = self._result_change(self._out_heads, z)
+        change = self._result_change(self._out_heads, z, self.result_scale)
         return out if isinstance(change, float) else out + change
 
     def _plain_post(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor | None]:
@@ -228,19 +234,24 @@ class NeuronMLP(nn.Module):
         return fused and not heads.use_attn_result and not hooked(*heads.internal_hooks())
 
     @staticmethod
-    def _result_change(heads: NeuronAttention | ProductAttention, z: Tensor | None) -> Tensor | float:
+    def _result_change(
+        heads: NeuronAttention | ProductAttention, z: Tensor | None, scale: float | None = None
+    ) -> Tensor | float:
         """With ``use_attn_result``: run ``hook_result`` (each head's output ``z·W_O``: to the residual, or for gate
-        heads to the MLP's scratch)
-        and return what a hook changed in its sum over heads (0 when unhooked), so patches of ``hook_result`` reach the
+        heads to the MLP's scratch; times ``scale``, the block's residual multiplier, where there is one)
+        and return what a hook changed in its sum over heads (0 when unhooked; divided by ``scale``, as the block
+        multiplies the MLP's output by it), so patches of ``hook_result`` reach the
         output as patches of ``hook_z`` and ``hook_post`` do, while the output is read through ``post`` (no
         cancellation)."""
         if not heads.use_attn_result or z is None:
             return 0.0
         W_O = heads.W_O.squeeze(1)
-        result = heads.hook_result(z * W_O)
+        unchanged = z * W_O if scale is None else z * W_O * scale
+        result = heads.hook_result(unchanged)
         if not hooked(heads.hook_result):
             return 0.0
-        return (result - z * W_O).sum(dim=2)
+        change = (result - unchanged).sum(dim=2)
+        return change if scale is None else change / scale
 
     # ---- what the heads compute, for the cache and revert ----
     def derivations(self) -> dict[str, tuple[tuple[str, ...], Any]]:

@@ -33,6 +33,15 @@ class TransformerBlock(nn.Module):
     ``ln1`` / ``ln2`` from the sublayer's input to its output, as TransformerLens does (same module names).
     Gemma 4's per-layer-input sublayer (:mod:`.per_layer_sublayer`) adds to the stream after the MLP; a layer
     scalar (Gemma 4, :mod:`.layer_scalar`) multiplies the residual stream before ``hook_resid_post``.
+
+    ``residual_multiplier`` ``m`` (a half-precision Granite layer, ``resid + m·sublayer``,
+    ``LayerSpec.residual_multiplier``): each sublayer's output is multiplied by the number ``m`` before
+    ``hook_attn_out`` / ``hook_mlp_out``, as the source multiplies its ``o_proj`` / ``down_proj`` output, so both hooks
+    are the scaled contributions; the attention multiplies its output (and each head's ``hook_result``) itself
+    (``Attention.result_scale``), and every neuron-head MLP inside the MLP (each expert's) scales its output heads'
+    ``hook_result`` (``NeuronMLP.result_scale``), so every ``hook_result`` is a scaled contribution too, as on
+    TransformerLens's ``ScaledResidualBlockBridge``; analyses read what a module writes through
+    :func:`~.writes.written` (``W_O·m``, ``W_out·m``). Float32 and float64 models hold ``m`` folded into the weights.
     """
 
     # TransformerLens 4's readout tools (``tools.analysis.logit_lens``) read a block's output as the residual stream
@@ -51,8 +60,20 @@ class TransformerBlock(nn.Module):
         post_norm: bool = False,
         layer_scalar: float | None = None,
         per_layer: nn.Module | None = None,
+        residual_multiplier: float | None = None,
     ) -> None:
         super().__init__()
+        self.residual_multiplier = None if residual_multiplier is None else float(residual_multiplier)
+        if residual_multiplier is not None:
+            if not isinstance(attn, Attention) or type(attn).write_out is not Attention.write_out:
+                raise ValueError(
+                    f"a residual multiplier on a {type(attn).__name__} (only the standard attention carries one; "
+                    "no source has it with another)"
+                )
+            attn.result_scale = self.residual_multiplier
+            for module in mlp.modules() if mlp is not None else ():
+                if hasattr(module, "result_scale"):  # neuron-head MLPs, every expert's, and their output heads
+                    module.result_scale = self.residual_multiplier
         self.parallel = parallel
         self.post_norm = post_norm
         self.use_attn_in = self.use_split_qkv_input = self.use_hook_mlp_in = False
@@ -131,6 +152,8 @@ class TransformerBlock(nn.Module):
         # Gemma 4's mixture of experts beside the dense MLP also reads the raw residual
         # (components/moe/moe_beside_mlp.py)
         out = self.mlp(self.ln2(mlp_in), mlp_in) if self.mlp_reads_residual else self.mlp(self.ln2(mlp_in))
+        if self.residual_multiplier is not None:  # a half-precision Granite's (x·W_out)·m, as its source computes
+            out = out * self.residual_multiplier
         if hasattr(self, "ln2_post"):
             out = self.ln2_post(out)
         return self.hook_mlp_out(out)
@@ -173,6 +196,7 @@ class TransformerBlock(nn.Module):
             post_norm=self.post_norm,
             layer_scalar=self.layer_scalar.scalar if hasattr(self, "layer_scalar") else None,
             per_layer=self.per_layer.spec() if hasattr(self, "per_layer") else None,
+            residual_multiplier=self.residual_multiplier,
         )
         if not self.has_mlp:
             return LayerSpec(self.ln1.spec(), self.attn.spec(), None, None, self.parallel, **variants)
