@@ -68,6 +68,15 @@ SHARED = "shared_expert"
 _WATCHES: weakref.WeakKeyDictionary[nn.Module, expert_batch.Watch] = weakref.WeakKeyDictionary()
 
 
+def _rows_of(out: Float[Tensor, "tokens d_model"]) -> Float[Tensor, "1 tokens d_model"]:
+    """``out`` as ``[1, tokens, d_model]`` (the rows an expert's ``index_add_`` on dim 1 writes), a view taken at the
+    time of the write. A view kept from before an earlier in-place write with a gradient (a densely run expert's
+    ``out.add_``, a batched expert's ``out.index_add_``) would still report itself a leaf that requires grad, and a
+    second in-place write through it raises "a leaf Variable that requires grad is being used in an in-place
+    operation" (gradient runs: attribution with an expert's neuron head as a receiver)."""
+    return out[None]
+
+
 class MoEMLP(nn.Module):
     """Router + experts (each built by ``build_expert(mlp_spec, expert)``: neuron heads in a converted model, a plain
     :class:`~lens_aot.core.components.mlp.mlp.MLP` in the reference), with the source's routing and sum."""
@@ -228,7 +237,7 @@ class MoEMLP(nn.Module):
         batch, pos, d_model = x.shape
         flat = x.reshape(-1, d_model)
         out = flat.new_zeros(flat.shape)
-        rows, out_rows = flat[None], out[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
+        rows = flat[None]  # [1, batch·pos, d_model]: the routed tokens' rows, gathered on dim 1
         dense_weights: Tensor | None = None
         groups: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
         quiet = self.quiet(flat)  # nothing can observe any expert, so none is hooked to run densely
@@ -238,27 +247,27 @@ class MoEMLP(nn.Module):
                 hook.routed = not dense
         if not any(plan) and chunked(flat):  # every expert on its rows: the heads batched where unobserved
             groups = self.token_groups(indices, weights)
-            return self.routed_batched((flat, rows), (out, out_rows), *groups, shared_out, quiet)
+            return self.routed_batched((flat, rows), out, *groups, shared_out, quiet)
         for e, expert in enumerate(self.experts):
             dense = plan[e]
             if dense:
                 if dense_weights is None:
                     dense_weights = weights.new_zeros(flat.shape[0], self.n_experts).scatter(1, indices, weights)
                 y = self.weighted(expert, x, dense_weights[:, e].reshape(batch, pos, 1))
-                out.add_(y.reshape(-1, d_model))  # in place: out_rows stays its view
+                out.add_(y.reshape(-1, d_model))
                 continue
             if groups is None:
                 groups = self.token_groups(indices, weights)
             token, weight = groups[0][e], groups[1][e]
             if token.numel() == 0 and self.hook_names != TL_MOE:  # TransformerLens's MoE runs it on 0 rows
                 continue
-            out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
+            _rows_of(out).index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         return out
 
     def routed_batched(
         self,
         inputs: tuple[Float[Tensor, "tokens d_model"], Float[Tensor, "1 tokens d_model"]],
-        outputs: tuple[Float[Tensor, "tokens d_model"], Float[Tensor, "1 tokens d_model"]],
+        out: Float[Tensor, "tokens d_model"],
         tokens: tuple[Int[Tensor, " routed"], ...],
         weights: tuple[Float[Tensor, "routed 1"], ...],
         shared_out: list[Tensor] | None = None,
@@ -269,7 +278,7 @@ class MoEMLP(nn.Module):
         chunked pass per head kind, bitwise each expert's own values), summed by ``index_add_`` in expert order as
         :meth:`routed` does. ``quiet`` (:meth:`quiet`): every expert joins that pass whatever its number of rows, and
         no hook point is called."""
-        (flat, rows), (out, out_rows) = inputs, outputs  # the tokens' rows and the sum, flat and as [1, tokens, ..]
+        flat, rows = inputs  # the tokens' rows, flat and as [1, tokens, d_model]
         run = [e for e in range(self.n_experts) if tokens[e].numel() or self.hook_names == TL_MOE]
         experts, counts = [self.experts[e] for e in run], [tokens[e].numel() for e in run]
         if shared_out is not None:  # the shared expert (last, as it runs after them) on every token
@@ -288,7 +297,7 @@ class MoEMLP(nn.Module):
             elif i in ys:  # [routed, d_model]: the values of [1, routed, d_model] (the same mm and elementwise ops)
                 out.index_add_(0, token, self.expert_output(expert, ys[i], weight))
             else:
-                out_rows.index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
+                _rows_of(out).index_add_(1, token, self.weighted(expert, rows.index_select(1, token), weight))
         return out
 
     # ---- the experts' parts, for the model's maps, the cache and revert ----
