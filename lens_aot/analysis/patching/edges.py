@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.attribution import _head_z, _method, _warn_split_pairs
-from lens_aot.analysis.patching.module_hooks import _out_scale, _write_map
+from lens_aot.analysis.patching.module_hooks import _expert_weight, _out_scale, _weight_hooks, _write_map
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
@@ -111,6 +111,7 @@ def attribute_edges(
     final = _final_resid_hook(aot)
     record = [hook for name in sender_names + neuron_recv for hook in _state_hooks(aot, name)]
     record += [hook for name in recv_names for hook in _input_hooks(aot, name)]
+    record += [hook for name in sender_names for hook in _weight_hooks(aot, name)]
     grads = [_input_hook(name, x) for name in attn_recv for x in inputs]
     grads += [_output_hook(aot, name) for name in neuron_recv]
     grads += [final] if "logits" in receiver_units else []
@@ -118,11 +119,8 @@ def attribute_edges(
 
     edges = torch.zeros(len(sender_units), len(receiver_units), dtype=torch.float64)
     with torch.no_grad():
-        dz = {
-            name: _head_z(_head_module(aot, name), [runs.other.acts[n] for n in _state_hooks(aot, name)])
-            - _head_z(_head_module(aot, name), [runs.base.acts[n] for n in _state_hooks(aot, name)])
-            for name in sender_names
-        }
+        # each sender module's change of head outputs as it reaches the residual: an expert's times its router weight
+        dz = {name: _sender_change(aot, name, runs, clean_t.shape[0]) for name in sender_names}
         # receivers read linearly (source attention heads, logits): pull the gradient back to the residual
         for col, unit in enumerate(receiver_units):
             if isinstance(unit, str):
@@ -136,6 +134,19 @@ def attribute_edges(
         for name in neuron_recv:
             edges += _forward_edges(aot, name, sender_units, receiver_units, inputs, dz, runs, batch_size, progress)
     return _path_result(index, runs.base.metric + edges, sender_units, receiver_units, inputs, direction, runs)
+
+
+def _sender_change(
+    aot: AttentionOnlyTransformer, name: str, runs: _Runs, batch: int
+) -> Float[Tensor, "batch pos head d_head"]:
+    """Module ``name``'s change of head outputs ``Δz`` (the other run's minus the base run's), times what a mixture of
+    experts multiplies the expert's output by in the base run (:func:`~.module_hooks._expert_weight`; path patching
+    sets the expert's ``hook_out`` and the base run's router weighs it, 0 where the expert was not chosen)."""
+    attn = _head_module(aot, name)
+    dz = _head_z(attn, [runs.other.acts[n] for n in _state_hooks(aot, name)])
+    dz = dz - _head_z(attn, [runs.base.acts[n] for n in _state_hooks(aot, name)])
+    weight = _expert_weight(aot, name, runs.base.acts, batch)
+    return dz if weight is None else dz * weight.to(dz.dtype)
 
 
 def _covers(unit: PatchUnit, name: str) -> bool:

@@ -216,6 +216,50 @@ def _write_map(aot: AttentionOnlyTransformer, name: str) -> Float[Tensor, "head 
     return scaled(_head_module(aot, name).W_O.detach(), _out_scale(aot, name))
 
 
+def _weight_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
+    """The hooks :func:`_expert_weight` reads for module ``name``: a routed expert's router choice
+    (``hook_expert_indices``, ``hook_topk_weights``), a gated shared expert's MoE input (the residual its layer's
+    ``ln2`` reads); none for other modules."""
+    expert = module_expert(name) if _kind_of(name) not in _SCRATCH_WRITERS else None
+    if expert is None or _kind_of(name) == "attention":
+        return []
+    moe = _moe_of(name)
+    if expert == "shared":
+        return [_resid_in_hook(aot, name)] if getattr(aot.get_submodule(moe), "W_shared_gate", None) is not None else []
+    return [] if getattr(aot.get_submodule(moe), "input_scaled", False) else [f"{moe}.{h}" for h in _ROUTER_HOOKS]
+
+
+_ROUTER_HOOKS = ("hook_expert_indices", "hook_topk_weights")
+
+
+def _moe_of(name: str) -> str:
+    """The mixture of experts (``blocks.{l}.mlp``) expert head module ``name`` belongs to."""
+    return mlp_of(mlp_of(name)).removesuffix(".experts")
+
+
+def _expert_weight(
+    aot: AttentionOnlyTransformer, name: str, acts: dict[str, Tensor], batch: int
+) -> Float[Tensor, "batch pos 1 1"] | None:
+    """What a mixture of experts multiplies expert module ``name``'s output (its ``hook_out``, the
+    :func:`_output_hook`) by on each token of a run (``acts``: that run's :func:`_weight_hooks`; ``batch``: its
+    number of sequences, as the router hooks are ``[batch·pos, top_k]``): a routed expert's
+    router weight (0 on the tokens that did not choose it, where a hooked expert runs densely), a Qwen2-MoE shared
+    expert's ``sigmoid(x·W_shared_gate)``; None (1) for other modules, a shared expert without a gate and an
+    input-scaled MoE's experts (Llama 4: the weight scales their input, not their output). Broadcasts over
+    ``[batch, pos, head, d_head]``: a head's change of output reaches the residual as ``weight·Δz_h·W_O[h]``."""
+    hooks = _weight_hooks(aot, name)
+    if not hooks:
+        return None
+    moe = aot.get_submodule(_moe_of(name))
+    resid = acts[_resid_in_hook(aot, name)] if module_expert(name) == "shared" else None
+    if resid is not None:
+        x = _input_norm(aot, name)(resid)
+        return torch.sigmoid(x @ moe.W_shared_gate.detach().to(x.dtype))[..., None]
+    indices, weights = (acts[hook] for hook in hooks)  # [batch·pos, top_k]
+    chosen = (indices == int(module_expert(name))).to(weights.dtype)  # type: ignore[arg-type]
+    return (weights * chosen).sum(-1).reshape(batch, -1, 1, 1)
+
+
 # ==================================================================================================== module inputs
 def _into_input(
     aot: AttentionOnlyTransformer, receiver: str, sender: str, contrib: Float[Tensor, "... d_out"]
