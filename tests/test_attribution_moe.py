@@ -21,6 +21,7 @@ from moe_edge_helpers import check_first_order, expert_senders, hand_direct_edge
 
 import lens_aot
 import lens_aot.patching as P
+from lens_aot.errors import InputError
 
 FAMILIES = ["mixtral", "qwen2_moe"]
 
@@ -67,3 +68,49 @@ def test_edges_into_logits_and_a_value_equal_the_first_order_term(models, family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_edges_equal_path_patching_to_first_order(models, family: str) -> None:
     check_first_order(models[(family, torch.float64)], N_EXPERTS, shared=family == "qwen2_moe")
+
+
+# ==================================================================================================== neuron views
+MOE_LAYER = r"source layer {layer}'s MLP is a mixture of experts; attribute_neurons / patch_neurons / neuron_units"
+EVERY = r"the MLPs of source layers \[0, 1\] are mixtures of experts; attribute_neurons / patch_neurons"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_neuron_views_on_experts_name_the_calls_that_work(models, family: str) -> None:
+    """attribute_neurons / patch_neurons / neuron_units address dense MLPs' neurons: on a model whose MLPs are all
+    mixtures of experts, "every neuron" (neither layers nor neurons), ``layers=[l]`` and ``NeuronRef(l, n)`` say so
+    and name the calls that address expert neurons, which run: attribute_heads over ``aot.neuron_modules(l)``
+    (every expert neuron's gate head and product pair) and a whole expert neuron as a group for attribute_units /
+    patch_units."""
+    aot = models[(family, torch.float32)]
+    g = torch.Generator().manual_seed(1)
+    clean, corrupted = torch.randint(1, 97, (2, 8), generator=g), torch.randint(1, 97, (2, 8), generator=g)
+    with pytest.raises(InputError, match=EVERY + r".*modules=aot\.neuron_modules\(0\)"):
+        P.attribute_neurons(aot, clean, corrupted, logit_diff)
+    with pytest.raises(InputError, match=EVERY):
+        P.patch_neurons(aot, clean, corrupted, logit_diff)
+    with pytest.raises(InputError, match=EVERY):
+        P.neuron_units(aot)
+    with pytest.raises(InputError, match=MOE_LAYER.format(layer=1) + r".*aot\.neuron_heads\(1, n, expert=e\)"):
+        P.attribute_neurons(aot, clean, corrupted, logit_diff, layers=[1])
+    with pytest.raises(InputError, match=MOE_LAYER.format(layer=1)):
+        P.patch_neurons(aot, clean, corrupted, logit_diff, layers=[1])
+    with pytest.raises(InputError, match=MOE_LAYER.format(layer=0)):
+        P.attribute_neurons(aot, clean, corrupted, logit_diff, neurons=[P.NeuronRef(0, 3)])
+    with pytest.raises(InputError, match="no neurons selected"):  # an explicit empty selection stays what it was
+        P.attribute_neurons(aot, clean, corrupted, logit_diff, layers=[])
+
+    # the calls the message names
+    res = P.attribute_heads(aot, clean, corrupted, logit_diff, modules=aot.neuron_modules(0))
+    experts = N_EXPERTS + (family == "qwen2_moe")
+    per_neuron = [u for u in res.units if u.label.endswith(".1+2")]
+    assert len(per_neuron) == sum(aot.head_module(m).n_heads // 2 for m in aot.neuron_modules(0) if "product" in m)
+    assert {u.label.split("N")[0] for u in per_neuron} == {f"L0E{e}" for e in range(N_EXPERTS)} | (
+        {"L0S"} if experts > N_EXPERTS else set()
+    )
+    assert "L0E1N3.1+2" in [u.label for u in per_neuron] and bool(torch.isfinite(res.values).all())
+    whole = P.group(aot, aot.neuron_heads(0, 3, expert=1), "L0E1N3")
+    att = P.attribute_units(aot, clean, corrupted, logit_diff, [whole])
+    patched = P.patch_units(aot, clean, corrupted, logit_diff, [whole])
+    assert [u.label for u in att.units] == [u.label for u in patched.units] == ["L0E1N3"]
+    assert bool(torch.isfinite(att.values).all()) and bool(torch.isfinite(patched.values).all())

@@ -14,6 +14,7 @@ from typing import Any, Literal, NamedTuple, TypeAlias
 from lens_aot.analysis.patching.module_hooks import _order
 from lens_aot.core.names import head_label, module_expert, neuron_label, parse_module
 from lens_aot.core.runtime.model import HeadRef
+from lens_aot.errors import InputError
 
 
 class NeuronRef(NamedTuple):
@@ -129,3 +130,30 @@ def _matches(unit: PatchUnit, key: Any, modules: Sequence[str] = ()) -> bool:
             module = modules[module] if -len(modules) <= module < len(modules) else None
         return unit.heads[0] == HeadRef(module, head)
     return False
+
+
+def _expert_neurons_error(aot: Any, layers: Sequence[int]) -> Exception | None:
+    """The error for asking neuron views (``attribute_neurons``, ``patch_neurons``, ``neuron_units``,
+    ``NeuronRef``) for the neurons of source ``layers`` whose MLPs are mixtures of experts (None if none is): those
+    views address a dense MLP's neurons (``aot.neuron_heads(layer, n)``); an expert's neurons are heads of its own
+    modules, reached by the calls the message names."""
+    moe = [layer for layer in layers if _expert_modules(aot, layer)]
+    if not moe:
+        return None
+    layer = moe[0]
+    where = (
+        f"source layer {layer}'s MLP is a mixture" if len(moe) == 1 else f"the MLPs of source layers {moe} are mixtures"
+    )
+    return InputError(
+        f"{where} of experts; attribute_neurons / patch_neurons / neuron_units / NeuronRef address the "
+        f"neurons of dense MLPs. Address the experts' neurons as heads: attribute_heads(aot, clean, corrupted, "
+        f"metric, modules=aot.neuron_modules({layer})) (or patch_heads; one unit per gate head and one per neuron's "
+        f"product pair, labelled L{layer}E{{e}}N{{n}}.1+2), or one unit per whole expert neuron: "
+        f"attribute_units(aot, clean, corrupted, metric, [group(aot, aot.neuron_heads({layer}, n, expert=e), "
+        f"'L{layer}E{{e}}N{{n}}')]) (or patch_units)"
+    )
+
+
+def _expert_modules(aot: Any, layer: int) -> list[str]:
+    """The head modules of source layer ``layer``'s MLP when it is a mixture of experts (none otherwise)."""
+    return [s.name for s in aot.sublayers() if s.layer == layer and module_expert(s.name) is not None]

@@ -88,6 +88,7 @@ from lens_aot.analysis.patching.unit_types import (  # noqa: F401  (re-exported:
     Receiver,
     UnitLike,
     _Checked,
+    _expert_neurons_error,
     _is_head_tuple,
     _is_one_unit,
     _matches,
@@ -235,7 +236,9 @@ class _Index:
         layer, neuron = self.layer(key[0]), key[1]
         n = self.d_mlp(layer)
         if n == 0:
-            raise InputError(f"source layer {layer} has no MLP, so it has no neurons")
+            raise _expert_neurons_error(self.aot, [layer]) or InputError(
+                f"source layer {layer} has no MLP, so it has no neurons"
+            )
         if not 0 <= neuron < n:
             raise InputError(f"neuron {neuron} out of range: source layer {layer}'s MLP has d_mlp={n} (0..{n - 1})")
         return PatchUnit("neuron", layer, neuron, None, tuple(self.neuron_heads(layer, neuron)))
@@ -364,7 +367,8 @@ def neuron_units(
 def _neuron_units(
     index: _Index, layers: Iterable[int] | None, neurons: Iterable[NeuronRef | tuple[int, int]] | None
 ) -> UnitList:
-    if layers is None and neurons is None:
+    every = layers is None and neurons is None
+    if every:
         layers = [layer for layer in range(index.n_layers) if index.d_mlp(layer) > 0]
     if isinstance(layers, int):
         layers = [layers]
@@ -373,7 +377,9 @@ def _neuron_units(
         layer = index.layer(layer)
         n = index.d_mlp(layer)
         if n == 0:
-            raise InputError(f"source layer {layer} has no MLP, so it has no neurons to patch")
+            raise _expert_neurons_error(index.aot, [layer]) or InputError(
+                f"source layer {layer} has no MLP, so it has no neurons to patch"
+            )
         blocks.setdefault(layer, index.neuron_block(layer, range(n)))
     if isinstance(neurons, NeuronRef):
         neurons = [neurons]
@@ -384,7 +390,10 @@ def _neuron_units(
             explicit.setdefault((unit.layer, unit.index), unit)
     units = UnitList([*blocks.values(), *explicit.values()])
     if not len(units):
-        raise InputError("no neurons selected: pass layers=[...] and/or neurons=[...], or neither for every neuron")
+        no_dense = _expert_neurons_error(index.aot, range(index.n_layers)) if every else None
+        raise no_dense or InputError(
+            "no neurons selected: pass layers=[...] and/or neurons=[...], or neither for every neuron"
+        )
     return units
 
 
