@@ -14,10 +14,12 @@ An expert's neuron head as a receiver ran the experts of that layer partly dense
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from factories_moe import N_EXPERTS, moe_bridge
-from moe_edge_helpers import check_first_order, expert_senders, hand_direct_edges, logit_diff
+from moe_edge_helpers import check_first_order, expert_senders, hand_direct_edges, logit_diff, near_pair
 
 import lens_aot
 import lens_aot.patching as P
@@ -114,3 +116,35 @@ def test_neuron_views_on_experts_name_the_calls_that_work(models, family: str) -
     patched = P.patch_units(aot, clean, corrupted, logit_diff, [whole])
     assert [u.label for u in att.units] == [u.label for u in patched.units] == ["L0E1N3"]
     assert bool(torch.isfinite(att.values).all()) and bool(torch.isfinite(patched.values).all())
+
+
+def test_attention_edges_into_logits_are_path_patching_with_the_routers_frozen(models) -> None:
+    """From layer 0's attention heads into the logits (Mixtral): ``path_patch`` freezes heads, not routers, so its
+    value also carries the sender's effect through each later router (the router weights times the frozen experts'
+    outputs); with the routers held at the base run's choice and weights it is the direct path, and
+    ``attribute_edges`` equals it to first order (eps = 1e-3); the router path itself is not negligible, so the two
+    truths differ. (Qwen2-MoE's shared-expert gate ``sigmoid(x·W_shared_gate)`` is such a path too, with no hook to
+    freeze it by.)"""
+    aot = models[("mixtral", torch.float64)]
+    clean, corrupted = near_pair(aot, 1e-3)
+    senders = P.head_units(aot, modules=["blocks.0.attn"])
+    est = P.attribute_edges(aot, clean, corrupted, logit_diff, senders, "logits").effect()
+    free = P.path_patch(aot, clean, corrupted, logit_diff, senders, "logits").effect()
+    names = [f"blocks.{layer}.mlp.{h}" for layer in range(2) for h in ("hook_expert_indices", "hook_topk_weights")]
+    store: dict[str, torch.Tensor] = {}
+    with (
+        torch.no_grad(),
+        aot.hooks(fwd_hooks=[(n, lambda a, hook: store.__setitem__(hook.name, a.clone())) for n in names]),
+    ):
+        aot(clean)  # the base run ("noise": clean)
+
+    def frozen_router(act: torch.Tensor, hook: Any) -> torch.Tensor:
+        base = store[hook.name]
+        return base.repeat(act.shape[0] // base.shape[0], 1)  # path patching stacks copies of the base run
+
+    with aot.hooks(fwd_hooks=[(n, frozen_router) for n in names]):
+        frozen = P.path_patch(aot, clean, corrupted, logit_diff, senders, "logits").effect()
+    scale = float(frozen.abs().max())
+    assert scale > 1e-5
+    assert float((est - frozen).abs().max()) <= 1e-2 * scale
+    assert float((free - frozen).abs().max()) > 0.1 * scale  # the router path is real
