@@ -148,3 +148,20 @@ def test_attention_edges_into_logits_are_path_patching_with_the_routers_frozen(m
     assert scale > 1e-5
     assert float((est - frozen).abs().max()) <= 1e-2 * scale
     assert float((free - frozen).abs().max()) > 0.1 * scale  # the router path is real
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_gradient_forward_with_one_expert_hooked(models, family: str) -> None:
+    """A hooked expert runs on every position (``out.add_``), the others on their rows (``index_add_`` into
+    ``out[None]``): with gradients on, the rows' view must be taken after the dense add (the forward raised "a leaf
+    Variable that requires grad is being used in an in-place operation"); the logits stay the unhooked forward's."""
+    aot = models[(family, torch.float32)]
+    tokens = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = aot(tokens)
+    for expert in (0, N_EXPERTS - 1):
+        with torch.enable_grad(), aot.hooks(fwd_hooks=[(f"blocks.0.mlp.experts.{expert}.hook_out", lambda a, hook: a)]):
+            logits = aot(tokens)
+            (grad,) = torch.autograd.grad(logit_diff(logits), aot.embed.W_E)
+        torch.testing.assert_close(logits.detach(), plain, rtol=0, atol=1e-5)
+        assert bool(torch.isfinite(grad).all()) and float(grad.abs().max()) > 0
