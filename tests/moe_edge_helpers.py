@@ -51,12 +51,13 @@ def layer1_receivers(aot: Any, n_experts: int) -> list[P.PatchUnit]:
 def check_first_order(aot: Any, n_experts: int, shared: bool) -> None:
     """Edges from layer 0's expert neurons into layer 1's expert neurons and attention heads: ``attribute_edges``
     equals ``path_patch`` to first order (relative 1e-2 at eps = 1e-3, the product heads' construction error
-    included), through "qv" and "v", and the paths are not all 0."""
+    included), through "qv" and "v", noising and denoising, and the paths are not all 0."""
     clean, corrupted = near_pair(aot, 1e-3)
     senders, receivers = expert_senders(aot, shared), layer1_receivers(aot, n_experts)
-    for receiver_input in ("qv", "v"):
-        truth = P.path_patch(aot, clean, corrupted, logit_diff, senders, receivers, receiver_input)
-        est = P.attribute_edges(aot, clean, corrupted, logit_diff, senders, receivers, receiver_input)
+    for receiver_input, direction in (("qv", "noise"), ("v", "noise"), ("qv", "denoise")):
+        args = (aot, clean, corrupted, logit_diff, senders, receivers, receiver_input)
+        truth = P.path_patch(*args, direction=direction)
+        est = P.attribute_edges(*args, direction=direction)
         assert est.senders == truth.senders and est.receivers == truth.receivers
         t, e = truth.effect(), est.effect()
         scale = float(t.abs().max())
