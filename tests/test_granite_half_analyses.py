@@ -166,16 +166,31 @@ def test_patching_carries_the_multiplier(name: str) -> None:
         lambda m: path_patch(m, TOKENS, CORRUPTED, _metric, senders, ["logits", (1, 0)]),
         lambda m: patch_heads(m, TOKENS, CORRUPTED, _metric),
         lambda m: attribute_heads(m, TOKENS, CORRUPTED, _metric),
+        lambda m: attribute_edges(m, TOKENS, CORRUPTED, _metric, senders, ["logits", (1, 0)]),
     ]
-    if name == "GraniteForCausalLM":  # (an MoE model's edges: see the report of branch granite2)
-        calls += [
-            lambda m: attribute_edges(m, TOKENS, CORRUPTED, _metric, senders, ["logits", (1, 0)]),
-            lambda m: attribute_neurons(m, TOKENS, CORRUPTED, _metric),
-        ]
+    if name == "GraniteForCausalLM":  # attribute_neurons addresses dense MLPs' neurons (MoE: attribute_heads)
+        calls.append(lambda m: attribute_neurons(m, TOKENS, CORRUPTED, _metric))
     for call in calls:
         ours, theirs = _effect(call(apart)), _effect(call(full))
         assert _rel(ours, theirs) < TOL32
         assert _rel(ours / M, theirs) > 1
+
+
+def test_edges_from_experts_carry_the_multiplier() -> None:
+    """Edge attribution from expert neurons (each expert's output, after its ``hook_out``, is multiplied by its router
+    weight and then, with the whole mixture's, by the block's residual multiplier): with the multiplier apart, the
+    same as the folded float32 conversion to float32 rounding, into the logits and into a later layer's heads."""
+    from moe_edge_helpers import expert_senders
+
+    _, full = _pair("GraniteMoeForCausalLM")
+    apart = _apart("GraniteMoeForCausalLM")
+    for receivers in (["logits"], ["logits", (1, 0)]):
+        ours, theirs = (
+            _effect(attribute_edges(m, TOKENS, CORRUPTED, _metric, expert_senders(m, shared=False), receivers))
+            for m in (apart, full)
+        )
+        assert _rel(ours, theirs) < TOL32
+        assert _rel(ours / M, theirs) > 0.5  # what the edges were without the multiplier (off by 1 / m)
 
 
 @pytest.mark.parametrize("name", ["GraniteForCausalLM", "GraniteMoeForCausalLM"])

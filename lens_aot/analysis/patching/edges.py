@@ -12,7 +12,13 @@ from torch import Tensor
 
 from lens_aot.analysis.checks import converted_only
 from lens_aot.analysis.patching.attribution import _head_z, _method, _warn_split_pairs
-from lens_aot.analysis.patching.module_hooks import _expert_weight, _out_scale, _weight_hooks, _write_map
+from lens_aot.analysis.patching.module_hooks import (
+    _expert_weight,
+    _out_scale,
+    _resid_scale,
+    _weight_hooks,
+    _write_map,
+)
 from lens_aot.analysis.patching.options import Direction, Method, Metric, TokensLike
 from lens_aot.analysis.patching.results import PathPatchingResult, _path_result
 from lens_aot.analysis.patching.runs import (
@@ -167,7 +173,7 @@ def _backward_edges(
         name: torch.einsum(
             "bphe,bphe->h",
             d,
-            _head_grads(_head_module(aot, name), grad.to(d.device), _out_scale(aot, name)).to(d.dtype),
+            _head_grads(_head_module(aot, name), grad.to(d.device), _resid_scale(aot, name)).to(d.dtype),
         )
         .to(torch.float64)
         .cpu()  # one transfer per module, not one per head
@@ -249,7 +255,7 @@ def _forward_edges(
     gz = _head_grads(attn, grad_out, _out_scale(aot, name))[..., head_t, 0].to(z0.dtype)
     q0, v0 = _qv(attn, state, head_t)
     upstream = [n for n in dz if _reads_output_of(aot, name, n)]
-    W_O = {n: _write_map(aot, n) for n in upstream}
+    W_O = {n: _write_map(aot, n, to_residual=True) for n in upstream}
     out = torch.zeros(len(senders), len(receivers), dtype=torch.float64)
     if "q" not in inputs and "v" not in inputs or not W_O:
         return out

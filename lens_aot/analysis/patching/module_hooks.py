@@ -210,10 +210,22 @@ def _out_scale(aot: AttentionOnlyTransformer, name: str) -> float | None:
     return write_scale(_head_module(aot, name))
 
 
-def _write_map(aot: AttentionOnlyTransformer, name: str) -> Float[Tensor, "head d_head d_out"]:
-    """Module ``name``'s ``W_O`` (detached) as it maps a change of its head outputs to its :func:`_output_hook`:
-    times :func:`_out_scale` where the block multiplies its output (the tensor itself otherwise)."""
-    return scaled(_head_module(aot, name).W_O.detach(), _out_scale(aot, name))
+def _resid_scale(aot: AttentionOnlyTransformer, name: str) -> float | None:
+    """The number the block multiplies module ``name``'s output by before it reaches the residual stream (a
+    half-precision Granite's residual multiplier): as :func:`_out_scale`, and for an expert's too (the block
+    multiplies the whole mixture's output, after the expert's ``hook_out``); None for modules writing the MLP's
+    scratch."""
+    return None if _kind_of(name) in _SCRATCH_WRITERS else write_scale(_head_module(aot, name))
+
+
+def _write_map(
+    aot: AttentionOnlyTransformer, name: str, to_residual: bool = False
+) -> Float[Tensor, "head d_head d_out"]:
+    """Module ``name``'s ``W_O`` (detached) as it maps a change of its head outputs to its :func:`_output_hook`
+    (times :func:`_out_scale`), or with ``to_residual`` to the residual stream (times :func:`_resid_scale`): the
+    tensor itself where the block multiplies nothing."""
+    scale = _resid_scale(aot, name) if to_residual else _out_scale(aot, name)
+    return scaled(_head_module(aot, name).W_O.detach(), scale)
 
 
 def _weight_hooks(aot: AttentionOnlyTransformer, name: str) -> list[str]:
