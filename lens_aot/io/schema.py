@@ -19,7 +19,7 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
              [embed_ln: norm], [logits_soft_cap: float], [logits_scale: float],
              [prediction_head: {W, b?, act_fn, ln: norm}],
              [per_layer_inputs: {W_E, embed_scale, W_proj, proj_scale, norm: norm, input_scale, n_layers}],
-             [hc_head: {hc_mult, hc_eps, norm_eps, fn, base, scale}], [embed_scale: float] (absent: 1)}
+             [hc_head: {hc_mult, hc_eps, norm_eps, fn, base, scale}], [embed_scale], [embed_scale_rounded]}
     norm    {kind?, eps, w?, b?, compute_dtype?, rsqrt, [scale_in_compute_dtype], [functional]}
     layer   {ln1: norm, attn: attention, ln2?: norm, mlp?: mlp, parallel, [ln1_post: norm], [ln2_post: norm],
              [post_norm: true], [residual_norm: true], [layer_scalar],
@@ -40,8 +40,7 @@ Schema (``?``: may be null; each record's fields in the order its spec declares 
     fits    (lens_aot/io/schema_fits.py)
     flags   {use_attn_result, use_split_qkv_input, use_hook_mlp_in, use_attn_in, ungroup_grouped_query_attention,
              use_hook_tokens}: bool (each optional)
-    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples; [half_path],
-             [half_path_reason]: a half source's}
+    report? {the ConversionReport's fields: numbers, strings, booleans, null, lists for tuples; [half_*]}
 
 ``[field]``: a variant (docs/variants.md), written only when the model has it, so a save without variants is what
 lens_aot wrote before they existed, and a lens_aot that does not know a variant refuses the file by name.
