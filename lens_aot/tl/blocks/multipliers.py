@@ -103,9 +103,9 @@ def scaled(t: Tensor, multiplier: float | None) -> Tensor:
     return t if multiplier is None else t * multiplier
 
 
-def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None, dtype: torch.dtype) -> None:
+def carry_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None, dtype: torch.dtype) -> None:
     """Carry ``resid + m·sublayer`` in ``spec``, in place (see the module docstring): folded into the sublayers'
-    output projections in float32 and float64 (``x·(W·m)``: the source's ``(x·W)·m`` to that dtype's rounding), held as
+    output projections in float32 and float64 (:func:`fold_residual_multiplier`), held as
     ``spec.residual_multiplier`` in half precision (the weights unrounded)."""
     if multiplier is None:
         return
@@ -118,6 +118,13 @@ def fold_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | No
             )
         spec.residual_multiplier = multiplier
         return
+    fold_residual_multiplier(spec, multiplier)
+
+
+def fold_residual_multiplier(spec: LayerSpec, multiplier: float) -> None:
+    """Fold ``resid + m·sublayer`` into ``spec``'s sublayer output projections (``W_O``, ``b_O``; ``W_out``, ``b_out``,
+    every expert's), in place and in the weights' own dtype: ``x·(W·m)``, the source's ``(x·W)·m`` to that dtype's
+    rounding."""
     spec.attn.W_O = spec.attn.W_O * multiplier
     spec.attn.b_O = spec.attn.b_O * multiplier
     mlps: list[MLPSpec] = []

@@ -42,9 +42,9 @@ from lens_aot.tl.attention.alibi import strip_inner_residuals
 from lens_aot.tl.attention.projections import attention_projections
 from lens_aot.tl.attention.shared_kv_block import delegated_layer_scalar
 from lens_aot.tl.blocks.multipliers import (
+    carry_residual_multiplier,
     embedding_multiplier,
     embedding_scale,
-    fold_residual_multiplier,
     logit_multiplier,
     residual_multiplier,
 )
@@ -211,7 +211,7 @@ def read_bridge(bridge: Any) -> ModelSpec:
             )
         if finite:
             verify_layer(layer, spec, reading.rotary, bool(reading.causal), calls, layers)
-        fold_residual_multiplier(layer, spec, multipliers[layer], dtype)
+        carry_residual_multiplier(layer, spec, multipliers[layer], dtype)
         layers.append(spec)
 
     prediction_head = read_prediction_head(bridge, dtype) if hf else None  # ModernBERT-decoder's lm_head

@@ -54,7 +54,7 @@ def folded_multipliers(spec: ModelSpec) -> ModelSpec:
     if all(getattr(layer, "residual_multiplier", None) is None for layer in spec.layers):
         return spec
     layers = []
-    for i, layer in enumerate(spec.layers):
+    for layer in spec.layers:
         m = layer.residual_multiplier
         if m is None:
             layers.append(layer)
@@ -66,7 +66,7 @@ def folded_multipliers(spec: ModelSpec) -> ModelSpec:
         elif mlp is not None:
             mlp = dataclasses.replace(mlp)
         copy = dataclasses.replace(layer, attn=dataclasses.replace(layer.attn), mlp=mlp, residual_multiplier=None)
-        fold_residual_multiplier(i, copy, m, torch.float32)  # (float32: fold, whatever the weights' dtype)
+        fold_residual_multiplier(copy, m)
         layers.append(copy)
     return dataclasses.replace(spec, layers=layers)
 
