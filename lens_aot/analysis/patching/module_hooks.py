@@ -201,21 +201,18 @@ def _writes_linearly(aot: AttentionOnlyTransformer, name: str) -> bool:
     return _output_hook(aot, name) in aot.hook_dict and isinstance(W_O, Tensor)
 
 
-def _out_scale(aot: AttentionOnlyTransformer, name: str) -> float | None:
-    """The number the block multiplies module ``name``'s output by before its :func:`_output_hook` (a half-precision
-    Granite's residual multiplier, :func:`~lens_aot.core.components.residual.writes.write_scale`): None for modules
-    writing the MLP's scratch and for an expert's, whose ``hook_out`` is before the multiplier."""
-    if _kind_of(name) in _SCRATCH_WRITERS or (_kind_of(name) != "attention" and module_expert(name) is not None):
-        return None
-    return write_scale(_head_module(aot, name))
-
-
 def _resid_scale(aot: AttentionOnlyTransformer, name: str) -> float | None:
     """The number the block multiplies module ``name``'s output by before it reaches the residual stream (a
-    half-precision Granite's residual multiplier): as :func:`_out_scale`, and for an expert's too (the block
-    multiplies the whole mixture's output, after the expert's ``hook_out``); None for modules writing the MLP's
-    scratch."""
+    half-precision Granite's residual multiplier, :func:`~lens_aot.core.components.residual.writes.write_scale`; for
+    an expert's too: the block multiplies the whole mixture's output); None for modules writing the MLP's scratch."""
     return None if _kind_of(name) in _SCRATCH_WRITERS else write_scale(_head_module(aot, name))
+
+
+def _out_scale(aot: AttentionOnlyTransformer, name: str) -> float | None:
+    """The number the block multiplies module ``name``'s output by before its :func:`_output_hook`: its
+    :func:`_resid_scale`, except for an expert's, whose ``hook_out`` is before the multiplier (None)."""
+    expert = _kind_of(name) != "attention" and module_expert(name) is not None
+    return None if expert else _resid_scale(aot, name)
 
 
 def _write_map(
