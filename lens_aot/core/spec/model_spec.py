@@ -32,6 +32,12 @@ PositionKind = Literal["standard", "rotary", "alibi", "none", "shortformer"]
 QKNormScope = Literal["head", "projection"]
 
 
+def scaled(t: Tensor, scale: float | None) -> Tensor:
+    """``t · scale``, or ``t`` itself (no copy) when ``scale`` is None (no multiplier): Granite's multipliers, read
+    and folded by the bridge readers or held apart in half precision and applied by the analyses."""
+    return t if scale is None else t * scale
+
+
 def scaled_rows(rows: Tensor, scale: float, rounded: bool = True) -> Tensor:
     """``rows · scale`` as the source's scaled embedding computes its lookup. ``rounded`` (a Gemma-family
     ``*ScaledWordEmbedding``, ``weight[ids] · embed_scale.to(weight.dtype)``): the scale (the source's buffer value,

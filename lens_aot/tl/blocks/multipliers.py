@@ -98,11 +98,6 @@ def logit_multiplier(config: Any, calls: dict[tuple[int, str], Call], soft_cap: 
     return multiplier
 
 
-def scaled(t: Tensor, multiplier: float | None) -> Tensor:
-    """``t · multiplier`` (``t`` itself when there is none)."""
-    return t if multiplier is None else t * multiplier
-
-
 def carry_residual_multiplier(layer: int, spec: LayerSpec, multiplier: float | None, dtype: torch.dtype) -> None:
     """Carry ``resid + m·sublayer`` in ``spec``, in place (see the module docstring): folded into the sublayers'
     output projections in float32 and float64 (:func:`fold_residual_multiplier`), held as

@@ -18,9 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from lens_aot.core.check.pieces import per_layer_store, per_layer_sublayer_output
-from lens_aot.core.spec.model_spec import ModelSpec, NormSpec
+from lens_aot.core.spec.model_spec import ModelSpec, NormSpec, scaled
 from lens_aot.core.spec.per_layer import PerLayerInputsSpec, PerLayerSublayerSpec
-from lens_aot.tl.blocks.multipliers import scaled
 from lens_aot.tl.reading.activation import module_activation
 from lens_aot.tl.reading.gemma4_norms import scaled_rms_norm
 from lens_aot.tl.reading.probe import refuse_piece

@@ -27,7 +27,7 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from lens_aot.tl.blocks.multipliers import scaled
+from lens_aot.core.spec.model_spec import scaled
 from lens_aot.tl.blocks.post_norm import post_norm_mismatch
 from lens_aot.tl.reading.pieces import detached_copy, subcomponent, wrapped_module
 from lens_aot.tl.reading.probe import Call, close, inexact_piece, refuse_piece

@@ -14,10 +14,9 @@ import torch
 
 from lens_aot.core.check.pieces import mlp_output, norm_output, prediction_head_output
 from lens_aot.core.read import check_finite
-from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec
+from lens_aot.core.spec.model_spec import LayerSpec, ModelSpec, scaled
 from lens_aot.errors import InvalidWeightsError
 from lens_aot.tl.attention.shared_kv import checked_attention
-from lens_aot.tl.blocks.multipliers import scaled
 from lens_aot.tl.reading.probe import Call, check_piece, close, inexact_piece, refuse_piece
 
 __all__ = ["refuse_non_finite", "verify_layer", "verify_model"]

@@ -18,6 +18,10 @@ from typing import Any
 
 from torch import Tensor
 
+from lens_aot.core.spec.model_spec import scaled
+
+__all__ = ["scaled", "write_scale", "write_weights", "written"]
+
 
 def write_scale(module: Any) -> float | None:
     """The residual multiplier ``module``'s block applies to what it writes (``result_scale``, set by
@@ -25,11 +29,6 @@ def write_scale(module: Any) -> float | None:
     that never ran ``Attention.__init__`` hold none."""
     scale = getattr(module, "__dict__", {}).get("result_scale")
     return None if scale is None else float(scale)
-
-
-def scaled(t: Tensor, scale: float | None) -> Tensor:
-    """``t·scale``, or ``t`` itself (no copy) when ``scale`` is None."""
-    return t if scale is None else t * scale
 
 
 def written(module: Any, weight: str = "W_O") -> Tensor:
